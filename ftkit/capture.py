@@ -1,0 +1,270 @@
+"""Turn live training state into tensors plus a JSON skeleton, and back.
+
+The state handed to a Checkpointer is a mapping of names to
+
+* objects with ``state_dict()`` / ``load_state_dict()`` (modules, optimizers,
+  LR schedulers, GradScaler, samplers, anything user-defined),
+* tensors (restored in place), and
+* JSON-safe values (ints, floats, strings, lists, dicts, tuples, None).
+
+:func:`capture` walks it once and returns a :class:`CapturedState`: the tensors in
+a flat, ordered list with path-like names (``model/fc.weight``) and a JSON
+skeleton in which each tensor is a ``{"$tensor": name}`` placeholder. Containers
+JSON cannot express exactly are tagged (``$tuple``, ``$items`` for dicts with
+non-string keys, ``$float`` for inf/nan), so a restored optimizer state dict has
+the same int keys and tuples it was saved with. Anything else is refused *here*,
+naming the key, because the only way to store it would be pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .errors import CaptureError, StateMismatchError
+
+RNG_KEY = "_rng"
+_MARKERS = ("$tensor", "$tuple", "$items", "$float", "$ndarray")
+
+
+@dataclass
+class CapturedState:
+    skeleton: dict[str, Any]
+    tensors: list[tuple[str, torch.Tensor]]  # (name, live tensor), in capture order
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self._names: set[str] = set()
+
+    def _add_tensor(self, path: str, t: torch.Tensor) -> str:
+        name = path
+        n = 1
+        while name in self._names:  # two containers flattening to one path
+            n += 1
+            name = f"{path}#{n}"
+        self._names.add(name)
+        self.tensors.append((name, t))
+        return name
+
+    def encode(self, value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            return {"$float": repr(value)}  # 'inf', '-inf', 'nan'
+        if isinstance(value, torch.Tensor):
+            return {"$tensor": self._add_tensor(path, _check_tensor(value, path))}
+        np = _numpy()
+        if np is not None:
+            if isinstance(value, np.ndarray):
+                if value.dtype == object:
+                    raise CaptureError(f"cannot store {path!r}: a numpy array of Python objects needs pickle")
+                t = torch.from_numpy(value.copy())
+                return {"$ndarray": self._add_tensor(path, t)}
+            if isinstance(value, np.generic):
+                return self.encode(value.item(), path)
+        if isinstance(value, tuple):  # torch.Size and namedtuples come back as plain tuples
+            return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            plain = all(isinstance(k, str) for k in value) and not any(k in _MARKERS for k in value)
+            if plain:
+                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            items = []
+            for k, v in value.items():
+                if isinstance(k, (torch.Tensor, list, dict)):
+                    raise CaptureError(f"cannot store {path!r}: dict key of type {type(k).__name__}")
+                items.append([self.encode(k, f"{path}/<key>"), self.encode(v, f"{path}/{k}")])
+            return {"$items": items}
+        if isinstance(value, torch.dtype):
+            raise CaptureError(f"cannot store {path!r}: a torch.dtype value would need pickle")
+        kind = "a function" if callable(value) else f"a {type(value).__module__}.{type(value).__qualname__}"
+        raise CaptureError(f"cannot store {path!r} ({kind}) without pickle; "
+                           "store tensors, numbers, strings, lists or dicts there")
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise CaptureError(f"cannot store {path!r}: {t.layout} tensors are not supported; densify them first")
+    if t.is_quantized:
+        raise CaptureError(f"cannot store {path!r}: quantized tensors are not supported")
+    if str(t.dtype).removeprefix("torch.") not in _dtype_names():
+        raise CaptureError(f"cannot store {path!r}: dtype {t.dtype} is not supported")
+    return t.detach()
+
+
+def _dtype_names() -> tuple[str, ...]:
+    from .format import DTYPES
+
+    return DTYPES
+
+
+def _numpy():
+    try:
+        import numpy
+
+        return numpy
+    except ImportError:  # numpy is optional for the state, required by nothing here
+        return None
+
+
+def capture(state: Mapping[str, Any], *, rng: bool = True) -> CapturedState:
+    """Walk `state` (and the RNGs when `rng`) into tensors plus a JSON skeleton."""
+    enc = _Encoder()
+    entries: dict[str, Any] = {}
+    for key, obj in state.items():
+        if not isinstance(key, str) or not key or key == RNG_KEY or "/" in key:
+            raise CaptureError(f"state key {key!r} must be a non-empty string without '/' (and not {RNG_KEY!r})")
+        if isinstance(obj, torch.Tensor):
+            entries[key] = {"kind": "tensor", "value": enc.encode(obj, key)}
+        elif _is_stateful(obj):
+            entries[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), key)}
+        else:
+            entries[key] = {"kind": "value", "value": enc.encode(obj, key)}
+    skeleton: dict[str, Any] = {"entries": entries}
+    if rng:
+        skeleton["rng"] = enc.encode(rng_state(), RNG_KEY)
+    return CapturedState(skeleton, enc.tensors)
+
+
+def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild a Python value from its skeleton form, taking tensors by name."""
+    if isinstance(value, list):
+        return [decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        (tag, inner), = value.items()
+        if tag == "$tensor":
+            return tensors[inner]
+        if tag == "$ndarray":
+            return tensors[inner].numpy()
+        if tag == "$tuple":
+            return tuple(decode(v, tensors) for v in inner)
+        if tag == "$items":
+            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in inner}
+        if tag == "$float":
+            return float(inner)
+    return {k: decode(v, tensors) for k, v in value.items()}
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = _numpy()
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].clone())
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        np.random.set_state(tuple(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        saved = list(state["cuda"])[: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([s.clone() for s in saved])
+
+
+def apply(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+          *, rng: bool = True) -> None:
+    """Load decoded values into the live `state` in place.
+
+    Checks every entry before changing any, so a mismatch leaves the live state
+    untouched: shapes and dtypes of tensors present on both sides, and the key
+    sets of modules (whose load is strict).
+    """
+    entries = skeleton["entries"]
+    problems: list[str] = []
+    missing = [k for k in state if k not in entries]
+    if missing:
+        problems.append(f"not in checkpoint: {', '.join(missing)}")
+    decoded: dict[str, Any] = {}
+    for key, entry in entries.items():
+        if key not in state:
+            problems.append(f"{key}: in checkpoint but not in the live state")
+            continue
+        value = decode(entry["value"], tensors)
+        decoded[key] = value
+        live = state[key]
+        if entry["kind"] == "stateful":
+            if not _is_stateful(live):
+                problems.append(f"{key}: checkpoint holds a state_dict, live value is a {type(live).__name__}")
+                continue
+            problems += _compare(live.state_dict(), value, key, strict_keys=isinstance(live, torch.nn.Module))
+        elif entry["kind"] == "tensor":
+            if not isinstance(live, torch.Tensor):
+                problems.append(f"{key}: checkpoint holds a tensor, live value is a {type(live).__name__}")
+                continue
+            problems += _compare(live, value, key, strict_keys=True)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise StateMismatchError(f"checkpoint does not fit the live state: {shown}")
+    for key, entry in entries.items():
+        value = decoded[key]
+        if entry["kind"] == "stateful":
+            try:
+                state[key].load_state_dict(value)
+            except Exception as e:  # a user object's own validation; keep its words
+                raise StateMismatchError(f"{key}: load_state_dict refused the checkpoint: {_one_line(e)}") from e
+        elif entry["kind"] == "tensor":
+            with torch.no_grad():
+                state[key].copy_(value)
+        else:
+            state[key] = value
+    if rng and "rng" in skeleton:
+        set_rng_state(decode(skeleton["rng"], tensors))
+
+
+def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str]:
+    """Shape/dtype/key differences between a live value and a decoded saved one."""
+    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
+        out = []
+        if tuple(live.shape) != tuple(saved.shape):
+            out.append(f"{path}: shape {tuple(saved.shape)} in checkpoint, {tuple(live.shape)} live")
+        elif live.dtype != saved.dtype:
+            out.append(f"{path}: dtype {saved.dtype} in checkpoint, {live.dtype} live")
+        return out
+    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+        out = []
+        if strict_keys:
+            extra = [str(k) for k in saved if k not in live]
+            lost = [str(k) for k in live if k not in saved]
+            if extra:
+                out.append(f"{path}: unexpected keys in checkpoint: {', '.join(extra[:5])}")
+            if lost:
+                out.append(f"{path}: keys missing from checkpoint: {', '.join(lost[:5])}")
+        for k in saved:
+            if k in live:
+                out += _compare(live[k], saved[k], f"{path}/{k}", strict_keys=strict_keys)
+        return out
+    return []
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__

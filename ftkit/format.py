@@ -1,0 +1,201 @@
+"""The on-storage checkpoint format: pure data, no I/O.
+
+A tier root holds one directory per committed step::
+
+    <root>/step-000000000120/
+        rank-00000-1f3a9c2e.data   # chunks of tensor bytes, raw or zstd frames
+        manifest.json              # written last; its presence commits the step
+
+The manifest is JSON (no pickle) and self-contained: for every tensor its dtype,
+global shape and saved shards (region offsets and lengths), and for every shard
+the chunks that hold its bytes (file, byte range, codec, checksum). FORMAT.md
+documents it field by field; this module is the single place that encodes and
+validates it, so a manifest that passes :func:`manifest_from_json` is safe to
+act on (known version, files inside the step directory, sane ranges).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import FormatError
+
+FORMAT_NAME = "ftkit-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
+# Data files are plain names inside their step directory: no separators, no "..".
+SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+CODECS = ("raw", "zstd")
+DTYPES = (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+    "uint8", "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2",
+)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of a shard's bytes stored in one file, checksummed as stored."""
+
+    file: str
+    offset: int  # byte offset in `file`
+    length: int  # stored bytes
+    raw_offset: int  # offset of these bytes within the shard's raw bytes
+    raw_length: int  # bytes after decoding
+    codec: str  # "raw" or "zstd"
+    checksum: str  # "xxh3_64:<hex>" over the stored bytes
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rectangular region of a tensor, stored row-major."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    rank: int = 0  # the rank that wrote it
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    tensors: tuple[TensorEntry, ...]
+    skeleton: dict[str, Any]
+    files: dict[str, dict[str, Any]]  # file name -> {"bytes": n, "rank": r}
+    created_at: float = 0.0
+    writer: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_raw_bytes(self) -> int:
+        return sum(c.raw_length for t in self.tensors for s in t.shards for c in s.chunks)
+
+    @property
+    def total_stored_bytes(self) -> int:
+        return sum(c.length for t in self.tensors for s in t.shards for c in s.chunks)
+
+    def tensor(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+def manifest_to_json(m: Manifest) -> bytes:
+    doc = asdict(m)
+    # Put the identifying fields first so `head manifest.json` tells what it is.
+    ordered = {"format": doc.pop("format"), "format_version": doc.pop("format_version")}
+    ordered.update(doc)
+    return json.dumps(ordered, indent=1, allow_nan=False).encode()
+
+
+def manifest_from_json(data: bytes, where: str, expect_step: int | None = None) -> Manifest:
+    """Parse and validate a manifest; raise FormatError naming `where` on any problem."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{where}: manifest is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where}: not an ftkit checkpoint manifest (format field is {_short(doc)})")
+    version = doc.get("format_version")
+    if not isinstance(version, int):
+        raise FormatError(f"{where}: manifest has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise FormatError(
+            f"{where}: manifest format version {version} is newer than this ftkit supports "
+            f"({FORMAT_VERSION}); upgrade ftkit to read it"
+        )
+    try:
+        m = _decode(doc)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
+    if expect_step is not None and m.step != expect_step:
+        raise FormatError(f"{where}: manifest says step {m.step}, directory says {expect_step}")
+    return m
+
+
+def _short(doc: Any) -> str:
+    v = doc.get("format") if isinstance(doc, dict) else None
+    return repr(v)[:40]
+
+
+def _decode(doc: dict[str, Any]) -> Manifest:
+    files = doc["files"]
+    if not isinstance(files, dict):
+        raise FormatError("'files' must be an object")
+    for name, info in files.items():
+        _check_file_name(name)
+        if not isinstance(info.get("bytes"), int) or info["bytes"] < 0:
+            raise FormatError(f"file {name!r} has no valid byte count")
+    tensors = []
+    for t in doc["tensors"]:
+        if t["dtype"] not in DTYPES:
+            raise FormatError(f"tensor {t['name']!r} has unknown dtype {t['dtype']!r}")
+        shape = tuple(int(x) for x in t["shape"])
+        shards = []
+        for s in t["shards"]:
+            chunks = []
+            for c in s["chunks"]:
+                ch = Chunk(
+                    file=c["file"], offset=int(c["offset"]), length=int(c["length"]),
+                    raw_offset=int(c["raw_offset"]), raw_length=int(c["raw_length"]),
+                    codec=c["codec"], checksum=c["checksum"],
+                )
+                _check_file_name(ch.file)
+                if ch.file not in files:
+                    raise FormatError(f"chunk of {t['name']!r} names unlisted file {ch.file!r}")
+                if ch.codec not in CODECS:
+                    raise FormatError(f"chunk of {t['name']!r} has unknown codec {ch.codec!r}")
+                if min(ch.offset, ch.length, ch.raw_offset, ch.raw_length) < 0:
+                    raise FormatError(f"chunk of {t['name']!r} has a negative range")
+                if ch.offset + ch.length > files[ch.file]["bytes"]:
+                    raise FormatError(f"chunk of {t['name']!r} runs past the end of {ch.file!r}")
+                chunks.append(ch)
+            offsets = tuple(int(x) for x in s["offsets"])
+            lengths = tuple(int(x) for x in s["lengths"])
+            if len(offsets) != len(shape) or len(lengths) != len(shape):
+                raise FormatError(f"shard of {t['name']!r} does not match its rank-{len(shape)} shape")
+            shards.append(Shard(offsets, lengths, tuple(chunks), int(s.get("rank", 0))))
+        tensors.append(TensorEntry(t["name"], t["dtype"], shape, tuple(shards)))
+    return Manifest(
+        step=int(doc["step"]),
+        world_size=int(doc["world_size"]),
+        tensors=tuple(tensors),
+        skeleton=doc["skeleton"],
+        files=files,
+        created_at=float(doc.get("created_at", 0.0)),
+        writer=doc.get("writer", {}),
+        format=doc["format"],
+        format_version=int(doc["format_version"]),
+    )
+
+
+def _check_file_name(name: Any) -> None:
+    if not isinstance(name, str) or not SAFE_FILE_RE.match(name) or ".." in name:
+        raise FormatError(f"manifest names a file outside its step directory: {str(name)[:80]!r}")
