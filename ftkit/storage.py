@@ -88,7 +88,7 @@ class Storage:
         except ValueError as e:
             if "Protocol not known" in str(e) or "not known" in str(e):
                 raise StorageError(f"{self.display_url}: unknown storage protocol {protocol!r} "
-                                   f"(known: {', '.join(sorted(fsspec.available_protocols())[:12])}, ...)") from None
+                                   "(not a protocol fsspec knows)") from None
             raise StorageError(self._scrub(f"{self.display_url}: bad storage URL or options: {e}")) from None
         except Exception as e:
             raise StorageError(self._scrub(f"{self.display_url}: cannot open storage: {_one_line(e)}")) from None

@@ -1,0 +1,281 @@
+"""The `ftkit` command line: ls, inspect, verify, restore, gc.
+
+Exit codes: 0 success; 1 a checkpoint is missing, corrupt or unreadable (or
+storage failed); 2 a usage error (bad flags, unknown URL protocol, bad JSON in
+--storage-options, an output that already exists). Expected errors print one
+line, ``ftkit: error: ...``, and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from . import __version__
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
+from .format import Manifest, parse_step_dir
+from .persist import delete_step
+from .reader import load_manifest, newest_manifest, scan, verify
+from .retention import plan_retention
+from .storage import Storage
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(FtkitError):
+    pass
+
+
+# ------------------------------------------------------------------- helpers
+def _open(args) -> tuple[Storage, int | None]:
+    """The tier at args.url; a URL ending in a step directory selects that step."""
+    options: dict[str, Any] = {}
+    if args.storage_options:
+        try:
+            options = json.loads(args.storage_options)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--storage-options is not valid JSON: {e.msg}") from None
+        if not isinstance(options, dict):
+            raise UsageError("--storage-options must be a JSON object")
+    url = args.url.rstrip("/")
+    step = getattr(args, "step", None)
+    tail = url.rsplit("/", 1)[-1]
+    if parse_step_dir(tail) is not None and "/" in url:
+        url, step = url.rsplit("/", 1)[0], (step if step is not None else parse_step_dir(tail))
+    try:
+        storage = Storage(url, options)
+    except StorageError as e:
+        if "unknown storage protocol" in str(e) or "needs" in str(e):
+            raise UsageError(str(e)) from None
+        raise
+    return storage, step
+
+
+@contextmanager
+def _progress(total: int, desc: str) -> Iterator[Any]:
+    """A tqdm bar on a terminal, nothing otherwise. Yields an update(n) callable."""
+    if not sys.stderr.isatty() or total <= 0:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _summary(m: Manifest) -> dict[str, Any]:
+    return {
+        "step": m.step, "world_size": m.world_size, "tensors": len(m.tensors),
+        "raw_bytes": m.total_raw_bytes, "stored_bytes": m.total_stored_bytes,
+        "created_at": m.created_at, "format_version": m.format_version,
+        "entries": sorted(m.skeleton.get("entries", {})),
+    }
+
+
+def _emit(args, payload: Any, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(payload, indent=2))
+    else:
+        print(text)
+
+
+# ------------------------------------------------------------------ commands
+def cmd_ls(args) -> int:
+    storage, _ = _open(args)
+    rows = []
+    for sd in scan(storage):
+        if not sd.committed:
+            rows.append({"step": sd.step, "status": "partial"})
+            continue
+        try:
+            rows.append({**_summary(load_manifest(storage, sd.step)), "status": "committed"})
+        except CorruptCheckpointError as e:
+            rows.append({"step": sd.step, "status": "bad-manifest", "error": str(e)})
+    if not rows:
+        raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
+    lines = [f"{'STEP':>10}  {'STATUS':<12} {'WORLD':>5} {'TENSORS':>7} {'STORED':>10} {'RAW':>10}  CREATED"]
+    for r in rows:
+        if r["status"] == "committed":
+            lines.append(f"{r['step']:>10}  {r['status']:<12} {r['world_size']:>5} {r['tensors']:>7} "
+                         f"{_human(r['stored_bytes']):>10} {_human(r['raw_bytes']):>10}  {_when(r['created_at'])}")
+        else:
+            lines.append(f"{r['step']:>10}  {r['status']:<12} {'-':>5} {'-':>7} {'-':>10} {'-':>10}  "
+                         f"{r.get('error', 'no manifest: not a checkpoint')}")
+    _emit(args, {"url": storage.display_url, "steps": rows}, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_inspect(args) -> int:
+    storage, step = _open(args)
+    m = newest_manifest(storage, step)
+    tensors = []
+    for t in m.tensors:
+        chunks = [c for s in t.shards for c in s.chunks]
+        tensors.append({
+            "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "shards": len(t.shards),
+            "stored_bytes": sum(c.length for c in chunks), "raw_bytes": sum(c.raw_length for c in chunks),
+            "codecs": sorted({c.codec for c in chunks}),
+        })
+    payload = {**_summary(m), "url": storage.display_url, "files": m.files, "writer": m.writer,
+               "tensor_list": tensors}
+    lines = [f"step {m.step} at {storage.display_url}",
+             f"  format v{m.format_version}, world size {m.world_size}, created {_when(m.created_at)}, "
+             f"written by ftkit {m.writer.get('ftkit', '?')} / torch {m.writer.get('torch', '?')}",
+             f"  {len(m.tensors)} tensors, {_human(m.total_raw_bytes)} raw, {_human(m.total_stored_bytes)} stored "
+             f"in {len(m.files)} file(s)",
+             f"  state entries: {', '.join(payload['entries']) or '-'}", ""]
+    lines.append(f"  {'TENSOR':<48} {'DTYPE':<10} {'SHAPE':<20} {'STORED':>10}  CODEC")
+    for t in tensors:
+        lines.append(f"  {t['name'][:48]:<48} {t['dtype']:<10} {str(tuple(t['shape']))[:20]:<20} "
+                     f"{_human(t['stored_bytes']):>10}  {'+'.join(t['codecs']) or '-'}")
+    _emit(args, payload, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    storage, step = _open(args)
+    if args.all:
+        steps = [s.step for s in scan(storage) if s.committed]
+        if not steps:
+            raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
+    else:
+        steps = [step if step is not None else newest_manifest(storage).step]
+    results = []
+    for s in steps:
+        try:
+            m = load_manifest(storage, s)
+            with _progress(m.total_raw_bytes, f"verify step {s}") as update:
+                verify(storage, m, progress=update)
+            results.append({"step": s, "ok": True, "bytes": m.total_stored_bytes})
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            results.append({"step": s, "ok": False, "error": str(e)})
+    ok = all(r["ok"] for r in results)
+    lines = [f"step {r['step']}: " + ("OK" if r["ok"] else f"FAILED: {r['error']}") for r in results]
+    _emit(args, {"url": storage.display_url, "ok": ok, "steps": results}, "\n".join(lines))
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def cmd_restore(args) -> int:
+    from .export import export
+
+    storage, step = _open(args)
+    m = newest_manifest(storage, step)
+    if os.path.exists(args.out) and not args.force:
+        raise UsageError(f"{args.out} already exists; remove it or pass --force")
+    with _progress(m.total_raw_bytes, f"restore step {m.step}") as update:
+        export(storage, m, args.out, args.format, overwrite=args.force, progress=update)
+    _emit(args, {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes},
+          f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, "
+          f"{_human(m.total_raw_bytes)})")
+    return EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    storage, _ = _open(args)
+    dirs = scan(storage)
+    committed = [d.step for d in dirs if d.committed]
+    # The newest step whose manifest is sound is protected whatever --keep says.
+    protect = None
+    for s in reversed(committed):
+        try:
+            load_manifest(storage, s)
+            protect = s
+            break
+        except CorruptCheckpointError:
+            continue
+    plan = plan_retention(committed, args.keep, args.keep_every, protect=protect)
+    newest = max(committed, default=None)
+    partial = [d.step for d in dirs if not d.committed and newest is not None and d.step < newest]
+    if not args.dry_run:
+        for s in plan.delete:
+            delete_step(storage, s)
+        for s in partial:
+            delete_step(storage, s)
+    verb = "would remove" if args.dry_run else "removed"
+    payload = {"url": storage.display_url, "dry_run": args.dry_run, "kept": list(plan.keep),
+               "removed": list(plan.delete), "removed_partial": partial}
+    _emit(args, payload, f"{verb} {len(plan.delete)} step(s) {list(plan.delete)} and {len(partial)} partial "
+                         f"step(s) {partial}; kept {list(plan.keep)}")
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftkit", description="Inspect, verify and restore ftkit checkpoints.")
+    p.add_argument("--version", action="version", version=f"ftkit {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help_: str, *, json_flag: bool = True, step: bool = True) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("url", help="tier URL: a local path, file://..., s3://bucket/prefix, any fsspec URL")
+        sp.add_argument("--storage-options", metavar="JSON",
+                        help='fsspec storage options, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
+        if step:
+            sp.add_argument("--step", type=int, help="a step (default: the newest)")
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.set_defaults(func=func)
+        return sp
+
+    add("ls", cmd_ls, "list the checkpoints at a URL", step=False)
+    add("inspect", cmd_inspect, "show one checkpoint's tensors, files and metadata")
+    v = add("verify", cmd_verify, "check every chunk's checksum")
+    v.add_argument("--all", action="store_true", help="verify every committed step")
+    r = add("restore", cmd_restore, "export a checkpoint to one torch or safetensors file")
+    r.add_argument("--out", required=True, help="output file")
+    r.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    r.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    g = add("gc", cmd_gc, "remove old checkpoints and partial steps", step=False)
+    g.add_argument("--keep", type=int, required=True, help="keep the newest N steps")
+    g.add_argument("--keep-every", type=int, help="also keep every step divisible by M")
+    g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "keep", 1) is not None and getattr(args, "keep", 1) < 1:
+        parser.error("--keep must be at least 1")
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except FtkitError as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except BrokenPipeError:  # `ftkit ls | head`
+        sys.stderr.close()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("ftkit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
