@@ -68,14 +68,15 @@ class Checkpointer:
         JSON-safe values. Plain values are restored by assignment into `state`.
     tiers: Tier objects, URLs, or dicts of Tier fields; listed in any order.
     policy: when a snapshot is due but both staging slots are still busy,
-        "skip" (count it and go on) or "wait" (block until one frees).
+        "wait" (default: block until one frees, so no snapshot is lost) or
+        "skip" (count it, log it and go on: training never waits on storage).
     max_staging_bytes: cap on staging memory (two slots of the state's size by
         default); when only one slot fits, snapshots take turns on it.
     rng: capture and restore python/numpy/torch(/CUDA) RNG state.
     """
 
     def __init__(self, state: MutableMapping[str, Any], tiers: Sequence[Tier | str | dict], *,
-                 policy: str = "skip", max_staging_bytes: int | None = None, rng: bool = True):
+                 policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:

@@ -1,0 +1,101 @@
+"""The reference trainer: a small deterministic GPT-style model on CPU.
+
+Used by the demo (and the drills) because it is bit-for-bit reproducible: the
+same seed and steps give the same weights, so a run that was killed and restored
+can be compared exactly with one that never failed.
+
+    python -m ftkit.reference --ckpt DIR --steps 30 [--every 1] [--final-out FILE]
+
+It prints ``step N loss X`` after every step (flushed), restores from the newest
+snapshot on start, and snapshots every step. The batch for step N is generated
+from (seed, N), so the data position is the step itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+
+import torch
+from torch import nn
+
+import ftkit
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 96, dim: int = 64, heads: int = 4, layers: int = 2, seq: int = 32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def batch_for(step: int, seed: int, batch: int = 8, seq: int = 32, vocab: int = 96) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    return model, opt, sched
+
+
+def train_step(model, opt, sched, step: int, seed: int) -> float:
+    data = batch_for(step, seed)
+    logits = model(data[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.detach().item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", required=True, help="tier URL for snapshots")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=1, help="persist every N steps")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
+    p.add_argument("--final-out", help="write the final model+optimizer state here (torch file)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)  # bitwise reproducible across runs
+    torch.use_deterministic_algorithms(True)
+    model, opt, sched = build(args.seed)
+    state = {"model": model, "optim": opt, "sched": sched}
+    with ftkit.Checkpointer(state, [ftkit.Tier(args.ckpt, every=args.every, keep=3)], policy="wait") as ck:
+        start = ck.restore()
+        print(f"resumed from step {start}" if start else "starting fresh", flush=True)
+        for step in range(start + 1, args.steps + 1):
+            loss = train_step(model, opt, sched, step, args.seed)
+            if not math.isfinite(loss):
+                print(f"loss is {loss} at step {step}", file=sys.stderr)
+                return 1
+            ck.snapshot(step)
+            print(f"step {step} loss {loss:.4f}", flush=True)
+            if args.step_time:
+                time.sleep(args.step_time)
+    if args.final_out:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, args.final_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The Checkpointer in a plain training loop: snapshot, background persist, restore."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+
+import pytest
+import torch
+
+import ftkit
+from ftkit.errors import StateMismatchError
+from ftkit.format import MANIFEST_NAME, step_dir_name
+from ftkit.reader import committed_steps, load_manifest
+
+from conftest import assert_same_values, make_state, snapshot_values, train_one
+
+
+def test_plain_loop_restores_exact_state_step_and_rng(tmp_path):
+    state = make_state(seed=0)
+    with ftkit.Checkpointer(state, [str(tmp_path)]) as ck:
+        assert ck.restore() == 0  # nothing there yet
+        for step in range(1, 4):
+            train_one(state)
+            ck.snapshot(step)
+    saved = snapshot_values(state)
+    expect_next = (random.random(), torch.rand(3))
+
+    fresh = make_state(seed=99)
+    with ftkit.Checkpointer(fresh, [str(tmp_path)]) as ck:
+        assert ck.restore() == 3
+    assert_same_values(saved, snapshot_values(fresh))
+    assert fresh["epoch"] == state["epoch"] == 4
+    assert fresh["sched"].state_dict() == state["sched"].state_dict()
+    assert fresh["optim"].state_dict()["param_groups"] == state["optim"].state_dict()["param_groups"]
+    got_next = (random.random(), torch.rand(3))
+    assert expect_next[0] == got_next[0] and torch.equal(expect_next[1], got_next[1])
+
+
+def test_snapshot_is_isolated_from_later_changes(tmp_path, gated_fs):
+    """Tensors changed right after snapshot() returns are saved as they were at the call."""
+    t = torch.full((1000,), 1.0)
+    state = {"t": t}
+    gated_fs.gate.clear()
+    ck = ftkit.Checkpointer(state, ["gated://run"], rng=False)
+    try:
+        assert ck.snapshot(1)
+        t.fill_(2.0)  # the background has not written anything yet
+        gated_fs.gate.set()
+        ck.wait()
+        t.fill_(0.0)
+        assert ck.restore() == 1
+        assert torch.equal(t, torch.full((1000,), 1.0))
+    finally:
+        gated_fs.gate.set()
+        ck.close()
+
+
+def test_busy_background_skip_policy_counts_and_wait_policy_blocks(gated_fs):
+    state = {"t": torch.zeros(256)}
+    gated_fs.gate.clear()
+    ck = ftkit.Checkpointer(state, ["gated://skip"], policy="skip", rng=False)
+    try:
+        assert ck.snapshot(1)  # slot A, background blocks on the gate
+        assert gated_fs.entered.acquire(timeout=10)
+        assert ck.snapshot(2)  # slot B: double buffering
+        assert not ck.snapshot(3)  # both busy: skipped and counted, not queued
+        assert ck.stats.skipped == 1 and ck.stats.snapshots == 2
+    finally:
+        gated_fs.gate.set()
+        ck.close()
+    assert ck.stats.persisted == 2
+
+
+def test_memory_budget_of_one_slot_serializes_snapshots(gated_fs):
+    state = {"t": torch.zeros(1024)}  # 4 KiB
+    gated_fs.gate.clear()
+    ck = ftkit.Checkpointer(state, ["gated://budget"], policy="skip", max_staging_bytes=6000, rng=False)
+    try:
+        assert ck.snapshot(1)
+        assert not ck.snapshot(2)  # one slot fits in the budget, and it is busy
+        assert ck._arena.nbytes <= 6000
+    finally:
+        gated_fs.gate.set()
+        ck.close()
+
+
+def test_budget_too_small_for_one_snapshot_is_a_clear_error(tmp_path):
+    ck = ftkit.Checkpointer({"t": torch.zeros(1024)}, [str(tmp_path)], max_staging_bytes=100, rng=False)
+    with pytest.raises(ftkit.FtkitError, match="staging budget .* cannot hold one snapshot"):
+        ck.snapshot(1)
+    ck.close()
+
+
+def test_tier_interval_and_retention(tmp_path):
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    state = {"t": torch.zeros(8)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(fast), every=1, keep=2),
+                                    ftkit.Tier(str(slow), every=3, keep=1, keep_every=6)], rng=False) as ck:
+        for step in range(1, 13):
+            state["t"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+    assert committed_steps(ftkit.Tier(str(fast)).open()) == [11, 12]
+    assert committed_steps(ftkit.Tier(str(slow)).open()) == [6, 12]
+
+
+def test_zstd_compresses_where_it_pays_and_round_trips(tmp_path):
+    state = {"zeros": torch.zeros(1 << 20), "noise": torch.randn(1 << 20)}
+    ref = {k: v.clone() for k, v in state.items()}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(tmp_path), compress="zstd")], rng=False) as ck:
+        ck.snapshot(1)
+    m = load_manifest(ftkit.Tier(str(tmp_path)).open(), 1)
+    codecs = {t.name: {c.codec for s in t.shards for c in s.chunks} for t in m.tensors}
+    assert codecs == {"zeros": {"zstd"}, "noise": {"raw"}}
+    assert m.tensor("zeros").shards[0].chunks[0].length < 4096
+    for v in state.values():
+        v.fill_(7)
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        assert ck.restore() == 1
+    assert all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def test_failed_background_save_is_counted_and_never_kills_training(tmp_path, caplog):
+    state = {"t": torch.zeros(16)}
+    root = tmp_path / "ckpt"
+    ck = ftkit.Checkpointer(state, [str(root)], rng=False)
+    ck.snapshot(1)
+    ck.wait()
+    os.chmod(root, 0o500)  # step 2 cannot create its directory
+    try:
+        if os.access(root, os.W_OK):  # root ignores permissions: use a file where the dir must go
+            os.chmod(root, 0o700)
+            (root / step_dir_name(2)).write_text("in the way")
+        with caplog.at_level(logging.ERROR, logger="ftkit"):
+            state["t"].fill_(2)
+            assert ck.snapshot(2)  # returns normally: the failure is in the background
+            with pytest.raises(ftkit.StorageError):
+                ck.wait()
+        assert ck.stats.failed == 1 and ck.stats.persisted == 1
+        assert any("persisting step 2" in r.message for r in caplog.records)
+        ck.wait()  # the error was reported once
+    finally:
+        os.chmod(root, 0o700)
+        ck.close()
+    assert committed_steps(ftkit.Tier(str(root)).open()) == [1]
+
+
+def test_restore_falls_back_to_previous_step_when_newest_is_corrupt(tmp_path, caplog):
+    state = {"t": torch.zeros(64)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(tmp_path), keep=3)], rng=False) as ck:
+        for step in (1, 2):
+            state["t"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+    data = next((tmp_path / step_dir_name(2)).glob("*.data"))
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0x01
+    data.write_bytes(bytes(raw))
+    state["t"].zero_()
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+            assert ck.restore() == 1
+    assert torch.equal(state["t"], torch.full((64,), 1.0))
+    assert any("step 2" in r.message and "checksum mismatch" in r.message for r in caplog.records)
+
+
+def test_restore_prefers_fast_tier_and_uses_slow_one_when_fast_is_bad(tmp_path):
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    state = {"t": torch.zeros(64)}
+    with ftkit.Checkpointer(state, [f"file://{slow}", str(fast)], rng=False) as ck:
+        state["t"].fill_(5)
+        ck.snapshot(5)
+    (fast / step_dir_name(5) / MANIFEST_NAME).write_text("{garbage")
+    state["t"].zero_()
+    with ftkit.Checkpointer(state, [str(fast), f"file://{slow}"], rng=False) as ck:
+        assert ck.restore() == 5
+    assert torch.equal(state["t"], torch.full((64,), 5.0))
+
+
+def test_restore_of_a_different_model_names_mismatched_keys(tmp_path):
+    with ftkit.Checkpointer(make_state(width=16), [str(tmp_path)]) as ck:
+        ck.snapshot(1)
+    other = make_state(width=32)
+    before = snapshot_values(other)
+    with ftkit.Checkpointer(other, [str(tmp_path)]) as ck:
+        with pytest.raises(StateMismatchError, match=r"model/0.weight: shape \(16, 8\) in checkpoint, "
+                                                     r"\(32, 8\) live"):
+            ck.restore()
+    assert_same_values(before, snapshot_values(other))
+
+
+def test_restore_when_every_checkpoint_is_corrupt_raises_rather_than_starting_over(tmp_path):
+    state = {"t": torch.zeros(8)}
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        ck.snapshot(1)
+    (tmp_path / step_dir_name(1) / MANIFEST_NAME).write_text(json.dumps({"format": "nope"}))
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        with pytest.raises(ftkit.CorruptCheckpointError, match="not an ftkit checkpoint manifest"):
+            ck.restore()
+
+
+def test_same_step_is_never_overwritten(tmp_path):
+    state = {"t": torch.ones(8)}
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        state["t"].fill_(9)
+        ck.snapshot(1)  # e.g. a resumed run saving the step it restored
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        ck.restore()
+    assert torch.equal(state["t"], torch.ones(8))
+    assert len(list((tmp_path / step_dir_name(1)).glob("*.data"))) == 1
+
+
+def test_dtypes_and_odd_shapes_round_trip(tmp_path):
+    state = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16), "f16": torch.randn(7).half(),
+        "i64": torch.arange(10), "b": torch.tensor([True, False]), "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4), "strided": torch.randn(6, 4).t(), "u8": torch.arange(5, dtype=torch.uint8),
+    }
+    ref = {k: v.clone() for k, v in state.items()}
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        ck.snapshot(1)
+    for v in state.values():
+        v.zero_()
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        assert ck.restore() == 1
+    for k in ref:
+        assert state[k].dtype == ref[k].dtype and torch.equal(state[k], ref[k]), k
