@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import StorageError
+from .errors import FtkitError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +112,8 @@ class Storage:
         """Translate backend exceptions into StorageError (FileNotFoundError passes)."""
         try:
             yield
-        except FileNotFoundError:
-            raise
-        except StorageError:
-            raise
+        except (FileNotFoundError, FtkitError):
+            raise  # not-found is the caller's to interpret; ours are already clear
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise StorageError(f"no space left on device while {action} {self.where(rel)}") from None
@@ -185,11 +183,14 @@ class Storage:
                     os.fsync(f.fileno())
                     ok = True
                 finally:
-                    f.close()
                     if ok:
+                        f.close()
                         os.replace(tmp, full)
                         _fsync_dir(os.path.dirname(full))
                     else:
+                        # close() may fail again flushing its buffer (ENOSPC): still remove tmp.
+                        with contextlib.suppress(OSError):
+                            f.close()
                         with contextlib.suppress(OSError):
                             os.remove(tmp)
             else:

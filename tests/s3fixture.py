@@ -30,8 +30,11 @@ from scripts.s3_server import S3Server, find_weed  # noqa: E402
 def s3_server():
     try:
         find_weed()
+        missing = None
     except FileNotFoundError as e:
-        pytest.fail(str(e), pytrace=False)
+        missing = str(e)
+    if missing:  # fail outside the except block: no chained traceback noise
+        pytest.fail(missing, pytrace=False)
     # Default: a private temp data dir, deleted again by stop().
     server = S3Server()
     server.start()

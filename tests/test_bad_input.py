@@ -1,0 +1,211 @@
+"""Bad input: a clear one-line error, the right exit code, nothing good lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+import ftkit
+from ftkit.format import MANIFEST_NAME, step_dir_name
+from ftkit.reader import committed_steps
+
+from conftest import run_cli
+
+
+def _one_line_error(r, code: int, *needles: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ftkit: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.fixture
+def two_steps(tmp_path):
+    """Steps 1 and 2 with distinguishable values; step 2 is the one we damage."""
+    root = tmp_path / "ckpt"
+    state = {"w": torch.zeros(4096)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=5)], rng=False) as ck:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+    return root
+
+
+def _data_file(root, step=2):
+    return next((root / step_dir_name(step)).glob("*.data"))
+
+
+def _manifest(root, step=2):
+    return root / step_dir_name(step) / MANIFEST_NAME
+
+
+def _edit_manifest(root, fn):
+    p = _manifest(root)
+    doc = json.loads(p.read_text())
+    fn(doc)
+    p.write_text(json.dumps(doc))
+
+
+def _restored_step_and_value(root, numel: int = 4096) -> tuple[int, float]:
+    state = {"w": torch.full((numel,), -1.0)}
+    with ftkit.Checkpointer(state, [str(root)], rng=False) as ck:
+        step = ck.restore()
+    return step, float(state["w"][0])
+
+
+def _damage_truncate(root):
+    f = _data_file(root)
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def _damage_bitflip(root):
+    f = _data_file(root)
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x20
+    f.write_bytes(bytes(raw))
+
+
+def _damage_missing_data(root):
+    _data_file(root).unlink()
+
+
+def _damage_newer_version(root):
+    _edit_manifest(root, lambda d: d.update(format_version=99))
+
+
+def _damage_escape(root):
+    def fn(d):
+        name = next(iter(d["files"]))
+        d["files"] = {"../../etc/passwd": d["files"][name]}
+        for t in d["tensors"]:
+            for s in t["shards"]:
+                for c in s["chunks"]:
+                    c["file"] = "../../etc/passwd"
+    _edit_manifest(root, fn)
+
+
+def _damage_garbage(root):
+    _manifest(root).write_bytes(b"\x00\xffnot json{")
+
+
+def _damage_foreign(root):
+    _manifest(root).write_text(json.dumps({"metadata": "a DCP checkpoint, say"}))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (_damage_truncate, "truncated"),
+    (_damage_bitflip, "checksum mismatch"),
+    (_damage_missing_data, "data file is missing"),
+    (_damage_newer_version, "format version 99 is newer"),
+    (_damage_escape, "outside its step directory"),
+    (_damage_garbage, "not valid JSON"),
+    (_damage_foreign, "not an ftkit checkpoint"),
+])
+def test_damaged_step_fails_verify_and_restore_falls_back(two_steps, damage, needle):
+    damage(two_steps)
+    r = run_cli("verify", str(two_steps), "--step", "2")
+    assert r.returncode == 1
+    assert "FAILED" in r.stdout and needle in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr
+    # Export of the damaged step: one line, exit 1, nothing written.
+    out = two_steps.parent / "out.pt"
+    r = run_cli("restore", str(two_steps), "--step", "2", "--out", str(out))
+    _one_line_error(r, 1, needle)
+    assert not out.exists()
+    # The good step is untouched and the library falls back to it.
+    assert run_cli("verify", str(two_steps), "--step", "1").returncode == 0
+    assert _restored_step_and_value(two_steps) == (1, 1.0)
+
+
+def test_missing_manifest_means_the_step_does_not_exist(two_steps):
+    _manifest(two_steps).unlink()
+    r = run_cli("verify", str(two_steps), "--step", "2")
+    assert r.returncode == 1 and "not committed" in r.stdout
+    r = run_cli("inspect", str(two_steps), "--step", "2")
+    _one_line_error(r, 1, "no manifest")
+    assert json.loads(run_cli("ls", str(two_steps), "--json").stdout)["steps"][1]["status"] == "partial"
+    assert _restored_step_and_value(two_steps) == (1, 1.0)
+
+
+def test_empty_directory_and_wrong_path(tmp_path):
+    _one_line_error(run_cli("ls", str(tmp_path)), 1, "no checkpoint found", str(tmp_path))
+    _one_line_error(run_cli("verify", str(tmp_path / "nope")), 1, "no checkpoint found")
+    with ftkit.Checkpointer({"w": torch.zeros(2)}, [str(tmp_path / "nope")], rng=False) as ck:
+        assert ck.restore() == 0
+
+
+def test_unknown_protocol():
+    _one_line_error(run_cli("ls", "nosuchproto://bucket/x", in_process=False), 2, "unknown storage protocol 'nosuchproto'")
+    with pytest.raises(ftkit.StorageError, match="unknown storage protocol"):
+        ftkit.Checkpointer({"w": torch.zeros(2)}, ["nosuchproto://bucket/x"])
+
+
+def test_unreachable_s3_endpoint_is_a_clear_error_without_credentials():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    secret = "SuperSecret" + uuid.uuid4().hex
+    opts = json.dumps({"key": "AKIDEXAMPLE", "secret": secret,
+                       "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}})
+    r = run_cli("ls", "s3://bucket/prefix", "--storage-options", opts, in_process=False)
+    _one_line_error(r, 1, "s3://bucket/prefix")
+    assert secret not in r.stderr + r.stdout
+    env = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": secret,
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    r = run_cli("verify", "s3://bucket/prefix", env=env, timeout=120)
+    _one_line_error(r, 1, "s3://bucket/prefix")
+    assert secret not in r.stderr + r.stdout
+
+
+def test_state_with_a_lambda_is_refused_at_capture(tmp_path):
+    ck = ftkit.Checkpointer({"model": torch.nn.Linear(2, 2), "cfg": {"schedule": lambda s: s}},
+                            [str(tmp_path)])
+    with pytest.raises(ftkit.CaptureError, match="'cfg/schedule'"):
+        ck.snapshot(1)
+    ck.close()
+    assert committed_steps(ftkit.Tier(str(tmp_path)).open()) == []
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 1 MiB tmpfs, so ENOSPC comes from the kernel, not from a mock."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_full_disk_during_persist_keeps_previous_step(tiny_disk):
+    state = {"w": torch.zeros(150_000)}  # 600 KB: one step fits in 1 MiB, two do not
+    ck = ftkit.Checkpointer(state, [ftkit.Tier(str(tiny_disk), keep=2)], rng=False)
+    try:
+        state["w"].fill_(1)
+        ck.snapshot(1)
+        ck.wait()
+        state["w"].fill_(2)
+        ck.snapshot(2)
+        with pytest.raises(ftkit.StorageError, match="no space left on device"):
+            ck.wait()
+        assert ck.stats.failed == 1
+    finally:
+        ck.close()
+    assert committed_steps(ftkit.Tier(str(tiny_disk)).open()) == [1]
+    leftovers = [p for p in tiny_disk.rglob("*") if p.is_file() and "step-000000000002" in str(p)]
+    assert leftovers == []  # the partial write was cleaned up
+    assert run_cli("verify", str(tiny_disk)).returncode == 0
+    assert _restored_step_and_value(tiny_disk, numel=150_000) == (1, 1.0)
