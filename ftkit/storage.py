@@ -39,7 +39,6 @@ INSTALL_HINTS = {
 S3_DEFAULTS: dict[str, Any] = {
     "config_kwargs": {"connect_timeout": 5, "read_timeout": 120,
                       "retries": {"max_attempts": 3, "mode": "standard"}},
-    "retries": 2,
 }
 _SECRET_KEYS = ("key", "secret", "token", "password", "aws_secret_access_key",
                 "aws_access_key_id", "aws_session_token", "access_key", "secret_key")

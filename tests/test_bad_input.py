@@ -158,12 +158,12 @@ def test_unreachable_s3_endpoint_is_a_clear_error_without_credentials():
     opts = json.dumps({"key": "AKIDEXAMPLE", "secret": secret,
                        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}})
     r = run_cli("ls", "s3://bucket/prefix", "--storage-options", opts, in_process=False)
-    _one_line_error(r, 1, "s3://bucket/prefix")
+    _one_line_error(r, 1, "s3://bucket/prefix", "Could not connect")
     assert secret not in r.stderr + r.stdout
     env = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": secret,
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
     r = run_cli("verify", "s3://bucket/prefix", env=env, timeout=120)
-    _one_line_error(r, 1, "s3://bucket/prefix")
+    _one_line_error(r, 1, "s3://bucket/prefix", "Could not connect")
     assert secret not in r.stderr + r.stdout
 
 
