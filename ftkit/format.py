@@ -110,7 +110,8 @@ def manifest_to_json(m: Manifest) -> bytes:
     # Put the identifying fields first so `head manifest.json` tells what it is.
     ordered = {"format": doc.pop("format"), "format_version": doc.pop("format_version")}
     ordered.update(doc)
-    return json.dumps(ordered, indent=1, allow_nan=False).encode()
+    # Compact: a large model has thousands of entries; `jq . manifest.json` pretty-prints.
+    return json.dumps(ordered, separators=(",", ":"), allow_nan=False).encode()
 
 
 def manifest_from_json(data: bytes, where: str, expect_step: int | None = None) -> Manifest:
