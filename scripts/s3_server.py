@@ -194,7 +194,7 @@ class S3Server:
         access_key: str | None = None,
         secret_key: str | None = None,
         startup_timeout: float = 60.0,
-        stop_timeout: float = 15.0,
+        stop_timeout: float = 5.0,
         weed: str | None = None,
     ) -> None:
         self.bucket = bucket
