@@ -33,8 +33,9 @@ _MARKERS = ("$tensor", "$tuple", "$items", "$float", "$ndarray")
 
 @dataclass
 class CapturedState:
-    skeleton: dict[str, Any]
+    skeleton: dict[str, Any]  # {"entries": {name: {"kind": ..., "value": ...}}}
     tensors: list[tuple[str, torch.Tensor]]  # (name, live tensor), in capture order
+    rng: Any = None  # this process's encoded RNG state, when captured
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -122,8 +123,12 @@ def _numpy():
         return None
 
 
-def capture(state: Mapping[str, Any], *, rng: bool = True) -> CapturedState:
-    """Walk `state` (and the RNGs when `rng`) into tensors plus a JSON skeleton."""
+def capture(state: Mapping[str, Any], *, rng: bool = True, rng_path: str = f"{RNG_KEY}/r0") -> CapturedState:
+    """Walk `state` (and the RNGs when `rng`) into tensors plus a JSON skeleton.
+
+    RNG tensors are named below `rng_path`, which callers make rank-specific
+    (RNG state differs per rank and is saved per rank).
+    """
     enc = _Encoder()
     entries: dict[str, Any] = {}
     for key, obj in state.items():
@@ -135,10 +140,8 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> CapturedState:
             entries[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), key)}
         else:
             entries[key] = {"kind": "value", "value": enc.encode(obj, key)}
-    skeleton: dict[str, Any] = {"entries": entries}
-    if rng:
-        skeleton["rng"] = enc.encode(rng_state(), RNG_KEY)
-    return CapturedState(skeleton, enc.tensors)
+    rng_value = enc.encode(rng_state(), rng_path) if rng else None
+    return CapturedState({"entries": entries}, enc.tensors, rng_value)
 
 
 def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -190,42 +193,47 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.clone() for s in saved])
 
 
-def apply(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-          *, rng: bool = True) -> None:
-    """Load decoded values into the live `state` in place.
+def check(state: Mapping[str, Any], skeleton: Mapping[str, Any],
+          tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """What keeps the checkpoint from loading into the live `state` (empty: it fits).
 
-    Checks every entry before changing any, so a mismatch leaves the live state
-    untouched: shapes and dtypes of tensors present on both sides, and the key
-    sets of modules (whose load is strict).
+    Shapes and dtypes of tensors present on both sides, the key sets of modules
+    (whose load is strict), and the kinds of the entries.
     """
     entries = skeleton["entries"]
     problems: list[str] = []
     missing = [k for k in state if k not in entries]
     if missing:
         problems.append(f"not in checkpoint: {', '.join(missing)}")
-    decoded: dict[str, Any] = {}
     for key, entry in entries.items():
         if key not in state:
             problems.append(f"{key}: in checkpoint but not in the live state")
             continue
-        value = decode(entry["value"], tensors)
-        decoded[key] = value
         live = state[key]
         if entry["kind"] == "stateful":
             if not _is_stateful(live):
                 problems.append(f"{key}: checkpoint holds a state_dict, live value is a {type(live).__name__}")
                 continue
+            value = decode(entry["value"], tensors)
             problems += _compare(live.state_dict(), value, key, strict_keys=isinstance(live, torch.nn.Module))
         elif entry["kind"] == "tensor":
             if not isinstance(live, torch.Tensor):
                 problems.append(f"{key}: checkpoint holds a tensor, live value is a {type(live).__name__}")
                 continue
-            problems += _compare(live, value, key, strict_keys=True)
-    if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise StateMismatchError(f"checkpoint does not fit the live state: {shown}")
-    for key, entry in entries.items():
-        value = decoded[key]
+            problems += _compare(live, decode(entry["value"], tensors), key, strict_keys=True)
+    return problems
+
+
+def describe(problems: list[str]) -> str:
+    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+    return f"checkpoint does not fit the live state: {shown}"
+
+
+def load(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+         rng_value: Any = None) -> None:
+    """Load decoded values into the live `state` in place (after `check` found nothing)."""
+    for key, entry in skeleton["entries"].items():
+        value = decode(entry["value"], tensors)
         if entry["kind"] == "stateful":
             try:
                 state[key].load_state_dict(value)
@@ -236,8 +244,17 @@ def apply(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[s
                 state[key].copy_(value)
         else:
             state[key] = value
-    if rng and "rng" in skeleton:
-        set_rng_state(decode(skeleton["rng"], tensors))
+    if rng_value is not None:
+        set_rng_state(decode(rng_value, tensors))
+
+
+def apply(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+          rng_value: Any = None) -> None:
+    """check() then load(): a mismatch raises before anything in `state` changes."""
+    problems = check(state, skeleton, tensors)
+    if problems:
+        raise StateMismatchError(describe(problems))
+    load(state, skeleton, tensors, rng_value)
 
 
 def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str]:

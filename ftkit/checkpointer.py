@@ -28,10 +28,13 @@ from typing import Any, MutableMapping, Sequence
 import torch
 
 from . import capture as cap
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
+from .dist import DistContext
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StateMismatchError,
+                     StorageError)
 from .persist import AlreadyCommitted, delete_step, persist
-from .reader import committed_steps, load_manifest, read_tensors
+from .reader import load_manifest, read_regions, scan
 from .retention import plan_retention
+from .sharding import RANK_LOCAL, Piece, dtensor_region, is_dtensor, plan_pieces
 from .staging import Layout, Slot, StagingArena
 from .storage import Storage
 from .tiers import Tier
@@ -59,6 +62,8 @@ class _Job:
     step: int
     skeleton: dict[str, Any]
     tiers: list[int]
+    pieces: dict[str, Piece]
+    rng: Any
 
 
 class Checkpointer:
@@ -72,11 +77,21 @@ class Checkpointer:
         "skip" (count it, log it and go on: training never waits on storage).
     max_staging_bytes: cap on staging memory (two slots of the state's size by
         default); when only one slot fits, snapshots take turns on it.
-    rng: capture and restore python/numpy/torch(/CUDA) RNG state.
+    rng: capture and restore python/numpy/torch(/CUDA) RNG state (per rank).
+    commit_timeout_s: how long rank 0 waits for the other ranks' data before
+        giving up on committing a step (the step then stays invisible).
+
+    Under torch.distributed (e.g. torchrun) every rank creates a Checkpointer
+    over the same state structure and calls snapshot(step) and restore() with
+    the same arguments. Plain tensors are taken to be replicated (identical on
+    every rank, as under DDP) and are saved once, split across ranks; DTensors
+    (FSDP2) are saved as shards; a step is committed by rank 0 only when every
+    rank's share is durable.
     """
 
     def __init__(self, state: MutableMapping[str, Any], tiers: Sequence[Tier | str | dict], *,
-                 policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True):
+                 policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True,
+                 commit_timeout_s: float = 300.0):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -86,6 +101,8 @@ class Checkpointer:
         self.policy = policy
         self.rng = rng
         self.stats = Stats()
+        self._ctx = DistContext.detect(timeout_s=commit_timeout_s)
+        self._restores = 0  # restore() calls so far: namespaces their store keys
         # Opening every tier now makes a bad URL or missing backend fail at start.
         self._storages: list[Storage] = [t.open() for t in self.tiers]
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
@@ -112,23 +129,30 @@ class Checkpointer:
         if not due:
             return False
         t0 = time.perf_counter()
-        captured = cap.capture(self.state, rng=self.rng)
-        layout = Layout.of(captured.tensors)
-        slot = self._arena.acquire(layout, wait=self.policy == "wait")
+        ctx = self._ctx
+        captured = cap.capture(self.state, rng=self.rng, rng_path=f"{cap.RNG_KEY}/r{ctx.rank}")
+        pieces = plan_pieces(captured.tensors, ctx.rank, ctx.world_size)
+        named = [(p.name, src) for p, src in pieces]
+        slot = self._arena.acquire(Layout.of(named), wait=self.policy == "wait")
         if slot is None:
             self.stats.skipped += 1
             log.warning("snapshot of step %d skipped: the previous snapshots are still being persisted "
                         "(policy 'skip'; %d skipped so far)", step, self.stats.skipped)
+            if ctx.distributed:  # tell rank 0 now, so it does not wait for this rank's share
+                for i in due:
+                    ctx.put(f"commit/{i}/{step}/{ctx.rank}", {"write": None, "rng": None,
+                                                              "error": "snapshot skipped: staging busy"})
             return False
         try:
-            slot.fill(captured.tensors, self._side_stream)
+            slot.fill(named, self._side_stream)
         except BaseException:
             self._arena.release(slot)
             raise
         self._unfenced = slot
         self.stats.snapshots += 1
         self.stats.last_stall_s = time.perf_counter() - t0
-        self._jobs.put(_Job(slot, step, captured.skeleton, due))
+        self._jobs.put(_Job(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces},
+                            captured.rng))
         return True
 
     def _fence_hook(self, *_args: Any) -> None:
@@ -155,12 +179,14 @@ class Checkpointer:
             tier, storage = self.tiers[i], self._storages[i]
             try:
                 t0 = time.perf_counter()
-                manifest = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress)
+                manifest = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
+                                   pieces=job.pieces, rng=job.rng, ctx=self._ctx, key=f"commit/{i}/{job.step}")
                 self.stats.persisted += 1
                 self.stats.last_committed[tier.url] = job.step
-                log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
-                         manifest.total_stored_bytes / 1e6, time.perf_counter() - t0)
-                self._apply_retention(tier, storage, protect=job.step)
+                if manifest is not None:  # rank 0: the commit is ours, and so is retention
+                    log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
+                             manifest.total_stored_bytes / 1e6, time.perf_counter() - t0)
+                    self._apply_retention(tier, storage, protect=job.step)
             except AlreadyCommitted:
                 log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
             except Exception as e:  # recorded for wait(); training goes on
@@ -170,8 +196,15 @@ class Checkpointer:
                     self._errors.append(e)
 
     def _apply_retention(self, tier: Tier, storage: Storage, protect: int) -> None:
-        plan = plan_retention(committed_steps(storage), tier.keep, tier.keep_every, protect=protect)
-        for step in plan.delete:
+        """After committing `protect`: drop old steps, and partial steps older than it.
+
+        A partial step older than the newest commit was abandoned (this rank 0
+        decides commits in step order), so nothing still writes to it.
+        """
+        dirs = scan(storage)
+        plan = plan_retention([d.step for d in dirs if d.committed], tier.keep, tier.keep_every, protect=protect)
+        abandoned = [d.step for d in dirs if not d.committed and d.step < protect]
+        for step in list(plan.delete) + abandoned:
             delete_step(storage, step)
             log.debug("retention removed step %d from %s", step, storage.display_url)
 
@@ -219,44 +252,45 @@ class Checkpointer:
         tier is tried on the next, then the next newest step is tried. Raises if
         checkpoints exist but none is usable, or if a tier could not be read and
         nothing was found elsewhere (restarting from scratch would lose work).
+
+        Distributed: rank 0 lists the candidates; every rank reads the regions it
+        needs (resharding when the world size changed) and votes through the
+        store; a candidate is loaded only when every rank read it intact.
         """
         if not self._closed:
             self.wait()
-        order = sorted(range(len(self.tiers)), key=lambda i: self.tiers[i].speed_rank)
-        available: dict[int, list[int]] = {}  # step -> tier indices, fastest first
-        unreachable: list[str] = []
-        for i in order:
-            try:
-                steps = committed_steps(self._storages[i])
-            except StorageError as e:
-                log.warning("cannot list %s: %s", self._storages[i].display_url, e)
-                unreachable.append(str(e))
-                continue
-            for s in steps:
-                available.setdefault(s, []).append(i)
-        if step is not None:
-            if step not in available:
-                raise CheckpointNotFoundError(f"step {step} is not committed on any tier "
-                                              f"({', '.join(s.display_url for s in self._storages)})")
-            candidates = [step]
-        else:
-            candidates = sorted(available, reverse=True)
+        ctx = self._ctx
+        key = f"restore/{self._restores}"
+        self._restores += 1
+        listing = self._list_candidates(step) if ctx.rank == 0 else None
+        listing = ctx.broadcast(f"{key}/candidates", listing)
+        candidates, unreachable = listing["candidates"], listing["unreachable"]
+        if step is not None and not candidates:
+            raise CheckpointNotFoundError(f"step {step} is not committed on any tier "
+                                          f"({', '.join(s.display_url for s in self._storages)})")
         problems: list[str] = []
-        for s in candidates:
-            for i in available[s]:
-                storage = self._storages[i]
-                try:
-                    t0 = time.perf_counter()
-                    manifest = load_manifest(storage, s)
-                    tensors = read_tensors(storage, manifest)
-                    cap.apply(self.state, manifest.skeleton, tensors, rng=self.rng)
-                    log.info("restored step %d from %s (%.1f MB in %.2fs)", s, storage.display_url,
-                             manifest.total_raw_bytes / 1e6, time.perf_counter() - t0)
-                    return s
-                except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
-                    problems.append(str(e))
-                    log.warning("step %d on %s is unusable, trying the next source: %s",
-                                s, storage.display_url, e)
+        for n, (s, i) in enumerate(candidates):
+            storage = self._storages[i]
+            t0 = time.perf_counter()
+            loaded, vote = self._read_candidate(s, i)
+            votes = ctx.gather(f"{key}/vote/{n}", vote)
+            mismatched = [(r, v["mismatch"]) for r, v in enumerate(votes) if v["mismatch"]]
+            if mismatched:
+                r, found = mismatched[0]
+                raise StateMismatchError(cap.describe(found) + ("" if r == ctx.rank else f" (on rank {r})"))
+            failed = [(r, v["error"]) for r, v in enumerate(votes) if v["error"]]
+            if failed:
+                r, err = failed[0]
+                problems.append(err)
+                log.warning("step %d on %s is unusable, trying the next source: %s%s", s, storage.display_url,
+                            err, "" if r == ctx.rank else f" (on rank {r})")
+                continue
+            manifest, tensors, rng_value = loaded
+            cap.load(self.state, manifest.skeleton, tensors, rng_value)
+            log.info("restored step %d from %s (%.1f MB in %.2fs)", s, storage.display_url,
+                     sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
+                     time.perf_counter() - t0)
+            return s
         if problems:
             raise CorruptCheckpointError(f"no usable checkpoint: {len(problems)} candidate(s) failed; "
                                          f"newest problem: {problems[0]}")
@@ -264,3 +298,74 @@ class Checkpointer:
             raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
         return 0
 
+    def _list_candidates(self, step: int | None) -> dict[str, Any]:
+        """(step, tier) pairs to try, newest step first and fastest tier first."""
+        order = sorted(range(len(self.tiers)), key=lambda i: self.tiers[i].speed_rank)
+        available: dict[int, list[int]] = {}
+        unreachable: list[str] = []
+        for i in order:
+            try:
+                steps = [d.step for d in scan(self._storages[i]) if d.committed]
+            except StorageError as e:
+                log.warning("cannot list %s: %s", self._storages[i].display_url, e)
+                unreachable.append(str(e))
+                continue
+            for s in steps:
+                available.setdefault(s, []).append(i)
+        wanted = [step] if step is not None else sorted(available, reverse=True)
+        return {"candidates": [[s, i] for s in wanted for i in available.get(s, [])],
+                "unreachable": unreachable}
+
+    def _read_candidate(self, step: int, tier_index: int):
+        """Read and check this rank's part of a candidate; never touches the live state.
+
+        Returns ((manifest, tensors, rng) or None, vote) where the vote says
+        whether it is usable: {"error": str|None, "mismatch": [..]}.
+        """
+        storage = self._storages[tier_index]
+        try:
+            manifest = load_manifest(storage, step)
+            _init_sharded_optimizers(self.state)
+            live = dict(cap.capture(self.state, rng=False).tensors)
+            rank_prefix = f"{cap.RNG_KEY}/r{self._ctx.rank}/"
+            regions, dtensors = {}, {}
+            for entry in manifest.tensors:
+                full = ((0,) * len(entry.shape), entry.shape)
+                if entry.kind == RANK_LOCAL:
+                    if entry.name.startswith(rank_prefix):
+                        regions[entry.name] = full
+                    continue
+                t = live.get(entry.name)
+                if t is not None and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
+                    offsets, lengths, _ = dtensor_region(t)
+                    regions[entry.name] = (offsets, lengths)
+                    dtensors[entry.name] = t
+                else:
+                    regions[entry.name] = full
+            tensors = read_regions(storage, manifest, regions)
+        except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+            return None, {"error": str(e), "mismatch": []}
+        for name, t in dtensors.items():
+            from torch.distributed.tensor import DTensor
+
+            local = tensors[name].to(t.to_local().device)
+            tensors[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                               shape=t.shape, stride=t.stride())
+        problems = cap.check(self.state, manifest.skeleton, tensors)
+        rng_value = None
+        if self.rng:
+            rng_value = manifest.rank_state.get(str(self._ctx.rank), {}).get("rng")
+            if rng_value is None:
+                log.info("step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
+                         step, self._ctx.rank, manifest.world_size)
+        return (manifest, tensors, rng_value), {"error": None, "mismatch": problems}
+
+
+def _init_sharded_optimizers(state: MutableMapping[str, Any]) -> None:
+    """Give empty optimizers over DTensor parameters their state, so it can be resharded into."""
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer) and not obj.state and any(
+                is_dtensor(p) for g in obj.param_groups for p in g["params"]):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(obj)

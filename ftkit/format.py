@@ -74,8 +74,9 @@ class Shard:
 class TensorEntry:
     name: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # global shape
     shards: tuple[Shard, ...]
+    kind: str = "replicated"  # "replicated", "sharded" (DTensor) or "rank-local" (RNG)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     skeleton: dict[str, Any]
     files: dict[str, dict[str, Any]]  # file name -> {"bytes": n, "rank": r}
+    rank_state: dict[str, Any] = field(default_factory=dict)  # str(rank) -> {"rng": ...}
     created_at: float = 0.0
     writer: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT_NAME
@@ -154,47 +156,59 @@ def _decode(doc: dict[str, Any]) -> Manifest:
         _check_file_name(name)
         if not isinstance(info.get("bytes"), int) or info["bytes"] < 0:
             raise FormatError(f"file {name!r} has no valid byte count")
-    tensors = []
-    for t in doc["tensors"]:
-        if t["dtype"] not in DTYPES:
-            raise FormatError(f"tensor {t['name']!r} has unknown dtype {t['dtype']!r}")
-        shape = tuple(int(x) for x in t["shape"])
-        shards = []
-        for s in t["shards"]:
-            chunks = []
-            for c in s["chunks"]:
-                ch = Chunk(
-                    file=c["file"], offset=int(c["offset"]), length=int(c["length"]),
-                    raw_offset=int(c["raw_offset"]), raw_length=int(c["raw_length"]),
-                    codec=c["codec"], checksum=c["checksum"],
-                )
-                _check_file_name(ch.file)
-                if ch.file not in files:
-                    raise FormatError(f"chunk of {t['name']!r} names unlisted file {ch.file!r}")
-                if ch.codec not in CODECS:
-                    raise FormatError(f"chunk of {t['name']!r} has unknown codec {ch.codec!r}")
-                if min(ch.offset, ch.length, ch.raw_offset, ch.raw_length) < 0:
-                    raise FormatError(f"chunk of {t['name']!r} has a negative range")
-                if ch.offset + ch.length > files[ch.file]["bytes"]:
-                    raise FormatError(f"chunk of {t['name']!r} runs past the end of {ch.file!r}")
-                chunks.append(ch)
-            offsets = tuple(int(x) for x in s["offsets"])
-            lengths = tuple(int(x) for x in s["lengths"])
-            if len(offsets) != len(shape) or len(lengths) != len(shape):
-                raise FormatError(f"shard of {t['name']!r} does not match its rank-{len(shape)} shape")
-            shards.append(Shard(offsets, lengths, tuple(chunks), int(s.get("rank", 0))))
-        tensors.append(TensorEntry(t["name"], t["dtype"], shape, tuple(shards)))
+    tensors = tuple(decode_tensor_entry(t, files) for t in doc["tensors"])
+    rank_state = doc.get("rank_state", {})
+    if not isinstance(rank_state, dict):
+        raise FormatError("'rank_state' must be an object")
     return Manifest(
         step=int(doc["step"]),
         world_size=int(doc["world_size"]),
-        tensors=tuple(tensors),
+        tensors=tensors,
         skeleton=doc["skeleton"],
         files=files,
+        rank_state=rank_state,
         created_at=float(doc.get("created_at", 0.0)),
         writer=doc.get("writer", {}),
         format=doc["format"],
         format_version=int(doc["format_version"]),
     )
+
+
+def decode_tensor_entry(t: dict[str, Any], files: dict[str, Any]) -> TensorEntry:
+    """One validated tensor entry; `files` are the data files it may point into."""
+    if t["dtype"] not in DTYPES:
+        raise FormatError(f"tensor {t['name']!r} has unknown dtype {t['dtype']!r}")
+    shape = tuple(int(x) for x in t["shape"])
+    shards = []
+    for s in t["shards"]:
+        chunks = []
+        for c in s["chunks"]:
+            ch = Chunk(
+                file=c["file"], offset=int(c["offset"]), length=int(c["length"]),
+                raw_offset=int(c["raw_offset"]), raw_length=int(c["raw_length"]),
+                codec=c["codec"], checksum=c["checksum"],
+            )
+            _check_file_name(ch.file)
+            if ch.file not in files:
+                raise FormatError(f"chunk of {t['name']!r} names unlisted file {ch.file!r}")
+            if ch.codec not in CODECS:
+                raise FormatError(f"chunk of {t['name']!r} has unknown codec {ch.codec!r}")
+            if min(ch.offset, ch.length, ch.raw_offset, ch.raw_length) < 0:
+                raise FormatError(f"chunk of {t['name']!r} has a negative range")
+            if ch.offset + ch.length > files[ch.file]["bytes"]:
+                raise FormatError(f"chunk of {t['name']!r} runs past the end of {ch.file!r}")
+            chunks.append(ch)
+        offsets = tuple(int(x) for x in s["offsets"])
+        lengths = tuple(int(x) for x in s["lengths"])
+        if len(offsets) != len(shape) or len(lengths) != len(shape):
+            raise FormatError(f"shard of {t['name']!r} does not match its rank-{len(shape)} shape")
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, shape)):
+            raise FormatError(f"shard of {t['name']!r} lies outside the tensor")
+        shards.append(Shard(offsets, lengths, tuple(chunks), int(s.get("rank", 0))))
+    kind = t.get("kind", "replicated")
+    if kind not in ("replicated", "sharded", "rank-local"):
+        raise FormatError(f"tensor {t['name']!r} has unknown kind {kind!r}")
+    return TensorEntry(t["name"], t["dtype"], shape, tuple(shards), kind)
 
 
 def _check_file_name(name: Any) -> None:

@@ -1,9 +1,11 @@
 """Write a staged snapshot to one tier, two-phase: data first, manifest last.
 
-Order of calls for one step on one tier::
+Order of calls for one step on one tier (`persist` does all of it)::
 
-    write_data(storage, step, slot, ...)  -> RankWrite  (data file complete and durable)
-    commit(storage, step, [RankWrite...]) -> Manifest   (manifest.json appears: the commit)
+    every rank:  write_data(storage, step, slot, ...) -> RankWrite  (its data file, durable)
+                 report the RankWrite (or its error) to rank 0 through the store
+    rank 0:      wait for every rank's report, then
+                 commit(storage, step, [RankWrite...]) -> Manifest  (manifest.json: the commit)
 
 Data file names carry a random token, so a crashed or concurrent writer can never
 overwrite bytes that a committed manifest points at, and a step that already has
@@ -17,13 +19,15 @@ import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
 
 from . import codec
+from .dist import DistContext
 from .errors import FtkitError, StorageError
-from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifest_to_json,
-                     step_dir_name)
+from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, decode_tensor_entry,
+                     manifest_to_json, step_dir_name)
+from .sharding import REPLICATED, Piece
 from .staging import Slot
 from .storage import Storage
 
@@ -38,21 +42,35 @@ class AlreadyCommitted(FtkitError):
 
 @dataclass(frozen=True)
 class RankWrite:
-    """What one rank wrote for a step: its data file and the tensor entries in it."""
+    """What one rank wrote for a step: its data file and the tensor pieces in it."""
 
     rank: int
     file: str
     nbytes: int
     tensors: tuple[TensorEntry, ...]
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> "RankWrite":
+        files = {doc["file"]: {"bytes": doc["nbytes"], "rank": doc["rank"]}}
+        tensors = tuple(decode_tensor_entry(t, files) for t in doc["tensors"])
+        return RankWrite(int(doc["rank"]), doc["file"], int(doc["nbytes"]), tensors)
+
 
 def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def write_data(storage: Storage, step: int, slot: Slot, *, compress: str | None, rank: int = 0,
+def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Piece] | None = None, *,
+               compress: str | None, rank: int = 0,
                progress: Callable[[int], None] | None = None) -> RankWrite:
-    """Write every staged tensor of `slot` into one new data file of `step`."""
+    """Write every staged tensor of `slot` into one new data file of `step`.
+
+    `pieces` says which region of which global tensor each staged tensor is
+    (default: each is a whole, replicated tensor).
+    """
     step_dir = step_dir_name(step)
     if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
         raise AlreadyCommitted(f"{storage.where(step_dir)} is already committed")
@@ -75,21 +93,38 @@ def write_data(storage: Storage, step: int, slot: Slot, *, compress: str | None,
                 offset += len(stored)
                 if progress:
                     progress(len(piece))
-            region = tuple(0 for _ in e.shape)
-            entries.append(TensorEntry(e.name, dtype_name(e.dtype), e.shape,
-                                       (Shard(region, e.shape, tuple(chunks), rank),)))
+            p = (pieces or {}).get(e.name) or Piece(e.name, REPLICATED, e.shape, (0,) * len(e.shape), e.shape)
+            entries.append(TensorEntry(e.name, dtype_name(e.dtype), p.global_shape,
+                                       (Shard(p.offsets, p.lengths, tuple(chunks), rank),), p.kind))
     return RankWrite(rank, file_name, offset, tuple(entries))
 
 
+def merge_writes(writes: list[RankWrite]) -> tuple[TensorEntry, ...]:
+    """One entry per tensor, holding the shards every rank wrote of it."""
+    merged: dict[str, TensorEntry] = {}
+    for w in sorted(writes, key=lambda w: w.rank):
+        for t in w.tensors:
+            prev = merged.get(t.name)
+            if prev is None:
+                merged[t.name] = t
+                continue
+            if (prev.dtype, prev.shape, prev.kind) != (t.dtype, t.shape, t.kind):
+                raise FtkitError(f"ranks disagree about tensor {t.name!r}: {prev.dtype}{list(prev.shape)} "
+                                 f"vs {t.dtype}{list(t.shape)}")
+            merged[t.name] = TensorEntry(t.name, t.dtype, t.shape, prev.shards + t.shards, t.kind)
+    return tuple(merged.values())
+
+
 def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
-           world_size: int = 1) -> Manifest:
+           world_size: int = 1, rank_state: dict[str, Any] | None = None) -> Manifest:
     """Write the manifest that makes `step` exist. Atomic on every backend."""
     manifest = Manifest(
         step=step,
         world_size=world_size,
-        tensors=tuple(t for w in sorted(writes, key=lambda w: w.rank) for t in w.tensors),
+        tensors=merge_writes(writes),
         skeleton=skeleton,
         files={w.file: {"bytes": w.nbytes, "rank": w.rank} for w in writes},
+        rank_state=rank_state or {},
         created_at=time.time(),
         writer=_writer_info(),
     )
@@ -101,18 +136,48 @@ def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[
 
 
 def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
-            compress: str | None) -> Manifest:
-    """Single-process persist of one step: data, then manifest; clean up on failure."""
-    write = None
+            compress: str | None, pieces: Mapping[str, Piece] | None = None, rng: Any = None,
+            ctx: DistContext | None = None, key: str = "") -> Manifest | None:
+    """Persist one step: every rank writes its data, rank 0 commits after all did.
+
+    Ranks report to rank 0 through the store (`key`/rank): the file they wrote,
+    or their error. Rank 0 commits only when every rank succeeded within the
+    timeout; otherwise the step stays uncommitted (invisible) and its files are
+    removed. Returns the manifest on rank 0, None elsewhere.
+    """
+    ctx = ctx or DistContext()
+    write, error = None, None
     try:
-        write = write_data(storage, step, slot, compress=compress)
-        return commit(storage, step, [write], skeleton)
+        write = write_data(storage, step, slot, pieces, compress=compress, rank=ctx.rank)
     except AlreadyCommitted:
         raise
+    except Exception as e:
+        error = e
+    if ctx.distributed:
+        ctx.put(f"{key}/{ctx.rank}", {"write": write.to_json() if write else None,
+                                      "error": str(error) if error else None, "rng": rng})
+    if error is not None:
+        raise error
+    assert write is not None
+    if ctx.rank != 0:
+        return None
+    writes, rank_state, failures = [write], {"0": {"rng": rng}}, []
+    try:
+        for r in range(1, ctx.world_size):
+            doc = ctx.get(f"{key}/{r}")
+            if doc["error"]:
+                failures.append(f"rank {r}: {doc['error']}")
+            else:
+                writes.append(RankWrite.from_json(doc["write"]))
+                rank_state[str(r)] = {"rng": doc["rng"]}
+        if failures:
+            raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
+        return commit(storage, step, writes, skeleton, ctx.world_size, rank_state)
     except BaseException:
-        if write is not None:
-            discard(storage, step, [write.file])
+        discard(storage, step, [w.file for w in writes])
         raise
+    finally:
+        ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
 
 
 def discard(storage: Storage, step: int, files: list[str]) -> None:

@@ -17,6 +17,7 @@ import torch
 from . import codec
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
 from .format import MANIFEST_NAME, Chunk, Manifest, manifest_from_json, parse_step_dir, step_dir_name
+from .sharding import byte_span, overlap
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,11 @@ def _chunk_jobs(manifest: Manifest):
     return by_file
 
 
-def _check_file_sizes(storage: Storage, manifest: Manifest) -> None:
+def _check_file_sizes(storage: Storage, manifest: Manifest, only: set[str] | None = None) -> None:
     step_dir = step_dir_name(manifest.step)
     for name, info in manifest.files.items():
+        if only is not None and name not in only:
+            continue
         rel = f"{step_dir}/{name}"
         try:
             size = storage.size(rel)
@@ -115,58 +118,83 @@ def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None]
 
 
 def read_tensors(storage: Storage, manifest: Manifest, names: Iterable[str] | None = None,
-                 out: dict[str, torch.Tensor] | None = None,
                  progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
-    """Read (and verify) whole tensors into contiguous CPU tensors.
-
-    `out` may supply destination tensors (e.g. reused staging views) of the right
-    shape and dtype; others are allocated. Nothing is returned unless every chunk
-    verified.
-    """
+    """Read (and verify) whole tensors into new contiguous CPU tensors."""
     wanted = set(names) if names is not None else {t.name for t in manifest.tensors}
-    entries = {t.name: t for t in manifest.tensors if t.name in wanted}
+    regions = {t.name: ((0,) * len(t.shape), t.shape) for t in manifest.tensors if t.name in wanted}
+    return read_regions(storage, manifest, regions, progress=progress)
+
+
+Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
+
+
+def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region],
+                 progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Read a region of each named tensor, touching only the chunks that overlap it.
+
+    Shards that match their region exactly decode straight into the result; any
+    other overlapping shard decodes its needed chunks into a temporary, from
+    which the overlap is copied. Every chunk read is verified; nothing is
+    returned unless all of them pass.
+    """
+    entries = {t.name: t for t in manifest.tensors}
+    missing = [n for n in regions if n not in entries]
+    if missing:
+        raise CorruptCheckpointError(f"{storage.where(step_dir_name(manifest.step))}: "
+                                     f"no tensor {missing[0]!r} in the checkpoint")
     dest: dict[str, torch.Tensor] = {}
-    for name, t in entries.items():
-        given = (out or {}).get(name)
-        if given is not None and tuple(given.shape) == t.shape and given.dtype == torch_dtype(t.dtype) \
-                and given.is_contiguous() and given.device.type == "cpu":
-            dest[name] = given
-        else:
-            dest[name] = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-    _check_file_sizes(storage, manifest)
-    # A shard covering its whole tensor decodes straight into the destination; a
-    # partial one (saved by several ranks) decodes into a temporary, then its region.
-    partial: dict[tuple[str, int], torch.Tensor] = {}
+    # (file, chunk, target tensor, shard) jobs, and the copies to do after decoding.
+    jobs: list[tuple[Chunk, str, torch.Tensor]] = []
+    copies: list[tuple[torch.Tensor, Region, Region, torch.Tensor, str]] = []
+    for name, (offs, lens) in regions.items():
+        entry = entries[name]
+        dtype = torch_dtype(entry.dtype)
+        out = dest[name] = torch.empty(tuple(lens), dtype=dtype)
+        covered = 0
+        for shard in entry.shards:
+            ov = overlap(offs, lens, shard.offsets, shard.lengths)
+            if ov is None:
+                continue
+            covered += _numel(ov[1])
+            if tuple(shard.offsets) == tuple(offs) and tuple(shard.lengths) == tuple(lens):
+                target, needed = out, shard.chunks
+            else:
+                target = torch.empty(shard.lengths, dtype=dtype)
+                lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
+                needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
+                copies.append((target, (shard.offsets, shard.lengths), ov, out, name))
+            jobs += [(c, name, target) for c in needed]
+        if covered != _numel(lens):
+            raise CorruptCheckpointError(f"{storage.where(step_dir_name(manifest.step))}: the saved shards of "
+                                         f"{name!r} do not cover the region to restore")
+    _check_file_sizes(storage, manifest, {c.file for c, _, _ in jobs})
+    by_file: dict[str, list[tuple[Chunk, str, torch.Tensor]]] = {}
+    for job in jobs:
+        by_file.setdefault(job[0].file, []).append(job)
     step_dir = step_dir_name(manifest.step)
-    for fname, jobs in _chunk_jobs(manifest).items():
+    for fname, file_jobs in by_file.items():
         rel = f"{step_dir}/{fname}"
         where = storage.where(rel)
         with storage.open_read(rel) as f:
-            for c, tname, si in jobs:
-                if tname not in entries:
-                    continue
-                entry = entries[tname]
-                shard = entry.shards[si]
-                if _covers_all(shard, entry.shape):
-                    target = dest[tname]
-                else:
-                    target = partial.get((tname, si))
-                    if target is None:
-                        target = partial[(tname, si)] = torch.empty(shard.lengths, dtype=dest[tname].dtype)
-                _read_chunk(f, c, _raw_bytes(target), f"{where} (tensor {tname!r})")
+            for c, name, target in sorted(file_jobs, key=lambda j: j[0].offset):
+                _read_chunk(f, c, _raw_bytes(target), f"{where} (tensor {name!r})")
                 if progress:
                     progress(c.raw_length)
-    for (tname, si), tmp in partial.items():
-        shard = entries[tname].shards[si]
-        region = dest[tname]
-        for dim, (o, n) in enumerate(zip(shard.offsets, shard.lengths)):
-            region = region.narrow(dim, o, n)
-        region.copy_(tmp)
+    for shard_tensor, (s_off, _), (o_off, o_len), out, name in copies:
+        src = shard_tensor
+        dst = out
+        for dim, (o, n) in enumerate(zip(o_off, o_len)):
+            src = src.narrow(dim, o - s_off[dim], n)
+            dst = dst.narrow(dim, o - regions[name][0][dim], n)
+        dst.copy_(src)
     return dest
 
 
-def _covers_all(shard, shape) -> bool:
-    return all(o == 0 for o in shard.offsets) and tuple(shard.lengths) == tuple(shape)
+def _numel(lengths) -> int:
+    n = 1
+    for x in lengths:
+        n *= x
+    return n
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:

@@ -56,7 +56,7 @@ def test_rng_state_round_trip_draws_the_same_numbers():
     saved = capture({}, rng=True)
     expect = (random.random(), np.random.rand(), torch.rand(2))
     random.seed(9); np.random.seed(9); torch.manual_seed(9)
-    set_rng_state(decode(saved.skeleton["rng"], dict(saved.tensors)))
+    set_rng_state(decode(saved.rng, dict(saved.tensors)))
     got = (random.random(), np.random.rand(), torch.rand(2))
     assert expect[0] == got[0] and expect[1] == got[1] and torch.equal(expect[2], got[2])
     assert "numpy" in rng_state()

@@ -1,0 +1,105 @@
+"""Who we are in the job, and agreement between ranks through the c10d store.
+
+Ranks coordinate only through the key-value store that torchrun's rendezvous
+(or init_process_group) provides: never through collectives on the training
+process group, so a background thread can take part safely and a dead rank
+costs a bounded wait, not a hang. A single process is a world of one with no
+store, and every call here degenerates to a no-op.
+
+Node identity decides failure domains (RAM tiers, peer placement): the
+``FTKIT_NODE_ID`` variable if set, else ``node<rank // FTKIT_RANKS_PER_NODE>``
+if that is set (how tests simulate several nodes on one machine), else the
+host name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .errors import FtkitError
+
+
+class PeerTimeout(FtkitError):
+    """Another rank did not answer through the store within the bound."""
+
+
+def node_id(rank: int) -> str:
+    if os.environ.get("FTKIT_NODE_ID"):
+        return os.environ["FTKIT_NODE_ID"]
+    per_node = os.environ.get("FTKIT_RANKS_PER_NODE")
+    if per_node:
+        return f"node{rank // int(per_node)}"
+    return socket.gethostname()
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    store: Any = None  # a c10d Store (prefixed for ftkit) or None
+    node: str = field(default_factory=lambda: node_id(0))
+    timeout_s: float = 300.0
+
+    @staticmethod
+    def detect(timeout_s: float = 300.0) -> "DistContext":
+        """The running job's context (torch.distributed if initialized), else a world of one."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return DistContext(timeout_s=timeout_s)
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        # Keys are namespaced per torchrun attempt so a restarted group never reads
+        # what the previous attempt left in a store that outlives it.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
+        rank = dist.get_rank()
+        return DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # ---------------------------------------------------------------- store
+    def put(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def get(self, key: str, timeout_s: float | None = None) -> Any:
+        """The JSON value at `key`, waiting at most `timeout_s` for it to appear."""
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s or self.timeout_s))
+        except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
+            raise PeerTimeout(f"rank {self.rank}: no answer for {key!r} within "
+                              f"{timeout_s or self.timeout_s:.0f}s ({type(e).__name__})") from None
+        return json.loads(self.store.get(key))
+
+    def gather(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's `value` for `key`, in rank order (all ranks call this)."""
+        if not self.distributed:
+            return [value]
+        self.put(f"{key}/{self.rank}", value)
+        return [self.get(f"{key}/{r}", timeout_s) for r in range(self.world_size)]
+
+    def broadcast(self, key: str, value: Any = None, timeout_s: float | None = None) -> Any:
+        """Rank 0's `value`, on every rank."""
+        if not self.distributed:
+            return value
+        if self.rank == 0:
+            self.put(key, value)
+            return value
+        return self.get(key, timeout_s)
+
+    def delete(self, *keys: str) -> None:
+        if self.store is None:
+            return
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except Exception:  # best effort: stale keys only cost store memory
+                pass

@@ -1,0 +1,122 @@
+"""Who saves which region of which tensor, and which saved bytes a rank needs back.
+
+Pure functions over shapes; no I/O, no process group.
+
+Saving. Every rank computes the same plan from the same tensor list:
+
+* a DTensor (FSDP2 and friends) is saved as each rank's local shard at its
+  global offsets; where a mesh dimension is replicated only coordinate 0 saves;
+* a tensor under the RNG key is rank-local: its rank saves it whole;
+* any other tensor is replicated (identical on every rank, as under DDP) and is
+  saved once in total: big ones split into row blocks, one per rank; small ones
+  whole, spread over ranks to balance bytes.
+
+Loading. A rank needs a region of each global tensor (all of it for replicated
+tensors, its local shard for DTensors); :func:`overlap` intersects that region
+with each saved shard so only overlapping chunks are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+SPLIT_BYTES = 1 << 20  # replicated tensors at least this big are split across ranks
+
+REPLICATED, SHARDED, RANK_LOCAL = "replicated", "sharded", "rank-local"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The region of one global tensor that one rank saves."""
+
+    name: str
+    kind: str  # REPLICATED, SHARDED or RANK_LOCAL
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without DTensor support
+        return False
+    return isinstance(t, DTensor)
+
+
+def dtensor_region(t) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """(offsets, lengths, is_primary) of this rank's local shard of DTensor `t`."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise ValueError(f"placement {p} is not supported (only Shard and Replicate)")
+    lengths, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coords = t.device_mesh.get_coordinate() or []
+    primary = all(c == 0 for c, p in zip(coords, t.placements) if isinstance(p, Replicate))
+    return tuple(offsets), tuple(lengths), primary
+
+
+def row_block(n: int, parts: int, i: int) -> tuple[int, int]:
+    """[start, stop) of block i when n rows are cut into `parts` near-equal blocks."""
+    return n * i // parts, n * (i + 1) // parts
+
+
+def plan_pieces(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int,
+                rng_prefix: str = "_rng/") -> list[tuple[Piece, torch.Tensor]]:
+    """The pieces this rank saves, each with the source tensor (view) to copy from."""
+    mine: list[tuple[Piece, torch.Tensor]] = []
+    load = [0] * world_size  # bytes assigned per rank, for balancing small tensors
+    for name, t in named:
+        shape = tuple(t.shape)
+        if is_dtensor(t):
+            offsets, lengths, primary = dtensor_region(t)
+            if primary:
+                mine.append((Piece(name, SHARDED, shape, offsets, lengths), t.to_local()))
+            continue
+        if name.startswith(rng_prefix):
+            mine.append((Piece(name, RANK_LOCAL, shape, (0,) * len(shape), shape), t))
+            continue
+        nbytes = t.numel() * t.element_size()
+        if world_size > 1 and nbytes >= SPLIT_BYTES and len(shape) >= 1 and shape[0] >= world_size:
+            for r in range(world_size):
+                load[r] += nbytes // world_size
+            start, stop = row_block(shape[0], world_size, rank)
+            offsets = (start,) + (0,) * (len(shape) - 1)
+            lengths = (stop - start,) + shape[1:]
+            mine.append((Piece(name, REPLICATED, shape, offsets, lengths), t[start:stop]))
+            continue
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += nbytes
+        if owner == rank:
+            mine.append((Piece(name, REPLICATED, shape, (0,) * len(shape), shape), t))
+    return mine
+
+
+def overlap(a_off: Sequence[int], a_len: Sequence[int], b_off: Sequence[int], b_len: Sequence[int]):
+    """The intersection of two regions as (offsets, lengths), or None if empty."""
+    offs, lens = [], []
+    for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        lens.append(hi - lo)
+    return tuple(offs), tuple(lens)
+
+
+def byte_span(region_off: Sequence[int], region_len: Sequence[int], shard_off: Sequence[int],
+              shard_len: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """[start, stop) bytes of a shard's row-major data that cover `region` (a superset)."""
+    if not shard_len:
+        return 0, itemsize
+    strides = [1] * len(shard_len)
+    for d in range(len(shard_len) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shard_len[d + 1]
+    first = sum((o - so) * s for o, so, s in zip(region_off, shard_off, strides))
+    last = sum((o + n - 1 - so) * s for o, n, so, s in zip(region_off, region_len, shard_off, strides))
+    return first * itemsize, (last + 1) * itemsize
