@@ -1,29 +1,33 @@
 #!/usr/bin/env python3
 """Core benchmark: ftkit beside torch.save, DCP and raw I/O, from one run on one state.
 
-Run::
+Run (from the repo root)::
 
-    .venv/bin/python benchmarks/bench_core.py                 # 2 GiB fp32 state, temp dir in /tmp
-    .venv/bin/python benchmarks/bench_core.py --gib 0.25      # quick
+    .venv/bin/python benchmarks/bench_core.py                  # 2 GiB fp32 state, temp dir in /tmp
+    .venv/bin/python benchmarks/bench_core.py --gib 0.25       # quick
     .venv/bin/python benchmarks/bench_core.py --dir /mnt/nvme --json out.json
-    .venv/bin/python benchmarks/bench_core.py --s3 --s3-gib 0.5   # also a local SeaweedFS S3 server
+    .venv/bin/python benchmarks/bench_core.py --s3 --s3-gib 0.5   # adds a local SeaweedFS S3 server
 
-The state is `--tensors` fp32 randn tensors on CPU totalling `--gib` GiB. Every
-figure below is measured in this run, on this state, in the same directory:
+The state is `--tensors` fp32 randn tensors on CPU totalling `--gib` GiB. It
+measures, on that state and in one directory:
 
 1. copy into reused, pre-touched buffers (the stall's floor, best of 3) and `clone()`;
 2. ftkit `snapshot()` stall: first call, steady (background idle), and with the
-   background still persisting (a free slot; no free slot under policy wait / skip);
-3. `torch.save` + fsync; 4. DCP `save`, DCP `async_save` (first, steady);
+   background still persisting (a slot free; no slot free under policy wait / skip);
+3. `torch.save` + fsync;  4. DCP `save`, DCP `async_save` (first, steady);
 5. raw sequential write + fsync of the same bytes;
 6. ftkit persist throughput (snapshot() return -> wait() return), raw and zstd;
 7. restore: ftkit `restore()` vs DCP `load` vs `torch.load`, cold (page cache
    dropped, when /proc/sys/vm/drop_caches is writable) and warm;
 8. with --s3: ftkit persist to s3:// vs raw s3fs puts vs DCP FsspecWriter.
 
-Timing statistics: ours are medians of the steady calls; competitors' are their
-best steady figure (so the ratios are conservative). Throughputs are decimal
-GB/s (1e9 bytes). Everything written goes under one temp dir, removed at the end.
+Small VMs are noisy (copy and disk speed vary 2-5x from one second to the next),
+so figures that are compared are measured in *rounds*: each round runs every
+contender once, back to back, and a target's ratio is the median of the per-round
+ratios. Single figures are medians over rounds; "first" figures are the first
+call of each contender. Throughputs are decimal GB/s (1e9 bytes). Everything
+written goes under one temp dir, removed at the end. Exit status 1 if a target
+is missed.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import ftkit
 from ftkit.reader import newest_manifest
@@ -54,6 +59,7 @@ from ftkit.tiers import Tier
 
 REPO = Path(__file__).resolve().parent.parent
 DROP_CACHES = "/proc/sys/vm/drop_caches"
+State = dict[str, torch.Tensor]
 
 
 # ------------------------------------------------------------------ helpers
@@ -61,29 +67,35 @@ def now() -> float:
     return time.perf_counter()
 
 
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = now()
+    fn()
+    return now() - t0
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf
 
 
-def make_state(gib: float, n: int, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_state(gib: float, n: int, seed: int = 0) -> State:
     g = torch.Generator().manual_seed(seed)
     per = max(1, int(gib * 2**30 / n / 4))
-    return {f"p{i:03d}": torch.randn(per, generator=g).to(dtype) for i in range(n)}
+    return {f"p{i:03d}": torch.randn(per, generator=g) for i in range(n)}
 
 
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
+def state_bytes(state: State) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def zeros_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.zeros_like(v) for k, v in state.items()}
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+def same(a: State, b: State) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def raw_views(state: dict[str, torch.Tensor]) -> list[memoryview]:
+def raw_views(state: State) -> list[memoryview]:
     return [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in state.values()]
 
 
@@ -91,39 +103,38 @@ def free() -> None:
     gc.collect()
 
 
-def drop_caches() -> bool:
-    """Drop the page cache (needs root); False when not possible."""
-    try:
-        os.sync()
-        with open(DROP_CACHES, "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+def can_drop_caches() -> bool:
+    return os.access(DROP_CACHES, os.W_OK)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open(DROP_CACHES, "w") as f:
+        f.write("3\n")
 
 
 def fs_description(path: str) -> str:
     try:
         out = subprocess.run(["df", "-T", path], capture_output=True, text=True, check=True).stdout
         dev, kind = out.strip().splitlines()[-1].split()[:2]
-        return f"{kind} ({dev})"
+        return f"{kind} on {dev}"
     except (OSError, subprocess.CalledProcessError, ValueError):
-        return "unknown"
+        return "unknown filesystem"
 
 
 def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
 def progress(msg: str) -> None:
     print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
-def ours_tier(url: str, **kw: Any) -> Tier:
-    return Tier(url=url, keep=kw.pop("keep", 2), **kw)
+def rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
-# ------------------------------------------------------------- the results
+# ------------------------------------------------------------ the results
 @dataclass
 class Row:
     what: str
@@ -133,17 +144,10 @@ class Row:
 
 
 @dataclass
-class Target:
-    what: str
-    ok: bool
-    detail: str
-
-
-@dataclass
 class Results:
     figures: dict[str, Any] = field(default_factory=dict)
     sections: list[tuple[str, list[Row]]] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
+    targets: list[tuple[str, bool, str]] = field(default_factory=list)
 
     def section(self, title: str) -> list[Row]:
         rows: list[Row] = []
@@ -151,24 +155,24 @@ class Results:
         return rows
 
     def target(self, what: str, ok: bool, detail: str) -> None:
-        self.targets.append(Target(what, ok, detail))
+        self.targets.append((what, ok, detail))
 
     def print(self) -> None:
-        w = [46, 26, 40, 22]
-        line = "-" * (sum(w) + 3 * 3)
+        widths = (46, 24, 30, 30)
+        rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
         for title, rows in self.sections:
-            print(f"\n{title}\n{line}")
-            print(" | ".join(h.ljust(n) for h, n in zip(("what", "ours", "competitor", "ratio"), w)))
-            print(line)
+            print(f"\n{title}\n{rule}")
+            print(" | ".join(h.ljust(w) for h, w in zip(("what", "ours", "competitor", "ratio"), widths)))
+            print(rule)
             for r in rows:
-                print(" | ".join(c.ljust(n) for c, n in zip((r.what, r.ours, r.peer, r.ratio), w)).rstrip())
-        print(f"\ntargets\n{line}")
-        for t in self.targets:
-            print(f"  {'PASS' if t.ok else 'MISS'}  {t.what}: {t.detail}")
+                print(" | ".join(c.ljust(w) for c, w in zip((r.what, r.ours, r.peer, r.ratio), widths)).rstrip())
+        print(f"\ntargets\n{rule}")
+        for what, ok, detail in self.targets:
+            print(f"  {'PASS' if ok else 'MISS'}  {what}: {detail}")
 
     def to_json(self) -> dict[str, Any]:
         return {"figures": self.figures,
-                "targets": [{"what": t.what, "pass": t.ok, "detail": t.detail} for t in self.targets]}
+                "targets": [{"what": w, "pass": ok, "detail": d} for w, ok, d in self.targets]}
 
 
 def fmt_t(seconds: float, nbytes: int | None = None) -> str:
@@ -176,226 +180,265 @@ def fmt_t(seconds: float, nbytes: int | None = None) -> str:
     return f"{s} ({gbps(nbytes, seconds):.2f} GB/s)" if nbytes else s
 
 
-def fmt_rate(rate_gbps: float) -> str:
-    return f"{rate_gbps * 1e3:.0f} MB/s" if rate_gbps < 1 else f"{rate_gbps:.2f} GB/s"
+def rate(nbytes: int, seconds: float) -> str:
+    r = gbps(nbytes, seconds)
+    return f"{r * 1e3:.0f} MB/s" if r < 1 else f"{r:.2f} GB/s"
 
 
-# ----------------------------------------------------------- 1. copy floor
-def measure_copy(state: dict[str, torch.Tensor], reps: int = 3) -> dict[str, float]:
-    """Best-of-`reps` copy into reused pre-touched buffers, and into fresh ones (clone)."""
-    dst = {k: torch.empty_like(v) for k, v in state.items()}
-    for d in dst.values():
-        d.zero_()  # pre-touch: no page faults in the timed copies
-    reused = []
-    with torch.no_grad():
-        for _ in range(reps):
-            t0 = now()
-            for k, v in state.items():
+def fmt_rate(nbytes: int, seconds: float) -> str:
+    return f"{rate(nbytes, seconds)} ({seconds:.2f} s)"
+
+
+# ------------------------------------------------------- the contenders
+def copy_floor(src: State, dst: State, reps: int = 3) -> list[float]:
+    """`reps` copies into reused, pre-touched buffers: the best is what a stall cannot beat."""
+    def copy() -> None:
+        with torch.no_grad():
+            for k, v in src.items():
                 dst[k].copy_(v)
-            reused.append(now() - t0)
-    del dst
-    free()
-    fresh = []
+    return [timed(copy) for _ in range(reps)]
+
+
+def clone_fresh(src: State, reps: int = 3) -> float:
+    """Best-of-`reps` copy into fresh memory (first-touch page faults included)."""
+    best = math.inf
     for _ in range(reps):
         t0 = now()
-        c = {k: v.clone() for k, v in state.items()}
-        fresh.append(now() - t0)
+        c = {k: v.clone() for k, v in src.items()}
+        best = min(best, now() - t0)
         del c
         free()
-    return {"copy_reused_s": min(reused), "clone_fresh_s": min(fresh)}
+    return best
 
 
-# ------------------------------------------- 2 + 6. our stall and persist
-def snapshot_timed(ck: ftkit.Checkpointer, step: int) -> tuple[float, bool]:
-    t0 = now()
-    staged = ck.snapshot(step)
-    return now() - t0, staged
+def ours_snapshot(ck: ftkit.Checkpointer, step: int) -> tuple[float, float, float]:
+    """(stall, commit, persist) of one snapshot.
 
-
-def measure_ours_idle(state, url: str, steady_calls: int, **tier_kw) -> dict[str, Any]:
-    """snapshot() stall with the background idle, and persist time (snapshot return -> wait return)."""
-    tier = ours_tier(url, **tier_kw)
-    ck = ftkit.Checkpointer(state, tiers=[tier], rng=False, policy="wait")
-    stalls, persists = [], []
-    try:
-        for step in range(1, steady_calls + 2):
-            stall, _ = snapshot_timed(ck, step)
-            t0 = now()
-            ck.wait()
-            persists.append(now() - t0)
-            stalls.append(stall)
-        manifest = newest_manifest(tier.open())
-    finally:
-        ck.close()
-    return {
-        "stall_first_s": stalls[0], "stall_steady_s": statistics.median(stalls[1:]),
-        "stall_steady_all_s": stalls[1:],
-        "persist_first_s": persists[0], "persist_steady_s": statistics.median(persists[1:]),
-        "persist_steady_all_s": persists[1:],
-        "stored_bytes": manifest.total_stored_bytes, "raw_bytes": manifest.total_raw_bytes,
-    }
-
-
-def measure_ours_busy(state, url: str, policy: str, reps: int = 3) -> dict[str, Any]:
-    """Stalls while the background still persists earlier snapshots.
-
-    Each rep: wait() for an idle background, then three snapshots back to back:
-    A (background idle), B (background persisting A, second slot free) and C
-    (both slots busy: policy "wait" blocks until A is persisted, "skip" returns).
-    The first rep's B allocates the second slot, so it is reported on its own.
+    stall: snapshot() time; persist: snapshot() return -> wait() return (all
+    background work, retention included); commit: snapshot() return -> the step
+    is durable (stats.persisted counts it, before retention runs), by polling.
     """
-    ck = ftkit.Checkpointer(state, tiers=[ours_tier(url)], rng=False, policy=policy)
-    step = 1
-    free_slot, full, staged_full = [], [], []
-    try:
-        snapshot_timed(ck, step)  # allocates and pre-faults the first slot
-        ck.wait()
-        for _ in range(reps):
-            snapshot_timed(ck, step := step + 1)
-            s_free, _ = snapshot_timed(ck, step := step + 1)
-            s_full, ok = snapshot_timed(ck, step := step + 1)
-            ck.wait()
-            free_slot.append(s_free)
-            full.append(s_full)
-            staged_full.append(ok)
-        skipped = ck.stats.skipped
-    finally:
-        ck.close()
-    return {"stall_busy_second_slot_first_use_s": free_slot[0],
-            "stall_busy_free_slot_s": statistics.median(free_slot[1:]),
-            "stall_busy_no_slot_s": statistics.median(full),
-            "busy_no_slot_staged": staged_full, "skipped": skipped}
-
-
-# --------------------------------------------------- 3. torch.save + fsync
-def measure_torch_save(state, path: str, reps: int = 2) -> dict[str, float]:
-    """torch.save + fsync, best of `reps`; the last file is kept for the restore phase."""
-    times = []
-    for _ in range(reps):
-        t0 = now()
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        times.append(now() - t0)
-    return {"torch_save_s": min(times), "torch_save_all_s": times}
-
-
-# ------------------------------------------------------------------ 4. DCP
-def measure_dcp_save(state, root: str, reps: int = 2) -> dict[str, Any]:
-    """dcp.save blocking time, best of `reps`; the last checkpoint is kept for the restore phase."""
-    import torch.distributed.checkpoint as dcp
-
-    times, path = [], ""
-    for i in range(reps):
-        if path:
-            shutil.rmtree(path)
-        path = os.path.join(root, f"dcp-save-{i}")
-        t0 = now()
-        dcp.save(state, checkpoint_id=path)
-        times.append(now() - t0)
-    return {"dcp_save_s": min(times), "dcp_save_all_s": times, "dcp_save_path": path}
-
-
-def measure_dcp_async(state, root: str, reps: int = 3) -> dict[str, Any]:
-    """dcp.async_save blocking time and background time, waiting on its future between calls."""
-    import torch.distributed.checkpoint as dcp
-
-    blocking, background = [], []
-    for i in range(reps):
-        path = os.path.join(root, f"dcp-async-{i}")
-        t0 = now()
-        fut = dcp.async_save(state, checkpoint_id=path)
-        t1 = now()
-        getattr(fut, "upload_completion", fut).result()
-        background.append(now() - t1)
-        blocking.append(t1 - t0)
-        shutil.rmtree(path)
-        del fut
-        free()
-    return {"dcp_async_first_s": blocking[0], "dcp_async_steady_s": min(blocking[1:]),
-            "dcp_async_blocking_all_s": blocking, "dcp_async_background_all_s": background,
-            "dcp_async_background_steady_s": min(background[1:])}
-
-
-# ------------------------------------------------------ 5. raw write floor
-def measure_raw_write(state, path: str, reps: int = 3) -> dict[str, Any]:
-    """Plain sequential writes of every tensor's bytes into one file, then fsync."""
-    views = raw_views(state)
-    times = []
-    for _ in range(reps):
-        t0 = now()
-        with open(path, "wb", buffering=0) as f:
-            for v in views:
-                f.write(v)
-            os.fsync(f.fileno())
-        times.append(now() - t0)
-        os.remove(path)
-    return {"raw_write_s": statistics.median(times), "raw_write_best_s": min(times),
-            "raw_write_all_s": times}
-
-
-# --------------------------------------------------------------- 7. restore
-def timed_restore(name: str, dest: dict[str, torch.Tensor], expect: dict[str, torch.Tensor],
-                  load: Callable[[], None], cold: bool) -> float:
-    for t in dest.values():
-        t.zero_()
-    if cold:
-        drop_caches()
+    persisted = ck.stats.persisted
     t0 = now()
-    load()
-    dt = now() - t0
-    if not same(dest, expect):
-        raise AssertionError(f"restore by {name} did not reproduce the state")
-    return dt
+    ck.snapshot(step)
+    t1 = now()
+    while ck.stats.persisted == persisted and ck.stats.failed == 0:
+        time.sleep(0.002)
+    t2 = now()
+    ck.wait()
+    return t1 - t0, t2 - t1, now() - t1
 
 
-def measure_restore(state, ours_url: str, dcp_path: str, torch_path: str | None,
-                    storage_options: dict | None = None,
-                    dcp_reader: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """ftkit restore() vs dcp.load vs torch.load (+ copy into the state), cold then warm."""
-    import torch.distributed.checkpoint as dcp
+def raw_write(views: list[memoryview], path: str) -> float:
+    """Plain sequential writes of the bytes into one new file, then fsync."""
+    t0 = now()
+    with open(path, "wb", buffering=0) as f:
+        for v in views:
+            f.write(v)
+        os.fsync(f.fileno())
+    return now() - t0
 
-    dest = zeros_like_state(state)
-    tier = ours_tier(ours_url, storage_options=storage_options or {})
 
-    def ours() -> None:
-        ck = ftkit.Checkpointer(dest, tiers=[tier], rng=False)
-        try:
-            ck.restore()
-        finally:
-            ck.close()
+def dcp_async(state: State, path: str) -> tuple[float, float]:
+    """(blocking, background) of one DCP async_save, waiting on its future."""
+    t0 = now()
+    fut = dcp.async_save(state, checkpoint_id=path)
+    t1 = now()
+    getattr(fut, "upload_completion", fut).result()
+    return t1 - t0, now() - t1
 
-    def dcp_load() -> None:
-        if dcp_reader is not None:
-            dcp.load(dest, storage_reader=dcp_reader())
-        else:
-            dcp.load(dest, checkpoint_id=dcp_path)
 
-    def torch_load() -> None:
-        loaded = torch.load(torch_path)
-        with torch.no_grad():
-            for k, v in loaded.items():
-                dest[k].copy_(v)
+def torch_save(state: State, path: str) -> float:
+    t0 = now()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return now() - t0
 
-    can_drop = os.access(DROP_CACHES, os.W_OK)
-    out: dict[str, Any] = {"cold_cache": can_drop}
-    loaders = [("ours", ours), ("dcp_load", dcp_load)] + ([("torch_load", torch_load)] if torch_path else [])
-    for cache in (("cold", True), ("warm", False)) if can_drop else (("warm", False),):
-        for name, fn in loaders:
-            if cache[0] == "warm":
-                fn()  # make sure this file is the one in the cache
-            out[f"restore_{name}_{cache[0]}_s"] = timed_restore(name, dest, state, fn, cold=cache[1])
-            free()
-    del dest
+
+# ------------------------------------------------------------ the phases
+def phase_rounds(state: State, work: str, rounds: int) -> tuple[dict[str, Any], ftkit.Checkpointer]:
+    """Floor copy, our snapshot + persist, raw write, DCP async_save: once per round.
+
+    Round 0 holds every contender's first call; rounds 1.. are steady state. The
+    Checkpointer (keep=1, like the raw file, so both write while one older copy
+    exists) is returned for the busy-background phase.
+    """
+    dst = {k: torch.zeros_like(v) for k, v in state.items()}  # zeros: pre-touched
+    views = raw_views(state)
+    ck = ftkit.Checkpointer(state, tiers=[Tier(os.path.join(work, "ours"), keep=1)], rng=False,
+                            policy="wait")
+    r: dict[str, list[float]] = {k: [] for k in ("floor", "copy", "stall", "commit", "persist", "raw", "dcp_block",
+                                                 "dcp_bg")}
+    for i in range(rounds + 1):
+        progress(f"round {i}/{rounds}")
+        copies = copy_floor(state, dst)
+        r["floor"].append(min(copies))  # best of 3: the floor
+        r["copy"].append(median(copies))  # a typical single copy at this moment
+        for k, v in zip(("stall", "commit", "persist"), ours_snapshot(ck, i + 1)):
+            r[k].append(v)
+        r["raw"].append(raw_write(views, os.path.join(work, f"raw-{i}.bin")))
+        if i:
+            os.remove(os.path.join(work, f"raw-{i - 1}.bin"))
+        block, bg = dcp_async(state, os.path.join(work, f"dcp-async-{i}"))
+        rmtree(os.path.join(work, f"dcp-async-{i}"))
+        r["dcp_block"].append(block)
+        r["dcp_bg"].append(bg)
+        free()
+    os.remove(os.path.join(work, f"raw-{rounds}.bin"))
+    del dst, views
     free()
+
+    steady = {k: v[1:] for k, v in r.items()}
+    out: dict[str, Any] = {f"rounds_{k}_s": v for k, v in r.items()}
+    out.update({
+        "ours_stall_first_s": r["stall"][0], "ours_persist_first_s": r["persist"][0],
+        "dcp_async_first_s": r["dcp_block"][0], "dcp_async_bg_first_s": r["dcp_bg"][0],
+        "raw_write_first_s": r["raw"][0],
+        **{f"{k}_steady_s": median(v) for k, v in steady.items()},
+        "stall_over_floor": median([s / f for s, f in zip(steady["stall"], steady["floor"])]),
+        "stall_over_copy": median([s / c for s, c in zip(steady["stall"], steady["copy"])]),
+        "dcp_async_over_stall": median([d / s for d, s in zip(steady["dcp_block"], steady["stall"])]),
+        "persist_speed_over_raw": median([w / p for w, p in zip(steady["raw"], steady["persist"])]),
+        "commit_speed_over_raw": median([w / c for w, c in zip(steady["raw"], steady["commit"])]),
+        "persist_speed_over_dcp_bg": median([d / p for d, p in zip(steady["dcp_bg"], steady["persist"])]),
+    })
+    return out, ck
+
+
+def phase_busy(ck: ftkit.Checkpointer, first_step: int, reps: int = 3) -> dict[str, Any]:
+    """Stalls while the background is still persisting earlier snapshots.
+
+    Each rep, from an idle background: snapshot A, then B at once (the background
+    is persisting A; the second slot is free), then C at once (both slots busy:
+    policy "wait" blocks until A is persisted, "skip" returns without staging).
+    Policy "wait" runs first, so its first B also allocates the second slot;
+    that one is reported on its own. The policy is switched on the same
+    Checkpointer (a public attribute) so "skip" sees both slots allocated.
+    """
+    out: dict[str, Any] = {}
+    step = first_step
+    for policy in ("wait", "skip"):
+        ck.policy = policy
+        skipped0 = ck.stats.skipped
+        with_slot, no_slot = [], []
+        for _ in range(reps):
+            ck.wait()
+            for t in (None, with_slot, no_slot):  # A (idle), B (a slot free), C (none free)
+                step += 1
+                t0 = now()
+                ck.snapshot(step)
+                if t is not None:
+                    t.append(now() - t0)
+        ck.wait()
+        if policy == "wait":
+            out["busy_second_slot_first_use_s"] = with_slot.pop(0)
+        out[f"busy_{policy}_slot_free_s"] = median(with_slot)
+        out[f"busy_{policy}_no_slot_s"] = median(no_slot)
+        out[f"busy_{policy}_skipped"] = ck.stats.skipped - skipped0
+        out[f"busy_{policy}_reps"] = reps
     return out
 
 
-# -------------------------------------------------------------------- 8. S3
+def phase_blocking_savers(state: State, work: str, reps: int = 2) -> dict[str, Any]:
+    """clone(), torch.save + fsync and DCP save; the last files stay for the restore phase."""
+    out: dict[str, Any] = {"clone_fresh_s": clone_fresh(state)}
+    ts, ds = [], []
+    for i in range(reps):
+        ts.append(torch_save(state, os.path.join(work, "state.pt")))
+        path = os.path.join(work, "dcp-save")
+        rmtree(path)
+        ds.append(timed(lambda: dcp.save(state, checkpoint_id=path)))
+        free()
+    out.update(torch_save_all_s=ts, torch_save_s=min(ts), dcp_save_all_s=ds, dcp_save_s=min(ds))
+    return out
+
+
+def phase_zstd(state: State, work: str, rounds: int = 2) -> dict[str, Any]:
+    """Persist with compress="zstd": the fp32 state, then a bf16 copy of it (compressible)."""
+    out: dict[str, Any] = {}
+    for label in ("fp32", "bf16"):
+        s = state if label == "fp32" else {k: v.to(torch.bfloat16) for k, v in state.items()}
+        url = os.path.join(work, f"zstd-{label}")
+        tier = Tier(url, keep=1, compress="zstd")
+        ck = ftkit.Checkpointer(s, tiers=[tier], rng=False)
+        views = raw_views(s)
+        persist, raw = [], []
+        try:
+            ours_snapshot(ck, 1)  # warm-up: allocates the slot
+            for i in range(rounds):
+                persist.append(ours_snapshot(ck, i + 2)[2])
+                raw.append(raw_write(views, os.path.join(work, "raw-zstd.bin")))
+                os.remove(os.path.join(work, "raw-zstd.bin"))
+            m = newest_manifest(tier.open())
+        finally:
+            ck.close()
+        out.update({f"zstd_{label}_bytes": state_bytes(s), f"zstd_{label}_persist_s": median(persist),
+                    f"zstd_{label}_raw_write_s": median(raw),
+                    f"zstd_{label}_ratio": m.total_stored_bytes / m.total_raw_bytes,
+                    f"zstd_{label}_speed_over_raw": median([w / p for w, p in zip(raw, persist)])})
+        rmtree(url)
+        del s, views, ck
+        free()
+    return out
+
+
+def phase_restore(state: State, loaders: dict[str, Callable[[State], None]], reps: int = 2,
+                  prefix: str = "restore") -> dict[str, Any]:
+    """Each loader fills zeroed tensors of the state's shapes; cold (caches dropped) then warm.
+
+    Rounds interleave the loaders; figures are medians. Every load is checked
+    against the state.
+    """
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    cold = can_drop_caches()
+    out: dict[str, Any] = {f"{prefix}_cold_cache": cold}
+    for cache in ("cold", "warm") if cold else ("warm",):
+        times: dict[str, list[float]] = {name: [] for name in loaders}
+        for _ in range(reps):
+            for name, load in loaders.items():
+                if cache == "warm":
+                    load(dest)  # this loader's files are the ones in the cache
+                for t in dest.values():
+                    t.zero_()
+                if cache == "cold":
+                    drop_caches()
+                times[name].append(timed(lambda: load(dest)))
+                if not same(dest, state):
+                    raise AssertionError(f"{name} did not restore the state")
+                free()
+        for name, ts in times.items():
+            out[f"{prefix}_{name}_{cache}_s"] = median(ts)
+            out[f"{prefix}_{name}_{cache}_all_s"] = ts
+    return out
+
+
+def ours_loader(url: str, storage_options: dict | None = None) -> Callable[[State], None]:
+    def load(dest: State) -> None:
+        ck = ftkit.Checkpointer(dest, tiers=[Tier(url, storage_options=storage_options or {})], rng=False)
+        try:
+            if not ck.restore():
+                raise AssertionError(f"nothing to restore in {url}")
+        finally:
+            ck.close()
+    return load
+
+
+def torch_loader(path: str) -> Callable[[State], None]:
+    def load(dest: State) -> None:  # what model.load_state_dict(torch.load(path)) costs
+        loaded = torch.load(path)
+        with torch.no_grad():
+            for k, v in loaded.items():
+                dest[k].copy_(v)
+    return load
+
+
+# ------------------------------------------------------------------- S3
 def import_s3_server(wait_s: float) -> type:
     """scripts/s3_server.py's S3Server, polling for it while it is being written."""
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     deadline = now() + wait_s
     while True:
         try:
@@ -406,229 +449,207 @@ def import_s3_server(wait_s: float) -> type:
                 raise SystemExit(f"scripts/s3_server.py (S3Server) is not usable: {e}") from None
             progress(f"waiting for scripts/s3_server.py ({e})")
             time.sleep(30)
-            for mod in [m for m in sys.modules if m.startswith("scripts")]:
+            for mod in [m for m in sys.modules if m == "scripts" or m.startswith("scripts.")]:
                 del sys.modules[mod]
 
 
-def measure_s3(gib: float, n: int, root: str, wait_s: float, steady_calls: int = 2) -> dict[str, Any]:
+def phase_s3(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """Ours to s3:// vs raw s3fs puts (sequential, and concurrent fs.pipe) vs DCP FsspecWriter."""
     import s3fs
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    S3Server = import_s3_server(wait_s)
-    state = make_state(gib, n, seed=1)
-    nbytes = state_bytes(state)
-    out: dict[str, Any] = {"s3_state_bytes": nbytes}
-    with S3Server(data_dir=os.path.join(root, "seaweedfs")) as srv:
+    S3Server = import_s3_server(args.s3_wait)
+    state = make_state(args.s3_gib, args.tensors, seed=1)
+    views = raw_views(state)
+    out: dict[str, Any] = {"s3_state_bytes": state_bytes(state)}
+    with S3Server(data_dir=os.path.join(work, "seaweedfs")) as srv:
         opts = srv.storage_options()
         out["s3_server_start_s"] = srv.startup_seconds
-        progress(f"S3 server up at {srv.endpoint_url}; ours")
-        ours_url = srv.url("bench/ours")
-        r = measure_ours_idle(state, ours_url, steady_calls, storage_options=opts)
-        out.update({f"s3_ours_{k}": v for k, v in r.items()})
-
-        progress("S3 raw s3fs puts")
         fs = s3fs.S3FileSystem(**opts)
-        views = raw_views(state)
-        seq = []
-        for _ in range(2):
-            t0 = now()
+        ours_url, dcp_url = srv.url("bench/ours"), srv.url("bench/dcp")
+        raw_prefix = f"{srv.bucket}/bench/raw"
+
+        def raw_puts() -> None:
             for k, v in zip(state, views):
-                fs.pipe_file(f"{srv.bucket}/bench/raw/{k}", bytes(v))
-            seq.append(now() - t0)
-            fs.rm(f"{srv.bucket}/bench/raw", recursive=True)
-        out["s3_raw_puts_seq_s"] = min(seq)
-        t0 = now()
-        fs.pipe({f"{srv.bucket}/bench/rawc/{k}": bytes(v) for k, v in zip(state, views)})
-        out["s3_raw_puts_concurrent_s"] = now() - t0
-        fs.rm(f"{srv.bucket}/bench/rawc", recursive=True)
-        del views
-        free()
+                fs.pipe_file(f"{raw_prefix}/{k}", bytes(v))
 
-        progress("S3 DCP FsspecWriter")
-        dcp_url = srv.url("bench/dcp")
-        t0 = now()
-        dcp.save(state, storage_writer=FsspecWriter(dcp_url, **opts))
-        out["s3_dcp_save_s"] = now() - t0
+        def dcp_save() -> None:
+            dcp.save(state, storage_writer=FsspecWriter(dcp_url, **opts))
 
+        ck = ftkit.Checkpointer(state, tiers=[Tier(ours_url, keep=1, storage_options=opts)], rng=False)
+        r: dict[str, list[float]] = {"stall": [], "commit": [], "persist": [], "raw_seq": [], "dcp_save": []}
+        try:
+            for i in range(args.s3_rounds + 1):
+                progress(f"S3 round {i}/{args.s3_rounds}")
+                for k, v in zip(("stall", "commit", "persist"), ours_snapshot(ck, i + 1)):
+                    r[k].append(v)
+                r["raw_seq"].append(timed(raw_puts))
+                fs.rm(raw_prefix, recursive=True)
+                if fs.exists(dcp_url):  # the last one stays for the restore
+                    fs.rm(dcp_url, recursive=True)
+                r["dcp_save"].append(timed(dcp_save))
+        finally:
+            ck.close()
+        t0 = now()
+        fs.pipe({f"{raw_prefix}c/{k}": bytes(v) for k, v in zip(state, views)})
+        out["s3_raw_concurrent_s"] = now() - t0
+        fs.rm(f"{raw_prefix}c", recursive=True)
+        out.update({f"s3_rounds_{k}_s": v for k, v in r.items()})
+        out.update({"s3_ours_persist_first_s": r["persist"][0],
+                    **{f"s3_{k}_steady_s": median(v[1:]) for k, v in r.items()},
+                    "s3_persist_speed_over_raw_seq": median([w / p for w, p in zip(r["raw_seq"][1:], r["persist"][1:])]),
+                    "s3_persist_speed_over_dcp": median([d / p for d, p in zip(r["dcp_save"][1:], r["persist"][1:])])})
         progress("S3 restore")
-        r = measure_restore(state, ours_url, dcp_url, None, storage_options=opts,
-                            dcp_reader=lambda: FsspecReader(dcp_url, **opts))
-        out.update({f"s3_{k}": v for k, v in r.items()})
-    del state
-    free()
+
+        def dcp_load(dest: State) -> None:
+            dcp.load(dest, storage_reader=FsspecReader(dcp_url, **opts))
+
+        out.update(phase_restore(state, {"ours": ours_loader(ours_url, opts), "dcp_load": dcp_load},
+                                 reps=1, prefix="s3_restore"))
     return out
 
 
-# ---------------------------------------------------------------- the run
-def run(args: argparse.Namespace, res: Results, work: str) -> None:
-    fig = res.figures
+# -------------------------------------------------------------- the run
+def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
     state = make_state(args.gib, args.tensors)
-    nbytes = state_bytes(state)
-    fig.update({"state_bytes": nbytes, "tensors": len(state), "dtype": "float32",
-                "dir": work, "filesystem": fs_description(work), "torch": torch.__version__,
-                "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()})
+    f: dict[str, Any] = {
+        "state_bytes": state_bytes(state), "tensors": len(state), "dtype": "float32", "dir": work,
+        "filesystem": fs_description(work), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "rounds": args.rounds, "loadavg_start": os.getloadavg()}
 
-    progress("1. copy floor / clone")
-    fig.update(measure_copy(state))
-    progress("2. ours, background idle")
-    ours_url = os.path.join(work, "ours")
-    r = measure_ours_idle(state, ours_url, args.steady)
-    fig.update({f"ours_{k}": v for k, v in r.items() if k not in ("stored_bytes", "raw_bytes")})
+    progress("rounds: copy floor, ours snapshot + persist, raw write, DCP async_save")
+    rounds, ck = phase_rounds(state, work, args.rounds)
+    f.update(rounds)
+    progress("ours with a busy background, policy wait then skip")
+    try:
+        f.update(phase_busy(ck, first_step=args.rounds + 1))
+    finally:
+        ck.close()
+    del ck
     free()
-    progress("2. ours, background busy, policy wait")
-    fig.update({f"ours_wait_{k}": v for k, v in measure_ours_busy(state, os.path.join(work, "busy-wait"), "wait").items()})
-    shutil.rmtree(os.path.join(work, "busy-wait"), ignore_errors=True)
-    free()
-    progress("2. ours, background busy, policy skip")
-    fig.update({f"ours_skip_{k}": v for k, v in measure_ours_busy(state, os.path.join(work, "busy-skip"), "skip").items()})
-    shutil.rmtree(os.path.join(work, "busy-skip"), ignore_errors=True)
-    free()
-
-    progress("6. ours zstd: fp32 state, then a bf16 copy of it")
-    z = measure_ours_idle(state, os.path.join(work, "zstd-fp32"), 2, compress="zstd", keep=1)
-    fig.update({"zstd_fp32_persist_s": z["persist_steady_s"], "zstd_fp32_ratio": z["stored_bytes"] / z["raw_bytes"]})
-    shutil.rmtree(os.path.join(work, "zstd-fp32"))
-    bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    fig["bf16_bytes"] = state_bytes(bf16)
-    z = measure_ours_idle(bf16, os.path.join(work, "zstd-bf16"), 2, compress="zstd", keep=1)
-    fig.update({"zstd_bf16_persist_s": z["persist_steady_s"], "zstd_bf16_ratio": z["stored_bytes"] / z["raw_bytes"]})
-    shutil.rmtree(os.path.join(work, "zstd-bf16"))
-    raw_bf16 = measure_raw_write(bf16, os.path.join(work, "raw-bf16.bin"), reps=1)
-    fig["raw_write_bf16_s"] = raw_bf16["raw_write_s"]
-    del bf16, z
-    free()
-
-    progress("3. torch.save + fsync")
-    torch_path = os.path.join(work, "state.pt")
-    fig.update(measure_torch_save(state, torch_path))
-    progress("4. DCP save")
-    r = measure_dcp_save(state, work)
-    dcp_path = r.pop("dcp_save_path")
-    fig.update(r)
-    free()
-    progress("4. DCP async_save")
-    fig.update(measure_dcp_async(state, work))
-    free()
-    progress("5. raw write + fsync")
-    fig.update(measure_raw_write(state, os.path.join(work, "raw.bin")))
-
-    progress("7. restore")
-    fig.update(measure_restore(state, ours_url, dcp_path, torch_path))
+    progress("clone, torch.save, DCP save")
+    f.update(phase_blocking_savers(state, work))
+    progress("ours zstd")
+    f.update(phase_zstd(state, work))
+    progress("restore")
+    f.update(phase_restore(state, {
+        "ours": ours_loader(os.path.join(work, "ours")),
+        "dcp_load": lambda dest: dcp.load(dest, checkpoint_id=os.path.join(work, "dcp-save")),
+        "torch_load": torch_loader(os.path.join(work, "state.pt")),
+    }))
     del state
     free()
-
     if args.s3:
-        progress("8. S3")
-        fig.update(measure_s3(args.s3_gib, args.tensors, work, args.s3_wait))
-    fig["peak_rss_gib"] = peak_rss_gib()
-    tabulate(res)
+        progress("S3")
+        f.update(phase_s3(args, work))
+        free()
+    f["peak_rss_gib"] = peak_rss_gib()
+    f["loadavg_end"] = os.getloadavg()
+    return f
 
 
-def tabulate(res: Results) -> None:
-    f = res.figures
-    n = f["state_bytes"]
-    floor, steady = f["copy_reused_s"], f["ours_stall_steady_s"]
-    dcp_async = f["dcp_async_steady_s"]
+def tabulate(f: dict[str, Any]) -> Results:
+    res = Results(figures=f)
+    n, k = f["state_bytes"], f["rounds"]
+    floor, stall, dcp_a = f["floor_steady_s"], f["stall_steady_s"], f["dcp_block_steady_s"]
+    raw, persist = f["raw_steady_s"], f["persist_steady_s"]
 
-    rows = res.section(f"snapshot stall ({n / 2**30:.2f} GiB, {f['tensors']} fp32 tensors, CPU, "
-                       f"{f['cpu_count']} cores)")
+    rows = res.section(f"snapshot stall: {n / 2**30:.2f} GiB in {f['tensors']} fp32 tensors on CPU "
+                       f"({f['cpu_count']} cores); steady = median of {k} rounds")
     rows += [
-        Row("copy into reused buffers (floor, best of 3)", fmt_t(floor, n)),
+        Row("copy into reused buffers (floor, best of 3)", fmt_t(floor, n),
+            f"range {min(f['rounds_floor_s']):.3f}-{max(f['rounds_floor_s']):.3f} s"),
         Row("copy into fresh buffers (clone, best of 3)", "", fmt_t(f["clone_fresh_s"], n),
             f"{f['clone_fresh_s'] / floor:.1f}x the floor"),
-        Row("ours snapshot(), first call", fmt_t(f["ours_stall_first_s"], n), "",
-            f"{f['ours_stall_first_s'] / floor:.2f}x floor"),
-        Row("ours snapshot(), steady, background idle", fmt_t(steady, n), f"floor {fmt_t(floor)}",
-            f"{steady / floor:.2f}x floor"),
-        Row("ours, bg busy, 2nd slot's first use", fmt_t(f["ours_wait_stall_busy_second_slot_first_use_s"]), "",
-            f"{f['ours_wait_stall_busy_second_slot_first_use_s'] / floor:.2f}x floor"),
-        Row("ours, bg busy, a slot free", fmt_t(f["ours_wait_stall_busy_free_slot_s"]), "",
-            f"{f['ours_wait_stall_busy_free_slot_s'] / floor:.2f}x floor"),
-        Row("ours, bg busy, no slot free, policy=wait", fmt_t(f["ours_wait_stall_busy_no_slot_s"]), "",
+        Row("snapshot(), first call", fmt_t(f["ours_stall_first_s"]), "",
+            f"{f['ours_stall_first_s'] / floor:.1f}x floor"),
+        Row("snapshot(), steady, background idle", fmt_t(stall, n), f"floor {fmt_t(floor)}",
+            f"{f['stall_over_floor']:.2f}x floor (paired)"),
+        Row("  vs a single copy (median of the 3)", fmt_t(stall), fmt_t(f["copy_steady_s"]),
+            f"{f['stall_over_copy']:.2f}x (paired)"),
+        Row("  bg busy: 2nd slot's first use", fmt_t(f["busy_second_slot_first_use_s"]), "",
+            f"{f['busy_second_slot_first_use_s'] / floor:.1f}x floor"),
+        Row("  bg busy: a slot free", fmt_t(f["busy_wait_slot_free_s"]), "",
+            f"{f['busy_wait_slot_free_s'] / floor:.1f}x floor"),
+        Row("  bg busy: no slot free, policy=wait", fmt_t(f["busy_wait_no_slot_s"]), "",
             "blocks until a persist ends"),
-        Row("ours, bg busy, no slot free, policy=skip", fmt_t(f["ours_skip_stall_busy_no_slot_s"]), "",
-            f"skipped {f['ours_skip_skipped']} of {len(f['ours_skip_busy_no_slot_staged'])}"),
-        Row("torch.save + fsync (blocking)", "", fmt_t(f["torch_save_s"], n),
-            f"{f['torch_save_s'] / steady:.0f}x ours"),
-        Row("DCP save (blocking)", "", fmt_t(f["dcp_save_s"], n), f"{f['dcp_save_s'] / steady:.0f}x ours"),
+        Row("  bg busy: no slot free, policy=skip", fmt_t(f["busy_skip_no_slot_s"]), "",
+            f"skipped {f['busy_skip_skipped']} of {f['busy_skip_reps']}"),
+        Row("torch.save + fsync (blocking)", fmt_t(stall), fmt_t(f["torch_save_s"], n),
+            f"{f['torch_save_s'] / stall:.1f}x ours"),
+        Row("DCP save (blocking)", fmt_t(stall), fmt_t(f["dcp_save_s"], n), f"{f['dcp_save_s'] / stall:.1f}x ours"),
         Row("DCP async_save blocking, 1st call", fmt_t(f["ours_stall_first_s"]), fmt_t(f["dcp_async_first_s"]),
-            f"{f['dcp_async_first_s'] / f['ours_stall_first_s']:.1f}x ours 1st"),
-        Row("DCP async_save blocking, steady (2nd/3rd)", fmt_t(steady), fmt_t(dcp_async),
-            f"{dcp_async / steady:.1f}x ours"),
+            f"{f['dcp_async_first_s'] / f['ours_stall_first_s']:.2f}x ours 1st"),
+        Row("DCP async_save blocking, steady", fmt_t(stall), fmt_t(dcp_a),
+            f"{f['dcp_async_over_stall']:.2f}x ours (paired)"),
     ]
 
-    raw = f["raw_write_s"]
-    persist = f["ours_persist_steady_s"]
-    rows = res.section("persist to the local directory (throughput of the same bytes)")
-    dcp_bg = f["dcp_async_background_steady_s"]
+    rows = res.section("persist to the local directory (same bytes; steady = median of rounds)")
     rows += [
-        Row("raw write + fsync (median of 3)", gbps_row(n, raw), f"best {gbps_row(n, f['raw_write_best_s'])}"),
-        Row("ours persist, first", gbps_row(n, f["ours_persist_first_s"]), "",
-            f"{raw / f['ours_persist_first_s']:.2f}x raw"),
-        Row("ours persist, steady (median)", gbps_row(n, persist), f"raw {gbps_row(n, raw)}",
-            f"{raw / persist:.2f}x raw"),
-        Row("DCP async_save background (best steady)", gbps_row(n, persist), gbps_row(n, dcp_bg),
-            f"ours {dcp_bg / persist:.2f}x DCP"),
-        Row("torch.save + fsync", gbps_row(n, persist), gbps_row(n, f["torch_save_s"]),
-            f"ours {f['torch_save_s'] / persist:.2f}x"),
-        Row(f"ours zstd, fp32 randn (stored/raw {f['zstd_fp32_ratio']:.3f})",
-            gbps_row(n, f["zstd_fp32_persist_s"]), f"raw {gbps_row(n, raw)}",
-            f"{raw / f['zstd_fp32_persist_s']:.2f}x raw"),
-        Row(f"ours zstd, bf16 copy (stored/raw {f['zstd_bf16_ratio']:.3f})",
-            gbps_row(f["bf16_bytes"], f["zstd_bf16_persist_s"]),
-            f"raw {gbps_row(f['bf16_bytes'], f['raw_write_bf16_s'])} (1 rep)",
-            f"{f['raw_write_bf16_s'] / f['zstd_bf16_persist_s']:.2f}x raw"),
+        Row("raw write + fsync", "", fmt_rate(n, raw),
+            f"range {rate(n, max(f['rounds_raw_s']))} - {rate(n, min(f['rounds_raw_s']))}"),
+        Row("ours persist, first", fmt_rate(n, f["ours_persist_first_s"]), fmt_rate(n, f["raw_write_first_s"]),
+            f"{f['raw_write_first_s'] / f['ours_persist_first_s']:.2f}x raw's speed"),
+        Row("ours persist, steady vs raw write", fmt_rate(n, persist), fmt_rate(n, raw),
+            f"{f['persist_speed_over_raw']:.2f}x raw's speed (paired)"),
+        Row("  ours until commit (before retention)", fmt_rate(n, f["commit_steady_s"]), fmt_rate(n, raw),
+            f"{f['commit_speed_over_raw']:.2f}x raw's speed (paired)"),
+        Row("ours persist vs DCP async_save background", fmt_rate(n, persist), fmt_rate(n, f["dcp_bg_steady_s"]),
+            f"{f['persist_speed_over_dcp_bg']:.2f}x DCP's speed (paired)"),
+        Row("ours persist vs torch.save + fsync", fmt_rate(n, persist), fmt_rate(n, f["torch_save_s"]),
+            f"{f['torch_save_s'] / persist:.2f}x torch's speed"),
     ]
+    for label in ("fp32", "bf16"):
+        m = f[f"zstd_{label}_bytes"]
+        rows.append(Row(f"ours zstd, {label} (stored/raw {f[f'zstd_{label}_ratio']:.3f}) vs raw",
+                        fmt_rate(m, f[f"zstd_{label}_persist_s"]), fmt_rate(m, f[f"zstd_{label}_raw_write_s"]),
+                        f"{f[f'zstd_{label}_speed_over_raw']:.2f}x raw's speed (paired)"))
 
-    cold = "cold" if f["cold_cache"] else "warm"
-    rows = res.section(f"restore into existing tensors ({'page cache dropped before each cold run' if f['cold_cache'] else 'warm page cache only: cannot drop caches'})")
-    for cache in ("cold", "warm") if f["cold_cache"] else ("warm",):
+    caches = ("cold", "warm") if f["restore_cold_cache"] else ("warm",)
+    rows = res.section("restore into existing tensors (" + ("page cache dropped before each cold load)"
+                       if f["restore_cold_cache"] else "warm page cache only: cannot drop caches)"))
+    for cache in caches:
         o = f[f"restore_ours_{cache}_s"]
-        d = f[f"restore_dcp_load_{cache}_s"]
-        t = f[f"restore_torch_load_{cache}_s"]
-        rows += [Row(f"ours restore() vs DCP load, {cache}", gbps_row(n, o), gbps_row(n, d), f"{d / o:.2f}x ours speed"),
-                 Row(f"ours restore() vs torch.load+copy_, {cache}", gbps_row(n, o), gbps_row(n, t),
-                     f"{t / o:.2f}x ours speed")]
+        for peer, label in (("dcp_load", "DCP load"), ("torch_load", "torch.load + copy_")):
+            p = f[f"restore_{peer}_{cache}_s"]
+            rows.append(Row(f"restore() vs {label}, {cache}", fmt_rate(n, o), fmt_rate(n, p), f"{p / o:.2f}x their speed"))
 
     if "s3_state_bytes" in f:
         m = f["s3_state_bytes"]
-        p = f["s3_ours_persist_steady_s"]
-        rows = res.section(f"S3 (local SeaweedFS, {m / 2**30:.2f} GiB)")
+        p = f["s3_persist_steady_s"]
+        rows = res.section(f"S3 on a local SeaweedFS: {m / 2**30:.2f} GiB; steady = median of rounds")
         rows += [
-            Row("ours persist, first", gbps_row(m, f["s3_ours_persist_first_s"])),
-            Row("ours persist, steady vs s3fs puts (seq)", gbps_row(m, p), gbps_row(m, f["s3_raw_puts_seq_s"]),
-                f"{f['s3_raw_puts_seq_s'] / p:.2f}x"),
-            Row("ours persist vs s3fs pipe (concurrent)", gbps_row(m, p), gbps_row(m, f["s3_raw_puts_concurrent_s"]),
-                f"{f['s3_raw_puts_concurrent_s'] / p:.2f}x"),
-            Row("ours persist vs DCP save FsspecWriter", gbps_row(m, p), gbps_row(m, f["s3_dcp_save_s"]),
-                f"{f['s3_dcp_save_s'] / p:.2f}x"),
-            Row("ours snapshot() stall, steady", fmt_t(f["s3_ours_stall_steady_s"])),
+            Row("ours persist, first", fmt_rate(m, f["s3_ours_persist_first_s"])),
+            Row("ours persist vs s3fs put per tensor (seq)", fmt_rate(m, p), fmt_rate(m, f["s3_raw_seq_steady_s"]),
+                f"{f['s3_persist_speed_over_raw_seq']:.2f}x their speed (paired)"),
+            Row("ours persist vs s3fs pipe (concurrent)", fmt_rate(m, p), fmt_rate(m, f["s3_raw_concurrent_s"]),
+                f"{f['s3_raw_concurrent_s'] / p:.2f}x their speed"),
+            Row("ours persist vs DCP save, FsspecWriter", fmt_rate(m, p), fmt_rate(m, f["s3_dcp_save_steady_s"]),
+                f"{f['s3_persist_speed_over_dcp']:.2f}x their speed (paired)"),
+            Row("ours snapshot() stall, steady", fmt_t(f["s3_stall_steady_s"])),
         ]
-        for cache in ("cold", "warm") if f["s3_cold_cache"] else ("warm",):
+        for cache in ("cold", "warm") if f["s3_restore_cold_cache"] else ("warm",):
             o, d = f[f"s3_restore_ours_{cache}_s"], f[f"s3_restore_dcp_load_{cache}_s"]
-            rows.append(Row(f"restore vs DCP FsspecReader load, {cache}", gbps_row(m, o), gbps_row(m, d),
-                            f"{d / o:.2f}x ours speed"))
+            rows.append(Row(f"restore() vs DCP FsspecReader load, {cache}", fmt_rate(m, o), fmt_rate(m, d),
+                            f"{d / o:.2f}x their speed"))
 
-    res.target("steady stall <= 1.25x copy floor", steady <= 1.25 * floor,
-               f"{steady / floor:.2f}x ({fmt_t(steady)} vs {fmt_t(floor)})")
-    res.target("steady stall >= 4x lower than DCP async_save blocking (its best steady call)",
-               dcp_async >= 4 * steady, f"{dcp_async / steady:.1f}x lower ({fmt_t(steady)} vs {fmt_t(dcp_async)})")
-    res.target("persist throughput >= 0.9x raw write + fsync", raw / persist >= 0.9,
-               f"{raw / persist:.2f}x ({gbps_row(n, persist)} vs {gbps_row(n, raw)})")
-    o, d = f[f"restore_ours_{cold}_s"], f[f"restore_dcp_load_{cold}_s"]
-    res.target(f"restore at least as fast as DCP load ({cold} cache)", o <= d,
-               f"{d / o:.2f}x DCP's speed ({gbps_row(n, o)} vs {gbps_row(n, d)})")
+    res.target("steady stall <= 1.25x the copy floor", f["stall_over_floor"] <= 1.25,
+               f"{f['stall_over_floor']:.2f}x ({fmt_t(stall)} vs {fmt_t(floor)})")
+    res.target("steady stall >= 4x lower than DCP async_save blocking (steady)", f["dcp_async_over_stall"] >= 4,
+               f"{f['dcp_async_over_stall']:.2f}x lower ({fmt_t(stall)} vs {fmt_t(dcp_a)}; "
+               f"the floor itself is {dcp_a / floor:.2f}x lower)")
+    res.target("persist throughput >= 0.9x raw write + fsync", f["persist_speed_over_raw"] >= 0.9,
+               f"{f['persist_speed_over_raw']:.2f}x ({fmt_rate(n, persist)} vs {fmt_rate(n, raw)})")
+    cache = caches[0]
+    o, d = f[f"restore_ours_{cache}_s"], f[f"restore_dcp_load_{cache}_s"]
+    res.target(f"restore at least as fast as DCP load ({cache} cache)", o <= d,
+               f"{d / o:.2f}x DCP's speed ({fmt_rate(n, o)} vs {fmt_rate(n, d)})")
     if "s3_state_bytes" in f:
-        p, s = f["s3_ours_persist_steady_s"], f["s3_raw_puts_seq_s"]
-        res.target("S3 persist >= raw s3fs puts (sequential)", p <= s,
-                   f"{s / p:.2f}x ({gbps_row(m, p)} vs {gbps_row(m, s)})")
-    print(f"\nstate {n / 2**30:.2f} GiB in {f['dir']} on {f['filesystem']}; torch {f['torch']}, "
-          f"{f['torch_threads']} threads; peak RSS {f['peak_rss_gib']:.1f} GiB")
-
-
-def gbps_row(nbytes: int, seconds: float) -> str:
-    return f"{fmt_rate(gbps(nbytes, seconds))} ({seconds:.2f} s)"
+        ratio = f["s3_persist_speed_over_raw_seq"]
+        res.target("S3 persist >= raw s3fs puts", ratio >= 1,
+                   f"{ratio:.2f}x ({fmt_rate(f['s3_state_bytes'], f['s3_persist_steady_s'])} vs "
+                   f"{fmt_rate(f['s3_state_bytes'], f['s3_raw_seq_steady_s'])})")
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -636,31 +657,41 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
     p.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
-    p.add_argument("--steady", type=int, default=5, help="steady snapshot calls after the first (default 5)")
+    p.add_argument("--rounds", type=int, default=6, help="steady rounds after the first (default 6)")
     p.add_argument("--dir", default=None, help="parent of the temp work dir (default: the system temp dir)")
     p.add_argument("--s3", action="store_true", help="also benchmark a local SeaweedFS S3 server")
     p.add_argument("--s3-gib", type=float, default=0.5, help="state size for the S3 part (default 0.5)")
+    p.add_argument("--s3-rounds", type=int, default=2, help="steady S3 rounds after the first (default 2)")
     p.add_argument("--s3-wait", type=float, default=900, help="seconds to wait for scripts/s3_server.py")
     p.add_argument("--json", default=None, help="write every figure as JSON to this file")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.s3_rounds < 1:
+        p.error("--rounds and --s3-rounds must be >= 1")
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    logging.getLogger("ftkit").setLevel(logging.ERROR)  # "skipped" warnings are expected here
-    warnings.filterwarnings("ignore", module="torch.distributed")
+    logging.getLogger("ftkit").setLevel(logging.ERROR)  # the "skipped" warnings are expected here
+    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
 
+    if os.getloadavg()[0] > 1.0:
+        print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: "
+              "other work will skew the figures", flush=True)
     work = tempfile.mkdtemp(prefix="ftkit-bench-", dir=args.dir)
-    print(f"work dir {work}: {fs_description(work)}; page cache drop "
-          f"{'possible' if os.access(DROP_CACHES, os.W_OK) else 'NOT possible (warm figures only)'}", flush=True)
-    res = Results()
+    print(f"work dir {work} ({fs_description(work)}); page cache drop "
+          f"{'possible: cold restores' if can_drop_caches() else 'NOT possible: warm restores only'}", flush=True)
     try:
-        run(args, res, work)
+        figures = run(args, work)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        rmtree(work)
+    res = tabulate(figures)
     res.print()
+    print(f"\n{figures['state_bytes'] / 2**30:.2f} GiB state; {figures['dir']} on {figures['filesystem']}; "
+          f"torch {figures['torch']}, {figures['torch_threads']} threads; peak RSS {figures['peak_rss_gib']:.1f} GiB; "
+          f"load average {figures['loadavg_start'][0]:.1f} at start, {figures['loadavg_end'][0]:.1f} at end"
+          f"{' (other work was running: figures are noisy)' if max(figures['loadavg_start'][0], figures['loadavg_end'][0]) > 1.5 else ''}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res.to_json(), f, indent=1, default=str)
-    return 0 if all(t.ok for t in res.targets) else 1
+        with open(args.json, "w") as fh:
+            json.dump(res.to_json(), fh, indent=1, default=str)
+    return 0 if all(ok for _, ok, _ in res.targets) else 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,17 @@ every request must be SigV4-signed with those keys (anonymous or wrongly
 signed requests get AccessDenied / InvalidAccessKeyId / SignatureDoesNotMatch).
 Without any identity configured ``weed mini`` would accept everything, which
 would hide credential-plumbing bugs.
+
+SeaweedFS quirks worth knowing when testing against it:
+
+* Deleting every object under a prefix leaves an empty filer directory behind;
+  delimited listings (``fs.ls``, ``fs.exists``/``isdir`` on the prefix) keep
+  reporting it until the empty-folder cleaner runs, about 2-2.5 min later (never,
+  if the server restarts first).  Flat listings (``ListObjectsV2`` without a
+  delimiter) are correct right away.
+* A graceful SIGTERM usually takes ~1.3 s, but the volume server sometimes
+  hangs waiting on open HTTP connections; ``stop_process()`` then escalates to
+  SIGKILL after ``stop_timeout`` (5 s).  Acknowledged data survives either way.
 """
 
 from __future__ import annotations
@@ -60,6 +71,8 @@ SERVICES = ("s3", "master", "filer", "volume", "admin")
 _PORT_CONFLICT_RE = re.compile(
     r"address already in use|is not available|reserved for gRPC", re.IGNORECASE
 )
+
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 # Environment variables that weed reads and that must not leak in from the
 # caller: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY make `weed mini` create an
@@ -197,13 +210,16 @@ class S3Server:
         stop_timeout: float = 5.0,
         weed: str | None = None,
     ) -> None:
+        # weed only logs a warning for an invalid name and never creates the
+        # bucket, which would surface as a confusing readiness timeout.
+        if not _BUCKET_RE.fullmatch(bucket):
+            raise ValueError(f"invalid S3 bucket name {bucket!r} (3-63 chars of a-z 0-9 . -)")
         self.bucket = bucket
         self.access_key = access_key or "FTKIT" + secrets.token_hex(8).upper()
         self.secret_key = secret_key or secrets.token_hex(20)
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self._weed = weed
-        self._requested_dir = data_dir
         self._owns_dir = data_dir is None
         self.data_dir: Path | None = None if data_dir is None else Path(data_dir)
         self.ports: dict[str, int] = {}
@@ -317,6 +333,8 @@ class S3Server:
             raise RuntimeError("S3 server process is already running")
         if not self.ports or self.data_dir is None:
             raise RuntimeError("call start() first")
+        if self._proc is not None:  # it crashed: reap it and close its log
+            self.stop_process()
         # weed merges <dir>/mini.options from the previous run into its flags;
         # we pass every flag explicitly, so drop it to stay hermetic.
         (self.data_dir / "mini.options").unlink(missing_ok=True)
@@ -364,6 +382,10 @@ class S3Server:
                 except subprocess.TimeoutExpired:
                     self._signal_group(proc, signal.SIGKILL)
                     proc.wait()
+                except BaseException:  # e.g. Ctrl-C while waiting: don't orphan it
+                    self._signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+                    raise
         finally:
             if self._log_file is not None:
                 self._log_file.close()

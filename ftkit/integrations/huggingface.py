@@ -1,0 +1,251 @@
+"""Hugging Face ``transformers.Trainer``: snapshots into ftkit tiers, and an exact resume.
+
+::
+
+    from ftkit.integrations.huggingface import FtkitCallback
+
+    ftkit_cb = FtkitCallback(["/local/ckpt"], every_n_steps=50)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[ftkit_cb])
+    trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())   # None: nothing to resume
+
+Why the one extra call: the ``Trainer`` decides which epoch and batch to start from,
+and skips the batches already trained on, only from the ``resume_from_checkpoint``
+it is handed; no callback can move its data loop. ``resume_from_checkpoint()`` loads
+the newest valid ftkit snapshot (checksums verified, a model that does not fit is a
+``StateMismatchError`` naming the keys, and nothing is changed) and writes a small
+directory for ``train()``: ``trainer_state.json`` (epoch, ``global_step``, log
+history) and the restored weights (``save_pretrained``, safetensors). There is no
+optimizer, scheduler or RNG file in it: the callback puts those back itself, the
+optimizer, LR scheduler and AMP ``GradScaler`` in ``on_train_begin`` (once the Trainer
+has built them) and the RNG state (Python, numpy, torch, CUDA) at the first
+``on_step_begin``, the point where the Trainer's own resume sets it: after the
+skipped batches and the next step's batches are fetched. The directory is removed
+once training has begun.
+
+Snapshots are taken at ``on_step_begin``, when ``state.global_step`` is a multiple of
+``every_n_steps``: the state *after* that step, including its logging and evaluation,
+and the RNG state at the point the resume sets it, which is what makes the resumed run
+repeat the uninterrupted one bit for bit (given a deterministic data collator). The last
+step of a run is snapshotted at ``on_train_end``. Snapshots are asynchronous: the step
+waits only for the copy into staging memory.
+
+If the tiers already hold snapshots and ``train()`` was not given
+``resume_from_checkpoint()``, ``on_train_begin`` raises instead of starting over (which
+would let retention delete the run's snapshots); ``ignore_existing=True`` starts over.
+
+Limits, checked at ``Trainer`` construction: one process (``world_size`` 1), no
+DeepSpeed or FSDP (they keep their own sharded state). A collator that draws random
+numbers (MLM masking) makes the first resumed batch differ, as it does with the
+Trainer's own resume. ``transformers.Trainer`` has no exception hook: a failed
+``train()`` leaves the last snapshots flushing in the background; call
+``ftkit_cb.close()`` in a ``finally`` (it is also called at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import weakref
+from typing import Any, Sequence
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - depends on what is installed
+    raise ImportError("ftkit.integrations.huggingface needs transformers (and accelerate): "
+                      "pip install 'ftkit[huggingface]'") from None
+
+import torch
+
+from ..capture import rng_state, set_rng_state
+from ..checkpointer import Checkpointer
+from ..errors import FtkitError, StateMismatchError
+from ..tiers import Tier
+from ._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
+
+log = logging.getLogger("ftkit.huggingface")
+
+__all__ = ["FtkitCallback"]
+
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class FtkitCallback(TrainerCallback):
+    """Snapshot a ``transformers.Trainer`` into ftkit tiers; resume it with ``resume_from_checkpoint()``.
+
+    tiers: ftkit tiers (``Tier`` objects, URLs or dicts), as for :class:`ftkit.Checkpointer`;
+        opened and listed when the Trainer is constructed, so an unreachable tier fails there.
+    every_n_steps: snapshot when ``state.global_step`` is a multiple of this (a tier's own
+        ``every`` applies on top).
+    policy: ``"wait"`` or ``"skip"`` when both staging buffers are busy (see ``Checkpointer``).
+    resume_dir: where ``resume_from_checkpoint()`` writes the directory for ``train()``
+        (default: ``<output_dir>/ftkit-resume``); it is removed when training begins.
+    ignore_existing: start from scratch even if the tiers hold snapshots.
+    checkpointer_kwargs: passed to :class:`ftkit.Checkpointer` (``max_staging_bytes``).
+    """
+
+    def __init__(self, tiers: Sequence[Tier | str | dict] | Tier | str, every_n_steps: int = 1, *,
+                 policy: str = "wait", resume_dir: str | None = None, ignore_existing: bool = False,
+                 **checkpointer_kwargs: Any):
+        if "rng" in checkpointer_kwargs:
+            raise TypeError("FtkitCallback always snapshots the RNG state; 'rng' cannot be turned off here")
+        self.tiers = coerce_tiers(tiers)
+        self.every_n_steps = check_every(every_n_steps)
+        self.policy = policy
+        self.resume_dir = resume_dir
+        self.ignore_existing = ignore_existing
+        self.checkpointer_kwargs = checkpointer_kwargs
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step = 0  # the step train() resumed from (0: started fresh)
+        self._model: torch.nn.Module | None = None
+        self._args: Any = None
+        self._resume: dict[str, Any] | None = None  # loaded by resume_from_checkpoint(), applied in train()
+        self._resume_path: str | None = None
+        self._rng_due: Any = None  # RNG state to set at the first on_step_begin after a resume
+        self._last_step = -1
+        self._atexit = False
+
+    # ----------------------------------------------------------------- state
+    @staticmethod
+    def _entries(model, optimizer, scheduler, trainer_state) -> dict[str, Any]:
+        """The same keys for snapshot and restore; `None` parts become stashes."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+        scaler = getattr(optimizer, "scaler", None)
+        return {
+            "model": model,
+            "optimizer": inner if inner is not None else Stash(dict),
+            "scheduler": scheduler if scheduler is not None else Stash(dict),
+            "scaler": (Adapter(scaler.state_dict, scaler.load_state_dict) if scaler is not None
+                       else Stash(dict)),
+            "trainer_state": (Adapter(lambda: json.dumps(dataclasses.asdict(trainer_state), sort_keys=True),
+                                      lambda v: None) if trainer_state is not None else Stash(str)),
+            "rng": Adapter(rng_state, lambda v: None) if trainer_state is not None else Stash(dict),
+        }
+
+    # ---------------------------------------------------------------- set-up
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if args.world_size > 1:
+            raise FtkitError(f"FtkitCallback supports one training process; world_size is {args.world_size}")
+        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+            raise FtkitError("FtkitCallback does not support DeepSpeed or FSDP (their state is sharded)")
+        check_tiers_reachable(self.tiers, "FtkitCallback")
+        self._model = model
+        self._args = args
+
+    def resume_from_checkpoint(self) -> str | None:
+        """Load the newest ftkit snapshot; return the directory to pass to ``Trainer.train``.
+
+        Returns ``None`` when the tiers hold no snapshot (a fresh start). The model's
+        weights are restored in place now; the rest when training begins.
+        """
+        if self._model is None:
+            raise FtkitError("resume_from_checkpoint(): pass this callback to the Trainer first "
+                             "(Trainer(..., callbacks=[ftkit_cb]))")
+        entries = self._entries(self._model, None, None, None)
+        with Checkpointer(entries, self.tiers, rng=False, **self.checkpointer_kwargs) as ck:
+            step = ck.restore()
+        if step == 0:
+            self._resume = None
+            return None
+        self._resume = {"step": step, **{k: v.take() for k, v in entries.items() if isinstance(v, Stash)}}
+        path = self.resume_dir or os.path.join(self._args.output_dir, "ftkit-resume")
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+        with open(os.path.join(path, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            f.write(self._resume["trainer_state"])
+        # Trainer.train() insists on a weights file; these are the weights just restored.
+        if hasattr(self._model, "save_pretrained"):
+            self._model.save_pretrained(path)
+        else:
+            from safetensors.torch import save_model
+
+            save_model(self._model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        self._resume_path = path
+        log.info("ftkit: step %d restored; resume directory %s", step, path)
+        return path
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        self._close_quietly()
+        self._last_step = -1
+        self.restored_step = 0
+        resume, self._resume = self._resume, None
+        self._remove_resume_dir()
+        if resume is not None:
+            if state.global_step != resume["step"]:
+                raise FtkitError(f"ftkit restored step {resume['step']} but the Trainer starts at step "
+                                 f"{state.global_step}: pass the directory to train(): "
+                                 "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())")
+            self._load_training_objects(optimizer, lr_scheduler, resume)
+            self._rng_due = resume["rng"]
+            self.restored_step = self._last_step = resume["step"]
+        elif state.global_step == 0 and not self.ignore_existing:
+            found = {url: steps for url, steps in check_tiers_reachable(self.tiers, "FtkitCallback").items()
+                     if steps}
+            if found:
+                url, steps = next(iter(found.items()))
+                raise FtkitError(f"ftkit tier {url} holds snapshots up to step {max(steps)}; resume with "
+                                 "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
+                                 "pass FtkitCallback(..., ignore_existing=True) to start over")
+        self.checkpointer = Checkpointer(self._entries(model, optimizer, lr_scheduler, state), self.tiers,
+                                         policy=self.policy, rng=False, **self.checkpointer_kwargs)
+        if not self._atexit:  # no exception hook in the Trainer: flush at exit at the latest
+            atexit.register(_close_at_exit, weakref.ref(self))
+            self._atexit = True
+
+    def _load_training_objects(self, optimizer, lr_scheduler, resume: dict[str, Any]) -> None:
+        try:
+            optimizer.load_state_dict(resume["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise StateMismatchError(f"optimizer: the snapshot does not fit the Trainer's optimizer: {e}") from e
+        if lr_scheduler is not None and resume["scheduler"]:
+            lr_scheduler.load_state_dict(resume["scheduler"])
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and resume["scaler"]:
+            scaler.load_state_dict(resume["scaler"])
+
+    # ------------------------------------------------------------ snapshots
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._rng_due is not None:
+            rng, self._rng_due = self._rng_due, None
+            set_rng_state(rng)
+        self._maybe_snapshot(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        try:
+            self._maybe_snapshot(state.global_step)
+        finally:
+            self.close()  # flushes; a failed background persist is raised here
+
+    def _maybe_snapshot(self, step: int) -> None:
+        if step <= 0 or step == self._last_step or step % self.every_n_steps or self.checkpointer is None:
+            return
+        self._last_step = step
+        self.checkpointer.snapshot(step)
+
+    # ----------------------------------------------------------------- close
+    def close(self) -> None:
+        """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.close()
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            log.exception("ftkit: error while closing the checkpointer")
+
+    def _remove_resume_dir(self) -> None:
+        path, self._resume_path = self._resume_path, None
+        if path and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _close_at_exit(ref: "weakref.ref[FtkitCallback]") -> None:
+    cb = ref()
+    if cb is not None:
+        cb._close_quietly()

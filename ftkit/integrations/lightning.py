@@ -1,0 +1,280 @@
+"""PyTorch Lightning: snapshot a ``Trainer`` into ftkit tiers and resume it exactly.
+
+::
+
+    from ftkit.integrations.lightning import FtkitCallback
+
+    trainer = L.Trainer(max_epochs=10, callbacks=[FtkitCallback(["/local/ckpt"], every_n_steps=50)])
+    trainer.fit(model)      # resumes from the newest ftkit snapshot, if there is one
+
+What a snapshot holds (taken in ``on_train_batch_end`` when ``trainer.global_step``
+is a multiple of ``every_n_steps``, the same point at which Lightning's
+``ModelCheckpoint(every_n_train_steps=...)`` saves), and how it comes back at fit
+start (``on_fit_start``, after the strategy has built the optimizers):
+
+* ``model``: the LightningModule's ``state_dict`` (strict: a different model is a
+  ``StateMismatchError`` naming the keys, and nothing is changed);
+* ``optimizer0..``, ``scheduler0..``: every optimizer and LR scheduler;
+* ``precision``: the precision plugin (the AMP ``GradScaler``);
+* ``callbacks``: the other callbacks' ``state_dict()`` by ``state_key``, as
+  Lightning's own checkpoints hold them; ``datamodule``: its ``state_dict()``;
+* ``loops``: ``trainer.fit_loop.state_dict()``: epoch, batch and optimizer-step
+  progress. Loading it marks the loops as restarting, exactly as Lightning's own
+  ``ckpt_path=`` resume does, so ``current_epoch``, ``global_step``, the batch index
+  and the logging step continue where they were;
+* ``ftkit_lightning``: the RNG state (Python, numpy, torch, CUDA) at the snapshot,
+  and the RNG state just before the current epoch's dataloader iterator was made.
+
+Lightning itself does not move a plain ``DataLoader`` to the middle of an epoch on
+resume (it warns that the loader is not resumable and starts the iterator over). This
+callback does: at train start it sets the RNG to the epoch-start state, makes the
+epoch's iterator again (so a shuffling sampler draws the same permutation and worker
+seeds), fetches and drops the batches the snapshot had already consumed, then sets the
+RNG to the snapshot's state. With ``deterministic=True`` the resumed run then computes
+bit for bit what the uninterrupted run computes.
+
+Limits (checked or documented, never silent): one process (``world_size`` 1); a
+``training_step`` that takes ``dataloader_iter`` is resumed without the fast-forward
+(with a warning); ``persistent_workers=True`` keeps worker RNG state that no checkpoint
+holds; hooks that draw random numbers between the epoch start and the epoch's first
+batch (``on_train_epoch_start``) make the resumed permutation differ. When
+``trainer.fit(ckpt_path=...)`` is given, Lightning's checkpoint wins and ftkit does not
+restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+try:  # the unified package first, then the standalone one
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+    except ImportError:
+        raise ImportError("ftkit.integrations.lightning needs PyTorch Lightning: "
+                          "pip install 'ftkit[lightning]' (or lightning / pytorch-lightning >= 2.2)") from None
+
+from ..capture import rng_state, set_rng_state
+from ..checkpointer import Checkpointer
+from ..errors import FtkitError
+from ..tiers import Tier
+from ._common import Adapter, check_every, check_tiers_reachable, coerce_tiers
+
+log = logging.getLogger("ftkit.lightning")
+
+__all__ = ["FtkitCallback"]
+
+_ENTRY = "ftkit_lightning"
+
+
+class FtkitCallback(Callback):
+    """Snapshot the Lightning training state into ftkit tiers, and resume from the newest one.
+
+    tiers: ftkit tiers (``Tier`` objects, URLs or dicts), as for :class:`ftkit.Checkpointer`.
+        Every tier is opened and listed in ``setup``, so an unreachable tier stops the run
+        before the first batch.
+    every_n_steps: snapshot when ``trainer.global_step`` (optimizer steps) is a multiple of this.
+        A tier's own ``every`` applies on top (e.g. every 10 to local disk, every 100 to S3).
+    policy: ``"wait"`` or ``"skip"`` when both staging buffers are busy (see ``Checkpointer``).
+    restore: resume from the newest snapshot at fit start (default). ``False`` starts over
+        (the old snapshots stay until retention removes them).
+    checkpointer_kwargs: passed to :class:`ftkit.Checkpointer` (``max_staging_bytes``, ``rng``).
+    """
+
+    def __init__(self, tiers: Sequence[Tier | str | dict] | Tier | str, every_n_steps: int = 1, *,
+                 policy: str = "wait", restore: bool = True, **checkpointer_kwargs: Any):
+        super().__init__()
+        self.tiers = coerce_tiers(tiers)
+        self.every_n_steps = check_every(every_n_steps)
+        self.policy = policy
+        self.restore = restore
+        self.rng = bool(checkpointer_kwargs.pop("rng", True))
+        self.checkpointer_kwargs = checkpointer_kwargs
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step = 0  # the step resumed from in the last fit (0: started fresh)
+        self._last_step = -1
+        self._epoch_rng: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None  # what on_train_start still has to do after a restore
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.world_size > 1:
+            raise FtkitError(f"FtkitCallback supports one training process; this Trainer has world_size "
+                             f"{trainer.world_size}")
+        check_tiers_reachable(self.tiers, "FtkitCallback")
+
+    def _state(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
+        state: dict[str, Any] = {"model": pl_module}
+        for i, opt in enumerate(trainer.optimizers):
+            state[f"optimizer{i}"] = opt
+        for i, cfg in enumerate(trainer.lr_scheduler_configs):
+            state[f"scheduler{i}"] = cfg.scheduler
+        prec = trainer.precision_plugin
+        state["precision"] = Adapter(prec.state_dict, lambda sd: prec.load_state_dict(sd) if sd else None)
+        state["callbacks"] = Adapter(lambda: self._callback_states(trainer),
+                                     lambda sd: self._load_callback_states(trainer, sd))
+        dm = trainer.datamodule
+        if dm is not None:
+            state["datamodule"] = Adapter(dm.state_dict, lambda sd: dm.load_state_dict(sd) if sd else None)
+        state["loops"] = Adapter(trainer.fit_loop.state_dict, self._load_loops(trainer))
+        state[_ENTRY] = Adapter(self._own_state, self._load_own_state)
+        return state
+
+    def _callback_states(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for cb in trainer.callbacks:
+            if cb is self:
+                continue
+            sd = cb.state_dict()
+            if sd:
+                out[str(cb.state_key)] = sd
+        return out
+
+    def _load_callback_states(self, trainer: "pl.Trainer", saved: dict[str, Any]) -> None:
+        for cb in trainer.callbacks:
+            if cb is not self and str(cb.state_key) in saved:
+                cb.load_state_dict(saved[str(cb.state_key)])
+
+    def _load_loops(self, trainer: "pl.Trainer"):
+        def load(sd: dict[str, Any]) -> None:
+            trainer.fit_loop.load_state_dict(sd)
+            max_epochs = trainer.max_epochs
+            if max_epochs not in (None, -1) and trainer.current_epoch > max_epochs:
+                raise FtkitError(f"the snapshot is at epoch {trainer.current_epoch}, past Trainer(max_epochs="
+                                 f"{max_epochs})")
+        return load
+
+    def _own_state(self) -> dict[str, Any]:
+        if not self.rng:
+            return {}
+        return {"rng": rng_state(), "epoch_rng": self._epoch_rng}
+
+    def _load_own_state(self, saved: dict[str, Any]) -> None:
+        self._pending = dict(saved)
+
+    # ----------------------------------------------------------------- restore
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._close_quietly()
+        self._last_step = -1
+        self._pending = None
+        self.restored_step = 0
+        self.checkpointer = Checkpointer(self._state(trainer, pl_module), self.tiers, policy=self.policy,
+                                         rng=False, **self.checkpointer_kwargs)
+        if self.restore and trainer.ckpt_path:
+            log.warning("trainer.fit(ckpt_path=%s) given: Lightning restores that checkpoint; "
+                        "ftkit does not restore", trainer.ckpt_path)
+        elif self.restore and trainer.global_step > 0:
+            log.info("ftkit: this Trainer has already trained %d steps; continuing without a restore",
+                     trainer.global_step)
+        elif self.restore:
+            self.restored_step = self.checkpointer.restore()
+        if self.restored_step:
+            self._last_step = trainer.global_step
+            pending = self._pending or {}
+            if self.rng and pending.get("rng") is not None:
+                set_rng_state(pending["rng"])
+            self._epoch_rng = pending.get("epoch_rng")
+            log.info("ftkit: resumed from step %d (epoch %d, global_step %d)", self.restored_step,
+                     trainer.current_epoch, trainer.global_step)
+        else:
+            self._pending = None
+            # The first epoch's iterator is made right after this hook (FitLoop.setup_data).
+            self._epoch_rng = rng_state() if self.rng else None
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        pending, self._pending = self._pending, None
+        if not self.restored_step or pending is None:
+            return
+        fit_loop = trainer.fit_loop
+        fetcher = fit_loop._data_fetcher
+        progress = fit_loop.epoch_loop.batch_progress
+        consumed = progress.current.ready
+        if consumed >= trainer.num_training_batches or progress.is_last_batch:
+            consumed = 0  # the snapshot ended an epoch: the next one starts from a fresh iterator
+            # and the RNG state as it was when the original run made that iterator
+            epoch_rng = pending.get("rng")
+            self._epoch_rng = epoch_rng
+        else:
+            epoch_rng = pending.get("epoch_rng")
+        if fetcher is None or fetcher.iterator is None:
+            return
+        if type(fetcher).__name__ == "_DataLoaderIterDataFetcher":
+            log.warning("ftkit: training_step takes dataloader_iter; the data position of the "
+                        "interrupted epoch is not restored")
+            return
+        if self.rng and epoch_rng is not None:
+            set_rng_state(epoch_rng)
+        iter(fetcher)  # a fresh iterator for this epoch: same sampler permutation, same worker seeds
+        _drop_batches(fetcher, consumed)
+        if consumed and self.rng and pending.get("rng") is not None:
+            # Back to the snapshot's RNG state. (With nothing dropped the iterator's lazy first
+            # draws are still to come, from the state just set, as in the original run.)
+            set_rng_state(pending["rng"])
+        log.info("ftkit: dataloader moved past the %d batch(es) this epoch had consumed", consumed)
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Lightning makes a new iterator for this epoch right after this hook, under the same
+        # condition it uses in _TrainingEpochLoop.on_run_start.
+        loop = trainer.fit_loop
+        if trainer.current_epoch > 0 and not getattr(loop, "is_resuming", False) and not loop.epoch_loop.restarting:
+            self._epoch_rng = rng_state() if self.rng else None
+
+    # ---------------------------------------------------------------- snapshot
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step <= 0 or step == self._last_step or step % self.every_n_steps:
+            return
+        self._last_step = step
+        assert self.checkpointer is not None
+        self.checkpointer.snapshot(step)
+
+    # ------------------------------------------------------------------- close
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.close()  # flushes; a failed background persist is raised here
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            self._close_quietly()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                     exception: BaseException) -> None:
+        self._close_quietly()
+
+    def close(self) -> None:
+        """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.close()
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            log.exception("ftkit: error while closing the checkpointer")
+
+
+def _drop_batches(fetcher: Any, n: int) -> None:
+    """Consume `n` batches from the fetcher's iterator without counting them as fetched:
+    the epoch loop adds the restored batch count to `fetcher.fetched` itself."""
+    it = fetcher.iterator
+    buffered = getattr(fetcher, "batches", None)  # _PrefetchDataFetcher when the length is unknown
+    for _ in range(n):
+        if buffered:
+            buffered.pop(0)
+            try:
+                buffered.append(next(it))
+            except StopIteration:
+                fetcher.done = not buffered
+        else:
+            try:
+                next(it)
+            except StopIteration:
+                fetcher.done = True
+                return

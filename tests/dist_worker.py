@@ -1,0 +1,122 @@
+"""A training job for the distributed tests, run under torchrun (gloo, CPU).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/dist_worker.py \
+        --mode save|restore --parallel ddp|fsdp --ckpt URL --ref FILE [--steps 3]
+
+save:    train a small model for --steps steps with a snapshot each step, then
+         rank 0 writes the full (unsharded) model and optimizer tensors to --ref.
+restore: build the model with another seed, ck.restore(), and compare every
+         tensor, gathered to full size, with --ref; prints "RESTORED step=S"
+         and exits 1 on any difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ftkit
+
+
+def build(parallel: str, seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 1024), nn.ReLU(), nn.Linear(1024, 7))
+    if parallel == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": full(v).detach().clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"optim/{pid}/{k}"] = full(v).detach().clone()
+    return out
+
+
+def save(rank: int, world: int, parallel: str, ckpt: str, ref: str, steps: int = 3,
+         die: tuple[int, int] = (-1, -1), commit_timeout: float = 300.0, sync: bool = False) -> str:
+    """Train and snapshot; `sync` waits for each step's commit on every rank."""
+    model, opt = build(parallel, seed=1)
+    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}}
+    with ftkit.Checkpointer(state, [ftkit.Tier(ckpt, keep=5)], commit_timeout_s=commit_timeout) as ck:
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(step * 100 + rank)
+            x = torch.randn(8, 16, generator=g)
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if (rank, step) == die:
+                print(f"DYING rank={rank} step={step}", flush=True)
+                os._exit(17)  # no flush, no goodbye: a crashed process
+            ck.snapshot(step)
+            if sync:
+                ck.wait()
+                dist.barrier()  # rank 0 has committed this step before anyone goes on
+        ck.wait()
+        full_ref = full_state(model, opt)
+    if rank == 0:
+        torch.save(full_ref, ref)
+    return f"SAVED rank={rank} world={world}"
+
+
+def restore(rank: int, world: int, parallel: str, ckpt: str, ref: str) -> str:
+    model, opt = build(parallel, seed=1000 + rank)
+    state = {"model": model, "optim": opt, "meta": {}}
+    with ftkit.Checkpointer(state, [ftkit.Tier(ckpt, keep=5)]) as ck:
+        step = ck.restore()
+    got = full_state(model, opt)
+    expect = torch.load(ref, weights_only=True)
+    bad = [k for k in expect if k not in got or not torch.equal(expect[k], got[k])]
+    if bad or set(got) != set(expect) or state["meta"] != {"parallel": parallel}:
+        raise AssertionError(f"rank {rank}: differs: {bad[:5]}, extra {sorted(set(got) - set(expect))[:5]}")
+    return f"RESTORED rank={rank} world={world} step={step}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=("save", "restore"), required=True)
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ref", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--die", help="RANK:STEP: that rank exits abruptly before snapshotting STEP")
+    p.add_argument("--commit-timeout", type=float, default=300.0)
+    p.add_argument("--sync", action="store_true", help="wait for every step's commit")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.mode == "save":
+        die = tuple(map(int, args.die.split(":"))) if args.die else (-1, -1)
+        print(save(rank, world, args.parallel, args.ckpt, args.ref, args.steps, die, args.commit_timeout,
+                   args.sync),
+              flush=True)
+    else:
+        print(restore(rank, world, args.parallel, args.ckpt, args.ref), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
