@@ -29,12 +29,14 @@ import torch
 
 from . import capture as cap
 from .dist import DistContext
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StateMismatchError,
-                     StorageError)
-from .persist import AlreadyCommitted, delete_step, persist
-from .reader import load_manifest, read_regions, scan
+from .errors import FtkitError
+from .persist import AlreadyCommitted, delete_step, persist, persist_node_local
+from .peers import PeerGroup
+from .ramtier import node_dir
+from .reader import scan
+from .restore import restore as _restore
 from .retention import plan_retention
-from .sharding import RANK_LOCAL, Piece, dtensor_region, is_dtensor, plan_pieces
+from .sharding import Piece, plan_pieces
 from .staging import Layout, Slot, StagingArena
 from .storage import Storage
 from .tiers import Tier
@@ -42,6 +44,7 @@ from .tiers import Tier
 log = logging.getLogger("ftkit")
 
 POLICIES = ("skip", "wait")
+_instances = 0
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Checkpointer:
     rng: capture and restore python/numpy/torch(/CUDA) RNG state (per rank).
     commit_timeout_s: how long rank 0 waits for the other ranks' data before
         giving up on committing a step (the step then stays invisible).
+    peer_timeout_s: bound on one peer transfer (a dead peer costs at most this).
 
     Under torch.distributed (e.g. torchrun) every rank creates a Checkpointer
     over the same state structure and calls snapshot(step) and restore() with
@@ -91,7 +95,7 @@ class Checkpointer:
 
     def __init__(self, state: MutableMapping[str, Any], tiers: Sequence[Tier | str | dict], *,
                  policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True,
-                 commit_timeout_s: float = 300.0):
+                 commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -101,10 +105,26 @@ class Checkpointer:
         self.policy = policy
         self.rng = rng
         self.stats = Stats()
-        self._ctx = DistContext.detect(timeout_s=commit_timeout_s)
+        global _instances
+        _instances += 1  # every rank creates its Checkpointers in the same order
+        self._ctx = DistContext.detect(timeout_s=commit_timeout_s).scoped(f"ck{_instances}/")
         self._restores = 0  # restore() calls so far: namespaces their store keys
+        self.last_restore: dict[str, Any] = {}
         # Opening every tier now makes a bad URL or missing backend fail at start.
-        self._storages: list[Storage] = [t.open() for t in self.tiers]
+        self._storages: list[Storage] = [
+            Storage(node_dir(self._ctx.node)) if t.is_ram else (None if t.is_peer else t.open())
+            for t in self.tiers]
+        self._ram_index = next((i for i, t in enumerate(self.tiers) if t.is_ram), None)
+        peer = next((t for t in self.tiers if t.is_peer), None)
+        self._replicas = peer.replicas if peer else 0
+        if peer and self._ram_index is None:
+            raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
+        self._peers: PeerGroup | None = None
+        if peer and self._ctx.distributed:
+            self._peers = PeerGroup(self._ctx.rank, self._ctx.world_size, peer_timeout_s)
+        if peer and len(set(self._ctx.nodes)) < 2:
+            log.warning("peer tier: all ranks are on one node (%s); no replica can survive its loss",
+                        self._ctx.node)
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
@@ -119,7 +139,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------- snapshots
     def due_tiers(self, step: int) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if step % t.every == 0]
+        return [i for i, t in enumerate(self.tiers) if not t.is_peer and step % t.every == 0]
 
     def snapshot(self, step: int) -> bool:
         """Stage the state for `step`; persist in the background. True if staged."""
@@ -179,13 +199,20 @@ class Checkpointer:
             tier, storage = self.tiers[i], self._storages[i]
             try:
                 t0 = time.perf_counter()
-                manifest = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
-                                   pieces=job.pieces, rng=job.rng, ctx=self._ctx, key=f"commit/{i}/{job.step}")
+                if tier.is_ram:
+                    manifest = persist_node_local(
+                        storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
+                        rng=job.rng, ctx=self._ctx, key=f"commit/{i}/{job.step}", peers=self._peers,
+                        replicas=self._replicas)
+                else:
+                    manifest = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
+                                       pieces=job.pieces, rng=job.rng, ctx=self._ctx, key=f"commit/{i}/{job.step}")
                 self.stats.persisted += 1
                 self.stats.last_committed[tier.url] = job.step
                 if manifest is not None:  # rank 0: the commit is ours, and so is retention
                     log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
                              manifest.total_stored_bytes / 1e6, time.perf_counter() - t0)
+                if manifest is not None or (tier.is_ram and self._is_node_leader):
                     self._apply_retention(tier, storage, protect=job.step)
             except AlreadyCommitted:
                 log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
@@ -207,6 +234,12 @@ class Checkpointer:
         for step in list(plan.delete) + abandoned:
             delete_step(storage, step)
             log.debug("retention removed step %d from %s", step, storage.display_url)
+
+    @property
+    def _is_node_leader(self) -> bool:
+        """The lowest rank of this node: it keeps the node's RAM tier tidy."""
+        ctx = self._ctx
+        return ctx.rank == min(r for r, n in enumerate(ctx.nodes) if n == ctx.node)
 
     # ----------------------------------------------------------------- flush
     def wait(self) -> None:
@@ -248,124 +281,13 @@ class Checkpointer:
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid step (or `step`) in place; return it, or 0 if none exists.
 
-        Tiers are tried fastest first; a step whose bytes fail verification on one
-        tier is tried on the next, then the next newest step is tried. Raises if
-        checkpoints exist but none is usable, or if a tier could not be read and
-        nothing was found elsewhere (restarting from scratch would lose work).
-
-        Distributed: rank 0 lists the candidates; every rank reads the regions it
-        needs (resharding when the world size changed) and votes through the
-        store; a candidate is loaded only when every rank read it intact.
+        Sources are tried fastest first (node RAM, then local disk, then remote);
+        a step whose bytes fail verification on one source is tried on the next,
+        then the next newest step is tried. Raises if checkpoints exist but none
+        is usable, or if a tier could not be read and nothing was found elsewhere
+        (restarting from scratch would lose work). `last_restore` then says where
+        this rank's bytes came from and how long each phase took. See restore.py.
         """
         if not self._closed:
             self.wait()
-        ctx = self._ctx
-        key = f"restore/{self._restores}"
-        self._restores += 1
-        listing = self._list_candidates(step) if ctx.rank == 0 else None
-        listing = ctx.broadcast(f"{key}/candidates", listing)
-        candidates, unreachable = listing["candidates"], listing["unreachable"]
-        if step is not None and not candidates:
-            raise CheckpointNotFoundError(f"step {step} is not committed on any tier "
-                                          f"({', '.join(s.display_url for s in self._storages)})")
-        problems: list[str] = []
-        for n, (s, i) in enumerate(candidates):
-            storage = self._storages[i]
-            t0 = time.perf_counter()
-            loaded, vote = self._read_candidate(s, i)
-            votes = ctx.gather(f"{key}/vote/{n}", vote)
-            mismatched = [(r, v["mismatch"]) for r, v in enumerate(votes) if v["mismatch"]]
-            if mismatched:
-                r, found = mismatched[0]
-                raise StateMismatchError(cap.describe(found) + ("" if r == ctx.rank else f" (on rank {r})"))
-            failed = [(r, v["error"]) for r, v in enumerate(votes) if v["error"]]
-            if failed:
-                r, err = failed[0]
-                problems.append(err)
-                log.warning("step %d on %s is unusable, trying the next source: %s%s", s, storage.display_url,
-                            err, "" if r == ctx.rank else f" (on rank {r})")
-                continue
-            manifest, tensors, rng_value = loaded
-            cap.load(self.state, manifest.skeleton, tensors, rng_value)
-            log.info("restored step %d from %s (%.1f MB in %.2fs)", s, storage.display_url,
-                     sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
-                     time.perf_counter() - t0)
-            return s
-        if problems:
-            raise CorruptCheckpointError(f"no usable checkpoint: {len(problems)} candidate(s) failed; "
-                                         f"newest problem: {problems[0]}")
-        if unreachable:
-            raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
-        return 0
-
-    def _list_candidates(self, step: int | None) -> dict[str, Any]:
-        """(step, tier) pairs to try, newest step first and fastest tier first."""
-        order = sorted(range(len(self.tiers)), key=lambda i: self.tiers[i].speed_rank)
-        available: dict[int, list[int]] = {}
-        unreachable: list[str] = []
-        for i in order:
-            try:
-                steps = [d.step for d in scan(self._storages[i]) if d.committed]
-            except StorageError as e:
-                log.warning("cannot list %s: %s", self._storages[i].display_url, e)
-                unreachable.append(str(e))
-                continue
-            for s in steps:
-                available.setdefault(s, []).append(i)
-        wanted = [step] if step is not None else sorted(available, reverse=True)
-        return {"candidates": [[s, i] for s in wanted for i in available.get(s, [])],
-                "unreachable": unreachable}
-
-    def _read_candidate(self, step: int, tier_index: int):
-        """Read and check this rank's part of a candidate; never touches the live state.
-
-        Returns ((manifest, tensors, rng) or None, vote) where the vote says
-        whether it is usable: {"error": str|None, "mismatch": [..]}.
-        """
-        storage = self._storages[tier_index]
-        try:
-            manifest = load_manifest(storage, step)
-            _init_sharded_optimizers(self.state)
-            live = dict(cap.capture(self.state, rng=False).tensors)
-            rank_prefix = f"{cap.RNG_KEY}/r{self._ctx.rank}/"
-            regions, dtensors = {}, {}
-            for entry in manifest.tensors:
-                full = ((0,) * len(entry.shape), entry.shape)
-                if entry.kind == RANK_LOCAL:
-                    if entry.name.startswith(rank_prefix):
-                        regions[entry.name] = full
-                    continue
-                t = live.get(entry.name)
-                if t is not None and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
-                    offsets, lengths, _ = dtensor_region(t)
-                    regions[entry.name] = (offsets, lengths)
-                    dtensors[entry.name] = t
-                else:
-                    regions[entry.name] = full
-            tensors = read_regions(storage, manifest, regions)
-        except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
-            return None, {"error": str(e), "mismatch": []}
-        for name, t in dtensors.items():
-            from torch.distributed.tensor import DTensor
-
-            local = tensors[name].to(t.to_local().device)
-            tensors[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                                               shape=t.shape, stride=t.stride())
-        problems = cap.check(self.state, manifest.skeleton, tensors)
-        rng_value = None
-        if self.rng:
-            rng_value = manifest.rank_state.get(str(self._ctx.rank), {}).get("rng")
-            if rng_value is None:
-                log.info("step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
-                         step, self._ctx.rank, manifest.world_size)
-        return (manifest, tensors, rng_value), {"error": None, "mismatch": problems}
-
-
-def _init_sharded_optimizers(state: MutableMapping[str, Any]) -> None:
-    """Give empty optimizers over DTensor parameters their state, so it can be resharded into."""
-    for obj in state.values():
-        if isinstance(obj, torch.optim.Optimizer) and not obj.state and any(
-                is_dtensor(p) for g in obj.param_groups for p in g["params"]):
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-            _init_optim_state(obj)
+        return _restore(self, step)

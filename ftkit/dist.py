@@ -44,6 +44,11 @@ class DistContext:
     store: Any = None  # a c10d Store (prefixed for ftkit) or None
     node: str = field(default_factory=lambda: node_id(0))
     timeout_s: float = 300.0
+    nodes: list[str] = field(default_factory=list)  # node of every rank, by rank
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            self.nodes = [self.node] * self.world_size
 
     @staticmethod
     def detect(timeout_s: float = 300.0) -> "DistContext":
@@ -60,7 +65,16 @@ class DistContext:
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
         rank = dist.get_rank()
-        return DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s)
+        ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s)
+        ctx.nodes = ctx.gather("nodes", ctx.node)
+        return ctx
+
+    def scoped(self, prefix: str) -> "DistContext":
+        """The same context with its keys below `prefix` (one Checkpointer's namespace)."""
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(prefix, self.store) if self.store is not None else None
+        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes))
 
     @property
     def distributed(self) -> bool:

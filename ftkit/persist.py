@@ -27,6 +27,7 @@ from .dist import DistContext
 from .errors import FtkitError, StorageError
 from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, decode_tensor_entry,
                      manifest_to_json, step_dir_name)
+from .peers import PeerGroup, replication_plan
 from .sharding import REPLICATED, Piece
 from .staging import Slot
 from .storage import Storage
@@ -178,6 +179,98 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
         raise
     finally:
         ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
+
+
+def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
+                       compress: str | None, pieces: Mapping[str, Piece] | None, rng: Any,
+                       ctx: DistContext, key: str, peers: PeerGroup | None = None,
+                       replicas: int = 0) -> Manifest | None:
+    """Persist one step to a node-local tier (the RAM tier), with peer replicas.
+
+    1. every rank writes its data file into its node's directory and reports it;
+    2. with peers, every rank sends its file to its replica targets on other
+       nodes and receives theirs, verifying checksums before storing them;
+    3. rank 0 commits once every rank has written and replicated, and hands the
+       manifest to the first rank of every other node, which writes it there.
+    Returns the manifest on rank 0, None elsewhere.
+    """
+    write, error = None, None
+    try:
+        write = write_data(storage, step, slot, pieces, compress=compress, rank=ctx.rank)
+    except AlreadyCommitted:
+        raise
+    except Exception as e:
+        error = e
+    report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
+    reports = ctx.gather(f"{key}/w", report) if ctx.distributed else [report]
+    rep_error = None
+    if peers is not None and replicas > 0 and error is None:
+        try:
+            _replicate(storage, step, reports, ctx, peers, replicas)
+        except Exception as e:
+            rep_error = f"replication failed: {e}"
+            log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
+    done = ctx.gather(f"{key}/r", rep_error) if ctx.distributed else [rep_error]
+    if error is not None:
+        raise error
+    assert write is not None
+    failures = [f"rank {r}: {d['error']}" for r, d in enumerate(reports) if d["error"]]
+    failures += [f"rank {r}: {e}" for r, e in enumerate(done) if e]
+    leaders = [r for r in range(ctx.world_size) if r == min(q for q, n in enumerate(ctx.nodes) if n == ctx.nodes[r])]
+    if ctx.rank == 0:
+        writes = [RankWrite.from_json(d["write"]) for d in reports if d["write"]]
+        try:
+            if failures:
+                raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
+            manifest = commit(storage, step, writes, skeleton, ctx.world_size,
+                              {str(r): {"rng": d["rng"]} for r, d in enumerate(reports)})
+        except BaseException:
+            discard(storage, step, [w.file for w in writes])
+            if ctx.distributed:
+                ctx.put(f"{key}/manifest", "")
+            raise
+        if ctx.distributed:
+            ctx.put(f"{key}/manifest", manifest_to_json(manifest).decode())
+        return manifest
+    if ctx.rank in leaders:  # write rank 0's manifest into this node's directory
+        doc = ctx.get(f"{key}/manifest")
+        if not doc:
+            discard(storage, step, [name for name, _ in storage.list_dir(step_dir_name(step))])
+            raise StorageError(f"step {step} was not committed to the RAM tier (rank 0 gave up)")
+        storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", doc.encode())
+    return None
+
+
+def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContext, peers: PeerGroup,
+               replicas: int) -> None:
+    """Send this rank's file to its replica targets; store verified copies of what arrives."""
+    import torch
+
+    writes = {r: RankWrite.from_json(d["write"]) for r, d in enumerate(reports) if d["write"]}
+    files = [writes[r].file if r in writes else None for r in range(ctx.world_size)]
+    plan = replication_plan(files, ctx.nodes, replicas)
+    step_dir = step_dir_name(step)
+    by_file = {w.file: w for w in writes.values()}
+
+    def read(name: str):
+        buf = torch.empty(by_file[name].nbytes, dtype=torch.uint8)
+        with storage.open_read(f"{step_dir}/{name}") as f:
+            if buf.numel():
+                f.readinto(memoryview(buf.numpy()))
+        return buf
+
+    def write(name: str, buf) -> None:
+        data = memoryview(buf.numpy())
+        for t in by_file[name].tensors:
+            for sh in t.shards:
+                for c in sh.chunks:
+                    codec.check(data[c.offset:c.offset + c.length], c.checksum,
+                                f"replica {name} of step {step} (tensor {t.name!r})")
+        with storage.open_write(f"{step_dir}/{name}") as f:
+            f.write(data)
+
+    sizes = {(w.rank, w.file): w.nbytes for w in writes.values()}
+    peers.run(plan, read, write, sizes)
 
 
 def discard(storage: Storage, step: int, files: list[str]) -> None:

@@ -18,6 +18,11 @@ class Tier:
     keep_every: additionally keep every step divisible by this, forever.
     compress: "zstd" or None.
     storage_options: passed to fsspec (e.g. s3fs credentials and endpoint).
+    replicas: for the "peer" tier, how many other nodes keep a copy of each
+        rank's RAM-tier data.
+
+    Two URLs are special: "ram", the node's shared memory (see ramtier.py),
+    and "peer", which replicates the RAM tier to `replicas` other nodes.
     """
 
     url: str
@@ -26,6 +31,7 @@ class Tier:
     keep_every: int | None = None
     compress: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -47,6 +53,16 @@ class Tier:
         return Storage(self.url, dict(self.storage_options))
 
     @property
+    def is_ram(self) -> bool:
+        return self.url == "ram"
+
+    @property
+    def is_peer(self) -> bool:
+        return self.url == "peer"
+
+    @property
     def speed_rank(self) -> int:
-        """Lower is faster: local filesystems before remote ones."""
+        """Lower is faster: node RAM, then local filesystems, then remote ones."""
+        if self.is_ram:
+            return -1
         return 0 if "://" not in self.url or self.url.startswith("file://") else 1

@@ -120,3 +120,45 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------- RAM and peer tiers
+def ram_tiers(disk: str, disk_every: int):
+    return ["ram", ftkit.Tier("peer", replicas=1), ftkit.Tier(disk, every=disk_every, keep=5)]
+
+
+def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: int = 3,
+             disk_every: int = 100) -> str:
+    """Snapshot every step to RAM (+ a peer replica) and disk every `disk_every`; refs per step."""
+    model, opt = build(parallel, seed=1)
+    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}}
+    with ftkit.Checkpointer(state, ram_tiers(disk, disk_every)) as ck:
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(step * 100 + rank)
+            loss = model(torch.randn(8, 16, generator=g)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ck.snapshot(step)
+            ck.wait()
+            ref = full_state(model, opt)
+            if rank == 0:
+                torch.save(ref, f"{refs}/ref-{step}.pt")
+            dist.barrier()  # every rank's RAM tier holds this step now
+        assert ck.stats.failed == 0
+    return f"SAVED rank={rank}"
+
+
+def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk_every: int = 100):
+    """Restore; compare with the reference of the restored step; report the source."""
+    model, opt = build(parallel, seed=1000 + rank)
+    state = {"model": model, "optim": opt, "meta": {}}
+    with ftkit.Checkpointer(state, ram_tiers(disk, disk_every)) as ck:
+        step = ck.restore()
+        info = dict(ck.last_restore)
+    got = full_state(model, opt)
+    expect = torch.load(f"{refs}/ref-{step}.pt", weights_only=True)
+    bad = [k for k in expect if not torch.equal(expect[k], got[k])]
+    if bad:
+        raise AssertionError(f"rank {rank}: step {step} differs: {bad[:5]}")
+    return {"step": step, "source": info["source"], "from_peers": info.get("files_from_peers", 0)}

@@ -1,0 +1,328 @@
+"""Restore: choose the newest step that is complete somewhere, read it, vote, load.
+
+Order of calls (every rank runs `restore` together)::
+
+    inventory   each rank lists its node's RAM tier: committed steps, files held
+    candidates  rank 0 merges the inventories and lists the shared tiers, then
+                publishes (step, source) pairs: newest step first; for a step,
+                RAM first (when its files are all on some node), then shared
+                tiers from fastest to slowest
+    per candidate, until one is usable:
+        read    each rank works out the regions it needs (resharding when the
+                world size changed); for the RAM source, files its node lacks are
+                sent by a rank whose node holds them, over the peer group;
+                then every needed chunk is read and its checksum verified
+        vote    every rank reports ok / error / mismatch through the store
+        load    only when every rank read its part intact, all load in place
+
+Nothing in the live state changes before the vote, so a corrupt replica or a
+torn file anywhere makes every rank move on together to the next source.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from . import capture as cap
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StateMismatchError, StorageError
+from .format import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
+from .peers import Transfer
+from .reader import load_manifest, read_regions, scan
+from .sharding import RANK_LOCAL, dtensor_region, is_dtensor, overlap
+
+log = logging.getLogger("ftkit")
+
+
+def restore(ck, step: int | None) -> int:
+    ctx = ck._ctx
+    key = f"restore/{ck._restores}"
+    ck._restores += 1
+    t_start = time.perf_counter()
+    inventory = _ram_inventory(ck)
+    inventories = ctx.gather(f"{key}/inv", inventory)
+    listing = _list_candidates(ck, step, inventories) if ctx.rank == 0 else None
+    listing = ctx.broadcast(f"{key}/candidates", listing)
+    candidates, unreachable = listing["candidates"], listing["unreachable"]
+    t_plan = time.perf_counter() - t_start
+    if step is not None and not candidates:
+        raise CheckpointNotFoundError(f"step {step} is not committed on any tier "
+                                      f"({', '.join(s.display_url for s in ck._storages)})")
+    problems: list[str] = []
+    for n, cand in enumerate(candidates):
+        s, i = cand["step"], cand["tier"]
+        storage = ck._storages[i]
+        t0 = time.perf_counter()
+        if ck.tiers[i].is_ram:
+            loaded, vote, origin = _read_ram_candidate(ck, cand, f"{key}/{n}")
+        else:
+            loaded, vote = _read_candidate(ck, s, storage)
+            origin = {"source": storage.display_url}
+        t_read = time.perf_counter() - t0
+        votes = ctx.gather(f"{key}/vote/{n}", vote)
+        mismatched = [(r, v["mismatch"]) for r, v in enumerate(votes) if v["mismatch"]]
+        if mismatched:
+            r, found = mismatched[0]
+            raise StateMismatchError(cap.describe(found) + ("" if r == ctx.rank else f" (on rank {r})"))
+        failed = [(r, v["error"]) for r, v in enumerate(votes) if v["error"]]
+        if failed:
+            r, err = failed[0]
+            problems.append(err)
+            log.warning("step %d from %s is unusable, trying the next source: %s%s", s,
+                        origin.get("source", storage.display_url), err, "" if r == ctx.rank else f" (on rank {r})")
+            continue
+        manifest, tensors, rng_value = loaded
+        t1 = time.perf_counter()
+        cap.load(ck.state, manifest.skeleton, tensors, rng_value)
+        t_load = time.perf_counter() - t1
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        ck.last_restore = {"step": s, **origin, "bytes": nbytes, "plan_s": t_plan, "read_s": t_read,
+                           "load_s": t_load, "total_s": time.perf_counter() - t_start}
+        log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs, load %.2fs)%s",
+                 ctx.rank, s, origin["source"], nbytes / 1e6, t_plan, t_read, t_load,
+                 f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "")
+        return s
+    if problems:
+        raise CorruptCheckpointError(f"no usable checkpoint: {len(problems)} candidate(s) failed; "
+                                     f"newest problem: {problems[0]}")
+    if unreachable:
+        raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
+    return 0
+
+
+# ------------------------------------------------------------------ planning
+def _ram_inventory(ck) -> dict[str, Any]:
+    """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...]}}."""
+    i = ck._ram_index
+    if i is None:
+        return {}
+    storage = ck._storages[i]
+    out: dict[str, Any] = {}
+    try:
+        for d in scan(storage):
+            names = [n for n, kind in storage.list_dir(step_dir_name(d.step)) if kind == "file"]
+            have = [n for n in names if n.endswith(".data")]
+            need = None
+            if d.committed:
+                try:
+                    need = sorted(load_manifest(storage, d.step).files)
+                except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+                    log.warning("RAM tier manifest of step %d is unusable: %s", d.step, e)
+            out[str(d.step)] = {"have": have, "need": need}
+    except StorageError as e:
+        log.warning("cannot list the RAM tier: %s", e)
+    return out
+
+
+def _list_candidates(ck, step: int | None, inventories: list[dict[str, Any]]) -> dict[str, Any]:
+    """(step, source) candidates, newest step first and fastest source first."""
+    options: dict[int, list[dict[str, Any]]] = {}
+    unreachable: list[str] = []
+    if ck._ram_index is not None:
+        for s, cand in _ram_candidates(ck, inventories).items():
+            options.setdefault(s, []).append(cand)
+    order = sorted((i for i, t in enumerate(ck.tiers) if not (t.is_ram or t.is_peer)),
+                   key=lambda i: ck.tiers[i].speed_rank)
+    for i in order:
+        try:
+            steps = [d.step for d in scan(ck._storages[i]) if d.committed]
+        except StorageError as e:
+            log.warning("cannot list %s: %s", ck._storages[i].display_url, e)
+            unreachable.append(str(e))
+            continue
+        for s in steps:
+            options.setdefault(s, []).append({"step": s, "tier": i})
+    wanted = [step] if step is not None else sorted(options, reverse=True)
+    return {"candidates": [c for s in wanted for c in options.get(s, [])], "unreachable": unreachable}
+
+
+def _ram_candidates(ck, inventories: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """RAM steps whose every file is on some node (on every node, without peers)."""
+    ctx = ck._ctx
+    by_step: dict[int, dict[str, Any]] = {}
+    for rank, inv in enumerate(inventories):
+        for s, info in inv.items():
+            entry = by_step.setdefault(int(s), {"holders": {}, "need": None, "manifest_rank": None, "nodes": {}})
+            for f in info["have"]:
+                entry["holders"].setdefault(f, []).append(rank)
+            entry["nodes"].setdefault(ctx.nodes[rank], set()).update(info["have"])
+            if info["need"] is not None and entry["need"] is None:
+                entry["need"], entry["manifest_rank"] = info["need"], rank
+    out = {}
+    for s, e in by_step.items():
+        if e["need"] is None:
+            continue
+        need = set(e["need"])
+        if ck._peers is not None and not ck._peers.broken:
+            complete = need <= set(e["holders"])
+        else:  # no transport between nodes: every node must hold everything
+            complete = all(need <= e["nodes"].get(n, set()) for n in set(ctx.nodes))
+        if complete:
+            out[s] = {"step": s, "tier": ck._ram_index, "holders": e["holders"],
+                      "manifest_rank": e["manifest_rank"]}
+    return out
+
+
+# ------------------------------------------------------------------- reading
+def _regions(ck, manifest: Manifest):
+    """The region of each saved tensor this rank needs, and the live DTensors among them."""
+    _init_sharded_optimizers(ck.state)
+    live = dict(cap.capture(ck.state, rng=False).tensors)
+    rank_prefix = f"{cap.RNG_KEY}/r{ck._ctx.rank}/"
+    regions, dtensors = {}, {}
+    for entry in manifest.tensors:
+        full = ((0,) * len(entry.shape), entry.shape)
+        if entry.kind == RANK_LOCAL:
+            if entry.name.startswith(rank_prefix):
+                regions[entry.name] = full
+            continue
+        t = live.get(entry.name)
+        if t is not None and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
+            offsets, lengths, _ = dtensor_region(t)
+            regions[entry.name] = (offsets, lengths)
+            dtensors[entry.name] = t
+        else:
+            regions[entry.name] = full
+    return regions, dtensors
+
+
+def _finish(ck, step: int, manifest: Manifest, tensors, dtensors):
+    """Wrap DTensor regions, check against the live state, pick this rank's RNG."""
+    for name, t in dtensors.items():
+        from torch.distributed.tensor import DTensor
+
+        local = tensors[name].to(t.to_local().device)
+        tensors[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                           shape=t.shape, stride=t.stride())
+    problems = cap.check(ck.state, manifest.skeleton, tensors)
+    rng_value = None
+    if ck.rng:
+        rng_value = manifest.rank_state.get(str(ck._ctx.rank), {}).get("rng")
+        if rng_value is None:
+            log.info("step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
+                     step, ck._ctx.rank, manifest.world_size)
+    return (manifest, tensors, rng_value), {"error": None, "mismatch": problems}
+
+
+def _read_candidate(ck, step: int, storage):
+    """Read and check this rank's part of a step on a shared tier; the live state is untouched."""
+    try:
+        manifest = load_manifest(storage, step)
+        regions, dtensors = _regions(ck, manifest)
+        tensors = read_regions(storage, manifest, regions)
+    except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+        return None, {"error": str(e), "mismatch": []}
+    return _finish(ck, step, manifest, tensors, dtensors)
+
+
+def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
+    """Read a step from the RAM tier, fetching files this node lacks from peers.
+
+    Every rank takes part in every exchange below even after a local error (it
+    then only reports the error), so no rank waits on one that gave up.
+    """
+    ctx, step = ck._ctx, cand["step"]
+    storage = ck._storages[ck._ram_index]
+    step_dir = step_dir_name(step)
+    error: str | None = None
+    manifest = None
+    # The manifest: from this node if it has one, else from the rank named by the plan.
+    if ctx.rank == cand["manifest_rank"] and ctx.distributed:
+        try:
+            ctx.put(f"{key}/manifest", storage.read_bytes(f"{step_dir}/{MANIFEST_NAME}").decode())
+        except Exception as e:
+            ctx.put(f"{key}/manifest", "")
+            error = str(e)
+    try:
+        if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
+            manifest = load_manifest(storage, step)
+        else:
+            doc = ctx.get(f"{key}/manifest")
+            if not doc:
+                raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
+            manifest = manifest_from_json(doc.encode(), f"RAM manifest of step {step}", expect_step=step)
+        regions, dtensors = _regions(ck, manifest)
+        needed = _files_for(manifest, regions)
+        present = {n for n, _ in storage.list_dir(step_dir)}
+        missing = sorted(needed - present)
+    except (FtkitError, OSError) as e:
+        error, missing, regions, dtensors = str(e), [], {}, {}
+    requests = ctx.gather(f"{key}/req", {"missing": missing, "error": error})
+    plan = _fetch_plan(requests, cand["holders"], ctx.nodes)
+    moved_error = None
+    received: list[str] = []
+    if plan:
+        try:
+            if ck._peers is None or ck._peers.broken:
+                raise StorageError("files are on other nodes but there is no peer group to fetch them")
+            sizes = {(t.src, t.file): manifest.files[t.file]["bytes"] for t in plan} if manifest else {}
+            received = ck._peers.run(plan, lambda f: _read_file(storage, step_dir, f, manifest),
+                                     lambda f, buf: _write_file(storage, step_dir, f, buf), sizes)
+        except Exception as e:
+            moved_error = f"fetching RAM-tier files from peers failed: {e}"
+    moved = ctx.gather(f"{key}/moved", moved_error)  # siblings' received files are in place now
+    error = error or moved_error or next((m for m in moved if m), None)
+    if error is None:
+        try:
+            tensors = read_regions(storage, manifest, regions)
+        except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+            error = str(e)
+    origin = {"source": "ram+peer" if missing else "ram", "files_from_peers": len(missing),
+              "received": received}
+    if error is not None:
+        return None, {"error": error, "mismatch": []}, origin
+    loaded, vote = _finish(ck, step, manifest, tensors, dtensors)
+    return loaded, vote, origin
+
+
+def _files_for(manifest: Manifest, regions) -> set[str]:
+    files = set()
+    for t in manifest.tensors:
+        if t.name not in regions:
+            continue
+        offs, lens = regions[t.name]
+        for s in t.shards:
+            if overlap(offs, lens, s.offsets, s.lengths) is not None or not lens:
+                files.update(c.file for c in s.chunks)
+    return files
+
+
+def _fetch_plan(requests: list[dict[str, Any]], holders: dict[str, list[int]], nodes: list[str]) -> list[Transfer]:
+    """One transfer per (node, file) that node lacks, to its lowest requesting rank."""
+    plan, seen = [], set()
+    for rank, req in enumerate(requests):
+        for f in req["missing"]:
+            if (nodes[rank], f) in seen:
+                continue
+            seen.add((nodes[rank], f))
+            src = next((h for h in holders.get(f, []) if nodes[h] != nodes[rank]), None)
+            if src is not None:
+                plan.append(Transfer(src, rank, f))
+    return plan
+
+
+def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
+    size = manifest.files[name]["bytes"]
+    buf = torch.empty(size, dtype=torch.uint8)
+    with storage.open_read(f"{step_dir}/{name}") as f:
+        if size:
+            f.readinto(memoryview(buf.numpy()))
+    return buf
+
+
+def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor) -> None:
+    with storage.open_write(f"{step_dir}/{name}") as f:
+        f.write(memoryview(buf.numpy()))
+
+
+def _init_sharded_optimizers(state) -> None:
+    """Give empty optimizers over DTensor parameters their state, so it can be resharded into."""
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer) and not obj.state and any(
+                is_dtensor(p) for g in obj.param_groups for p in g["params"]):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(obj)

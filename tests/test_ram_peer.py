@@ -1,0 +1,80 @@
+"""RAM and peer tiers on simulated nodes: 4 gloo ranks, 2 per node, each node its own RAM dir."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import dist_worker
+from ranks import run_ranks
+
+
+@pytest.fixture
+def job(tmp_path):
+    env = {"FTKIT_RAM_DIR": str(tmp_path / "shm"), "FTKIT_RANKS_PER_NODE": "2", "FTKIT_JOB_ID": "job"}
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    return {"env": env, "disk": str(tmp_path / "disk"), "refs": str(refs),
+            "node": lambda n: tmp_path / "shm" / "job" / f"node{n}"}
+
+
+def _save(job, disk_every=100, parallel="ddp"):
+    run_ranks(4, dist_worker.ram_save, parallel, job["disk"], job["refs"], 3, disk_every, env=job["env"])
+
+
+def _restore(job, disk_every=100, parallel="ddp", world=4):
+    return run_ranks(world, dist_worker.ram_restore, parallel, job["disk"], job["refs"], disk_every, env=job["env"])
+
+
+def test_worker_restart_restores_from_node_ram(job):
+    _save(job)
+    node0 = job["node"](0)
+    files = sorted(p.name for p in (node0 / "step-000000000003").iterdir())
+    # node0 holds its ranks' data, the replicas of node1's ranks, and the manifest
+    assert "manifest.json" in files
+    assert sorted(f[:10] for f in files if f.endswith(".data")) == \
+        ["rank-00000", "rank-00001", "rank-00002", "rank-00003"]
+    assert (node0.parent.stat().st_mode & 0o777) == 0o700
+    out = _restore(job)
+    assert [o["step"] for o in out] == [3] * 4
+    assert {o["source"] for o in out} == {"ram"}
+
+
+def test_lost_node_restores_from_peer_replicas_not_disk(job):
+    _save(job)
+    shutil.rmtree(job["node"](1))  # node 1 died: its RAM is gone; its ranks restart elsewhere
+    out = _restore(job)
+    assert [o["step"] for o in out] == [3] * 4  # the newest step, though the disk tier has none
+    assert [o["source"] for o in out] == ["ram", "ram", "ram+peer", "ram+peer"]
+    assert out[2]["from_peers"] == 4
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_replica_is_detected_and_an_older_step_is_used(job):
+    _save(job)
+    shutil.rmtree(job["node"](1))
+    replica = next(job["node"](0).glob("step-000000000003/rank-00003-*.data"))
+    _flip(replica)  # the only surviving copy of rank 3's share of step 3
+    out = _restore(job)
+    assert [o["step"] for o in out] == [2] * 4  # values checked against step 2's reference
+
+
+def test_corrupt_local_ram_falls_back_to_disk_for_the_same_step(job):
+    _save(job, disk_every=1)
+    own = next(job["node"](0).glob("step-000000000003/rank-00000-*.data"))
+    _flip(own)
+    out = _restore(job, disk_every=1)
+    assert [o["step"] for o in out] == [3] * 4
+    assert {o["source"] for o in out} == {job["disk"]}
+
+
+def test_fsdp_state_reshards_from_ram_to_three_ranks(job):
+    _save(job, parallel="fsdp")
+    out = _restore(job, parallel="fsdp", world=3)
+    assert [o["step"] for o in out] == [3] * 3
