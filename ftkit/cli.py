@@ -181,6 +181,8 @@ def cmd_restore(args) -> int:
 
     storage, step = _open(args)
     m = newest_manifest(storage, step)
+    if args.world_size is not None:
+        return _reshard(args, storage, m)
     if os.path.exists(args.out) and not args.force:
         raise UsageError(f"{args.out} already exists; remove it or pass --force")
     with _progress(m.total_raw_bytes, f"restore step {m.step}") as update:
@@ -191,7 +193,31 @@ def cmd_restore(args) -> int:
     return EXIT_OK
 
 
+def _reshard(args, storage: Storage, m: Manifest) -> int:
+    from .persist import AlreadyCommitted
+    from .reshard import reshard
+
+    if args.world_size < 1:
+        raise UsageError("--world-size must be at least 1")
+    if args.format != "torch":
+        raise UsageError("--world-size writes an ftkit checkpoint directory; --format does not apply")
+    dst = Storage(args.out, storage_options=json.loads(args.storage_options) if args.storage_options else None)
+    try:
+        with _progress(m.total_raw_bytes, f"reshard step {m.step}") as update:
+            new = reshard(storage, m, dst, args.world_size, progress=update)
+    except AlreadyCommitted:
+        raise UsageError(f"{dst.display_url} already holds step {m.step}; choose another --out") from None
+    _emit(args, {"step": m.step, "out": dst.display_url, "world_size": new.world_size, "files": len(new.files)},
+          f"wrote step {m.step} for {new.world_size} rank(s) to {dst.display_url} "
+          f"(from {m.world_size} rank(s), {len(new.files)} file(s))")
+    return EXIT_OK
+
+
 def cmd_gc(args) -> int:
+    if args.url == "ram":
+        return _gc_ram(args)
+    if args.keep is None:
+        raise UsageError("gc needs --keep N (or the URL 'ram' to remove a finished job's RAM tier)")
     storage, _ = _open(args)
     dirs = scan(storage)
     committed = [d.step for d in dirs if d.committed]
@@ -220,6 +246,21 @@ def cmd_gc(args) -> int:
     return EXIT_OK
 
 
+def _gc_ram(args) -> int:
+    """Remove a finished job's RAM tier (every simulated node's directory) on this machine."""
+    from .ramtier import job_dir, remove_job
+
+    path = job_dir(args.job)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no RAM tier for job {args.job or '(default)'} at {path}")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    if not args.dry_run:
+        remove_job(args.job)
+    _emit(args, {"removed": path, "bytes": size, "dry_run": args.dry_run},
+          f"{'would remove' if args.dry_run else 'removed'} {path} ({_human(size)})")
+    return EXIT_OK
+
+
 # -------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftkit", description="Inspect, verify and restore ftkit checkpoints.")
@@ -243,12 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("inspect", cmd_inspect, "show one checkpoint's tensors, files and metadata")
     v = add("verify", cmd_verify, "check every chunk's checksum")
     v.add_argument("--all", action="store_true", help="verify every committed step")
-    r = add("restore", cmd_restore, "export a checkpoint to one torch or safetensors file")
-    r.add_argument("--out", required=True, help="output file")
+    r = add("restore", cmd_restore, "export a checkpoint to one torch or safetensors file, "
+                                    "or reshard it for another world size")
+    r.add_argument("--out", required=True, help="output file (with --world-size: a checkpoint directory or URL)")
+    r.add_argument("--world-size", type=int, help="write an ftkit checkpoint laid out for this many ranks")
     r.add_argument("--format", choices=("torch", "safetensors"), default="torch")
     r.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    g = add("gc", cmd_gc, "remove old checkpoints and partial steps", step=False)
-    g.add_argument("--keep", type=int, required=True, help="keep the newest N steps")
+    g = add("gc", cmd_gc, "remove old checkpoints and partial steps; 'ftkit gc ram' removes a job's RAM tier",
+            step=False)
+    g.add_argument("--keep", type=int, help="keep the newest N steps")
+    g.add_argument("--job", help="with URL 'ram': the job id (default: $FTKIT_JOB_ID, $TORCHELASTIC_RUN_ID)")
     g.add_argument("--keep-every", type=int, help="also keep every step divisible by M")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     return p

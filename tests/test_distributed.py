@@ -16,7 +16,7 @@ import ftkit
 from ftkit.reader import committed_steps, scan
 
 import dist_worker
-from conftest import REPO
+from conftest import REPO, run_cli
 from ranks import run_ranks
 
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
@@ -45,6 +45,16 @@ def test_save_on_4_restore_on_4_2_3(tmp_path, parallel):
     for world in (4, 2, 3):
         out = run_ranks(world, dist_worker.restore, parallel, ckpt, ref)
         assert out == [f"RESTORED rank={r} world={world} step=3" for r in range(world)]
+    # Offline: rewrite the step for 3 ranks, then 3 ranks restore from that copy.
+    resharded = str(tmp_path / "ckpt3")
+    r = run_cli("restore", ckpt, "--out", resharded, "--world-size", "3")
+    assert r.returncode == 0, r.stderr
+    m3 = ftkit.reader.newest_manifest(ftkit.Tier(resharded).open())
+    assert m3.world_size == 3 and {s.rank for t in m3.tensors for s in t.shards} == {0, 1, 2}
+    out = run_ranks(3, dist_worker.restore, parallel, resharded, ref)
+    assert out == [f"RESTORED rank={r} world=3 step=3" for r in range(3)]
+    r = run_cli("restore", ckpt, "--out", resharded, "--world-size", "3")
+    assert r.returncode == 2 and "already holds step 3" in r.stderr
 
 
 def test_step_one_rank_never_finished_is_invisible(tmp_path):

@@ -78,3 +78,17 @@ def test_fsdp_state_reshards_from_ram_to_three_ranks(job):
     _save(job, parallel="fsdp")
     out = _restore(job, parallel="fsdp", world=3)
     assert [o["step"] for o in out] == [3] * 3
+
+
+def test_gc_removes_a_finished_jobs_ram_tier(job, monkeypatch):
+    from conftest import run_cli
+
+    _save(job)
+    for k, v in job["env"].items():
+        monkeypatch.setenv(k, v)
+    r = run_cli("gc", "ram", "--job", "job", "--dry-run")
+    assert r.returncode == 0 and job["node"](0).exists()
+    r = run_cli("gc", "ram", "--job", "job", "--json")
+    assert r.returncode == 0, r.stderr
+    assert not job["node"](0).parent.exists()
+    assert run_cli("gc", "ram", "--job", "job").returncode == 1
