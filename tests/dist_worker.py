@@ -162,3 +162,25 @@ def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk
     if bad:
         raise AssertionError(f"rank {rank}: step {step} differs: {bad[:5]}")
     return {"step": step, "source": info["source"], "from_peers": info.get("files_from_peers", 0)}
+
+
+# ------------------------------------------------------------ data position
+def sampler_run(rank: int, world: int, ckpt: str, steps: int, n: int = 50, batch: int = 4):
+    """Train-loop shape with a prefetching DataLoader; return the batches consumed, by step."""
+    from torch.utils.data import DataLoader
+
+    sampler = ftkit.ResumableDistributedSampler(n, seed=7)
+    loader = DataLoader(list(range(n)), batch_size=batch, sampler=sampler, num_workers=2)
+    consumed = []
+    with ftkit.Checkpointer({"sampler": sampler}, [ftkit.Tier(ckpt, keep=3)], rng=False) as ck:
+        step = ck.restore()
+        while step < steps:
+            sampler.set_epoch(sampler.epoch)
+            for b in loader:
+                sampler.advance(len(b))
+                step += 1
+                consumed.append((step, b.tolist()))
+                ck.snapshot(step)
+                if step == steps:
+                    break
+    return consumed
