@@ -19,6 +19,7 @@ into the training loop; `wait()` and `close()` re-raise them for callers who ask
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ import torch
 
 from . import capture as cap
 from .dist import DistContext
+from .events import EventLog
 from .errors import FtkitError
 from .persist import AlreadyCommitted, delete_step, persist, persist_node_local
 from .peers import PeerGroup
@@ -40,6 +42,7 @@ from .sharding import Piece, plan_pieces
 from .staging import Layout, Slot, StagingArena
 from .storage import Storage
 from .tiers import Tier
+from .watchdog import Watchdog, WatchdogConfig
 
 log = logging.getLogger("ftkit")
 
@@ -84,6 +87,10 @@ class Checkpointer:
     commit_timeout_s: how long rank 0 waits for the other ranks' data before
         giving up on committing a step (the step then stays invisible).
     peer_timeout_s: bound on one peer transfer (a dead peer costs at most this).
+    run_dir: where the JSONL event log goes (default $FTKIT_RUN_DIR; none: no log).
+    watchdog: under torch.distributed, run the heartbeat watchdog (True, or a
+        WatchdogConfig); it ends this worker when another rank is dead or hung,
+        so torchrun restarts the group (see watchdog.py).
 
     Under torch.distributed (e.g. torchrun) every rank creates a Checkpointer
     over the same state structure and calls snapshot(step) and restore() with
@@ -95,7 +102,8 @@ class Checkpointer:
 
     def __init__(self, state: MutableMapping[str, Any], tiers: Sequence[Tier | str | dict], *,
                  policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True,
-                 commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0):
+                 commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0,
+                 run_dir: str | None = None, watchdog: bool | WatchdogConfig = True):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -136,6 +144,15 @@ class Checkpointer:
                        for obj in state.values() if isinstance(obj, torch.optim.Optimizer)]
         self._worker = threading.Thread(target=self._run_worker, name="ftkit-persist", daemon=True)
         self._worker.start()
+        self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
+        self.events.emit("start", world_size=self._ctx.world_size, node=self._ctx.node, pid=os.getpid(),
+                         tiers=[t.url for t in self.tiers])
+        self._watchdog: Watchdog | None = None
+        if watchdog and self._ctx.distributed:
+            config = watchdog if isinstance(watchdog, WatchdogConfig) else None
+            self._watchdog = Watchdog(self._ctx, self.events, config, flush=self._drain)
+            _time_first_gradient(state, self._watchdog)
+            self._watchdog.start()
 
     # ------------------------------------------------------------- snapshots
     def due_tiers(self, step: int) -> list[int]:
@@ -145,6 +162,9 @@ class Checkpointer:
         """Stage the state for `step`; persist in the background. True if staged."""
         if self._closed:
             raise FtkitError("snapshot() after close()")
+        if self._watchdog is not None:
+            self._watchdog.progress(step)
+        self.events.emit("step", step=step)
         due = self.due_tiers(step)
         if not due:
             return False
@@ -171,6 +191,8 @@ class Checkpointer:
         self._unfenced = slot
         self.stats.snapshots += 1
         self.stats.last_stall_s = time.perf_counter() - t0
+        self.events.emit("snapshot", step=step, stall_s=self.stats.last_stall_s,
+                         bytes=slot.layout.total_bytes if slot.layout else 0)
         self._jobs.put(_Job(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces},
                             captured.rng))
         return True
@@ -209,6 +231,8 @@ class Checkpointer:
                                        pieces=job.pieces, rng=job.rng, ctx=self._ctx, key=f"commit/{i}/{job.step}")
                 self.stats.persisted += 1
                 self.stats.last_committed[tier.url] = job.step
+                self.events.emit("persist", step=job.step, tier=tier.url, ok=True,
+                                 seconds=time.perf_counter() - t0, committed_by_me=manifest is not None)
                 if manifest is not None:  # rank 0: the commit is ours, and so is retention
                     log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
                              manifest.total_stored_bytes / 1e6, time.perf_counter() - t0)
@@ -218,6 +242,7 @@ class Checkpointer:
                 log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
             except Exception as e:  # recorded for wait(); training goes on
                 self.stats.failed += 1
+                self.events.emit("persist", step=job.step, tier=tier.url, ok=False, error=str(e)[:300])
                 log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, e)
                 with self._errors_lock:
                     self._errors.append(e)
@@ -252,6 +277,12 @@ class Checkpointer:
                 log.error("%d background persists failed; raising the first", len(errors))
             raise errors[0]
 
+    def _drain(self, deadline_s: float) -> None:
+        """Let queued background persists finish, for at most `deadline_s` (before an abort)."""
+        end = time.monotonic() + deadline_s
+        while self._jobs.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.05)
+
     def close(self) -> None:
         """Flush background work, release staging memory and hooks. Idempotent."""
         if self._closed:
@@ -260,6 +291,11 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            self.events.emit("close", stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed,
+                                             "skipped": self.stats.skipped})
+            self.events.close()
             self._jobs.put(None)
             self._worker.join()
             for h in self._hooks:
@@ -291,3 +327,26 @@ class Checkpointer:
         if not self._closed:
             self.wait()
         return _restore(self, step)
+
+
+def _time_first_gradient(state: MutableMapping[str, Any], watchdog: Watchdog) -> None:
+    """Under DDP, note when each step's first gradient bucket is ready: a rank's busy time.
+
+    In lockstep training every rank's step takes as long as the slowest one's, so
+    the whole step cannot show a straggler; the time until the first all-reduce
+    can. Uses DDP's stock all-reduce hook, so gradients are the same as without it.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    for obj in state.values():
+        if isinstance(obj, DistributedDataParallel):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            def hook(process_group, bucket):
+                watchdog.mark_first_gradient()
+                return default_hooks.allreduce_hook(process_group, bucket)
+
+            try:
+                obj.register_comm_hook(None, hook)
+            except RuntimeError as e:  # the user registered their own hook: keep it
+                log.info("ftkit: not timing DDP gradients (%s); stragglers judged on whole steps", e)

@@ -81,6 +81,7 @@ def restore(ck, step: int | None) -> int:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         ck.last_restore = {"step": s, **origin, "bytes": nbytes, "plan_s": t_plan, "read_s": t_read,
                            "load_s": t_load, "total_s": time.perf_counter() - t_start}
+        ck.events.emit("restore", **{k: v for k, v in ck.last_restore.items() if k != "received"})
         log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs, load %.2fs)%s",
                  ctx.rank, s, origin["source"], nbytes / 1e6, t_plan, t_read, t_load,
                  f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "")
@@ -90,6 +91,7 @@ def restore(ck, step: int | None) -> int:
                                      f"newest problem: {problems[0]}")
     if unreachable:
         raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
+    ck.events.emit("restore", step=0, source=None, total_s=time.perf_counter() - t_start)
     return 0
 
 

@@ -1,0 +1,79 @@
+"""The event log: one JSONL file per rank and attempt in the run directory.
+
+Every snapshot, persist, detection, abort, start and restore is a line
+``{"t": unix time, "rank": r, "attempt": n, "event": name, ...}``; `ftkit report`
+turns them into goodput and a timeline. Writing is line-buffered and
+thread-safe, and a failure to write never disturbs training (it is logged once).
+
+The run directory is ``$FTKIT_RUN_DIR`` unless given; without one, events are
+not recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("ftkit")
+
+
+def attempt() -> int:
+    """torchrun's restart count: 0 for the first attempt of the worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class EventLog:
+    def __init__(self, run_dir: str | None, rank: int):
+        self.rank = rank
+        self.attempt = attempt()
+        self._lock = threading.Lock()
+        self._file = None
+        self._failed = False
+        if run_dir:
+            path = os.path.join(run_dir, "events")
+            os.makedirs(path, exist_ok=True)
+            self.path = os.path.join(path, f"rank-{rank:05d}.jsonl")
+            self._file = open(self.path, "a", buffering=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        line = json.dumps({"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event,
+                           **fields}, default=str)
+        with self._lock:
+            try:
+                self._file.write(line + "\n")
+            except (OSError, ValueError) as e:
+                if not self._failed:
+                    self._failed = True
+                    log.error("ftkit: cannot write the event log (%s); events are no longer recorded", e)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    """Every event of a run, in time order; unreadable lines are skipped."""
+    out = []
+    d = os.path.join(run_dir, "events")
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if not name.endswith(".jsonl"):
+            continue
+        with open(os.path.join(d, name)) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line torn by a kill
+    return sorted(out, key=lambda e: e["t"])
