@@ -261,6 +261,61 @@ def _gc_ram(args) -> int:
     return EXIT_OK
 
 
+def cmd_report(args) -> int:
+    from .report import build, to_html, to_json, to_text
+
+    if not os.path.isdir(os.path.join(args.run_dir, "events")):
+        raise CheckpointNotFoundError(f"{args.run_dir}: no events/ directory (is it an ftkit run directory?)")
+    try:
+        report, events = build(args.run_dir)
+    except ValueError:
+        raise CheckpointNotFoundError(f"{args.run_dir}: the event log is empty") from None
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(to_html(report, events, title=f"ftkit run {os.path.basename(os.path.abspath(args.run_dir))}"))
+    _emit(args, to_json(report), to_text(report) + (f"\ntimeline written to {args.html}" if args.html else ""))
+    return EXIT_OK
+
+
+RUN_HELP = """usage: ftkit run [--run-dir DIR] [torchrun options] script.py [script args]
+
+A thin wrapper over torchrun (python -m torch.distributed.run) with defaults for
+fault tolerance: --max-restarts 3 and --monitor-interval 0.5 unless given, and
+--standalone unless a rendezvous endpoint or --nnodes is given. FTKIT_RUN_DIR is
+set to --run-dir (default ./ftkit-run) so Checkpointers log events there;
+`ftkit report DIR` reads them afterwards. Exits with torchrun's exit code."""
+
+
+def cmd_run(argv: list[str]) -> int:
+    import subprocess
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(RUN_HELP)
+        return EXIT_OK if argv else EXIT_USAGE
+    run_dir = "ftkit-run"
+    if argv[0] == "--run-dir" or argv[0].startswith("--run-dir="):
+        if "=" in argv[0]:
+            run_dir, argv = argv[0].split("=", 1)[1], argv[1:]
+        elif len(argv) > 1:
+            run_dir, argv = argv[1], argv[2:]
+        else:
+            print("ftkit: error: --run-dir needs a value", file=sys.stderr)
+            return EXIT_USAGE
+    flags = {a.split("=", 1)[0].replace("_", "-") for a in argv if a.startswith("--")}
+    defaults = []
+    if "--max-restarts" not in flags:
+        defaults += ["--max-restarts", "3"]
+    if "--monitor-interval" not in flags:
+        defaults += ["--monitor-interval", "0.5"]
+    if not flags & {"--standalone", "--rdzv-endpoint", "--nnodes", "--master-addr"}:
+        defaults.append("--standalone")
+    os.makedirs(run_dir, exist_ok=True)
+    env = {**os.environ, "FTKIT_RUN_DIR": os.path.abspath(run_dir)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *defaults, *argv]
+    print(f"ftkit run: {' '.join(cmd[1:])}  (events in {run_dir})", file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env=env)
+
+
 # -------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftkit", description="Inspect, verify and restore ftkit checkpoints.")
@@ -296,10 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--job", help="with URL 'ram': the job id (default: $FTKIT_JOB_ID, $TORCHELASTIC_RUN_ID)")
     g.add_argument("--keep-every", type=int, help="also keep every step divisible by M")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    rp = sub.add_parser("report", help="goodput, incidents and a timeline from a run's event log",
+                        description="goodput, incidents and a timeline from a run's event log")
+    rp.add_argument("run_dir", help="the run directory ($FTKIT_RUN_DIR of the job)")
+    rp.add_argument("--json", action="store_true", help="machine-readable output")
+    rp.add_argument("--html", metavar="FILE", help="write a page with the timeline")
+    rp.set_defaults(func=cmd_report)
+    sub.add_parser("run", help="torchrun with fault-tolerance defaults (ftkit run --help)", add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "run":
+        return cmd_run(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

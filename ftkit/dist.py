@@ -117,3 +117,27 @@ class DistContext:
                 self.store.delete_key(k)
             except Exception:  # best effort: stale keys only cost store memory
                 pass
+
+
+def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> None:
+    """torch.distributed.init_process_group for torchrun workers that survives restarts.
+
+    Under torchrun with restarts, workers of a new attempt can read the
+    rendezvous keys the previous attempt left in the agent's store and try to
+    connect to dead peers ("connectFullMesh failed ... Connection refused").
+    This opens the same store and namespaces it by attempt
+    (TORCHELASTIC_RESTART_COUNT), then initializes the group on it.
+    Outside torchrun it is the plain call.
+    """
+    import torch.distributed as dist
+
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "store" in kwargs:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ftkit-attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)

@@ -1,14 +1,16 @@
 """The reference trainer: a small deterministic GPT-style model on CPU.
 
-Used by the demo (and the drills) because it is bit-for-bit reproducible: the
+Used by the demo and the drills because it is bit-for-bit reproducible: the
 same seed and steps give the same weights, so a run that was killed and restored
 can be compared exactly with one that never failed.
 
     python -m ftkit.reference --ckpt DIR --steps 30 [--every 1] [--final-out FILE]
+    torchrun --nproc-per-node 4 -m ftkit.reference --ckpt DIR --ram --peer 1 --steps 30
 
-It prints ``step N loss X`` after every step (flushed), restores from the newest
-snapshot on start, and snapshots every step. The batch for step N is generated
-from (seed, N), so the data position is the step itself.
+It prints ``step N loss X`` after every step (flushed; rank 0 under torchrun),
+restores from the newest snapshot on start, and snapshots every step. The batch
+for step N on rank R is generated from (seed, N, R), so the data position is the
+step itself. Under torchrun (WORLD_SIZE > 1) it trains with DDP over gloo.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 
@@ -42,8 +45,8 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(h))
 
 
-def batch_for(step: int, seed: int, batch: int = 8, seq: int = 32, vocab: int = 96) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+def batch_for(step: int, seed: int, batch: int = 8, seq: int = 32, vocab: int = 96, rank: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     return torch.randint(0, vocab, (batch, seq + 1), generator=g)
 
 
@@ -55,8 +58,8 @@ def build(seed: int):
     return model, opt, sched
 
 
-def train_step(model, opt, sched, step: int, seed: int) -> float:
-    data = batch_for(step, seed)
+def train_step(model, opt, sched, step: int, seed: int, rank: int = 0) -> float:
+    data = batch_for(step, seed, rank=rank)
     logits = model(data[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
@@ -68,32 +71,66 @@ def train_step(model, opt, sched, step: int, seed: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", required=True, help="tier URL for snapshots")
+    p.add_argument("--ckpt", required=True, help="tier URL for durable snapshots")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--every", type=int, default=1, help="persist every N steps")
+    p.add_argument("--every", type=int, default=1, help="persist to --ckpt every N steps")
+    p.add_argument("--ram", action="store_true", help="also snapshot every step to the node's RAM tier")
+    p.add_argument("--peer", type=int, default=0, help="replicate the RAM tier to this many other nodes")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
-    p.add_argument("--final-out", help="write the final model+optimizer state here (torch file)")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank takes --slow-factor times longer")
+    p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--run-dir", help="event log directory (default $FTKIT_RUN_DIR)")
+    p.add_argument("--final-out", help="write the final model+optimizer state here (torch file, rank 0)")
+    p.add_argument("--pg-timeout", type=float, default=1800.0, help="process group timeout, seconds")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # bitwise reproducible across runs
     torch.use_deterministic_algorithms(True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world > 1:
+        import torch.distributed as dist
+
+        from .dist import init_process_group
+
+        init_process_group("gloo", timeout_s=args.pg_timeout)
+        rank = dist.get_rank()
     model, opt, sched = build(args.seed)
+    if world > 1:
+        # The only buffer is a constant mask: no need to re-broadcast it every forward.
+        model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     state = {"model": model, "optim": opt, "sched": sched}
-    with ftkit.Checkpointer(state, [ftkit.Tier(args.ckpt, every=args.every, keep=3)], policy="wait") as ck:
+    tiers: list = []
+    if args.ram:
+        tiers.append("ram")
+    if args.peer:
+        tiers.append(ftkit.Tier("peer", replicas=args.peer))
+    tiers.append(ftkit.Tier(args.ckpt, every=args.every, keep=3))
+    with ftkit.Checkpointer(state, tiers, policy="wait", run_dir=args.run_dir) as ck:
         start = ck.restore()
-        print(f"resumed from step {start}" if start else "starting fresh", flush=True)
+        if rank == 0:
+            print(f"resumed from step {start}" if start else "starting fresh", flush=True)
+        compute = 0.0
         for step in range(start + 1, args.steps + 1):
-            loss = train_step(model, opt, sched, step, args.seed)
+            if rank == args.slow_rank:  # e.g. a slow input pipeline: before the forward
+                time.sleep((args.slow_factor - 1) * (compute + args.step_time))
+            t0 = time.perf_counter()
+            loss = train_step(model, opt, sched, step, args.seed, rank)
+            compute = time.perf_counter() - t0
             if not math.isfinite(loss):
                 print(f"loss is {loss} at step {step}", file=sys.stderr)
                 return 1
             ck.snapshot(step)
-            print(f"step {step} loss {loss:.4f}", flush=True)
+            if rank == 0:
+                print(f"step {step} loss {loss:.4f}", flush=True)
             if args.step_time:
                 time.sleep(args.step_time)
-    if args.final_out:
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, args.final_out)
+    if args.final_out and rank == 0:
+        module = model.module if world > 1 else model
+        torch.save({"model": module.state_dict(), "optim": opt.state_dict()}, args.final_out)
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return 0
 
 
