@@ -197,6 +197,16 @@ class Checkpointer:
                             captured.rng))
         return True
 
+    def mark_compute_done(self) -> None:
+        """This rank's compute for the step is done and it is about to wait for its peers.
+
+        Call it right before a step's first collective in a custom loop (ftkit does
+        it for DDP itself, through a comm hook, unless one is already registered):
+        the watchdog compares ranks' busy times to find stragglers.
+        """
+        if self._watchdog is not None:
+            self._watchdog.mark_first_gradient()
+
     def _fence_hook(self, *_args: Any) -> None:
         """Optimizer step pre-hook: the step must not overwrite tensors still being copied."""
         slot, self._unfenced = self._unfenced, None
@@ -348,5 +358,6 @@ def _time_first_gradient(state: MutableMapping[str, Any], watchdog: Watchdog) ->
 
             try:
                 obj.register_comm_hook(None, hook)
-            except RuntimeError as e:  # the user registered their own hook: keep it
-                log.info("ftkit: not timing DDP gradients (%s); stragglers judged on whole steps", e)
+            except RuntimeError:  # the user registered their own hook: keep it
+                log.info("ftkit: DDP already has a comm hook; call ck.mark_compute_done() from it to "
+                         "time this rank's compute for straggler detection")

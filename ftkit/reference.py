@@ -10,7 +10,8 @@ can be compared exactly with one that never failed.
 It prints ``step N loss X`` after every step (flushed; rank 0 under torchrun),
 restores from the newest snapshot on start, and snapshots every step. The batch
 for step N on rank R is generated from (seed, N, R), so the data position is the
-step itself. Under torchrun (WORLD_SIZE > 1) it trains with DDP over gloo.
+step itself. Under torchrun (WORLD_SIZE > 1) it trains data-parallel over gloo,
+averaging gradients in a fixed order (see average_gradients).
 """
 
 from __future__ import annotations
@@ -58,15 +59,48 @@ def build(seed: int):
     return model, opt, sched
 
 
-def train_step(model, opt, sched, step: int, seed: int, rank: int = 0) -> float:
+def train_step(model, opt, sched, step: int, seed: int, rank: int = 0, sync=None) -> float:
     data = batch_for(step, seed, rank=rank)
     logits = model(data[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if sync is not None:
+        sync()
     opt.step()
     sched.step()
     return loss.detach().item()
+
+
+def average_gradients(model: nn.Module, ck=None) -> None:
+    """Data-parallel gradient averaging whose sums are the same in every run.
+
+    DDP's all-reduce adds ranks' values in an order that depends on where an
+    element falls in its bucket, and DDP re-buckets after the first iteration of
+    every (re)started process, so a restored run would drift from an unbroken one
+    in the last bits. Gathering every rank's gradients and adding them in rank
+    order gives the same sum whatever happened, which is what lets a drill compare
+    final weights bit for bit. It runs on the training thread as plain
+    collectives (no Python callbacks inside the collective machinery), and tells
+    ftkit when this rank's compute ended, for straggler detection.
+    """
+    import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    world = dist.get_world_size()
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    if ck is not None:
+        ck.mark_compute_done()
+    dist.all_gather(parts, flat)
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    total.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(total[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,9 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         init_process_group("gloo", timeout_s=args.pg_timeout)
         rank = dist.get_rank()
     model, opt, sched = build(args.seed)
-    if world > 1:
-        # The only buffer is a constant mask: no need to re-broadcast it every forward.
-        model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     state = {"model": model, "optim": opt, "sched": sched}
     tiers: list = []
     if args.ram:
@@ -108,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         tiers.append(ftkit.Tier("peer", replicas=args.peer))
     tiers.append(ftkit.Tier(args.ckpt, every=args.every, keep=3))
     with ftkit.Checkpointer(state, tiers, policy="wait", run_dir=args.run_dir) as ck:
+        sync = (lambda: average_gradients(model, ck)) if world > 1 else None
         start = ck.restore()
         if rank == 0:
             print(f"resumed from step {start}" if start else "starting fresh", flush=True)
@@ -116,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == args.slow_rank:  # e.g. a slow input pipeline: before the forward
                 time.sleep((args.slow_factor - 1) * (compute + args.step_time))
             t0 = time.perf_counter()
-            loss = train_step(model, opt, sched, step, args.seed, rank)
+            loss = train_step(model, opt, sched, step, args.seed, rank, sync)
             compute = time.perf_counter() - t0
             if not math.isfinite(loss):
                 print(f"loss is {loss} at step {step}", file=sys.stderr)
@@ -127,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_time:
                 time.sleep(args.step_time)
     if args.final_out and rank == 0:
-        module = model.module if world > 1 else model
-        torch.save({"model": module.state_dict(), "optim": opt.state_dict()}, args.final_out)
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, args.final_out)
     if world > 1:
         torch.distributed.destroy_process_group()
     return 0

@@ -15,8 +15,9 @@ Each rank runs one daemon thread that, every `interval_s`,
      `hang_ceiling_s`], so nobody hand-tunes a timeout per model;
    * straggler: its busy time per step (up to its first gradient all-reduce under
      DDP, else the whole step) stays above `straggler_factor` x the median of all
-     ranks for `straggler_checks` checks in a row: reported, and an abort only if
-     `straggler_action="abort"`.
+     ranks, and above it by a quarter of a step (`straggler_min_excess_s` at
+     least), for `straggler_checks` checks in a row: reported, and an abort only
+     if `straggler_action="abort"`.
 
 On a dead or hung rank the thread records the event, kills that process if it
 is on this host (a stopped process would otherwise hold up torchrun's restart),
@@ -60,6 +61,7 @@ class WatchdogConfig:
     hang_floor_s: float = 30.0
     hang_ceiling_s: float = 1800.0
     straggler_factor: float = 2.0
+    straggler_min_excess_s: float = 0.05  # and at least a quarter of a step: noise is not a straggler
     straggler_checks: int = 6
     straggler_action: str = "log"  # or "abort"
     flush_deadline_s: float = 10.0
@@ -84,7 +86,7 @@ class Watchdog:
         self.events = events
         self.cfg = config or WatchdogConfig()
         self._flush = flush
-        self._step = 0
+        self._step: int | None = None  # None until the first step ends: no hang clock before it
         self._busy: deque[float] = deque(maxlen=20)
         self._intervals: deque[float] = deque(maxlen=20)
         self._step_started = time.monotonic()
@@ -201,19 +203,22 @@ class Watchdog:
             if beat is not None and beat["seq"] != seen.seq:
                 first = seen.seq < 0
                 seen.seq, seen.changed, seen.info = beat["seq"], now, beat
-                if first or beat["step"] != seen.step:
-                    seen.step, seen.step_changed = beat["step"], now
+                step = beat["step"] if beat["step"] is not None else -1
+                if first or step != seen.step:
+                    seen.step, seen.step_changed = step, now
             if seen.seq < 0:
                 if now - self._started > cfg.startup_grace_s:
                     self._abort(r, "dead", now - self._started, "never sent a heartbeat")
                 continue
             if now - seen.changed > cfg.dead_after_s:
                 self._abort(r, "dead", now - seen.changed, f"no heartbeat for {now - seen.changed:.1f}s")
-            elif seen.step >= 0 and now - seen.step_changed > hang_bound:
+            elif seen.step >= 0 and now - seen.step_changed > hang_bound:  # only after its first step
                 self._abort(r, "hung", now - seen.step_changed,
                             f"no step progress for {now - seen.step_changed:.1f}s (bound {hang_bound:.0f}s)")
             busy = busies.get(r)
-            if median_busy and busy and busy > cfg.straggler_factor * median_busy:
+            min_excess = max(cfg.straggler_min_excess_s, 0.25 * (median_step or 0))
+            if median_busy and busy and busy > cfg.straggler_factor * median_busy \
+                    and busy - median_busy > min_excess:
                 seen.slow_checks += 1
                 if seen.slow_checks >= cfg.straggler_checks and not seen.flagged_straggler:
                     seen.flagged_straggler = True
