@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import FormatError
@@ -107,13 +107,20 @@ class Manifest:
         raise KeyError(name)
 
 
+def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
+    """A tensor entry as plain JSON types (hand-written: asdict deep-copies, 20x slower)."""
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
+            "shards": [{"offsets": list(s.offsets), "lengths": list(s.lengths), "rank": s.rank,
+                        "chunks": [dict(c.__dict__) for c in s.chunks]} for s in t.shards]}
+
+
 def manifest_to_json(m: Manifest) -> bytes:
-    doc = asdict(m)
-    # Put the identifying fields first so `head manifest.json` tells what it is.
-    ordered = {"format": doc.pop("format"), "format_version": doc.pop("format_version")}
-    ordered.update(doc)
+    # Identifying fields first, so the first bytes of the file say what it is.
+    doc = {"format": m.format, "format_version": m.format_version, "step": m.step, "world_size": m.world_size,
+           "tensors": [tensor_entry_doc(t) for t in m.tensors], "skeleton": m.skeleton, "files": m.files,
+           "rank_state": m.rank_state, "created_at": m.created_at, "writer": m.writer}
     # Compact: a large model has thousands of entries; `jq . manifest.json` pretty-prints.
-    return json.dumps(ordered, separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def manifest_from_json(data: bytes, where: str, expect_step: int | None = None) -> Manifest:

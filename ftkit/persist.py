@@ -19,14 +19,14 @@ import logging
 import socket
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from . import codec
 from .dist import DistContext
 from .errors import FtkitError, StorageError
 from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, decode_tensor_entry,
-                     manifest_to_json, step_dir_name)
+                     manifest_to_json, step_dir_name, tensor_entry_doc)
 from .peers import PeerGroup, replication_plan
 from .sharding import REPLICATED, Piece
 from .staging import Slot
@@ -51,7 +51,8 @@ class RankWrite:
     tensors: tuple[TensorEntry, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes,
+                "tensors": [tensor_entry_doc(t) for t in self.tensors]}
 
     @staticmethod
     def from_json(doc: dict[str, Any]) -> "RankWrite":

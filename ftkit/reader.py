@@ -158,6 +158,9 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
             covered += _numel(ov[1])
             if tuple(shard.offsets) == tuple(offs) and tuple(shard.lengths) == tuple(lens):
                 target, needed = out, shard.chunks
+            elif _row_block_inside(shard, offs, lens):
+                # A block of whole rows inside the region: decode straight into its rows.
+                target, needed = out.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]), shard.chunks
             else:
                 target = torch.empty(shard.lengths, dtype=dtype)
                 lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
@@ -188,6 +191,13 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
             dst = dst.narrow(dim, o - regions[name][0][dim], n)
         dst.copy_(src)
     return dest
+
+
+def _row_block_inside(shard, offs, lens) -> bool:
+    """Whether `shard` spans whole trailing dimensions of the region and lies within its rows."""
+    return (len(lens) >= 1 and tuple(shard.offsets[1:]) == tuple(offs[1:])
+            and tuple(shard.lengths[1:]) == tuple(lens[1:])
+            and offs[0] <= shard.offsets[0] and shard.offsets[0] + shard.lengths[0] <= offs[0] + lens[0])
 
 
 def _numel(lengths) -> int:

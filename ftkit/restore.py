@@ -300,9 +300,9 @@ def _fetch_plan(requests: list[dict[str, Any]], holders: dict[str, list[int]], n
             if (nodes[rank], f) in seen:
                 continue
             seen.add((nodes[rank], f))
-            src = next((h for h in holders.get(f, []) if nodes[h] != nodes[rank]), None)
-            if src is not None:
-                plan.append(Transfer(src, rank, f))
+            sources = [h for h in holders.get(f, []) if nodes[h] != nodes[rank]]
+            if sources:  # spread the sending over the holders rather than funnel it through one
+                plan.append(Transfer(sources[len(plan) % len(sources)], rank, f))
     return plan
 
 
