@@ -116,6 +116,7 @@ class Checkpointer:
         global _instances
         _instances += 1  # every rank creates its Checkpointers in the same order
         self._ctx = DistContext.detect(timeout_s=commit_timeout_s).scoped(f"ck{_instances}/")
+        self._bg_ctx = self._ctx.own_connection()  # the persist thread's (see DistContext.own_connection)
         self._restores = 0  # restore() calls so far: namespaces their store keys
         self.last_restore: dict[str, Any] = {}
         # Opening every tier now makes a bad URL or missing backend fail at start.
@@ -150,7 +151,7 @@ class Checkpointer:
         self._watchdog: Watchdog | None = None
         if watchdog and self._ctx.distributed:
             config = watchdog if isinstance(watchdog, WatchdogConfig) else None
-            self._watchdog = Watchdog(self._ctx, self.events, config, flush=self._drain)
+            self._watchdog = Watchdog(self._ctx.own_connection(), self.events, config, flush=self._drain)
             _time_first_gradient(state, self._watchdog)
             self._watchdog.start()
 
@@ -234,11 +235,12 @@ class Checkpointer:
                 if tier.is_ram:
                     manifest = persist_node_local(
                         storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
-                        rng=job.rng, ctx=self._ctx, key=f"commit/{i}/{job.step}", peers=self._peers,
+                        rng=job.rng, ctx=self._bg_ctx, key=f"commit/{i}/{job.step}", peers=self._peers,
                         replicas=self._replicas)
                 else:
                     manifest = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
-                                       pieces=job.pieces, rng=job.rng, ctx=self._ctx, key=f"commit/{i}/{job.step}")
+                                       pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx,
+                                       key=f"commit/{i}/{job.step}")
                 self.stats.persisted += 1
                 self.stats.last_committed[tier.url] = job.step
                 self.events.emit("persist", step=job.step, tier=tier.url, ok=True,

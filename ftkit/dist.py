@@ -69,6 +69,17 @@ class DistContext:
         ctx.nodes = ctx.gather("nodes", ctx.node)
         return ctx
 
+    def own_connection(self) -> "DistContext":
+        """The same context over a new connection to the store.
+
+        A store client serializes its calls: a thread blocked in a long wait (rank
+        0 waiting for a slow rank's report) would otherwise stall every other
+        thread's calls, the watchdog's heartbeats among them. Each thread that
+        talks to the store gets its own connection.
+        """
+        store = self.store.clone() if self.store is not None else None
+        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes))
+
     def scoped(self, prefix: str) -> "DistContext":
         """The same context with its keys below `prefix` (one Checkpointer's namespace)."""
         import torch.distributed as dist

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="event log directory (default $FTKIT_RUN_DIR)")
     p.add_argument("--final-out", help="write the final model+optimizer state here (torch file, rank 0)")
     p.add_argument("--pg-timeout", type=float, default=1800.0, help="process group timeout, seconds")
+    p.add_argument("--no-watchdog", action="store_true", help="run without ftkit's heartbeat watchdog")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # bitwise reproducible across runs
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         tiers.append(ftkit.Tier("peer", replicas=args.peer))
     tiers.append(ftkit.Tier(args.ckpt, every=args.every, keep=3))
-    with ftkit.Checkpointer(state, tiers, policy="wait", run_dir=args.run_dir) as ck:
+    with ftkit.Checkpointer(state, tiers, policy="wait", run_dir=args.run_dir,
+                            watchdog=not args.no_watchdog) as ck:
         sync = (lambda: average_gradients(model, ck)) if world > 1 else None
         start = ck.restore()
         if rank == 0:
