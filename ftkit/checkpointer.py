@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from .events import EventLog
 from .errors import FtkitError
 from .persist import AlreadyCommitted, delete_step, persist, persist_node_local
 from .peers import PeerGroup
+from .preemption import PreemptionHandler
 from .ramtier import node_dir
 from .reader import scan
 from .restore import restore as _restore
@@ -88,6 +90,10 @@ class Checkpointer:
         giving up on committing a step (the step then stays invisible).
     peer_timeout_s: bound on one peer transfer (a dead peer costs at most this).
     run_dir: where the JSONL event log goes (default $FTKIT_RUN_DIR; none: no log).
+    preemption_signals: on these signals (default SIGTERM), the next snapshot()
+        saves that step to every tier, waits for the commit, and exits with
+        128 + the signal; () leaves signals alone. See preemption.py.
+    preemption_deadline_s: exit anyway if no step ends this long after the signal.
     watchdog: under torch.distributed, run the heartbeat watchdog (True, or a
         WatchdogConfig); it ends this worker when another rank is dead or hung,
         so torchrun restarts the group (see watchdog.py).
@@ -103,7 +109,8 @@ class Checkpointer:
     def __init__(self, state: MutableMapping[str, Any], tiers: Sequence[Tier | str | dict], *,
                  policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True,
                  commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0,
-                 run_dir: str | None = None, watchdog: bool | WatchdogConfig = True):
+                 run_dir: str | None = None, watchdog: bool | WatchdogConfig = True,
+                 preemption_signals: Sequence[int] = (signal.SIGTERM,), preemption_deadline_s: float = 60.0):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -148,6 +155,8 @@ class Checkpointer:
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
         self.events.emit("start", world_size=self._ctx.world_size, node=self._ctx.node, pid=os.getpid(),
                          tiers=[t.url for t in self.tiers])
+        self._preemption = PreemptionHandler(preemption_signals, preemption_deadline_s, self.events.emit) \
+            if preemption_signals else None
         self._watchdog: Watchdog | None = None
         if watchdog and self._ctx.distributed:
             config = watchdog if isinstance(watchdog, WatchdogConfig) else None
@@ -166,9 +175,55 @@ class Checkpointer:
         if self._watchdog is not None:
             self._watchdog.progress(step)
         self.events.emit("step", step=step)
+        if self._preemption is not None and self._preemption.requested is not None \
+                and self._final_step_reached(step):
+            self._save_and_exit(step)
         due = self.due_tiers(step)
         if not due:
             return False
+        return self._stage(step, due)
+
+    def _final_step_reached(self, step: int) -> bool:
+        """After a preemption signal: is `step` the one every rank saves and stops at?
+
+        Ranks see the signal at different step ends (one may be at the end of
+        step 9 while the others are already inside step 10). Each publishes the
+        first step end it reached and trains one more step; at the end of that
+        one it waits for everyone's. The stop is one past the latest published:
+        every rank is still running then, so the final save can commit.
+        """
+        ctx, pre = self._ctx, self._preemption
+        assert pre is not None
+        if not ctx.distributed:
+            return True
+        if pre.first_boundary is None:
+            pre.first_boundary = step
+            ctx.put(f"preempt/{ctx.rank}", step)
+            return False
+        if pre.final_step is None:
+            pre.final_step = 1 + max(ctx.get(f"preempt/{r}", timeout_s=pre.deadline_s)
+                                     for r in range(ctx.world_size))
+        return step >= pre.final_step
+
+    def _save_and_exit(self, step: int) -> None:
+        """Preempted: take this step to every tier, wait for the commits, then exit."""
+        assert self._preemption is not None
+        sig = self._preemption.requested or signal.SIGTERM
+        t0 = time.perf_counter()
+        ok = True
+        try:
+            self._stage(step, [i for i, t in enumerate(self.tiers) if not t.is_peer])
+            self.wait()
+        except Exception as e:
+            ok = False
+            log.error("ftkit: the final save after %s failed: %s", signal.Signals(sig).name, e)
+        self._preemption.done()
+        self.events.emit("preempt_flush", step=step, ok=ok, seconds=time.perf_counter() - t0)
+        log.warning("ftkit: step %d %s; exiting", step, "saved to every tier" if ok else "NOT saved")
+        raise SystemExit(128 + sig)
+
+    def _stage(self, step: int, due: list[int]) -> bool:
+        """Capture, take a staging slot and copy: the part of snapshot() the training thread waits for."""
         t0 = time.perf_counter()
         ctx = self._ctx
         captured = cap.capture(self.state, rng=self.rng, rng_path=f"{cap.RNG_KEY}/r{ctx.rank}")
@@ -179,10 +234,15 @@ class Checkpointer:
             self.stats.skipped += 1
             log.warning("snapshot of step %d skipped: the previous snapshots are still being persisted "
                         "(policy 'skip'; %d skipped so far)", step, self.stats.skipped)
-            if ctx.distributed:  # tell rank 0 now, so it does not wait for this rank's share
+            if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
+                skipped = {"write": None, "rng": None, "error": "snapshot skipped: staging busy"}
                 for i in due:
-                    ctx.put(f"commit/{i}/{step}/{ctx.rank}", {"write": None, "rng": None,
-                                                              "error": "snapshot skipped: staging busy"})
+                    key = f"commit/{i}/{step}"
+                    if self.tiers[i].is_ram:  # persist_node_local's two gathers
+                        ctx.put(f"{key}/w/{ctx.rank}", skipped)
+                        ctx.put(f"{key}/r/{ctx.rank}", None)
+                    else:
+                        ctx.put(f"{key}/{ctx.rank}", skipped)
             return False
         try:
             slot.fill(named, self._side_stream)
@@ -305,6 +365,8 @@ class Checkpointer:
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop()
+            if self._preemption is not None:
+                self._preemption.uninstall()
             self.events.emit("close", stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed,
                                              "skipped": self.stats.skipped})
             self.events.close()

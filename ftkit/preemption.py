@@ -1,0 +1,73 @@
+"""Preemption: on SIGTERM (or another signal), save to the durable tiers, then exit.
+
+Schedulers announce the end of a job with a signal and a grace period (SLURM
+``--signal``, Kubernetes' preStop and terminationGracePeriodSeconds, torchrun
+forwarding its own SIGTERM to the workers). The signal can arrive in the middle
+of a step, when the state is half-updated, so the handler only records it; the
+next ``ck.snapshot(step)``, at the end of a step where the state is consistent,
+takes that step to every tier (whatever their `every`), waits for the commit,
+and exits with 128 + the signal number. Every rank gets the signal and reaches
+the same step, so a multi-rank commit completes as usual: ranks that see the signal at
+different step ends agree through the store on the last of them
+(Checkpointer._final_step_reached).
+
+If no step ends within the deadline (a very long step, a hang), a timer ends
+the process anyway, recording that the flush did not happen: the newest
+snapshot already persisted stays the one to restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger("ftkit")
+
+
+class PreemptionHandler:
+    def __init__(self, signals: Sequence[int], deadline_s: float, emit: Callable[..., Any]):
+        self.signals = tuple(signals)
+        self.deadline_s = deadline_s
+        self.emit = emit
+        self.requested: int | None = None
+        self.first_boundary: int | None = None  # the first step end this rank reached after the signal
+        self.final_step: int | None = None  # the step every rank agreed to save and stop at
+        self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("ftkit: Checkpointer created off the main thread; preemption signals not handled")
+            self.signals = ()
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.requested is not None:
+            return
+        self.requested = signum
+        log.warning("ftkit: %s received: saving the state at the end of this step (deadline %.0fs)",
+                    signal.Signals(signum).name, self.deadline_s)
+        self.emit("preempt", signal=signal.Signals(signum).name, deadline_s=self.deadline_s)
+        self._timer = threading.Timer(self.deadline_s, self._out_of_time)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _out_of_time(self) -> None:
+        log.error("ftkit: no step ended within the %.0fs preemption deadline; exiting without a final save",
+                  self.deadline_s)
+        self.emit("preempt_timeout")
+        os._exit(128 + (self.requested or signal.SIGTERM))
+
+    def done(self) -> None:
+        """The final save is committed (or failed): stop the deadline timer."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def uninstall(self) -> None:
+        self.done()
+        if threading.current_thread() is threading.main_thread():
+            for sig, prev in self._previous.items():
+                signal.signal(sig, prev)
+        self._previous = {}

@@ -1,0 +1,55 @@
+"""Preemption: SIGTERM saves the current step to the durable tier, and a new job resumes from it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import ftkit
+from ftkit.reader import committed_steps
+
+from conftest import REPO
+from torchrun_job import Job, stop_everything
+
+
+def _trainer(ckpt, final, steps=60, extra=()):
+    return [sys.executable, "-m", "ftkit.reference", "--ckpt", str(ckpt), "--steps", str(steps),
+            "--every", "1000", "--step-time", "0.05", "--final-out", str(final), *extra]
+
+
+def test_sigterm_saves_to_the_durable_tier_and_a_new_run_resumes_exactly(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(_trainer(ckpt, tmp_path / "a.pt"), stdout=subprocess.PIPE, text=True, cwd=REPO)
+    for line in proc.stdout:
+        if line.startswith("step 12 "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    steps = committed_steps(ftkit.Tier(str(ckpt)).open())
+    assert len(steps) == 1 and 12 <= steps[0] <= 14  # nothing was due (every=1000): the flush made it
+    # A new job resumes from it and ends where an uninterrupted run ends.
+    r = subprocess.run(_trainer(ckpt, tmp_path / "resumed.pt"), capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and f"resumed from step {steps[0]}" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(_trainer(tmp_path / "clean", tmp_path / "clean.pt"), capture_output=True, cwd=REPO)
+    assert r.returncode == 0
+    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "clean.pt")
+    assert all(torch.equal(a["model"][k], v) for k, v in b["model"].items())
+
+
+def test_sigterm_to_torchrun_flushes_every_rank(tmp_path):
+    job = Job(tmp_path, steps=200, extra=("--ram", "--every", "1000", "--step-time", "0.05"), max_restarts=0)
+    try:
+        job.wait_for_step(8)
+        job.proc.send_signal(signal.SIGTERM)  # to the agent, as a scheduler would
+        job.wait(timeout=90)
+    finally:
+        stop_everything(job)
+    manifest = ftkit.reader.newest_manifest(ftkit.Tier(str(tmp_path / "ckpt")).open())
+    assert manifest.world_size == 4 and manifest.step >= 8
+    flushes = [e for e in job.events() if e["event"] == "preempt_flush"]
+    assert len(flushes) == 4 and all(e["ok"] and e["step"] == manifest.step for e in flushes)
