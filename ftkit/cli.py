@@ -358,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--html", metavar="FILE", help="write a page with the timeline")
     rp.set_defaults(func=cmd_report)
     sub.add_parser("run", help="torchrun with fault-tolerance defaults (ftkit run --help)", add_help=False)
+    sub.add_parser("drill", help="inject faults into a real torchrun job and prove it recovers (ftkit drill --help)",
+                   add_help=False)
     return p
 
 
@@ -365,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])
+    if argv and argv[0] == "drill":
+        from .drill import main as drill_main
+
+        return drill_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
