@@ -137,6 +137,19 @@ def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[
     return manifest
 
 
+def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank: int, rng: Any):
+    """Write this rank's data file; return (write, error, the report rank 0 gets)."""
+    write, error = None, None
+    try:
+        write = write_data(storage, step, slot, pieces, compress=compress, rank=rank)
+    except AlreadyCommitted:
+        raise
+    except Exception as e:  # reported to rank 0 first, raised afterwards
+        error = e
+    report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
+    return write, error, report
+
+
 def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
             compress: str | None, pieces: Mapping[str, Piece] | None = None, rng: Any = None,
             ctx: DistContext | None = None, key: str = "") -> Manifest | None:
@@ -148,16 +161,9 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
     removed. Returns the manifest on rank 0, None elsewhere.
     """
     ctx = ctx or DistContext()
-    write, error = None, None
-    try:
-        write = write_data(storage, step, slot, pieces, compress=compress, rank=ctx.rank)
-    except AlreadyCommitted:
-        raise
-    except Exception as e:
-        error = e
+    write, error, report = _write_share(storage, step, slot, pieces, compress, ctx.rank, rng)
     if ctx.distributed:
-        ctx.put(f"{key}/{ctx.rank}", {"write": write.to_json() if write else None,
-                                      "error": str(error) if error else None, "rng": rng})
+        ctx.put(f"{key}/{ctx.rank}", report)
     if error is not None:
         raise error
     assert write is not None
@@ -195,14 +201,7 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
        manifest to the first rank of every other node, which writes it there.
     Returns the manifest on rank 0, None elsewhere.
     """
-    write, error = None, None
-    try:
-        write = write_data(storage, step, slot, pieces, compress=compress, rank=ctx.rank)
-    except AlreadyCommitted:
-        raise
-    except Exception as e:
-        error = e
-    report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
+    write, error, report = _write_share(storage, step, slot, pieces, compress, ctx.rank, rng)
     reports = ctx.gather(f"{key}/w", report) if ctx.distributed else [report]
     rep_error = None
     if peers is not None and replicas > 0 and error is None:
