@@ -1,8 +1,8 @@
 """The staging arena: reused host buffers the training state is copied into.
 
 Copying into fresh memory is ~10x slower than into reused memory (first-touch
-page faults), so the arena allocates each slot once, pre-faults it, and reuses it
-for every snapshot of the same size. Two slots give double buffering: one can be
+page faults), so the arena allocates each slot once and reuses it for every
+snapshot of the same size (or smaller). Two slots give double buffering: one can be
 filled while the other is still being persisted. A memory budget caps the total;
 when it only fits one slot, snapshots serialize on it.
 
@@ -83,8 +83,9 @@ class Slot:
         grew = False
         if layout.total_bytes > self.capacity:
             self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            # Not pre-faulted: the first copy touches every page anyway (a separate
+            # zero-fill would be a second pass); every later copy reuses them.
             self.buffer = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=self.pin)
-            self.buffer.zero_()  # pre-fault now so later copies run at reused-memory speed
             self.capacity = layout.total_bytes
             grew = True
         if grew or layout != self.layout:
