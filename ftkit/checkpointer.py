@@ -18,6 +18,7 @@ into the training loop; `wait()` and `close()` re-raise them for callers who ask
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import queue
@@ -120,6 +121,8 @@ class Checkpointer:
         self.policy = policy
         self.rng = rng
         self.stats = Stats()
+        if torch.distributed.is_available():  # imported here, not inside the first snapshot's stall
+            importlib.import_module("torch.distributed.tensor")
         global _instances
         _instances += 1  # every rank creates its Checkpointers in the same order
         self._ctx = DistContext.detect(timeout_s=commit_timeout_s).scoped(f"ck{_instances}/")

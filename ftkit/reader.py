@@ -96,10 +96,24 @@ def _check_file_sizes(storage: Storage, manifest: Manifest, only: set[str] | Non
 
 
 def _read_exact(f, length: int, where: str) -> bytes:
-    data = f.read(length)
-    if len(data) != length:
-        raise CorruptCheckpointError(f"{where}: file ends early (truncated)")
-    return data
+    """`length` bytes, looping over short reads (pipes, network files); the file ending first is truncation."""
+    parts, got = [], 0
+    while got < length:
+        data = f.read(length - got)
+        if not data:
+            raise CorruptCheckpointError(f"{where}: file ends early (truncated)")
+        parts.append(data)
+        got += len(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _readinto_exact(f, dest: memoryview, where: str) -> None:
+    got = 0
+    while got < len(dest):
+        n = f.readinto(dest[got:])
+        if not n:
+            raise CorruptCheckpointError(f"{where}: file ends early (truncated)")
+        got += n
 
 
 def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None = None) -> None:
@@ -218,10 +232,8 @@ def _read_chunk(f, c: Chunk, target: memoryview, where: str) -> None:
     if len(dest) != c.raw_length:
         raise FormatError(f"{where}: chunk lies outside its shard")
     f.seek(c.offset)
-    if c.codec == "raw" and hasattr(f, "readinto"):
-        n = f.readinto(dest)
-        if n != c.length:
-            raise CorruptCheckpointError(f"{where}: file ends early (truncated)")
+    if c.codec == "raw" and hasattr(f, "readinto") and c.length == len(dest):
+        _readinto_exact(f, dest, where)
         codec.check(dest, c.checksum, where)
         return
     data = _read_exact(f, c.length, where)
