@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="where to keep everything (default: a new temporary directory)")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--html", help="write a page with the timeline here")
-    p.add_argument("--max-lost", type=int, default=2, help="steps a fault may cost (default 2)")
+    p.add_argument("--max-lost", type=int, default=3, help="steps a fault may cost (default 3)")
     p.add_argument("--no-peer", action="store_true", help="run without peer replicas (to see what they save)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
