@@ -19,6 +19,9 @@ The schedule is a comma-separated list of ``KIND@STEP[:key=value...]``:
     crash@30:rank=3       an exception in that rank's training loop
     node@36:node=1        kill every rank of a simulated node and wipe its RAM tier
     slow@40:rank=0:factor=3:seconds=6   the rank runs at 1/factor speed for a while
+    enospc@20:seconds=3   the durable tier (behind faulty://) fails for a while:
+                          also unavailable, latency (factor = seconds per write),
+                          torn (data files cut in half), bitflip (one bit flipped)
 
 It exits 0 only if every fault was survived with nothing lost.
 """
@@ -42,7 +45,11 @@ from typing import Any
 from .events import read_events
 from .report import analyze, to_html
 
-KINDS = ("kill", "hang", "crash", "node", "slow")
+STORAGE_KINDS = ("enospc", "unavailable", "latency", "torn", "bitflip")
+KINDS = ("kill", "hang", "crash", "node", "slow") + STORAGE_KINDS
+_STORAGE_SWITCH = {"enospc": "enospc", "unavailable": "unavailable", "latency": "latency_s",
+                   "torn": "torn_write", "bitflip": "bitflip"}
+PROCESS_KINDS = ("kill", "hang", "crash", "node")
 DEFAULT_FAULTS = "kill@12:rank=1,hang@24:rank=2,node@36:node=1,crash@48:rank=3"
 
 
@@ -59,7 +66,8 @@ class Fault:
     outcome: dict[str, Any] = field(default_factory=dict)
 
     def label(self) -> str:
-        where = f"node {self.node}" if self.kind == "node" else f"rank {self.rank}"
+        where = f"node {self.node}" if self.kind == "node" else \
+            "durable tier" if self.kind in STORAGE_KINDS else f"rank {self.rank}"
         return f"{self.kind}@{self.step} ({where})"
 
 
@@ -77,7 +85,9 @@ def parse_faults(spec: str, nproc: int, ranks_per_node: int) -> list[Fault]:
             if k not in ("rank", "node", "factor", "seconds") or not v:
                 raise ValueError(f"bad option {o!r} in {part!r} (rank=, node=, factor=, seconds=)")
             setattr(f, k, float(v) if k in ("factor", "seconds") else int(v))
-        if f.kind == "node":
+        if f.kind in STORAGE_KINDS:
+            pass  # the durable tier, not a rank
+        elif f.kind == "node":
             f.node = 0 if f.node is None else f.node
             if not 0 <= f.node < nproc // ranks_per_node:
                 raise ValueError(f"{part!r}: node {f.node} does not exist ({nproc // ranks_per_node} nodes)")
@@ -119,7 +129,7 @@ class Job:
                "FTKIT_RANKS_PER_NODE": str(ranks_per_node), "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                f"--max-restarts={restarts}", "--monitor-interval=0.1", "-m", "ftkit.reference",
-               "--ckpt", os.path.join(root, "ckpt"), "--every", "10", "--ram", *(["--peer", "1"] if peer else []),
+               "--ckpt", "faulty://" + os.path.join(root, "ckpt"), "--every", "10", "--ram", *(["--peer", "1"] if peer else []),
                "--steps", str(steps), "--step-time", "0.02", "--run-dir", os.path.join(root, "run"),
                "--final-out", os.path.join(root, "final.pt"), "--fault-file", self.fault_file]
         self.log = open(os.path.join(root, "torchrun.log"), "w")
@@ -170,6 +180,17 @@ def inject(job: Job, f: Fault, ranks_per_node: int) -> None:
         shutil.rmtree(os.path.join(job.root, "shm", "drill", f"node{f.node}"), ignore_errors=True)
     elif f.kind == "slow":
         threading.Thread(target=_throttle, args=(pids[f.rank], f.factor, f.seconds), daemon=True).start()
+    elif f.kind in STORAGE_KINDS:
+        threading.Thread(target=_storage_fault, args=(os.path.join(job.root, "ckpt"), f), daemon=True).start()
+
+
+def _storage_fault(root: str, f: Fault) -> None:
+    """Switch a fault on the durable tier for `seconds`, then off."""
+    from .faults import set_faults
+
+    set_faults(root, **{_STORAGE_SWITCH[f.kind]: f.factor if f.kind == "latency" else True})
+    time.sleep(f.seconds)
+    set_faults(root)
 
 
 def _throttle(pid: int, factor: float, seconds: float) -> None:
@@ -214,7 +235,7 @@ def run_drill(args) -> dict[str, Any]:
             job.wait_for(attempt, f.step)
             inject(job, f, ranks_per_node)
             say(f"  injected {f.label()} in attempt {attempt}")
-            if f.kind != "slow":  # wait until the restarted group is training again
+            if f.kind in PROCESS_KINDS:  # wait until the restarted group is training again
                 end = time.monotonic() + 300
                 while job.attempt() == attempt and time.monotonic() < end and job.proc.poll() is None:
                     time.sleep(0.1)
@@ -258,7 +279,7 @@ def _verify(faulted: str, clean: str, faults: list[Fault], errors: list[str], ma
     except (FileNotFoundError, KeyError) as e:
         errors.append(f"no final state to compare ({type(e).__name__}: {e})")
     incidents = report.incidents if report else []
-    process_faults = [f for f in faults if f.kind != "slow"]
+    process_faults = [f for f in faults if f.kind in PROCESS_KINDS]
     for f, inc in zip(process_faults, incidents):
         f.outcome = {"detected_by": inc.detected_by, "detect_s": inc.detect_s, "restart_s": inc.restart_s,
                      "restore_s": inc.restore_s, "recompute_s": inc.recompute_s, "recovery_s": inc.total_s,
@@ -270,9 +291,14 @@ def _verify(faulted: str, clean: str, faults: list[Fault], errors: list[str], ma
     if len(incidents) < len(process_faults):
         errors.append(f"{len(process_faults)} faults but {len(incidents)} recoveries")
     stragglers = report.stragglers if report else []
+    failed_persists = [e for e in events if e["event"] == "persist" and not e.get("ok", True)
+                       and str(e.get("tier", "")).startswith("faulty://")]
     for f in faults:
         if f.kind == "slow":
             f.outcome = {"straggler_reported": any(s["rank"] == f.rank for s in stragglers)}
+        elif f.kind in STORAGE_KINDS:
+            f.outcome = {"failed_persists": len([e for e in failed_persists if e["t"] >= (f.injected_t or 0)]),
+                         "training_continued": report is not None and report.final_step > f.step}
     return {"passed": not errors, "errors": errors, "bitwise_equal": same,
             "goodput": report.goodput if report else 0.0, "wall_s": report.wall_s if report else 0.0,
             "final_step": report.final_step if report else 0, "faults": [asdict(f) for f in faults]}
@@ -285,6 +311,9 @@ def print_summary(result: dict[str, Any]) -> None:
         label = f"{f['kind']}@{f['step']} " + (f"node {f['node']}" if f["kind"] == "node" else f"rank {f['rank']}")
         if f["kind"] == "slow":
             print(f"  {label:<22} straggler reported: {o.get('straggler_reported')}")
+        elif f["kind"] in STORAGE_KINDS:
+            print(f"  {f['kind']}@{f['step']} durable tier: {o.get('failed_persists')} persist(s) failed, "
+                  f"training went on: {o.get('training_continued')}")
         elif o:
             det = f"{o['detect_s']:.1f}s" if o["detect_s"] is not None else "-"
             print(f"  {label:<22} detected by {o['detected_by']} ({det}); recovered in {o['recovery_s']:.1f}s "

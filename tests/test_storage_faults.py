@@ -1,0 +1,81 @@
+"""Storage faults (the drills' faulty:// filesystem): each one, and what restore gets back."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ftkit
+from ftkit.faults import set_faults
+from ftkit.reader import committed_steps
+
+
+def _run(url, steps_and_faults, root):
+    """Snapshot steps in order, switching faults before each; return the checkpointer's stats."""
+    state = {"w": torch.zeros(50_000), "step": 0}
+    ck = ftkit.Checkpointer(state, [ftkit.Tier(url, keep=5)], rng=False)
+    errors = []
+    try:
+        for step, faults in steps_and_faults:
+            set_faults(root, **faults)
+            state["w"].fill_(step)
+            state["step"] = step
+            ck.snapshot(step)
+            try:
+                ck.wait()
+            except ftkit.FtkitError as e:
+                errors.append((step, str(e)))
+    finally:
+        set_faults(root)
+        ck.close()
+    return ck.stats, errors
+
+
+def _restore(url):
+    state = {"w": torch.full((50_000,), -1.0), "step": -1}
+    with ftkit.Checkpointer(state, [url], rng=False) as ck:
+        got = ck.restore()
+    assert state["step"] == got and torch.equal(state["w"], torch.full((50_000,), float(got)))
+    return got
+
+
+@pytest.fixture
+def faulty(tmp_path):
+    root = str(tmp_path / "ckpt")
+    return f"faulty://{root}", root
+
+
+def test_enospc_keeps_the_previous_step(faulty):
+    url, root = faulty
+    stats, errors = _run(url, [(1, {}), (2, {"enospc": True})], root)
+    assert [s for s, _ in errors] == [2] and "no space left" in errors[0][1]
+    assert stats.failed == 1 and committed_steps(ftkit.Tier(url).open()) == [1]
+    assert _restore(url) == 1
+
+
+def test_outage_fails_persists_then_recovers(faulty):
+    url, root = faulty
+    stats, errors = _run(url, [(1, {}), (2, {"unavailable": True}), (3, {})], root)
+    assert [s for s, _ in errors] == [2] and "unavailable" in errors[0][1]
+    assert committed_steps(ftkit.Tier(url).open()) == [1, 3]
+    assert _restore(url) == 3
+
+
+def test_latency_only_slows(faulty):
+    url, root = faulty
+    stats, errors = _run(url, [(1, {"latency_s": 0.05}), (2, {"latency_s": 0.05})], root)
+    assert not errors and stats.persisted == 2
+    assert _restore(url) == 2
+
+
+@pytest.mark.parametrize("fault, needle", [("torn_write", "truncated"), ("bitflip", "checksum mismatch")])
+def test_silent_damage_is_caught_on_restore(faulty, caplog, fault, needle):
+    url, root = faulty
+    stats, errors = _run(url, [(1, {}), (2, {fault: True})], root)
+    assert not errors  # the writer cannot tell: the damage is silent
+    assert committed_steps(ftkit.Tier(url).open()) == [1, 2]
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        assert _restore(url) == 1
+    assert any("step 2" in r.message and needle in r.message for r in caplog.records)
