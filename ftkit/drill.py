@@ -133,7 +133,17 @@ class Job:
                "--steps", str(steps), "--step-time", "0.02", "--run-dir", os.path.join(root, "run"),
                "--final-out", os.path.join(root, "final.pt"), "--fault-file", self.fault_file]
         self.log = open(os.path.join(root, "torchrun.log"), "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # Its own process group: cleaning up kills the workers too, not just torchrun.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def kill(self) -> None:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker ignores everything but these
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
 
     def events(self) -> list[dict[str, Any]]:
         return read_events(os.path.join(self.root, "run"))
@@ -248,7 +258,7 @@ def run_drill(args) -> dict[str, Any]:
     finally:
         for j in (job, ref):
             if j.proc.poll() is None:
-                j.proc.kill()
+                j.kill()
             j.log.close()
     result = _verify(faulted, clean, faults, errors, args.max_lost)
     result["run_dir"] = root
