@@ -116,11 +116,16 @@ def _readinto_exact(f, dest: memoryview, where: str) -> None:
         got += n
 
 
-def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None = None) -> None:
-    """Check sizes and every chunk's checksum; raise CorruptCheckpointError on the first problem."""
-    _check_file_sizes(storage, manifest)
+def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None = None,
+           names: Iterable[str] | None = None) -> None:
+    """Check sizes and every chunk's checksum (of the `names` tensors, default all); raise on the first problem."""
+    wanted = set(names) if names is not None else None
+    jobs_by_file = {f: [j for j in jobs if wanted is None or j[1] in wanted]
+                    for f, jobs in _chunk_jobs(manifest).items()}
+    jobs_by_file = {f: jobs for f, jobs in jobs_by_file.items() if jobs}
+    _check_file_sizes(storage, manifest, set(jobs_by_file) if wanted is not None else None)
     step_dir = step_dir_name(manifest.step)
-    for name, jobs in _chunk_jobs(manifest).items():
+    for name, jobs in jobs_by_file.items():
         rel = f"{step_dir}/{name}"
         with storage.open_read(rel) as f:
             for c, tname, _ in jobs:
@@ -143,7 +148,8 @@ Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 
 
 def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region],
-                 progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+                 progress: Callable[[int], None] | None = None,
+                 out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Read a region of each named tensor, touching only the chunks that overlap it.
 
     Shards that match their region exactly decode straight into the result; any
@@ -163,7 +169,11 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
     for name, (offs, lens) in regions.items():
         entry = entries[name]
         dtype = torch_dtype(entry.dtype)
-        out = dest[name] = torch.empty(tuple(lens), dtype=dtype)
+        given = (out or {}).get(name)
+        if given is not None:  # the caller's tensor (e.g. the live one): must match exactly
+            assert tuple(given.shape) == tuple(lens) and given.dtype == dtype and given.is_contiguous()
+        dest[name] = given if given is not None else torch.empty(tuple(lens), dtype=dtype)
+        out_t = dest[name]
         covered = 0
         for shard in entry.shards:
             ov = overlap(offs, lens, shard.offsets, shard.lengths)
@@ -171,15 +181,15 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
                 continue
             covered += _numel(ov[1])
             if tuple(shard.offsets) == tuple(offs) and tuple(shard.lengths) == tuple(lens):
-                target, needed = out, shard.chunks
+                target, needed = out_t, shard.chunks
             elif _row_block_inside(shard, offs, lens):
                 # A block of whole rows inside the region: decode straight into its rows.
-                target, needed = out.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]), shard.chunks
+                target, needed = out_t.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]), shard.chunks
             else:
                 target = torch.empty(shard.lengths, dtype=dtype)
                 lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
                 needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
-                copies.append((target, (shard.offsets, shard.lengths), ov, out, name))
+                copies.append((target, (shard.offsets, shard.lengths), ov, out_t, name))
             jobs += [(c, name, target) for c in needed]
         if covered != _numel(lens):
             raise CorruptCheckpointError(f"{storage.where(step_dir_name(manifest.step))}: the saved shards of "

@@ -31,7 +31,7 @@ from . import capture as cap
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StateMismatchError, StorageError
 from .format import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
 from .peers import Transfer
-from .reader import load_manifest, read_regions, scan
+from .reader import load_manifest, read_regions, scan, verify
 from .sharding import RANK_LOCAL, dtensor_region, is_dtensor, overlap
 
 log = logging.getLogger("ftkit")
@@ -74,8 +74,10 @@ def restore(ck, step: int | None) -> int:
             log.warning("step %d from %s is unusable, trying the next source: %s%s", s,
                         origin.get("source", storage.display_url), err, "" if r == ctx.rank else f" (on rank {r})")
             continue
-        manifest, tensors, rng_value = loaded
+        manifest, tensors, rng_value, fill = loaded if len(loaded) == 4 else (*loaded, None)
         t1 = time.perf_counter()
+        if fill is not None:  # verified before the vote; read into the live tensors now
+            fill()
         cap.load(ck.state, manifest.skeleton, tensors, rng_value)
         t_load = time.perf_counter() - t1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -210,14 +212,43 @@ def _finish(ck, step: int, manifest: Manifest, tensors, dtensors):
 
 
 def _read_candidate(ck, step: int, storage):
-    """Read and check this rank's part of a step on a shared tier; the live state is untouched."""
+    """Read and check this rank's part of a step on a shared tier; the live state is untouched.
+
+    Tensors whose live counterpart is a plain contiguous CPU tensor of the same
+    shape and dtype are only verified now (checksums, no allocation); after the
+    vote they are read straight into the live tensors (`fill`), which saves a
+    fresh copy of the state and its page faults. Everything else is read into
+    new tensors here, as before.
+    """
     try:
         manifest = load_manifest(storage, step)
         regions, dtensors = _regions(ck, manifest)
-        tensors = read_regions(storage, manifest, regions)
+        in_place = _in_place_targets(ck, manifest, regions, dtensors)
+        verify(storage, manifest, names=in_place)
+        tensors = read_regions(storage, manifest, {n: r for n, r in regions.items() if n not in in_place})
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
         return None, {"error": str(e), "mismatch": []}
-    return _finish(ck, step, manifest, tensors, dtensors)
+    tensors.update(in_place)  # the live tensors themselves: shapes and dtypes match by construction
+
+    def fill() -> None:
+        read_regions(storage, manifest, {n: regions[n] for n in in_place}, out=in_place)
+
+    loaded, vote = _finish(ck, step, manifest, tensors, dtensors)
+    return (*loaded, fill if in_place else None), vote
+
+
+def _in_place_targets(ck, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
+    live = dict(cap.capture(ck.state, rng=False).tensors)
+    out = {}
+    for entry in manifest.tensors:
+        t = live.get(entry.name)
+        if t is None or entry.name in dtensors or entry.name not in regions:
+            continue
+        whole = regions[entry.name] == ((0,) * len(entry.shape), entry.shape)
+        if whole and t.device.type == "cpu" and t.is_contiguous() and not is_dtensor(t) \
+                and tuple(t.shape) == tuple(entry.shape) and str(t.dtype).removeprefix("torch.") == entry.dtype:
+            out[entry.name] = t
+    return out
 
 
 def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
