@@ -311,7 +311,7 @@ class Checkpointer:
                 if manifest is not None:  # rank 0: the commit is ours, and so is retention
                     log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
                              manifest.total_stored_bytes / 1e6, time.perf_counter() - t0)
-                if manifest is not None or (tier.is_ram and self._is_node_leader):
+                if manifest is not None or (tier.is_ram and self._ctx.node_leader(self._ctx.rank)):
                     self._apply_retention(tier, storage, protect=job.step)
             except AlreadyCommitted:
                 log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
@@ -334,12 +334,6 @@ class Checkpointer:
         for step in list(plan.delete) + abandoned:
             delete_step(storage, step)
             log.debug("retention removed step %d from %s", step, storage.display_url)
-
-    @property
-    def _is_node_leader(self) -> bool:
-        """The lowest rank of this node: it keeps the node's RAM tier tidy."""
-        ctx = self._ctx
-        return ctx.rank == min(r for r, n in enumerate(ctx.nodes) if n == ctx.node)
 
     # ----------------------------------------------------------------- flush
     def wait(self) -> None:

@@ -91,6 +91,10 @@ class DistContext:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def node_leader(self, rank: int) -> bool:
+        """Whether `rank` is the lowest rank of its node (it keeps the node's RAM tier)."""
+        return rank == min(r for r, n in enumerate(self.nodes) if n == self.nodes[rank])
+
     # ---------------------------------------------------------------- store
     def put(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))

@@ -216,7 +216,6 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     assert write is not None
     failures = [f"rank {r}: {d['error']}" for r, d in enumerate(reports) if d["error"]]
     failures += [f"rank {r}: {e}" for r, e in enumerate(done) if e]
-    leaders = [r for r in range(ctx.world_size) if r == min(q for q, n in enumerate(ctx.nodes) if n == ctx.nodes[r])]
     if ctx.rank == 0:
         writes = [RankWrite.from_json(d["write"]) for d in reports if d["write"]]
         try:
@@ -232,7 +231,7 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
         if ctx.distributed:
             ctx.put(f"{key}/manifest", manifest_to_json(manifest).decode())
         return manifest
-    if ctx.rank in leaders:  # write rank 0's manifest into this node's directory
+    if ctx.node_leader(ctx.rank):  # write rank 0's manifest into this node's directory
         doc = ctx.get(f"{key}/manifest")
         if not doc:
             discard(storage, step, [name for name, _ in storage.list_dir(step_dir_name(step))])

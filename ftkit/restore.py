@@ -74,7 +74,7 @@ def restore(ck, step: int | None) -> int:
             log.warning("step %d from %s is unusable, trying the next source: %s%s", s,
                         origin.get("source", storage.display_url), err, "" if r == ctx.rank else f" (on rank {r})")
             continue
-        manifest, tensors, rng_value, fill = loaded if len(loaded) == 4 else (*loaded, None)
+        manifest, tensors, rng_value, fill = loaded
         t1 = time.perf_counter()
         if fill is not None:  # verified before the vote; read into the live tensors now
             fill()
@@ -172,7 +172,7 @@ def _ram_candidates(ck, inventories: list[dict[str, Any]]) -> dict[int, dict[str
 
 # ------------------------------------------------------------------- reading
 def _regions(ck, manifest: Manifest):
-    """The region of each saved tensor this rank needs, and the live DTensors among them."""
+    """The region of each saved tensor this rank needs, the live DTensors among them, and the live tensors."""
     _init_sharded_optimizers(ck.state)
     live = dict(cap.capture(ck.state, rng=False).tensors)
     rank_prefix = f"{cap.RNG_KEY}/r{ck._ctx.rank}/"
@@ -190,7 +190,7 @@ def _regions(ck, manifest: Manifest):
             dtensors[entry.name] = t
         else:
             regions[entry.name] = full
-    return regions, dtensors
+    return regions, dtensors, live
 
 
 def _finish(ck, step: int, manifest: Manifest, tensors, dtensors):
@@ -222,8 +222,8 @@ def _read_candidate(ck, step: int, storage):
     """
     try:
         manifest = load_manifest(storage, step)
-        regions, dtensors = _regions(ck, manifest)
-        in_place = _in_place_targets(ck, manifest, regions, dtensors)
+        regions, dtensors, live = _regions(ck, manifest)
+        in_place = _in_place_targets(live, manifest, regions, dtensors)
         verify(storage, manifest, names=in_place)
         tensors = read_regions(storage, manifest, {n: r for n, r in regions.items() if n not in in_place})
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
@@ -237,8 +237,8 @@ def _read_candidate(ck, step: int, storage):
     return (*loaded, fill if in_place else None), vote
 
 
-def _in_place_targets(ck, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
-    live = dict(cap.capture(ck.state, rng=False).tensors)
+def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
+    """Live tensors a whole saved tensor can be read straight into: plain, contiguous, CPU, same shape and dtype."""
     out = {}
     for entry in manifest.tensors:
         t = live.get(entry.name)
@@ -277,7 +277,7 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
             if not doc:
                 raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
             manifest = manifest_from_json(doc.encode(), f"RAM manifest of step {step}", expect_step=step)
-        regions, dtensors = _regions(ck, manifest)
+        regions, dtensors, _ = _regions(ck, manifest)
         needed = _files_for(manifest, regions)
         present = {n for n, _ in storage.list_dir(step_dir)}
         missing = sorted(needed - present)
@@ -308,7 +308,7 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
     if error is not None:
         return None, {"error": error, "mismatch": []}, origin
     loaded, vote = _finish(ck, step, manifest, tensors, dtensors)
-    return loaded, vote, origin
+    return (*loaded, None), vote, origin
 
 
 def _files_for(manifest: Manifest, regions) -> set[str]:
