@@ -34,6 +34,7 @@ from . import capture as cap
 from .dist import DistContext
 from .events import EventLog
 from .errors import FtkitError
+from .faults import fault_point
 from .persist import AlreadyCommitted, delete_step, persist, persist_node_local
 from .peers import PeerGroup
 from .preemption import PreemptionHandler
@@ -178,6 +179,7 @@ class Checkpointer:
         if self._watchdog is not None:
             self._watchdog.progress(step)
         self.events.emit("step", step=step)
+        fault_point("step", step, self._ctx.rank)
         if self._preemption is not None and self._preemption.requested is not None \
                 and self._final_step_reached(step):
             self._save_and_exit(step)
@@ -248,6 +250,7 @@ class Checkpointer:
                         ctx.put(f"{key}/{ctx.rank}", skipped)
             return False
         try:
+            fault_point("snapshot", step, ctx.rank)
             slot.fill(named, self._side_stream)
         except BaseException:
             self._arena.release(slot)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 from . import codec
 from .dist import DistContext
 from .errors import FtkitError, StorageError
+from .faults import fault_point
 from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, decode_tensor_entry,
                      manifest_to_json, step_dir_name, tensor_entry_doc)
 from .peers import PeerGroup, replication_plan
@@ -162,6 +163,7 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
     """
     ctx = ctx or DistContext()
     write, error, report = _write_share(storage, step, slot, pieces, compress, ctx.rank, rng)
+    fault_point("persist", step, ctx.rank)  # data written, not yet reported
     if ctx.distributed:
         ctx.put(f"{key}/{ctx.rank}", report)
     if error is not None:
@@ -180,6 +182,7 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
                 rank_state[str(r)] = {"rng": doc["rng"]}
         if failures:
             raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
+        fault_point("commit", step, 0)  # every share is durable, the manifest not yet written
         return commit(storage, step, writes, skeleton, ctx.world_size, rank_state)
     except BaseException:
         discard(storage, step, [w.file for w in writes])
@@ -269,6 +272,7 @@ def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContex
             f.write(data)
 
     sizes = {(w.rank, w.file): w.nbytes for w in writes.values()}
+    fault_point("replicate", step, ctx.rank)
     peers.run(plan, read, write, sizes)
 
 

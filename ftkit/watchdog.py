@@ -21,8 +21,8 @@ Each rank runs one daemon thread that, every `interval_s`,
 
 On a dead or hung rank the thread records the event, kills that process if it
 is on this host (a stopped process would otherwise hold up torchrun's restart),
-lets background persists finish within `flush_deadline_s`, and ends this
-process with `os._exit` (``sys.exit`` in a thread only ends the thread), so
+and ends this process (on a straggler abort, background persists first get
+`flush_deadline_s` to finish: the straggler can still contribute its share) with `os._exit` (``sys.exit`` in a thread only ends the thread), so
 torchrun's elastic agent restarts the worker group and survivors never sit in a
 collective until its timeout.
 
@@ -248,7 +248,10 @@ class Watchdog:
                 os.kill(int(info["pid"]), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        if self._flush is not None:
+        # A commit needs every rank's share: with a dead or frozen rank, no
+        # snapshot in flight can finish, and draining would only wait out the
+        # flush deadline before the restart. A straggler is alive: let it drain.
+        if self._flush is not None and what == "straggler":
             try:
                 self._flush(self.cfg.flush_deadline_s)
             except Exception as e:
