@@ -164,7 +164,11 @@ class Checkpointer:
         self._watchdog: Watchdog | None = None
         if watchdog and self._ctx.distributed:
             config = watchdog if isinstance(watchdog, WatchdogConfig) else None
-            self._watchdog = Watchdog(self._ctx.own_connection(), self.events, config, flush=self._drain)
+            pre = self._preemption
+            self._watchdog = Watchdog(
+                self._ctx.own_connection(), self.events, config, flush=self._drain,
+                preempted=(lambda: pre.requested is not None) if pre else None,
+                on_peer_preempted=(lambda r: pre.request(signal.SIGTERM, by_rank=r)) if pre else None)
             _time_first_gradient(state, self._watchdog)
             self._watchdog.start()
 

@@ -44,12 +44,23 @@ class PreemptionHandler:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
+        self.request(signum)
+
+    def request(self, signum: int, by_rank: int | None = None) -> None:
+        """Stop at an agreed step: this rank got `signum`, or (by_rank) a peer did.
+
+        A peer's preemption reaches this rank through the watchdog's heartbeats
+        (a scheduler may signal only one node's processes); every rank must take
+        part in the agreement, or the final save cannot commit.
+        """
         if self.requested is not None:
             return
         self.requested = signum
-        log.warning("ftkit: %s received: saving the state at the end of this step (deadline %.0fs)",
-                    signal.Signals(signum).name, self.deadline_s)
-        self.emit("preempt", signal=signal.Signals(signum).name, deadline_s=self.deadline_s)
+        name = signal.Signals(signum).name
+        why = f"{name} received" if by_rank is None else f"rank {by_rank} got {name}"
+        log.warning("ftkit: %s: saving the state at the end of this step (deadline %.0fs)", why, self.deadline_s)
+        self.emit("preempt", signal=name, deadline_s=self.deadline_s,
+                  **({} if by_rank is None else {"by_rank": by_rank}))
         self._timer = threading.Timer(self.deadline_s, self._out_of_time)
         self._timer.daemon = True
         self._timer.start()

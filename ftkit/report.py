@@ -6,6 +6,7 @@ An incident is one restart of the worker group (torchrun attempt n -> n+1). Its
 phases, from the events of both attempts:
 
     detect     fault (a drill's "fault" event, else the last step before it) -> first "detect"
+               (the watchdog) or "preempt" (a preemption signal)
     restart    detect (or fault) -> first "start" of the new attempt
     restore    -> the last rank's "restore" event
     recompute  -> the new attempt reaches the step the old one had reached
@@ -67,10 +68,18 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         old, new = by_attempt[prev], by_attempt[nxt]
         steps_old = [e for e in old if e["event"] == "step"]
         last_step = max((e["step"] for e in steps_old), default=0)
-        faults = [e for e in events if e["event"] == "fault" and e.get("attempt", prev) == prev]
+        faults = [e for e in events if e["event"] == "fault" and e.get("attempt", prev) == prev
+                  and e.get("restarts", True)]
         fault_t = min((e["t"] for e in faults), default=max((e["t"] for e in steps_old), default=old[0]["t"]))
         cause = faults[0].get("kind", "fault") if faults else "worker failure"
         detects = [e for e in old if e["event"] == "detect" and e["t"] >= fault_t - 1]
+        preempts = [e for e in old if e["event"] == "preempt" and e["t"] >= fault_t - 1]
+        if detects:
+            detected_by = f"ftkit watchdog ({detects[0]['what']})"
+        elif preempts:  # a preemption notice: the ranks saved and stopped on purpose
+            detected_by, detects = f"preemption ({preempts[0].get('signal', 'signal')})", preempts
+        else:
+            detected_by = "torchrun agent (process exit)"
         detect_t = min((e["t"] for e in detects), default=None)
         start_t = min(e["t"] for e in new if e["event"] == "start") if any(
             e["event"] == "start" for e in new) else new[0]["t"]
@@ -82,7 +91,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         base = detect_t if detect_t is not None else fault_t
         incidents.append(Incident(
             attempt=prev, fault_t=fault_t, cause=cause,
-            detected_by=(f"ftkit watchdog ({detects[0]['what']})" if detects else "torchrun agent (process exit)"),
+            detected_by=detected_by,
             detect_s=(detect_t - fault_t) if detect_t is not None else None,
             restart_s=max(0.0, start_t - base), restore_s=max(0.0, restore_t - start_t),
             recompute_s=max(0.0, recompute_end - restore_t), total_s=max(0.0, recompute_end - fault_t),
@@ -137,7 +146,7 @@ def to_html(report: Report, events: list[dict[str, Any]], title: str = "ftkit ru
     parts = []
     for i, r in enumerate(ranks):
         y = 20 + i * row
-        parts.append(f'<text x="4" y="{y + 14}" font-size="12">rank {r}</text>')
+        parts.append(f'<text x="4" y="{y + 14}" font-size="12">{"drill" if r < 0 else f"rank {r}"}</text>')
         steps = [e for e in events if e["rank"] == r and e["event"] == "step"]
         for a, b in zip(steps, steps[1:]):
             if a.get("attempt") == b.get("attempt"):
@@ -148,7 +157,7 @@ def to_html(report: Report, events: list[dict[str, Any]], title: str = "ftkit ru
             if e["rank"] != r:
                 continue
             mark = {"detect": "#c0392b", "abort": "#7f0000", "restore": "#2c3e50", "straggler": "#f1c40f",
-                    "fault": "#ff0000"}.get(e["event"])
+                    "fault": "#ff0000", "preempt": "#8e44ad"}.get(e["event"])
             if mark:
                 tip = html.escape(json.dumps({k: v for k, v in e.items() if k not in ("t",)})[:300])
                 parts.append(f'<rect x="{x(e["t"]) - 2:.1f}" y="{y - 3}" width="4" height="{row - 2}" '
@@ -175,7 +184,8 @@ th{{background:#eee}} .big{{font-size:28px}}</style></head><body>
 {report.attempts} attempt(s), {report.snapshots} snapshots (mean stall {report.mean_stall_s * 1e3:.1f} ms),
 {report.persist_failures} failed persist(s).</p>
 <h2>Timeline</h2><p>Bars are training steps per rank (colour = attempt); red marks are faults and
-detections, dark marks restores, yellow marks stragglers; shaded spans are incidents.</p>{svg}
+detections, purple marks preemption notices, dark marks restores, yellow marks stragglers; shaded spans
+are incidents (fault to the step it had reached, recomputed).</p>{svg}
 <h2>Incidents</h2><table><tr><th>#</th><th>cause</th><th>detected by</th><th>detect s</th><th>restart s</th>
 <th>restore s</th><th>recompute s</th><th>total s</th><th>resumed / reached</th><th>restored from</th></tr>
 {rows}</table></body></html>"""

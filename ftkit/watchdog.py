@@ -81,11 +81,15 @@ class _Seen:
 
 class Watchdog:
     def __init__(self, ctx: DistContext, events: EventLog, config: WatchdogConfig | None = None,
-                 flush: Callable[[float], None] | None = None):
+                 flush: Callable[[float], None] | None = None,
+                 preempted: Callable[[], bool] | None = None,
+                 on_peer_preempted: Callable[[int], None] | None = None):
         self.ctx = ctx
         self.events = events
         self.cfg = config or WatchdogConfig()
         self._flush = flush
+        self._preempted = preempted  # did this rank get a preemption signal? (told to peers)
+        self._on_peer_preempted = on_peer_preempted
         self._step: int | None = None  # None until the first step ends: no hang clock before it
         self._busy: deque[float] = deque(maxlen=20)
         self._intervals: deque[float] = deque(maxlen=20)
@@ -173,6 +177,7 @@ class Watchdog:
             "seq": self._seq, "step": self._step, "host": socket.gethostname(), "pid": os.getpid(),
             "busy": statistics.median(busy) if busy else None,
             "interval": statistics.median(self._intervals) if self._intervals else None,
+            "preempt": bool(self._preempted and self._preempted()),
         })
 
     def _read(self) -> dict[int, dict]:
@@ -200,6 +205,8 @@ class Watchdog:
             if beat is not None and beat.get("done"):
                 seen.info = beat
                 continue
+            if beat is not None and beat.get("preempt") and self._on_peer_preempted is not None:
+                self._on_peer_preempted(r)
             if beat is not None and beat["seq"] != seen.seq:
                 first = seen.seq < 0
                 seen.seq, seen.changed, seen.info = beat["seq"], now, beat
