@@ -101,19 +101,37 @@ class DistContext:
 
     def get(self, key: str, timeout_s: float | None = None) -> Any:
         """The JSON value at `key`, waiting at most `timeout_s` for it to appear."""
-        try:
-            self.store.wait([key], timedelta(seconds=timeout_s or self.timeout_s))
-        except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
-            raise PeerTimeout(f"rank {self.rank}: no answer for {key!r} within "
-                              f"{timeout_s or self.timeout_s:.0f}s ({type(e).__name__})") from None
+        self._wait([key], timeout_s)
         return json.loads(self.store.get(key))
 
     def gather(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
-        """Every rank's `value` for `key`, in rank order (all ranks call this)."""
+        """Every rank's `value` for `key`, in rank order (all ranks call this).
+
+        Three store round trips whatever the world size (set, wait for all, one
+        multi_get): each is a TCP exchange with a server that, under torchrun,
+        competes for the same cores as the ranks.
+        """
         if not self.distributed:
             return [value]
         self.put(f"{key}/{self.rank}", value)
-        return [self.get(f"{key}/{r}", timeout_s) for r in range(self.world_size)]
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self._wait(keys, timeout_s)
+        return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def _wait(self, keys: list[str], timeout_s: float | None) -> None:
+        timeout_s = timeout_s or self.timeout_s
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout_s))
+        except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
+            missing = [k for k in keys if not self._has(k)] or keys
+            raise PeerTimeout(f"rank {self.rank}: no answer for {', '.join(map(repr, missing))} within "
+                              f"{timeout_s:.0f}s ({type(e).__name__})") from None
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:  # the store itself is gone: report the key as missing
+            return False
 
     def broadcast(self, key: str, value: Any = None, timeout_s: float | None = None) -> Any:
         """Rank 0's `value`, on every rank."""

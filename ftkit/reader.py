@@ -163,8 +163,8 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
         raise CorruptCheckpointError(f"{storage.where(step_dir_name(manifest.step))}: "
                                      f"no tensor {missing[0]!r} in the checkpoint")
     dest: dict[str, torch.Tensor] = {}
-    # (file, chunk, target tensor, shard) jobs, and the copies to do after decoding.
-    jobs: list[tuple[Chunk, str, torch.Tensor]] = []
+    # (chunk, tensor name, bytes of the target it decodes into) jobs, and the copies to do after decoding.
+    jobs: list[tuple[Chunk, str, memoryview]] = []
     copies: list[tuple[torch.Tensor, Region, Region, torch.Tensor, str]] = []
     for name, (offs, lens) in regions.items():
         entry = entries[name]
@@ -190,12 +190,13 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
                 lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
                 needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
                 copies.append((target, (shard.offsets, shard.lengths), ov, out_t, name))
-            jobs += [(c, name, target) for c in needed]
+            raw = _raw_bytes(target)
+            jobs += [(c, name, raw) for c in needed]
         if covered != _numel(lens):
             raise CorruptCheckpointError(f"{storage.where(step_dir_name(manifest.step))}: the saved shards of "
                                          f"{name!r} do not cover the region to restore")
     _check_file_sizes(storage, manifest, {c.file for c, _, _ in jobs})
-    by_file: dict[str, list[tuple[Chunk, str, torch.Tensor]]] = {}
+    by_file: dict[str, list[tuple[Chunk, str, memoryview]]] = {}
     for job in jobs:
         by_file.setdefault(job[0].file, []).append(job)
     step_dir = step_dir_name(manifest.step)
@@ -203,8 +204,8 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
         rel = f"{step_dir}/{fname}"
         where = storage.where(rel)
         with storage.open_read(rel) as f:
-            for c, name, target in sorted(file_jobs, key=lambda j: j[0].offset):
-                _read_chunk(f, c, _raw_bytes(target), f"{where} (tensor {name!r})")
+            for c, name, raw in sorted(file_jobs, key=lambda j: j[0].offset):
+                _read_chunk(f, c, raw, f"{where} (tensor {name!r})")
                 if progress:
                     progress(c.raw_length)
     for shard_tensor, (s_off, _), (o_off, o_len), out, name in copies:

@@ -8,15 +8,26 @@ Order of calls (every rank runs `restore` together)::
                 RAM first (when its files are all on some node), then shared
                 tiers from fastest to slowest
     per candidate, until one is usable:
-        read    each rank works out the regions it needs (resharding when the
-                world size changed); for the RAM source, files its node lacks are
-                sent by a rank whose node holds them, over the peer group;
-                then every needed chunk is read and its checksum verified
-        vote    every rank reports ok / error / mismatch through the store
+        fit     each rank works out the regions it needs (resharding when the
+                world size changed) and checks shapes, dtypes and keys against
+                the live state from the manifest alone: a mismatch raises
+                before any byte of the live state is touched
+        read    for the RAM source, files its node lacks are sent by a rank
+                whose node holds them, over the peer group; then every needed
+                chunk is read and its checksum verified
+        vote    every rank reports ok / error through the store
         load    only when every rank read its part intact, all load in place
 
-Nothing in the live state changes before the vote, so a corrupt replica or a
-torn file anywhere makes every rank move on together to the next source.
+Tensors whose live counterpart is a plain contiguous CPU tensor of the saved
+shape and dtype are read straight into it, not into a fresh copy of the state.
+Shared tiers verify those chunks first and read them into the live tensors
+only after the vote, so the live state is untouched until every rank holds an
+intact step. The RAM tier (node memory: a second pass costs as much as the
+first) reads and verifies them in one pass, into the live tensors, before the
+vote: when a chunk fails its checksum anywhere, every rank moves on to the
+next source, which overwrites those tensors again. So a corrupt replica or a
+torn file anywhere still never ends up loaded; but when NO source verifies,
+restore raises and the live tensors may hold a partial mix of bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from . import capture as cap
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StateMismatchError, StorageError
 from .format import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
 from .peers import Transfer
-from .reader import load_manifest, read_regions, scan, verify
+from .reader import load_manifest, read_regions, scan, torch_dtype, verify
 from .sharding import RANK_LOCAL, dtensor_region, is_dtensor, overlap
 
 log = logging.getLogger("ftkit")
@@ -42,7 +53,7 @@ def restore(ck, step: int | None) -> int:
     key = f"restore/{ck._restores}"
     ck._restores += 1
     t_start = time.perf_counter()
-    inventory = _ram_inventory(ck)
+    inventory, manifests = _ram_inventory(ck)
     inventories = ctx.gather(f"{key}/inv", inventory)
     listing = _list_candidates(ck, step, inventories) if ctx.rank == 0 else None
     listing = ctx.broadcast(f"{key}/candidates", listing)
@@ -57,7 +68,7 @@ def restore(ck, step: int | None) -> int:
         storage = ck._storages[i]
         t0 = time.perf_counter()
         if ck.tiers[i].is_ram:
-            loaded, vote, origin = _read_ram_candidate(ck, cand, f"{key}/{n}")
+            loaded, vote, origin = _read_ram_candidate(ck, cand, f"{key}/{n}", manifests.get(s))
         else:
             loaded, vote = _read_candidate(ck, s, storage)
             origin = {"source": storage.display_url}
@@ -98,11 +109,13 @@ def restore(ck, step: int | None) -> int:
 
 
 # ------------------------------------------------------------------ planning
-def _ram_inventory(ck) -> dict[str, Any]:
-    """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...]}}."""
+def _ram_inventory(ck) -> tuple[dict[str, Any], dict[int, Manifest]]:
+    """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...]}},
+    and the manifests parsed on the way (the read of a candidate reuses them)."""
     i = ck._ram_index
+    manifests: dict[int, Manifest] = {}
     if i is None:
-        return {}
+        return {}, manifests
     storage = ck._storages[i]
     out: dict[str, Any] = {}
     try:
@@ -112,13 +125,14 @@ def _ram_inventory(ck) -> dict[str, Any]:
             need = None
             if d.committed:
                 try:
-                    need = sorted(load_manifest(storage, d.step).files)
+                    manifests[d.step] = load_manifest(storage, d.step)
+                    need = sorted(manifests[d.step].files)
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                     log.warning("RAM tier manifest of step %d is unusable: %s", d.step, e)
             out[str(d.step)] = {"have": have, "need": need}
     except StorageError as e:
         log.warning("cannot list the RAM tier: %s", e)
-    return out
+    return out, manifests
 
 
 def _list_candidates(ck, step: int | None, inventories: list[dict[str, Any]]) -> dict[str, Any]:
@@ -164,9 +178,10 @@ def _ram_candidates(ck, inventories: list[dict[str, Any]]) -> dict[int, dict[str
             complete = need <= set(e["holders"])
         else:  # no transport between nodes: every node must hold everything
             complete = all(need <= e["nodes"].get(n, set()) for n in set(ctx.nodes))
-        if complete:
+        if complete:  # the manifest goes through the store only when a node lacks it
+            lacking = any(inv.get(str(s), {}).get("need") is None for inv in inventories)
             out[s] = {"step": s, "tier": ck._ram_index, "holders": e["holders"],
-                      "manifest_rank": e["manifest_rank"]}
+                      "manifest_rank": e["manifest_rank"] if lacking else None}
     return out
 
 
@@ -193,22 +208,38 @@ def _regions(ck, manifest: Manifest):
     return regions, dtensors, live
 
 
+def _fit_problems(ck, manifest: Manifest, regions, in_place) -> list[str]:
+    """What keeps `manifest` from loading into the live state, decided from the manifest alone.
+
+    Saved tensors not yet read stand in as memoryless tensors of their global
+    shape and dtype (a DTensor compares by global shape too).
+    """
+    entries = {t.name: t for t in manifest.tensors}
+    stand_ins = {}
+    for name in regions:
+        if name in in_place:
+            stand_ins[name] = in_place[name]
+        else:
+            e = entries[name]
+            stand_ins[name] = torch.empty((), dtype=torch_dtype(e.dtype)).expand(e.shape)
+    return cap.check(ck.state, manifest.skeleton, stand_ins)
+
+
 def _finish(ck, step: int, manifest: Manifest, tensors, dtensors):
-    """Wrap DTensor regions, check against the live state, pick this rank's RNG."""
+    """Wrap DTensor regions, pick this rank's RNG."""
     for name, t in dtensors.items():
         from torch.distributed.tensor import DTensor
 
         local = tensors[name].to(t.to_local().device)
         tensors[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
                                            shape=t.shape, stride=t.stride())
-    problems = cap.check(ck.state, manifest.skeleton, tensors)
     rng_value = None
     if ck.rng:
         rng_value = manifest.rank_state.get(str(ck._ctx.rank), {}).get("rng")
         if rng_value is None:
             log.info("step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
                      step, ck._ctx.rank, manifest.world_size)
-    return (manifest, tensors, rng_value), {"error": None, "mismatch": problems}
+    return manifest, tensors, rng_value
 
 
 def _read_candidate(ck, step: int, storage):
@@ -224,6 +255,9 @@ def _read_candidate(ck, step: int, storage):
         manifest = load_manifest(storage, step)
         regions, dtensors, live = _regions(ck, manifest)
         in_place = _in_place_targets(live, manifest, regions, dtensors)
+        problems = _fit_problems(ck, manifest, regions, in_place)
+        if problems:
+            return None, {"error": None, "mismatch": problems}
         verify(storage, manifest, names=in_place)
         tensors = read_regions(storage, manifest, {n: r for n, r in regions.items() if n not in in_place})
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
@@ -233,8 +267,8 @@ def _read_candidate(ck, step: int, storage):
     def fill() -> None:
         read_regions(storage, manifest, {n: regions[n] for n in in_place}, out=in_place)
 
-    loaded, vote = _finish(ck, step, manifest, tensors, dtensors)
-    return (*loaded, fill if in_place else None), vote
+    loaded = _finish(ck, step, manifest, tensors, dtensors)
+    return (*loaded, fill if in_place else None), {"error": None, "mismatch": []}
 
 
 def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
@@ -251,7 +285,7 @@ def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, 
     return out
 
 
-def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
+def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest | None):
     """Read a step from the RAM tier, fetching files this node lacks from peers.
 
     Every rank takes part in every exchange below even after a local error (it
@@ -261,8 +295,7 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
     storage = ck._storages[ck._ram_index]
     step_dir = step_dir_name(step)
     error: str | None = None
-    manifest = None
-    # The manifest: from this node if it has one, else from the rank named by the plan.
+    # The manifest: parsed by the inventory, or from this node, or from the rank named by the plan.
     if ctx.rank == cand["manifest_rank"] and ctx.distributed:
         try:
             ctx.put(f"{key}/manifest", storage.read_bytes(f"{step_dir}/{MANIFEST_NAME}").decode())
@@ -270,20 +303,25 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
             ctx.put(f"{key}/manifest", "")
             error = str(e)
     try:
-        if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
+        if manifest is None and storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
             manifest = load_manifest(storage, step)
-        else:
+        if manifest is None:
             doc = ctx.get(f"{key}/manifest")
             if not doc:
                 raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
             manifest = manifest_from_json(doc.encode(), f"RAM manifest of step {step}", expect_step=step)
-        regions, dtensors, _ = _regions(ck, manifest)
+        regions, dtensors, live = _regions(ck, manifest)
+        in_place = _in_place_targets(live, manifest, regions, dtensors)
+        problems = _fit_problems(ck, manifest, regions, in_place)
         needed = _files_for(manifest, regions)
         present = {n for n, _ in storage.list_dir(step_dir)}
         missing = sorted(needed - present)
     except (FtkitError, OSError) as e:
-        error, missing, regions, dtensors = str(e), [], {}, {}
-    requests = ctx.gather(f"{key}/req", {"missing": missing, "error": error})
+        error, missing, regions, dtensors, in_place, problems = str(e), [], {}, {}, {}, []
+    requests = ctx.gather(f"{key}/req", {"missing": missing, "error": error, "mismatch": problems})
+    origin = {"source": "ram+peer" if missing else "ram", "files_from_peers": len(missing), "received": []}
+    if any(r["mismatch"] for r in requests):  # known everywhere before any live byte is written
+        return None, {"error": None, "mismatch": problems}, origin
     plan = _fetch_plan(requests, cand["holders"], ctx.nodes)
     moved_error = None
     received: list[str] = []
@@ -299,16 +337,14 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str):
     moved = ctx.gather(f"{key}/moved", moved_error)  # siblings' received files are in place now
     error = error or moved_error or next((m for m in moved if m), None)
     if error is None:
-        try:
-            tensors = read_regions(storage, manifest, regions)
+        try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
+            tensors = read_regions(storage, manifest, regions, out=in_place)
         except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
             error = str(e)
-    origin = {"source": "ram+peer" if missing else "ram", "files_from_peers": len(missing),
-              "received": received}
+    origin["received"] = received
     if error is not None:
         return None, {"error": error, "mismatch": []}, origin
-    loaded, vote = _finish(ck, step, manifest, tensors, dtensors)
-    return (*loaded, None), vote, origin
+    return (*_finish(ck, step, manifest, tensors, dtensors), None), {"error": None, "mismatch": []}, origin
 
 
 def _files_for(manifest: Manifest, regions) -> set[str]:

@@ -39,12 +39,20 @@ class Piece:
     lengths: tuple[int, ...]
 
 
+_DTENSOR: type | None = None
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without DTensor support
-        return False
-    return isinstance(t, DTensor)
+    # The class is looked up once: an import statement per tensor costs more than the test.
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch without DTensor support
+            _DTENSOR = type(None)
+        else:
+            _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
 
 
 def dtensor_region(t) -> tuple[tuple[int, ...], tuple[int, ...], bool]:

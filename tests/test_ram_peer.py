@@ -92,3 +92,68 @@ def test_gc_removes_a_finished_jobs_ram_tier(job, monkeypatch):
     assert r.returncode == 0, r.stderr
     assert not job["node"](0).parent.exists()
     assert run_cli("gc", "ram", "--job", "job").returncode == 1
+
+
+# ------------------------------------------ one process: the RAM tier's in-place read
+@pytest.fixture
+def solo_ram(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("FTKIT_JOB_ID", "solo")
+    monkeypatch.setenv("FTKIT_NODE_ID", "n0")
+    return tmp_path / "shm" / "solo" / "n0"
+
+
+def _ram_steps(steps):
+    import torch
+
+    import ftkit
+
+    state = {"w": torch.zeros(300_000), "b": torch.zeros(7)}
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram", keep=3)], rng=False) as ck:
+        for step in steps:
+            state["w"].fill_(step)
+            state["b"].fill_(-step)
+            ck.snapshot(step)
+            ck.wait()
+    return state
+
+
+def test_ram_restore_overwrites_a_corrupt_steps_bytes_with_the_next_candidate(solo_ram):
+    import torch
+
+    import ftkit
+
+    state = _ram_steps((1, 2))
+    _flip(next(solo_ram.glob("step-000000000002/*.data")))  # inside "w": read into it, then rejected
+    w, b = state["w"], state["b"]
+    w.zero_()
+    b.zero_()
+    with ftkit.Checkpointer(state, ["ram"], rng=False) as ck:
+        assert ck.restore() == 1
+        assert ck.last_restore["source"] == "ram"
+    assert state["w"] is w and state["b"] is b  # read into the live tensors themselves
+    assert torch.equal(w, torch.full_like(w, 1.0)) and torch.equal(b, torch.full_like(b, -1.0))
+
+
+def test_ram_restore_raises_when_no_step_verifies(solo_ram):
+    import ftkit
+
+    state = _ram_steps((1,))
+    _flip(next(solo_ram.glob("step-000000000001/*.data")))
+    with ftkit.Checkpointer(state, ["ram"], rng=False) as ck:
+        with pytest.raises(ftkit.CorruptCheckpointError, match="checksum mismatch"):
+            ck.restore()  # the live tensors may now hold part of the bad bytes (restore.py)
+
+
+def test_ram_restore_of_a_mismatched_state_touches_no_live_byte(solo_ram):
+    import torch
+
+    import ftkit
+    from ftkit.errors import StateMismatchError
+
+    _ram_steps((1,))
+    live = {"w": torch.full((10,), 7.0), "b": torch.full((7,), 7.0)}  # "b" fits, "w" does not
+    with ftkit.Checkpointer(live, ["ram"], rng=False) as ck:
+        with pytest.raises(StateMismatchError, match=r"w: shape \(300000,\) in checkpoint, \(10,\) live"):
+            ck.restore()
+    assert torch.equal(live["b"], torch.full((7,), 7.0)) and torch.equal(live["w"], torch.full((10,), 7.0))
