@@ -600,7 +600,7 @@ def _instrument_peer_group() -> None:
     if getattr(orig, "_bench", False):
         return
 
-    def run(self, plan, read, write, sizes):
+    def run(self, plan, read, write, sizes, **kw):
         rec = {"read_s": 0.0, "write_s": 0.0}
 
         def timed_read(name):
@@ -619,7 +619,7 @@ def _instrument_peer_group() -> None:
 
         rec["start"] = now()
         try:
-            return orig(self, plan, timed_read, timed_write, sizes)
+            return orig(self, plan, timed_read, timed_write, sizes, **kw)
         finally:
             rec["end"] = now()
             _RUNS.append(rec)

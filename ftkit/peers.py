@@ -7,9 +7,9 @@ exist are used (and the shortfall is logged once).
 
 Transport: a dedicated gloo process group created for this (never the training
 group), used only from ftkit's background thread while persisting and from
-restore() on the main thread; every rank walks the same list of transfers in
-the same order, each transfer pairing one sender with one receiver, which cannot
-deadlock. The group has its own timeout, so a dead peer costs a bounded wait;
+restore() on the main thread. Every rank posts all its sends and receives at
+once (non-blocking), in the order of one list of transfers all ranks agree on,
+so messages between the same two ranks match up and no order can deadlock. The group has its own timeout, so a dead peer costs a bounded wait;
 after a failure the group is considered broken and replication stops until the
 job restarts (the watchdog's business).
 """
@@ -80,13 +80,18 @@ class PeerGroup:
         self.rank = rank
         self.world_size = world_size
         self.broken: str | None = None
+        self._buffers: list[torch.Tensor] = []  # receive buffers kept between runs (keep_buffers)
 
-    def run(self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int]) -> list[str]:
-        """Execute the transfers this rank takes part in, in plan order.
+    def run(self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int],
+            keep_buffers: bool = False) -> list[str]:
+        """Execute the transfers this rank takes part in, all at once.
 
         read(file) -> uint8 tensor of a file this rank sends; write(file, tensor) stores
-        what it receives; sizes[(src, file)] is each file's length. Returns the files
-        received. Raises on a transport failure and marks the group broken.
+        what it receives (the tensor is only valid during the call); sizes[(src, file)]
+        is each file's length. keep_buffers: receive into buffers kept for the next run
+        (every snapshot replicates the same sizes: no page faults after the first).
+        Returns the files received. Raises on a transport failure and marks the group
+        broken.
         """
         import torch.distributed as dist
 
@@ -94,15 +99,26 @@ class PeerGroup:
             raise RuntimeError(f"peer group unusable after an earlier failure: {self.broken}")
         received = []
         try:
-            for t in plan:
-                if t.src == self.rank:
-                    dist.send(read(t.file), dst=t.dst, group=self.group)
-                elif t.dst == self.rank:
-                    buf = torch.empty(sizes[(t.src, t.file)], dtype=torch.uint8)
-                    dist.recv(buf, src=t.src, group=self.group)
-                    write(t.file, buf)
-                    received.append(t.file)
+            incoming = [t for t in plan if t.dst == self.rank]
+            bufs = [self._buffer(i, sizes[(t.src, t.file)], keep_buffers) for i, t in enumerate(incoming)]
+            recvs = [dist.irecv(buf, src=t.src, group=self.group) for t, buf in zip(incoming, bufs)]
+            sends = [dist.isend(read(t.file), dst=t.dst, group=self.group) for t in plan if t.src == self.rank]
+            for t, buf, work in zip(incoming, bufs, recvs):
+                work.wait()
+                write(t.file, buf)
+                received.append(t.file)
+            for work in sends:
+                work.wait()
         except Exception as e:
             self.broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             raise
         return received
+
+    def _buffer(self, i: int, size: int, keep: bool) -> torch.Tensor:
+        if not keep:
+            return torch.empty(size, dtype=torch.uint8)
+        if i == len(self._buffers):
+            self._buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._buffers[i].numel() < size:
+            self._buffers[i] = torch.empty(size, dtype=torch.uint8)
+        return self._buffers[i][:size]

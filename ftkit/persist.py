@@ -72,7 +72,9 @@ def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Pie
     """Write every staged tensor of `slot` into one new data file of `step`.
 
     `pieces` says which region of which global tensor each staged tensor is
-    (default: each is a whole, replicated tensor).
+    (default: each is a whole, replicated tensor). Uncompressed, the file is the
+    slot's byte image (`Slot.image`: every tensor at its staging offset), written
+    in one call; peers are then sent the slot itself rather than the file.
     """
     step_dir = step_dir_name(step)
     if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
@@ -83,23 +85,29 @@ def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Pie
     offset = 0
     slot.ready()
     assert slot.layout is not None
+    image = compress is None
     with storage.open_write(rel) as f:
+        if image:
+            f.write(memoryview(slot.image().numpy()))
         for e in slot.layout.entries:
-            raw = slot.raw(e.name)
+            raw = slot.bytes_of(e)
             chunks = []
             for raw_off in range(0, e.nbytes, CHUNK_BYTES):
                 piece = raw[raw_off:raw_off + CHUNK_BYTES]
-                codec_name, stored = codec.encode(piece, compress)
-                f.write(stored)
-                chunks.append(Chunk(file_name, offset, len(stored), raw_off, len(piece), codec_name,
+                if image:
+                    codec_name, stored, at = "raw", piece, e.offset + raw_off
+                else:
+                    codec_name, stored = codec.encode(piece, compress)
+                    f.write(stored)
+                    at, offset = offset, offset + len(stored)
+                chunks.append(Chunk(file_name, at, len(stored), raw_off, len(piece), codec_name,
                                     codec.checksum(stored)))
-                offset += len(stored)
                 if progress:
                     progress(len(piece))
             p = (pieces or {}).get(e.name) or Piece(e.name, REPLICATED, e.shape, (0,) * len(e.shape), e.shape)
             entries.append(TensorEntry(e.name, dtype_name(e.dtype), p.global_shape,
                                        (Shard(p.offsets, p.lengths, tuple(chunks), rank),), p.kind))
-    return RankWrite(rank, file_name, offset, tuple(entries))
+    return RankWrite(rank, file_name, slot.layout.total_bytes if image else offset, tuple(entries))
 
 
 def merge_writes(writes: list[RankWrite]) -> tuple[TensorEntry, ...]:
@@ -208,8 +216,8 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     reports = ctx.gather(f"{key}/w", report) if ctx.distributed else [report]
     rep_error = None
     if peers is not None and replicas > 0 and error is None:
-        try:
-            _replicate(storage, step, reports, ctx, peers, replicas)
+        try:  # uncompressed, the data file is the slot's byte image: send the slot, not the file
+            _replicate(storage, step, reports, ctx, peers, replicas, slot.image() if compress is None else None)
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
@@ -244,18 +252,25 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
 
 
 def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContext, peers: PeerGroup,
-               replicas: int) -> None:
-    """Send this rank's file to its replica targets; store verified copies of what arrives."""
+               replicas: int, own_bytes=None) -> None:
+    """Send this rank's file to its replica targets; store verified copies of what arrives.
+
+    `own_bytes`: this rank's data file as a uint8 tensor when it is in memory
+    (the staging slot's image); otherwise the file is read back.
+    """
     import torch
 
-    writes = {r: RankWrite.from_json(d["write"]) for r, d in enumerate(reports) if d["write"]}
-    files = [writes[r].file if r in writes else None for r in range(ctx.world_size)]
+    docs = {r: d["write"] for r, d in enumerate(reports) if d["write"]}
+    files = [docs[r]["file"] if r in docs else None for r in range(ctx.world_size)]
     plan = replication_plan(files, ctx.nodes, replicas)
     step_dir = step_dir_name(step)
-    by_file = {w.file: w for w in writes.values()}
+    # Only the writes this rank receives are decoded (their chunks are checked on arrival).
+    incoming = {t.file: RankWrite.from_json(docs[t.src]) for t in plan if t.dst == ctx.rank}
 
     def read(name: str):
-        buf = torch.empty(by_file[name].nbytes, dtype=torch.uint8)
+        if own_bytes is not None:
+            return own_bytes
+        buf = torch.empty(docs[ctx.rank]["nbytes"], dtype=torch.uint8)
         with storage.open_read(f"{step_dir}/{name}") as f:
             if buf.numel():
                 f.readinto(memoryview(buf.numpy()))
@@ -263,7 +278,7 @@ def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContex
 
     def write(name: str, buf) -> None:
         data = memoryview(buf.numpy())
-        for t in by_file[name].tensors:
+        for t in incoming[name].tensors:
             for sh in t.shards:
                 for c in sh.chunks:
                     codec.check(data[c.offset:c.offset + c.length], c.checksum,
@@ -271,9 +286,9 @@ def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContex
         with storage.open_write(f"{step_dir}/{name}") as f:
             f.write(data)
 
-    sizes = {(w.rank, w.file): w.nbytes for w in writes.values()}
+    sizes = {(r, d["file"]): d["nbytes"] for r, d in docs.items()}
     fault_point("replicate", step, ctx.rank)
-    peers.run(plan, read, write, sizes)
+    peers.run(plan, read, write, sizes, keep_buffers=True)
 
 
 def discard(storage: Storage, step: int, files: list[str]) -> None:

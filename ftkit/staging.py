@@ -93,6 +93,12 @@ class Slot:
                 e.name: self.buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
                 for e in layout.entries
             }
+            # The alignment gaps are part of the slot's byte image (written and sent as
+            # is): zero them, so no stale heap bytes leave the process.
+            ends = [e.offset + e.nbytes for e in layout.entries]
+            for end, nxt in zip(ends, [e.offset for e in layout.entries[1:]] + [layout.total_bytes]):
+                if nxt > end:
+                    self.buffer[end:nxt].zero_()
             self.layout = layout
         return grew
 
@@ -134,7 +140,16 @@ class Slot:
     def raw(self, name: str) -> memoryview:
         """The staged bytes of one tensor."""
         e = next(x for x in self.layout.entries if x.name == name)  # type: ignore[union-attr]
+        return self.bytes_of(e)
+
+    def bytes_of(self, e: TensorSlot) -> memoryview:
+        """The staged bytes of one entry of the layout."""
         return _bytes_view(self.buffer[e.offset:e.offset + e.nbytes])
+
+    def image(self) -> torch.Tensor:
+        """The whole staged layout as one uint8 tensor: every entry at its offset, zeroed gaps."""
+        assert self.layout is not None
+        return self.buffer[:self.layout.total_bytes]
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

@@ -230,3 +230,19 @@ def test_dtypes_and_odd_shapes_round_trip(tmp_path):
         assert ck.restore() == 1
     for k in ref:
         assert state[k].dtype == ref[k].dtype and torch.equal(state[k], ref[k]), k
+
+
+def test_uncompressed_data_file_is_the_staged_image_with_zeroed_gaps(tmp_path):
+    state = {"a": torch.full((3,), 1.5), "b": torch.arange(5, dtype=torch.int16), "c": torch.ones(2, 3)}
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        ck.snapshot(1)
+    m = load_manifest(ftkit.Tier(str(tmp_path)).open(), 1)
+    (name, info), = m.files.items()
+    data = (tmp_path / step_dir_name(1) / name).read_bytes()
+    assert len(data) == info["bytes"]
+    used = bytearray(len(data))
+    for t in m.tensors:
+        for c in t.shards[0].chunks:
+            assert c.offset % 64 == 0  # each tensor at its aligned staging offset
+            used[c.offset:c.offset + c.length] = b"\x01" * c.length
+    assert all(byte == 0 for byte, u in zip(data, used) if not u)  # the gaps hold no stale memory
