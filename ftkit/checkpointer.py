@@ -25,6 +25,7 @@ import queue
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, MutableMapping, Sequence
 
@@ -99,6 +100,11 @@ class Checkpointer:
     watchdog: under torch.distributed, run the heartbeat watchdog (True, or a
         WatchdogConfig); it ends this worker when another rank is dead or hung,
         so torchrun restarts the group (see watchdog.py).
+    exit_after_failure_s: under torchrun, when the `with` block ends in an
+        exception, the process is ended (os._exit(1)) if it is still alive this
+        long after: a worker whose collectives or process-group teardown wait
+        for a dead peer would otherwise hold up torchrun's restart until its
+        stop timeout (30 s). None: never.
 
     Under torch.distributed (e.g. torchrun) every rank creates a Checkpointer
     over the same state structure and calls snapshot(step) and restore() with
@@ -112,7 +118,8 @@ class Checkpointer:
                  policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True,
                  commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0,
                  run_dir: str | None = None, watchdog: bool | WatchdogConfig = True,
-                 preemption_signals: Sequence[int] = (signal.SIGTERM,), preemption_deadline_s: float = 60.0):
+                 preemption_signals: Sequence[int] = (signal.SIGTERM,), preemption_deadline_s: float = 60.0,
+                 exit_after_failure_s: float | None = 2.0):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -152,6 +159,8 @@ class Checkpointer:
         self._errors_lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
+        self._stopping_on_purpose = False  # a preemption's final save: exiting is the plan
+        self._exit_after_failure_s = exit_after_failure_s
         self._hooks = [obj.register_step_pre_hook(self._fence_hook)
                        for obj in state.values() if isinstance(obj, torch.optim.Optimizer)]
         self._worker = threading.Thread(target=self._run_worker, name="ftkit-persist", daemon=True)
@@ -193,13 +202,15 @@ class Checkpointer:
         return self._stage(step, due)
 
     def _final_step_reached(self, step: int) -> bool:
-        """After a preemption signal: is `step` the one every rank saves and stops at?
+        """After a preemption notice: is `step` the one every rank saves and stops at?
 
-        Ranks see the signal at different step ends (one may be at the end of
-        step 9 while the others are already inside step 10). Each publishes the
-        first step end it reached and trains one more step; at the end of that
-        one it waits for everyone's. The stop is one past the latest published:
-        every rank is still running then, so the final save can commit.
+        Never blocks the training loop: ranks hear of the notice at different
+        times (by the signal, or a peer's heartbeat), and a rank that waited
+        here would hold the others in the next collective. Each rank publishes,
+        at the first step end after it heard, that step + 2: in lock-step
+        training nobody can have finished that step yet. Once every rank has
+        published (a non-blocking check at each step end), the stop is the
+        largest value, and every rank is still short of it.
         """
         ctx, pre = self._ctx, self._preemption
         assert pre is not None
@@ -207,11 +218,12 @@ class Checkpointer:
             return True
         if pre.first_boundary is None:
             pre.first_boundary = step
-            ctx.put(f"preempt/{ctx.rank}", step)
-            return False
+            ctx.put(f"preempt/{ctx.rank}", step + 2)
         if pre.final_step is None:
-            pre.final_step = 1 + max(ctx.get(f"preempt/{r}", timeout_s=pre.deadline_s)
-                                     for r in range(ctx.world_size))
+            keys = [f"preempt/{r}" for r in range(ctx.world_size)]
+            if not ctx.store.check(keys):  # one round trip: all present?
+                return False  # someone has not heard yet; the watchdog's heartbeats will tell it
+            pre.final_step = max(ctx.get(k) for k in keys)
         return step >= pre.final_step
 
     def _save_and_exit(self, step: int) -> None:
@@ -227,6 +239,7 @@ class Checkpointer:
             ok = False
             log.error("ftkit: the final save after %s failed: %s", signal.Signals(sig).name, e)
         self._preemption.done()
+        self._stopping_on_purpose = True
         self.events.emit("preempt_flush", step=step, ok=ok, seconds=time.perf_counter() - t0)
         log.warning("ftkit: step %d %s; exiting", step, "saved to every tier" if ok else "NOT saved")
         raise SystemExit(128 + sig)
@@ -359,13 +372,24 @@ class Checkpointer:
         while self._jobs.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.05)
 
-    def close(self) -> None:
-        """Flush background work, release staging memory and hooks. Idempotent."""
+    def close(self, failed: bool = False) -> None:
+        """Flush background work, release staging memory and hooks. Idempotent.
+
+        `failed` (the training loop raised): peers hear it at once through the
+        watchdog, instead of waiting in a collective for this rank until their
+        timeouts, and the background gets only a short drain: commits need
+        every rank, and the others are about to stop too.
+        """
         if self._closed:
             return
         self._closed = True
         try:
-            self.wait()
+            if failed:
+                if self._watchdog is not None:
+                    self._watchdog.stop(failed=True)
+                self._drain(2.0)
+            else:
+                self.wait()
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop()
@@ -384,8 +408,13 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        on_purpose = exc_type is None or (isinstance(exc, SystemExit) and (
+            exc.code in (0, None) or self._stopping_on_purpose))
+        if not on_purpose and self._exit_after_failure_s is not None and self._ctx.distributed \
+                and "TORCHELASTIC_RUN_ID" in os.environ:
+            _exit_unless_gone(self._exit_after_failure_s, exc)
         try:
-            self.close()
+            self.close(failed=not on_purpose)
         except Exception:
             if exc_type is None:
                 raise
@@ -405,6 +434,20 @@ class Checkpointer:
         if not self._closed:
             self.wait()
         return _restore(self, step)
+
+
+def _exit_unless_gone(seconds: float, exc: BaseException | None) -> None:
+    """End this worker if it is still alive in `seconds` (a daemon timer: a clean exit cancels it)."""
+    def end() -> None:
+        log.error("ftkit: this worker failed and is still alive %.0fs later (a collective or the process "
+                  "group's teardown is waiting for a dead peer); ending it so torchrun restarts the group. "
+                  "The failure:\n%s", seconds, "".join(traceback.format_exception(exc)) if exc else "?")
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
 
 
 def _time_first_gradient(state: MutableMapping[str, Any], watchdog: Watchdog) -> None:

@@ -103,18 +103,6 @@ def average_gradients(model: nn.Module, ck=None) -> None:
         offset += g.numel()
 
 
-def _maybe_crash(path: str, rank: int, step: int) -> None:
-    """Raise inside the training loop when a drill asks this rank to (once)."""
-    try:
-        with open(path) as f:
-            wanted = f.read().split()
-    except FileNotFoundError:
-        return
-    if wanted[:2] == ["crash", str(rank)]:
-        os.remove(path)
-        raise RuntimeError(f"drill: injected crash on rank {rank} at step {step}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="tier URL for durable snapshots")
@@ -130,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--final-out", help="write the final model+optimizer state here (torch file, rank 0)")
     p.add_argument("--pg-timeout", type=float, default=1800.0, help="process group timeout, seconds")
     p.add_argument("--no-watchdog", action="store_true", help="run without ftkit's heartbeat watchdog")
-    p.add_argument("--fault-file", help="a drill's requests: a line 'crash RANK' makes that rank raise")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # One thread: bitwise reproducible across runs. (Not use_deterministic_algorithms:
@@ -164,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(start + 1, args.steps + 1):
             if rank == args.slow_rank:  # e.g. a slow input pipeline: before the forward
                 time.sleep((args.slow_factor - 1) * (compute + args.step_time))
-            if args.fault_file:
-                _maybe_crash(args.fault_file, rank, step)
             t0 = time.perf_counter()
             loss = train_step(model, opt, sched, step, args.seed, rank, sync)
             compute = time.perf_counter() - t0

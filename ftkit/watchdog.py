@@ -8,8 +8,11 @@ Each rank runs one daemon thread that, every `interval_s`,
 2. reads every rank's heartbeat and judges them. Every rank judges every other,
    so detection does not depend on any one rank staying healthy:
 
-   * dead: its heartbeat counter has not moved for `dead_after_s` (a killed or
-     SIGSTOPped process, a lost node);
+   * failed: its training loop raised, and its Checkpointer said so on the way
+     out (seen within one interval);
+   * dead: its process on this host is gone (seen within one interval), or its
+     heartbeat counter has not moved for `dead_after_s` (a SIGSTOPped process,
+     a lost node);
    * hung: heartbeats move but its step has not, for longer than
      `hang_factor` x the median step time, clamped to [`hang_floor_s`,
      `hang_ceiling_s`], so nobody hand-tunes a timeout per model;
@@ -19,7 +22,7 @@ Each rank runs one daemon thread that, every `interval_s`,
      least), for `straggler_checks` checks in a row: reported, and an abort only
      if `straggler_action="abort"`.
 
-On a dead or hung rank the thread records the event, kills that process if it
+On a failed, dead or hung rank the thread records the event, kills that process if it
 is on this host (a stopped process would otherwise hold up torchrun's restart),
 and ends this process (on a straggler abort, background persists first get
 `flush_deadline_s` to finish: the straggler can still contribute its share) with `os._exit` (``sys.exit`` in a thread only ends the thread), so
@@ -68,6 +71,22 @@ class WatchdogConfig:
     startup_grace_s: float = 120.0  # a rank never seen for this long is dead
 
 
+def _process_gone(pid: Any) -> bool:
+    """A process on this host has exited (or is a zombie waiting for torchrun to reap it).
+
+    Seeing it is faster than `dead_after_s` of silence: torchrun's own restart
+    waits for this rank to stop, and this rank may be stuck in a collective."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 @dataclass
 class _Seen:
     seq: int = -1
@@ -77,6 +96,7 @@ class _Seen:
     slow_checks: int = 0
     flagged_straggler: bool = False
     info: dict | None = None
+    info_failed: bool = False
 
 
 class Watchdog:
@@ -97,6 +117,7 @@ class Watchdog:
         self._first_grad: float | None = None
         self._seq = 0
         self._seen = {r: _Seen() for r in range(ctx.world_size) if r != ctx.rank}
+        self._host = socket.gethostname()
         self._stop = threading.Event()
         self._outage_since: float | None = None
         self._started = time.monotonic()
@@ -129,13 +150,20 @@ class Watchdog:
         if self._first_grad is None:
             self._first_grad = time.monotonic()
 
-    def stop(self) -> None:
-        """Say this rank is done (so peers do not take its silence for death) and stop."""
+    def stop(self, failed: bool = False) -> None:
+        """Say this rank is done (so peers do not take its silence for death) and stop.
+
+        `failed`: its training loop raised. Peers then end at once rather than
+        wait in a collective for a rank that will never join it.
+        """
+        if self._stop.is_set() and not failed:
+            return
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         try:
-            self.ctx.put(f"hb/{self.ctx.rank}", {"done": True})
+            self.ctx.put(f"hb/{self.ctx.rank}", {"done": True, "failed": failed, "host": socket.gethostname(),
+                                                 "pid": os.getpid()})
         except Exception:
             pass
 
@@ -203,6 +231,12 @@ class Watchdog:
         for r, seen in self._seen.items():
             beat = beats.get(r)
             if beat is not None and beat.get("done"):
+                if beat.get("failed") and not seen.info_failed:
+                    seen.info_failed = True
+                    self._abort(r, "failed", 0.0, "its training loop raised")
+                verdict = beat.get("aborted")
+                if verdict and verdict["target"] != self.ctx.rank:  # join it: the group restarts anyway
+                    self._abort(verdict["target"], verdict["what"], 0.0, f"rank {r} found it {verdict['what']}")
                 seen.info = beat
                 continue
             if beat is not None and beat.get("preempt") and self._on_peer_preempted is not None:
@@ -217,7 +251,9 @@ class Watchdog:
                 if now - self._started > cfg.startup_grace_s:
                     self._abort(r, "dead", now - self._started, "never sent a heartbeat")
                 continue
-            if now - seen.changed > cfg.dead_after_s:
+            if seen.info and seen.info.get("host") == self._host and _process_gone(seen.info.get("pid")):
+                self._abort(r, "dead", now - seen.changed, "its process is gone")
+            elif now - seen.changed > cfg.dead_after_s:
                 self._abort(r, "dead", now - seen.changed, f"no heartbeat for {now - seen.changed:.1f}s")
             elif seen.step >= 0 and now - seen.step_changed > hang_bound:  # only after its first step
                 self._abort(r, "hung", now - seen.step_changed,
@@ -246,6 +282,10 @@ class Watchdog:
 
     def _abort(self, rank: int, what: str, latency: float, why: str) -> None:
         info = self._seen[rank].info or {}
+        try:  # first, so peers join this verdict instead of blaming this rank's exit
+            self.ctx.put(f"hb/{self.ctx.rank}", {"done": True, "aborted": {"target": rank, "what": what}})
+        except Exception:
+            pass
         log.error("ftkit watchdog (rank %d): rank %d is %s: %s; ending this worker so torchrun restarts "
                   "the group", self.ctx.rank, rank, what, why)
         self.events.emit("detect", target=rank, what=what, latency_s=latency, why=why, step=self._step)

@@ -1,0 +1,15 @@
+"""Failure-injection drills: prove that a setup recovers, with nothing lost.
+
+    ftkit drill [--nproc 4] [--steps 120] [--faults SPEC | --seed N] [--tiers ram,peer,disk|s3|URL]
+                [--script PATH [-- ARGS]] [--run-dir DIR] [--json FILE] [--html FILE]
+
+schedule.py  the fault language (pure)
+job.py       torchrun under drill, fault points, the injectors
+verify.py    faults matched to recoveries; states and checkpoints checked
+run.py       the order of a drill, reports, the command line
+"""
+
+from .run import DEFAULT_FAULTS, main, run_drill
+from .schedule import Fault, parse_faults, random_faults
+
+__all__ = ["DEFAULT_FAULTS", "Fault", "main", "parse_faults", "random_faults", "run_drill"]

@@ -1,0 +1,222 @@
+"""A job under drill: torchrun running the trainer, what it logged, and the faults done to it.
+
+Order of calls (see run.py): ``Job(...)`` starts torchrun in its own process
+group; for each fault, ``Injector.inject(fault)`` asks a rank to freeze at a
+fault point (ftkit.faults.fault_point), waits until it has, does the fault
+(kill it, wipe its node, stop the S3 server...) and lets it go on where the
+fault allows; ``wait_restarted`` waits for torchrun's next attempt; finally
+``proc.wait()`` and ``kill()`` (always, in a finally).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+from ..events import read_events
+from ..faults import FAULT_POINTS_ENV, set_faults
+from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+
+_STORAGE_SWITCH = {"enospc": "enospc", "unavailable": "unavailable", "latency": "latency_s",
+                   "torn-write": "torn_write", "bitflip": "bitflip"}
+
+
+class Job:
+    """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``)."""
+
+    def __init__(self, root: str, entry: Sequence[str], nproc: int, ranks_per_node: int, restarts: int,
+                 env: dict[str, str] | None = None):
+        self.root = root
+        self.ranks_per_node = ranks_per_node
+        self.run_dir = os.path.join(root, "run")
+        self.ram_dir = os.path.join(root, "shm")
+        self.fault_request = os.path.join(root, "fault-request")
+        full_env = {**os.environ, **(env or {}), "FTKIT_RAM_DIR": self.ram_dir, "FTKIT_JOB_ID": "drill",
+                    "FTKIT_RANKS_PER_NODE": str(ranks_per_node), "FTKIT_RUN_DIR": self.run_dir,
+                    FAULT_POINTS_ENV: self.fault_request, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               f"--max-restarts={restarts}", "--monitor-interval=0.1", *entry]
+        self.log = open(os.path.join(root, "torchrun.log"), "w")
+        # Its own process group: cleaning up kills the workers too, not just torchrun.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def kill(self) -> None:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker ignores everything but these
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self.log.close()
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(self.run_dir)
+
+    def attempt(self) -> int:
+        return max((e["attempt"] for e in self.events() if e["event"] == "start"), default=0)
+
+    def pids(self, attempt: int) -> dict[int, int]:
+        return {e["rank"]: e["pid"] for e in self.events() if e["event"] == "start" and e["attempt"] == attempt}
+
+    def note(self, **fields: Any) -> None:
+        """A drill event in the job's log, beside the ranks' own (rank -1)."""
+        os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+        with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "rank": -1, "event": "fault", **fields}) + "\n")
+
+    def wait_restarted(self, attempt: int, timeout: float = 300) -> bool:
+        """Wait until torchrun's next attempt has started training (False if it never does)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.proc.poll() is None:
+            if self.attempt() > attempt:
+                return True
+            time.sleep(0.1)
+        return self.attempt() > attempt
+
+    # ------------------------------------------------------------ fault points
+    def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop",
+                  timeout: float = 600) -> dict[str, Any]:
+        """Ask `rank` to stop (or crash) at `phase` of `step` or later; return once it has.
+
+        Returns the fault point's record (pid, at_step). Raises RuntimeError when
+        the job ends or the timeout passes first.
+        """
+        reached = self.fault_request + ".reached"
+        for stale in (reached, self.fault_request):
+            if os.path.exists(stale):
+                os.remove(stale)
+        tmp = self.fault_request + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"phase": phase, "step": step, "rank": rank, "action": action}, f)
+        os.replace(tmp, self.fault_request)
+        end = time.monotonic() + timeout
+        while True:
+            rec = _read_json(reached)
+            if rec and "pid" in rec:
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job ended (exit {self.proc.returncode}) before rank {rank} "
+                                   f"reached {phase} of step {step}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"rank {rank} did not reach {phase} of step {step} within {timeout:.0f}s")
+            time.sleep(0.02)
+        if action == "stop":
+            _wait_stopped(rec["pid"])
+        return rec
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until the kernel reports `pid` stopped (it signals itself right after the record)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("T", "t"):
+            return
+        time.sleep(0.005)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Injector:
+    """Does each kind of fault to a running Job."""
+
+    def __init__(self, job: Job, durable_root: str | None = None, s3_server: Any = None):
+        self.job = job
+        self.durable_root = durable_root  # the local directory behind faulty:// (storage faults)
+        self.s3 = s3_server  # ftkit.s3server.S3Server the drill started (s3-outage)
+        self.threads: list[threading.Thread] = []
+
+    def inject(self, f: Fault) -> None:
+        job = self.job
+        attempt = job.attempt()
+        rank = f.node * job.ranks_per_node if f.kind == "node" else (f.rank or 0)
+        rec = job.freeze_at(f.during, f.step, rank, action="crash" if f.kind == "crash" else "stop")
+        pid = rec["pid"]
+        f.attempt, f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
+        job.note(kind=f.kind, step=f.injected_step, during=f.during, attempt=attempt,
+                 target=f"node{f.node}" if f.kind == "node" else (rank if f.kind not in STORAGE_KINDS
+                                                                  + OBJECT_STORE_KINDS else f.kind))
+        if f.kind == "kill":
+            _signal(pid, signal.SIGKILL)
+        elif f.kind == "hang":
+            pass  # it stays stopped: the watchdog must notice
+        elif f.kind == "crash":
+            pass  # the fault point raised in the training loop
+        elif f.kind == "term":
+            _signal(pid, signal.SIGTERM)  # delivered when it runs again
+            _signal(pid, signal.SIGCONT)
+        elif f.kind == "node":
+            for r, p in job.pids(attempt).items():
+                if r // job.ranks_per_node == f.node:
+                    _signal(p, signal.SIGKILL)
+            shutil.rmtree(os.path.join(job.ram_dir, "drill", f"node{f.node}"), ignore_errors=True)
+        elif f.kind == "slow":
+            _signal(pid, signal.SIGCONT)
+            self._background(_throttle, pid, f.factor, f.seconds)
+        elif f.kind in STORAGE_KINDS:
+            assert self.durable_root is not None
+            set_faults(self.durable_root, **{_STORAGE_SWITCH[f.kind]: f.factor if f.kind == "latency" else True})
+            _signal(pid, signal.SIGCONT)
+            self._background(_clear_storage_fault, self.durable_root, f.seconds)
+        elif f.kind in OBJECT_STORE_KINDS:
+            assert self.s3 is not None
+            self.s3.stop_process(kill=True)  # instant: the rank must not stay frozen long
+            _signal(pid, signal.SIGCONT)
+            self._background(_restart_s3, self.s3, f.seconds)
+
+    def _background(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, timeout: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+
+def _clear_storage_fault(root: str, seconds: float) -> None:
+    time.sleep(seconds)
+    set_faults(root)
+
+
+def _restart_s3(server: Any, seconds: float) -> None:
+    time.sleep(seconds)
+    server.start_process()
+
+
+def _throttle(pid: int, factor: float, seconds: float) -> None:
+    """Run `pid` at 1/factor speed: stopped for (1 - 1/factor) of every 100 ms."""
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.1 * (1 - 1 / factor))
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1 / factor)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,314 @@
+"""`ftkit drill`: run a job, break it on a schedule, prove it recovered with nothing lost.
+
+Order of a drill (run_drill):
+  1. parse the schedule and the tiers, refuse combinations that cannot work;
+  2. start the drill's own S3 server if the tiers say ``s3``;
+  3. built-in trainer only: the fault-free reference run (or its cached result);
+  4. the faulted run under torchrun; each fault is injected at its fault point
+     and the drill waits for torchrun's restart before the next;
+  5. verify: faults matched to detections and recoveries, steps lost, and the
+     final state bit for bit (built-in trainer) or the final checkpoint (script);
+  6. JSON and HTML reports; exit 0 only if everything held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..events import read_events
+from ..report import analyze, to_html
+from .job import Injector, Job
+from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
+from .verify import check_faults, compare_states, verify_checkpoints
+
+DEFAULT_FAULTS = "kill@20:rank=1,hang@45:rank=2,node@70:node=1,crash@95:rank=3"
+DEFAULT_TIERS = "ram,peer,disk"
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """What the built-in trainer snapshots to: RAM, peer replicas, one durable tier."""
+    ram: bool
+    replicas: int
+    durable: str  # "disk", "s3" (the drill's own server) or a URL
+    spec: str
+
+    @staticmethod
+    def parse(spec: str) -> "TierPlan":
+        ram, replicas, durable = False, 0, []
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            if item == "ram":
+                ram = True
+            elif item == "peer" or item.startswith("peer="):
+                _, _, k = item.partition("=")
+                if k and not k.isdigit():
+                    raise ValueError(f"--tiers: bad replica count in {item!r} (peer=K)")
+                replicas = int(k or 1)
+            elif item in ("disk", "s3") or "://" in item:
+                durable.append(item)
+            else:
+                raise ValueError(f"--tiers: unknown tier {item!r} (ram, peer[=K], disk, s3, or a URL)")
+        if len(durable) != 1:
+            raise ValueError("--tiers: name exactly one durable tier (disk, s3, or a URL)")
+        if replicas and not ram:
+            raise ValueError('--tiers: "peer" replicates the RAM tier: add "ram"')
+        return TierPlan(ram, replicas, durable[0], spec)
+
+    def durable_url(self, root: str, s3: Any) -> tuple[str, str | None]:
+        """The durable tier's URL, and the local directory behind it when storage faults can be injected."""
+        if self.durable == "disk":
+            path = os.path.join(root, "ckpt")
+            return "faulty://" + path, path
+        if self.durable == "s3":
+            return s3.url(f"drill-{uuid.uuid4().hex[:8]}/ckpt"), None
+        if self.durable.startswith("faulty://"):
+            return self.durable, self.durable[len("faulty://"):]
+        return self.durable, None
+
+
+def _check_schedule(faults: list[Fault], tiers: TierPlan | None) -> None:
+    for f in faults:
+        if tiers is None:  # a user's script
+            if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS:
+                raise ValueError(f"{f.label()}: storage faults need the built-in trainer "
+                                 "(its durable tier is behind the drill's faulty:// filesystem)")
+            continue
+        if f.kind in STORAGE_KINDS and not (tiers.durable == "disk" or tiers.durable.startswith("faulty://")):
+            raise ValueError(f"{f.label()}: storage faults need the durable tier behind faulty:// "
+                             f"(--tiers ...,disk), not {tiers.durable}")
+        if f.kind in OBJECT_STORE_KINDS and tiers.durable != "s3":
+            raise ValueError(f"{f.label()}: an S3 outage needs the drill's own S3 server (--tiers ...,s3)")
+        if f.during == "replicate" and not tiers.replicas:
+            raise ValueError(f"{f.label()}: no replication without the peer tier")
+
+
+def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) -> list[str]:
+    return ["-m", "ftkit.reference", "--ckpt", url, "--every", str(args.every),
+            *(["--ram"] if tiers.ram else []), *(["--peer", str(tiers.replicas)] if tiers.replicas else []),
+            "--steps", str(args.steps), "--step-time", str(step_time), "--final-out", final_out]
+
+
+def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, str | None]:
+    """The same job without faults (and without the sleep that stands for accelerator time:
+    it changes no value). Returns (final state path, error)."""
+    key = f"n{args.nproc}-r{args.ranks_per_node}-s{args.steps}-{tiers.spec.replace(',', '+')}"
+    cached = os.path.join(args.reference_cache, key, "final.pt") if args.reference_cache else None
+    if cached and os.path.exists(cached):
+        say(f"drill: fault-free reference from the cache ({cached})")
+        return cached, None
+    clean = os.path.join(root, "fault-free")
+    shutil.rmtree(clean, ignore_errors=True)
+    os.makedirs(clean)
+    final = os.path.join(clean, "final.pt")
+    plain = TierPlan(tiers.ram, tiers.replicas, "disk", tiers.spec)
+    ref = Job(clean, _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0), args.nproc,
+              args.ranks_per_node, restarts=0)
+    try:
+        rc = ref.proc.wait(timeout=1200)
+    finally:
+        ref.kill()
+    if rc != 0:
+        return None, f"the fault-free reference run failed (exit {rc}; see {ref.log.name})"
+    if cached:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        shutil.copyfile(final, cached)
+    return final, None
+
+
+def run_drill(args) -> dict[str, Any]:
+    rpn = args.ranks_per_node
+    script = args.script
+    tiers = None if script else TierPlan.parse(args.tiers or DEFAULT_TIERS)
+    if args.seed is not None:
+        faults = random_faults(args.seed, args.steps, args.nproc, rpn, count=args.count,
+                               peer=bool(tiers and tiers.replicas) or bool(script))
+    else:
+        faults = parse_faults(args.faults, args.nproc, rpn)
+    if faults and faults[-1].step >= args.steps - 2:
+        raise ValueError(f"the last fault must come before step {args.steps - 2} (--steps {args.steps})")
+    _check_schedule(faults, tiers)
+    root = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="ftkit-drill-"))
+    faulted = os.path.join(root, "faulted")
+    shutil.rmtree(faulted, ignore_errors=True)
+    os.makedirs(faulted)
+    say = (lambda *a, **k: None) if args.quiet else print
+    what = f"script {script}" if script else f"the reference trainer (tiers {tiers.spec})"
+    say(f"drill: {what}, {args.nproc} ranks on {args.nproc // rpn} simulated nodes, {args.steps} steps")
+    say(f"drill: faults: {', '.join(f.label() for f in faults) or 'none'}")
+    say(f"drill: run directory {root}")
+    errors: list[str] = []
+    s3 = None
+    clean_pt = None
+    job: Job | None = None
+    try:
+        if tiers and tiers.durable == "s3":
+            from ..s3server import S3Server
+
+            s3 = S3Server(data_dir=os.path.join(root, "s3")).start()
+            say(f"drill: S3 server (SeaweedFS) at {s3.endpoint_url}")
+        if not script:
+            clean_pt, err = _reference_run(args, tiers, root, say)
+            if err:
+                errors.append(err)
+        final_pt = os.path.join(faulted, "final.pt")
+        restarts = sum(f.restarts for f in faults) + 1
+        if script:
+            entry, durable_root = [script, *args.script_args], None
+        else:
+            url, durable_root = tiers.durable_url(faulted, s3)
+            entry = _entry(args, tiers, url, final_pt, args.step_time)
+        job = Job(faulted, entry, args.nproc, rpn, restarts, env=s3.env() if s3 else None)
+        injector = Injector(job, durable_root, s3)
+        try:
+            for f in faults:
+                attempt = job.attempt()
+                injector.inject(f)
+                say(f"  injected {f.label()} at step {f.injected_step} (attempt {attempt})")
+                if f.restarts and not job.wait_restarted(attempt):
+                    errors.append(f"{f.label()}: no restart followed")
+                    break
+            rc = job.proc.wait(timeout=1800)
+            if rc != 0:
+                errors.append(f"the faulted run exited with {rc} (see {job.log.name})")
+            injector.join()
+        except RuntimeError as e:
+            errors.append(str(e))
+        finally:
+            job.kill()
+    finally:
+        if s3 is not None:
+            s3.stop()
+    events = read_events(job.run_dir) if job else []
+    report = analyze(events) if events else None
+    check_faults(faults, report, events, args.max_lost, errors)
+    result: dict[str, Any] = {"run_dir": root, "target": script or "ftkit.reference", "tiers": tiers.spec if tiers else None}
+    if script:
+        result["checkpoints"] = verify_checkpoints(events, errors)
+        result["bitwise_equal"] = None
+    else:
+        result["bitwise_equal"] = bool(clean_pt) and compare_states(final_pt, clean_pt, errors)
+    recovered = [f.outcome for f in faults if f.restarts and f.outcome]
+    detect = [o["detect_s"] for o in recovered if o["detect_s"] is not None]
+    result.update({
+        "passed": not errors, "errors": errors,
+        "goodput": report.goodput if report else 0.0, "wall_s": report.wall_s if report else 0.0,
+        "final_step": report.final_step if report else 0,
+        "mean_detect_s": statistics.mean(detect) if detect else None,
+        "mean_recovery_s": statistics.mean(o["recovery_s"] for o in recovered) if recovered else None,
+        "steps_lost": sum(o["steps_lost"] for o in recovered),
+        "faults": [asdict(f) for f in faults],
+    })
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2, default=str)
+    if args.html and report:
+        with open(args.html, "w") as fh:
+            fh.write(to_html(report, events, title=f"ftkit drill: {'PASS' if result['passed'] else 'FAIL'}"))
+    return result
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    print()
+    for f in result["faults"]:
+        o = f["outcome"]
+        fault = Fault(**{k: f[k] for k in ("kind", "step", "rank", "node", "during")})
+        label = f"{fault.kind}@{f['injected_step'] or f['step']} {fault.where()}" + \
+            ("" if fault.during == "step" else f" ({fault.during})")
+        if f["kind"] == "slow":
+            print(f"  {label:<28} straggler reported: {o.get('straggler_reported')}")
+        elif f["kind"] in STORAGE_KINDS + OBJECT_STORE_KINDS:
+            print(f"  {label:<28} {o.get('failed_persists')} persist(s) failed; training went on: "
+                  f"{o.get('training_continued')}; next commit after it: step {o.get('committed_after')}")
+        elif o:
+            det = f"{o['detect_s']:.1f}s" if o["detect_s"] is not None else "at once"
+            print(f"  {label:<28} detected by {o['detected_by']} ({det}); recovered in {o['recovery_s']:.1f}s "
+                  f"(restart {o['restart_s']:.1f}s, restore {o['restore_s']:.2f}s from {o['restored_from']}, "
+                  f"recompute {o['recompute_s']:.1f}s); resumed at step {o['resumed_from']} of "
+                  f"{o['reached']}, {o['steps_lost']} step(s) recomputed")
+        else:
+            print(f"  {label:<28} NOT RECOVERED")
+    md, mr = result["mean_detect_s"], result["mean_recovery_s"]
+    print(f"\n  final step {result['final_step']}; goodput {result['goodput']:.1%} over {result['wall_s']:.1f}s; "
+          f"mean detection {'-' if md is None else f'{md:.1f}s'}, mean recovery "
+          f"{'-' if mr is None else f'{mr:.1f}s'}, {result['steps_lost']} step(s) recomputed in all")
+    if result["bitwise_equal"] is not None:
+        print(f"  final model and optimizer state {'EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
+              f"to the fault-free run, bit for bit")
+    for url, step in (result.get("checkpoints") or {}).items():
+        print(f"  final checkpoint in {url}: " + (f"step {step} verifies" if step is not None else "DOES NOT VERIFY"))
+    for e in result["errors"]:
+        print(f"  problem: {e}")
+    print(f"\ndrill {'PASSED' if result['passed'] else 'FAILED'}  (run directory {result['run_dir']})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ftkit drill", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Inject faults into a real torchrun job and prove it recovers with nothing lost.",
+        epilog=__import__("ftkit.drill.schedule", fromlist=["x"]).__doc__)
+    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)")
+    p.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
+    p.add_argument("--step-time", type=float, default=0.25,
+                   help="seconds each step waits, standing for accelerator time (default 0.25)")
+    p.add_argument("--every", type=int, default=10, help="durable tier every N steps (default 10)")
+    p.add_argument("--faults", default=DEFAULT_FAULTS, help=f"the schedule (default {DEFAULT_FAULTS!r})")
+    p.add_argument("--seed", type=int, help="a random schedule from this seed instead of --faults")
+    p.add_argument("--count", type=int, default=3, help="faults in a --seed schedule (default 3)")
+    p.add_argument("--tiers", help=f"built-in trainer's tiers: ram, peer[=K], and one of disk, s3 (an S3 "
+                                   f"server the drill runs), or a URL (default {DEFAULT_TIERS})")
+    p.add_argument("--no-peer", action="store_true", help="shorthand for --tiers ram,disk")
+    p.add_argument("--script", help="drill this training script (it uses ftkit) instead of the built-in "
+                                    "trainer; its arguments go after --")
+    p.add_argument("--run-dir", help="where to keep everything (default: a new temporary directory)")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--html", help="write a page with the timeline here")
+    p.add_argument("--max-lost", type=int, default=1,
+                   help="steps a fault between steps may cost (default 1; one more inside the persist pipeline)")
+    p.add_argument("--reference-cache", help="reuse fault-free runs kept in this directory")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.script_args = script_args
+    if args.nproc < 2 or args.nproc % args.ranks_per_node:
+        p.error("--nproc must be at least 2 and a multiple of --ranks-per-node")
+    if args.no_peer:
+        if args.tiers:
+            p.error("--no-peer and --tiers: name the tiers once")
+        args.tiers = "ram,disk"
+    if args.script:
+        if args.tiers:
+            p.error("--tiers applies to the built-in trainer; a script chooses its own tiers")
+        if not os.path.isfile(args.script):
+            print(f"ftkit: error: no such script: {args.script}", file=sys.stderr)
+            return 2
+        args.script = os.path.abspath(args.script)
+    try:
+        result = run_drill(args)
+    except ValueError as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print_summary(result)
+    return 0 if result["passed"] else 1

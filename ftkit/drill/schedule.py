@@ -1,0 +1,155 @@
+"""The fault schedule: a small language, parsed into pure Fault records.
+
+    KIND@STEP[:key=value...][,KIND@STEP...]
+
+    kill@12:rank=1              SIGKILL (a crash the OS sees)
+    term@20:rank=0              SIGTERM (a preemption notice: save, exit, come back)
+    hang@24:rank=2              SIGSTOP (alive, silent: the watchdog's case)
+    crash@30:rank=3             an exception raised in the training loop
+    slow@40:rank=0:factor=3:seconds=6   the rank runs at 1/factor speed for a while
+    node@36:node=1              every rank of a simulated node dies and its RAM tier is wiped
+    enospc@20:seconds=3         the durable tier is full for a while; likewise
+                                unavailable (an outage), latency (factor = seconds per
+                                write), torn-write (files cut short), bitflip
+    s3-outage@30:seconds=5      the drill's own S3 server is stopped, then restarted
+
+Options: rank=, node=, factor=, seconds=, and during= one of
+    step       at the end of the step's compute, before its snapshot (the default)
+    snapshot   while the rank copies the state into its staging buffer
+    persist    inside a durable-tier persist: data written, not yet reported
+    replicate  inside the RAM tier's peer replication
+    commit     on rank 0, with every share durable and the manifest not yet written
+A fault `during` a persist or commit lands at the first durable persist at or
+after STEP (the durable tier is written every few steps).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+PROCESS_KINDS = ("kill", "term", "hang", "crash", "node", "slow")
+STORAGE_KINDS = ("enospc", "unavailable", "latency", "torn-write", "bitflip")
+OBJECT_STORE_KINDS = ("s3-outage",)
+KINDS = PROCESS_KINDS + STORAGE_KINDS + OBJECT_STORE_KINDS
+ALIASES = {"torn": "torn-write"}
+PHASES = ("step", "snapshot", "persist", "replicate", "commit")
+# Faults after which torchrun restarts the worker group.
+RESTARTING = ("kill", "term", "hang", "crash", "node")
+# Faults that happen inside one training step and cannot be moved into the persist pipeline.
+_LOOP_ONLY = {"crash": ("step", "snapshot"), "slow": ("step",)}
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    node: int | None = None
+    during: str = "step"
+    factor: float = 3.0
+    seconds: float = 6.0
+    # What happened (filled in by the drill):
+    injected_t: float | None = None
+    injected_step: int | None = None
+    attempt: int | None = None
+    outcome: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def restarts(self) -> bool:
+        return self.kind in RESTARTING
+
+    def where(self) -> str:
+        if self.kind == "node":
+            return f"node {self.node}"
+        if self.kind in STORAGE_KINDS:
+            return "durable tier"
+        if self.kind in OBJECT_STORE_KINDS:
+            return "S3 server"
+        return f"rank {self.rank}"
+
+    def label(self) -> str:
+        phase = "" if self.during == "step" else f" during {self.during}"
+        return f"{self.kind}@{self.step} ({self.where()}{phase})"
+
+
+def _check(f: Fault, part: str, nproc: int, ranks_per_node: int) -> None:
+    nodes = nproc // ranks_per_node
+    if f.during not in PHASES:
+        raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
+    if f.kind in _LOOP_ONLY and f.during not in _LOOP_ONLY[f.kind]:
+        raise ValueError(f"{part!r}: a {f.kind} fault happens in the training loop "
+                         f"(during={' or '.join(_LOOP_ONLY[f.kind])})")
+    if f.kind == "node":
+        f.node = 0 if f.node is None else f.node
+        if not 0 <= f.node < nodes:
+            raise ValueError(f"{part!r}: node {f.node} does not exist ({nodes} nodes)")
+        if f.during == "commit" and f.node != 0:
+            raise ValueError(f"{part!r}: only rank 0 (node 0) commits")
+    else:
+        f.rank = (0 if f.rank is None else f.rank)
+        if not 0 <= f.rank < nproc:
+            raise ValueError(f"{part!r}: rank {f.rank} does not exist ({nproc} ranks)")
+        if f.during == "commit" and f.rank != 0:
+            raise ValueError(f"{part!r}: only rank 0 commits (rank=0)")
+    if f.factor <= 0 or f.seconds < 0:
+        raise ValueError(f"{part!r}: factor must be > 0 and seconds >= 0")
+
+
+def parse_faults(spec: str, nproc: int, ranks_per_node: int) -> list[Fault]:
+    """Parse a schedule; a ValueError names the bad part."""
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        head, *opts = part.split(":")
+        kind, _, step = head.partition("@")
+        kind = ALIASES.get(kind, kind)
+        if kind not in KINDS or not step.isdigit() or int(step) < 1:
+            raise ValueError(f"bad fault {part!r}: expected KIND@STEP (STEP >= 1) with KIND one of "
+                             f"{', '.join(KINDS)}")
+        f = Fault(kind, int(step))
+        for o in opts:
+            k, _, v = o.partition("=")
+            try:
+                if k in ("rank", "node"):
+                    setattr(f, k, int(v))
+                elif k in ("factor", "seconds"):
+                    setattr(f, k, float(v))
+                elif k == "during" and v:
+                    f.during = v
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"bad option {o!r} in {part!r} (rank=, node=, during=, factor=, seconds=)") from None
+        _check(f, part, nproc, ranks_per_node)
+        faults.append(f)
+    steps = [f.step for f in faults]
+    if steps != sorted(steps) or len(set(steps)) != len(steps):
+        raise ValueError("faults must be at distinct, increasing steps")
+    return faults
+
+
+def random_faults(seed: int, steps: int, nproc: int, ranks_per_node: int, count: int = 3,
+                  peer: bool = True) -> list[Fault]:
+    """`count` restarting faults at random steps, ranks and phases: the same seed, the same schedule."""
+    rng = random.Random(seed)
+    lo, hi = 4, steps - 6
+    if hi - lo < 4 * count:
+        raise ValueError(f"--steps {steps} is too short for {count} random faults (need {4 * count + 10})")
+    at: list[int] = []
+    while len(at) < count:  # at least 4 steps apart, so each recovery is seen whole
+        s = rng.randrange(lo, hi)
+        if all(abs(s - a) >= 4 for a in at):
+            at.append(s)
+    phases = ["step", "step", "snapshot", "persist", "commit"] + (["replicate"] if peer else [])
+    out = []
+    for s in sorted(at):
+        kind = rng.choice(("kill", "term", "hang", "crash", "node") if peer else ("kill", "term", "hang", "crash"))
+        during = rng.choice(_LOOP_ONLY.get(kind, phases))
+        f = Fault(kind, s, during=during)
+        if kind == "node":
+            f.node = 0 if during == "commit" else rng.randrange(nproc // ranks_per_node)
+        else:
+            f.rank = 0 if during == "commit" else rng.randrange(nproc)
+        out.append(f)
+    return out

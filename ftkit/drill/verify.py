@@ -1,0 +1,101 @@
+"""What a drill proves: each fault matched to its detection and recovery, and nothing lost.
+
+Pure functions over what the run left behind (event logs, final states,
+checkpoints); run.py calls `check_faults`, then `compare_states` (built-in
+trainer) or `verify_checkpoints` (a user's script).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..report import Report
+from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+
+
+def check_faults(faults: list[Fault], report: Report | None, events: list[dict[str, Any]],
+                 max_lost: int, errors: list[str]) -> None:
+    """Fill each fault's outcome; append a line to `errors` for each one not survived."""
+    incidents = {i.attempt: i for i in (report.incidents if report else [])}
+    stragglers = report.stragglers if report else []
+    final_step = report.final_step if report else 0
+    for f in faults:
+        if f.restarts:
+            inc = incidents.get(f.attempt) if f.attempt is not None else None
+            if inc is None:
+                errors.append(f"{f.label()}: no recovery followed")
+                continue
+            f.outcome = {"detected_by": inc.detected_by, "detect_s": inc.detect_s, "restart_s": inc.restart_s,
+                         "restore_s": inc.restore_s, "recompute_s": inc.recompute_s, "recovery_s": inc.total_s,
+                         "resumed_from": inc.resumed_from, "reached": inc.last_step,
+                         "steps_lost": inc.steps_lost, "restored_from": inc.restore_source}
+            # A fault inside the persist pipeline may cost the snapshot in flight; a
+            # preemption notice costs nothing: the ranks save the step they stop at.
+            allowed = 0 if f.kind == "term" else max_lost + (f.during != "step")
+            if inc.steps_lost > allowed:
+                errors.append(f"{f.label()}: {inc.steps_lost} step(s) lost (resumed at step {inc.resumed_from} "
+                              f"of {inc.last_step}; at most {allowed} allowed)")
+            if f.kind == "hang" and not inc.detected_by.startswith("ftkit watchdog"):
+                errors.append(f"{f.label()}: the hang was not detected by the watchdog ({inc.detected_by})")
+        elif f.kind == "slow":
+            f.outcome = {"straggler_reported": any(s["rank"] == f.rank for s in stragglers)}
+            if not f.outcome["straggler_reported"]:
+                errors.append(f"{f.label()}: the slow rank was not reported as a straggler")
+        elif f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS:
+            t0 = f.injected_t or 0.0
+            failed = [e for e in events if e["event"] == "persist" and not e.get("ok", True)
+                      and e["t"] >= t0 and not str(e.get("tier", "")).startswith("ram")]
+            later = [e for e in events if e["event"] == "persist" and e.get("ok") and e.get("committed_by_me")
+                     and e["t"] >= t0 + f.seconds and not str(e.get("tier", "")).startswith("ram")]
+            f.outcome = {"failed_persists": len(failed), "training_continued": final_step > (f.injected_step or 0),
+                         "committed_after": min((e["step"] for e in later), default=None)}
+            if not f.outcome["training_continued"]:
+                errors.append(f"{f.label()}: training did not go on")
+            if f.kind in ("enospc", "unavailable") + OBJECT_STORE_KINDS and f.seconds > 0 and not failed:
+                errors.append(f"{f.label()}: no persist failed while the storage was down")
+
+
+def compare_states(faulted_pt: str, clean_pt: str, errors: list[str]) -> bool:
+    """The faulted run's final model and optimizer state equal the fault-free run's, bit for bit."""
+    import torch
+
+    try:
+        a = torch.load(faulted_pt, weights_only=True)
+        b = torch.load(clean_pt, weights_only=True)
+    except (FileNotFoundError, RuntimeError) as e:
+        errors.append(f"no final state to compare ({type(e).__name__}: {e})")
+        return False
+    diff = [k for k, v in b["model"].items() if k not in a["model"] or not torch.equal(a["model"][k], v)]
+    for p, st in b["optim"]["state"].items():
+        diff += [f"optim.state.{p}.{k}" for k, v in st.items()
+                 if k not in a["optim"]["state"].get(p, {}) or not torch.equal(a["optim"]["state"][p][k], v)]
+    if diff:
+        errors.append(f"final state differs from the fault-free run in {len(diff)} tensor(s), e.g. {diff[0]}")
+    return not diff
+
+
+def verify_checkpoints(events: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
+    """A user's script: the newest committed step of every durable tier it used verifies."""
+    from ..errors import FtkitError
+    from ..reader import committed_steps, load_manifest, verify
+    from ..storage import Storage
+
+    urls = sorted({u for e in events if e["event"] == "start" for u in e.get("tiers", [])
+                   if u not in ("ram", "peer")})
+    out: dict[str, Any] = {}
+    for url in urls:
+        try:
+            storage = Storage(url)
+            steps = committed_steps(storage)
+            if not steps:
+                raise FtkitError(f"no committed step in {storage.display_url}")
+            verify(storage, load_manifest(storage, steps[-1]))
+            out[url] = steps[-1]
+        except (FtkitError, OSError) as e:
+            errors.append(f"the final checkpoint does not verify: {e}")
+            out[url] = None
+    if not urls:
+        errors.append("the script used no durable tier: nothing to verify")
+    return out
+
+
