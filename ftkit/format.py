@@ -114,6 +114,15 @@ def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
                         "chunks": [dict(c.__dict__) for c in s.chunks]} for s in t.shards]}
 
 
+def tensor_entry_from_doc(t: dict[str, Any]) -> TensorEntry:
+    """The inverse of tensor_entry_doc, unvalidated: for documents this job's ranks made
+    (persist reports); whatever reaches storage is validated when read back."""
+    return TensorEntry(t["name"], t["dtype"], tuple(t["shape"]),
+                       tuple(Shard(tuple(s["offsets"]), tuple(s["lengths"]),
+                                   tuple(Chunk(**c) for c in s["chunks"]), s["rank"]) for s in t["shards"]),
+                       t["kind"])
+
+
 def manifest_to_json(m: Manifest) -> bytes:
     # Identifying fields first, so the first bytes of the file say what it is.
     doc = {"format": m.format, "format_version": m.format_version, "step": m.step, "world_size": m.world_size,

@@ -26,8 +26,8 @@ from . import codec
 from .dist import DistContext
 from .errors import FtkitError, StorageError
 from .faults import fault_point
-from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, decode_tensor_entry,
-                     manifest_to_json, step_dir_name, tensor_entry_doc)
+from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifest_to_json, step_dir_name,
+                     tensor_entry_doc, tensor_entry_from_doc)
 from .peers import PeerGroup, replication_plan
 from .sharding import REPLICATED, Piece
 from .staging import Slot
@@ -57,8 +57,9 @@ class RankWrite:
 
     @staticmethod
     def from_json(doc: dict[str, Any]) -> "RankWrite":
-        files = {doc["file"]: {"bytes": doc["nbytes"], "rank": doc["rank"]}}
-        tensors = tuple(decode_tensor_entry(t, files) for t in doc["tensors"])
+        """A report from another rank of this job (to_json's output): taken as is, since the
+        manifest built from it is validated whenever it is read back."""
+        tensors = tuple(tensor_entry_from_doc(t) for t in doc["tensors"])
         return RankWrite(int(doc["rank"]), doc["file"], int(doc["nbytes"]), tensors)
 
 
@@ -129,6 +130,12 @@ def merge_writes(writes: list[RankWrite]) -> tuple[TensorEntry, ...]:
 def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
            world_size: int = 1, rank_state: dict[str, Any] | None = None) -> Manifest:
     """Write the manifest that makes `step` exist. Atomic on every backend."""
+    return _commit(storage, step, writes, skeleton, world_size, rank_state)[0]
+
+
+def _commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
+            world_size: int, rank_state: dict[str, Any] | None) -> tuple[Manifest, bytes]:
+    """commit(), also returning the manifest's JSON as written."""
     manifest = Manifest(
         step=step,
         world_size=world_size,
@@ -142,8 +149,9 @@ def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
-    storage.write_bytes_atomic(rel, manifest_to_json(manifest))
-    return manifest
+    data = manifest_to_json(manifest)
+    storage.write_bytes_atomic(rel, data)
+    return manifest, data
 
 
 def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank: int, rng: Any):
@@ -221,27 +229,30 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
-    done = ctx.gather(f"{key}/r", rep_error) if ctx.distributed else [rep_error]
-    if error is not None:
-        raise error
-    assert write is not None
-    failures = [f"rank {r}: {d['error']}" for r, d in enumerate(reports) if d["error"]]
-    failures += [f"rank {r}: {e}" for r, e in enumerate(done) if e]
-    if ctx.rank == 0:
-        writes = [RankWrite.from_json(d["write"]) for d in reports if d["write"]]
+    if ctx.rank == 0:  # only rank 0 reads the replication outcomes; the others just report theirs
+        done = ctx.gather(f"{key}/r", rep_error) if ctx.distributed else [rep_error]
+        failures = [f"rank {r}: {d['error']}" for r, d in enumerate(reports) if d["error"]]
+        failures += [f"rank {r}: {e}" for r, e in enumerate(done) if e]
+        writes = [write] if write else []
+        writes += [RankWrite.from_json(d["write"]) for d in reports[1:] if d["write"]]
         try:
+            if error is not None:  # still tell the node leaders, who wait for the manifest
+                raise error
             if failures:
                 raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
-            manifest = commit(storage, step, writes, skeleton, ctx.world_size,
-                              {str(r): {"rng": d["rng"]} for r, d in enumerate(reports)})
+            manifest, data = _commit(storage, step, writes, skeleton, ctx.world_size,
+                                     {str(r): {"rng": d["rng"]} for r, d in enumerate(reports)})
         except BaseException:
             discard(storage, step, [w.file for w in writes])
             if ctx.distributed:
                 ctx.put(f"{key}/manifest", "")
             raise
         if ctx.distributed:
-            ctx.put(f"{key}/manifest", manifest_to_json(manifest).decode())
+            ctx.put(f"{key}/manifest", data.decode())
         return manifest
+    ctx.put(f"{key}/r/{ctx.rank}", rep_error)
+    if error is not None:
+        raise error
     if ctx.node_leader(ctx.rank):  # write rank 0's manifest into this node's directory
         doc = ctx.get(f"{key}/manifest")
         if not doc:
