@@ -18,7 +18,6 @@ into the training loop; `wait()` and `close()` re-raise them for callers who ask
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import queue
@@ -119,7 +118,7 @@ class Checkpointer:
                  commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0,
                  run_dir: str | None = None, watchdog: bool | WatchdogConfig = True,
                  preemption_signals: Sequence[int] = (signal.SIGTERM,), preemption_deadline_s: float = 60.0,
-                 exit_after_failure_s: float | None = 2.0):
+                 exit_after_failure_s: float | None = 1.0):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -129,8 +128,6 @@ class Checkpointer:
         self.policy = policy
         self.rng = rng
         self.stats = Stats()
-        if torch.distributed.is_available():  # imported here, not inside the first snapshot's stall
-            importlib.import_module("torch.distributed.tensor")
         global _instances
         _instances += 1  # every rank creates its Checkpointers in the same order
         self._ctx = DistContext.detect(timeout_s=commit_timeout_s).scoped(f"ck{_instances}/")
@@ -377,7 +374,7 @@ class Checkpointer:
 
         `failed` (the training loop raised): peers hear it at once through the
         watchdog, instead of waiting in a collective for this rank until their
-        timeouts, and the background gets only a short drain: commits need
+        timeouts, and background persists are not waited for: a commit needs
         every rank, and the others are about to stop too.
         """
         if self._closed:
@@ -387,7 +384,6 @@ class Checkpointer:
             if failed:
                 if self._watchdog is not None:
                     self._watchdog.stop(failed=True)
-                self._drain(2.0)
             else:
                 self.wait()
         finally:

@@ -96,7 +96,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
             restart_s=max(0.0, start_t - base), restore_s=max(0.0, restore_t - start_t),
             recompute_s=max(0.0, recompute_end - restore_t), total_s=max(0.0, recompute_end - fault_t),
             last_step=last_step, resumed_from=resumed, steps_lost=max(0, last_step - resumed),
-            restore_source=restores[0].get("source") if restores else None,
+            restore_source=", ".join(sorted({str(e.get("source")) for e in restores})) if restores else None,
         ))
     wall = max(t1 - t0, 1e-9)
     lost = sum(i.total_s for i in incidents)

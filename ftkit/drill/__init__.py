@@ -1,6 +1,6 @@
 """Failure-injection drills: prove that a setup recovers, with nothing lost.
 
-    ftkit drill [--nproc 4] [--steps 120] [--faults SPEC | --seed N] [--tiers ram,peer,disk|s3|URL]
+    ftkit drill [--nproc 4] [--steps 400] [--faults SPEC | --seed N] [--tiers ram,peer,disk|s3|URL]
                 [--script PATH [-- ARGS]] [--run-dir DIR] [--json FILE] [--html FILE]
 
 schedule.py  the fault language (pure)

@@ -30,7 +30,7 @@ from .job import Injector, Job
 from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
 from .verify import check_faults, compare_states, verify_checkpoints
 
-DEFAULT_FAULTS = "kill@20:rank=1,hang@45:rank=2,node@70:node=1,crash@95:rank=3"
+DEFAULT_FAULTS = "kill@70:rank=1,hang@160:rank=2,node@250:node=1,crash@340:rank=3"
 DEFAULT_TIERS = "ram,peer,disk"
 
 
@@ -174,6 +174,10 @@ def run_drill(args) -> dict[str, Any]:
                 injector.inject(f)
                 say(f"  injected {f.label()} at step {f.injected_step} (attempt {attempt})")
                 if f.restarts and not job.wait_restarted(attempt):
+                    if f.kind == "term" and job.proc.poll() == 0:
+                        # The run reached its last step before the agreed stop: nothing to resume.
+                        f.outcome = {"finished_before_stop": True}
+                        continue
                     errors.append(f"{f.label()}: no restart followed")
                     break
             rc = job.proc.wait(timeout=1800)
@@ -228,6 +232,8 @@ def print_summary(result: dict[str, Any]) -> None:
         elif f["kind"] in STORAGE_KINDS + OBJECT_STORE_KINDS:
             print(f"  {label:<28} {o.get('failed_persists')} persist(s) failed; training went on: "
                   f"{o.get('training_continued')}; next commit after it: step {o.get('committed_after')}")
+        elif o.get("finished_before_stop"):
+            print(f"  {label:<28} the run reached its last step before the agreed stop: nothing to resume")
         elif o:
             det = f"{o['detect_s']:.1f}s" if o["detect_s"] is not None else "at once"
             print(f"  {label:<28} detected by {o['detected_by']} ({det}); recovered in {o['recovery_s']:.1f}s "
@@ -257,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__import__("ftkit.drill.schedule", fromlist=["x"]).__doc__)
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)")
-    p.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
+    p.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
     p.add_argument("--step-time", type=float, default=0.25,
                    help="seconds each step waits, standing for accelerator time (default 0.25)")
     p.add_argument("--every", type=int, default=10, help="durable tier every N steps (default 10)")

@@ -19,7 +19,11 @@ def check_faults(faults: list[Fault], report: Report | None, events: list[dict[s
     incidents = {i.attempt: i for i in (report.incidents if report else [])}
     stragglers = report.stragglers if report else []
     final_step = report.final_step if report else 0
-    for f in faults:
+    for n, f in enumerate(faults):
+        # Effects are counted up to the next fault's injection, so they are not double counted.
+        until = next((g.injected_t for g in faults[n + 1:] if g.injected_t), float("inf"))
+        if f.restarts and f.outcome.get("finished_before_stop"):
+            continue
         if f.restarts:
             inc = incidents.get(f.attempt) if f.attempt is not None else None
             if inc is None:
@@ -44,7 +48,7 @@ def check_faults(faults: list[Fault], report: Report | None, events: list[dict[s
         elif f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS:
             t0 = f.injected_t or 0.0
             failed = [e for e in events if e["event"] == "persist" and not e.get("ok", True)
-                      and e["t"] >= t0 and not str(e.get("tier", "")).startswith("ram")]
+                      and t0 <= e["t"] < until and not str(e.get("tier", "")).startswith("ram")]
             later = [e for e in events if e["event"] == "persist" and e.get("ok") and e.get("committed_by_me")
                      and e["t"] >= t0 + f.seconds and not str(e.get("tier", "")).startswith("ram")]
             f.outcome = {"failed_persists": len(failed), "training_continued": final_step > (f.injected_step or 0),
