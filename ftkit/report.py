@@ -5,8 +5,9 @@
 An incident is one restart of the worker group (torchrun attempt n -> n+1). Its
 phases, from the events of both attempts:
 
-    detect     fault (a drill's "fault" event, else the last step before it) -> first "detect"
-               (the watchdog) or "preempt" (a preemption signal)
+    detect     fault (a drill's "fault" event, else the last step before it) -> the first sign:
+               a watchdog "detect", or a "preempt" (a preemption notice that was saved,
+               or torchrun's SIGTERM to the group after it saw a worker exit)
     restart    detect (or fault) -> first "start" of the new attempt
     restore    -> the last rank's "restore" event
     recompute  -> the new attempt reaches the step the old one had reached
@@ -74,10 +75,15 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         cause = faults[0].get("kind", "fault") if faults else "worker failure"
         detects = [e for e in old if e["event"] == "detect" and e["t"] >= fault_t - 1]
         preempts = [e for e in old if e["event"] == "preempt" and e["t"] >= fault_t - 1]
-        if detects:
-            detected_by = f"ftkit watchdog ({detects[0]['what']})"
-        elif preempts:  # a preemption notice: the ranks saved and stopped on purpose
+        flushed = any(e["event"] == "preempt_flush" and e.get("ok") for e in old)
+        if preempts and (cause == "term" or (not faults and flushed)):
+            # A preemption notice: the ranks saved an agreed step and stopped on purpose.
             detected_by, detects = f"preemption ({preempts[0].get('signal', 'signal')})", preempts
+        elif preempts and (not detects or preempts[0]["t"] < detects[0]["t"]):
+            # torchrun saw a worker exit first and sent SIGTERM to the rest of the group.
+            detected_by, detects = "torchrun agent (process exit)", preempts
+        elif detects:
+            detected_by = f"ftkit watchdog ({detects[0]['what']})"
         else:
             detected_by = "torchrun agent (process exit)"
         detect_t = min((e["t"] for e in detects), default=None)

@@ -150,6 +150,8 @@ class Injector:
         self.durable_root = durable_root  # the local directory behind faulty:// (storage faults)
         self.s3 = s3_server  # ftkit.s3server.S3Server the drill started (s3-outage)
         self.threads: list[threading.Thread] = []
+        self._storage_faults: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def inject(self, f: Fault) -> None:
         job = self.job
@@ -179,15 +181,29 @@ class Injector:
             _signal(pid, signal.SIGCONT)
             self._background(_throttle, pid, f.factor, f.seconds)
         elif f.kind in STORAGE_KINDS:
-            assert self.durable_root is not None
-            set_faults(self.durable_root, **{_STORAGE_SWITCH[f.kind]: f.factor if f.kind == "latency" else True})
+            key = _STORAGE_SWITCH[f.kind]
+            self._switch_storage(key, f.factor if f.kind == "latency" else True)
             _signal(pid, signal.SIGCONT)
-            self._background(_clear_storage_fault, self.durable_root, f.seconds)
+            self._background(self._clear_storage_fault, key, f.seconds)
         elif f.kind in OBJECT_STORE_KINDS:
             assert self.s3 is not None
             self.s3.stop_process(kill=True)  # instant: the rank must not stay frozen long
             _signal(pid, signal.SIGCONT)
             self._background(_restart_s3, self.s3, f.seconds)
+
+    def _switch_storage(self, key: str, value: Any) -> None:
+        """Storage faults overlap: each switches its own key, the others stay as they are."""
+        assert self.durable_root is not None
+        with self._lock:
+            if value:
+                self._storage_faults[key] = value
+            else:
+                self._storage_faults.pop(key, None)
+            set_faults(self.durable_root, **self._storage_faults)
+
+    def _clear_storage_fault(self, key: str, seconds: float) -> None:
+        time.sleep(seconds)
+        self._switch_storage(key, None)
 
     def _background(self, fn, *args) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)
@@ -197,11 +213,6 @@ class Injector:
     def join(self, timeout: float = 120) -> None:
         for t in self.threads:
             t.join(timeout)
-
-
-def _clear_storage_fault(root: str, seconds: float) -> None:
-    time.sleep(seconds)
-    set_faults(root)
 
 
 def _restart_s3(server: Any, seconds: float) -> None:

@@ -200,7 +200,7 @@ def run_drill(args) -> dict[str, Any]:
         result["bitwise_equal"] = None
     else:
         result["bitwise_equal"] = bool(clean_pt) and compare_states(final_pt, clean_pt, errors)
-    recovered = [f.outcome for f in faults if f.restarts and f.outcome]
+    recovered = [f.outcome for f in faults if f.restarts and "recovery_s" in f.outcome]
     detect = [o["detect_s"] for o in recovered if o["detect_s"] is not None]
     result.update({
         "passed": not errors, "errors": errors,
