@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+import xxhash
 from torch import nn
 
 import ftkit
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep((args.slow_factor - 1) * (compute + args.step_time))
             t0 = time.perf_counter()
             loss = train_step(model, opt, sched, step, args.seed, rank, sync)
+            # What this rank consumed at this step: drills check the stream against a fault-free run.
+            ck.events.emit("batch", step=step, digest=xxhash.xxh3_64_hexdigest(
+                batch_for(step, args.seed, rank=rank).numpy().tobytes()))
             compute = time.perf_counter() - t0
             if not math.isfinite(loss):
                 print(f"loss is {loss} at step {step}", file=sys.stderr)

@@ -58,11 +58,28 @@ def test_schedule_language_rejects_bad_faults():
     assert r.returncode == 2 and "no such script" in r.stderr
 
 
+def test_sample_stream_follows_the_restored_lineage():
+    from ftkit.drill.verify import compare_streams, consumed_stream
+
+    def batches(attempt, steps):
+        return [{"event": "batch", "attempt": attempt, "step": s, "rank": r, "digest": f"d{s}.{r}"}
+                for s in steps for r in (0, 1)]
+    clean = consumed_stream(batches(0, range(1, 7)))
+    # attempt 0 trained 1-4, the restart restored step 3: step 4 is redone, once, by attempt 1
+    ok = batches(0, range(1, 5)) + [{"event": "restore", "attempt": 1, "step": 3}] + batches(1, range(4, 7))
+    errors: list[str] = []
+    assert compare_streams(consumed_stream(ok), clean, errors) and not errors
+    # a restore that claims step 4 when only 1-3 were trained skips step 4's batches
+    skipped = batches(0, range(1, 4)) + [{"event": "restore", "attempt": 1, "step": 4}] + batches(1, range(5, 7))
+    assert not compare_streams(consumed_stream(skipped), clean, errors)
+    assert "2 batch(es) skipped [(4, 0), (4, 1)]" in errors[0]
+
+
 @pytest.mark.slow
 def test_default_drill_passes(tmp_path, ref_cache):
     rc, res, out = drill(tmp_path, "--html", str(tmp_path / "d.html"), cache=ref_cache)
     assert rc == 0 and res["passed"], out[-4000:]
-    assert res["bitwise_equal"] and res["final_step"] == 400
+    assert res["bitwise_equal"] and res["same_sample_stream"] and res["final_step"] == 400
     f = by_kind(res)
     assert set(f) == {"kill", "hang", "node", "crash"}
     for kind, fault in f.items():  # one step recomputed at most: the RAM tier had the step before

@@ -28,7 +28,7 @@ from ..events import read_events
 from ..report import analyze, to_html
 from .job import Injector, Job
 from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
-from .verify import check_faults, compare_states, verify_checkpoints
+from .verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
 
 DEFAULT_FAULTS = "kill@70:rank=1,hang@160:rank=2,node@250:node=1,crash@340:rank=3"
 DEFAULT_TIERS = "ram,peer,disk"
@@ -97,14 +97,15 @@ def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) ->
             "--steps", str(args.steps), "--step-time", str(step_time), "--final-out", final_out]
 
 
-def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, str | None]:
+def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, list | None, str | None]:
     """The same job without faults (and without the sleep that stands for accelerator time:
-    it changes no value). Returns (final state path, error)."""
+    it changes no value). Returns (final state path, consumed stream, error)."""
     key = f"n{args.nproc}-r{args.ranks_per_node}-s{args.steps}-{tiers.spec.replace(',', '+')}"
     cached = os.path.join(args.reference_cache, key, "final.pt") if args.reference_cache else None
-    if cached and os.path.exists(cached):
+    if cached and os.path.exists(cached) and os.path.exists(cached + ".stream.json"):
         say(f"drill: fault-free reference from the cache ({cached})")
-        return cached, None
+        with open(cached + ".stream.json") as f:
+            return cached, json.load(f), None
     clean = os.path.join(root, "fault-free")
     shutil.rmtree(clean, ignore_errors=True)
     os.makedirs(clean)
@@ -117,11 +118,14 @@ def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, s
     finally:
         ref.kill()
     if rc != 0:
-        return None, f"the fault-free reference run failed (exit {rc}; see {ref.log.name})"
+        return None, None, f"the fault-free reference run failed (exit {rc}; see {ref.log.name})"
+    stream = consumed_stream(read_events(ref.run_dir))
     if cached:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         shutil.copyfile(final, cached)
-    return final, None
+        with open(cached + ".stream.json", "w") as f:
+            json.dump(stream, f)
+    return final, stream, None
 
 
 def run_drill(args) -> dict[str, Any]:
@@ -147,7 +151,7 @@ def run_drill(args) -> dict[str, Any]:
     say(f"drill: run directory {root}")
     errors: list[str] = []
     s3 = None
-    clean_pt = None
+    clean_pt, clean_stream = None, None
     job: Job | None = None
     try:
         if tiers and tiers.durable == "s3":
@@ -156,7 +160,7 @@ def run_drill(args) -> dict[str, Any]:
             s3 = S3Server(data_dir=os.path.join(root, "s3")).start()
             say(f"drill: S3 server (SeaweedFS) at {s3.endpoint_url}")
         if not script:
-            clean_pt, err = _reference_run(args, tiers, root, say)
+            clean_pt, clean_stream, err = _reference_run(args, tiers, root, say)
             if err:
                 errors.append(err)
         final_pt = os.path.join(faulted, "final.pt")
@@ -200,6 +204,8 @@ def run_drill(args) -> dict[str, Any]:
         result["bitwise_equal"] = None
     else:
         result["bitwise_equal"] = bool(clean_pt) and compare_states(final_pt, clean_pt, errors)
+        result["same_sample_stream"] = clean_stream is not None and compare_streams(
+            consumed_stream(events), clean_stream, errors)
     recovered = [f.outcome for f in faults if f.restarts and "recovery_s" in f.outcome]
     detect = [o["detect_s"] for o in recovered if o["detect_s"] is not None]
     result.update({
@@ -248,7 +254,8 @@ def print_summary(result: dict[str, Any]) -> None:
           f"{'-' if mr is None else f'{mr:.1f}s'}, {result['steps_lost']} step(s) recomputed in all")
     if result["bitwise_equal"] is not None:
         print(f"  final model and optimizer state {'EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
-              f"to the fault-free run, bit for bit")
+              f"to the fault-free run, bit for bit; consumed sample stream "
+              f"{'IDENTICAL' if result.get('same_sample_stream') else 'DIFFERENT'}")
     for url, step in (result.get("checkpoints") or {}).items():
         print(f"  final checkpoint in {url}: " + (f"step {step} verifies" if step is not None else "DOES NOT VERIFY"))
     for e in result["errors"]:

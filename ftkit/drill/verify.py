@@ -59,6 +59,40 @@ def check_faults(faults: list[Fault], report: Report | None, events: list[dict[s
                 errors.append(f"{f.label()}: no persist failed while the storage was down")
 
 
+def consumed_stream(events: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
+    """The batches the final state was trained on: (step, rank, digest), from "batch" events.
+
+    An attempt that restored step R continues from R: of the attempt before it,
+    only the batches up to R count (later ones were recomputed or lost).
+    """
+    attempts = sorted({e.get("attempt", 0) for e in events if e["event"] == "batch"})
+    resumed = {a: max((e.get("step") or 0 for e in events if e["event"] == "restore" and e.get("attempt") == a),
+                      default=0) for a in attempts}
+    out = []
+    for n, a in enumerate(attempts):
+        cutoff = resumed[attempts[n + 1]] if n + 1 < len(attempts) else float("inf")
+        out += [(e["step"], e["rank"], e["digest"]) for e in events
+                if e["event"] == "batch" and e.get("attempt", 0) == a and e["step"] <= cutoff]
+    return sorted(out)
+
+
+def compare_streams(faulted: list, clean: list, errors: list[str]) -> bool:
+    """Every (step, rank) batch of the fault-free run consumed once, none skipped, none repeated."""
+    faulted, clean = [tuple(x) for x in faulted], [tuple(x) for x in clean]
+    if faulted == clean:
+        return True
+    seen: dict[tuple[int, int], int] = {}
+    for step, rank, _ in faulted:
+        seen[step, rank] = seen.get((step, rank), 0) + 1
+    repeated = sorted(k for k, n in seen.items() if n > 1)
+    missing = sorted({(s, r) for s, r, _ in clean} - set(seen))
+    other = sorted({(s, r) for s, r, d in set(faulted) - set(clean)} - set(repeated))
+    errors.append(f"the consumed sample stream differs from the fault-free run: {len(missing)} batch(es) skipped "
+                  f"{missing[:3]}, {len(repeated)} repeated {repeated[:3]}, {len(other)} different {other[:3]} "
+                  "((step, rank) pairs)")
+    return False
+
+
 def compare_states(faulted_pt: str, clean_pt: str, errors: list[str]) -> bool:
     """The faulted run's final model and optimizer state equal the fault-free run's, bit for bit."""
     import torch
