@@ -386,6 +386,8 @@ class Checkpointer:
                     self._watchdog.stop(failed=True)
             else:
                 self.wait()
+                if self._watchdog is not None:
+                    self._watchdog.finish()
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop()

@@ -31,8 +31,10 @@ collective until its timeout.
 
 False alarms are avoided: time only counts while this rank can read the store
 (an outage freezes every clock), a rank is judged only after its first
-heartbeat, finished ranks say so, and a heartbeat thread that died is restarted
-by the next progress() call on the training thread.
+heartbeat, finished ranks say so (and keep watching until every rank has
+finished: a rank that hangs after its peers are done is still caught), and a
+heartbeat thread that died is restarted by the next progress() call on the
+training thread.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class Watchdog:
         self._seq = 0
         self._seen = {r: _Seen() for r in range(ctx.world_size) if r != ctx.rank}
         self._host = socket.gethostname()
+        self._finished = False  # finish() was called: heartbeats say "done"
         self._stop = threading.Event()
         self._outage_since: float | None = None
         self._started = time.monotonic()
@@ -149,6 +152,19 @@ class Watchdog:
         """Under DDP: the first gradient bucket of this step is ready (end of busy time)."""
         if self._first_grad is None:
             self._first_grad = time.monotonic()
+
+    def finish(self) -> None:
+        """This rank's loop is over: say so, and keep judging the others until they say so too.
+
+        A rank that hangs after its peers finished would otherwise go unnoticed:
+        torchrun waits for every worker, and nobody would be watching it.
+        """
+        self._finished = True
+        deadline = time.monotonic() + self.cfg.hang_ceiling_s
+        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            if all(s.info and s.info.get("done") for s in self._seen.values()):
+                return
+            time.sleep(self.cfg.interval_s / 2)
 
     def stop(self, failed: bool = False) -> None:
         """Say this rank is done (so peers do not take its silence for death) and stop.
@@ -206,6 +222,7 @@ class Watchdog:
             "busy": statistics.median(busy) if busy else None,
             "interval": statistics.median(self._intervals) if self._intervals else None,
             "preempt": bool(self._preempted and self._preempted()),
+            **({"done": True} if self._finished else {}),
         })
 
     def _read(self) -> dict[int, dict]:

@@ -76,6 +76,7 @@ def test_sample_stream_follows_the_restored_lineage():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_default_drill_passes(tmp_path, ref_cache):
     rc, res, out = drill(tmp_path, "--html", str(tmp_path / "d.html"), cache=ref_cache)
     assert rc == 0 and res["passed"], out[-4000:]
@@ -150,11 +151,14 @@ def test_a_bitflip_is_caught_by_checksums_and_without_them_by_the_bitwise_compar
 
 @pytest.mark.slow
 def test_s3_outage_during_a_persist(tmp_path, ref_cache):
-    rc, res, out = drill(tmp_path, "--tiers", "ram,peer,s3", "--steps", "36", "--step-time", "0.05", "--every", "5",
+    rc, res, out = drill(tmp_path, "--tiers", "ram,peer,s3", "--steps", "60", "--step-time", "0.05", "--every", "5",
                          "--faults", "s3-outage@10:seconds=3:during=persist,kill@26:rank=1", cache=ref_cache)
     assert rc == 0 and res["passed"], out[-4000:]
     o = by_kind(res)["s3-outage"]["outcome"]
-    assert o["failed_persists"] > 0 and o["committed_after"] is not None and o["training_continued"]
+    # The persist in flight either failed or waited the outage out (s3fs retries); either way a
+    # later commit landed on the restarted server and training never stopped.
+    assert o["failed_persists"] > 0 or o["slowest_persist_s"] >= 1.5, o
+    assert o["committed_after"] is not None and o["training_continued"]
     assert res["bitwise_equal"]
 
 
@@ -182,11 +186,12 @@ def test_drill_without_peers_reports_the_loss_and_fails(tmp_path, ref_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_random_schedules_all_pass(tmp_path, ref_cache):
     failures = []
     for seed in range(1, 11):
         # Two ranks on two simulated nodes: every fault kind and phase, at half the restart cost.
-        rc, res, out = drill(tmp_path / f"seed{seed}", "--seed", str(seed), "--count", "2", "--steps", "24",
+        rc, res, out = drill(tmp_path / f"seed{seed}", "--seed", str(seed), "--count", "2", "--steps", "20",
                              "--step-time", "0.05", "--nproc", "2", "--ranks-per-node", "1", cache=ref_cache)
         if rc != 0:
             failures.append((seed, [f"{f['kind']}@{f['step']}:{f['during']}" for f in res["faults"]], res["errors"]))

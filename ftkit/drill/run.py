@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -100,7 +101,8 @@ def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) ->
 def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, list | None, str | None]:
     """The same job without faults (and without the sleep that stands for accelerator time:
     it changes no value). Returns (final state path, consumed stream, error)."""
-    key = f"n{args.nproc}-r{args.ranks_per_node}-s{args.steps}-{tiers.spec.replace(',', '+')}"
+    # The durable tier's kind changes no value (the reference always writes to a local disk).
+    key = f"n{args.nproc}-r{args.ranks_per_node}-s{args.steps}-ram{int(tiers.ram)}-peer{tiers.replicas}"
     cached = os.path.join(args.reference_cache, key, "final.pt") if args.reference_cache else None
     if cached and os.path.exists(cached) and os.path.exists(cached + ".stream.json"):
         say(f"drill: fault-free reference from the cache ({cached})")
@@ -114,7 +116,9 @@ def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, l
     ref = Job(clean, _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0), args.nproc,
               args.ranks_per_node, restarts=0)
     try:
-        rc = ref.proc.wait(timeout=1200)
+        rc = ref.proc.wait(timeout=300 + args.steps)
+    except subprocess.TimeoutExpired:
+        rc = "a timeout"
     finally:
         ref.kill()
     if rc != 0:
@@ -184,8 +188,13 @@ def run_drill(args) -> dict[str, Any]:
                         continue
                     errors.append(f"{f.label()}: no restart followed")
                     break
-            rc = job.proc.wait(timeout=1800)
-            if rc != 0:
+            limit = 300 + args.steps * (args.step_time + 0.5) + 60 * len(faults)
+            try:
+                rc = job.proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                rc = None
+                errors.append(f"the faulted run did not finish within {limit:.0f}s (see {job.log.name})")
+            if rc:
                 errors.append(f"the faulted run exited with {rc} (see {job.log.name})")
             injector.join()
         except RuntimeError as e:
