@@ -220,7 +220,10 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
        manifest to the first rank of every other node, which writes it there.
     Returns the manifest on rank 0, None elsewhere.
     """
-    write, error, report = _write_share(storage, step, slot, pieces, compress, ctx.rank, rng)
+    try:
+        write, error, report = _write_share(storage, step, slot, pieces, compress, ctx.rank, rng)
+    except AlreadyCommitted as e:  # this node has the step, another may not: still take part below
+        write, error, report = None, e, {"write": None, "error": str(e), "rng": rng}
     reports = ctx.gather(f"{key}/w", report) if ctx.distributed else [report]
     rep_error = None
     if peers is not None and replicas > 0 and error is None:

@@ -73,6 +73,7 @@ def restore(ck, step: int | None) -> int:
             loaded, vote = _read_candidate(ck, s, storage)
             origin = {"source": storage.display_url}
         t_read = time.perf_counter() - t0
+        _drop_newer_ram_steps(ck, s)  # before the vote: a barrier, so no rank of this node snapshots yet
         votes = ctx.gather(f"{key}/vote/{n}", vote)
         mismatched = [(r, v["mismatch"]) for r, v in enumerate(votes) if v["mismatch"]]
         if mismatched:
@@ -104,8 +105,31 @@ def restore(ck, step: int | None) -> int:
                                      f"newest problem: {problems[0]}")
     if unreachable:
         raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
+    _drop_newer_ram_steps(ck, 0)
+    if ctx.distributed:
+        ctx.gather(f"{key}/fresh", None)  # nobody snapshots step 1 before every node's RAM is clear
     ck.events.emit("restore", step=0, source=None, total_s=time.perf_counter() - t_start)
     return 0
+
+
+def _drop_newer_ram_steps(ck, step: int) -> None:
+    """The node leader removes RAM-tier steps newer than `step`: they belong to a timeline
+    the job has just left. Left in place, a node that still held one while another node
+    had lost it would refuse to re-snapshot that step ("already committed") while the
+    other waited for it. Durable tiers are never touched here."""
+    ctx = ck._ctx
+    if ck._ram_index is None or not ctx.node_leader(ctx.rank):
+        return
+    storage = ck._storages[ck._ram_index]
+    for sd in scan(storage):
+        if sd.step > step:
+            try:
+                storage.remove(f"{step_dir_name(sd.step)}/{MANIFEST_NAME}")
+                storage.remove(step_dir_name(sd.step), recursive=True)
+                log.info("rank %d: dropped RAM-tier step %d (newer than the restored step %d)",
+                         ctx.rank, sd.step, step)
+            except StorageError as e:
+                log.warning("rank %d: could not drop RAM-tier step %d: %s", ctx.rank, sd.step, e)
 
 
 # ------------------------------------------------------------------ planning

@@ -220,7 +220,7 @@ def run_drill(args) -> dict[str, Any]:
     result.update({
         "passed": not errors, "errors": errors,
         "goodput": report.goodput if report else 0.0, "wall_s": report.wall_s if report else 0.0,
-        "final_step": report.final_step if report else 0,
+        "final_step": report.final_step if report else 0, "attempts": report.attempts if report else 0,
         "mean_detect_s": statistics.mean(detect) if detect else None,
         "mean_recovery_s": statistics.mean(o["recovery_s"] for o in recovered) if recovered else None,
         "steps_lost": sum(o["steps_lost"] for o in recovered),
