@@ -29,7 +29,7 @@ def drill(tmp_path, *args: str, env: dict | None = None, cache: str | None = Non
     cmd = ["drill", "--run-dir", str(tmp_path / "d"), "--json", str(out), *args]
     if cache:
         cmd[1:1] = ["--reference-cache", cache]
-    r = run_cli(*cmd, env=env, in_process=False, timeout=900)
+    r = run_cli(*cmd, env=env, timeout=900)  # in this process unless env is given (the workers inherit it)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     return r.returncode, json.loads(out.read_text()), r.stdout + r.stderr
 
