@@ -157,7 +157,9 @@ class Watchdog:
         """This rank's loop is over: say so, and keep judging the others until they say so too.
 
         A rank that hangs after its peers finished would otherwise go unnoticed:
-        torchrun waits for every worker, and nobody would be watching it.
+        torchrun waits for every worker, and nobody would be watching it. Only
+        dead and failed ranks are judged now (a silent heartbeat, a gone
+        process): a peer may spend a while on its own ending without steps.
         """
         self._finished = True
         deadline = time.monotonic() + self.cfg.hang_ceiling_s
@@ -234,6 +236,15 @@ class Watchdog:
                 out[r] = self.ctx.get(key, timeout_s=5)
         return out
 
+    def _said_done(self, rank: int) -> bool:
+        try:
+            beat = self.ctx.get(f"hb/{rank}", timeout_s=5)
+        except Exception:
+            return False
+        if beat.get("done"):
+            self._seen[rank].info = beat
+        return bool(beat.get("done"))
+
     def _judge(self, beats: dict[int, dict]) -> None:
         now = time.monotonic()
         cfg = self.cfg
@@ -269,15 +280,19 @@ class Watchdog:
                     self._abort(r, "dead", now - self._started, "never sent a heartbeat")
                 continue
             if seen.info and seen.info.get("host") == self._host and _process_gone(seen.info.get("pid")):
+                if self._said_done(r):  # it finished and exited after this round's read
+                    continue
                 self._abort(r, "dead", now - seen.changed, "its process is gone")
             elif now - seen.changed > cfg.dead_after_s:
                 self._abort(r, "dead", now - seen.changed, f"no heartbeat for {now - seen.changed:.1f}s")
-            elif seen.step >= 0 and now - seen.step_changed > hang_bound:  # only after its first step
+            elif seen.step >= 0 and now - seen.step_changed > hang_bound and not self._finished:
+                # (only after its first step; and not once this rank is done: a peer may still be
+                # busy with its own ending, e.g. an evaluation, without steps)
                 self._abort(r, "hung", now - seen.step_changed,
                             f"no step progress for {now - seen.step_changed:.1f}s (bound {hang_bound:.0f}s)")
             busy = busies.get(r)
             min_excess = max(cfg.straggler_min_excess_s, 0.25 * (median_step or 0))
-            if median_busy and busy and busy > cfg.straggler_factor * median_busy \
+            if not self._finished and median_busy and busy and busy > cfg.straggler_factor * median_busy \
                     and busy - median_busy > min_excess:
                 seen.slow_checks += 1
                 if seen.slow_checks >= cfg.straggler_checks and not seen.flagged_straggler:
