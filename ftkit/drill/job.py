@@ -160,9 +160,12 @@ class Injector:
         rec = job.freeze_at(f.during, f.step, rank, action="crash" if f.kind == "crash" else "stop")
         pid = rec["pid"]
         f.attempt, f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
-        job.note(kind=f.kind, step=f.injected_step, during=f.during, attempt=attempt,
-                 target=f"node{f.node}" if f.kind == "node" else (rank if f.kind not in STORAGE_KINDS
-                                                                  + OBJECT_STORE_KINDS else f.kind))
+        target = f"node{f.node}" if f.kind == "node" else \
+            f.kind if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS else rank
+        # `restarts`: the report takes only these as the cause (and start) of a restart; a storage
+        # fault or a slow rank earlier in the same attempt is not one.
+        job.note(kind=f.kind, step=f.injected_step, during=f.during, attempt=attempt, target=target,
+                 restarts=f.restarts)
         if f.kind == "kill":
             _signal(pid, signal.SIGKILL)
         elif f.kind == "hang":
