@@ -58,6 +58,12 @@ class _Encoder:
         return name
 
     def encode(self, value: Any, path: str) -> Any:
+        # Called once per value of the whole state at every snapshot, on the training
+        # thread: the commonest kinds (tensors, then dicts and numbers) are tested first.
+        if isinstance(value, torch.Tensor):
+            return {"$tensor": self._add_tensor(path, _check_tensor(value, path))}
+        if isinstance(value, dict) and _plain_keys(value):
+            return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
@@ -66,8 +72,19 @@ class _Encoder:
             if math.isfinite(value):
                 return value
             return {"$float": repr(value)}  # 'inf', '-inf', 'nan'
-        if isinstance(value, torch.Tensor):
-            return {"$tensor": self._add_tensor(path, _check_tensor(value, path))}
+        if isinstance(value, tuple):  # torch.Size and namedtuples come back as plain tuples
+            return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            if _plain_keys(value):
+                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            items = []
+            for k, v in value.items():
+                if isinstance(k, (torch.Tensor, list, dict)):
+                    raise CaptureError(f"cannot store {path!r}: dict key of type {type(k).__name__}")
+                items.append([self.encode(k, f"{path}/<key>"), self.encode(v, f"{path}/{k}")])
+            return {"$items": items}
         np = _numpy()
         if np is not None:
             if isinstance(value, np.ndarray):
@@ -77,20 +94,6 @@ class _Encoder:
                 return {"$ndarray": self._add_tensor(path, t)}
             if isinstance(value, np.generic):
                 return self.encode(value.item(), path)
-        if isinstance(value, tuple):  # torch.Size and namedtuples come back as plain tuples
-            return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
-        if isinstance(value, list):
-            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
-        if isinstance(value, Mapping):
-            plain = all(isinstance(k, str) for k in value) and not any(k in _MARKERS for k in value)
-            if plain:
-                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
-            items = []
-            for k, v in value.items():
-                if isinstance(k, (torch.Tensor, list, dict)):
-                    raise CaptureError(f"cannot store {path!r}: dict key of type {type(k).__name__}")
-                items.append([self.encode(k, f"{path}/<key>"), self.encode(v, f"{path}/{k}")])
-            return {"$items": items}
         if isinstance(value, torch.dtype):
             raise CaptureError(f"cannot store {path!r}: a torch.dtype value would need pickle")
         kind = "a function" if callable(value) else f"a {type(value).__module__}.{type(value).__qualname__}"
@@ -98,29 +101,47 @@ class _Encoder:
                            "store tensors, numbers, strings, lists or dicts there")
 
 
+def _plain_keys(mapping: Mapping) -> bool:
+    """Whether a dict can be stored as a JSON object as is (string keys, none a tag)."""
+    return all(isinstance(k, str) for k in mapping) and not any(k in _MARKERS for k in mapping)
+
+
 def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
     if t.layout != torch.strided:
         raise CaptureError(f"cannot store {path!r}: {t.layout} tensors are not supported; densify them first")
-    if t.is_quantized:
-        raise CaptureError(f"cannot store {path!r}: quantized tensors are not supported")
-    if str(t.dtype).removeprefix("torch.") not in _dtype_names():
+    if t.dtype not in _storable_dtypes():
+        if t.is_quantized:
+            raise CaptureError(f"cannot store {path!r}: quantized tensors are not supported")
         raise CaptureError(f"cannot store {path!r}: dtype {t.dtype} is not supported")
     return t.detach()
 
 
-def _dtype_names() -> tuple[str, ...]:
-    from .format import DTYPES
+_STORABLE: frozenset | None = None
 
-    return DTYPES
+
+def _storable_dtypes() -> frozenset:
+    """The torch dtypes the format has names for (looked up once; DTYPES holds names)."""
+    global _STORABLE
+    if _STORABLE is None:
+        from .format import DTYPES
+
+        _STORABLE = frozenset(getattr(torch, n) for n in DTYPES if hasattr(torch, n))
+    return _STORABLE
+
+
+_NUMPY: Any = False  # not looked up yet
 
 
 def _numpy():
-    try:
-        import numpy
+    global _NUMPY
+    if _NUMPY is False:
+        try:
+            import numpy
 
-        return numpy
-    except ImportError:  # numpy is optional for the state, required by nothing here
-        return None
+            _NUMPY = numpy
+        except ImportError:  # numpy is optional for the state, required by nothing here
+            _NUMPY = None
+    return _NUMPY
 
 
 def capture(state: Mapping[str, Any], *, rng: bool = True, rng_path: str = f"{RNG_KEY}/r0") -> CapturedState:
@@ -170,7 +191,13 @@ def _hashable(k: Any) -> Any:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Every RNG of this process. Python's Mersenne Twister state (625 words) is kept
+    as one int64 tensor: as a list it would be 625 skeleton values to encode at every
+    snapshot, on the training thread."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                                        "gauss": gauss},
+                             "torch": torch.get_rng_state()}
     np = _numpy()
     if np is not None:
         state["numpy"] = np.random.get_state()
@@ -181,8 +208,14 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
+        py = state["python"]
+        if isinstance(py, Mapping):
+            internal = py["internal"]
+            internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+            random.setstate((py["version"], tuple(internal), py["gauss"]))
+        else:  # the earlier form: (version, [625 ints], gauss)
+            version, internal, gauss = py
+            random.setstate((version, tuple(internal), gauss))
     if "torch" in state:
         torch.set_rng_state(state["torch"].clone())
     np = _numpy()

@@ -35,7 +35,7 @@ from .dist import DistContext
 from .events import EventLog
 from .errors import FtkitError
 from .faults import fault_point
-from .persist import AlreadyCommitted, delete_step, persist, persist_node_local
+from .persist import AlreadyCommitted, delete_step, node_local_keys, persist, persist_node_local, skipped_report
 from .peers import PeerGroup
 from .preemption import PreemptionHandler
 from .ramtier import node_dir
@@ -141,6 +141,9 @@ class Checkpointer:
         self._ram_index = next((i for i, t in enumerate(self.tiers) if t.is_ram), None)
         peer = next((t for t in self.tiers if t.is_peer), None)
         self._replicas = peer.replicas if peer else 0
+        # Store keys this rank's RAM-tier commits (and skips) left, by tier, with their step:
+        # the next commit of a later step deletes them.
+        self._stale_keys: dict[int, list[tuple[int, str]]] = {}
         if peer and self._ram_index is None:
             raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
         self._peers: PeerGroup | None = None
@@ -254,14 +257,17 @@ class Checkpointer:
             log.warning("snapshot of step %d skipped: the previous snapshots are still being persisted "
                         "(policy 'skip'; %d skipped so far)", step, self.stats.skipped)
             if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
-                skipped = {"write": None, "rng": None, "error": "snapshot skipped: staging busy"}
+                reason = "snapshot skipped: staging busy"
                 for i in due:
                     key = f"commit/{i}/{step}"
                     if self.tiers[i].is_ram:  # persist_node_local's two gathers
-                        ctx.put(f"{key}/w/{ctx.rank}", skipped)
+                        ctx.store.set(f"{key}/w/{ctx.rank}", skipped_report(reason))
                         ctx.put(f"{key}/r/{ctx.rank}", None)
+                        with self._errors_lock:  # the persist thread deletes them with its own
+                            self._stale_keys.setdefault(i, []).extend(
+                                (step, k) for k in node_local_keys(key, ctx.rank))
                     else:
-                        ctx.put(f"{key}/{ctx.rank}", skipped)
+                        ctx.put(f"{key}/{ctx.rank}", {"write": None, "rng": None, "error": reason})
             return False
         try:
             fault_point("snapshot", step, ctx.rank)
@@ -313,22 +319,28 @@ class Checkpointer:
             try:
                 t0 = time.perf_counter()
                 if tier.is_ram:
-                    manifest = persist_node_local(
+                    key = f"commit/{i}/{job.step}"
+                    with self._errors_lock:  # keys of earlier steps go; a skip of a later step stays
+                        keys = self._stale_keys.get(i, [])
+                        stale = tuple(k for s, k in keys if s < job.step)
+                        self._stale_keys[i] = [(s, k) for s, k in keys if s >= job.step]
+                        self._stale_keys[i] += [(job.step, k) for k in node_local_keys(key, self._ctx.rank)]
+                    committed = persist_node_local(
                         storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
-                        rng=job.rng, ctx=self._bg_ctx, key=f"commit/{i}/{job.step}", peers=self._peers,
-                        replicas=self._replicas)
+                        rng=job.rng, ctx=self._bg_ctx, key=key, peers=self._peers,
+                        replicas=self._replicas, stale_keys=stale)
                 else:
-                    manifest = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
+                    committed = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
                                        pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx,
                                        key=f"commit/{i}/{job.step}")
                 self.stats.persisted += 1
                 self.stats.last_committed[tier.url] = job.step
                 self.events.emit("persist", step=job.step, tier=tier.url, ok=True,
-                                 seconds=time.perf_counter() - t0, committed_by_me=manifest is not None)
-                if manifest is not None:  # rank 0: the commit is ours, and so is retention
+                                 seconds=time.perf_counter() - t0, committed_by_me=committed is not None)
+                if committed is not None:  # rank 0: the commit is ours, and so is retention
                     log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
-                             manifest.total_stored_bytes / 1e6, time.perf_counter() - t0)
-                if manifest is not None or (tier.is_ram and self._ctx.node_leader(self._ctx.rank)):
+                             committed.stored_bytes / 1e6, time.perf_counter() - t0)
+                if committed is not None or (tier.is_ram and self._ctx.node_leader(self._ctx.rank)):
                     self._apply_retention(tier, storage, protect=job.step)
             except AlreadyCommitted:
                 log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)

@@ -104,6 +104,11 @@ class DistContext:
         self._wait([key], timeout_s)
         return json.loads(self.store.get(key))
 
+    def get_raw(self, key: str, timeout_s: float | None = None) -> bytes:
+        """The bytes at `key` as set, waiting at most `timeout_s` for them to appear."""
+        self._wait([key], timeout_s)
+        return self.store.get(key)
+
     def gather(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
         """Every rank's `value` for `key`, in rank order (all ranks call this).
 
@@ -117,6 +122,15 @@ class DistContext:
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         self._wait(keys, timeout_s)
         return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def gather_text(self, key: str, text: str, timeout_s: float | None = None) -> list[str]:
+        """gather() for values the caller encodes itself (and may decode only in part)."""
+        if not self.distributed:
+            return [text]
+        self.store.set(f"{key}/{self.rank}", text)
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self._wait(keys, timeout_s)
+        return [v.decode() for v in self.store.multi_get(keys)]
 
     def _wait(self, keys: list[str], timeout_s: float | None) -> None:
         timeout_s = timeout_s or self.timeout_s

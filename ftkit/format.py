@@ -124,10 +124,19 @@ def tensor_entry_from_doc(t: dict[str, Any]) -> TensorEntry:
 
 
 def manifest_to_json(m: Manifest) -> bytes:
+    return manifest_json(m.step, m.world_size, [tensor_entry_doc(t) for t in m.tensors], m.skeleton, m.files,
+                         m.rank_state, m.created_at, m.writer)
+
+
+def manifest_json(step: int, world_size: int, tensor_docs: list[dict[str, Any]], skeleton: dict[str, Any],
+                  files: dict[str, dict[str, Any]], rank_state: dict[str, Any], created_at: float,
+                  writer: dict[str, Any]) -> bytes:
+    """A manifest's bytes from its parts, the tensors already as tensor_entry_doc()s
+    (how ranks report their writes: the commit then never rebuilds the dataclasses)."""
     # Identifying fields first, so the first bytes of the file say what it is.
-    doc = {"format": m.format, "format_version": m.format_version, "step": m.step, "world_size": m.world_size,
-           "tensors": [tensor_entry_doc(t) for t in m.tensors], "skeleton": m.skeleton, "files": m.files,
-           "rank_state": m.rank_state, "created_at": m.created_at, "writer": m.writer}
+    doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
+           "tensors": tensor_docs, "skeleton": skeleton, "files": files, "rank_state": rank_state,
+           "created_at": created_at, "writer": writer}
     # Compact: a large model has thousands of entries; `jq . manifest.json` pretty-prints.
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 

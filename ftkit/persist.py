@@ -15,6 +15,7 @@ writer wrote and leaves every committed step untouched.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -26,8 +27,8 @@ from . import codec
 from .dist import DistContext
 from .errors import FtkitError, StorageError
 from .faults import fault_point
-from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifest_to_json, step_dir_name,
-                     tensor_entry_doc, tensor_entry_from_doc)
+from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifest_from_json, manifest_json,
+                     step_dir_name, tensor_entry_doc)
 from .peers import PeerGroup, replication_plan
 from .sharding import REPLICATED, Piece
 from .staging import Slot
@@ -54,13 +55,6 @@ class RankWrite:
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes,
                 "tensors": [tensor_entry_doc(t) for t in self.tensors]}
-
-    @staticmethod
-    def from_json(doc: dict[str, Any]) -> "RankWrite":
-        """A report from another rank of this job (to_json's output): taken as is, since the
-        manifest built from it is validated whenever it is read back."""
-        tensors = tuple(tensor_entry_from_doc(t) for t in doc["tensors"])
-        return RankWrite(int(doc["rank"]), doc["file"], int(doc["nbytes"]), tensors)
 
 
 def dtype_name(dtype) -> str:
@@ -111,106 +105,153 @@ def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Pie
     return RankWrite(rank, file_name, slot.layout.total_bytes if image else offset, tuple(entries))
 
 
-def merge_writes(writes: list[RankWrite]) -> tuple[TensorEntry, ...]:
-    """One entry per tensor, holding the shards every rank wrote of it."""
-    merged: dict[str, TensorEntry] = {}
-    for w in sorted(writes, key=lambda w: w.rank):
-        for t in w.tensors:
-            prev = merged.get(t.name)
-            if prev is None:
-                merged[t.name] = t
-                continue
-            if (prev.dtype, prev.shape, prev.kind) != (t.dtype, t.shape, t.kind):
-                raise FtkitError(f"ranks disagree about tensor {t.name!r}: {prev.dtype}{list(prev.shape)} "
-                                 f"vs {t.dtype}{list(t.shape)}")
-            merged[t.name] = TensorEntry(t.name, t.dtype, t.shape, prev.shards + t.shards, t.kind)
-    return tuple(merged.values())
-
-
 def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
            world_size: int = 1, rank_state: dict[str, Any] | None = None) -> Manifest:
-    """Write the manifest that makes `step` exist. Atomic on every backend."""
-    return _commit(storage, step, writes, skeleton, world_size, rank_state)[0]
+    """Write the manifest that makes `step` exist (atomic on every backend); return it as read back."""
+    done = _commit_docs(storage, step, [w.to_json() for w in writes], skeleton, world_size, rank_state or {})
+    return manifest_from_json(done.manifest_json, storage.where(f"{step_dir_name(step)}/{MANIFEST_NAME}"), step)
 
 
-def _commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
-            world_size: int, rank_state: dict[str, Any] | None) -> tuple[Manifest, bytes]:
-    """commit(), also returning the manifest's JSON as written."""
-    manifest = Manifest(
-        step=step,
-        world_size=world_size,
-        tensors=merge_writes(writes),
-        skeleton=skeleton,
-        files={w.file: {"bytes": w.nbytes, "rank": w.rank} for w in writes},
-        rank_state=rank_state or {},
-        created_at=time.time(),
-        writer=_writer_info(),
-    )
+@dataclass(frozen=True)
+class Committed:
+    """What rank 0 gets back from committing a step (persist, persist_node_local)."""
+
+    step: int
+    stored_bytes: int
+    manifest_json: bytes
+
+
+def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One tensor entry per tensor, holding the shards every rank wrote of it.
+
+    Works on the writes as reported (RankWrite.to_json() documents)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for w in sorted(writes, key=lambda w: w["rank"]):
+        for t in w["tensors"]:
+            prev = merged.get(t["name"])
+            if prev is None:
+                merged[t["name"]] = {**t, "shards": list(t["shards"])}
+            elif (prev["dtype"], prev["shape"], prev["kind"]) != (t["dtype"], t["shape"], t["kind"]):
+                raise FtkitError(f"ranks disagree about tensor {t['name']!r}: {prev['dtype']}{prev['shape']} "
+                                 f"vs {t['dtype']}{t['shape']}")
+            else:
+                prev["shards"].extend(t["shards"])
+    return list(merged.values())
+
+
+def _commit_docs(storage: Storage, step: int, writes: list[dict[str, Any]], skeleton: dict[str, Any],
+                 world_size: int, rank_state: dict[str, Any]) -> Committed:
+    """commit() from the ranks' reports as they arrived: the manifest is assembled from
+    the JSON documents, never rebuilt as dataclasses (that is most of a small model's
+    commit time when a snapshot is taken every step)."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
-    data = manifest_to_json(manifest)
+    data = manifest_json(step, world_size, merge_write_docs(writes), skeleton,
+                         {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in writes},
+                         rank_state, time.time(), _writer_info())
     storage.write_bytes_atomic(rel, data)
-    return manifest, data
+    return Committed(step, sum(w["nbytes"] for w in writes), data)
 
 
-def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank: int, rng: Any):
-    """Write this rank's data file; return (write, error, the report rank 0 gets)."""
-    write, error = None, None
+def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank: int):
+    """Write this rank's data file; return (write, error). AlreadyCommitted is raised."""
     try:
-        write = write_data(storage, step, slot, pieces, compress=compress, rank=rank)
+        return write_data(storage, step, slot, pieces, compress=compress, rank=rank), None
     except AlreadyCommitted:
         raise
     except Exception as e:  # reported to rank 0 first, raised afterwards
-        error = e
-    report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
-    return write, error, report
+        return None, e
 
 
 def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
             compress: str | None, pieces: Mapping[str, Piece] | None = None, rng: Any = None,
-            ctx: DistContext | None = None, key: str = "") -> Manifest | None:
+            ctx: DistContext | None = None, key: str = "") -> Committed | None:
     """Persist one step: every rank writes its data, rank 0 commits after all did.
 
     Ranks report to rank 0 through the store (`key`/rank): the file they wrote,
     or their error. Rank 0 commits only when every rank succeeded within the
     timeout; otherwise the step stays uncommitted (invisible) and its files are
-    removed. Returns the manifest on rank 0, None elsewhere.
+    removed. Returns what was committed on rank 0, None elsewhere.
     """
     ctx = ctx or DistContext()
-    write, error, report = _write_share(storage, step, slot, pieces, compress, ctx.rank, rng)
+    write, error = _write_share(storage, step, slot, pieces, compress, ctx.rank)
     fault_point("persist", step, ctx.rank)  # data written, not yet reported
     if ctx.distributed:
-        ctx.put(f"{key}/{ctx.rank}", report)
+        ctx.put(f"{key}/{ctx.rank}", {"write": write.to_json() if write else None,
+                                      "error": str(error) if error else None, "rng": rng})
     if error is not None:
         raise error
     assert write is not None
     if ctx.rank != 0:
         return None
-    writes, rank_state, failures = [write], {"0": {"rng": rng}}, []
+    writes, rank_state, failures = [write.to_json()], {"0": {"rng": rng}}, []
     try:
         for r in range(1, ctx.world_size):
             doc = ctx.get(f"{key}/{r}")
             if doc["error"]:
                 failures.append(f"rank {r}: {doc['error']}")
             else:
-                writes.append(RankWrite.from_json(doc["write"]))
+                writes.append(doc["write"])
                 rank_state[str(r)] = {"rng": doc["rng"]}
         if failures:
             raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
         fault_point("commit", step, 0)  # every share is durable, the manifest not yet written
-        return commit(storage, step, writes, skeleton, ctx.world_size, rank_state)
+        return _commit_docs(storage, step, writes, skeleton, ctx.world_size, rank_state)
     except BaseException:
-        discard(storage, step, [w.file for w in writes])
+        discard(storage, step, [w["file"] for w in writes])
         raise
     finally:
         ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
 
 
+@dataclass(frozen=True)
+class _Report:
+    """One rank's report of its RAM-tier write, as gathered by every rank.
+
+    Sent as two JSON lines: a small head that every rank reads, then the tensor
+    entries, which only rank 0 (for the manifest) and the ranks receiving this
+    rank's replica (for its checksums) decode.
+    """
+
+    rank: int
+    file: str | None
+    nbytes: int
+    error: str | None
+    rng: Any
+    tensors_json: str
+
+    @staticmethod
+    def encode(write: RankWrite | None, error: str | None, rng: Any) -> str:
+        head = {"file": write.file if write else None, "nbytes": write.nbytes if write else 0,
+                "error": error, "rng": rng}
+        tensors = [tensor_entry_doc(t) for t in write.tensors] if write else []
+        return json.dumps(head) + "\n" + json.dumps(tensors)  # json.dumps never emits a raw newline
+
+    @staticmethod
+    def decode(rank: int, text: str) -> "_Report":
+        head, _, tensors = text.partition("\n")
+        h = json.loads(head)
+        return _Report(rank, h["file"], int(h["nbytes"]), h["error"], h["rng"], tensors or "[]")
+
+    def write_doc(self) -> dict[str, Any]:
+        return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes, "tensors": json.loads(self.tensors_json)}
+
+
+def skipped_report(reason: str) -> str:
+    """The report a rank that skipped a step's snapshot gives, so nobody waits for its share."""
+    return _Report.encode(None, reason, None)
+
+
+def node_local_keys(key: str, rank: int) -> list[str]:
+    """The store keys one rank's persist_node_local(key=...) call may leave behind."""
+    return [f"{key}/w/{rank}", f"{key}/r/{rank}"] + ([f"{key}/manifest"] if rank == 0 else [])
+
+
 def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
                        compress: str | None, pieces: Mapping[str, Piece] | None, rng: Any,
                        ctx: DistContext, key: str, peers: PeerGroup | None = None,
-                       replicas: int = 0) -> Manifest | None:
+                       replicas: int = 0, stale_keys: tuple[str, ...] = ()) -> Committed | None:
     """Persist one step to a node-local tier (the RAM tier), with peer replicas.
 
     1. every rank writes its data file into its node's directory and reports it;
@@ -218,13 +259,21 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
        nodes and receives theirs, verifying checksums before storing them;
     3. rank 0 commits once every rank has written and replicated, and hands the
        manifest to the first rank of every other node, which writes it there.
-    Returns the manifest on rank 0, None elsewhere.
+    Returns what was committed on rank 0, None elsewhere.
+
+    `stale_keys`: earlier calls' keys of this rank (node_local_keys()), deleted once
+    step 1's gather shows that every rank has moved past those calls; a job that
+    snapshots every step would otherwise grow the store by every report it ever sent.
     """
     try:
-        write, error, report = _write_share(storage, step, slot, pieces, compress, ctx.rank, rng)
+        write, error = _write_share(storage, step, slot, pieces, compress, ctx.rank)
     except AlreadyCommitted as e:  # this node has the step, another may not: still take part below
-        write, error, report = None, e, {"write": None, "error": str(e), "rng": rng}
-    reports = ctx.gather(f"{key}/w", report) if ctx.distributed else [report]
+        write, error = None, e
+    text = _Report.encode(write, str(error) if error else None, rng)
+    texts = ctx.gather_text(f"{key}/w", text) if ctx.distributed else [text]
+    reports = [_Report.decode(r, t) for r, t in enumerate(texts)]
+    if stale_keys:  # everyone has reported this step: nobody reads the older keys any more
+        ctx.delete(*stale_keys)
     rep_error = None
     if peers is not None and replicas > 0 and error is None:
         try:  # uncompressed, the data file is the slot's byte image: send the slot, not the file
@@ -234,38 +283,37 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
     if ctx.rank == 0:  # only rank 0 reads the replication outcomes; the others just report theirs
         done = ctx.gather(f"{key}/r", rep_error) if ctx.distributed else [rep_error]
-        failures = [f"rank {r}: {d['error']}" for r, d in enumerate(reports) if d["error"]]
+        failures = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
         failures += [f"rank {r}: {e}" for r, e in enumerate(done) if e]
-        writes = [write] if write else []
-        writes += [RankWrite.from_json(d["write"]) for d in reports[1:] if d["write"]]
+        writes = [r.write_doc() for r in reports if r.file]
         try:
             if error is not None:  # still tell the node leaders, who wait for the manifest
                 raise error
             if failures:
                 raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
-            manifest, data = _commit(storage, step, writes, skeleton, ctx.world_size,
-                                     {str(r): {"rng": d["rng"]} for r, d in enumerate(reports)})
+            committed = _commit_docs(storage, step, writes, skeleton, ctx.world_size,
+                                     {str(r.rank): {"rng": r.rng} for r in reports})
         except BaseException:
-            discard(storage, step, [w.file for w in writes])
+            discard(storage, step, [w["file"] for w in writes])
             if ctx.distributed:
                 ctx.put(f"{key}/manifest", "")
             raise
         if ctx.distributed:
-            ctx.put(f"{key}/manifest", data.decode())
-        return manifest
+            ctx.store.set(f"{key}/manifest", committed.manifest_json)
+        return committed
     ctx.put(f"{key}/r/{ctx.rank}", rep_error)
     if error is not None:
         raise error
     if ctx.node_leader(ctx.rank):  # write rank 0's manifest into this node's directory
-        doc = ctx.get(f"{key}/manifest")
-        if not doc:
+        data = ctx.get_raw(f"{key}/manifest")
+        if data in (b"", b'""'):  # rank 0's "not committed" (put as JSON "")
             discard(storage, step, [name for name, _ in storage.list_dir(step_dir_name(step))])
             raise StorageError(f"step {step} was not committed to the RAM tier (rank 0 gave up)")
-        storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", doc.encode())
+        storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
     return None
 
 
-def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContext, peers: PeerGroup,
+def _replicate(storage: Storage, step: int, reports: list[_Report], ctx: DistContext, peers: PeerGroup,
                replicas: int, own_bytes=None) -> None:
     """Send this rank's file to its replica targets; store verified copies of what arrives.
 
@@ -274,17 +322,16 @@ def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContex
     """
     import torch
 
-    docs = {r: d["write"] for r, d in enumerate(reports) if d["write"]}
-    files = [docs[r]["file"] if r in docs else None for r in range(ctx.world_size)]
+    files = [r.file for r in reports]
     plan = replication_plan(files, ctx.nodes, replicas)
     step_dir = step_dir_name(step)
     # Only the writes this rank receives are decoded (their chunks are checked on arrival).
-    incoming = {t.file: RankWrite.from_json(docs[t.src]) for t in plan if t.dst == ctx.rank}
+    incoming = {t.file: json.loads(reports[t.src].tensors_json) for t in plan if t.dst == ctx.rank}
 
     def read(name: str):
         if own_bytes is not None:
             return own_bytes
-        buf = torch.empty(docs[ctx.rank]["nbytes"], dtype=torch.uint8)
+        buf = torch.empty(reports[ctx.rank].nbytes, dtype=torch.uint8)
         with storage.open_read(f"{step_dir}/{name}") as f:
             if buf.numel():
                 f.readinto(memoryview(buf.numpy()))
@@ -292,15 +339,15 @@ def _replicate(storage: Storage, step: int, reports: list[dict], ctx: DistContex
 
     def write(name: str, buf) -> None:
         data = memoryview(buf.numpy())
-        for t in incoming[name].tensors:
-            for sh in t.shards:
-                for c in sh.chunks:
-                    codec.check(data[c.offset:c.offset + c.length], c.checksum,
-                                f"replica {name} of step {step} (tensor {t.name!r})")
+        for t in incoming[name]:
+            for sh in t["shards"]:
+                for c in sh["chunks"]:
+                    codec.check(data[c["offset"]:c["offset"] + c["length"]], c["checksum"],
+                                f"replica {name} of step {step} (tensor {t['name']!r})")
         with storage.open_write(f"{step_dir}/{name}") as f:
             f.write(data)
 
-    sizes = {(r, d["file"]): d["nbytes"] for r, d in docs.items()}
+    sizes = {(r.rank, r.file): r.nbytes for r in reports if r.file}
     fault_point("replicate", step, ctx.rank)
     peers.run(plan, read, write, sizes, keep_buffers=True)
 

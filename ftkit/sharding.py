@@ -79,6 +79,27 @@ def row_block(n: int, parts: int, i: int) -> tuple[int, int]:
 def plan_pieces(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int,
                 rng_prefix: str = "_rng/") -> list[tuple[Piece, torch.Tensor]]:
     """The pieces this rank saves, each with the source tensor (view) to copy from."""
+    if any(is_dtensor(t) for _, t in named):
+        return _plan_pieces(named, rank, world_size, rng_prefix)
+    # Without DTensors the plan depends only on names, shapes and dtypes, which stay the
+    # same from one snapshot to the next: plan once, then only slice the sources.
+    signature = (rank, world_size, rng_prefix, tuple((n, t.shape, t.dtype) for n, t in named))
+    cached = _PLAN_CACHE.get(signature)
+    if cached is None:
+        index = {n: i for i, (n, _) in enumerate(named)}
+        cached = [(p, index[p.name], p.offsets[0] if p.lengths != p.global_shape else None)
+                  for p, _ in _plan_pieces(named, rank, world_size, rng_prefix)]
+        _PLAN_CACHE.clear()  # one state per process is the rule; keep only the latest plan
+        _PLAN_CACHE[signature] = cached
+    return [(p, named[i][1] if start is None else named[i][1][start:start + p.lengths[0]])
+            for p, i, start in cached]
+
+
+_PLAN_CACHE: dict[tuple, list[tuple[Piece, int, int | None]]] = {}
+
+
+def _plan_pieces(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int,
+                 rng_prefix: str) -> list[tuple[Piece, torch.Tensor]]:
     mine: list[tuple[Piece, torch.Tensor]] = []
     load = [0] * world_size  # bytes assigned per rank, for balancing small tensors
     for name, t in named:

@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import uuid
 from typing import Any, Iterator
 
@@ -127,6 +128,13 @@ class Storage:
     # ------------------------------------------------------------------- reads
     def list_dir(self, rel: str = "") -> list[tuple[str, str]]:
         """(name, "file"|"directory") of the entries below `rel`; [] when it does not exist."""
+        if self.is_local:  # the RAM tier lists at every commit: skip fsspec's per-entry info()
+            with self._errors("listing", rel):
+                try:
+                    with os.scandir(self.path(rel)) as it:
+                        return [(e.name, "directory" if e.is_dir() else "file") for e in it]
+                except FileNotFoundError:
+                    return []
         with self._errors("listing", rel):
             self.fs.invalidate_cache(self.path(rel))
             try:
@@ -144,6 +152,8 @@ class Storage:
 
     def exists(self, rel: str) -> bool:
         with self._errors("checking", rel):
+            if self.is_local:
+                return os.path.exists(self.path(rel))
             return bool(self.fs.exists(self.path(rel)))
 
     def size(self, rel: str) -> int:
@@ -218,7 +228,12 @@ class Storage:
     def remove(self, rel: str, recursive: bool = False) -> None:
         with self._errors("removing", rel):
             try:
-                self.fs.rm(self.path(rel), recursive=recursive)
+                if not self.is_local:
+                    self.fs.rm(self.path(rel), recursive=recursive)
+                elif recursive and os.path.isdir(self.path(rel)):
+                    shutil.rmtree(self.path(rel))
+                else:
+                    os.remove(self.path(rel))
             except FileNotFoundError:
                 pass
 

@@ -149,6 +149,28 @@ def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: 
     return f"SAVED rank={rank}"
 
 
+def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -> tuple[int, int]:
+    """Snapshot every step to RAM + peer; the store's key count after steps[0] and after steps[1]."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    model, opt = build("ddp", seed=1)
+    counts = []
+    with ftkit.Checkpointer({"model": model, "optim": opt}, ram_tiers(disk, 10**6)) as ck:
+        for step in range(1, steps[1] + 1):
+            loss = model(torch.randn(8, 16)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ck.snapshot(step)
+            if step in steps:
+                ck.wait()
+                dist.barrier()
+                counts.append(_get_default_store().num_keys())
+                dist.barrier()
+        assert ck.stats.failed == 0
+    return counts[0], counts[1]
+
+
 def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk_every: int = 100):
     """Restore; compare with the reference of the restored step; report the source."""
     model, opt = build(parallel, seed=1000 + rank)

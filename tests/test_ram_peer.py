@@ -50,6 +50,15 @@ def test_lost_node_restores_from_peer_replicas_not_disk(job):
     assert out[2]["from_peers"] == 4
 
 
+def test_snapshots_every_step_do_not_grow_the_store(job):
+    """Each RAM-tier commit leaves ~10 small keys (reports, the manifest) in torchrun's
+    store; the next commit deletes them, or a job snapshotting every step for days
+    would fill the agent's memory."""
+    out = run_ranks(4, dist_worker.ram_store_growth, job["disk"], (4, 24), env=job["env"])
+    before, after = out[0]
+    assert after - before < 10, f"{after - before} store keys more after 20 more snapshots"
+
+
 def _flip(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
