@@ -307,6 +307,14 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                 print(f"  {name}: one snapshot every {v['every_n']} steps instead (same tiers; mean step time "
                       f"over its blocks vs no ftkit): {v['every_slowdown'] * 100:+.1f}%")
         for name, v in t.items():
+            c = v.get("cpu_per_step_s")
+            if c:
+                extra = [sn - at for sn, at in zip(c["snapshot"], c["attached"])]
+                print(f"  {name}: CPU per step of each rank process (all threads), mean over ranks: no ftkit "
+                      f"{fmt_s(statistics.fmean(c['base']))}, attached {fmt_s(statistics.fmean(c['attached']))}, "
+                      f"snapshot every step {fmt_s(statistics.fmean(c['snapshot']))}: a snapshot costs "
+                      f"{fmt_s(statistics.fmean(extra))} of CPU per rank ({'/'.join(fmt_s(x) for x in extra)})")
+        for name, v in t.items():
             print(f"  {name}: background persist per snapshot, by rank: wall "
                   + "/".join(fmt_s(x) for x in v["persist_wall_s"]) + "; CPU of the persist thread "
                   + "/".join(fmt_s(x) for x in v["persist_cpu_s"]))
@@ -814,6 +822,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     step = 0
     times: dict[str, list[float]] = {"base": [], "attached": [], "snapshot": [], "every": []}
     stalls: list[float] = []
+    cpu = {"base": 0.0, "attached": 0.0, "snapshot": 0.0, "every": 0.0}
     try:
         R.log(f"train {kind}: warm-up")
         for _ in range(3):
@@ -831,6 +840,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
             R.log(f"train {kind}: round {i + 1}/{a.rounds}")
             for block in ("base", "attached", "snapshot", "every"):
                 R.barrier()
+                c0 = time.process_time()  # every thread of this rank: the training loop's and ftkit's
                 for j in range(a.steps):
                     step += 1
                     t0 = now()
@@ -844,6 +854,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
                         stalls.append(ck.stats.last_stall_s)
                     times[block].append(now() - t0)
                 ck.wait()  # a block's tail persist does not spill into the next block
+                cpu[block] += time.process_time() - c0
         failed = ck.stats.failed
     finally:
         ck.close()
@@ -851,7 +862,8 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     if R.rank == 0:
         shutil.rmtree(os.path.join(a.shm, f"train-{kind}"), ignore_errors=True)
     jobs = list(_JOBS)
-    per = R.gather({**times, "stall": stalls, "failed": failed,
+    n_steps = a.rounds * a.steps
+    per = R.gather({**times, "stall": stalls, "failed": failed, "cpu": {k: v / n_steps for k, v in cpu.items()},
                     "job_wall": median([j[0] for j in jobs]), "job_cpu": median([j[1] for j in jobs])})
     if any(p["failed"] for p in per):
         raise AssertionError(f"{kind}: background persists failed")
@@ -869,6 +881,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     return {"params": params, "state_bytes": state_bytes, "steps": len(b), "base_s": bm, "attached_s": am,
             "ftkit_s": fm, "stall_s": sm, "slowdown": fm / bm - 1, "attached_slowdown": am / bm - 1,
             "every_n": a.steps, "every_slowdown": every_slowdown,
+            "cpu_per_step_s": {k: [p["cpu"][k] for p in per] for k in cpu},
             "contention": (fm - sm - am) / bm, "base_p90_s": p90(b), "ftkit_p90_s": p90(f),
             "persist_wall_s": [p["job_wall"] for p in per], "persist_cpu_s": [p["job_cpu"] for p in per],
             "base_all_s": b, "attached_all_s": at, "ftkit_all_s": f, "stall_all_s": s}

@@ -38,7 +38,7 @@ from .faults import fault_point
 from .persist import AlreadyCommitted, delete_step, node_local_keys, persist, persist_node_local, skipped_report
 from .peers import PeerGroup
 from .preemption import PreemptionHandler
-from .ramtier import node_dir
+from .ramtier import SparePool, node_dir
 from .reader import scan
 from .restore import restore as _restore
 from .retention import plan_retention
@@ -141,6 +141,9 @@ class Checkpointer:
         self._ram_index = next((i for i, t in enumerate(self.tiers) if t.is_ram), None)
         peer = next((t for t in self.tiers if t.is_peer), None)
         self._replicas = peer.replicas if peer else 0
+        if self._ram_index is not None:  # room for one step of this node's data files and replicas
+            ram = self._storages[self._ram_index]
+            ram.spares = SparePool(ram.root, self._ctx.nodes.count(self._ctx.node) * (1 + self._replicas))
         # Store keys this rank's RAM-tier commits (and skips) left, by tier, with their step:
         # the next commit of a later step deletes them.
         self._stale_keys: dict[int, list[tuple[int, str]]] = {}

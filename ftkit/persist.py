@@ -81,11 +81,13 @@ def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Pie
     slot.ready()
     assert slot.layout is not None
     image = compress is None
-    with storage.open_write(rel) as f:
-        if image:
-            f.write(memoryview(slot.image().numpy()))
+    with storage.open_write(rel, recycle=True) as f:
+        whole = memoryview(slot.image().numpy()).cast("B") if image else None
+        if whole is not None:
+            f.write(whole)
         for e in slot.layout.entries:
-            raw = slot.bytes_of(e)
+            # One view of the image, sliced per tensor: a tensor view per entry costs more than its hash.
+            raw = whole[e.offset:e.offset + e.nbytes] if whole is not None else slot.bytes_of(e)
             chunks = []
             for raw_off in range(0, e.nbytes, CHUNK_BYTES):
                 piece = raw[raw_off:raw_off + CHUNK_BYTES]
@@ -344,7 +346,7 @@ def _replicate(storage: Storage, step: int, reports: list[_Report], ctx: DistCon
                 for c in sh["chunks"]:
                     codec.check(data[c["offset"]:c["offset"] + c["length"]], c["checksum"],
                                 f"replica {name} of step {step} (tensor {t['name']!r})")
-        with storage.open_write(f"{step_dir}/{name}") as f:
+        with storage.open_write(f"{step_dir}/{name}", recycle=True) as f:
             f.write(data)
 
     sizes = {(r.rank, r.file): r.nbytes for r in reports if r.file}
@@ -368,6 +370,9 @@ def delete_step(storage: Storage, step: int) -> None:
     """Remove a step: manifest first, so it stops existing before its data goes."""
     d = step_dir_name(step)
     storage.remove(f"{d}/{MANIFEST_NAME}")
+    if storage.spares is not None:  # the RAM tier writes its next files over these (ramtier.SparePool)
+        names = [n for n, kind in storage.list_dir(d) if kind == "file" and n.endswith(".data")]
+        storage.spares.give([storage.path(f"{d}/{n}") for n in names])
     storage.remove(d, recursive=True)
 
 

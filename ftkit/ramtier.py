@@ -11,12 +11,19 @@ The node's directory holds the step manifests (copied there by the node's first
 rank after rank 0 commits), the node's own ranks' data files, and the replicas
 other nodes sent it; a step's files may therefore be spread over nodes, which
 the restore planner accounts for.
+
+Writing into fresh tmpfs pages costs about three times as much as writing over
+pages a file already has (the kernel allocates and zeroes each one): 7.4 ms
+against 2.2 ms for 16 MiB here. So the data files of a step that retention
+removes are kept in ``<node>/.spare/`` (one step's worth at most), and the next
+data file written on the node, its own or a peer's replica, is written over one.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import uuid
 
 RAM_URL = "ram"
 PEER_URL = "peer"
@@ -51,3 +58,52 @@ def remove_job(job: str | None = None) -> str:
     path = job_dir(job)
     shutil.rmtree(path, ignore_errors=True)
     return path
+
+
+SPARE_DIR = ".spare"
+
+
+class SparePool:
+    """Data files of removed steps, kept so the next writes reuse their pages.
+
+    Shared by every rank of the node (one directory); a file is claimed by an
+    atomic rename, so two ranks never get the same one. `limit` caps the files
+    kept (about one step's worth); the rest are deleted as before.
+    """
+
+    def __init__(self, node_path: str, limit: int):
+        self.dir = os.path.join(node_path, SPARE_DIR)
+        self.limit = limit
+
+    def give(self, paths: list[str]) -> list[str]:
+        """Keep what fits of `paths` (data files of a step being removed); returns those not kept."""
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            room = self.limit - len(os.listdir(self.dir))
+        except OSError:
+            return list(paths)
+        rest = []
+        for path in paths:
+            if room <= 0:
+                rest.append(path)
+                continue
+            try:
+                os.rename(path, os.path.join(self.dir, uuid.uuid4().hex[:12]))
+                room -= 1
+            except OSError:
+                rest.append(path)
+        return rest
+
+    def take(self, dest: str) -> bool:
+        """Move a spare file to `dest` (which must not exist); False when there is none."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return False
+        for name in names:
+            try:
+                os.rename(os.path.join(self.dir, name), dest)
+                return True
+            except FileNotFoundError:  # another rank of this node took it first
+                continue
+        return False

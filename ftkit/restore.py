@@ -407,7 +407,7 @@ def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
 
 
 def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor) -> None:
-    with storage.open_write(f"{step_dir}/{name}") as f:
+    with storage.open_write(f"{step_dir}/{name}", recycle=True) as f:
         f.write(memoryview(buf.numpy()))
 
 

@@ -96,6 +96,8 @@ class Storage:
             raise StorageError(self._scrub(f"{self.display_url}: cannot open storage: {_one_line(e)}")) from None
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.protocol = protocol
+        # Local files to write over instead of creating new ones (the RAM tier's, see ramtier.py).
+        self.spares: Any = None
 
     # ----------------------------------------------------------------- helpers
     def path(self, rel: str = "") -> str:
@@ -178,19 +180,24 @@ class Storage:
 
     # ------------------------------------------------------------------ writes
     @contextlib.contextmanager
-    def open_write(self, rel: str) -> Iterator[Any]:
-        """A file that appears at `rel` only if the block completes without error."""
+    def open_write(self, rel: str, *, recycle: bool = False) -> Iterator[Any]:
+        """A file that appears at `rel` only if the block completes without error.
+
+        recycle: a big data file; write it over one of `spares` when there is one."""
         full = self.path(rel)
         with self._errors("writing", rel):
             if self.is_local:
                 os.makedirs(os.path.dirname(full), exist_ok=True)
                 tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+                reused = recycle and self.spares is not None and self.spares.take(tmp)
                 # Buffered so that many small tensors become few syscalls; big writes pass through.
-                f = open(tmp, "wb", buffering=8 * 2**20)
+                f = open(tmp, "r+b" if reused else "wb", buffering=8 * 2**20)
                 ok = False
                 try:
                     yield f
                     f.flush()
+                    if reused:
+                        f.truncate()  # a spare may be longer than what was written
                     os.fsync(f.fileno())
                     ok = True
                 finally:

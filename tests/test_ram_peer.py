@@ -166,3 +166,49 @@ def test_ram_restore_of_a_mismatched_state_touches_no_live_byte(solo_ram):
         with pytest.raises(StateMismatchError, match=r"w: shape \(300000,\) in checkpoint, \(10,\) live"):
             ck.restore()
     assert torch.equal(live["b"], torch.full((7,), 7.0)) and torch.equal(live["w"], torch.full((10,), 7.0))
+
+
+def test_ram_tier_writes_new_steps_over_the_pages_of_removed_ones(solo_ram):
+    import torch
+
+    import ftkit
+
+    def data_inodes(step):
+        return {p.stat().st_ino for p in solo_ram.glob(f"step-{step:012d}/*.data")}
+
+    state = {"w": torch.zeros(300_000)}
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram", keep=1)], rng=False) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        first = data_inodes(1)
+        for step in (2, 3):  # keep=1: step 1's file becomes a spare, step 2 is written over it, ...
+            state["w"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+        assert data_inodes(3) == first  # the same file, renamed and overwritten
+        assert not (solo_ram / "step-000000000001").exists()
+        state["w"].zero_()
+        assert ck.restore() == 3
+    assert torch.equal(state["w"], torch.full_like(state["w"], 3.0))
+
+
+def test_a_longer_spare_is_cut_to_what_was_written(tmp_path):
+    from ftkit.ramtier import SparePool
+    from ftkit.storage import Storage
+
+    storage = Storage(str(tmp_path / "node"))
+    storage.makedirs("")
+    storage.spares = SparePool(str(tmp_path / "node"), limit=1)
+    old = tmp_path / "node" / "old.data"
+    old.write_bytes(b"x" * 4096)
+    assert storage.spares.give([str(old)]) == [] and not old.exists()
+    assert storage.spares.give([str(tmp_path / "gone.data")]) == [str(tmp_path / "gone.data")]  # full: not kept
+    storage.write_bytes_atomic("step-000000000001/manifest.json", b"{}")  # small files never take a spare
+    assert any((tmp_path / "node" / ".spare").iterdir())
+    with storage.open_write("step-000000000001/new.data", recycle=True) as f:
+        f.write(b"new bytes")
+    assert storage.read_bytes("step-000000000001/new.data") == b"new bytes"
+    assert not any((tmp_path / "node" / ".spare").iterdir())  # taken
+    with storage.open_write("step-000000000001/next.data", recycle=True) as f:  # none left: a new file as before
+        f.write(b"more")
+    assert storage.read_bytes("step-000000000001/next.data") == b"more"
