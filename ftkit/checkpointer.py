@@ -266,6 +266,8 @@ class Checkpointer:
                     if self.tiers[i].is_ram:  # persist_node_local's two gathers
                         ctx.store.set(f"{key}/w/{ctx.rank}", skipped_report(reason))
                         ctx.put(f"{key}/r/{ctx.rank}", None)
+                        if ctx.rank == 0:  # no commit: the other nodes' leaders wait for it otherwise
+                            ctx.put(f"{key}/manifest", "")
                         with self._errors_lock:  # the persist thread deletes them with its own
                             self._stale_keys.setdefault(i, []).extend(
                                 (step, k) for k in node_local_keys(key, ctx.rank))

@@ -277,7 +277,9 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     if stale_keys:  # everyone has reported this step: nobody reads the older keys any more
         ctx.delete(*stale_keys)
     rep_error = None
-    if peers is not None and replicas > 0 and error is None:
+    # A step some rank could not write (or skipped) will not be committed, and that rank
+    # takes no part in replication: every rank sees the same reports and skips it too.
+    if peers is not None and replicas > 0 and not any(r.error for r in reports):
         try:  # uncompressed, the data file is the slot's byte image: send the slot, not the file
             _replicate(storage, step, reports, ctx, peers, replicas, slot.image() if compress is None else None)
         except Exception as e:

@@ -171,6 +171,34 @@ def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -
     return counts[0], counts[1]
 
 
+def ram_skip_on_rank0(rank: int, world: int) -> dict:
+    """policy "skip" where only rank 0 runs out of staging slots at step 2."""
+    import time
+
+    from ftkit.ramtier import node_dir
+
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
+    budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
+    with ftkit.Checkpointer(state, ["ram", ftkit.Tier("peer", replicas=1)], policy="skip", rng=False,
+                            max_staging_bytes=budget) as ck:
+        if rank == 1:
+            time.sleep(2)  # rank 0's persist of step 1 waits for this rank's report meanwhile
+        ck.snapshot(1)
+        ck.snapshot(2)  # rank 0's only slot is still busy with step 1: it skips step 2
+        try:
+            ck.wait()
+        except ftkit.FtkitError:  # step 2 was not committed: the node leaders say so
+            pass
+        ck.snapshot(3)
+        ck.wait()
+        skipped = ck.stats.skipped
+    dist.barrier()
+    node = node_dir(f"node{rank // 2}")
+    committed = sorted(int(d.name[5:]) for d in os.scandir(node)
+                       if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json")))
+    return {"skipped": skipped, "committed": committed}
+
+
 def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk_every: int = 100):
     """Restore; compare with the reference of the restored step; report the source."""
     model, opt = build(parallel, seed=1000 + rank)

@@ -59,6 +59,15 @@ def test_snapshots_every_step_do_not_grow_the_store(job):
     assert after - before < 10, f"{after - before} store keys more after 20 more snapshots"
 
 
+def test_rank0_skipping_a_snapshot_costs_the_other_nodes_no_wait(job):
+    """Under policy "skip" a rank 0 that skips a step never writes its manifest: the
+    other nodes' leaders must hear so at once, not after the commit timeout (300 s),
+    while their persist threads hold every later snapshot back."""
+    out = run_ranks(4, dist_worker.ram_skip_on_rank0, env=job["env"], timeout=90)
+    assert [o["skipped"] for o in out] == [1, 0, 0, 0]
+    assert all(o["committed"] == [1, 3] for o in out)  # step 2 exists on no node
+
+
 def _flip(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
