@@ -74,6 +74,7 @@ class _Job:
     tiers: list[int]
     pieces: dict[str, Piece]
     rng: Any
+    epoch: int  # restore() calls before it was staged: commits after a restore use new store keys
 
 
 class Checkpointer:
@@ -144,9 +145,9 @@ class Checkpointer:
         if self._ram_index is not None:  # room for one step of this node's data files and replicas
             ram = self._storages[self._ram_index]
             ram.spares = SparePool(ram.root, self._ctx.nodes.count(self._ctx.node) * (1 + self._replicas))
-        # Store keys this rank's RAM-tier commits (and skips) left, by tier, with their step:
-        # the next commit of a later step deletes them.
-        self._stale_keys: dict[int, list[tuple[int, str]]] = {}
+        # Store keys this rank's RAM-tier commits (and skips) left, by tier, with their
+        # (restore epoch, step): the next commit of a later one deletes them.
+        self._stale_keys: dict[int, list[tuple[tuple[int, int], str]]] = {}
         if peer and self._ram_index is None:
             raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
         self._peers: PeerGroup | None = None
@@ -262,7 +263,7 @@ class Checkpointer:
             if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
                 reason = "snapshot skipped: staging busy"
                 for i in due:
-                    key = f"commit/{i}/{step}"
+                    key = _commit_key(i, self._restores, step)
                     if self.tiers[i].is_ram:  # persist_node_local's two gathers
                         ctx.store.set(f"{key}/w/{ctx.rank}", skipped_report(reason))
                         ctx.put(f"{key}/r/{ctx.rank}", None)
@@ -270,7 +271,7 @@ class Checkpointer:
                             ctx.put(f"{key}/manifest", "")
                         with self._errors_lock:  # the persist thread deletes them with its own
                             self._stale_keys.setdefault(i, []).extend(
-                                (step, k) for k in node_local_keys(key, ctx.rank))
+                                ((self._restores, step), k) for k in node_local_keys(key, ctx.rank))
                     else:
                         ctx.put(f"{key}/{ctx.rank}", {"write": None, "rng": None, "error": reason})
             return False
@@ -286,7 +287,7 @@ class Checkpointer:
         self.events.emit("snapshot", step=step, stall_s=self.stats.last_stall_s,
                          bytes=slot.layout.total_bytes if slot.layout else 0)
         self._jobs.put(_Job(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces},
-                            captured.rng))
+                            captured.rng, self._restores))
         return True
 
     def mark_compute_done(self) -> None:
@@ -323,21 +324,12 @@ class Checkpointer:
             tier, storage = self.tiers[i], self._storages[i]
             try:
                 t0 = time.perf_counter()
+                key = _commit_key(i, job.epoch, job.step)
                 if tier.is_ram:
-                    key = f"commit/{i}/{job.step}"
-                    with self._errors_lock:  # keys of earlier steps go; a skip of a later step stays
-                        keys = self._stale_keys.get(i, [])
-                        stale = tuple(k for s, k in keys if s < job.step)
-                        self._stale_keys[i] = [(s, k) for s, k in keys if s >= job.step]
-                        self._stale_keys[i] += [(job.step, k) for k in node_local_keys(key, self._ctx.rank)]
-                    committed = persist_node_local(
-                        storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
-                        rng=job.rng, ctx=self._bg_ctx, key=key, peers=self._peers,
-                        replicas=self._replicas, stale_keys=stale)
+                    committed = self._persist_ram(i, storage, job, key)
                 else:
                     committed = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
-                                       pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx,
-                                       key=f"commit/{i}/{job.step}")
+                                       pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx, key=key)
                 self.stats.persisted += 1
                 self.stats.last_committed[tier.url] = job.step
                 self.events.emit("persist", step=job.step, tier=tier.url, ok=True,
@@ -355,6 +347,25 @@ class Checkpointer:
                 log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, e)
                 with self._errors_lock:
                     self._errors.append(e)
+
+    def _persist_ram(self, i: int, storage: Storage, job: _Job, key: str):
+        """persist_node_local for tier i, handing it the store keys earlier commits left."""
+        at = (job.epoch, job.step)  # keys of earlier steps (or of before a restore) go; a later skip's stay
+        with self._errors_lock:
+            keys = self._stale_keys.get(i, [])
+            stale = [(t, k) for t, k in keys if t < at]
+            self._stale_keys[i] = [(t, k) for t, k in keys if t >= at]
+            self._stale_keys[i] += [(at, k) for k in node_local_keys(key, self._ctx.rank)]
+        names = [k for _, k in stale]
+        try:
+            return persist_node_local(
+                storage, job.step, job.slot, job.skeleton, compress=self.tiers[i].compress, pieces=job.pieces,
+                rng=job.rng, ctx=self._bg_ctx, key=key, peers=self._peers, replicas=self._replicas,
+                stale_keys=names)
+        finally:
+            if names:  # not deleted this time (see persist_node_local): the next commit tries again
+                with self._errors_lock:
+                    self._stale_keys[i] += stale
 
     def _apply_retention(self, tier: Tier, storage: Storage, protect: int) -> None:
         """After committing `protect`: drop old steps, and partial steps older than it.
@@ -449,6 +460,13 @@ class Checkpointer:
         if not self._closed:
             self.wait()
         return _restore(self, step)
+
+
+def _commit_key(tier: int, epoch: int, step: int) -> str:
+    """The store keys of one step's commit to one tier. `epoch` (restore() calls so far)
+    keeps a step snapshotted again after an in-process restore from meeting the keys
+    of its first commit."""
+    return f"commit/{tier}/{epoch}/{step}"
 
 
 def _exit_unless_gone(seconds: float, exc: BaseException | None) -> None:

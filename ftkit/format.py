@@ -24,7 +24,7 @@ from typing import Any
 from .errors import FormatError
 
 FORMAT_NAME = "ftkit-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Python's RNG state as a tensor (FORMAT.md, the skeleton)
 MANIFEST_NAME = "manifest.json"
 STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
 # Data files are plain names inside their step directory: no separators, no "..".

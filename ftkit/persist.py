@@ -110,8 +110,10 @@ def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Pie
 def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
            world_size: int = 1, rank_state: dict[str, Any] | None = None) -> Manifest:
     """Write the manifest that makes `step` exist (atomic on every backend); return it as read back."""
-    done = _commit_docs(storage, step, [w.to_json() for w in writes], skeleton, world_size, rank_state or {})
-    return manifest_from_json(done.manifest_json, storage.where(f"{step_dir_name(step)}/{MANIFEST_NAME}"), step)
+    done = _commit_docs(storage, step, [w.to_json() for w in writes], skeleton, world_size, rank_state or {},
+                        validate=True)
+    assert done.manifest is not None
+    return done.manifest
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class Committed:
     step: int
     stored_bytes: int
     manifest_json: bytes
+    manifest: Manifest | None = None  # parsed back, when the caller asked for validation
 
 
 def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -142,7 +145,7 @@ def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _commit_docs(storage: Storage, step: int, writes: list[dict[str, Any]], skeleton: dict[str, Any],
-                 world_size: int, rank_state: dict[str, Any]) -> Committed:
+                 world_size: int, rank_state: dict[str, Any], validate: bool = False) -> Committed:
     """commit() from the ranks' reports as they arrived: the manifest is assembled from
     the JSON documents, never rebuilt as dataclasses (that is most of a small model's
     commit time when a snapshot is taken every step)."""
@@ -152,8 +155,10 @@ def _commit_docs(storage: Storage, step: int, writes: list[dict[str, Any]], skel
     data = manifest_json(step, world_size, merge_write_docs(writes), skeleton,
                          {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in writes},
                          rank_state, time.time(), _writer_info())
+    # validate: read it back as a reader would before it exists (offline reshard; the hot path trusts its own ranks)
+    manifest = manifest_from_json(data, storage.where(rel), step) if validate else None
     storage.write_bytes_atomic(rel, data)
-    return Committed(step, sum(w["nbytes"] for w in writes), data)
+    return Committed(step, sum(w["nbytes"] for w in writes), data, manifest)
 
 
 def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank: int):
@@ -222,11 +227,12 @@ class _Report:
     error: str | None
     rng: Any
     tensors_json: str
+    skipped: bool = False  # sent by the training thread (policy "skip"), not by a persist thread
 
     @staticmethod
-    def encode(write: RankWrite | None, error: str | None, rng: Any) -> str:
+    def encode(write: RankWrite | None, error: str | None, rng: Any, skipped: bool = False) -> str:
         head = {"file": write.file if write else None, "nbytes": write.nbytes if write else 0,
-                "error": error, "rng": rng}
+                "error": error, "rng": rng, "skipped": skipped}
         tensors = [tensor_entry_doc(t) for t in write.tensors] if write else []
         return json.dumps(head) + "\n" + json.dumps(tensors)  # json.dumps never emits a raw newline
 
@@ -234,7 +240,8 @@ class _Report:
     def decode(rank: int, text: str) -> "_Report":
         head, _, tensors = text.partition("\n")
         h = json.loads(head)
-        return _Report(rank, h["file"], int(h["nbytes"]), h["error"], h["rng"], tensors or "[]")
+        return _Report(rank, h["file"], int(h["nbytes"]), h["error"], h["rng"], tensors or "[]",
+                       bool(h.get("skipped")))
 
     def write_doc(self) -> dict[str, Any]:
         return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes, "tensors": json.loads(self.tensors_json)}
@@ -242,7 +249,7 @@ class _Report:
 
 def skipped_report(reason: str) -> str:
     """The report a rank that skipped a step's snapshot gives, so nobody waits for its share."""
-    return _Report.encode(None, reason, None)
+    return _Report.encode(None, reason, None, skipped=True)
 
 
 def node_local_keys(key: str, rank: int) -> list[str]:
@@ -253,7 +260,7 @@ def node_local_keys(key: str, rank: int) -> list[str]:
 def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
                        compress: str | None, pieces: Mapping[str, Piece] | None, rng: Any,
                        ctx: DistContext, key: str, peers: PeerGroup | None = None,
-                       replicas: int = 0, stale_keys: tuple[str, ...] = ()) -> Committed | None:
+                       replicas: int = 0, stale_keys: list[str] | None = None) -> Committed | None:
     """Persist one step to a node-local tier (the RAM tier), with peer replicas.
 
     1. every rank writes its data file into its node's directory and reports it;
@@ -264,8 +271,11 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     Returns what was committed on rank 0, None elsewhere.
 
     `stale_keys`: earlier calls' keys of this rank (node_local_keys()), deleted once
-    step 1's gather shows that every rank has moved past those calls; a job that
-    snapshots every step would otherwise grow the store by every report it ever sent.
+    step 1's gather shows that every rank has moved past those calls (and the list
+    emptied); a job that snapshots every step would otherwise grow the store by
+    every report it ever sent. A report from a persist thread proves it: that
+    thread takes its steps in order. A skip report does not (the training thread
+    sends it while earlier steps may still be queued), so then they wait.
     """
     try:
         write, error = _write_share(storage, step, slot, pieces, compress, ctx.rank)
@@ -274,8 +284,9 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     text = _Report.encode(write, str(error) if error else None, rng)
     texts = ctx.gather_text(f"{key}/w", text) if ctx.distributed else [text]
     reports = [_Report.decode(r, t) for r, t in enumerate(texts)]
-    if stale_keys:  # everyone has reported this step: nobody reads the older keys any more
+    if stale_keys and not any(r.skipped for r in reports):  # nobody reads the older keys any more
         ctx.delete(*stale_keys)
+        stale_keys.clear()
     rep_error = None
     # A step some rank could not write (or skipped) will not be committed, and that rank
     # takes no part in replication: every rank sees the same reports and skips it too.

@@ -96,9 +96,9 @@ class SparePool:
 
     def take(self, dest: str) -> bool:
         """Move a spare file to `dest` (which must not exist); False when there is none."""
-        try:
+        try:  # spares only save time: any trouble here means a new file, as without them
             names = os.listdir(self.dir)
-        except FileNotFoundError:
+        except OSError:
             return False
         for name in names:
             try:
@@ -106,4 +106,6 @@ class SparePool:
                 return True
             except FileNotFoundError:  # another rank of this node took it first
                 continue
+            except OSError:
+                return False
         return False

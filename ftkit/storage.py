@@ -190,8 +190,12 @@ class Storage:
                 os.makedirs(os.path.dirname(full), exist_ok=True)
                 tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
                 reused = recycle and self.spares is not None and self.spares.take(tmp)
-                # Buffered so that many small tensors become few syscalls; big writes pass through.
-                f = open(tmp, "r+b" if reused else "wb", buffering=8 * 2**20)
+                try:  # buffered so that many small tensors become few syscalls; big writes pass through
+                    f = open(tmp, "r+b" if reused else "wb", buffering=8 * 2**20)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)  # a spare already renamed to tmp
+                    raise
                 ok = False
                 try:
                     yield f

@@ -199,6 +199,27 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
     return {"skipped": skipped, "committed": committed}
 
 
+def ram_rewind_and_redo(rank: int, world: int) -> dict:
+    """Snapshot steps 1-3, restore step 1 in the same process, snapshot 2-3 again with
+    other values; then a new Checkpointer restores the newest step."""
+    state = {"w": torch.zeros(1 << 18)}
+    tiers = [ftkit.Tier("ram", keep=5), ftkit.Tier("peer", replicas=1)]
+    with ftkit.Checkpointer(state, tiers, rng=False) as ck:
+        for step in (1, 2, 3):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+        assert ck.restore(1) == 1 and float(state["w"][0]) == 1.0
+        for step in (2, 3):  # the same step numbers, new values: a new timeline
+            state["w"].fill_(10 * step)
+            ck.snapshot(step)
+            ck.wait()
+    state["w"].zero_()
+    with ftkit.Checkpointer(state, tiers, rng=False) as ck:
+        step = ck.restore()
+    return {"step": step, "value": float(state["w"][0]), "all_equal": bool((state["w"] == state["w"][0]).all())}
+
+
 def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk_every: int = 100):
     """Restore; compare with the reference of the restored step; report the source."""
     model, opt = build(parallel, seed=1000 + rank)

@@ -76,3 +76,14 @@ def test_apply_names_missing_and_unexpected_module_keys():
     live = {"m": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))}
     with pytest.raises(StateMismatchError, match=r"keys missing from checkpoint: 1.weight, 1.bias"):
         apply(live, cs.skeleton, dict(cs.tensors))
+
+
+def test_rng_state_in_the_format_1_form_still_restores():
+    import random
+
+    version, internal, gauss = random.getstate()
+    old_form = {"python": (version, list(internal), gauss)}  # how format version 1 decoded it
+    expected = [random.random() for _ in range(3)]
+    random.seed(12345)
+    set_rng_state(old_form)
+    assert [random.random() for _ in range(3)] == expected

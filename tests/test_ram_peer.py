@@ -68,6 +68,11 @@ def test_rank0_skipping_a_snapshot_costs_the_other_nodes_no_wait(job):
     assert all(o["committed"] == [1, 3] for o in out)  # step 2 exists on no node
 
 
+def test_steps_snapshotted_again_after_an_in_process_restore_are_the_new_ones(job):
+    out = run_ranks(4, dist_worker.ram_rewind_and_redo, env=job["env"], timeout=90)
+    assert out == [{"step": 3, "value": 30.0, "all_equal": True}] * 4
+
+
 def _flip(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
