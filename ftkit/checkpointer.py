@@ -35,7 +35,8 @@ from .dist import DistContext
 from .events import EventLog
 from .errors import FtkitError
 from .faults import fault_point
-from .persist import AlreadyCommitted, delete_step, node_local_keys, persist, persist_node_local, skipped_report
+from .persist import (AlreadyCommitted, KeyLedger, commit_key, delete_step, persist, persist_node_local,
+                      report_skipped)
 from .peers import PeerGroup
 from .preemption import PreemptionHandler
 from .ramtier import SparePool, node_dir
@@ -145,9 +146,7 @@ class Checkpointer:
         if self._ram_index is not None:  # room for one step of this node's data files and replicas
             ram = self._storages[self._ram_index]
             ram.spares = SparePool(ram.root, self._ctx.nodes.count(self._ctx.node) * (1 + self._replicas))
-        # Store keys this rank's RAM-tier commits (and skips) left, by tier, with their
-        # (restore epoch, step): the next commit of a later one deletes them.
-        self._stale_keys: dict[int, list[tuple[tuple[int, int], str]]] = {}
+        self._keys = KeyLedger(self._ctx.rank)  # the store keys RAM-tier commits left (persist.py)
         if peer and self._ram_index is None:
             raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
         self._peers: PeerGroup | None = None
@@ -261,19 +260,11 @@ class Checkpointer:
             log.warning("snapshot of step %d skipped: the previous snapshots are still being persisted "
                         "(policy 'skip'; %d skipped so far)", step, self.stats.skipped)
             if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
-                reason = "snapshot skipped: staging busy"
                 for i in due:
-                    key = _commit_key(i, self._restores, step)
-                    if self.tiers[i].is_ram:  # persist_node_local's two gathers
-                        ctx.store.set(f"{key}/w/{ctx.rank}", skipped_report(reason))
-                        ctx.put(f"{key}/r/{ctx.rank}", None)
-                        if ctx.rank == 0:  # no commit: the other nodes' leaders wait for it otherwise
-                            ctx.put(f"{key}/manifest", "")
-                        with self._errors_lock:  # the persist thread deletes them with its own
-                            self._stale_keys.setdefault(i, []).extend(
-                                ((self._restores, step), k) for k in node_local_keys(key, ctx.rank))
-                    else:
-                        ctx.put(f"{key}/{ctx.rank}", {"write": None, "rng": None, "error": reason})
+                    key = commit_key(i, self._restores, step)
+                    report_skipped(ctx, key, self.tiers[i].is_ram, "snapshot skipped: staging busy")
+                    if self.tiers[i].is_ram:
+                        self._keys.record((self._restores, step), key)
             return False
         try:
             fault_point("snapshot", step, ctx.rank)
@@ -324,9 +315,12 @@ class Checkpointer:
             tier, storage = self.tiers[i], self._storages[i]
             try:
                 t0 = time.perf_counter()
-                key = _commit_key(i, job.epoch, job.step)
+                key = commit_key(i, job.epoch, job.step)
                 if tier.is_ram:
-                    committed = self._persist_ram(i, storage, job, key)
+                    committed = persist_node_local(
+                        storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
+                        rng=job.rng, ctx=self._bg_ctx, key=key, peers=self._peers, replicas=self._replicas,
+                        ledger=self._keys, at=(job.epoch, job.step))
                 else:
                     committed = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
                                        pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx, key=key)
@@ -347,25 +341,6 @@ class Checkpointer:
                 log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, e)
                 with self._errors_lock:
                     self._errors.append(e)
-
-    def _persist_ram(self, i: int, storage: Storage, job: _Job, key: str):
-        """persist_node_local for tier i, handing it the store keys earlier commits left."""
-        at = (job.epoch, job.step)  # keys of earlier steps (or of before a restore) go; a later skip's stay
-        with self._errors_lock:
-            keys = self._stale_keys.get(i, [])
-            stale = [(t, k) for t, k in keys if t < at]
-            self._stale_keys[i] = [(t, k) for t, k in keys if t >= at]
-            self._stale_keys[i] += [(at, k) for k in node_local_keys(key, self._ctx.rank)]
-        names = [k for _, k in stale]
-        try:
-            return persist_node_local(
-                storage, job.step, job.slot, job.skeleton, compress=self.tiers[i].compress, pieces=job.pieces,
-                rng=job.rng, ctx=self._bg_ctx, key=key, peers=self._peers, replicas=self._replicas,
-                stale_keys=names)
-        finally:
-            if names:  # not deleted this time (see persist_node_local): the next commit tries again
-                with self._errors_lock:
-                    self._stale_keys[i] += stale
 
     def _apply_retention(self, tier: Tier, storage: Storage, protect: int) -> None:
         """After committing `protect`: drop old steps, and partial steps older than it.
@@ -460,13 +435,6 @@ class Checkpointer:
         if not self._closed:
             self.wait()
         return _restore(self, step)
-
-
-def _commit_key(tier: int, epoch: int, step: int) -> str:
-    """The store keys of one step's commit to one tier. `epoch` (restore() calls so far)
-    keeps a step snapshotted again after an in-process restore from meeting the keys
-    of its first commit."""
-    return f"commit/{tier}/{epoch}/{step}"
 
 
 def _exit_unless_gone(seconds: float, exc: BaseException | None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -247,20 +248,57 @@ class _Report:
         return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes, "tensors": json.loads(self.tensors_json)}
 
 
-def skipped_report(reason: str) -> str:
-    """The report a rank that skipped a step's snapshot gives, so nobody waits for its share."""
-    return _Report.encode(None, reason, None, skipped=True)
+def commit_key(tier: int, epoch: int, step: int) -> str:
+    """The store keys of one step's commit to one tier. `epoch` (restore() calls so far)
+    keeps a step snapshotted again after an in-process restore from meeting the keys
+    of its first commit."""
+    return f"commit/{tier}/{epoch}/{step}"
 
 
-def node_local_keys(key: str, rank: int) -> list[str]:
-    """The store keys one rank's persist_node_local(key=...) call may leave behind."""
-    return [f"{key}/w/{rank}", f"{key}/r/{rank}"] + ([f"{key}/manifest"] if rank == 0 else [])
+def report_skipped(ctx: DistContext, key: str, node_local: bool, reason: str) -> None:
+    """Policy "skip": tell the other ranks at once that this rank will not write the
+    step of `key`, so nobody waits for its share (or, from rank 0, for a manifest)."""
+    if not node_local:
+        ctx.put(f"{key}/{ctx.rank}", {"write": None, "rng": None, "error": reason})
+        return
+    ctx.store.set(f"{key}/w/{ctx.rank}", _Report.encode(None, reason, None, skipped=True))
+    ctx.put(f"{key}/r/{ctx.rank}", None)
+    if ctx.rank == 0:
+        ctx.put(f"{key}/manifest", "")
+
+
+class KeyLedger:
+    """The store keys one rank's RAM-tier commits (and skips) of one tier left behind,
+    each with the (restore epoch, step) it belongs to. persist_node_local deletes the
+    keys of earlier steps once it is safe; the rest wait for a later commit."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._lock = threading.Lock()  # the training thread records skips; the persist thread the rest
+        self._keys: list[tuple[tuple[int, int], str]] = []
+
+    def record(self, at: tuple[int, int], key: str) -> None:
+        """What a call with `key` may leave (its reports, and rank 0's manifest)."""
+        names = [f"{key}/w/{self.rank}", f"{key}/r/{self.rank}"] + ([f"{key}/manifest"] if self.rank == 0 else [])
+        with self._lock:
+            self._keys += [(at, k) for k in names]
+
+    def take_older(self, at: tuple[int, int]) -> list[tuple[tuple[int, int], str]]:
+        with self._lock:
+            older = [(t, k) for t, k in self._keys if t < at]
+            self._keys = [(t, k) for t, k in self._keys if t >= at]
+        return older
+
+    def put_back(self, items: list[tuple[tuple[int, int], str]]) -> None:
+        with self._lock:
+            self._keys += items
 
 
 def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
                        compress: str | None, pieces: Mapping[str, Piece] | None, rng: Any,
                        ctx: DistContext, key: str, peers: PeerGroup | None = None,
-                       replicas: int = 0, stale_keys: list[str] | None = None) -> Committed | None:
+                       replicas: int = 0, ledger: KeyLedger | None = None,
+                       at: tuple[int, int] = (0, 0)) -> Committed | None:
     """Persist one step to a node-local tier (the RAM tier), with peer replicas.
 
     1. every rank writes its data file into its node's directory and reports it;
@@ -270,13 +308,28 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
        manifest to the first rank of every other node, which writes it there.
     Returns what was committed on rank 0, None elsewhere.
 
-    `stale_keys`: earlier calls' keys of this rank (node_local_keys()), deleted once
-    step 1's gather shows that every rank has moved past those calls (and the list
-    emptied); a job that snapshots every step would otherwise grow the store by
-    every report it ever sent. A report from a persist thread proves it: that
-    thread takes its steps in order. A skip report does not (the training thread
-    sends it while earlier steps may still be queued), so then they wait.
+    `ledger`: this rank's keys of earlier calls, deleted once step 1's gather shows
+    that every rank has moved past them (this call's keys, at `at` = (restore
+    epoch, step), are added for a later call); a job that snapshots every step
+    would otherwise grow the store by every report it ever sent. A report from a
+    persist thread proves it: that thread takes its steps in order. A skip report
+    does not (the training thread sends it while earlier steps may still be
+    queued), so then they wait for the next call.
     """
+    older = ledger.take_older(at) if ledger else []
+    if ledger:
+        ledger.record(at, key)
+    try:
+        return _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers,
+                                   replicas, older)
+    finally:
+        if ledger and older:  # not deleted this time
+            ledger.put_back(older)
+
+
+def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers, replicas,
+                        older: list) -> Committed | None:
+    """persist_node_local's work; empties `older` once it has deleted those keys."""
     try:
         write, error = _write_share(storage, step, slot, pieces, compress, ctx.rank)
     except AlreadyCommitted as e:  # this node has the step, another may not: still take part below
@@ -284,9 +337,9 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     text = _Report.encode(write, str(error) if error else None, rng)
     texts = ctx.gather_text(f"{key}/w", text) if ctx.distributed else [text]
     reports = [_Report.decode(r, t) for r, t in enumerate(texts)]
-    if stale_keys and not any(r.skipped for r in reports):  # nobody reads the older keys any more
-        ctx.delete(*stale_keys)
-        stale_keys.clear()
+    if older and not any(r.skipped for r in reports):  # nobody reads the older keys any more
+        ctx.delete(*(k for _, k in older))
+        older.clear()
     rep_error = None
     # A step some rank could not write (or skipped) will not be committed, and that rank
     # takes no part in replication: every rank sees the same reports and skips it too.
