@@ -99,7 +99,9 @@ def test_default_drill_passes(tmp_path, ref_cache):
 @pytest.mark.slow
 def test_faults_inside_the_persist_pipeline_and_preemption(tmp_path, ref_cache):
     rc, res, out = drill(tmp_path, "--steps", "96", "--step-time", "0.05", "--faults",
-                         "slow@3:rank=1:factor=10:seconds=6,kill@40:rank=1:during=snapshot,"
+                         # A straggler is flagged after ~5.5 s of slow steps (median of 20 steps, then 6
+                         # checks): 10 s leaves margin; rank 2, whose own fault comes much later.
+                         "slow@3:rank=2:factor=10:seconds=10,kill@40:rank=1:during=snapshot,"
                          "hang@46:rank=3:during=persist,kill@52:rank=0:during=commit,"
                          "node@64:node=1:during=replicate,term@70:rank=2", cache=ref_cache)
     assert rc == 0 and res["passed"], out[-4000:]

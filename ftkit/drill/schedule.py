@@ -6,7 +6,7 @@
     term@20:rank=0              SIGTERM (a preemption notice: save, exit, come back)
     hang@24:rank=2              SIGSTOP (alive, silent: the watchdog's case)
     crash@30:rank=3             an exception raised in the training loop
-    slow@40:rank=0:factor=3:seconds=6   the rank runs at 1/factor speed for a while
+    slow@40:rank=0:factor=3:seconds=10  the rank runs at 1/factor speed for a while
     node@36:node=1              every rank of a simulated node dies and its RAM tier is wiped
     enospc@20:seconds=3         the durable tier is full for a while; likewise
                                 unavailable (an outage), latency (factor = seconds per
