@@ -50,6 +50,9 @@ def test_schedule_language_rejects_bad_faults():
             parse_faults(bad, 4, 2)
     assert [(f.kind, f.step, f.rank, f.node, f.during) for f in random_faults(7, 40, 4, 2)] == \
         [(f.kind, f.step, f.rank, f.node, f.during) for f in random_faults(7, 40, 4, 2)]
+    schedules = [[f.kind for f in random_faults(seed, 40, 4, 2, count=3)] for seed in range(50)]
+    assert any("term" in kinds for kinds in schedules)
+    assert all("term" not in kinds[:-1] for kinds in schedules)  # its agreed stop may outrun a later fault
     r = run_cli("drill", "--faults", "boom@3", in_process=False)
     assert r.returncode == 2 and r.stderr.startswith("ftkit: error: bad fault")
     r = run_cli("drill", "--faults", "s3-outage@5", in_process=False)
