@@ -114,15 +114,6 @@ def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
                         "chunks": [dict(c.__dict__) for c in s.chunks]} for s in t.shards]}
 
 
-def tensor_entry_from_doc(t: dict[str, Any]) -> TensorEntry:
-    """The inverse of tensor_entry_doc, unvalidated: for documents this job's ranks made
-    (persist reports); whatever reaches storage is validated when read back."""
-    return TensorEntry(t["name"], t["dtype"], tuple(t["shape"]),
-                       tuple(Shard(tuple(s["offsets"]), tuple(s["lengths"]),
-                                   tuple(Chunk(**c) for c in s["chunks"]), s["rank"]) for s in t["shards"]),
-                       t["kind"])
-
-
 def manifest_to_json(m: Manifest) -> bytes:
     return manifest_json(m.step, m.world_size, [tensor_entry_doc(t) for t in m.tensors], m.skeleton, m.files,
                          m.rank_state, m.created_at, m.writer)

@@ -121,7 +121,6 @@ def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[
 class Committed:
     """What rank 0 gets back from committing a step (persist, persist_node_local)."""
 
-    step: int
     stored_bytes: int
     manifest_json: bytes
     manifest: Manifest | None = None  # parsed back, when the caller asked for validation
@@ -159,7 +158,7 @@ def _commit_docs(storage: Storage, step: int, writes: list[dict[str, Any]], skel
     # validate: read it back as a reader would before it exists (offline reshard; the hot path trusts its own ranks)
     manifest = manifest_from_json(data, storage.where(rel), step) if validate else None
     storage.write_bytes_atomic(rel, data)
-    return Committed(step, sum(w["nbytes"] for w in writes), data, manifest)
+    return Committed(sum(w["nbytes"] for w in writes), data, manifest)
 
 
 def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank: int):
