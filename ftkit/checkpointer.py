@@ -146,7 +146,9 @@ class Checkpointer:
         if self._ram_index is not None:  # room for one step of this node's data files and replicas
             ram = self._storages[self._ram_index]
             ram.spares = SparePool(ram.root, self._ctx.nodes.count(self._ctx.node) * (1 + self._replicas))
-        self._keys = KeyLedger(self._ctx.rank)  # the store keys RAM-tier commits left (persist.py)
+        # The store keys commits left behind, per tier, for a later commit to delete (persist.py).
+        self._keys = {i: KeyLedger.node_local(self._ctx.rank) if t.is_ram else KeyLedger.shared(self._ctx.world_size)
+                      for i, t in enumerate(self.tiers) if not t.is_peer}
         if peer and self._ram_index is None:
             raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
         self._peers: PeerGroup | None = None
@@ -263,8 +265,8 @@ class Checkpointer:
                 for i in due:
                     key = commit_key(i, self._restores, step)
                     report_skipped(ctx, key, self.tiers[i].is_ram, "snapshot skipped: staging busy")
-                    if self.tiers[i].is_ram:
-                        self._keys.record((self._restores, step), key)
+                    if self.tiers[i].is_ram or ctx.rank == 0:  # rank 0 deletes a shared tier's reports
+                        self._keys[i].record((self._restores, step), key)
             return False
         try:
             fault_point("snapshot", step, ctx.rank)
@@ -320,10 +322,11 @@ class Checkpointer:
                     committed = persist_node_local(
                         storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
                         rng=job.rng, ctx=self._bg_ctx, key=key, peers=self._peers, replicas=self._replicas,
-                        ledger=self._keys, at=(job.epoch, job.step))
+                        ledger=self._keys[i], at=(job.epoch, job.step))
                 else:
                     committed = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
-                                       pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx, key=key)
+                                       pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx, key=key,
+                                       ledger=self._keys[i], at=(job.epoch, job.step))
                 self.stats.persisted += 1
                 self.stats.last_committed[tier.url] = job.step
                 self.events.emit("persist", step=job.step, tier=tier.url, ok=True,

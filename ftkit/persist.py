@@ -173,13 +173,19 @@ def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank
 
 def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
             compress: str | None, pieces: Mapping[str, Piece] | None = None, rng: Any = None,
-            ctx: DistContext | None = None, key: str = "") -> Committed | None:
+            ctx: DistContext | None = None, key: str = "", ledger: KeyLedger | None = None,
+            at: tuple[int, int] = (0, 0)) -> Committed | None:
     """Persist one step: every rank writes its data, rank 0 commits after all did.
 
     Ranks report to rank 0 through the store (`key`/rank): the file they wrote,
     or their error. Rank 0 commits only when every rank succeeded within the
     timeout; otherwise the step stays uncommitted (invisible) and its files are
     removed. Returns what was committed on rank 0, None elsewhere.
+
+    Rank 0 deletes every report once it has read them. `ledger` (rank 0's) holds
+    the reports of steps rank 0 skipped, which nobody read: they are deleted once
+    this step's reports are all in, since each rank's persist thread takes its
+    steps in order and so has sent those older reports first.
     """
     ctx = ctx or DistContext()
     write, error = _write_share(storage, step, slot, pieces, compress, ctx.rank)
@@ -193,6 +199,7 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
     if ctx.rank != 0:
         return None
     writes, rank_state, failures = [write.to_json()], {"0": {"rng": rng}}, []
+    older = ledger.take_older(at) if ledger else []
     try:
         for r in range(1, ctx.world_size):
             doc = ctx.get(f"{key}/{r}")
@@ -201,6 +208,9 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
             else:
                 writes.append(doc["write"])
                 rank_state[str(r)] = {"rng": doc["rng"]}
+        if older:
+            ctx.delete(*(k for _, k in older))
+            older.clear()
         if failures:
             raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
         fault_point("commit", step, 0)  # every share is durable, the manifest not yet written
@@ -210,6 +220,8 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
         raise
     finally:
         ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
+        if older:  # not deleted this time
+            ledger.put_back(older)
 
 
 @dataclass(frozen=True)
@@ -267,20 +279,29 @@ def report_skipped(ctx: DistContext, key: str, node_local: bool, reason: str) ->
 
 
 class KeyLedger:
-    """The store keys one rank's RAM-tier commits (and skips) of one tier left behind,
-    each with the (restore epoch, step) it belongs to. persist_node_local deletes the
-    keys of earlier steps once it is safe; the rest wait for a later commit."""
+    """Store keys that calls of one tier's commit left behind, each with the (restore
+    epoch, step) it belongs to; a later call deletes those of earlier steps once it
+    is safe. `names(key)` lists what one call with `key` may leave behind."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, names: Callable[[str], list[str]]):
+        self._names = names
         self._lock = threading.Lock()  # the training thread records skips; the persist thread the rest
         self._keys: list[tuple[tuple[int, int], str]] = []
 
+    @staticmethod
+    def node_local(rank: int) -> "KeyLedger":
+        """persist_node_local's keys of one rank: its reports, and rank 0's manifest."""
+        manifest = ["manifest"] if rank == 0 else []
+        return KeyLedger(lambda key: [f"{key}/{n}" for n in (f"w/{rank}", f"r/{rank}", *manifest)])
+
+    @staticmethod
+    def shared(world_size: int) -> "KeyLedger":
+        """persist's keys of a step rank 0 skipped: every rank's report, which rank 0 would have deleted."""
+        return KeyLedger(lambda key: [f"{key}/{r}" for r in range(world_size)])
+
     def record(self, at: tuple[int, int], key: str) -> None:
-        """What a call with `key` may leave (its reports, and rank 0's manifest)."""
-        names = [f"{key}/w/{self.rank}", f"{key}/r/{self.rank}"] + ([f"{key}/manifest"] if self.rank == 0 else [])
         with self._lock:
-            self._keys += [(at, k) for k in names]
+            self._keys += [(at, k) for k in self._names(key)]
 
     def take_older(self, at: tuple[int, int]) -> list[tuple[tuple[int, int], str]]:
         with self._lock:

@@ -199,6 +199,39 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
     return {"skipped": skipped, "committed": committed}
 
 
+def durable_skip_on_rank0(rank: int, world: int, disk: str) -> dict:
+    """policy "skip" on a disk tier where only rank 0 skips step 3: the store's key
+    count after step 1 and after step 4, and the steps committed."""
+    import time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ftkit.reader import committed_steps
+
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
+    budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
+    counts = []
+    with ftkit.Checkpointer(state, [ftkit.Tier(disk, keep=5)], policy="skip", rng=False,
+                            max_staging_bytes=budget) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        dist.barrier()
+        counts.append(_get_default_store().num_keys())
+        dist.barrier()
+        if rank == 1:
+            time.sleep(2)  # rank 0's persist of step 2 waits for this rank's report meanwhile
+        ck.snapshot(2)
+        ck.snapshot(3)  # rank 0's only slot is still busy with step 2: it skips step 3
+        ck.wait()
+        ck.snapshot(4)  # rank 0's commit of step 4 deletes the reports of step 3
+        ck.wait()
+        skipped = ck.stats.skipped
+    dist.barrier()
+    counts.append(_get_default_store().num_keys())
+    return {"skipped": skipped, "new_keys": counts[1] - counts[0],
+            "committed": committed_steps(ftkit.Tier(disk).open())}
+
+
 def ram_rewind_and_redo(rank: int, world: int) -> dict:
     """Snapshot steps 1-3, restore step 1 in the same process, snapshot 2-3 again with
     other values; then a new Checkpointer restores the newest step."""

@@ -66,3 +66,13 @@ def test_step_one_rank_never_finished_is_invisible(tmp_path):
     assert committed_steps(storage) == [1]
     partial = [d.step for d in scan(storage) if not d.committed]
     assert partial in ([], [2])  # other ranks' step-2 data may be there, never a manifest
+
+
+def test_rank0_skipping_a_durable_step_leaves_no_store_keys(tmp_path):
+    """Rank 0 deletes each step's reports once read; the reports of a step it skipped
+    are read by nobody, so its next commit deletes them, or a job under policy "skip"
+    would grow torchrun's store by a report per rank at every skip."""
+    out = run_ranks(4, dist_worker.durable_skip_on_rank0, str(tmp_path / "disk"), timeout=90)
+    assert [o["skipped"] for o in out] == [1, 0, 0, 0]
+    assert out[0]["committed"] == [1, 2, 4]  # step 3 is on no tier
+    assert out[0]["new_keys"] == 0
