@@ -247,8 +247,9 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                   f"{fmt_rate(dr['bytes'] / dr['s'])} ({dr['bytes'] / 2**20:.0f} MiB in {fmt_s(dr['s'])})")
         b = r["breakdown"]
         print("  ftkit restore() phases, max over ranks (median of rounds): "
-              + "; ".join(f"{k}: plan {fmt_s(v['plan_s'])}, read+verify {fmt_s(v['read_s'])}, "
-                          f"load {fmt_s(v['load_s'])}" for k, v in b.items()))
+              + "; ".join(f"{k}: plan {fmt_s(v['plan_s'])}, read+verify {fmt_s(v['read_s'])}"
+                          + (f" (of which fetch from peers {fmt_s(v['fetch_s'])})" if v["fetch_s"] else "")
+                          + f", load {fmt_s(v['load_s'])}" for k, v in b.items()))
         print(f"  per-rank read rate of the RAM restore: {fmt_rate(nb / m['ram'])} "
               f"(every rank restores all {nb / 2**20:.0f} MiB); peer sources by rank: {r['peer_sources']}")
         target(f"restore from RAM >= {TARGET_RAM_VS_DCP:.0f}x faster than DCP load from disk (cold)",
@@ -473,11 +474,12 @@ def timed_restore(R: Ranks, state, want: list[float], fn: Callable[[], Any], ck=
         raise AssertionError(f"rank {R.rank}: restored state differs from the saved one")
     info = dict(ck.last_restore) if ck is not None else {}
     per_rank = R.gather({"s": dt, "source": info.get("source"), "plan_s": info.get("plan_s"),
-                         "read_s": info.get("read_s"), "load_s": info.get("load_s")})
+                         "read_s": info.get("read_s"), "load_s": info.get("load_s"),
+                         "fetch_s": info.get("fetch_s", 0.0)})
     out = {"s": max(p["s"] for p in per_rank), "per_rank_s": [p["s"] for p in per_rank],
            "sources": [p["source"] for p in per_rank]}
     if ck is not None:
-        for k in ("plan_s", "read_s", "load_s"):
+        for k in ("plan_s", "read_s", "load_s", "fetch_s"):
             out[k] = max(p[k] for p in per_rank)
     return out
 
@@ -591,7 +593,7 @@ def phase_restore(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
                        ("dcp_warm", "peer"), ("dcp_cold", "disk_cold"), ("dcp_warm", "disk_warm"),
                        ("dcp_warm", "floor"), ("dcp_cold", "floor")):
         ratio[f"{comp}/{ours}"] = median([rw[comp]["s"] / rw[ours]["s"] for rw in rounds])
-    breakdown = {k: {p: median([rw[k][p] for rw in rounds]) for p in ("plan_s", "read_s", "load_s")}
+    breakdown = {k: {p: median([rw[k][p] for rw in rounds]) for p in ("plan_s", "read_s", "load_s", "fetch_s")}
                  for k in ("ram", "peer", "disk_cold", "disk_warm")}
     spread = {k: (min(rw[k]["s"] for rw in rounds), max(rw[k]["s"] for rw in rounds)) for k in keys}
     return {"state_bytes": nbytes_of(state), "tensors": len(state), "drop_caches": allowed and dropped,

@@ -33,7 +33,10 @@ restore raises and the live tensors may hold a partial mix of bytes.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -46,6 +49,7 @@ from .reader import load_manifest, read_regions, scan, torch_dtype, verify
 from .sharding import RANK_LOCAL, dtensor_region, is_dtensor, overlap
 
 log = logging.getLogger("ftkit")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in as sent
 
 
 def restore(ck, step: int | None) -> int:
@@ -96,8 +100,9 @@ def restore(ck, step: int | None) -> int:
         ck.last_restore = {"step": s, **origin, "bytes": nbytes, "plan_s": t_plan, "read_s": t_read,
                            "load_s": t_load, "total_s": time.perf_counter() - t_start}
         ck.events.emit("restore", **{k: v for k, v in ck.last_restore.items() if k != "received"})
-        log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs, load %.2fs)%s",
-                 ctx.rank, s, origin["source"], nbytes / 1e6, t_plan, t_read, t_load,
+        log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s",
+                 ctx.rank, s, origin["source"], nbytes / 1e6, t_plan, t_read,
+                 f" of which fetching from peers {origin['fetch_s']:.2f}s" if "fetch_s" in origin else "", t_load,
                  f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "")
         return s
     if problems:
@@ -349,6 +354,7 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest |
     plan = _fetch_plan(requests, cand["holders"], ctx.nodes)
     moved_error = None
     received: list[str] = []
+    t_fetch = time.perf_counter()
     if plan:
         try:
             if ck._peers is None or ck._peers.broken:
@@ -359,6 +365,8 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest |
         except Exception as e:
             moved_error = f"fetching RAM-tier files from peers failed: {e}"
     moved = ctx.gather(f"{key}/moved", moved_error)  # siblings' received files are in place now
+    if plan:
+        origin["fetch_s"] = time.perf_counter() - t_fetch
     error = error or moved_error or next((m for m in moved if m), None)
     if error is None:
         try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
@@ -384,22 +392,44 @@ def _files_for(manifest: Manifest, regions) -> set[str]:
 
 
 def _fetch_plan(requests: list[dict[str, Any]], holders: dict[str, list[int]], nodes: list[str]) -> list[Transfer]:
-    """One transfer per (node, file) that node lacks, to its lowest requesting rank."""
-    plan, seen = [], set()
+    """One transfer per (node, file) that node lacks, to one of the node's ranks that need it.
+
+    Receiving and storing are spread over those ranks (a lost node's ranks lack the
+    same files; one of them receiving everything would store it all alone), and
+    sending over the holders on other nodes.
+    """
+    wanted: dict[tuple[str, str], list[int]] = {}
     for rank, req in enumerate(requests):
         for f in req["missing"]:
-            if (nodes[rank], f) in seen:
-                continue
-            seen.add((nodes[rank], f))
-            sources = [h for h in holders.get(f, []) if nodes[h] != nodes[rank]]
-            if sources:  # spread the sending over the holders rather than funnel it through one
-                plan.append(Transfer(sources[len(plan) % len(sources)], rank, f))
+            wanted.setdefault((nodes[rank], f), []).append(rank)
+    plan, received_by = [], {}
+    for (node, f), ranks in wanted.items():
+        sources = [h for h in holders.get(f, []) if nodes[h] != node]
+        if not sources:
+            continue
+        dst = min(ranks, key=lambda r: (received_by.get(r, 0), r))  # the least loaded so far
+        received_by[dst] = received_by.get(dst, 0) + 1
+        plan.append(Transfer(sources[len(plan) % len(sources)], dst, f))
     return plan
 
 
 def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
+    """A data file to send to a peer: its page-cache pages themselves when the file is local."""
     size = manifest.files[name]["bytes"]
-    buf = torch.empty(size, dtype=torch.uint8)
+    if size and storage.is_local:
+        fd = os.open(storage.path(f"{step_dir}/{name}"), os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size >= size:
+                # Mapped and populated in one call: no copy into fresh memory (which costs
+                # several times a read, in page faults). The tensor keeps the mapping alive
+                # until the send is done; gloo only reads it.
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "not writable": nobody writes it
+                    return torch.frombuffer(mapped, dtype=torch.uint8)
+        finally:
+            os.close(fd)
+    buf = torch.empty(size, dtype=torch.uint8)  # a short file sends what it has; the receiver's checksum says so
     with storage.open_read(f"{step_dir}/{name}") as f:
         if size:
             f.readinto(memoryview(buf.numpy()))

@@ -265,7 +265,8 @@ def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk
     bad = [k for k in expect if not torch.equal(expect[k], got[k])]
     if bad:
         raise AssertionError(f"rank {rank}: step {step} differs: {bad[:5]}")
-    return {"step": step, "source": info["source"], "from_peers": info.get("files_from_peers", 0)}
+    return {"step": step, "source": info["source"], "from_peers": info.get("files_from_peers", 0),
+            "received": sorted(info.get("received", []))}
 
 
 # ------------------------------------------------------------ data position

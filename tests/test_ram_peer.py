@@ -48,6 +48,10 @@ def test_lost_node_restores_from_peer_replicas_not_disk(job):
     assert [o["step"] for o in out] == [3] * 4  # the newest step, though the disk tier has none
     assert [o["source"] for o in out] == ["ram", "ram", "ram+peer", "ram+peer"]
     assert out[2]["from_peers"] == 4
+    # The node's four files came once each, received and stored half by each of its ranks.
+    got = [o["received"] for o in out]
+    assert got[:2] == [[], []] and len(got[2]) == len(got[3]) == 2
+    assert sorted(got[2] + got[3]) == sorted(f.name for f in (job["node"](1) / "step-000000000003").glob("*.data"))
 
 
 def test_snapshots_every_step_do_not_grow_the_store(job):
@@ -79,11 +83,17 @@ def _flip(path):
     path.write_bytes(bytes(data))
 
 
-def test_corrupt_replica_is_detected_and_an_older_step_is_used(job):
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate])
+def test_corrupt_replica_is_detected_and_an_older_step_is_used(job, damage):
     _save(job)
     shutil.rmtree(job["node"](1))
     replica = next(job["node"](0).glob("step-000000000003/rank-00003-*.data"))
-    _flip(replica)  # the only surviving copy of rank 3's share of step 3
+    damage(replica)  # the only surviving copy of rank 3's share of step 3
     out = _restore(job)
     assert [o["step"] for o in out] == [2] * 4  # values checked against step 2's reference
 
