@@ -97,13 +97,16 @@ def restore(ck, step: int | None) -> int:
         cap.load(ck.state, manifest.skeleton, tensors, rng_value)
         t_load = time.perf_counter() - t1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        ck.last_restore = {"step": s, **origin, "bytes": nbytes, "plan_s": t_plan, "read_s": t_read,
-                           "load_s": t_load, "total_s": time.perf_counter() - t_start}
+        ck.last_restore = {"step": s, **origin, "bytes": nbytes, "saved_world_size": manifest.world_size,
+                           "plan_s": t_plan, "read_s": t_read, "load_s": t_load,
+                           "total_s": time.perf_counter() - t_start}
         ck.events.emit("restore", **{k: v for k, v in ck.last_restore.items() if k != "received"})
-        log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s",
+        log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s%s",
                  ctx.rank, s, origin["source"], nbytes / 1e6, t_plan, t_read,
                  f" of which fetching from peers {origin['fetch_s']:.2f}s" if "fetch_s" in origin else "", t_load,
-                 f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "")
+                 f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "",
+                 f"; saved by {manifest.world_size} ranks, resharded to {ctx.world_size}"
+                 if manifest.world_size != ctx.world_size else "")
         return s
     if problems:
         raise CorruptCheckpointError(f"no usable checkpoint: {len(problems)} candidate(s) failed; "
