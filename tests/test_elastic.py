@@ -37,9 +37,10 @@ def _agent(tmp_path, node: str, is_host: bool, port: int) -> subprocess.Popen:
     env = {**os.environ, "FTKIT_RAM_DIR": str(tmp_path / "shm"), "FTKIT_JOB_ID": "job", "FTKIT_NODE_ID": node,
            "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])}
-    # Short rendezvous timeouts: a dead agent is dropped after ~2 s of missed keep-alives, and a
-    # round closes 3 s after its first member arrived (both agents start within that at launch).
-    conf = f"is_host={int(is_host)},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2," \
+    # Short rendezvous timeouts: a dead agent is dropped after ~5 s of missed keep-alives (with 2
+    # attempts a live but busy agent was dropped too; see the README), and a round closes 3 s
+    # after its first member arrived (both agents start within that at launch).
+    conf = f"is_host={int(is_host)},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5," \
            "join_timeout=120,close_timeout=10"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={conf}",
