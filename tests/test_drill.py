@@ -81,7 +81,10 @@ def test_sample_stream_follows_the_restored_lineage():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_default_drill_passes(tmp_path, ref_cache):
-    rc, res, out = drill(tmp_path, "--html", str(tmp_path / "d.html"), cache=ref_cache)
+    # The default schedule, tiers and 400 steps, at 0.15 s a step instead of 0.25 s: the faults
+    # land on the same steps and are detected the same way (the hang, a SIGSTOP, after 3 s of
+    # heartbeat silence either way), in a minute less of CI. scripts/demo.sh runs the true default.
+    rc, res, out = drill(tmp_path, "--step-time", "0.15", "--html", str(tmp_path / "d.html"), cache=ref_cache)
     assert rc == 0 and res["passed"], out[-4000:]
     assert res["bitwise_equal"] and res["same_sample_stream"] and res["final_step"] == 400
     f = by_kind(res)
@@ -197,7 +200,9 @@ def test_drill_without_peers_reports_the_loss_and_fails(tmp_path, ref_cache):
 @pytest.mark.timeout(900)
 def test_random_schedules_all_pass(tmp_path, ref_cache):
     failures = []
-    for seed in range(1, 11):
+    # Seven seeds whose draws cover every fault kind (kill, crash, hang, node, term) and every
+    # phase they are drawn in (step, snapshot, persist, replicate, commit).
+    for seed in (1, 2, 3, 4, 5, 7, 10):
         # Two ranks on two simulated nodes: every fault kind and phase, at half the restart cost.
         rc, res, out = drill(tmp_path / f"seed{seed}", "--seed", str(seed), "--count", "2", "--steps", "20",
                              "--step-time", "0.05", "--nproc", "2", "--ranks-per-node", "1", cache=ref_cache)

@@ -24,7 +24,7 @@ import torch
 
 from conftest import REPO
 
-STEPS = 160
+STEPS = 100
 
 
 def _free_port() -> int:
