@@ -84,7 +84,7 @@ class Storage:
         self._secrets = _secrets_in(options) + _secrets_in({"key": os.environ.get("AWS_SECRET_ACCESS_KEY", "")})
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
-        except ImportError as e:
+        except ImportError:
             pkg = INSTALL_HINTS.get(protocol, "the fsspec backend for it")
             raise StorageError(f"{self.display_url}: protocol {protocol!r} needs {pkg}: pip install {pkg}") from None
         except ValueError as e:

@@ -9,7 +9,6 @@ step's samples go to the event log ("batch" events), for the test to check.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
