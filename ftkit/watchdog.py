@@ -17,8 +17,8 @@ Each rank runs one daemon thread that, every `interval_s`,
      `hang_factor` x the median step time, clamped to [`hang_floor_s`,
      `hang_ceiling_s`], so nobody hand-tunes a timeout per model;
    * straggler: its busy time per step (up to its first gradient all-reduce under
-     DDP, else the whole step) stays above `straggler_factor` x the median of all
-     ranks, and above it by a quarter of a step (`straggler_min_excess_s` at
+     DDP, else the whole step; the median of its last 10 steps) stays above
+     `straggler_factor` x the median of all ranks, and above it by a quarter of a step (`straggler_min_excess_s` at
      least), for `straggler_checks` checks in a row: reported, and an abort only
      if `straggler_action="abort"`.
 
@@ -113,7 +113,9 @@ class Watchdog:
         self._preempted = preempted  # did this rank get a preemption signal? (told to peers)
         self._on_peer_preempted = on_peer_preempted
         self._step: int | None = None  # None until the first step ends: no hang clock before it
-        self._busy: deque[float] = deque(maxlen=20)
+        # The busy time a straggler verdict uses: the median of the last 10 steps turns once
+        # 6 of them are slow (with 20 it took 11: ~7 s for a rank at a tenth of its speed here).
+        self._busy: deque[float] = deque(maxlen=10)
         self._intervals: deque[float] = deque(maxlen=20)
         self._step_started = time.monotonic()
         self._first_grad: float | None = None

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install ftkit with everything the demo and tests need.
 # On a machine without an NVIDIA GPU the CPU build of torch is installed first,
-# so pip never pulls a multi-GB CUDA build as a dependency.
+# so pip never pulls a multi-GB CUDA build as a dependency: from PyTorch's CPU
+# index when it can be reached, else from wherever pip is configured to look
+# (PyPI's Linux wheel is the CUDA build; a local wheel directory may hold +cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,8 +24,14 @@ if [ ! -f "$stamp" ]; then
       echo "setup: installing torch (CUDA build)" >&2
       "$VENV/bin/python" -m pip install -q "torch>=2.4" >&2
     else
-      echo "setup: installing torch==2.13.0 (CPU build)" >&2
-      "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+      cpu_index=https://download.pytorch.org/whl/cpu
+      if "$VENV/bin/python" -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" 2>/dev/null; then
+        echo "setup: installing torch==2.13.0 (CPU build, from $cpu_index)" >&2
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0" --extra-index-url "$cpu_index" >&2
+      else
+        echo "setup: installing torch==2.13.0 ($cpu_index unreachable: pip's configured sources)" >&2
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+      fi
     fi
   fi
   echo "setup: installing ftkit[$EXTRAS]" >&2

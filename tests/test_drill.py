@@ -104,12 +104,13 @@ def test_default_drill_passes(tmp_path, ref_cache):
 
 @pytest.mark.slow
 def test_faults_inside_the_persist_pipeline_and_preemption(tmp_path, ref_cache):
-    rc, res, out = drill(tmp_path, "--steps", "96", "--step-time", "0.05", "--faults",
-                         # A straggler is flagged after ~5.5 s of slow steps (median of 20 steps, then 6
-                         # checks): 10 s leaves margin; rank 2, whose own fault comes much later.
-                         "slow@3:rank=2:factor=10:seconds=10,kill@40:rank=1:during=snapshot,"
-                         "hang@46:rank=3:during=persist,kill@52:rank=0:during=commit,"
-                         "node@64:node=1:during=replicate,term@70:rank=2", cache=ref_cache)
+    rc, res, out = drill(tmp_path, "--steps", "150", "--step-time", "0.05", "--faults",
+                         "kill@40:rank=1:during=snapshot,hang@46:rank=3:during=persist,"
+                         "kill@52:rank=0:during=commit,node@64:node=1:during=replicate,term@70:rank=2,"
+                         # Last, with no fault to cut it short: a straggler is flagged after ~5 s of
+                         # slow steps (the median of its last 10 steps, then 6 checks); its 10 s
+                         # span about 50 steps at this slowdown.
+                         "slow@85:rank=2:factor=10:seconds=10", cache=ref_cache)
     assert rc == 0 and res["passed"], out[-4000:]
     assert res["bitwise_equal"]
     f = {(x["kind"], x["during"]): x for x in res["faults"]}
