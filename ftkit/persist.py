@@ -15,6 +15,7 @@ writer wrote and leaves every committed step untouched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -22,7 +23,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from . import codec
 from .dist import DistContext
@@ -199,29 +200,25 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
     if ctx.rank != 0:
         return None
     writes, rank_state, failures = [write.to_json()], {"0": {"rng": rng}}, []
-    older = ledger.take_older(at) if ledger else []
-    try:
-        for r in range(1, ctx.world_size):
-            doc = ctx.get(f"{key}/{r}")
-            if doc["error"]:
-                failures.append(f"rank {r}: {doc['error']}")
-            else:
-                writes.append(doc["write"])
-                rank_state[str(r)] = {"rng": doc["rng"]}
-        if older:
-            ctx.delete(*(k for _, k in older))
-            older.clear()
-        if failures:
-            raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
-        fault_point("commit", step, 0)  # every share is durable, the manifest not yet written
-        return _commit_docs(storage, step, writes, skeleton, ctx.world_size, rank_state)
-    except BaseException:
-        discard(storage, step, [w["file"] for w in writes])
-        raise
-    finally:
-        ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
-        if older:  # not deleted this time
-            ledger.put_back(older)
+    with _older_keys(ledger, at) as older:
+        try:
+            for r in range(1, ctx.world_size):
+                doc = ctx.get(f"{key}/{r}")
+                if doc["error"]:
+                    failures.append(f"rank {r}: {doc['error']}")
+                else:
+                    writes.append(doc["write"])
+                    rank_state[str(r)] = {"rng": doc["rng"]}
+            _delete_keys(ctx, older)
+            if failures:
+                raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
+            fault_point("commit", step, 0)  # every share is durable, the manifest not yet written
+            return _commit_docs(storage, step, writes, skeleton, ctx.world_size, rank_state)
+        except BaseException:
+            discard(storage, step, [w["file"] for w in writes])
+            raise
+        finally:
+            ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
 
 
 @dataclass(frozen=True)
@@ -303,15 +300,29 @@ class KeyLedger:
         with self._lock:
             self._keys += [(at, k) for k in self._names(key)]
 
-    def take_older(self, at: tuple[int, int]) -> list[tuple[tuple[int, int], str]]:
+    @contextlib.contextmanager
+    def older_than(self, at: tuple[int, int]) -> Iterator[list[tuple[tuple[int, int], str]]]:
+        """The (at, key) pairs of calls before `at`, for this call to delete (emptying
+        the list); whatever is still in the list at the end is kept for a later call."""
         with self._lock:
             older = [(t, k) for t, k in self._keys if t < at]
             self._keys = [(t, k) for t, k in self._keys if t >= at]
-        return older
+        try:
+            yield older
+        finally:
+            if older:  # not deleted this time
+                with self._lock:
+                    self._keys += older
 
-    def put_back(self, items: list[tuple[tuple[int, int], str]]) -> None:
-        with self._lock:
-            self._keys += items
+
+def _older_keys(ledger: KeyLedger | None, at: tuple[int, int]):
+    return ledger.older_than(at) if ledger else contextlib.nullcontext([])
+
+
+def _delete_keys(ctx: DistContext, older: list[tuple[tuple[int, int], str]]) -> None:
+    if older:
+        ctx.delete(*(k for _, k in older))
+        older.clear()
 
 
 def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
@@ -336,15 +347,11 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     does not (the training thread sends it while earlier steps may still be
     queued), so then they wait for the next call.
     """
-    older = ledger.take_older(at) if ledger else []
-    if ledger:
-        ledger.record(at, key)
-    try:
+    with _older_keys(ledger, at) as older:
+        if ledger:
+            ledger.record(at, key)
         return _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers,
                                    replicas, older)
-    finally:
-        if ledger and older:  # not deleted this time
-            ledger.put_back(older)
 
 
 def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers, replicas,
@@ -357,9 +364,8 @@ def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ct
     text = _Report.encode(write, str(error) if error else None, rng)
     texts = ctx.gather_text(f"{key}/w", text) if ctx.distributed else [text]
     reports = [_Report.decode(r, t) for r, t in enumerate(texts)]
-    if older and not any(r.skipped for r in reports):  # nobody reads the older keys any more
-        ctx.delete(*(k for _, k in older))
-        older.clear()
+    if not any(r.skipped for r in reports):  # nobody reads the older keys any more
+        _delete_keys(ctx, older)
     rep_error = None
     # A step some rank could not write (or skipped) will not be committed, and that rank
     # takes no part in replication: every rank sees the same reports and skips it too.
