@@ -39,8 +39,9 @@ from .persist import (AlreadyCommitted, KeyLedger, commit_key, delete_step, pers
                       report_skipped)
 from .peers import PeerGroup
 from .preemption import PreemptionHandler
-from .ramtier import SparePool, node_dir
+from .ramtier import SparePool, open_node_dir, run_identity
 from .reader import scan
+from .redact import redact_url
 from .restore import restore as _restore
 from .retention import plan_retention
 from .sharding import Piece, plan_pieces
@@ -64,7 +65,7 @@ class Stats:
     persisted: int = 0  # tier commits
     failed: int = 0  # tier persists that failed
     last_stall_s: float = 0.0
-    last_committed: dict[str, int] = field(default_factory=dict)  # tier url -> step
+    last_committed: dict[str, int] = field(default_factory=dict)  # tier url (redacted) -> step
 
 
 @dataclass
@@ -94,9 +95,18 @@ class Checkpointer:
         giving up on committing a step (the step then stays invisible).
     peer_timeout_s: bound on one peer transfer (a dead peer costs at most this).
     run_dir: where the JSONL event log goes (default $FTKIT_RUN_DIR; none: no log).
-    preemption_signals: on these signals (default SIGTERM), the next snapshot()
-        saves that step to every tier, waits for the commit, and exits with
-        128 + the signal; () leaves signals alone. See preemption.py.
+    run_id: the name of this run, for the "ram" tier: its snapshots are only
+        ever restored by a run of the same identity (see ramtier.py). Default:
+        $FTKIT_RUN_ID (or $FTKIT_JOB_ID), else the durable tiers' locations,
+        else torchrun's --rdzv-id; a "ram" tier with none of these is refused.
+        A restarted run must have the same identity to find its snapshots.
+    preemption_signals: on these signals, the next snapshot() saves that step
+        to every tier, waits for the commit, and exits with 128 + the signal.
+        Default (None): SIGTERM, handled under torchrun / torch.distributed from
+        the start, else from the first snapshot() (a single process that only
+        restores never touches signals). Given explicitly: handled from the
+        start. (): signals left alone. A handler installed before is called
+        after ftkit's records the signal, and put back on close. See preemption.py.
     preemption_deadline_s: exit anyway if no step ends this long after the signal.
     watchdog: under torch.distributed, run the heartbeat watchdog (True, or a
         WatchdogConfig); it ends this worker when another rank is dead or hung,
@@ -119,8 +129,8 @@ class Checkpointer:
                  policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True,
                  commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0,
                  run_dir: str | None = None, watchdog: bool | WatchdogConfig = True,
-                 preemption_signals: Sequence[int] = (signal.SIGTERM,), preemption_deadline_s: float = 60.0,
-                 exit_after_failure_s: float | None = 1.0):
+                 preemption_signals: Sequence[int] | None = None, preemption_deadline_s: float = 60.0,
+                 exit_after_failure_s: float | None = 1.0, run_id: str | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -136,9 +146,13 @@ class Checkpointer:
         self._bg_ctx = self._ctx.own_connection()  # the persist thread's (see DistContext.own_connection)
         self._restores = 0  # restore() calls so far: namespaces their store keys
         self.last_restore: dict[str, Any] = {}
+        # The RAM tier is bound to this run's identity (ramtier.py): never another run's snapshots.
+        self.ram_identity = run_identity([t.url for t in self.tiers if not (t.is_ram or t.is_peer)], run_id) \
+            if any(t.is_ram for t in self.tiers) else None
         # Opening every tier now makes a bad URL or missing backend fail at start.
         self._storages: list[Storage] = [
-            Storage(node_dir(self._ctx.node)) if t.is_ram else (None if t.is_peer else t.open())
+            Storage(open_node_dir(self.ram_identity, self._ctx.node)) if t.is_ram
+            else (None if t.is_peer else t.open())
             for t in self.tiers]
         self._ram_index = next((i for i, t in enumerate(self.tiers) if t.is_ram), None)
         peer = next((t for t in self.tiers if t.is_peer), None)
@@ -172,9 +186,18 @@ class Checkpointer:
         self._worker.start()
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
         self.events.emit("start", world_size=self._ctx.world_size, node=self._ctx.node, pid=os.getpid(),
-                         tiers=[t.url for t in self.tiers])
-        self._preemption = PreemptionHandler(preemption_signals, preemption_deadline_s, self.events.emit) \
-            if preemption_signals else None
+                         tiers=[redact_url(t.url) for t in self.tiers],
+                         **({"ram_run": self.ram_identity.name} if self.ram_identity else {}))
+        if self.ram_identity is not None:
+            log.info("ftkit: RAM tier of run %s (from %s) at %s", self.ram_identity.name, self.ram_identity.source,
+                     self._storages[self._ram_index].display_url)
+        signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
+        self._preemption = PreemptionHandler(signals, preemption_deadline_s, self.events.emit) if signals else None
+        # Take over the signals now only where they are wanted from the start (preemption.py);
+        # otherwise the first snapshot() does, so a restore-only Checkpointer never does.
+        if self._preemption is not None and (preemption_signals is not None or self._ctx.distributed
+                                             or "TORCHELASTIC_RUN_ID" in os.environ):
+            self._preemption.install()
         self._watchdog: Watchdog | None = None
         if watchdog and self._ctx.distributed:
             config = watchdog if isinstance(watchdog, WatchdogConfig) else None
@@ -194,6 +217,8 @@ class Checkpointer:
         """Stage the state for `step`; persist in the background. True if staged."""
         if self._closed:
             raise FtkitError("snapshot() after close()")
+        if self._preemption is not None:
+            self._preemption.install()  # a training loop: a final save on preemption is wanted (no-op after once)
         if self._watchdog is not None:
             self._watchdog.progress(step)
         self.events.emit("step", step=step)
@@ -242,7 +267,7 @@ class Checkpointer:
             self.wait()
         except Exception as e:
             ok = False
-            log.error("ftkit: the final save after %s failed: %s", signal.Signals(sig).name, e)
+            log.error("ftkit: the final save after %s failed: %s", signal.Signals(sig).name, redact_url(str(e)))
         self._preemption.done()
         self._stopping_on_purpose = True
         self.events.emit("preempt_flush", step=step, ok=ok, seconds=time.perf_counter() - t0)
@@ -328,8 +353,8 @@ class Checkpointer:
                                        pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx, key=key,
                                        ledger=self._keys[i], at=(job.epoch, job.step))
                 self.stats.persisted += 1
-                self.stats.last_committed[tier.url] = job.step
-                self.events.emit("persist", step=job.step, tier=tier.url, ok=True,
+                self.stats.last_committed[redact_url(tier.url)] = job.step
+                self.events.emit("persist", step=job.step, tier=redact_url(tier.url), ok=True,
                                  seconds=time.perf_counter() - t0, committed_by_me=committed is not None)
                 if committed is not None:  # rank 0: the commit is ours, and so is retention
                     log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
@@ -340,8 +365,9 @@ class Checkpointer:
                 log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
             except Exception as e:  # recorded for wait(); training goes on
                 self.stats.failed += 1
-                self.events.emit("persist", step=job.step, tier=tier.url, ok=False, error=str(e)[:300])
-                log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, e)
+                self.events.emit("persist", step=job.step, tier=redact_url(tier.url), ok=False,
+                                 error=redact_url(str(e))[:300])
+                log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, redact_url(str(e)))
                 with self._errors_lock:
                     self._errors.append(e)
 
@@ -445,7 +471,7 @@ def _exit_unless_gone(seconds: float, exc: BaseException | None) -> None:
     def end() -> None:
         log.error("ftkit: this worker failed and is still alive %.0fs later (a collective or the process "
                   "group's teardown is waiting for a dead peer); ending it so torchrun restarts the group. "
-                  "The failure:\n%s", seconds, "".join(traceback.format_exception(exc)) if exc else "?")
+                  "The failure:\n%s", seconds, redact_url("".join(traceback.format_exception(exc))) if exc else "?")
         logging.shutdown()
         os._exit(1)
 

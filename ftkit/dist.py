@@ -9,7 +9,9 @@ store, and every call here degenerates to a no-op.
 Node identity decides failure domains (RAM tiers, peer placement): the
 ``FTKIT_NODE_ID`` variable if set, else ``node<rank // FTKIT_RANKS_PER_NODE>``
 if that is set (how tests simulate several nodes on one machine), else the
-host name.
+host name. Whether another process runs on *this* machine, so that its pid
+means something here (the watchdog kills stuck local peers), is a stricter
+question: see :func:`host_identity`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,41 @@ def node_id(rank: int) -> str:
     if per_node:
         return f"node{rank // int(per_node)}"
     return socket.gethostname()
+
+
+def host_identity() -> str | None:
+    """What makes a pid meaningful: host name, boot id and pid namespace, or None if unknown.
+
+    Host names alone are not unique: containers often share one ("localhost",
+    a pod template's name), and a pid from another container or another boot
+    names an unrelated process here. Two processes may signal each other's pids
+    only when all three match. None (no /proc, e.g. not Linux) means "never
+    assume the same host": callers then fall back to what needs no pid.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    if not boot or not pidns:
+        return None
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+# torchrun's --rdzv-id when none is given (every such job gets the same one).
+_DEFAULT_RDZV_IDS = ("", "none")
+
+
+def rendezvous_id() -> str | None:
+    """The rendezvous (run) id torchrun was given, or None if it is torchrun's default or absent.
+
+    Without --rdzv-id, torchrun's run id is "none" for every job. With
+    --standalone (or a single-node static rendezvous) it is a fresh uuid per
+    torchrun invocation, kept across that invocation's restarts: a real id.
+    """
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run is None or run.strip().lower() in _DEFAULT_RDZV_IDS else run
 
 
 @dataclass

@@ -6,7 +6,8 @@ turns them into goodput and a timeline. Writing is line-buffered and
 thread-safe, and a failure to write never disturbs training (it is logged once).
 
 The run directory is ``$FTKIT_RUN_DIR`` unless given; without one, events are
-not recorded.
+not recorded. Every text field goes through redact.redact_url on the way out:
+tier URLs and error messages never carry credentials into the file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import threading
 import time
 from typing import Any
+
+from .redact import redact_url
 
 log = logging.getLogger("ftkit")
 
@@ -47,7 +50,7 @@ class EventLog:
         if self._file is None:
             return
         line = json.dumps({"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event,
-                           **fields}, default=str)
+                           **_redacted(fields)}, default=lambda v: redact_url(str(v)))
         with self._lock:
             try:
                 self._file.write(line + "\n")
@@ -61,6 +64,17 @@ class EventLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def _redacted(value: Any) -> Any:
+    """`value` with every string in it (keys too) passed through redact_url."""
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else value
+    if isinstance(value, dict):
+        return {_redacted(k): _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value
 
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:

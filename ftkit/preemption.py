@@ -14,6 +14,24 @@ different step ends agree through the store on the last of them
 If no step ends within the deadline (a very long step, a hang), a timer ends
 the process anyway, recording that the flush did not happen: the newest
 snapshot already persisted stays the one to restore.
+
+Where the handler is installed (Checkpointer decides, see there): only where it
+is wanted. A process-wide signal handler that may ``os._exit`` (skipping
+``finally`` blocks and atexit) must not come with every Checkpointer, e.g. one
+that only restores a checkpoint for evaluation. So: at construction under
+torchrun or torch.distributed (world > 1), or when the caller passed
+``preemption_signals`` explicitly; otherwise at the first ``snapshot()`` (a
+training loop, whose steps are what a final save needs); never with
+``preemption_signals=()``.
+
+Chaining: a handler installed before ftkit's is not replaced but kept. On the
+signal ftkit records the notice first, then calls that previous handler if it is
+a Python callable (a framework's flag, a logger, the user's own). SIG_DFL and
+SIG_IGN are not called: the default action would end the process before the
+save, which is what ftkit replaces, and "ignore" has nothing to call. Whatever
+the previous handler does then (return, raise) happens as it would without
+ftkit. On close the previous handler is put back, unless another one was
+installed over ftkit's meanwhile (that one stays: it may chain to ftkit's).
 """
 
 from __future__ import annotations
@@ -37,14 +55,27 @@ class PreemptionHandler:
         self.final_step: int | None = None  # the step every rank agreed to save and stop at
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
+        self.installed = False
+        self._tried = False
+
+    def install(self) -> bool:
+        """Take over the signals (once; Python allows it on the main thread only). True if installed."""
+        if self._tried:
+            return self.installed
+        self._tried = True
         if threading.current_thread() is not threading.main_thread():
-            log.warning("ftkit: Checkpointer created off the main thread; preemption signals not handled")
-            self.signals = ()
+            log.warning("ftkit: Checkpointer used off the main thread; preemption signals not handled")
+            return False
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        self.installed = True
+        return True
 
-    def _on_signal(self, signum: int, _frame) -> None:
+    def _on_signal(self, signum: int, frame) -> None:
         self.request(signum)
+        previous = self._previous.get(signum)
+        if callable(previous):  # not SIG_DFL / SIG_IGN / None (a handler set from C)
+            previous(signum, frame)
 
     def request(self, signum: int, by_rank: int | None = None) -> None:
         """Stop at an agreed step: this rank got `signum`, or (by_rank) a peer did.
@@ -80,5 +111,7 @@ class PreemptionHandler:
         self.done()
         if threading.current_thread() is threading.main_thread():
             for sig, prev in self._previous.items():
-                signal.signal(sig, prev)
+                if signal.getsignal(sig) == self._on_signal:  # not if someone installed theirs over ours
+                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous = {}
+        self.installed = False

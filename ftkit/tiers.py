@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .redact import redact_url
 from .storage import Storage
 
 
@@ -23,6 +24,9 @@ class Tier:
 
     Two URLs are special: "ram", the node's shared memory (see ramtier.py),
     and "peer", which replicates the RAM tier to `replicas` other nodes.
+
+    repr() and str() show the URL without credentials (redact.py); `url`
+    itself keeps them, to open the storage.
     """
 
     url: str
@@ -34,12 +38,19 @@ class Tier:
     replicas: int = 1
 
     def __post_init__(self) -> None:
+        shown = redact_url(self.url)
         if self.every < 1:
-            raise ValueError(f"tier {self.url!r}: every must be >= 1")
+            raise ValueError(f"tier {shown!r}: every must be >= 1")
         if self.keep is not None and self.keep < 1:
-            raise ValueError(f"tier {self.url!r}: keep must be >= 1 or None")
+            raise ValueError(f"tier {shown!r}: keep must be >= 1 or None")
         if self.compress not in (None, "zstd"):
-            raise ValueError(f"tier {self.url!r}: compress must be 'zstd' or None, not {self.compress!r}")
+            raise ValueError(f"tier {shown!r}: compress must be 'zstd' or None, not {self.compress!r}")
+
+    def __repr__(self) -> str:  # the generated one would print credentials in the URL
+        return (f"Tier(url={redact_url(self.url)!r}, every={self.every!r}, keep={self.keep!r}, "
+                f"keep_every={self.keep_every!r}, compress={self.compress!r}, replicas={self.replicas!r})")
+
+    __str__ = __repr__
 
     @staticmethod
     def coerce(spec: "Tier | str | Mapping[str, Any]") -> "Tier":

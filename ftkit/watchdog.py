@@ -23,7 +23,10 @@ Each rank runs one daemon thread that, every `interval_s`,
      if `straggler_action="abort"`.
 
 On a failed, dead or hung rank the thread records the event, kills that process if it
-is on this host (a stopped process would otherwise hold up torchrun's restart),
+is on this host (a stopped process would otherwise hold up torchrun's restart;
+"this host" means the same host name, boot id and pid namespace, see
+dist.host_identity: a pid from another container with the same host name names
+an unrelated process here),
 and ends this process (on a straggler abort, background persists first get
 `flush_deadline_s` to finish: the straggler can still contribute its share) with `os._exit` (``sys.exit`` in a thread only ends the thread), so
 torchrun's elastic agent restarts the worker group and survivors never sit in a
@@ -50,7 +53,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .dist import DistContext
+from .dist import DistContext, host_identity
 from .events import EventLog
 
 log = logging.getLogger("ftkit")
@@ -121,7 +124,7 @@ class Watchdog:
         self._first_grad: float | None = None
         self._seq = 0
         self._seen = {r: _Seen() for r in range(ctx.world_size) if r != ctx.rank}
-        self._host = socket.gethostname()
+        self._host_id = host_identity()  # whose pids we may look up and kill (None: nobody's)
         self._finished = False  # finish() was called: heartbeats say "done"
         self._stop = threading.Event()
         self._outage_since: float | None = None
@@ -183,7 +186,7 @@ class Watchdog:
             self._thread.join(timeout=5)
         try:
             self.ctx.put(f"hb/{self.ctx.rank}", {"done": True, "failed": failed, "host": socket.gethostname(),
-                                                 "pid": os.getpid()})
+                                                 "host_id": self._host_id, "pid": os.getpid()})
         except Exception:
             pass
 
@@ -222,7 +225,8 @@ class Watchdog:
         self._seq += 1
         busy = list(self._busy)
         self.ctx.put(f"hb/{self.ctx.rank}", {
-            "seq": self._seq, "step": self._step, "host": socket.gethostname(), "pid": os.getpid(),
+            "seq": self._seq, "step": self._step, "host": socket.gethostname(), "host_id": self._host_id,
+            "pid": os.getpid(),
             "busy": statistics.median(busy) if busy else None,
             "interval": statistics.median(self._intervals) if self._intervals else None,
             "preempt": bool(self._preempted and self._preempted()),
@@ -237,6 +241,10 @@ class Watchdog:
             if self.ctx.store.check([key]):
                 out[r] = self.ctx.get(key, timeout_s=5)
         return out
+
+    def _local(self, beat: dict) -> bool:
+        """Whether `beat` comes from a process on this host, whose pid we may check and kill."""
+        return self._host_id is not None and beat.get("host_id") == self._host_id
 
     def _said_done(self, rank: int) -> bool:
         try:
@@ -281,7 +289,7 @@ class Watchdog:
                 if now - self._started > cfg.startup_grace_s:
                     self._abort(r, "dead", now - self._started, "never sent a heartbeat")
                 continue
-            if seen.info and seen.info.get("host") == self._host and _process_gone(seen.info.get("pid")):
+            if seen.info and self._local(seen.info) and _process_gone(seen.info.get("pid")):
                 if self._said_done(r):  # it finished and exited after this round's read
                     continue
                 self._abort(r, "dead", now - seen.changed, "its process is gone")
@@ -324,7 +332,7 @@ class Watchdog:
                   "the group", self.ctx.rank, rank, what, why)
         self.events.emit("detect", target=rank, what=what, latency_s=latency, why=why, step=self._step)
         self.detections.append({"target": rank, "what": what})
-        if info.get("host") == socket.gethostname() and info.get("pid"):
+        if self._local(info) and info.get("pid"):
             try:  # a stopped or hung process on this host would hold up the restart
                 os.kill(int(info["pid"]), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
