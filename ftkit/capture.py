@@ -206,6 +206,40 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def rng_problems(state: Any) -> list[str]:
+    """What keeps a decoded RNG state (from a checkpoint) from being set: checked
+    before the restore vote, so a malformed one fails its candidate instead of
+    raising after the others have loaded."""
+    if not isinstance(state, Mapping):
+        return ["the RNG state is not a mapping"]
+    out = []
+    py = state.get("python")
+    if py is not None:
+        if isinstance(py, Mapping):
+            internal, version = py.get("internal"), py.get("version")
+            ok = (isinstance(internal, torch.Tensor) and internal.dtype == torch.int64 and internal.shape == (625,)
+                  or isinstance(internal, (list, tuple)) and len(internal) == 625
+                  and all(type(x) is int for x in internal))
+            if not ok or type(version) is not int or not isinstance(py.get("gauss"), (float, type(None))):
+                out.append("Python's RNG state is malformed")
+        elif not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], (list, tuple)) and len(py[1]) == 625):
+            out.append("Python's RNG state is malformed")
+    t = state.get("torch")
+    if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+        out.append("torch's RNG state is not a uint8 tensor")
+    nps = state.get("numpy")
+    if nps is not None:
+        np = _numpy()
+        if not (isinstance(nps, tuple) and len(nps) == 5 and nps[0] == "MT19937" and np is not None
+                and isinstance(nps[1], np.ndarray) and nps[1].shape == (624,) and type(nps[2]) is int):
+            out.append("numpy's RNG state is malformed")
+    cuda = state.get("cuda")
+    if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
+            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)):
+        out.append("the CUDA RNG state is malformed")
+    return out
+
+
 def set_rng_state(state: Mapping[str, Any]) -> None:
     if "python" in state:
         py = state["python"]

@@ -20,9 +20,7 @@ from typing import Any, Iterator
 from . import __version__
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
 from .format import Manifest, parse_step_dir
-from .persist import delete_step
 from .reader import load_manifest, newest_manifest, scan, verify
-from .retention import plan_retention
 from .storage import Storage
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -104,15 +102,18 @@ def _emit(args, payload: Any, text: str) -> None:
 def cmd_ls(args) -> int:
     storage, _ = _open(args)
     rows = []
+    notes = {"partial": "no manifest: not a checkpoint", "retired": "retired: superseded by a restore of an older step",
+             "link": "a symbolic link: ignored", "bad": "manifest.json is not a regular file: ignored"}
     for sd in scan(storage):
         if not sd.committed:
-            rows.append({"step": sd.step, "status": "partial"})
+            rows.append({"step": sd.step, "status": sd.status})
             continue
         try:
             rows.append({**_summary(load_manifest(storage, sd.step)), "status": "committed"})
         except CorruptCheckpointError as e:
             rows.append({"step": sd.step, "status": "bad-manifest", "error": str(e)})
-    if not rows:
+    uploads = storage.incomplete_uploads()
+    if not rows and not uploads:
         raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
     lines = [f"{'STEP':>10}  {'STATUS':<12} {'WORLD':>5} {'TENSORS':>7} {'STORED':>10} {'RAW':>10}  CREATED"]
     for r in rows:
@@ -121,8 +122,13 @@ def cmd_ls(args) -> int:
                          f"{_human(r['stored_bytes']):>10} {_human(r['raw_bytes']):>10}  {_when(r['created_at'])}")
         else:
             lines.append(f"{r['step']:>10}  {r['status']:<12} {'-':>5} {'-':>7} {'-':>10} {'-':>10}  "
-                         f"{r.get('error', 'no manifest: not a checkpoint')}")
-    _emit(args, {"url": storage.display_url, "steps": rows}, "\n".join(lines))
+                         f"{r.get('error', notes.get(r['status'], ''))}")
+    if uploads:
+        lines.append(f"{len(uploads)} incomplete multipart upload(s) (a writer died mid-upload; `ftkit gc` aborts "
+                     f"them): {', '.join(u['key'] for u in uploads[:3])}{' ...' if len(uploads) > 3 else ''}")
+    _emit(args, {"url": storage.display_url, "steps": rows,
+                 "incomplete_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in uploads]},
+          "\n".join(lines))
     return EXIT_OK
 
 
@@ -214,36 +220,59 @@ def _reshard(args, storage: Storage, m: Manifest) -> int:
 
 
 def cmd_gc(args) -> int:
+    from .gc import collect
+
     if args.url == "ram":
         return _gc_ram(args)
     if args.keep is None:
         raise UsageError("gc needs --keep N (or the URL 'ram' to remove a finished job's RAM tier)")
+    if parse_step_dir(args.url.rstrip("/").rsplit("/", 1)[-1]) is not None:
+        raise UsageError(f"{args.url} is one step's directory; gc works on the tier above it")
     storage, _ = _open(args)
-    dirs = scan(storage)
-    committed = [d.step for d in dirs if d.committed]
-    # The newest step whose manifest is sound is protected whatever --keep says.
-    protect = None
-    for s in reversed(committed):
-        try:
-            load_manifest(storage, s)
-            protect = s
-            break
-        except CorruptCheckpointError:
-            continue
-    plan = plan_retention(committed, args.keep, args.keep_every, protect=protect)
-    newest = max(committed, default=None)
-    partial = [d.step for d in dirs if not d.committed and newest is not None and d.step < newest]
-    if not args.dry_run:
-        for s in plan.delete:
-            delete_step(storage, s)
-        for s in partial:
-            delete_step(storage, s)
+
+    bars: list[Any] = []
+
+    def progress(step: int, nbytes: int):  # a bar per step verified, on a terminal
+        if not sys.stderr.isatty() or nbytes <= 0:
+            return None
+        from tqdm import tqdm
+
+        bars.append(tqdm(total=nbytes, desc=f"verify step {step}", unit="B", unit_scale=True, leave=False))
+        return bars[-1].update
+
+    try:
+        done = collect(storage, args.keep, args.keep_every, args.grace, dry_run=args.dry_run, progress=progress)
+    except CheckpointNotFoundError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        for bar in bars:
+            bar.close()
+    plan = done.plan
     verb = "would remove" if args.dry_run else "removed"
     payload = {"url": storage.display_url, "dry_run": args.dry_run, "kept": list(plan.keep),
-               "removed": list(plan.delete), "removed_partial": partial}
-    _emit(args, payload, f"{verb} {len(plan.delete)} step(s) {list(plan.delete)} and {len(partial)} partial "
-                         f"step(s) {partial}; kept {list(plan.keep)}")
-    return EXIT_OK
+               "removed": list(plan.delete), "removed_partial": list(plan.remove_partial),
+               "held_partial": list(plan.held), "refused": list(plan.refused), "protected": plan.protected,
+               "failed_verification": {str(k): v for k, v in done.failed_verification.items()},
+               "aborted_uploads": [u["key"] for u in done.uploads], "held_uploads": done.uploads_held,
+               "errors": done.errors}
+    lines = [f"{verb} {len(plan.delete)} step(s) {list(plan.delete)} and {len(plan.remove_partial)} partial "
+             f"step(s) {list(plan.remove_partial)}; kept {list(plan.keep)}"]
+    if plan.protected is None and plan.keep:
+        lines.append("no step verified: every committed step was kept")
+    else:
+        lines.append(f"newest verified step: {plan.protected}")
+    for s, why in sorted(done.failed_verification.items()):
+        lines.append(f"step {s} failed verification (kept): {why}")
+    if plan.held:
+        lines.append(f"left alone (changed less than {args.grace:.0f}s ago; a writer may be live): {list(plan.held)}")
+    if plan.refused:
+        lines.append(f"refused (a symbolic link, or a manifest that is no regular file): {list(plan.refused)}")
+    if done.uploads or done.uploads_held:
+        lines.append(f"{verb} {len(done.uploads)} incomplete upload(s)"
+                     + (f"; {done.uploads_held} younger than {args.grace:.0f}s left alone" if done.uploads_held else ""))
+    lines += [f"error: {e}" for e in done.errors]
+    _emit(args, payload, "\n".join(lines))
+    return EXIT_FAIL if done.errors else EXIT_OK
 
 
 def _gc_ram(args) -> int:
@@ -351,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--job", help="with URL 'ram': the job id (default: $FTKIT_JOB_ID, $TORCHELASTIC_RUN_ID)")
     g.add_argument("--keep-every", type=int, help="also keep every step divisible by M")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    g.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="leave partial steps and incomplete uploads younger than this alone (default 3600)")
     rp = sub.add_parser("report", help="goodput, incidents and a timeline from a run's event log",
                         description="goodput, incidents and a timeline from a run's event log")
     rp.add_argument("run_dir", help="the run directory ($FTKIT_RUN_DIR of the job)")

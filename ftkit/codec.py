@@ -9,6 +9,7 @@ compression pass at a third of disk speed.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -21,6 +22,7 @@ CHECKSUM_ALGO = "xxh3_64"
 _PROBE_BYTES = 256 * 1024
 _WORTH_IT = 0.90  # compress only if the probe shrinks to at most this fraction
 _local = threading.local()
+log = logging.getLogger("ftkit")
 
 
 def checksum(data) -> str:
@@ -28,15 +30,26 @@ def checksum(data) -> str:
 
 
 # Test hook, never for production: drills set it to prove that their bitwise
-# comparison catches what checksums would have caught. Read once, at import.
+# comparison catches what checksums would have caught. Read once, at import;
+# honoured only by restores (never by `ftkit verify`), with a warning every time.
 UNSAFE_SKIP_CHECKSUMS = os.environ.get("FTKIT_UNSAFE_SKIP_CHECKSUMS") == "1"
 
 
-def check(data, expected: str, where: str) -> None:
+def skipping_checksums(where: str) -> bool:
+    """Whether this read may skip checksums (FTKIT_UNSAFE_SKIP_CHECKSUMS=1); warns when so."""
+    if UNSAFE_SKIP_CHECKSUMS:
+        log.warning("ftkit: FTKIT_UNSAFE_SKIP_CHECKSUMS=1: reading %s WITHOUT verifying checksums "
+                    "(a test hook; unset it)", where)
+    return UNSAFE_SKIP_CHECKSUMS
+
+
+def check(data, expected: str, where: str, skip: bool = False) -> None:
+    """Raise CorruptCheckpointError unless `data` hashes to `expected`; `skip` (from
+    skipping_checksums) checks only the algorithm name."""
     algo, _, _ = expected.partition(":")
     if algo != CHECKSUM_ALGO:
         raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {algo!r}")
-    if UNSAFE_SKIP_CHECKSUMS:
+    if skip:
         return
     got = checksum(data)
     if got != expected:

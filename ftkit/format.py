@@ -9,9 +9,9 @@ A tier root holds one directory per committed step::
 The manifest is JSON (no pickle) and self-contained: for every tensor its dtype,
 global shape and saved shards (region offsets and lengths), and for every shard
 the chunks that hold its bytes (file, byte range, codec, checksum). FORMAT.md
-documents it field by field; this module is the single place that encodes and
-validates it, so a manifest that passes :func:`manifest_from_json` is safe to
-act on (known version, files inside the step directory, sane ranges).
+documents it field by field. This module encodes it; validate.py is the single
+place that decodes and validates it, so a manifest that passes
+:func:`manifest_from_json` is safe to act on (FORMAT.md, "Invariants").
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import FormatError
 
 FORMAT_NAME = "ftkit-checkpoint"
 FORMAT_VERSION = 2  # 2: Python's RNG state as a tensor (FORMAT.md, the skeleton)
@@ -132,101 +131,11 @@ def manifest_json(step: int, world_size: int, tensor_docs: list[dict[str, Any]],
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def manifest_from_json(data: bytes, where: str, expect_step: int | None = None) -> Manifest:
-    """Parse and validate a manifest; raise FormatError naming `where` on any problem."""
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{where}: manifest is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where}: not an ftkit checkpoint manifest (format field is {_short(doc)})")
-    version = doc.get("format_version")
-    if not isinstance(version, int):
-        raise FormatError(f"{where}: manifest has no integer format_version")
-    if version > FORMAT_VERSION:
-        raise FormatError(
-            f"{where}: manifest format version {version} is newer than this ftkit supports "
-            f"({FORMAT_VERSION}); upgrade ftkit to read it"
-        )
-    try:
-        m = _decode(doc)
-    except FormatError as e:
-        raise FormatError(f"{where}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
-    if expect_step is not None and m.step != expect_step:
-        raise FormatError(f"{where}: manifest says step {m.step}, directory says {expect_step}")
-    return m
+def manifest_from_json(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
+    """Parse and validate a manifest; raise FormatError naming `where` on any problem.
 
+    The validation (validate.py) is the only one in ftkit: what passes it is safe to
+    act on, and FORMAT.md's "Invariants" lists what it proves."""
+    from .validate import parse_manifest
 
-def _short(doc: Any) -> str:
-    v = doc.get("format") if isinstance(doc, dict) else None
-    return repr(v)[:40]
-
-
-def _decode(doc: dict[str, Any]) -> Manifest:
-    files = doc["files"]
-    if not isinstance(files, dict):
-        raise FormatError("'files' must be an object")
-    for name, info in files.items():
-        _check_file_name(name)
-        if not isinstance(info.get("bytes"), int) or info["bytes"] < 0:
-            raise FormatError(f"file {name!r} has no valid byte count")
-    tensors = tuple(decode_tensor_entry(t, files) for t in doc["tensors"])
-    rank_state = doc.get("rank_state", {})
-    if not isinstance(rank_state, dict):
-        raise FormatError("'rank_state' must be an object")
-    return Manifest(
-        step=int(doc["step"]),
-        world_size=int(doc["world_size"]),
-        tensors=tensors,
-        skeleton=doc["skeleton"],
-        files=files,
-        rank_state=rank_state,
-        created_at=float(doc.get("created_at", 0.0)),
-        writer=doc.get("writer", {}),
-        format=doc["format"],
-        format_version=int(doc["format_version"]),
-    )
-
-
-def decode_tensor_entry(t: dict[str, Any], files: dict[str, Any]) -> TensorEntry:
-    """One validated tensor entry; `files` are the data files it may point into."""
-    if t["dtype"] not in DTYPES:
-        raise FormatError(f"tensor {t['name']!r} has unknown dtype {t['dtype']!r}")
-    shape = tuple(int(x) for x in t["shape"])
-    shards = []
-    for s in t["shards"]:
-        chunks = []
-        for c in s["chunks"]:
-            ch = Chunk(
-                file=c["file"], offset=int(c["offset"]), length=int(c["length"]),
-                raw_offset=int(c["raw_offset"]), raw_length=int(c["raw_length"]),
-                codec=c["codec"], checksum=c["checksum"],
-            )
-            _check_file_name(ch.file)
-            if ch.file not in files:
-                raise FormatError(f"chunk of {t['name']!r} names unlisted file {ch.file!r}")
-            if ch.codec not in CODECS:
-                raise FormatError(f"chunk of {t['name']!r} has unknown codec {ch.codec!r}")
-            if min(ch.offset, ch.length, ch.raw_offset, ch.raw_length) < 0:
-                raise FormatError(f"chunk of {t['name']!r} has a negative range")
-            if ch.offset + ch.length > files[ch.file]["bytes"]:
-                raise FormatError(f"chunk of {t['name']!r} runs past the end of {ch.file!r}")
-            chunks.append(ch)
-        offsets = tuple(int(x) for x in s["offsets"])
-        lengths = tuple(int(x) for x in s["lengths"])
-        if len(offsets) != len(shape) or len(lengths) != len(shape):
-            raise FormatError(f"shard of {t['name']!r} does not match its rank-{len(shape)} shape")
-        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, shape)):
-            raise FormatError(f"shard of {t['name']!r} lies outside the tensor")
-        shards.append(Shard(offsets, lengths, tuple(chunks), int(s.get("rank", 0))))
-    kind = t.get("kind", "replicated")
-    if kind not in ("replicated", "sharded", "rank-local"):
-        raise FormatError(f"tensor {t['name']!r} has unknown kind {kind!r}")
-    return TensorEntry(t["name"], t["dtype"], shape, tuple(shards), kind)
-
-
-def _check_file_name(name: Any) -> None:
-    if not isinstance(name, str) or not SAFE_FILE_RE.match(name) or ".." in name:
-        raise FormatError(f"manifest names a file outside its step directory: {str(name)[:80]!r}")
+    return parse_manifest(data, where, expect_step)

@@ -29,6 +29,7 @@ from . import codec
 from .dist import DistContext
 from .errors import FtkitError, StorageError
 from .faults import fault_point
+from .lifecycle import delete_step  # noqa: F401  (re-exported: retention imports it from here)
 from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifest_from_json, manifest_json,
                      step_dir_name, tensor_entry_doc)
 from .peers import PeerGroup, replication_plan
@@ -456,16 +457,6 @@ def discard(storage: Storage, step: int, files: list[str]) -> None:
             storage.remove(f"{step_dir}/{name}")
     except StorageError as e:
         log.warning("could not clean up uncommitted files of step %d: %s", step, e)
-
-
-def delete_step(storage: Storage, step: int) -> None:
-    """Remove a step: manifest first, so it stops existing before its data goes."""
-    d = step_dir_name(step)
-    storage.remove(f"{d}/{MANIFEST_NAME}")
-    if storage.spares is not None:  # the RAM tier writes its next files over these (ramtier.SparePool)
-        names = [n for n, kind in storage.list_dir(d) if kind == "file" and n.endswith(".data")]
-        storage.spares.give([storage.path(f"{d}/{n}") for n in names])
-    storage.remove(d, recursive=True)
 
 
 def _writer_info() -> dict[str, Any]:

@@ -19,15 +19,19 @@ Order of calls (every rank runs `restore` together)::
         load    only when every rank read its part intact, all load in place
 
 Tensors whose live counterpart is a plain contiguous CPU tensor of the saved
-shape and dtype are read straight into it, not into a fresh copy of the state.
-Shared tiers verify those chunks first and read them into the live tensors
-only after the vote, so the live state is untouched until every rank holds an
-intact step. The RAM tier (node memory: a second pass costs as much as the
-first) reads and verifies them in one pass, into the live tensors, before the
-vote: when a chunk fails its checksum anywhere, every rank moves on to the
-next source, which overwrites those tensors again. So a corrupt replica or a
-torn file anywhere still never ends up loaded; but when NO source verifies,
-restore raises and the live tensors may hold a partial mix of bytes.
+shape and dtype are read straight into it, not into a fresh copy of the state,
+in one pass before the vote: every chunk is read once and verified as it lands
+(a second pass would cost as much again, and a file changed between two passes
+would reach the live state unverified). When a chunk fails anywhere, every rank
+moves on to the next candidate, which rewrites every live byte this one touched
+(validation proved that a step's chunks tile each tensor exactly). So a corrupt
+replica, a torn file or a crafted manifest never ends up loaded; when NO
+candidate verifies, restore raises CorruptCheckpointError and the live tensors
+may hold part of one (do not train on them).
+
+After a successful restore of step N every newer step is taken out of the
+timeline (`_retire_newer`): dropped from the RAM tier, retired on shared tiers.
+Nothing is dropped or retired before then: a failed candidate destroys nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from . import capture as cap
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StateMismatchError, StorageError
 from .format import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
 from .peers import Transfer
-from .reader import load_manifest, read_regions, scan, torch_dtype, verify
+from .lifecycle import RETIRED_MANIFEST, delete_step, retire_step
+from .reader import check_file_sizes, load_manifest, read_regions, scan, torch_dtype
 from .sharding import RANK_LOCAL, dtensor_region, is_dtensor, overlap
 
 log = logging.getLogger("ftkit")
@@ -77,7 +82,6 @@ def restore(ck, step: int | None) -> int:
             loaded, vote = _read_candidate(ck, s, storage)
             origin = {"source": storage.display_url}
         t_read = time.perf_counter() - t0
-        _drop_newer_ram_steps(ck, s)  # before the vote: a barrier, so no rank of this node snapshots yet
         votes = ctx.gather(f"{key}/vote/{n}", vote)
         mismatched = [(r, v["mismatch"]) for r, v in enumerate(votes) if v["mismatch"]]
         if mismatched:
@@ -90,16 +94,15 @@ def restore(ck, step: int | None) -> int:
             log.warning("step %d from %s is unusable, trying the next source: %s%s", s,
                         origin.get("source", storage.display_url), err, "" if r == ctx.rank else f" (on rank {r})")
             continue
-        manifest, tensors, rng_value, fill = loaded
+        manifest, tensors, rng_value = loaded
         t1 = time.perf_counter()
-        if fill is not None:  # verified before the vote; read into the live tensors now
-            fill()
         cap.load(ck.state, manifest.skeleton, tensors, rng_value)
         t_load = time.perf_counter() - t1
+        retired = _retire_newer(ck, s, f"{key}/retired")
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         ck.last_restore = {"step": s, **origin, "bytes": nbytes, "saved_world_size": manifest.world_size,
                            "plan_s": t_plan, "read_s": t_read, "load_s": t_load,
-                           "total_s": time.perf_counter() - t_start}
+                           "total_s": time.perf_counter() - t_start, "retired": retired}
         ck.events.emit("restore", **{k: v for k, v in ck.last_restore.items() if k != "received"})
         log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s%s",
                  ctx.rank, s, origin["source"], nbytes / 1e6, t_plan, t_read,
@@ -109,35 +112,56 @@ def restore(ck, step: int | None) -> int:
                  if manifest.world_size != ctx.world_size else "")
         return s
     if problems:
-        raise CorruptCheckpointError(f"no usable checkpoint: {len(problems)} candidate(s) failed; "
-                                     f"newest problem: {problems[0]}")
+        raise CorruptCheckpointError(f"no usable checkpoint: {len(problems)} candidate(s) failed, so the live "
+                                     f"state may hold part of one; newest problem: {problems[0]}")
     if unreachable:
         raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
-    _drop_newer_ram_steps(ck, 0)
-    if ctx.distributed:
-        ctx.gather(f"{key}/fresh", None)  # nobody snapshots step 1 before every node's RAM is clear
+    _retire_newer(ck, 0, f"{key}/retired")  # incomplete RAM steps (no manifest anywhere) go too
     ck.events.emit("restore", step=0, source=None, total_s=time.perf_counter() - t_start)
     return 0
 
 
-def _drop_newer_ram_steps(ck, step: int) -> None:
-    """The node leader removes RAM-tier steps newer than `step`: they belong to a timeline
-    the job has just left. Left in place, a node that still held one while another node
-    had lost it would refuse to re-snapshot that step ("already committed") while the
-    other waited for it. Durable tiers are never touched here."""
+def _retire_newer(ck, step: int, key: str) -> dict[str, list[int]]:
+    """After restoring `step` (0: starting afresh), take every newer step out of the timeline.
+
+    They belong to a future the run has left: an explicit `restore(step=N)`, or a
+    fallback past newer steps that failed. Left in place, the run's next snapshots
+    of those step numbers would be refused as already committed and a later
+    restart would resume the abandoned future. The RAM tier drops them (node
+    leaders; it is a cache); shared tiers retire them (rank 0; lifecycle.py: the
+    manifest is renamed aside, the bytes stay until retention). Runs only once a
+    restore has succeeded, so a failed candidate destroys nothing; ends with a
+    barrier, so no rank snapshots before every newer step is gone. Returns
+    {tier URL: steps retired} (this rank's share of the work)."""
     ctx = ck._ctx
-    if ck._ram_index is None or not ctx.node_leader(ctx.rank):
-        return
-    storage = ck._storages[ck._ram_index]
-    for sd in scan(storage):
-        if sd.step > step:
+    out: dict[str, list[int]] = {}
+    for i, tier in enumerate(ck.tiers):
+        storage = ck._storages[i]
+        if tier.is_peer or not (ctx.node_leader(ctx.rank) if tier.is_ram else ctx.rank == 0):
+            continue
+        try:
+            dirs = [d for d in scan(storage) if d.step > step and (tier.is_ram or d.committed)]
+        except StorageError as e:
+            log.warning("rank %d: cannot list %s to retire steps newer than %d: %s", ctx.rank,
+                        storage.display_url, step, e)
+            continue
+        for d in dirs:
             try:
-                storage.remove(f"{step_dir_name(sd.step)}/{MANIFEST_NAME}")
-                storage.remove(step_dir_name(sd.step), recursive=True)
-                log.info("rank %d: dropped RAM-tier step %d (newer than the restored step %d)",
-                         ctx.rank, sd.step, step)
+                if tier.is_ram:
+                    delete_step(storage, d.step)
+                else:
+                    retire_step(storage, d.step)
+                out.setdefault(storage.display_url, []).append(d.step)
             except StorageError as e:
-                log.warning("rank %d: could not drop RAM-tier step %d: %s", ctx.rank, sd.step, e)
+                log.warning("rank %d: could not retire step %d of %s: %s", ctx.rank, d.step, storage.display_url, e)
+        committed = [d.step for d in dirs if d.committed]
+        if committed and step > 0:
+            log.warning("ftkit: restored step %d, so newer step(s) %s of %s are %s: this run continues from step "
+                        "%d", step, committed, storage.display_url,
+                        "dropped" if tier.is_ram else f"retired (renamed to {RETIRED_MANIFEST})", step)
+    if ctx.distributed:
+        ctx.gather(key, None)  # nobody snapshots before every node's newer steps are gone
+    return out
 
 
 # ------------------------------------------------------------------ planning
@@ -271,36 +295,43 @@ def _finish(ck, step: int, manifest: Manifest, tensors, dtensors):
         if rng_value is None:
             log.info("step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
                      step, ck._ctx.rank, manifest.world_size)
+        else:
+            try:
+                problems = cap.rng_problems(cap.decode(rng_value, tensors))
+            except KeyError as e:
+                problems = [f"it names tensor {e} that this rank did not read"]
+            if problems:
+                raise CorruptCheckpointError(f"step {step}: the RNG state of rank {ck._ctx.rank} is unusable: "
+                                             f"{'; '.join(problems)}")
     return manifest, tensors, rng_value
 
 
 def _read_candidate(ck, step: int, storage):
-    """Read and check this rank's part of a step on a shared tier; the live state is untouched.
+    """Read and check this rank's part of a step on a shared tier, before the vote.
 
-    Tensors whose live counterpart is a plain contiguous CPU tensor of the same
-    shape and dtype are only verified now (checksums, no allocation); after the
-    vote they are read straight into the live tensors (`fill`), which saves a
-    fresh copy of the state and its page faults. Everything else is read into
-    new tensors here, as before.
+    Order: the manifest (validated), the sizes of its files against storage
+    (before anything is allocated on its word), the fit with the live state (a
+    mismatch is known before any live byte is written), then one pass over the
+    chunks: tensors whose live counterpart is a plain contiguous CPU tensor of the
+    saved shape and dtype are read straight into it, verified chunk by chunk; the
+    rest into new tensors, loaded after the vote. A failure anywhere makes this
+    rank vote "error"; every rank then moves on to the next candidate, which
+    rewrites every live byte this one touched (the chunks of a valid step tile
+    every tensor exactly).
     """
     try:
         manifest = load_manifest(storage, step)
+        check_file_sizes(storage, manifest)
         regions, dtensors, live = _regions(ck, manifest)
         in_place = _in_place_targets(live, manifest, regions, dtensors)
         problems = _fit_problems(ck, manifest, regions, in_place)
         if problems:
             return None, {"error": None, "mismatch": problems}
-        verify(storage, manifest, names=in_place)
-        tensors = read_regions(storage, manifest, {n: r for n, r in regions.items() if n not in in_place})
+        tensors = read_regions(storage, manifest, regions, out=in_place)
+        loaded = _finish(ck, step, manifest, tensors, dtensors)
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
         return None, {"error": str(e), "mismatch": []}
-    tensors.update(in_place)  # the live tensors themselves: shapes and dtypes match by construction
-
-    def fill() -> None:
-        read_regions(storage, manifest, {n: regions[n] for n in in_place}, out=in_place)
-
-    loaded = _finish(ck, step, manifest, tensors, dtensors)
-    return (*loaded, fill if in_place else None), {"error": None, "mismatch": []}
+    return loaded, {"error": None, "mismatch": []}
 
 
 def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
@@ -342,11 +373,12 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest |
             if not doc:
                 raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
             manifest = manifest_from_json(doc.encode(), f"RAM manifest of step {step}", expect_step=step)
+        present = set(storage.list_sizes(step_dir))
+        check_file_sizes(storage, manifest, present & set(manifest.files))  # peers check theirs before sending
         regions, dtensors, live = _regions(ck, manifest)
         in_place = _in_place_targets(live, manifest, regions, dtensors)
         problems = _fit_problems(ck, manifest, regions, in_place)
         needed = _files_for(manifest, regions)
-        present = {n for n, _ in storage.list_dir(step_dir)}
         missing = sorted(needed - present)
     except (FtkitError, OSError) as e:
         error, missing, regions, dtensors, in_place, problems = str(e), [], {}, {}, {}, []
@@ -377,9 +409,14 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest |
         except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
             error = str(e)
     origin["received"] = received
+    if error is None:
+        try:
+            loaded = _finish(ck, step, manifest, tensors, dtensors)
+        except CorruptCheckpointError as e:
+            error = str(e)
     if error is not None:
         return None, {"error": error, "mismatch": []}, origin
-    return (*_finish(ck, step, manifest, tensors, dtensors), None), {"error": None, "mismatch": []}, origin
+    return loaded, {"error": None, "mismatch": []}, origin
 
 
 def _files_for(manifest: Manifest, regions) -> set[str]:

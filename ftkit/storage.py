@@ -11,6 +11,11 @@ two things the rest of ftkit relies on:
 * **One-line errors.** Backend exceptions (botocore, aiohttp, OSError...) become
   :class:`~ftkit.errors.StorageError` naming the operation and the URL, with any
   credential from ``storage_options`` scrubbed from the text.
+* **No trust in what it finds.** A checkpoint directory may have been written by
+  someone else. On local filesystems reads open regular files only (a FIFO
+  named ``manifest.json`` is an error, not a hang), symbolic links are never
+  followed below the root (reported as kind ``link``, refused when reading,
+  writing or deleting through them), and deleting never follows a link.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ import logging
 import os
 import re
 import shutil
+import stat
+import time
 import uuid
 from typing import Any, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import FtkitError, StorageError
+from .errors import CorruptCheckpointError, FtkitError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +136,16 @@ class Storage:
 
     # ------------------------------------------------------------------- reads
     def list_dir(self, rel: str = "") -> list[tuple[str, str]]:
-        """(name, "file"|"directory") of the entries below `rel`; [] when it does not exist."""
+        """(name, kind) of the entries below `rel`; [] when it does not exist.
+
+        kind: "file", "directory", "link" (a symbolic link, local only: never
+        followed) or "other" (a FIFO, socket or device, local only)."""
         if self.is_local:  # the RAM tier lists at every commit: skip fsspec's per-entry info()
             with self._errors("listing", rel):
+                self._no_links_within(rel)
                 try:
                     with os.scandir(self.path(rel)) as it:
-                        return [(e.name, "directory" if e.is_dir() else "file") for e in it]
+                        return [(e.name, _local_kind(e)) for e in it]
                 except FileNotFoundError:
                     return []
         with self._errors("listing", rel):
@@ -148,9 +159,57 @@ class Storage:
         for e in entries:
             name = e["name"].rstrip("/").rsplit("/", 1)[-1]
             if e["name"].rstrip("/") == base:
-                continue
+                continue  # the prefix itself (an object store's directory marker)
             out.append((name, "directory" if e.get("type") == "directory" else "file"))
         return out
+
+    def list_sizes(self, rel: str = "") -> dict[str, int]:
+        """{name: bytes} of the regular files directly below `rel` (one listing)."""
+        if self.is_local:
+            with self._errors("listing", rel):
+                self._no_links_within(rel)
+                try:
+                    with os.scandir(self.path(rel)) as it:
+                        return {e.name: e.stat(follow_symlinks=False).st_size for e in it
+                                if e.is_file(follow_symlinks=False)}
+                except FileNotFoundError:
+                    return {}
+        with self._errors("listing", rel):
+            self.fs.invalidate_cache(self.path(rel))
+            try:
+                entries = self.fs.ls(self.path(rel), detail=True)
+            except FileNotFoundError:
+                return {}
+        base = self.path(rel).rstrip("/")
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
+                if e.get("type") != "directory" and e["name"].rstrip("/") != base}
+
+    def modified(self, rel: str) -> float | None:
+        """The newest modification time (Unix seconds) of `rel` or of the files directly in it."""
+        times = []
+        with self._errors("listing", rel):
+            if self.is_local:
+                try:
+                    st = os.lstat(self.path(rel))
+                except FileNotFoundError:
+                    return None
+                times.append(st.st_mtime)
+                if stat.S_ISDIR(st.st_mode):
+                    with os.scandir(self.path(rel)) as it:
+                        times += [e.stat(follow_symlinks=False).st_mtime for e in it]
+            else:
+                self.fs.invalidate_cache(self.path(rel))
+                try:
+                    entries = self.fs.ls(self.path(rel), detail=True)
+                except FileNotFoundError:
+                    return None
+                for e in entries:
+                    t = e.get("LastModified") or e.get("mtime") or e.get("created")
+                    if hasattr(t, "timestamp"):
+                        times.append(t.timestamp())
+                    elif isinstance(t, (int, float)):
+                        times.append(float(t))
+        return max(times) if times else None
 
     def exists(self, rel: str) -> bool:
         with self._errors("checking", rel):
@@ -160,9 +219,15 @@ class Storage:
 
     def size(self, rel: str) -> int:
         with self._errors("reading size of", rel):
+            if self.is_local:
+                self._no_links_within(rel)
+                return os.lstat(self.path(rel)).st_size
             return int(self.fs.size(self.path(rel)))
 
     def read_bytes(self, rel: str) -> bytes:
+        if self.is_local:
+            with self.open_read(rel) as f:
+                return f.read()
         with self._errors("reading", rel):
             return self.fs.cat_file(self.path(rel))
 
@@ -170,7 +235,7 @@ class Storage:
     def open_read(self, rel: str) -> Iterator[Any]:
         with self._errors("reading", rel):
             if self.is_local:
-                f = open(self.path(rel), "rb", buffering=0)
+                f = self._open_regular(rel)
             else:
                 f = self.fs.open(self.path(rel), "rb", block_size=8 * 2**20, cache_type="none")
             try:
@@ -187,6 +252,7 @@ class Storage:
         full = self.path(rel)
         with self._errors("writing", rel):
             if self.is_local:
+                self._no_links_within(rel)
                 os.makedirs(os.path.dirname(full), exist_ok=True)
                 tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
                 reused = recycle and self.spares is not None and self.spares.take(tmp)
@@ -237,20 +303,129 @@ class Storage:
             self.fs.pipe_file(self.path(rel), data)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
+        """Delete a file (or, `recursive`, a directory tree); gone already is fine.
+
+        Never follows a symbolic link: a link below the root on the way to `rel`
+        is refused, a link at `rel` is removed itself (not its target), and a
+        recursive delete of a link is refused."""
         with self._errors("removing", rel):
             try:
                 if not self.is_local:
                     self.fs.rm(self.path(rel), recursive=recursive)
-                elif recursive and os.path.isdir(self.path(rel)):
-                    shutil.rmtree(self.path(rel))
+                    if recursive:  # some stores (SeaweedFS) keep an empty prefix as a directory entry
+                        with contextlib.suppress(Exception):
+                            self.fs.rm_file(self.path(rel).rstrip("/") + "/")
+                    return
+                self._no_links_within(rel)
+                st = os.lstat(self.path(rel))
+                if stat.S_ISLNK(st.st_mode) and recursive:
+                    raise StorageError(f"{self.where(rel)} is a symbolic link; not following it to delete")
+                if recursive and stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(self.path(rel))  # fd-based on Linux: does not follow links inside
                 else:
                     os.remove(self.path(rel))
             except FileNotFoundError:
                 pass
 
+    def rename(self, rel: str, new_rel: str) -> None:
+        """Rename a file (atomically on POSIX; a copy then a delete on object stores)."""
+        with self._errors("renaming", rel):
+            if self.is_local:
+                self._no_links_within(rel)
+                self._no_links_within(new_rel)
+                os.replace(self.path(rel), self.path(new_rel))
+                _fsync_dir(os.path.dirname(self.path(new_rel)))
+            else:
+                self.fs.mv(self.path(rel), self.path(new_rel))
+
+    def is_link(self, rel: str) -> bool:
+        """Whether `rel` itself is a symbolic link (local only; object stores have none)."""
+        return self.is_local and os.path.islink(self.path(rel))
+
+    # -------------------------------------------------- object-store uploads
+    def incomplete_uploads(self, rel: str = "") -> list[dict[str, Any]]:
+        """Multipart uploads started below `rel` and never completed ({key, upload_id,
+        initiated}): what a writer killed mid-upload leaves behind, invisible to
+        listings and billed. [] on backends without multipart uploads."""
+        if not hasattr(self.fs, "call_s3"):
+            return []
+        bucket, _, prefix = self.path(rel).partition("/")
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        out: list[dict[str, Any]] = []
+        with self._errors("listing incomplete uploads of", rel):
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", **kwargs)
+                for u in page.get("Uploads") or []:
+                    t = u.get("Initiated")
+                    out.append({"key": u["Key"], "upload_id": u["UploadId"],
+                                "initiated": t.timestamp() if hasattr(t, "timestamp") else time.time()})
+                if not page.get("IsTruncated"):
+                    return out
+                kwargs.update(KeyMarker=page.get("NextKeyMarker"), UploadIdMarker=page.get("NextUploadIdMarker"))
+
+    def abort_upload(self, upload: dict[str, Any]) -> None:
+        """Abort one incomplete multipart upload (from :meth:`incomplete_uploads`)."""
+        bucket = self.path().partition("/")[0]
+        with self._errors("aborting the upload of", upload["key"]):
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["key"], UploadId=upload["upload_id"])
+
+    # ------------------------------------------------------- local safety
+    def _no_links_within(self, rel: str) -> None:
+        """Refuse a path below the root whose directories include a symbolic link.
+
+        (The root itself may be reached through links: it is the user's choice.)"""
+        parts = [p for p in rel.split("/")[:-1] if p]
+        at = self.root
+        for p in parts:
+            at = os.path.join(at, p)
+            try:
+                if stat.S_ISLNK(os.lstat(at).st_mode):
+                    raise StorageError(f"{self.where(rel)}: {self.where(at[len(self.root) + 1:])} is a symbolic "
+                                       "link; ftkit does not follow links inside a tier")
+            except FileNotFoundError:
+                return
+
+    def _open_regular(self, rel: str):
+        """An unbuffered binary reader of `rel`, which must be a regular file (not a link,
+        not a FIFO: opening a FIFO without O_NONBLOCK would wait for a writer forever)."""
+        self._no_links_within(rel)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path(rel), flags)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"{self.where(rel)} is a symbolic link; not following it") from None
+            raise
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise CorruptCheckpointError(f"{self.where(rel)} is not a regular file ({_mode_name(mode)})")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def makedirs(self, rel: str) -> None:
         with self._errors("creating", rel):
             self.fs.makedirs(self.path(rel), exist_ok=True)
+
+
+def _local_kind(entry: os.DirEntry) -> str:
+    if entry.is_symlink():
+        return "link"
+    if entry.is_dir(follow_symlinks=False):
+        return "directory"
+    return "file" if entry.is_file(follow_symlinks=False) else "other"
+
+
+def _mode_name(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _fsync_dir(path: str) -> None:

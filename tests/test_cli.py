@@ -99,6 +99,9 @@ def test_gc_keeps_newest_and_dry_run_changes_nothing(ckpt):
     r = run_cli("gc", str(root), "--keep", "1")
     assert r.returncode == 0, r.stderr
     assert committed_steps(storage) == [3]
+    assert (root / "step-000000000000").exists()  # changed just now: a writer may be live (--grace)
+    r = run_cli("gc", str(root), "--keep", "1", "--grace", "0")
+    assert r.returncode == 0, r.stderr
     assert not (root / "step-000000000000").exists()
 
 
