@@ -302,6 +302,20 @@ def node_dir(node: str, job: str | None = None) -> str:
     return open_node_dir(RunIdentity(name, {"named": job if job is not None else _named_run()[1]}), node)
 
 
+def existing_job_dir(job: str | None = None) -> str | None:
+    """`job`'s RAM tier directory if it exists, checked as for use (ours, private, no link); else None.
+
+    For `ftkit gc ram`: look before deleting, without following a link to
+    somewhere else (raises UnsafeRamDirError for one).
+    """
+    path = job_dir(job)
+    if not os.path.lexists(os.path.dirname(path)) or not os.path.lexists(path):
+        return None
+    _check_private(os.path.dirname(path), "root")
+    _check_private(path, "job directory")
+    return path
+
+
 def remove_job(job: str | None = None) -> str:
     """Delete a finished job's RAM tier on this machine; returns the directory removed.
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.ramtier import (IDENTITY_FILE, InvalidJobIdError, RunIdentityError, UnsafeRamDirError, job_dir,
-                           remove_job, run_identity, validate_job_id)
+from ftkit.ramtier import (IDENTITY_FILE, InvalidJobIdError, RunIdentityError, UnsafeRamDirError,
+                           existing_job_dir, job_dir, remove_job, run_identity, validate_job_id)
 from ftkit.reader import committed_steps
 
 from conftest import REPO
@@ -270,6 +270,8 @@ def test_job_ids_are_validated_names_and_gc_never_follows_links(clean_env, tmp_p
     (victim / "keep.txt").write_text("x")
     (clean_env / "linked").symlink_to(victim)
     with pytest.raises(UnsafeRamDirError, match="is a symlink"):
+        existing_job_dir("linked")
+    with pytest.raises(UnsafeRamDirError, match="is a symlink"):
         remove_job("linked")
     assert (victim / "keep.txt").exists()
     theirs = clean_env / "theirs"
@@ -278,6 +280,10 @@ def test_job_ids_are_validated_names_and_gc_never_follows_links(clean_env, tmp_p
     with pytest.raises(UnsafeRamDirError, match=f"owned by uid {OTHER_UID}"):
         remove_job("theirs")
     assert theirs.exists()
+    assert existing_job_dir("absent") is None
+    (clean_env / "mine").mkdir(mode=0o700)
+    assert existing_job_dir("mine") == str(clean_env / "mine")
+    assert remove_job("mine") == str(clean_env / "mine") and not (clean_env / "mine").exists()
 
 
 # User B, in one process: Python's stdlib lives under /root here, which uid 12345 cannot
