@@ -120,7 +120,7 @@ class DeviceOps:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         try:
             buf.zero_()  # fault the pages in (in parallel) before locking them
-            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)  # 1: portable (every context)
             if buf.is_pinned():
                 return buf, "registered"
         except Exception:  # noqa: BLE001 (any failure: the pinned allocator instead)
