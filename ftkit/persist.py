@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from . import codec
 from .dist import DistContext
-from .errors import FtkitError, StorageError
+from .errors import CorruptCheckpointError, FormatError, FtkitError, StorageError
 from .faults import fault_point
 from .lifecycle import delete_step  # noqa: F401  (re-exported: retention imports it from here)
 from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifest_from_json, manifest_json,
@@ -35,6 +35,7 @@ from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifes
 from .peers import PeerGroup, replication_plan
 from .sharding import REPLICATED, Piece
 from .staging import Slot
+from .validate import MAX_INT, check_file_name, parse_json, report_tensors
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,7 @@ def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Pie
 def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
            world_size: int = 1, rank_state: dict[str, Any] | None = None) -> Manifest:
     """Write the manifest that makes `step` exist (atomic on every backend); return it as read back."""
-    done = _commit_docs(storage, step, [w.to_json() for w in writes], skeleton, world_size, rank_state or {},
-                        validate=True)
+    done = _commit_docs(storage, step, [w.to_json() for w in writes], skeleton, world_size, rank_state or {})
     assert done.manifest is not None
     return done.manifest
 
@@ -125,7 +125,7 @@ class Committed:
 
     stored_bytes: int
     manifest_json: bytes
-    manifest: Manifest | None = None  # parsed back, when the caller asked for validation
+    manifest: Manifest | None = None  # as validated before it was written
 
 
 def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -147,20 +147,39 @@ def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _commit_docs(storage: Storage, step: int, writes: list[dict[str, Any]], skeleton: dict[str, Any],
-                 world_size: int, rank_state: dict[str, Any], validate: bool = False) -> Committed:
+                 world_size: int, rank_state: dict[str, Any], present: set[str] | None = None) -> Committed:
     """commit() from the ranks' reports as they arrived: the manifest is assembled from
-    the JSON documents, never rebuilt as dataclasses (that is most of a small model's
-    commit time when a snapshot is taken every step)."""
+    the JSON documents, never rebuilt as dataclasses, then validated as any reader
+    would validate it (the reports came through the store: untrusted) before it is
+    written. `present`: the data files that must be in the step directory now (all,
+    by default; a node-local tier holds only its node's), checked last, so a step
+    whose data someone removed meanwhile is not committed."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
-    data = manifest_json(step, world_size, merge_write_docs(writes), skeleton,
-                         {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in writes},
-                         rank_state, time.time(), _writer_info())
-    # validate: read it back as a reader would before it exists (offline reshard; the hot path trusts its own ranks)
-    manifest = manifest_from_json(data, storage.where(rel), step) if validate else None
+    try:
+        files = {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in writes}
+        tensors = merge_write_docs(writes)
+    except (KeyError, TypeError, AttributeError) as e:  # reports that do not have the reports' shape
+        raise FormatError(f"{storage.where(rel)}: a rank's report is malformed ({type(e).__name__}: {e})") from None
+    data = manifest_json(step, world_size, tensors, skeleton, files, rank_state, time.time(), _writer_info())
+    manifest = manifest_from_json(data, storage.where(rel), step)
+    _check_files_present(storage, step, {f: info["bytes"] for f, info in files.items()
+                                         if present is None or f in present})
     storage.write_bytes_atomic(rel, data)
     return Committed(sum(w["nbytes"] for w in writes), data, manifest)
+
+
+def _check_files_present(storage: Storage, step: int, expected: dict[str, int]) -> None:
+    """Every file of `expected` ({name: bytes}) is in the step directory at its size."""
+    if not expected:
+        return
+    sizes = storage.list_sizes(step_dir_name(step))
+    for name, nbytes in expected.items():
+        if sizes.get(name) != nbytes:
+            what = "is gone" if name not in sizes else f"is {sizes[name]} bytes, not {nbytes}"
+            raise StorageError(f"step {step} not committed to {storage.display_url}: data file {name} {what} "
+                               "(removed or changed by someone else?)")
 
 
 def _write_share(storage: Storage, step: int, slot: Slot, pieces, compress, rank: int):
@@ -204,12 +223,12 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
     with _older_keys(ledger, at) as older:
         try:
             for r in range(1, ctx.world_size):
-                doc = ctx.get(f"{key}/{r}")
+                doc = _shared_report(r, ctx.get_raw(f"{key}/{r}"), ctx.world_size)
                 if doc["error"]:
                     failures.append(f"rank {r}: {doc['error']}")
                 else:
                     writes.append(doc["write"])
-                    rank_state[str(r)] = {"rng": doc["rng"]}
+                    rank_state[str(r)] = {"rng": doc.get("rng")}
             _delete_keys(ctx, older)
             if failures:
                 raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
@@ -220,6 +239,24 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
             raise
         finally:
             ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
+
+
+def _shared_report(rank: int, raw: bytes, world_size: int) -> dict[str, Any]:
+    """A rank's report to rank 0 (persist), read from the store: untrusted, validated
+    like a manifest's parts; one that does not validate reads as that rank's error."""
+    where = f"rank {rank}'s report"
+    try:
+        doc = parse_json(raw, where, "")
+        if not isinstance(doc, dict) or not isinstance(doc.get("error"), (str, type(None))):
+            raise FormatError(f"{where} is malformed")
+        if doc["error"] is None:  # the tensors are validated with the manifest they become part of
+            w = doc.get("write")
+            if not isinstance(w, dict) or w.get("rank") != rank or not isinstance(w.get("tensors"), list):
+                raise FormatError(f"{where} has no write of rank {rank}")
+            check_file_name(w.get("file"))
+        return doc
+    except FormatError as e:
+        return {"error": f"unreadable report: {e}", "write": None}
 
 
 @dataclass(frozen=True)
@@ -238,6 +275,7 @@ class _Report:
     rng: Any
     tensors_json: str
     skipped: bool = False  # sent by the training thread (policy "skip"), not by a persist thread
+    world_size: int = 1
 
     @staticmethod
     def encode(write: RankWrite | None, error: str | None, rng: Any, skipped: bool = False) -> str:
@@ -247,14 +285,50 @@ class _Report:
         return json.dumps(head) + "\n" + json.dumps(tensors)  # json.dumps never emits a raw newline
 
     @staticmethod
-    def decode(rank: int, text: str) -> "_Report":
-        head, _, tensors = text.partition("\n")
-        h = json.loads(head)
-        return _Report(rank, h["file"], int(h["nbytes"]), h["error"], h["rng"], tensors or "[]",
-                       bool(h.get("skipped")))
+    def decode(rank: int, text: str, world_size: int) -> "_Report":
+        """A report as read from the store: untrusted, so its head is validated here
+        (a file name is a plain name inside the step directory) and its tensors by
+        `tensors()`, the only way they are read."""
+        where = f"rank {rank}'s report"
+        head_text, _, tensors = text.partition("\n")
+        h = parse_json(head_text, where, "head")
+        if not isinstance(h, dict) or not isinstance(h.get("error"), (str, type(None))):
+            raise FormatError(f"{where} is malformed")
+        file = h.get("file")
+        if file is not None:
+            check_file_name(file)
+        nbytes = h.get("nbytes", 0)
+        if type(nbytes) is not int or not 0 <= nbytes <= MAX_INT:
+            raise FormatError(f"{where} has a bad byte count")
+        return _Report(rank, file, nbytes, h["error"], h.get("rng"), tensors or "[]", h.get("skipped") is True,
+                       world_size)
+
+    def tensors(self, validate: bool = True) -> list[dict[str, Any]]:
+        """The reported tensor entries, validated against this report's file
+        (validate.report_tensors) unless the caller validates what it builds of them."""
+        docs = parse_json(self.tensors_json, f"rank {self.rank}'s report", "tensor list")
+        if self.file is None:
+            if docs:
+                raise FormatError(f"rank {self.rank}'s report lists tensors but no file")
+            return []
+        if validate:
+            entries = report_tensors(docs, self.file, self.nbytes, self.world_size, f"rank {self.rank}'s report")
+            if not entries and self.nbytes:
+                raise FormatError(f"rank {self.rank}'s report lists no tensor for its {self.nbytes}-byte file")
+        return docs
 
     def write_doc(self) -> dict[str, Any]:
-        return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes, "tensors": json.loads(self.tensors_json)}
+        """For rank 0's commit, which validates the whole manifest it assembles."""
+        return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes, "tensors": self.tensors(validate=False)}
+
+
+def _decode_report(rank: int, text: str, world_size: int) -> _Report:
+    """A report, or (when it does not even parse) an error report in its place, so that
+    every rank sees the same outcome and the step is simply not committed."""
+    try:
+        return _Report.decode(rank, text, world_size)
+    except FormatError as e:
+        return _Report(rank, None, 0, f"unreadable report: {e}", None, "[]", False, world_size)
 
 
 def commit_key(tier: int, epoch: int, step: int) -> str:
@@ -364,7 +438,7 @@ def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ct
         write, error = None, e
     text = _Report.encode(write, str(error) if error else None, rng)
     texts = ctx.gather_text(f"{key}/w", text) if ctx.distributed else [text]
-    reports = [_Report.decode(r, t) for r, t in enumerate(texts)]
+    reports = [_decode_report(r, t, ctx.world_size) for r, t in enumerate(texts)]
     if not any(r.skipped for r in reports):  # nobody reads the older keys any more
         _delete_keys(ctx, older)
     rep_error = None
@@ -380,14 +454,16 @@ def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ct
         done = ctx.gather(f"{key}/r", rep_error) if ctx.distributed else [rep_error]
         failures = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
         failures += [f"rank {r}: {e}" for r, e in enumerate(done) if e]
-        writes = [r.write_doc() for r in reports if r.file]
+        writes = [{"file": r.file} for r in reports if r.file]  # what to discard if this goes wrong
         try:
             if error is not None:  # still tell the node leaders, who wait for the manifest
                 raise error
+            writes = [r.write_doc() for r in reports if r.file]
             if failures:
                 raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
             committed = _commit_docs(storage, step, writes, skeleton, ctx.world_size,
-                                     {str(r.rank): {"rng": r.rng} for r in reports})
+                                     {str(r.rank): {"rng": r.rng} for r in reports},
+                                     present={r.file for r in reports if r.file and ctx.nodes[r.rank] == ctx.node})
         except BaseException:
             discard(storage, step, [w["file"] for w in writes])
             if ctx.distributed:
@@ -404,6 +480,9 @@ def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ct
         if data in (b"", b'""'):  # rank 0's "not committed" (put as JSON "")
             discard(storage, step, [name for name, _ in storage.list_dir(step_dir_name(step))])
             raise StorageError(f"step {step} was not committed to the RAM tier (rank 0 gave up)")
+        manifest = manifest_from_json(data, f"the manifest of step {step} from rank 0", expect_step=step)
+        ours = {r.file for r in reports if r.file and ctx.nodes[r.rank] == ctx.node}
+        _check_files_present(storage, step, {f: manifest.files[f]["bytes"] for f in ours if f in manifest.files})
         storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
     return None
 
@@ -421,7 +500,7 @@ def _replicate(storage: Storage, step: int, reports: list[_Report], ctx: DistCon
     plan = replication_plan(files, ctx.nodes, replicas)
     step_dir = step_dir_name(step)
     # Only the writes this rank receives are decoded (their chunks are checked on arrival).
-    incoming = {t.file: json.loads(reports[t.src].tensors_json) for t in plan if t.dst == ctx.rank}
+    incoming = {t.file: (reports[t.src].tensors(), reports[t.src].nbytes) for t in plan if t.dst == ctx.rank}
 
     def read(name: str):
         if own_bytes is not None:
@@ -434,7 +513,10 @@ def _replicate(storage: Storage, step: int, reports: list[_Report], ctx: DistCon
 
     def write(name: str, buf) -> None:
         data = memoryview(buf.numpy())
-        for t in incoming[name]:
+        tensors, nbytes = incoming[name]
+        if len(data) != nbytes:
+            raise CorruptCheckpointError(f"replica {name} of step {step}: {len(data)} bytes arrived, {nbytes} reported")
+        for t in tensors:
             for sh in t["shards"]:
                 for c in sh["chunks"]:
                     codec.check(data[c["offset"]:c["offset"] + c["length"]], c["checksum"],

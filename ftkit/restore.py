@@ -380,7 +380,7 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest |
         problems = _fit_problems(ck, manifest, regions, in_place)
         needed = _files_for(manifest, regions)
         missing = sorted(needed - present)
-    except (FtkitError, OSError) as e:
+    except (FtkitError, OSError, ValueError) as e:  # ValueError: a store message that is not JSON
         error, missing, regions, dtensors, in_place, problems = str(e), [], {}, {}, {}, []
     requests = ctx.gather(f"{key}/req", {"missing": missing, "error": error, "mismatch": problems})
     origin = {"source": "ram+peer" if missing else "ram", "files_from_peers": len(missing), "received": []}
@@ -394,9 +394,9 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest |
         try:
             if ck._peers is None or ck._peers.broken:
                 raise StorageError("files are on other nodes but there is no peer group to fetch them")
-            sizes = {(t.src, t.file): manifest.files[t.file]["bytes"] for t in plan} if manifest else {}
+            sizes = {(t.src, t.file): manifest.files[_listed(manifest, t.file)]["bytes"] for t in plan}
             received = ck._peers.run(plan, lambda f: _read_file(storage, step_dir, f, manifest),
-                                     lambda f, buf: _write_file(storage, step_dir, f, buf), sizes)
+                                     lambda f, buf: _write_file(storage, step_dir, f, buf, manifest), sizes)
         except Exception as e:
             moved_error = f"fetching RAM-tier files from peers failed: {e}"
     moved = ctx.gather(f"{key}/moved", moved_error)  # siblings' received files are in place now
@@ -453,9 +453,16 @@ def _fetch_plan(requests: list[dict[str, Any]], holders: dict[str, list[int]], n
     return plan
 
 
+def _listed(manifest, name: Any) -> str:
+    """A file name from a peer's request (a store message: untrusted): one the manifest lists."""
+    if manifest is None or not isinstance(name, str) or name not in manifest.files:
+        raise CorruptCheckpointError(f"a peer asked for {str(name)[:80]!r}, which the manifest does not list")
+    return name
+
+
 def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
     """A data file to send to a peer: its page-cache pages themselves when the file is local."""
-    size = manifest.files[name]["bytes"]
+    size = manifest.files[_listed(manifest, name)]["bytes"]
     if size and storage.is_local:
         fd = os.open(storage.path(f"{step_dir}/{name}"), os.O_RDONLY)
         try:
@@ -476,8 +483,8 @@ def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
     return buf
 
 
-def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor) -> None:
-    with storage.open_write(f"{step_dir}/{name}", recycle=True) as f:
+def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor, manifest) -> None:
+    with storage.open_write(f"{step_dir}/{_listed(manifest, name)}", recycle=True) as f:
         f.write(memoryview(buf.numpy()))
 
 

@@ -185,28 +185,65 @@ def tensor_entry(t: Any, files: dict[str, dict[str, Any]], world: int, whole: bo
 
 def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any], world: int,
            what: str) -> Shard:
+    # Called for every shard of every tensor (rank 0 validates each commit's manifest):
+    # plain tests first, the precise message only when one fails.
+    offsets, lengths, rank = (s.get("offsets"), s.get("lengths"), s.get("rank", 0)) if type(s) is dict \
+        else (None, None, None)
+    ndim = len(shape)
+    if not (type(offsets) is list and type(lengths) is list and len(offsets) == len(lengths) == ndim
+            and all(type(o) is int and type(n) is int and 0 <= o and 0 <= n and o + n <= d
+                    for o, n, d in zip(offsets, lengths, shape))
+            and type(rank) is int and 0 <= rank < world):
+        _shard_problem(s, shape, world, what)
+    chunk_docs = s.get("chunks")
+    if type(chunk_docs) is not list:
+        raise FormatError(f"the chunks of a shard of {what} are not a list")
+    chunks = tuple(_chunk(c, files, what) for c in chunk_docs)
+    # The chunks tile the shard's raw bytes exactly: sorted by raw offset, back to back.
+    need = _volume(lengths) * itemsize
+    at = 0
+    for c in (chunks if len(chunks) < 2 else sorted(chunks, key=lambda c: c.raw_offset)):
+        if c.raw_offset != at:
+            problem = "a gap" if c.raw_offset > at else "overlapping chunks"
+            raise FormatError(f"the chunks of a shard of {what} do not tile its {need} bytes ({problem} at byte {at})")
+        at += c.raw_length
+    if at != need:
+        raise FormatError(f"the chunks of a shard of {what} hold {at} bytes; the shard {tuple(lengths)} needs {need}")
+    return Shard(tuple(offsets), tuple(lengths), chunks, rank)
+
+
+def _shard_problem(s: Any, shape: tuple[int, ...], world: int, what: str) -> None:
+    """Raise the precise FormatError for a shard that failed _shard's quick test."""
     if not isinstance(s, dict):
         raise FormatError(f"a shard of {what} is not an object")
     offsets = _dims(s.get("offsets"), f"shard offsets of {what}", len(shape))
     lengths = _dims(s.get("lengths"), f"shard lengths of {what}", len(shape))
     if any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
         raise FormatError(f"a shard of {what} lies outside the tensor")
-    rank = _int(s.get("rank", 0), f"shard rank of {what}", 0, world - 1)
-    chunks = tuple(_chunk(c, files, what) for c in _list(s.get("chunks"), f"chunks of {what}"))
-    # The chunks tile the shard's raw bytes exactly: sorted by raw offset, back to back.
-    need = _volume(lengths) * itemsize
-    at = 0
-    for c in sorted(chunks, key=lambda c: c.raw_offset):
-        if c.raw_offset != at:
-            problem = "a gap" if c.raw_offset > at else "overlapping chunks"
-            raise FormatError(f"the chunks of a shard of {what} do not tile its {need} bytes ({problem} at byte {at})")
-        at += c.raw_length
-    if at != need:
-        raise FormatError(f"the chunks of a shard of {what} hold {at} bytes; the shard {lengths} needs {need}")
-    return Shard(offsets, lengths, chunks, rank)
+    _int(s.get("rank", 0), f"shard rank of {what}", 0, world - 1)
+    raise FormatError(f"a shard of {what} is malformed")  # not reached: one test above failed
 
 
 def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
+    if type(c) is dict:
+        file, offset, length = c.get("file"), c.get("offset"), c.get("length")
+        raw_offset, raw_length, codec, checksum = c.get("raw_offset"), c.get("raw_length"), c.get("codec"), \
+            c.get("checksum")
+        # `files` holds only validated names, so membership checks the name too.
+        if (type(file) is str and file in files and type(offset) is int and type(length) is int
+                and type(raw_offset) is int and type(raw_length) is int
+                and 0 <= offset and 1 <= length and 0 <= raw_offset <= MAX_INT and 1 <= raw_length <= MAX_INT
+                and offset + length <= files[file]["bytes"]
+                and (codec == "raw" and length == raw_length
+                     or codec == "zstd" and raw_length <= ZSTD_MAX_RATIO * length)
+                and type(checksum) is str and CHECKSUM_RE.match(checksum)):
+            return Chunk(file, offset, length, raw_offset, raw_length, codec, checksum)
+    _chunk_problem(c, files, what)
+    raise AssertionError("unreachable")
+
+
+def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> None:
+    """Raise the precise FormatError for a chunk that failed _chunk's quick test."""
     if not isinstance(c, dict):
         raise FormatError(f"a chunk of {what} is not an object")
     file = check_file_name(c.get("file"))
@@ -214,7 +251,7 @@ def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
         raise FormatError(f"a chunk of {what} names unlisted file {file!r}")
     offset = _int(c.get("offset"), f"chunk offset of {what}", 0, MAX_INT)
     length = _int(c.get("length"), f"chunk length of {what}", 1, MAX_INT)
-    raw_offset = _int(c.get("raw_offset"), f"chunk raw_offset of {what}", 0, MAX_INT)
+    _int(c.get("raw_offset"), f"chunk raw_offset of {what}", 0, MAX_INT)
     raw_length = _int(c.get("raw_length"), f"chunk raw_length of {what}", 1, MAX_INT)
     codec = c.get("codec")
     if codec not in CODECS:
@@ -228,7 +265,7 @@ def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
         raise FormatError(f"a chunk of {what} has no valid checksum ({str(checksum)[:40]!r})")
     if offset + length > files[file]["bytes"]:
         raise FormatError(f"a chunk of {what} runs past the end of {file!r}")
-    return Chunk(file, offset, length, raw_offset, raw_length, codec, checksum)
+    raise FormatError(f"a chunk of {what} is malformed")  # not reached
 
 
 def check_no_shared_bytes(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> None:

@@ -1,0 +1,174 @@
+"""Property-style fuzzing of the manifest validator (issue 12).
+
+Random mutations of real manifests (types, numbers, lengths, names, structure),
+written to disk and read by the real reader and CLI. Properties:
+
+* parsing raises nothing but FormatError;
+* `verify` and the CLI never crash (exit 0 or 1, no traceback);
+* when verify says OK, reading succeeds, every tensor has its declared shape
+  and dtype, nothing allocated exceeds the stored bytes (x32768 for zstd, the
+  codec's bound), and every tensor whose entry the mutation left alone holds
+  exactly its original values.
+
+Seeds are fixed: a failure reproduces with the seed in its message.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+import ftkit
+from ftkit.errors import CorruptCheckpointError, FormatError, StorageError
+from ftkit.format import MANIFEST_NAME, manifest_from_json, step_dir_name
+from ftkit.reader import read_tensors, verify
+from ftkit.validate import ZSTD_MAX_RATIO
+
+from conftest import make_state, run_cli
+
+ITERATIONS = int(__import__("os").environ.get("FTKIT_FUZZ_ITERATIONS", "250"))
+
+
+def _build(root, world_size: int, compress: str | None):
+    """A real checkpoint of a model, optimizer, bf16 and 2-D tensors, resharded to
+    `world_size` ranks by the CLI so the manifest has several files and shards."""
+    state = make_state(0, width=64)
+    state["bf16"] = torch.randn(33, 7).to(torch.bfloat16)
+    state["grid"] = torch.arange(600, dtype=torch.int64).reshape(20, 30)
+    state["zeros"] = torch.zeros(5000)
+    src = root.parent / f"{root.name}-src"
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(src), compress=compress)]) as ck:
+        ck.snapshot(1)
+    r = run_cli("restore", str(src), "--out", str(root), "--world-size", str(world_size))
+    assert r.returncode == 0, r.stderr
+    storage = ftkit.Tier(str(root)).open()
+    original = manifest_from_json((root / step_dir_name(1) / MANIFEST_NAME).read_bytes(), "m")
+    return storage, original, read_tensors(storage, original)
+
+
+def _paths(doc, at=()):
+    yield at
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, at + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, at + (i,))
+
+
+def _get(doc, path):
+    for p in path:
+        doc = doc[p]
+    return doc
+
+
+def _set(doc, path, value):
+    if not path:
+        return value
+    _get(doc, path[:-1])[path[-1]] = value
+    return doc
+
+
+def _mutate(doc, rng: random.Random, strings: list[str]):
+    """One random mutation of `doc` (a copy); returns (doc, description)."""
+    doc = copy.deepcopy(doc)
+    paths = list(_paths(doc))
+    path = rng.choice(paths[1:])
+    value = _get(doc, path)
+    choices = ["replace"]
+    if isinstance(value, list):
+        choices += ["drop", "dup", "empty", "swap"]
+    if isinstance(value, dict):
+        choices += ["del_key", "add_key"]
+    if isinstance(value, int) and not isinstance(value, bool):
+        choices += ["nudge", "nudge", "scale"]
+    if isinstance(value, str):
+        choices += ["other_string", "other_string"]
+    how = rng.choice(choices)
+    if how == "replace":
+        new = rng.choice([None, True, False, -1, 0, 1, 7, 2**31, 2**63, 2**70, 0.5, "__INF__", "", "../x",
+                          "a" * 300, [], {}, {"$tensor": "nope"}, [0, 0], {"bytes": 1}, rng.randint(-10, 10**6)])
+        doc = _set(doc, path, new)
+    elif how == "drop" and value:
+        value.pop(rng.randrange(len(value)))
+    elif how == "dup" and value:
+        value.append(copy.deepcopy(rng.choice(value)))
+    elif how == "empty":
+        value.clear()
+    elif how == "swap" and len(value) > 1:
+        i, j = rng.sample(range(len(value)), 2)
+        value[i], value[j] = value[j], value[i]
+    elif how == "del_key" and value:
+        value.pop(rng.choice(list(value)))
+    elif how == "add_key":
+        value[rng.choice(["$tensor", "$items", "extra", "bytes", "chunks"])] = rng.choice([1, "x", [], None])
+    elif how == "nudge":
+        doc = _set(doc, path, value + rng.choice([-1, 1, -64, 64, 4096]))
+    elif how == "scale":
+        doc = _set(doc, path, rng.choice([value * 2, value // 2, -value, value * 10**9]))
+    elif how == "other_string":
+        doc = _set(doc, path, rng.choice(strings))
+    return doc, f"{how} at {'/'.join(map(str, path))}"
+
+
+def _strings(doc) -> list[str]:
+    out = set()
+    for p in _paths(doc):
+        v = _get(doc, p)
+        if isinstance(v, str):
+            out.add(v)
+    return sorted(out) + ["float64", "int8", "bool", "zstd", "raw", "sharded", "rank-local"]
+
+
+@pytest.mark.parametrize("world_size, compress, seed", [(1, None, 1), (3, None, 2), (2, "zstd", 3)])
+def test_random_mutations_never_crash_and_never_verify_garbage(tmp_path, world_size, compress, seed):
+    root = tmp_path / "ckpt"
+    storage, original, values = _build(root, world_size, compress)
+    path = root / step_dir_name(1) / MANIFEST_NAME
+    pristine = path.read_bytes()
+    doc0 = json.loads(pristine)
+    strings = _strings(doc0)
+    stored = sum(f.stat().st_size for f in path.parent.glob("*.data"))
+    bound = stored * (ZSTD_MAX_RATIO if compress else 1)
+    untouched_entries = {t.name: t for t in original.tensors}
+    rng = random.Random(seed)
+    verified_ok = 0
+    for i in range(ITERATIONS):
+        doc, what = _mutate(doc0, rng, strings)
+        text = json.dumps(doc).replace('"__INF__"', "1e400")
+        path.write_text(text)
+        ctx = f"seed {seed} iteration {i}: {what}"
+        try:
+            m = manifest_from_json(text.encode(), "m", expect_step=1)
+        except FormatError:
+            m = None
+        except Exception as e:  # noqa: BLE001 - the property under test
+            pytest.fail(f"{ctx}: parsing raised {type(e).__name__}: {e}")
+        r = run_cli("verify", str(root))
+        assert r.returncode in (0, 1) and "Traceback" not in r.stdout + r.stderr, f"{ctx}: {r.stdout}{r.stderr}"
+        if m is None:
+            assert r.returncode == 1, f"{ctx}: verify accepted what the parser refused"
+            continue
+        try:
+            verify(storage, m)
+        except (CorruptCheckpointError, StorageError):
+            assert r.returncode == 1, ctx
+            continue
+        assert r.returncode == 0, f"{ctx}: the CLI disagrees with the library: {r.stdout}"
+        verified_ok += 1
+        got = read_tensors(storage, m)
+        allocated = 0
+        for t in m.tensors:
+            x = got[t.name]
+            assert tuple(x.shape) == t.shape and str(x.dtype) == f"torch.{t.dtype}", ctx
+            allocated += x.numel() * x.element_size()
+            if untouched_entries.get(t.name) == t:
+                assert torch.equal(x, values[t.name]), f"{ctx}: {t.name} changed"
+        assert allocated <= bound, f"{ctx}: {allocated} bytes allocated for {stored} stored"
+    path.write_bytes(pristine)
+    assert run_cli("verify", str(root)).returncode == 0
+    assert verified_ok > 10  # the mutations that keep a manifest valid (names, times, writer...) ran through

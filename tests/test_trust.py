@@ -1,0 +1,382 @@
+"""Trust at the boundaries (issue 12, items 1-7): crafted and malformed checkpoints
+never reach a live tensor, never crash, never make `verify` say OK, and never cost
+a good step. Every case is a real file on disk, read by the real CLI and library."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ftkit
+from ftkit.format import MANIFEST_NAME, step_dir_name
+from ftkit.reader import scan
+
+from conftest import REPO, run_cli
+
+N = 4096
+
+
+@pytest.fixture
+def two_steps(tmp_path):
+    """Steps 1 and 2 of {"w": float32[4096]} filled with 1.0 and 2.0; step 2 gets damaged."""
+    root = tmp_path / "ckpt"
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=5)], rng=False) as ck:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+    return root
+
+
+def _manifest_path(root, step=2):
+    return root / step_dir_name(step) / MANIFEST_NAME
+
+
+def _edit(root, fn, step=2):
+    p = _manifest_path(root, step)
+    doc = json.loads(p.read_text())
+    fn(doc)
+    p.write_text(json.dumps(doc))
+
+
+def _chunks(doc):
+    return doc["tensors"][0]["shards"][0]["chunks"]
+
+
+def _restore(root, fill=-1.0):
+    state = {"w": torch.full((N,), fill)}
+    with ftkit.Checkpointer(state, [str(root)], rng=False) as ck:
+        step = ck.restore()
+    return step, state["w"]
+
+
+def _assert_one_line(r, code):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ftkit: error: "), r.stderr
+
+
+def _assert_rejected_everywhere(root, needle: str | None = None):
+    """verify says FAILED, export and reshard exit 1 writing nothing, restore() falls back to step 1."""
+    r = run_cli("verify", str(root), "--step", "2")
+    assert r.returncode == 1 and "FAILED" in r.stdout, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stdout + r.stderr
+    if needle:
+        assert needle in r.stdout, r.stdout
+    out = root.parent / "out.pt"
+    _assert_one_line(run_cli("restore", str(root), "--step", "2", "--out", str(out)), 1)
+    assert not out.exists()
+    resharded = root.parent / "resharded"
+    _assert_one_line(run_cli("restore", str(root), "--step", "2", "--out", str(resharded), "--world-size", "2"), 1)
+    assert not any(resharded.rglob(MANIFEST_NAME)) if resharded.exists() else True
+    step, w = _restore(root)
+    assert step == 1 and torch.equal(w, torch.full((N,), 1.0))
+    assert run_cli("verify", str(root), "--step", "1").returncode == 0
+
+
+# ------------------------------------------------ 1. chunks cover tensors exactly
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: _chunks(d).clear(), "hold 0 bytes"),
+    (lambda d: _chunks(d).append(dict(_chunks(d)[0])), "tile"),
+    (lambda d: d["tensors"][0].update(dtype="float64"), "needs"),
+    (lambda d: _chunks(d)[0].update(raw_length=_chunks(d)[0]["raw_length"] // 2,
+                                    length=_chunks(d)[0]["length"] // 2), "needs"),
+    (lambda d: d["tensors"][0]["shards"].append(d["tensors"][0]["shards"][0]), "overlap"),
+    (lambda d: (d["tensors"][0]["shards"][0].update(lengths=[N // 2]),
+                _chunks(d)[0].update(raw_length=2 * N, length=2 * N)), "cover 2048 of its 4096"),
+])
+def test_chunks_and_shards_must_tile_exactly(two_steps, damage, needle):
+    _edit(two_steps, damage)
+    _assert_rejected_everywhere(two_steps, needle)
+
+
+def test_a_chunk_beyond_the_real_file_is_refused(two_steps):
+    def lie(d):
+        name = next(iter(d["files"]))
+        d["files"][name]["bytes"] += 4096
+        _chunks(d)[0]["offset"] += 4096
+    _edit(two_steps, lie)
+    _assert_rejected_everywhere(two_steps, "bytes, manifest says")
+
+
+# ------------------------------------------------ 2. no allocation from untrusted sizes
+def test_a_huge_shape_allocates_nothing_and_falls_back(two_steps):
+    def huge(d):  # consistent everywhere but in the real file size: 4 TB of float32
+        t = d["tensors"][0]
+        t["shape"] = [10**12]
+        t["shards"][0]["lengths"] = [10**12]
+        c = _chunks(d)[0]
+        c["length"] = c["raw_length"] = 4 * 10**12
+        name = next(iter(d["files"]))
+        d["files"][name]["bytes"] = 4 * 10**12
+    _edit(two_steps, huge)
+    _assert_rejected_everywhere(two_steps, "data file is")
+    out = two_steps.parent / "out.pt"
+    r = run_cli("restore", str(two_steps), "--step", "2", "--out", str(out))
+    assert "'w'" in r.stderr or "step-000000000002" in r.stderr, r.stderr  # says what and where
+
+
+# ------------------------------------------------ 3. malformed but valid JSON
+MALFORMED = {
+    "files not a dict": lambda d: d.update(files=["x"]),
+    "file record not a dict": lambda d: d["files"].update({next(iter(d["files"])): 7}),
+    "skeleton a list": lambda d: d.update(skeleton=[1, 2]),
+    "entries missing": lambda d: d["skeleton"].pop("entries"),
+    "tensors missing": lambda d: d.pop("tensors"),
+    "offset 1e400": lambda d: _chunks(d)[0].update(offset="__1e400__"),
+    "offset a float": lambda d: _chunks(d)[0].update(offset=0.0),
+    "offset a bool": lambda d: _chunks(d)[0].update(offset=False),
+    "negative shape": lambda d: d["tensors"][0].update(shape=[-N]),
+    "huge shape": lambda d: d["tensors"][0].update(shape=[2**70]),
+    "shape a string": lambda d: d["tensors"][0].update(shape="4096"),
+    "unknown tensor reference": lambda d: d["skeleton"]["entries"]["w"].update(value={"$tensor": "nope"}),
+    "tag beside keys": lambda d: d["skeleton"]["entries"]["w"].update(value={"$tensor": "w", "x": 1}),
+    "bad $float": lambda d: d["skeleton"]["entries"].update(v={"kind": "value", "value": {"$float": "1"}}),
+    "deep nesting": lambda d: d["skeleton"]["entries"].update(v={"kind": "value", "value": "__deep__"}),
+    "nesting past the validator's bound": lambda d: d["skeleton"]["entries"].update(
+        v={"kind": "value", "value": "__300__"}),
+    "step a string": lambda d: d.update(step="2"),
+    "world size zero": lambda d: d.update(world_size=0),
+    "shard rank out of range": lambda d: d["tensors"][0]["shards"][0].update(rank=5),
+    "checksum not hex": lambda d: _chunks(d)[0].update(checksum="xxh3_64:zz"),
+    "tensor not an object": lambda d: d["tensors"].append(3),
+    "rank_state a list": lambda d: d.update(rank_state=[]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_manifests_are_format_errors(two_steps, name):
+    p = _manifest_path(two_steps)
+    doc = json.loads(p.read_text())
+    MALFORMED[name](doc)
+    text = json.dumps(doc).replace('"__1e400__"', "1e400").replace('"__deep__"', "[" * 5000 + "]" * 5000)
+    text = text.replace('"__300__"', "[" * 300 + "]" * 300)
+    p.write_text(text)
+    r = run_cli("ls", str(two_steps), "--json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert [s["status"] for s in json.loads(r.stdout)["steps"]] == ["committed", "bad-manifest"]
+    _assert_one_line(run_cli("inspect", str(two_steps), "--step", "2"), 1)
+    _assert_rejected_everywhere(two_steps)
+
+
+# ------------------------------------------------ 4. decode before overwrite
+def test_a_zstd_chunk_that_does_not_decode_never_reaches_the_live_tensor(tmp_path):
+    """A crafted chunk with a valid checksum over bytes that are no zstd frame: verify and
+    restore refuse it, and the live tensor ends up exactly at the older step."""
+    import xxhash
+
+    root = tmp_path / "ckpt"
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=5, compress="zstd")], rng=False) as ck:
+        for step in (1, 2):
+            state["w"].fill_(step)  # constant: compresses, so the chunk is a zstd frame
+            ck.snapshot(step)
+            ck.wait()
+    doc = json.loads(_manifest_path(root).read_text())
+    c = _chunks(doc)[0]
+    assert c["codec"] == "zstd"
+    data_path = root / step_dir_name(2) / c["file"]
+    data = bytearray(data_path.read_bytes())
+    garbage = bytes(range(256)) * (c["length"] // 256 + 1)
+    data[c["offset"]:c["offset"] + c["length"]] = garbage[:c["length"]]
+    data_path.write_bytes(bytes(data))
+    c["checksum"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(garbage[:c["length"]])
+    _manifest_path(root).write_text(json.dumps(doc))
+    r = run_cli("verify", str(root), "--step", "2")
+    assert r.returncode == 1 and "does not decode" in r.stdout, r.stdout
+    step, w = _restore(root, fill=7.0)
+    assert step == 1 and torch.equal(w, torch.full((N,), 1.0))
+
+
+def test_when_no_candidate_verifies_restore_raises(two_steps):
+    for step in (1, 2):
+        f = next((two_steps / step_dir_name(step)).glob("*.data"))
+        raw = bytearray(f.read_bytes())
+        raw[100] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [str(two_steps)], rng=False) as ck:
+        with pytest.raises(ftkit.CorruptCheckpointError, match="2 candidate"):
+            ck.restore()
+
+
+# ------------------------------------------------ 5. a failed candidate destroys nothing
+def test_a_failed_ram_candidate_is_not_dropped(tmp_path, monkeypatch):
+    """RAM steps 1 and 2; step 2's data is unreadable for a moment and step 1 is corrupt:
+    restore fails, and once step 2's bytes are back, it is still there to restore."""
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram", keep=5)], rng=False, run_id="failed-candidate") as ck:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+        ram = ck._storages[0].root
+    files = {s: next((tmp_path / "shm").rglob(f"{step_dir_name(s)}/*.data")) for s in (1, 2)}
+    good2 = files[2].read_bytes()
+    files[2].write_bytes(b"\0" * len(good2))  # the transient fault
+    raw = bytearray(files[1].read_bytes())
+    raw[0] ^= 1
+    files[1].write_bytes(bytes(raw))
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, ["ram"], rng=False, run_id="failed-candidate") as ck:
+        with pytest.raises(ftkit.CorruptCheckpointError):
+            ck.restore()
+    assert [d.step for d in scan(ftkit.storage.Storage(ram)) if d.committed] == [1, 2]
+    files[2].write_bytes(good2)
+    with ftkit.Checkpointer(state, ["ram"], rng=False, run_id="failed-candidate") as ck:
+        assert ck.restore() == 2
+    assert torch.equal(state["w"], torch.full((N,), 2.0))
+
+
+# ------------------------------------------------ 6. the lineage after an older restore
+@pytest.mark.parametrize("tiers", [["disk"], ["ram", "disk"]])
+def test_restoring_an_older_step_supersedes_newer_ones(tmp_path, monkeypatch, caplog, tiers):
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+    root = tmp_path / "ckpt"
+    spec = [ftkit.Tier(str(root), keep=10) if t == "disk" else ftkit.Tier("ram", keep=10) for t in tiers]
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, spec, rng=False, run_id="lineage") as ck:
+        for step in range(1, 6):  # the abandoned future: steps 4 and 5 with values 4, 5
+            state["w"].fill_(step)
+            ck.snapshot(step)
+        ck.wait()
+    with ftkit.Checkpointer(state, spec, rng=False, run_id="lineage") as ck:
+        with caplog.at_level("WARNING", logger="ftkit"):
+            assert ck.restore(step=3) == 3
+        assert "newer step(s) [4, 5]" in caplog.text
+        for step in (4, 5):  # the new future: values 40, 50
+            state["w"].fill_(step * 10)
+            ck.snapshot(step)
+        ck.wait()
+        assert ck.stats.failed == 0
+    status = {d.step: d.status for d in scan(ftkit.Tier(str(root)).open())}
+    assert status[4] == status[5] == "committed"
+    # A restart resumes the new future, from every tier.
+    for only in spec:
+        fresh = {"w": torch.zeros(N)}
+        with ftkit.Checkpointer(fresh, [only], rng=False, run_id="lineage") as ck:
+            assert ck.restore() == 5
+        assert torch.equal(fresh["w"], torch.full((N,), 50.0)), only.url
+
+
+def test_retired_steps_are_listed_and_collected(tmp_path):
+    root = tmp_path / "ckpt"
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=10)], rng=False) as ck:
+        for step in range(1, 4):
+            ck.snapshot(step)
+        ck.wait()
+    with ftkit.Checkpointer(state, [str(root)], rng=False) as ck:
+        assert ck.restore(step=1) == 1
+        assert ck.last_restore["retired"] == {str(root): [2, 3]}
+    rows = json.loads(run_cli("ls", str(root), "--json").stdout)["steps"]
+    assert [(r["step"], r["status"]) for r in rows] == [(1, "committed"), (2, "retired"), (3, "retired")]
+    r = run_cli("gc", str(root), "--keep", "1", "--grace", "0", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["removed_partial"] == [2, 3]
+    assert [d.step for d in scan(ftkit.Tier(str(root)).open(), include_empty=True)] == [1]
+
+
+# ------------------------------------------------ 7. FTKIT_UNSAFE_SKIP_CHECKSUMS
+def test_unsafe_skip_checksums_warns_and_never_fools_verify(two_steps):
+    f = next((two_steps / step_dir_name(2)).glob("*.data"))
+    raw = bytearray(f.read_bytes())
+    raw[8] ^= 0x40
+    f.write_bytes(bytes(raw))
+    env = {**os.environ, "FTKIT_UNSAFE_SKIP_CHECKSUMS": "1"}
+    r = subprocess.run([sys.executable, "-m", "ftkit.cli", "verify", str(two_steps), "--step", "2"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 1 and "checksum mismatch" in r.stdout, r.stdout + r.stderr
+    code = ("import ftkit, torch, logging; logging.basicConfig();"
+            f"s={{'w': torch.zeros({N})}};"
+            f"ck=ftkit.Checkpointer(s, [{str(two_steps)!r}], rng=False); print(ck.restore()); ck.close()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "WITHOUT verifying checksums" in r.stderr
+
+
+# ------------------------------------------------ 10. store messages are data, not paths
+def _staged(value: float):
+    from ftkit.staging import Layout, StagingArena
+
+    arena = StagingArena(slots=1, pin=False)
+    t = torch.full((N,), value)
+    slot = arena.acquire(Layout.of([("w", t)]), wait=True)
+    slot.fill([("w", t)])
+    return arena, slot
+
+
+SKELETON = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
+
+
+def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path):
+    """Rank 1's report, as read from the store, names ../../../escaped.data: it is an
+    error report, nothing is written or deleted outside, the step is not committed."""
+    import torch.distributed as dist
+
+    from ftkit.dist import DistContext
+    from ftkit.persist import persist_node_local
+    from ftkit.storage import Storage
+
+    store = dist.HashStore()
+    ctx = DistContext(0, 2, store, "node0", 10.0, ["node0", "node0"])
+    node = tmp_path / "ram" / "job" / "node0"
+    storage = Storage(str(node))
+    (tmp_path / "escaped.data").write_text("precious")
+    store.set("k/w/1", json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None})
+              + "\n[]")
+    store.set("k/r/1", "null")
+    arena, slot = _staged(1.0)
+    try:
+        with pytest.raises(ftkit.StorageError, match="unreadable report.*outside its step directory"):
+            persist_node_local(storage, 1, slot, SKELETON, compress=None, pieces=None, rng=None, ctx=ctx, key="k")
+    finally:
+        arena.release(slot)
+        arena.close()
+    assert (tmp_path / "escaped.data").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["escaped.data", "ram"]
+    assert not list(tmp_path.rglob("*.data.tmp-*")) and not list((tmp_path / "ram").rglob(MANIFEST_NAME))
+    assert store.get("k/manifest") == b'""'  # rank 0 told the node leaders: not committed
+
+
+def test_a_report_with_no_tensors_for_its_bytes_is_refused():
+    from ftkit.errors import FormatError
+    from ftkit.persist import _Report
+
+    text = json.dumps({"file": "rank-00001-abcdef01.data", "nbytes": 4096, "error": None, "rng": None}) + "\n[]"
+    with pytest.raises(FormatError, match="no tensor for its 4096-byte file"):
+        _Report.decode(1, text, 2).tensors()  # a replica target would store 4096 unchecked bytes
+
+
+def test_a_node_leader_validates_the_manifest_it_receives(tmp_path):
+    """Rank 1 leads node1; the manifest it reads from the store is forged (a file outside
+    the directory): it writes no manifest, and says why."""
+    import torch.distributed as dist
+
+    from ftkit.dist import DistContext
+    from ftkit.persist import _Report, persist_node_local
+    from ftkit.storage import Storage
+
+    store = dist.HashStore()
+    ctx = DistContext(1, 2, store, "node1", 10.0, ["node0", "node1"])
+    node = tmp_path / "node1"
+    storage = Storage(str(node))
+    store.set("k/w/0", _Report.encode(None, None, None))  # rank 0 "wrote nothing"
+    forged = {"format": "ftkit-checkpoint", "format_version": 2, "step": 1, "world_size": 2, "tensors": [],
+              "skeleton": {"entries": {}}, "files": {"../../evil": {"bytes": 1, "rank": 0}}, "rank_state": {}}
+    store.set("k/manifest", json.dumps(forged))
+    arena, slot = _staged(2.0)
+    try:
+        with pytest.raises(ftkit.FormatError, match="outside its step directory"):
+            persist_node_local(storage, 1, slot, SKELETON, compress=None, pieces=None, rng=None, ctx=ctx, key="k")
+    finally:
+        arena.release(slot)
+        arena.close()
+    assert not list(node.rglob(MANIFEST_NAME))
