@@ -35,15 +35,14 @@ from .dist import DistContext
 from .events import EventLog
 from .errors import FtkitError
 from .faults import fault_point
-from .persist import (AlreadyCommitted, KeyLedger, commit_key, delete_step, persist, persist_node_local,
+from .gc import apply_job_retention
+from .persist import (AlreadyCommitted, KeyLedger, commit_key, persist, persist_node_local,
                       report_skipped)
 from .peers import PeerGroup
 from .preemption import PreemptionHandler
 from .ramtier import SparePool, open_node_dir, run_identity
-from .reader import scan
 from .redact import redact_url
 from .restore import restore as _restore
-from .retention import plan_retention
 from .sharding import Piece, plan_pieces
 from .staging import Layout, Slot, StagingArena
 from .storage import Storage
@@ -372,16 +371,8 @@ class Checkpointer:
                     self._errors.append(e)
 
     def _apply_retention(self, tier: Tier, storage: Storage, protect: int) -> None:
-        """After committing `protect`: drop old steps, and partial steps older than it.
-
-        A partial step older than the newest commit was abandoned (this rank 0
-        decides commits in step order), so nothing still writes to it.
-        """
-        dirs = scan(storage)
-        plan = plan_retention([d.step for d in dirs if d.committed], tier.keep, tier.keep_every, protect=protect)
-        abandoned = [d.step for d in dirs if not d.committed and d.step < protect]
-        for step in list(plan.delete) + abandoned:
-            delete_step(storage, step)
+        """After committing `protect`: drop old steps, and partial steps older than it (gc.py)."""
+        for step in apply_job_retention(storage, tier.keep, tier.keep_every, protect):
             log.debug("retention removed step %d from %s", step, storage.display_url)
 
     # ----------------------------------------------------------------- flush

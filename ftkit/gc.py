@@ -112,3 +112,48 @@ def abort_stale_uploads(storage: Storage, grace_s: float) -> int:
             storage.abort_upload(u)
             n += 1
     return n
+
+
+JOB_UPLOAD_GRACE_S = 6 * 3600.0  # an upload this old is nobody's (a 6-hour single-file upload is not a thing)
+JOB_UPLOAD_CHECK_S = 3600.0  # a running job lists incomplete uploads at most this often per tier
+
+
+def apply_job_retention(storage: Storage, keep: int | None, keep_every: int | None, protect: int,
+                        upload_grace_s: float = JOB_UPLOAD_GRACE_S) -> list[int]:
+    """A running job's retention after it committed step `protect`; returns the steps removed.
+
+    The job trusts the step it has just committed (written, checksummed and its
+    files re-checked at the commit) rather than reading it back: that is the step
+    every rule protects. Committed steps follow plan_retention; directories without
+    a manifest older than `protect` were abandoned (rank 0 commits in step order)
+    and go; newer ones may be the next steps being written and stay. Symbolic links
+    and non-regular manifests are never touched (and said once per tier)."""
+    from .retention import plan_retention
+
+    dirs = scan(storage)
+    refused = [d.step for d in dirs if d.status in ("link", "bad")]
+    if refused and storage.url not in _warned:
+        _warned.add(storage.url)
+        log.warning("ftkit: %s holds step directories that are symbolic links or whose manifest is no regular "
+                    "file: %s; retention leaves them alone (see `ftkit ls`)", storage.display_url, refused)
+    plan = plan_retention([d.step for d in dirs if d.committed], keep, keep_every, protect=protect)
+    abandoned = [d.step for d in dirs if d.status in ("partial", "retired") and d.step < protect]
+    removed = []
+    for step in list(plan.delete) + abandoned:
+        delete_step(storage, step)
+        removed.append(step)
+    now = time.monotonic()
+    if not storage.is_local and now - _uploads_checked.get(storage.url, -JOB_UPLOAD_CHECK_S) >= JOB_UPLOAD_CHECK_S:
+        _uploads_checked[storage.url] = now
+        try:
+            n = abort_stale_uploads(storage, upload_grace_s)
+            if n:
+                log.info("ftkit: aborted %d incomplete upload(s) older than %.0fs below %s", n, upload_grace_s,
+                         storage.display_url)
+        except StorageError as e:  # only costs money: never a reason to fail a persist
+            log.warning("ftkit: could not clear incomplete uploads below %s: %s", storage.display_url, e)
+    return removed
+
+
+_warned: set[str] = set()
+_uploads_checked: dict[str, float] = {}  # tier URL -> monotonic time of the last look

@@ -221,3 +221,21 @@ def test_incomplete_uploads_are_reported_and_aborted(s3_server, s3_url):
     assert r.returncode == 0 and json.loads(r.stdout)["aborted_uploads"] == [prefix], r.stdout
     assert storage.incomplete_uploads() == []
     assert committed_steps(storage) == [1]
+
+
+def test_a_running_jobs_retention_aborts_stale_uploads(s3_server, s3_url):
+    from ftkit import gc
+
+    opts = s3_server.storage_options()
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(s3_url, storage_options=opts)], rng=False) as ck:
+        ck.snapshot(1)
+    storage = Storage(s3_url, opts)
+    bucket, _, key = storage.path(f"{step_dir_name(2)}/rank-00000-0badf00d.data").partition("/")
+    storage.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    gc._uploads_checked.pop(storage.url, None)
+    gc.apply_job_retention(storage, keep=2, keep_every=None, protect=1)  # default grace: too young
+    assert len(storage.incomplete_uploads()) == 1
+    gc._uploads_checked.pop(storage.url, None)
+    gc.apply_job_retention(storage, keep=2, keep_every=None, protect=1, upload_grace_s=0)
+    assert storage.incomplete_uploads() == [] and committed_steps(storage) == [1]
