@@ -202,23 +202,39 @@ def test_s3_retention_leaves_no_empty_step_prefix(s3_server, s3_url):
 
 
 # ----------------------------------------------- 16c. incomplete multipart uploads
-def test_incomplete_uploads_are_reported_and_aborted(s3_server, s3_url):
+WRITER = """
+import sys, torch, ftkit, json
+url, opts = sys.argv[1], json.loads(sys.argv[2])
+state = {"w": torch.randn(20 * 2**20)}  # 80 MiB: more than one 64 MiB part, so a multipart upload
+ck = ftkit.Checkpointer(state, [ftkit.Tier(url, storage_options=opts)], rng=False)
+ck.snapshot(1); ck.wait()
+print("COMMITTED", flush=True)
+ck.snapshot(2); ck.wait()
+"""
+
+
+def test_a_writer_killed_mid_upload_leaves_an_upload_gc_aborts(s3_server, s3_url):
     opts = s3_server.storage_options()
-    state = {"w": torch.zeros(N)}
-    with ftkit.Checkpointer(state, [ftkit.Tier(s3_url, storage_options=opts)], rng=False) as ck:
-        ck.snapshot(1)
     storage = Storage(s3_url, opts)
-    # What a writer killed mid-upload leaves: an upload begun, a part sent, never completed.
-    bucket, _, prefix = storage.path(f"{step_dir_name(2)}/rank-00000-deadbeef.data").partition("/")
-    up = storage.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=prefix)
-    storage.fs.call_s3("upload_part", Bucket=bucket, Key=prefix, UploadId=up["UploadId"], PartNumber=1,
-                       Body=b"x" * (5 * 2**20))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, s3_url, json.dumps(opts)], stdout=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    try:
+        assert proc.stdout.readline().strip() == "COMMITTED"
+        deadline = time.monotonic() + 60
+        while not storage.incomplete_uploads() and time.monotonic() < deadline:
+            time.sleep(0.05)  # step 2's first part is on its way
+        proc.kill()  # SIGKILL mid-upload, as an OOM killer would
+    finally:
+        proc.kill()
+        proc.wait()
+    uploads = storage.incomplete_uploads()
+    assert uploads and all(step_dir_name(2) in u["key"] for u in uploads), uploads
     r = run_cli("ls", s3_url, "--storage-options", json.dumps(opts), "--json")
-    assert [u["key"] for u in json.loads(r.stdout)["incomplete_uploads"]] == [prefix]
+    assert [u["key"] for u in json.loads(r.stdout)["incomplete_uploads"]] == [u["key"] for u in uploads]
     r = run_cli("gc", s3_url, "--keep", "1", "--storage-options", json.dumps(opts), "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["held_uploads"] == 1  # too young to be abandoned
+    assert r.returncode == 0 and json.loads(r.stdout)["held_uploads"] == len(uploads)  # too young: maybe live
     r = run_cli("gc", s3_url, "--keep", "1", "--grace", "0", "--storage-options", json.dumps(opts), "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["aborted_uploads"] == [prefix], r.stdout
+    assert r.returncode == 0 and sorted(json.loads(r.stdout)["aborted_uploads"]) == sorted(u["key"] for u in uploads)
     assert storage.incomplete_uploads() == []
     assert committed_steps(storage) == [1]
 
