@@ -64,9 +64,10 @@ What is and is not guarded against in-place writes racing the copy:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -432,6 +433,40 @@ class StagingArena:
                 slot.busy = False
                 slot.meta = {}
                 self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def host_targets(self, targets: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """`targets` with each device tensor replaced by a view of a (pinned) staging slot.
+
+        For restore: read the saved bytes into what this yields; on a clean exit the
+        slot's views are copied into the device tensors (one host-to-device copy each,
+        waited for). Host tensors are yielded as they are. The slot comes from this
+        arena (sized with room for the host tensors and RNG state too, so the first
+        snapshot after a restore reuses it instead of allocating again), or, once the
+        arena is closed, is a temporary one.
+        """
+        device = {n: t for n, t in targets.items() if self.ops.on_device(t)}
+        if not device:
+            yield dict(targets)
+            return
+        host_bytes = sum(t.numel() * t.element_size() for n, t in targets.items() if n not in device)
+        spare = torch.empty((), dtype=torch.uint8).expand(host_bytes + (1 << 20))  # no memory: a size
+        layout = Layout.of([*device.items(), ("\0spare", spare)])
+        if self._closed:
+            slot, owned = Slot(-1, self.pin, self.ops), True
+            slot.busy = True
+            slot._ensure(layout)
+        else:
+            slot, owned = self.acquire(layout, wait=True), False
+        assert slot is not None
+        try:
+            yield {**targets, **{n: slot.views[n] for n in device}}
+            slot.upload(device)
+        finally:
+            if owned:
+                slot._free_buffer()
+            else:
+                self.release(slot)
 
     @property
     def nbytes(self) -> int:
