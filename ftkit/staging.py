@@ -50,16 +50,17 @@ machines without a GPU drive the same logic with a simulated device):
 
 What is and is not guarded against in-place writes racing the copy:
 
-* guarded: ``optimizer.step()`` of an optimizer the Checkpointer was given (the
-  pre-hook fence), and everything queued on the current stream after that step;
-  in-place updates of small tensors (< 1 MiB) and of ``in_order`` tensors at any
-  time (stream order); CPU tensors (copied before ``snapshot()`` returns).
-* NOT guarded: an in-place write on the GPU to a large tensor between
-  ``snapshot()`` returning and the next fenced ``optimizer.step()``, made outside
-  that step: ``p.data.mul_()``, an EMA or weight projection run before the step,
-  an optimizer the Checkpointer was not given. Such code must call the fence
-  first (``Slot.fence`` through the Checkpointer), or it may leak into the
-  snapshot.
+* guarded: an ``optimizer.step()`` whose step pre-hook calls the fence (the
+  Checkpointer registers one), and everything queued on the current stream
+  after it; in-place updates of small tensors (< 1 MiB) and of ``in_order``
+  tensors at any time (stream order); CPU tensors (copied before ``fill``
+  returns).
+* NOT guarded: an in-place write on the GPU to a large tensor that is not
+  ``in_order``, between ``fill`` and the next fence, made outside a fenced
+  optimizer step: ``p.data.mul_()``, an EMA or weight projection run before the
+  step, an optimizer without the hook. Such code must call the fence first, or
+  the write may reach the tensor before it is copied (tests/test_cuda.py shows
+  both on a GPU; tests/test_staging_paths.py with a simulated device).
 """
 
 from __future__ import annotations
