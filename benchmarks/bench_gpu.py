@@ -14,7 +14,8 @@ and optimizer step on a batch of `--rows` rows. In one run it measures:
 
 1. the copy floor: device-to-host into one reused pinned buffer (best of 3), and
    host-to-device from it (the restore floor);
-2. ftkit `snapshot()` as the training loop calls it, once per step: the
+2. ftkit `snapshot()` as the training loop calls it, once per step (each step
+   ends with `loss.item()`, as a loop that logs its loss does): the
    training thread's stall (first call, which allocates the pinned slot, and
    steady), when the copy finishes after `snapshot()` returned (it overlaps the
    next forward and backward), and the step-time slowdown against the same steps
@@ -145,10 +146,13 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def step(self) -> None:
+    def step(self) -> float:
+        """One training step, ending as a loop that logs its loss does: the host waits for the step."""
         self.opt.zero_grad(set_to_none=True)
-        self.model(self.batch).square().mean().backward()
+        loss = self.model(self.batch).square().mean()
+        loss.backward()
         self.opt.step()
+        return loss.item()
 
     def flat(self) -> dict[str, torch.Tensor]:
         """The state as DCP and torch.save take it: the same tensors, by ftkit's names."""
@@ -236,8 +240,17 @@ def phase_steps(b: Bench, work: str) -> None:
         first = returns[-1] - t0
         ck.wait()
         slot = next(s for s in ck._arena._slots if s.capacity)
-        emit("ours_first_snapshot", stall_s=first, pinned_by=slot.pinned_by, slot_bytes=slot.capacity)
-        step = 1
+        # Two at once: the second finds the first slot busy and allocates the other (once per run).
+        ck.snapshot(2)
+        returns.append(now())
+        t0 = now()
+        ck.snapshot(3)
+        returns.append(now())
+        second = returns[-1] - t0
+        ck.wait()
+        emit("ours_first_snapshot", stall_s=first, second_slot_stall_s=second, pinned_by=slot.pinned_by,
+             slot_bytes=slot.capacity, slots=sum(1 for s in ck._arena._slots if s.capacity))
+        step = 3
         base, snap, stalls = [], [], []
         for r in range(args.rounds):
             progress(f"steps: round {r + 1}/{args.rounds}")
@@ -259,7 +272,7 @@ def phase_steps(b: Bench, work: str) -> None:
             b.sync()
             snap.append((now() - t0) / args.steps)
             ck.wait()
-        copy_after = [d - r for d, r in zip(ck.copy_done[1:], returns[1:])]
+        copy_after = [d - r for d, r in zip(ck.copy_done[3:], returns[3:])]
         slow = [s / x - 1 for s, x in zip(snap, base)]
         emit("ours_steps", step_s=median(base), step_with_snapshot_s=median(snap), slowdown=median(slow),
              slowdown_all=slow, step_all_s=base, step_with_snapshot_all_s=snap, stall_steady_s=median(stalls),
@@ -439,6 +452,8 @@ def table(b: Bench) -> list[tuple[str, bool, str]]:
         ("copy floor: D2H into a reused pinned buffer", "", fmt_rate(n, floor), "best of 3"),
         ("H2D from it (the restore floor)", "", fmt_rate(n, h2d), ""),
         ("snapshot() stall, first (allocates the slot)", fmt_t(first), "", f"pinned: {get('ours_first_snapshot', 'pinned_by')}"),
+        ("  the second slot's first use", fmt_t(get("ours_first_snapshot", "second_slot_stall_s")), "",
+         f"slots: {get('ours_first_snapshot', 'slots')}"),
         ("snapshot() stall, steady (median)", fmt_t(steady), f"floor {fmt_t(floor)}",
          f"max {fmt_t(get('ours_steps', 'stall_max_s'))}"),
         ("  copy done after snapshot() returned", fmt_t(get("ours_steps", "copy_done_after_return_s")),
