@@ -277,17 +277,15 @@ def cmd_gc(args) -> int:
 
 def _gc_ram(args) -> int:
     """Remove a finished job's RAM tier (every simulated node's directory) on this machine."""
-    from .ramtier import InvalidJobIdError, RunIdentityError, job_dir, remove_job
+    from .ramtier import InvalidJobIdError, RunIdentityError, existing_job_dir, job_dir, remove_job
 
     try:  # a job id is a plain name under the RAM root: never a path (not absolute, no "..")
-        path = job_dir(args.job)
+        path = existing_job_dir(args.job)  # checked as for use: ours, private, not a link
     except (InvalidJobIdError, RunIdentityError) as e:
         raise UsageError(str(e)) from None
-    if os.path.islink(path):
-        raise FtkitError(f"{path} is a symbolic link; not following it (remove the link yourself)")
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"no RAM tier for job {args.job or '(default)'} at {path}")
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    if path is None:
+        raise CheckpointNotFoundError(f"no RAM tier for job {args.job or '(default)'} at {job_dir(args.job)}")
+    size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
     if not args.dry_run:
         remove_job(args.job)
     _emit(args, {"removed": path, "bytes": size, "dry_run": args.dry_run},
@@ -413,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = add("gc", cmd_gc, "remove old checkpoints and partial steps; 'ftkit gc ram' removes a job's RAM tier",
             step=False)
     g.add_argument("--keep", type=int, help="keep the newest N steps")
-    g.add_argument("--job", help="with URL 'ram': the job id (default: $FTKIT_JOB_ID, $TORCHELASTIC_RUN_ID)")
+    g.add_argument("--job", help="with URL 'ram': the run's name, a plain directory name under the RAM root "
+                                 "(default: $FTKIT_RUN_ID, $FTKIT_JOB_ID; unnamed runs are run-<hash>)")
     g.add_argument("--keep-every", type=int, help="also keep every step divisible by M")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     g.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",

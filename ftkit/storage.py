@@ -35,6 +35,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CorruptCheckpointError, FtkitError, StorageError
+from .redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ S3_DEFAULTS: dict[str, Any] = {
 }
 _SECRET_KEYS = ("key", "secret", "token", "password", "aws_secret_access_key",
                 "aws_access_key_id", "aws_session_token", "access_key", "secret_key")
-_USERINFO_RE = re.compile(r"(?<=://)[^/@\s]*@")
-
-
-def redact_url(url: str) -> str:
-    """`url` without any user:password@ part."""
-    return _USERINFO_RE.sub("***@", url)
 
 
 def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
