@@ -7,6 +7,11 @@ from .errors import (CaptureError, CheckpointNotFoundError, CorruptCheckpointErr
                      FormatError, FtkitError, StateMismatchError, StorageError)
 from .sampler import ResumableDistributedSampler  # noqa: E402
 from .tiers import Tier  # noqa: E402
+from .rendezvous import install as _install_rendezvous  # noqa: E402
+
+# torchrun restarts of a plain init_process_group("gloo"/"nccl") read no stale
+# rendezvous keys once ftkit is imported (see ftkit/rendezvous.py).
+_install_rendezvous()
 
 __all__ = [
     "Checkpointer", "Stats", "Tier", "ResumableDistributedSampler", "FtkitError", "CaptureError", "CheckpointNotFoundError",
