@@ -443,8 +443,8 @@ class StagingArena:
         slot's views are copied into the device tensors (one host-to-device copy each,
         waited for). Host tensors are yielded as they are. The slot comes from this
         arena (sized with room for the host tensors and RNG state too, so the first
-        snapshot after a restore reuses it instead of allocating again), or, once the
-        arena is closed, is a temporary one.
+        snapshot after a restore reuses it instead of allocating again), or, when the
+        arena is closed or the slot would not fit its budget, is a temporary one.
         """
         device = {n: t for n, t in targets.items() if self.ops.on_device(t)}
         if not device:
@@ -453,13 +453,14 @@ class StagingArena:
         host_bytes = sum(t.numel() * t.element_size() for n, t in targets.items() if n not in device)
         spare = torch.empty((), dtype=torch.uint8).expand(host_bytes + (1 << 20))  # no memory: a size
         layout = Layout.of([*device.items(), ("\0spare", spare)])
-        if self._closed:
-            slot, owned = Slot(-1, self.pin, self.ops), True
+        slot: Slot | None = None
+        if not self._closed and (self.budget_bytes is None or layout.total_bytes <= self.budget_bytes):
+            slot = self.acquire(layout, wait=True)
+        owned = slot is None  # closed, or over the staging budget: a slot of its own, freed after
+        if slot is None:
+            slot = Slot(-1, self.pin, self.ops)
             slot.busy = True
             slot._ensure(layout)
-        else:
-            slot, owned = self.acquire(layout, wait=True), False
-        assert slot is not None
         try:
             yield {**targets, **{n: slot.views[n] for n in device}}
             slot.upload(device)

@@ -489,6 +489,11 @@ def test_host_targets_copies_nothing_when_reading_fails(fake):
     with arena.host_targets({"d": live}) as t:  # a closed arena: a temporary slot, freed after
         t["d"].fill_(2.0)
     assert torch.equal(live, torch.full((4096,), 2.0)) and dev.frees == len(dev.allocs) == 2
+    tight = StagingArena(slots=2, budget_bytes=20000, ops=dev)  # one snapshot fits, the spare room not
+    with tight.host_targets({"d": live}) as t:
+        t["d"].fill_(4.0)
+    assert torch.equal(live, torch.full((4096,), 4.0)) and not tight._slots and dev.frees == 3
+    tight.close()
 
 
 def test_restore_into_device_tensors_goes_through_pinned_memory(fake, tmp_path, monkeypatch):
