@@ -179,8 +179,14 @@ class Checkpointer:
         self._closed = False
         self._stopping_on_purpose = False  # a preemption's final save: exiting is the plan
         self._exit_after_failure_s = exit_after_failure_s
-        self._hooks = [obj.register_step_pre_hook(self._fence_hook)
-                       for obj in state.values() if isinstance(obj, torch.optim.Optimizer)]
+        # Every optimizer step in the process waits (on the GPU) for the newest snapshot's copy,
+        # also an optimizer that is not part of the state; and module buffers (updated in place
+        # by forward, whatever their size) are copied in stream order. See staging.py.
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
+        self._in_order = frozenset(f"{key}/{name}" for key, obj in state.items()
+                                   if isinstance(obj, torch.nn.Module) for name, _ in obj.named_buffers())
         self._worker = threading.Thread(target=self._run_worker, name="ftkit-persist", daemon=True)
         self._worker.start()
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
@@ -294,7 +300,7 @@ class Checkpointer:
             return False
         try:
             fault_point("snapshot", step, ctx.rank)
-            slot.fill(named, self._side_stream)
+            slot.fill(named, self._side_stream, in_order=self._in_order)
         except BaseException:
             self._arena.release(slot)
             raise
@@ -317,11 +323,22 @@ class Checkpointer:
         if self._watchdog is not None:
             self._watchdog.mark_first_gradient()
 
-    def _fence_hook(self, *_args: Any) -> None:
-        """Optimizer step pre-hook: the step must not overwrite tensors still being copied."""
+    def fence(self) -> None:
+        """Make the current CUDA stream wait until the newest snapshot's copies are done.
+
+        Every optimizer.step() does this first. Call it before writing in place to
+        parameters or optimizer state between snapshot() and the next optimizer
+        step (p.data.mul_(), an EMA or weight projection run before the step):
+        such a write could otherwise reach a tensor before it is copied. On the
+        GPU only (the host does not wait); a no-op on CPU.
+        """
         slot, self._unfenced = self._unfenced, None
         if slot is not None:
             slot.fence()
+
+    def _fence_hook(self, *_args: Any) -> None:
+        """Optimizer step pre-hook: the step must not overwrite tensors still being copied."""
+        self.fence()
 
     # ------------------------------------------------------------ background
     def _run_worker(self) -> None:

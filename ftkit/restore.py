@@ -327,7 +327,9 @@ def _read_candidate(ck, step: int, storage):
         problems = _fit_problems(ck, manifest, regions, in_place)
         if problems:
             return None, {"error": None, "mismatch": problems}
-        tensors = read_regions(storage, manifest, regions, out=in_place)
+        with ck._arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
+            tensors = read_regions(storage, manifest, regions, out=targets)
+        tensors.update(in_place)
         loaded = _finish(ck, step, manifest, tensors, dtensors)
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
         return None, {"error": str(e), "mismatch": []}
@@ -335,14 +337,15 @@ def _read_candidate(ck, step: int, storage):
 
 
 def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
-    """Live tensors a whole saved tensor can be read straight into: plain, contiguous, CPU, same shape and dtype."""
+    """Live tensors a whole saved tensor can be read straight into: plain, contiguous, on the CPU or a
+    CUDA device (read through a pinned staging slot, see StagingArena.host_targets), same shape and dtype."""
     out = {}
     for entry in manifest.tensors:
         t = live.get(entry.name)
         if t is None or entry.name in dtensors or entry.name not in regions:
             continue
         whole = regions[entry.name] == ((0,) * len(entry.shape), entry.shape)
-        if whole and t.device.type == "cpu" and t.is_contiguous() and not is_dtensor(t) \
+        if whole and t.device.type in ("cpu", "cuda") and t.is_contiguous() and not is_dtensor(t) \
                 and tuple(t.shape) == tuple(entry.shape) and str(t.dtype).removeprefix("torch.") == entry.dtype:
             out[entry.name] = t
     return out
@@ -405,7 +408,9 @@ def _read_ram_candidate(ck, cand: dict[str, Any], key: str, manifest: Manifest |
     error = error or moved_error or next((m for m in moved if m), None)
     if error is None:
         try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
-            tensors = read_regions(storage, manifest, regions, out=in_place)
+            with ck._arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
+                tensors = read_regions(storage, manifest, regions, out=targets)
+            tensors.update(in_place)
         except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
             error = str(e)
     origin["received"] = received
