@@ -23,6 +23,14 @@ worker waiting in gloo's rendezvous does release the GIL: measured, a Python
 thread kept ticking at 10 Hz through a 4 s wait inside ``init_process_group``;
 that is how the milestone thread can report ``group`` and ``heartbeat``.)
 
+Measured (tests/test_unmodified_trainer.py, 2 ranks, --startup-timeout 15): a
+rank hanging before ``init_process_group`` (its peer waits inside it) or after
+it in a collective before any Checkpointer: the watch ends the group 15 s after
+the workers started, torchrun restarts it and the job finishes with the exact
+values (the test runs take ~30 s, against gloo's 30-minute default timeout).
+A healthy group is never touched: its workers report ``heartbeat`` within a
+few seconds of starting (the test with provoked kills runs with the watch on).
+
 The watch only acts on this node's workers (torchrun's direct children), so on
 several nodes each ``ftkit run`` ends its own share of a stuck group, and the
 other agents follow through torchrun's rendezvous. It records a ``detect``

@@ -7,7 +7,7 @@ workers read the rendezvous keys the previous attempt left in torchrun's store
 init_process_group). The faults below are placed where that happens: a worker
 killed while the group forms, and a rank held back so that its peers look up its
 address before it has written the new one. Without ftkit's rendezvous every run
-of the 3-rank scenario failed here (4 of 4: two refused, two hung); see the
+of the 3-rank scenario failed here (8 of 8: 4 refused, 4 hung until killed); see the
 README for the figures.
 """
 
@@ -151,7 +151,6 @@ def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tm
 def test_env_rendezvous_namespaces_the_store_per_torchrun_attempt(monkeypatch):
     import ftkit  # noqa: F401  (installs the handler)
     from torch.distributed import PrefixStore, TCPStore
-    from torch.distributed import rendezvous as _  # noqa: F401
 
     from ftkit.rendezvous import installed
 
