@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 
@@ -37,20 +37,30 @@ def _run(tmp_path, cmd: list[str], timeout: float, env: dict | None = None) -> t
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "FTKIT_RUN_DIR": str(tmp_path / "run"), **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=tmp_path,
-                                start_new_session=True)  # its own group: cleanup reaches the workers
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            _kill_tree(proc)
     text = log_path.read_text()
     assert rc is not None, f"the job did not finish within {timeout}s:\n{text[-4000:]}"
     return rc, text
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Leave nothing behind: torchrun starts its workers in sessions of their own."""
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
 
 
 def _trainer_args(tmp_path, faults: list[str], *extra: str) -> list[str]:
