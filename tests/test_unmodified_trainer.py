@@ -242,3 +242,22 @@ def test_ftkit_run_rejects_a_negative_startup_timeout():
     out = subprocess.run([sys.executable, "-m", "ftkit.cli", "run", "--startup-timeout", "-1", "train.py"],
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2 and "startup-timeout" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_launcher_sees_a_checkpointer_watchdog_as_the_first_heartbeat():
+    # ftkit.launch reports "heartbeat" once a watchdog thread runs: keep the two in step
+    import torch.distributed as dist
+
+    from ftkit.dist import DistContext
+    from ftkit.events import EventLog
+    from ftkit.launch import _heartbeat_running
+    from ftkit.watchdog import Watchdog
+
+    assert not _heartbeat_running()
+    wd = Watchdog(DistContext(rank=0, world_size=2, store=dist.HashStore()), EventLog(None, 0))
+    wd.start()
+    try:
+        assert _heartbeat_running()
+    finally:
+        wd.stop()
+    assert not _heartbeat_running()
