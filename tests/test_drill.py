@@ -201,9 +201,11 @@ def test_drill_without_peers_reports_the_loss_and_fails(tmp_path, ref_cache):
 @pytest.mark.timeout(900)
 def test_random_schedules_all_pass(tmp_path, ref_cache):
     failures = []
-    # Seven seeds whose draws cover every fault kind (kill, crash, hang, node, term) and every
-    # phase they are drawn in (step, snapshot, persist, replicate, commit).
-    for seed in (1, 2, 3, 4, 5, 7, 10):
+    # Three seeds whose draws cover every fault kind (kill, crash, hang, node, term) and every
+    # phase they are drawn in (step, snapshot, persist, replicate, commit): 2 draws kill/replicate
+    # and hang/commit, 3 node/step and node/persist, 10 crash/snapshot and term/persist. (Seeds
+    # 1, 4, 5 and 7 add only combinations of those; they passed too and cost a minute of CI.)
+    for seed in (2, 3, 10):
         # Two ranks on two simulated nodes: every fault kind and phase, at half the restart cost.
         rc, res, out = drill(tmp_path / f"seed{seed}", "--seed", str(seed), "--count", "2", "--steps", "20",
                              "--step-time", "0.05", "--nproc", "2", "--ranks-per-node", "1", cache=ref_cache)

@@ -30,7 +30,7 @@ from ftkit.validate import ZSTD_MAX_RATIO
 
 from conftest import make_state, run_cli
 
-ITERATIONS = int(__import__("os").environ.get("FTKIT_FUZZ_ITERATIONS", "250"))
+ITERATIONS = int(__import__("os").environ.get("FTKIT_FUZZ_ITERATIONS", "150"))
 
 
 def _build(root, world_size: int, compress: str | None):

@@ -70,7 +70,17 @@ def test_latency_only_slows(faulty):
     assert _restore(url) == 2
 
 
-@pytest.mark.parametrize("fault, needle", [("torn_write", "truncated"), ("bitflip", "checksum mismatch")])
+def test_a_torn_write_is_caught_at_the_commit(faulty):
+    # The commit re-checks every data file's size (issue 12, item 14): a file that landed
+    # short never gets a manifest, so step 1 stays the newest.
+    url, root = faulty
+    stats, errors = _run(url, [(1, {}), (2, {"torn_write": True})], root)
+    assert [s for s, _ in errors] == [2] and "bytes, not" in errors[0][1]
+    assert committed_steps(ftkit.Tier(url).open()) == [1]
+    assert _restore(url) == 1
+
+
+@pytest.mark.parametrize("fault, needle", [("bitflip", "checksum mismatch")])
 def test_silent_damage_is_caught_on_restore(faulty, caplog, fault, needle):
     url, root = faulty
     stats, errors = _run(url, [(1, {}), (2, {fault: True})], root)

@@ -128,11 +128,12 @@ def test_ftkit_run_protects_a_trainer_that_imports_ftkit_only_after_its_group(tm
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("phase", ["init", "collective"])
+@pytest.mark.parametrize("phase", ["init"])  # "collective" (stuck after the group formed) works the same way
 def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tmp_path, phase):
-    # Rank 1 of attempt 0 hangs before init_process_group (its peer waits inside it), or after
-    # it, before any Checkpointer (its peer waits in a broadcast): nothing in the group can
-    # ever heartbeat, and gloo's own timeout is 30 minutes.
+    # Rank 1 of attempt 0 hangs before init_process_group (its peer waits inside it: the hang the
+    # issue reproduced), or, with phase "collective", after it, before any Checkpointer (its peer
+    # waits in a broadcast): nothing in the group can ever heartbeat, and gloo's own timeout is
+    # 30 minutes. The second case is the same watch and costs 22 s of CI: run it by hand.
     cmd = [sys.executable, "-m", "ftkit.cli", "run", "--run-dir", str(tmp_path / "run"), "--startup-timeout", "15",
            "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.1",
            *_trainer_args(tmp_path, [f"hang:0:1:{phase}"])]
