@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Set up (or reuse) .venv and run the whole test suite. Extra args go to pytest.
+# Two workers, one test file each at a time (--dist loadfile): the drills (test_drill.py,
+# the longest file, about 9 minutes) run on one while the rest of the suite runs on the
+# other; most of a drill is waiting (step sleeps, detection bounds, restarts), so the two
+# share the 2 cores without either missing a bound. The 15 slowest tests are listed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile --durations=15 "$@"
