@@ -3,8 +3,9 @@
 __version__ = "0.1.0"
 
 from .checkpointer import Checkpointer, Stats  # noqa: E402
-from .errors import (CaptureError, CheckpointNotFoundError, CorruptCheckpointError,  # noqa: E402
-                     FormatError, FtkitError, StateMismatchError, StorageError)
+from .errors import (AlreadyCommitted, CaptureError, CheckpointNotFoundError, CorruptCheckpointError,  # noqa: E402
+                     FormatError, FtkitError, InvalidJobIdError, PeerTimeout, PeerTransferError, RunIdentityError,
+                     StateMismatchError, StorageError, UnknownProtocolError, UnsafeRamDirError, UsageError)
 from .sampler import ResumableDistributedSampler  # noqa: E402
 from .tiers import Tier  # noqa: E402
 from .rendezvous import install as _install_rendezvous  # noqa: E402
@@ -15,5 +16,7 @@ _install_rendezvous()
 
 __all__ = [
     "Checkpointer", "Stats", "Tier", "ResumableDistributedSampler", "FtkitError", "CaptureError", "CheckpointNotFoundError",
-    "CorruptCheckpointError", "FormatError", "StateMismatchError", "StorageError", "__version__",
+    "CorruptCheckpointError", "FormatError", "StateMismatchError", "StorageError", "AlreadyCommitted",
+    "UnknownProtocolError", "UsageError", "PeerTimeout", "PeerTransferError", "RunIdentityError", "InvalidJobIdError",
+    "UnsafeRamDirError", "__version__",
 ]

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import CaptureError, StateMismatchError
+from .errors import CaptureError, StateMismatchError, one_line
 
 RNG_KEY = "_rng"
 _MARKERS = ("$tensor", "$tuple", "$items", "$float", "$ndarray")
@@ -305,7 +305,7 @@ def load(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[st
             try:
                 state[key].load_state_dict(value)
             except Exception as e:  # a user object's own validation; keep its words
-                raise StateMismatchError(f"{key}: load_state_dict refused the checkpoint: {_one_line(e)}") from e
+                raise StateMismatchError(f"{key}: load_state_dict refused the checkpoint: {one_line(e, 300)}") from e
         elif entry["kind"] == "tensor":
             with torch.no_grad():
                 state[key].copy_(value)
@@ -349,6 +349,3 @@ def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str
     return []
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__

@@ -33,10 +33,10 @@ import torch
 from . import capture as cap
 from .dist import DistContext
 from .events import EventLog
-from .errors import FtkitError
+from .errors import AlreadyCommitted, FtkitError
 from .faults import fault_point
 from .gc import apply_job_retention
-from .persist import (AlreadyCommitted, KeyLedger, commit_key, persist, persist_node_local,
+from .persist import (KeyLedger, commit_key, persist, persist_node_local,
                       report_skipped)
 from .peers import PeerGroup
 from .preemption import PreemptionHandler

@@ -18,16 +18,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from . import __version__
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError, UnknownProtocolError,
+                     UsageError, AlreadyCommitted, InvalidJobIdError, RunIdentityError)
 from .format import Manifest, parse_step_dir
 from .reader import load_manifest, newest_manifest, scan, verify
 from .storage import Storage
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(FtkitError):
-    pass
 
 
 # ------------------------------------------------------------------- helpers
@@ -48,10 +45,8 @@ def _open(args) -> tuple[Storage, int | None]:
         url, step = url.rsplit("/", 1)[0], (step if step is not None else parse_step_dir(tail))
     try:
         storage = Storage(url, options)
-    except StorageError as e:
-        if "unknown storage protocol" in str(e) or "needs" in str(e):
-            raise UsageError(str(e)) from None
-        raise
+    except UnknownProtocolError as e:
+        raise UsageError(str(e)) from None
     return storage, step
 
 
@@ -200,7 +195,6 @@ def cmd_restore(args) -> int:
 
 
 def _reshard(args, storage: Storage, m: Manifest) -> int:
-    from .persist import AlreadyCommitted
     from .reshard import reshard
 
     if args.world_size < 1:
@@ -277,7 +271,7 @@ def cmd_gc(args) -> int:
 
 def _gc_ram(args) -> int:
     """Remove a finished job's RAM tier (every simulated node's directory) on this machine."""
-    from .ramtier import InvalidJobIdError, RunIdentityError, existing_job_dir, job_dir, remove_job
+    from .ramtier import existing_job_dir, job_dir, remove_job
 
     try:  # a job id is a plain name under the RAM root: never a path (not absolute, no "..")
         path = existing_job_dir(args.job)  # checked as for use: ours, private, not a link
@@ -339,14 +333,14 @@ def cmd_run(argv: list[str]) -> int:
     import subprocess
     import tempfile
 
-    from .supervise import RunUsageError, StartupWatch, plan, startup_env
+    from .supervise import StartupWatch, plan, startup_env
 
     if not argv or argv[0] in ("-h", "--help"):
         print(RUN_HELP)
         return EXIT_OK if argv else EXIT_USAGE
     try:
         p = plan(argv)
-    except RunUsageError as e:
+    except UsageError as e:
         print(f"ftkit: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     for note in p.notes:

@@ -23,11 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from .errors import FtkitError
-
-
-class PeerTimeout(FtkitError):
-    """Another rank did not answer through the store within the bound."""
+from .errors import PeerTimeout
 
 
 def node_id(rank: int) -> str:

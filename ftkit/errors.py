@@ -14,6 +14,13 @@ class FtkitError(Exception):
     """Base class of every error ftkit raises on purpose."""
 
 
+def one_line(e: BaseException, limit: int = 240) -> str:
+    """An exception as one line for a message: its type and the first line of its text."""
+    text = str(e).strip().splitlines()
+    first = text[0][:limit] if text else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 class CaptureError(FtkitError):
     """A value in the training state cannot be stored without pickle."""
 
@@ -34,9 +41,37 @@ class FormatError(CorruptCheckpointError):
     """A manifest is unreadable, foreign, unsafe, or from a newer format version."""
 
 
+class AlreadyCommitted(FtkitError):
+    """The tier already holds a committed manifest for this step (never written twice)."""
+
+
 class StorageError(FtkitError):
     """A storage backend failed: unknown protocol, unreachable endpoint, full disk."""
 
 
-class StagingBusyError(FtkitError):
-    """A snapshot was due but every staging buffer is still in use (policy 'error')."""
+class UnknownProtocolError(StorageError):
+    """A URL names a protocol fsspec does not know, or whose backend is not installed."""
+
+
+class UsageError(FtkitError):
+    """A command or option used wrongly (the CLI's exit code 2)."""
+
+
+class PeerTimeout(FtkitError):
+    """Another rank did not answer through the store within the bound."""
+
+
+class PeerTransferError(FtkitError):
+    """A transfer over the peer group failed, or the group is unusable after an earlier failure."""
+
+
+class RunIdentityError(FtkitError, ValueError):
+    """The RAM tier cannot tell which run it belongs to, or its directory records another run."""
+
+
+class InvalidJobIdError(FtkitError, ValueError):
+    """A job (run) id that is not a plain directory name under the RAM root."""
+
+
+class UnsafeRamDirError(FtkitError):
+    """A RAM-tier directory is a symlink, not ours, or writable by others."""

@@ -42,10 +42,6 @@ class EventLog:
             self.path = os.path.join(path, f"rank-{rank:05d}.jsonl")
             self._file = open(self.path, "a", buffering=1)
 
-    @property
-    def enabled(self) -> bool:
-        return self._file is not None
-
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:
             return

@@ -113,11 +113,6 @@ def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
                         "chunks": [dict(c.__dict__) for c in s.chunks]} for s in t.shards]}
 
 
-def manifest_to_json(m: Manifest) -> bytes:
-    return manifest_json(m.step, m.world_size, [tensor_entry_doc(t) for t in m.tensors], m.skeleton, m.files,
-                         m.rank_state, m.created_at, m.writer)
-
-
 def manifest_json(step: int, world_size: int, tensor_docs: list[dict[str, Any]], skeleton: dict[str, Any],
                   files: dict[str, dict[str, Any]], rank_state: dict[str, Any], created_at: float,
                   writer: dict[str, Any]) -> bytes:

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from .errors import PeerTransferError
+
 log = logging.getLogger("ftkit")
 
 
@@ -96,7 +98,7 @@ class PeerGroup:
         import torch.distributed as dist
 
         if self.broken:
-            raise RuntimeError(f"peer group unusable after an earlier failure: {self.broken}")
+            raise PeerTransferError(f"peer group unusable after an earlier failure: {self.broken}")
         received = []
         try:
             incoming = [t for t in plan if t.dst == self.rank]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from . import codec
 from .dist import DistContext
-from .errors import CorruptCheckpointError, FormatError, FtkitError, StorageError
+from .errors import AlreadyCommitted, CorruptCheckpointError, FormatError, FtkitError, StorageError
 from .faults import fault_point
 from .lifecycle import delete_step  # noqa: F401  (re-exported: retention imports it from here)
 from .format import (MANIFEST_NAME, Chunk, Manifest, Shard, TensorEntry, manifest_from_json, manifest_json,
@@ -41,10 +41,6 @@ from .storage import Storage
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 2**20
-
-
-class AlreadyCommitted(FtkitError):
-    """The tier already holds a committed manifest for this step."""
 
 
 @dataclass(frozen=True)

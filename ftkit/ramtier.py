@@ -57,28 +57,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .errors import FtkitError
+from .errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
 from .redact import redact_url
 
 log = logging.getLogger("ftkit")
 
-RAM_URL = "ram"
-PEER_URL = "peer"
 IDENTITY_FILE = "identity.json"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _VALID_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-
-
-class UnsafeRamDirError(FtkitError):
-    """A RAM-tier directory is not this user's private directory (owner, mode, symlink)."""
-
-
-class RunIdentityError(FtkitError, ValueError):
-    """The RAM tier cannot tell which run it belongs to, or a directory belongs to another run."""
-
-
-class InvalidJobIdError(FtkitError, ValueError):
-    """A job (run) id that is not a plain directory name under the RAM root."""
 
 
 # ------------------------------------------------------------------ names

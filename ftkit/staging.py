@@ -183,8 +183,6 @@ class Slot:
         self._fence_event: Any = None  # side-stream event the next optimizer step must wait for
         self._fence_device: Any = None
         self._sources: list[torch.Tensor] = []  # kept alive until the copies are done
-        # What the owner attaches to a filled slot (step, skeleton, ...).
-        self.meta: dict = {}
 
     def _ensure(self, layout: Layout) -> bool:
         """Size the buffer for `layout`; True when it had to (re)allocate."""
@@ -432,7 +430,6 @@ class StagingArena:
         finally:
             with self._cond:
                 slot.busy = False
-                slot.meta = {}
                 self._cond.notify_all()
 
     @contextlib.contextmanager

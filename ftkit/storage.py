@@ -34,7 +34,8 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CorruptCheckpointError, FtkitError, StorageError
+from .errors import CorruptCheckpointError, FtkitError, StorageError, UnknownProtocolError
+from .errors import one_line as _one_line
 from .redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,10 @@ class Storage:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         except ImportError:
             pkg = INSTALL_HINTS.get(protocol, "the fsspec backend for it")
-            raise StorageError(f"{self.display_url}: protocol {protocol!r} needs {pkg}: pip install {pkg}") from None
+            raise UnknownProtocolError(f"{self.display_url}: protocol {protocol!r} needs {pkg}: pip install {pkg}") from None
         except ValueError as e:
             if "Protocol not known" in str(e) or "not known" in str(e):
-                raise StorageError(f"{self.display_url}: unknown storage protocol {protocol!r} "
+                raise UnknownProtocolError(f"{self.display_url}: unknown storage protocol {protocol!r} "
                                    "(not a protocol fsspec knows)") from None
             raise StorageError(self._scrub(f"{self.display_url}: bad storage URL or options: {e}")) from None
         except Exception as e:
@@ -436,7 +437,3 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    first = text[0][:240] if text else ""
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__

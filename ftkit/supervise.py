@@ -54,15 +54,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import FtkitError
+from .errors import UsageError
 from .launch import STARTUP_DIR_ENV
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STARTED_UP = ("heartbeat", "single")
-
-
-class RunUsageError(FtkitError):
-    """A bad `ftkit run` option (exit 2)."""
 
 
 class _Unparsable(Exception):
@@ -131,7 +127,7 @@ def plan(argv: list[str]) -> Plan:
     options = _strip(argv[:script_at], ns.ftkit_tokens)
     script = [ns.training_script, *ns.training_script_args]
     if ns.startup_timeout < 0:
-        raise RunUsageError("--startup-timeout must be 0 (off) or a number of seconds")
+        raise UsageError("--startup-timeout must be 0 (off) or a number of seconds")
     out = Plan([], ns.run_dir, ns.startup_timeout)
     names = {o.split("=", 1)[0].replace("_", "-") for o in options if o.startswith("--")}
     defaults = []

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.ramtier import (IDENTITY_FILE, InvalidJobIdError, RunIdentityError, UnsafeRamDirError,
+from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
+from ftkit.ramtier import (IDENTITY_FILE,
                            existing_job_dir, job_dir, remove_job, run_identity, validate_job_id)
 from ftkit.reader import committed_steps
 
@@ -120,7 +121,7 @@ def test_a_ram_tier_without_any_identity_is_refused_with_how_to_name_the_run(tmp
         r = _python(RUN, "111", "3", json.dumps(["ram", {"url": "peer"}]), env=_env(FTKIT_RAM_DIR=str(shm), **extra))
         assert r.returncode == 1
         last = r.stderr.strip().splitlines()[-1]
-        assert last.startswith("ftkit.ramtier.RunIdentityError: the \"ram\" tier cannot tell which run"), last
+        assert last.startswith("ftkit.errors.RunIdentityError: the \"ram\" tier cannot tell which run"), last
         assert 'run_id="my-run"' in last and "FTKIT_RUN_ID=my-run" in last
         assert not shm.exists()  # nothing created, nothing read
 
