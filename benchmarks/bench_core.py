@@ -447,30 +447,13 @@ def torch_loader(path: str) -> Callable[[State], None]:
 
 
 # ------------------------------------------------------------------- S3
-def import_s3_server(wait_s: float) -> type:
-    """scripts/s3_server.py's S3Server, polling for it while it is being written."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    deadline = now() + wait_s
-    while True:
-        try:
-            from scripts.s3_server import S3Server
-            return S3Server
-        except ImportError as e:
-            if now() > deadline:
-                raise SystemExit(f"scripts/s3_server.py (S3Server) is not usable: {e}") from None
-            progress(f"waiting for scripts/s3_server.py ({e})")
-            time.sleep(30)
-            for mod in [m for m in sys.modules if m == "scripts" or m.startswith("scripts.")]:
-                del sys.modules[mod]
-
-
 def phase_s3(args: argparse.Namespace, work: str) -> dict[str, Any]:
     """Ours to s3:// vs raw s3fs puts (sequential, and concurrent fs.pipe) vs DCP FsspecWriter."""
     import s3fs
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    S3Server = import_s3_server(args.s3_wait)
+    from ftkit.s3server import S3Server
+
     state = make_state(args.s3_gib, args.tensors, seed=1)
     views = raw_views(state)
     out: dict[str, Any] = {"s3_state_bytes": state_bytes(state)}
@@ -676,7 +659,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s3", action="store_true", help="also benchmark a local SeaweedFS S3 server")
     p.add_argument("--s3-gib", type=float, default=0.5, help="state size for the S3 part (default 0.5)")
     p.add_argument("--s3-rounds", type=int, default=4, help="steady S3 rounds after the first (default 4)")
-    p.add_argument("--s3-wait", type=float, default=900, help="seconds to wait for scripts/s3_server.py")
     p.add_argument("--json", default=None, help="write every figure as JSON to this file")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.s3_rounds < 1:

@@ -332,11 +332,6 @@ class Slot:
             ev.record(stream)
             ev.synchronize()
 
-    def raw(self, name: str) -> memoryview:
-        """The staged bytes of one tensor."""
-        e = next(x for x in self.layout.entries if x.name == name)  # type: ignore[union-attr]
-        return self.bytes_of(e)
-
     def bytes_of(self, e: TensorSlot) -> memoryview:
         """The staged bytes of one entry of the layout."""
         return _bytes_view(self.buffer[e.offset:e.offset + e.nbytes])
