@@ -59,8 +59,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ftkit
-from ftkit.reader import newest_manifest
-from ftkit.tiers import Tier
+from ftkit.format.reader import newest_manifest
+from ftkit.config import Tier
 
 REPO = Path(__file__).resolve().parent.parent
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -452,7 +452,7 @@ def phase_s3(args: argparse.Namespace, work: str) -> dict[str, Any]:
     import s3fs
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    from ftkit.s3server import S3Server
+    from ftkit.drill.s3server import S3Server
 
     state = make_state(args.s3_gib, args.tensors, seed=1)
     views = raw_views(state)

@@ -435,9 +435,9 @@ def floor_restore(state, node_path: str, step: int) -> None:
     no vote, no temporaries: the floor under any restore of this state from node RAM."""
     import torch
 
-    from ftkit import codec
-    from ftkit.reader import load_manifest
-    from ftkit.storage import Storage
+    from ftkit.format import codec
+    from ftkit.format.reader import load_manifest
+    from ftkit.tiers.storage import Storage
 
     manifest = load_manifest(Storage(node_path), step)
     step_dir = os.path.join(node_path, f"step-{step:012d}")
@@ -612,7 +612,7 @@ _RUNS: list[dict[str, float]] = []
 
 def _instrument_peer_group() -> None:
     """Time PeerGroup.run and its read/write callbacks (in this benchmark process only)."""
-    from ftkit.peers import PeerGroup
+    from ftkit.tiers.peers import PeerGroup
 
     orig = PeerGroup.run
     if getattr(orig, "_bench", False):
@@ -650,8 +650,8 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
     import torch
 
     import ftkit
-    from ftkit.peers import replica_targets, replication_plan
-    from ftkit.sharding import plan_pieces
+    from ftkit.tiers.peers import replica_targets, replication_plan
+    from ftkit.save.sharding import plan_pieces
 
     _instrument_peer_group()
     dist = R.dist
@@ -775,7 +775,7 @@ def build_model(kind: str, a: argparse.Namespace, rank: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if kind == "TinyGPT":
-        from ftkit.reference import build, train_step
+        from ftkit.drill.reference import build, train_step
 
         model, opt, sched = build(1234)
         ddp = DDP(model)
@@ -834,7 +834,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     The Checkpointer cannot be detached from a model, hence the twin for the baseline.
     """
     import ftkit
-    from ftkit import capture as cap
+    from ftkit.save import capture as cap
 
     _instrument_persist()
 

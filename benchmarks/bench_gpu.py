@@ -138,7 +138,7 @@ class Bench:
     @property
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The state's tensors now (a restore gives the optimizer new state tensors: look again each time)."""
-        from ftkit import capture as cap
+        from ftkit.save import capture as cap
 
         return cap.capture(self.state, rng=False).tensors
 
@@ -177,7 +177,7 @@ class Bench:
 # ------------------------------------------------------------------ phases
 def phase_floor(b: Bench) -> None:
     """Device-to-host into one reused pinned buffer, best of 3; host-to-device from it."""
-    from ftkit.staging import DEVICE, Layout
+    from ftkit.save.staging import DEVICE, Layout
 
     named = b.named
     layout = Layout.of(named)

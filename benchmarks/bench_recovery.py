@@ -30,15 +30,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from ftkit.events import read_events  # noqa: E402
-from ftkit.report import analyze  # noqa: E402
+from ftkit.coord.events import read_events  # noqa: E402
+from ftkit.tools.report import analyze  # noqa: E402
 
 
 def launch(root: str, nproc: int, steps: int, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "FTKIT_RAM_DIR": os.path.join(root, "shm"), "FTKIT_JOB_ID": "bench",
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=2", "--monitor-interval=0.1", "-m", "ftkit.reference", "--ckpt",
+           "--max-restarts=2", "--monitor-interval=0.1", "-m", "ftkit.drill.reference", "--ckpt",
            os.path.join(root, "ckpt"), "--ram", "--steps", str(steps), "--run-dir", os.path.join(root, "run"),
            "--step-time", "0.02", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)

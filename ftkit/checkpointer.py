@@ -30,24 +30,24 @@ from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from . import capture as cap
-from .dist import DistContext
-from .events import EventLog
-from .errors import AlreadyCommitted, FtkitError
-from .faults import fault_point
-from .gc import apply_job_retention
-from .persist import (KeyLedger, commit_key, persist, persist_node_local,
+from ftkit.save import capture as cap
+from ftkit.coord.dist import DistContext
+from ftkit.coord.events import EventLog
+from ftkit.errors import AlreadyCommitted, FtkitError
+from ftkit.coord.faultpoints import fault_point
+from ftkit.tiers.retention import apply_job_retention
+from ftkit.save.persist import (KeyLedger, commit_key, persist, persist_node_local,
                       report_skipped)
-from .peers import PeerGroup
-from .preemption import PreemptionHandler
-from .ramtier import SparePool, open_node_dir, run_identity
-from .redact import redact_url
-from .restore import restore as _restore
-from .sharding import Piece, plan_pieces
-from .staging import Layout, Slot, StagingArena
-from .storage import Storage
-from .tiers import Tier
-from .watchdog import Watchdog, WatchdogConfig
+from ftkit.tiers.peers import PeerGroup
+from ftkit.coord.preemption import PreemptionHandler
+from ftkit.tiers.ram import SparePool, open_node_dir, run_identity
+from ftkit.tiers.redact import redact_url
+from ftkit.restore import restore as _restore
+from ftkit.save.sharding import Piece, plan_pieces
+from ftkit.save.staging import Layout, Slot, StagingArena
+from ftkit.tiers.storage import Storage
+from ftkit.config import Tier
+from ftkit.coord.watchdog import Watchdog, WatchdogConfig
 
 log = logging.getLogger("ftkit")
 

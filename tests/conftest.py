@@ -65,9 +65,9 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 120,
     if in_process is None:
         in_process = env is None
     if not in_process:
-        return subprocess.run([sys.executable, "-m", "ftkit.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "ftkit.tools.cli", *args], capture_output=True, text=True,
                               env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
-    from ftkit.cli import main
+    from ftkit.tools.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -175,7 +175,7 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
     """policy "skip" where only rank 0 runs out of staging slots at step 2."""
     import time
 
-    from ftkit.ramtier import node_dir
+    from ftkit.tiers.ram import node_dir
 
     state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
     budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
@@ -206,7 +206,7 @@ def durable_skip_on_rank0(rank: int, world: int, disk: str) -> dict:
 
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from ftkit.reader import committed_steps
+    from ftkit.format.reader import committed_steps
 
     state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
     budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only

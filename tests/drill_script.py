@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ftkit
-from ftkit.dist import init_process_group
+from ftkit.coord.dist import init_process_group
 
 
 def main() -> int:
@@ -21,7 +21,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--step-time", type=float, default=0.05)
     a = p.parse_args()
-    init_process_group("gloo")  # torchrun restarts need it on torch 2.13 (see ftkit.dist)
+    init_process_group("gloo")  # torchrun restarts need it on torch 2.13 (see ftkit.coord.dist)
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ftkit
-from ftkit.dist import init_process_group
+from ftkit.coord.dist import init_process_group
 
 N_SAMPLES, BATCH = 64, 2
 

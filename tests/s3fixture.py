@@ -3,7 +3,7 @@
 Load it from a conftest with ``pytest_plugins = ["tests.s3fixture"]``.
 
 Fixtures:
-    s3_server  (session)  the running ``ftkit.s3server.S3Server``; use its
+    s3_server  (session)  the running ``ftkit.drill.s3server.S3Server``; use its
                           ``storage_options()`` / ``env()`` / ``endpoint_url``.
     s3_url     (function) a fresh, unique ``s3://<bucket>/<uuid>`` prefix.
 
@@ -23,7 +23,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-from ftkit.s3server import S3Server, find_weed  # noqa: E402
+from ftkit.drill.s3server import S3Server, find_weed  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.format import MANIFEST_NAME, step_dir_name
-from ftkit.reader import committed_steps
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.reader import committed_steps
 
 from conftest import run_cli
 

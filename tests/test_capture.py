@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ftkit.capture import apply, capture, decode, rng_state, set_rng_state
+from ftkit.save.capture import apply, capture, decode, rng_state, set_rng_state
 from ftkit.errors import CaptureError, StateMismatchError
 
 

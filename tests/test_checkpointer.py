@@ -12,8 +12,8 @@ import torch
 
 import ftkit
 from ftkit.errors import StateMismatchError
-from ftkit.format import MANIFEST_NAME, step_dir_name
-from ftkit.reader import committed_steps, load_manifest
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.reader import committed_steps, load_manifest
 
 from conftest import assert_same_values, make_state, snapshot_values, train_one
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.reader import committed_steps
+from ftkit.format.reader import committed_steps
 
 from conftest import make_state, run_cli, snapshot_values, train_one
 

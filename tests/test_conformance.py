@@ -15,10 +15,10 @@ import torch
 
 import ftkit
 from ftkit.errors import CorruptCheckpointError
-from ftkit.format import step_dir_name
-from ftkit.persist import write_data
-from ftkit.reader import committed_steps, load_manifest, verify
-from ftkit.staging import Layout, StagingArena
+from ftkit.format.manifest import step_dir_name
+from ftkit.save.persist import write_data
+from ftkit.format.reader import committed_steps, load_manifest, verify
+from ftkit.save.staging import Layout, StagingArena
 
 from conftest import assert_same_values, make_state, run_cli, snapshot_values, train_one
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import ftkit
-from ftkit import capture as cap
-from ftkit.reader import load_manifest, read_tensors
+from ftkit.save import capture as cap
+from ftkit.format.reader import load_manifest, read_tensors
 
 ON_CPU = os.environ.get("FTKIT_CUDA_TESTS_ON_CPU") == "1"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not ON_CPU,
@@ -162,7 +162,7 @@ def test_optimizer_step_right_after_snapshot_does_not_leak(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_direct_writes_outside_the_optimizer(tmp_path, dtype):
-    """Documented behaviour (ftkit/staging.py): an in-place write to a large tensor between
+    """Documented behaviour (ftkit/save/staging.py): an in-place write to a large tensor between
     snapshot() and the next optimizer step, outside that step, is NOT guarded unless the
     fence runs first; small tensors are guarded by stream order."""
     model, opt = make(dtype)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import ftkit
-from ftkit.reader import committed_steps, scan
+from ftkit.format.reader import committed_steps, scan
 
 import dist_worker
 from conftest import REPO, run_cli
@@ -33,7 +33,7 @@ def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.Complet
 def test_save_on_4_restore_on_4_2_3(tmp_path, parallel):
     ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")
     run_ranks(4, dist_worker.save, parallel, ckpt, ref)
-    manifest = ftkit.reader.newest_manifest(ftkit.Tier(ckpt).open())
+    manifest = ftkit.format.reader.newest_manifest(ftkit.Tier(ckpt).open())
     assert manifest.world_size == 4 and manifest.step == 3
     writers = {s.rank for t in manifest.tensors for s in t.shards}
     assert writers == {0, 1, 2, 3}  # every rank persisted a share
@@ -49,7 +49,7 @@ def test_save_on_4_restore_on_4_2_3(tmp_path, parallel):
     resharded = str(tmp_path / "ckpt3")
     r = run_cli("restore", ckpt, "--out", resharded, "--world-size", "3")
     assert r.returncode == 0, r.stderr
-    m3 = ftkit.reader.newest_manifest(ftkit.Tier(resharded).open())
+    m3 = ftkit.format.reader.newest_manifest(ftkit.Tier(resharded).open())
     assert m3.world_size == 3 and {s.rank for t in m3.tensors for s in t.shards} == {0, 1, 2}
     out = run_ranks(3, dist_worker.restore, parallel, resharded, ref)
     assert out == [f"RESTORED rank={r} world=3 step=3" for r in range(3)]

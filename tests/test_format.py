@@ -10,7 +10,7 @@ import sys
 import torch
 
 import ftkit
-from ftkit.format import FORMAT_VERSION, manifest_from_json
+from ftkit.format.manifest import FORMAT_VERSION, manifest_from_json
 
 from conftest import REPO
 

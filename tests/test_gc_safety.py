@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.format import MANIFEST_NAME, step_dir_name
-from ftkit.persist import commit, write_data
-from ftkit.reader import committed_steps, scan
-from ftkit.staging import Layout, StagingArena
-from ftkit.storage import Storage
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.save.persist import commit, write_data
+from ftkit.format.reader import committed_steps, scan
+from ftkit.save.staging import Layout, StagingArena
+from ftkit.tiers.storage import Storage
 
 from conftest import REPO, run_cli
 
@@ -117,7 +117,7 @@ def test_symlinked_step_directories_are_refused_not_followed(tmp_path):
     assert (other / step_dir_name(1) / MANIFEST_NAME).exists()
     # A restore never reads through it either.
     with pytest.raises(ftkit.CorruptCheckpointError, match="symbolic link"):
-        ftkit.reader.load_manifest(ftkit.Tier(str(root)).open(), 2)
+        ftkit.format.reader.load_manifest(ftkit.Tier(str(root)).open(), 2)
 
 
 def test_a_symlinked_manifest_is_not_read(tmp_path):
@@ -168,7 +168,7 @@ def test_a_fifo_named_manifest_hangs_nothing(tmp_path):
     d = root / step_dir_name(2)
     d.mkdir()
     os.mkfifo(d / MANIFEST_NAME)
-    code = ("import sys, ftkit, torch; from ftkit.cli import main;"
+    code = ("import sys, ftkit, torch; from ftkit.tools.cli import main;"
             f"r = [main(['ls', {str(root)!r}]), main(['gc', {str(root)!r}, '--keep', '1']),"
             f" main(['verify', {str(root)!r}]), main(['inspect', {str(root)!r}, '--step', '2'])];"
             f"s = {{'w': torch.zeros({N})}}; ck = ftkit.Checkpointer(s, [{str(root)!r}], rng=False);"
@@ -240,7 +240,7 @@ def test_a_writer_killed_mid_upload_leaves_an_upload_gc_aborts(s3_server, s3_url
 
 
 def test_a_running_jobs_retention_aborts_stale_uploads(s3_server, s3_url):
-    from ftkit import gc
+    from ftkit.tiers import retention as gc
 
     opts = s3_server.storage_options()
     state = {"w": torch.zeros(N)}

@@ -34,7 +34,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 import ftkit  # noqa: E402
 from ftkit.integrations.huggingface import FtkitCallback  # noqa: E402
-from ftkit.reader import committed_steps  # noqa: E402
+from ftkit.format.reader import committed_steps  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 STEPS_PER_EPOCH = 10  # 40 sequences, batch size 4

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ftkit  # noqa: E402
 from ftkit.integrations.lightning import FtkitCallback  # noqa: E402
-from ftkit.reader import committed_steps  # noqa: E402
+from ftkit.format.reader import committed_steps  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 BATCHES_PER_EPOCH = 10  # 40 samples, batch size 4

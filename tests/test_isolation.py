@@ -25,9 +25,9 @@ import torch
 
 import ftkit
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
-from ftkit.ramtier import (IDENTITY_FILE,
+from ftkit.tiers.ram import (IDENTITY_FILE,
                            existing_job_dir, job_dir, remove_job, run_identity, validate_job_id)
-from ftkit.reader import committed_steps
+from ftkit.format.reader import committed_steps
 
 from conftest import REPO
 
@@ -167,7 +167,7 @@ def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path):
     """No FTKIT_JOB_ID: a restarted worker derives the same identity as the first attempt."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.1", "-m", "ftkit.reference", "--ckpt", str(tmp_path / "ckpt"), "--every", "1000",
+           "--monitor-interval=0.1", "-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt"), "--every", "1000",
            "--steps", "16", "--ram", "--step-time", "0.1", "--run-dir", str(run_dir), "--pg-timeout", "60"]
     with open(tmp_path / "torchrun.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(FTKIT_RAM_DIR=str(tmp_path / "shm")),
@@ -175,7 +175,7 @@ def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path):
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                events = ftkit.events.read_events(str(run_dir))
+                events = ftkit.coord.events.read_events(str(run_dir))
                 if any(e["event"] == "step" and e["step"] >= 6 and e["rank"] == 1 for e in events):
                     break
                 assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
@@ -187,7 +187,7 @@ def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    events = ftkit.events.read_events(str(run_dir))
+    events = ftkit.coord.events.read_events(str(run_dir))
     starts = [e for e in events if e["event"] == "start"]
     assert len({e["ram_run"] for e in starts}) == 1 and len({e["attempt"] for e in starts}) == 2
     restores = [e for e in events if e["event"] == "restore" and e["attempt"] == 1]
@@ -386,8 +386,8 @@ def test_a_credential_in_a_tier_url_never_leaves_the_process(clean_env, tmp_path
     ("/ckpt/run", "/ckpt/run"), ("ram", "ram"), ("s3://bucket/dir/file@v2", "s3://bucket/dir/file@v2"),
 ])
 def test_redact_url(url, shown):
-    from ftkit.redact import redact_url
-    from ftkit.storage import redact_url as storage_redact
+    from ftkit.tiers.redact import redact_url
+    from ftkit.tiers.storage import redact_url as storage_redact
 
     assert redact_url(url) == shown
     assert storage_redact(redact_url(url)) == redact_url(url)  # leaves nothing the older rule would hide
@@ -398,9 +398,9 @@ WATCHDOG = """
 import os, socket, sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from ftkit.dist import DistContext, host_identity
-from ftkit.events import EventLog
-from ftkit.watchdog import Watchdog, WatchdogConfig
+from ftkit.coord.dist import DistContext, host_identity
+from ftkit.coord.events import EventLog
+from ftkit.coord.watchdog import Watchdog, WatchdogConfig
 
 pid, which = int(sys.argv[1]), sys.argv[2]
 host, boot, ns = host_identity().split("/", 2)
@@ -424,7 +424,7 @@ def test_the_watchdog_kills_a_dead_peers_pid_only_on_the_same_host_boot_and_pid_
     try:
         r = _python(WATCHDOG, str(sleeper.pid), which, str(tmp_path), env=_env(), timeout=60)
         assert r.returncode == 75, r.stderr  # the watchdog found rank 1 dead and ended this worker
-        detect = [e for e in ftkit.events.read_events(str(tmp_path)) if e["event"] == "detect"]
+        detect = [e for e in ftkit.coord.events.read_events(str(tmp_path)) if e["event"] == "detect"]
         assert [(e["target"], e["what"]) for e in detect] == [(1, "dead")]
         time.sleep(0.2)
         assert (sleeper.poll() == -signal.SIGKILL) if killed else (sleeper.poll() is None)

@@ -24,9 +24,9 @@ import torch
 
 import ftkit
 from ftkit.errors import CorruptCheckpointError, FormatError, StorageError
-from ftkit.format import MANIFEST_NAME, manifest_from_json, step_dir_name
-from ftkit.reader import read_tensors, verify
-from ftkit.validate import ZSTD_MAX_RATIO
+from ftkit.format.manifest import MANIFEST_NAME, manifest_from_json, step_dir_name
+from ftkit.format.reader import read_tensors, verify
+from ftkit.format.validate import ZSTD_MAX_RATIO
 
 from conftest import make_state, run_cli
 

@@ -9,14 +9,14 @@ import sys
 import torch
 
 import ftkit
-from ftkit.reader import committed_steps
+from ftkit.format.reader import committed_steps
 
 from conftest import REPO
 from torchrun_job import Job, stop_everything
 
 
 def _trainer(ckpt, final, steps=60, extra=()):
-    return [sys.executable, "-m", "ftkit.reference", "--ckpt", str(ckpt), "--steps", str(steps),
+    return [sys.executable, "-m", "ftkit.drill.reference", "--ckpt", str(ckpt), "--steps", str(steps),
             "--every", "1000", "--step-time", "0.05", "--final-out", str(final), *extra]
 
 
@@ -47,7 +47,7 @@ def test_sigterm_to_torchrun_flushes_every_rank(tmp_path):
         job.wait(timeout=90)
     finally:
         stop_everything(job)
-    manifest = ftkit.reader.newest_manifest(ftkit.Tier(str(tmp_path / "ckpt")).open())
+    manifest = ftkit.format.reader.newest_manifest(ftkit.Tier(str(tmp_path / "ckpt")).open())
     assert manifest.world_size == 4 and manifest.step >= 8
     flushes = [e for e in job.events() if e["event"] == "preempt_flush"]
     assert len(flushes) == 4 and all(e["ok"] and e["step"] == manifest.step for e in flushes)

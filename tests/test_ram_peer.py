@@ -217,8 +217,8 @@ def test_ram_tier_writes_new_steps_over_the_pages_of_removed_ones(solo_ram):
 
 
 def test_a_longer_spare_is_cut_to_what_was_written(tmp_path):
-    from ftkit.ramtier import SparePool
-    from ftkit.storage import Storage
+    from ftkit.tiers.ram import SparePool
+    from ftkit.tiers.storage import Storage
 
     storage = Storage(str(tmp_path / "node"))
     storage.makedirs("")

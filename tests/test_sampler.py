@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 import ftkit
-from ftkit.sampler import ResumableDistributedSampler
+from ftkit.integrations.sampler import ResumableDistributedSampler
 
 
 def epoch_order(n: int, epoch: int, seed: int = 0, shuffle: bool = True) -> list[int]:
@@ -251,7 +251,7 @@ def test_state_is_json_safe_identical_across_ranks_and_checkpointed_by_ftkit(tmp
 
 
 def test_same_seed_gives_the_same_stream_in_another_process():
-    code = ("import json; from ftkit.sampler import ResumableDistributedSampler as S; "
+    code = ("import json; from ftkit.integrations.sampler import ResumableDistributedSampler as S; "
             "s = S(1000, num_replicas=3, rank=1, seed=42); s.set_epoch(4); s.advance(7); "
             "print(json.dumps(list(s)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

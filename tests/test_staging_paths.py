@@ -18,10 +18,10 @@ import torch
 
 import ftkit
 from fakedevice import POLICIES, FakeDevice, FakeEvent, FakeStream
-from ftkit import capture as cap
-from ftkit import staging
-from ftkit.reader import load_manifest, read_tensors
-from ftkit.staging import DeviceOps, Layout, Slot, StagingArena
+from ftkit.save import capture as cap
+from ftkit.save import staging
+from ftkit.format.reader import load_manifest, read_tensors
+from ftkit.save.staging import DeviceOps, Layout, Slot, StagingArena
 
 BIG = 4096  # bytes: the threshold for a "large" tensor in these tests (1 MiB in ftkit)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.faults import set_faults
-from ftkit.reader import committed_steps
+from ftkit.drill.faults import set_faults
+from ftkit.format.reader import committed_steps
 
 
 def _run(url, steps_and_faults, root):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.format import MANIFEST_NAME, step_dir_name
-from ftkit.reader import scan
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.reader import scan
 
 from conftest import REPO, run_cli
 
@@ -229,7 +229,7 @@ def test_a_failed_ram_candidate_is_not_dropped(tmp_path, monkeypatch):
     with ftkit.Checkpointer(state, ["ram"], rng=False, run_id="failed-candidate") as ck:
         with pytest.raises(ftkit.CorruptCheckpointError):
             ck.restore()
-    assert [d.step for d in scan(ftkit.storage.Storage(ram)) if d.committed] == [1, 2]
+    assert [d.step for d in scan(ftkit.tiers.storage.Storage(ram)) if d.committed] == [1, 2]
     files[2].write_bytes(good2)
     with ftkit.Checkpointer(state, ["ram"], rng=False, run_id="failed-candidate") as ck:
         assert ck.restore() == 2
@@ -291,7 +291,7 @@ def test_unsafe_skip_checksums_warns_and_never_fools_verify(two_steps):
     raw[8] ^= 0x40
     f.write_bytes(bytes(raw))
     env = {**os.environ, "FTKIT_UNSAFE_SKIP_CHECKSUMS": "1"}
-    r = subprocess.run([sys.executable, "-m", "ftkit.cli", "verify", str(two_steps), "--step", "2"],
+    r = subprocess.run([sys.executable, "-m", "ftkit.tools.cli", "verify", str(two_steps), "--step", "2"],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert r.returncode == 1 and "checksum mismatch" in r.stdout, r.stdout + r.stderr
     code = ("import ftkit, torch, logging; logging.basicConfig();"
@@ -304,7 +304,7 @@ def test_unsafe_skip_checksums_warns_and_never_fools_verify(two_steps):
 
 # ------------------------------------------------ 10. store messages are data, not paths
 def _staged(value: float):
-    from ftkit.staging import Layout, StagingArena
+    from ftkit.save.staging import Layout, StagingArena
 
     arena = StagingArena(slots=1, pin=False)
     t = torch.full((N,), value)
@@ -321,9 +321,9 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path):
     error report, nothing is written or deleted outside, the step is not committed."""
     import torch.distributed as dist
 
-    from ftkit.dist import DistContext
-    from ftkit.persist import persist_node_local
-    from ftkit.storage import Storage
+    from ftkit.coord.dist import DistContext
+    from ftkit.save.persist import persist_node_local
+    from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()
     ctx = DistContext(0, 2, store, "node0", 10.0, ["node0", "node0"])
@@ -348,7 +348,7 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path):
 
 def test_a_report_with_no_tensors_for_its_bytes_is_refused():
     from ftkit.errors import FormatError
-    from ftkit.persist import _Report
+    from ftkit.save.persist import _Report
 
     text = json.dumps({"file": "rank-00001-abcdef01.data", "nbytes": 4096, "error": None, "rng": None}) + "\n[]"
     with pytest.raises(FormatError, match="no tensor for its 4096-byte file"):
@@ -360,9 +360,9 @@ def test_a_node_leader_validates_the_manifest_it_receives(tmp_path):
     the directory): it writes no manifest, and says why."""
     import torch.distributed as dist
 
-    from ftkit.dist import DistContext
-    from ftkit.persist import _Report, persist_node_local
-    from ftkit.storage import Storage
+    from ftkit.coord.dist import DistContext
+    from ftkit.save.persist import _Report, persist_node_local
+    from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()
     ctx = DistContext(1, 2, store, "node1", 10.0, ["node0", "node1"])

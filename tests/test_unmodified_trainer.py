@@ -1,6 +1,6 @@
 """An unmodified trainer under torchrun restarts (issue 12, item 20).
 
-tests/unmodified_trainer.py never imports ftkit.dist: it calls plain
+tests/unmodified_trainer.py never imports ftkit.coord.dist: it calls plain
 ``dist.init_process_group("gloo")``. On torch 2.13 such a trainer's restarted
 workers read the rendezvous keys the previous attempt left in torchrun's store
 (``Gloo connectFullMesh failed ... Connection refused``, or a hang inside
@@ -71,7 +71,7 @@ def _trainer_args(tmp_path, faults: list[str], *extra: str) -> list[str]:
 
 
 def _events(tmp_path) -> list[dict]:
-    from ftkit.events import read_events
+    from ftkit.coord.events import read_events
 
     return read_events(str(tmp_path / "run"))
 
@@ -114,12 +114,12 @@ def test_plain_torchrun_restarts_survive_when_ftkit_is_imported_first(tmp_path):
 @pytest.mark.timeout(120)
 def test_ftkit_run_protects_a_trainer_that_imports_ftkit_only_after_its_group(tmp_path):
     # ftkit is imported after init_process_group: only ftkit run's launcher can help this one
-    cmd = [sys.executable, "-m", "ftkit.cli", "run", "--run-dir", str(tmp_path / "run"), "--startup-timeout", "90",
+    cmd = [sys.executable, "-m", "ftkit.tools.cli", "run", "--run-dir", str(tmp_path / "run"), "--startup-timeout", "90",
            "--nproc-per-node", "2", "--monitor-interval", "0.1",
            *_trainer_args(tmp_path, PROVOKED, "--import-ftkit", "late")]
     rc, log = _run(tmp_path, cmd, timeout=110)
     assert rc == 0, log[-4000:]
-    assert "-m ftkit.launch" in log  # torchrun was told to start the workers through the launcher
+    assert "-m ftkit.tools.launch" in log  # torchrun was told to start the workers through the launcher
     _check_result(tmp_path, 2, log)
     restores = _restores(tmp_path)
     assert sorted(restores) == [0, 2, 3], restores
@@ -134,7 +134,7 @@ def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tm
     # issue reproduced), or, with phase "collective", after it, before any Checkpointer (its peer
     # waits in a broadcast): nothing in the group can ever heartbeat, and gloo's own timeout is
     # 30 minutes. The second case is the same watch and costs 22 s of CI: run it by hand.
-    cmd = [sys.executable, "-m", "ftkit.cli", "run", "--run-dir", str(tmp_path / "run"), "--startup-timeout", "15",
+    cmd = [sys.executable, "-m", "ftkit.tools.cli", "run", "--run-dir", str(tmp_path / "run"), "--startup-timeout", "15",
            "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.1",
            *_trainer_args(tmp_path, [f"hang:0:1:{phase}"])]
     rc, log = _run(tmp_path, cmd, timeout=110)
@@ -151,7 +151,7 @@ def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tm
     assert last >= 1 and restores[last] == {0}  # attempt 0 never trained: the restart starts fresh
     assert not any(e["attempt"] == last for e in ended)
     # ftkit report sees the incident and who ended it
-    out = subprocess.run([sys.executable, "-m", "ftkit.cli", "report", str(tmp_path / "run"), "--json"],
+    out = subprocess.run([sys.executable, "-m", "ftkit.tools.cli", "report", str(tmp_path / "run"), "--json"],
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     incidents = json.loads(out.stdout)["incidents"]
@@ -163,7 +163,7 @@ def test_env_rendezvous_namespaces_the_store_per_torchrun_attempt(monkeypatch):
     import ftkit  # noqa: F401  (installs the handler)
     from torch.distributed import PrefixStore, TCPStore
 
-    from ftkit.rendezvous import installed
+    from ftkit.coord.rendezvous import installed
 
     assert installed()
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -188,7 +188,7 @@ def test_env_rendezvous_namespaces_the_store_per_torchrun_attempt(monkeypatch):
 
 
 def test_env_rendezvous_can_be_turned_off_and_warns_when_the_group_came_first(tmp_path):
-    off = subprocess.run([sys.executable, "-c", "import ftkit, ftkit.rendezvous as r; print(r.installed())"],
+    off = subprocess.run([sys.executable, "-c", "import ftkit, ftkit.coord.rendezvous as r; print(r.installed())"],
                          capture_output=True, text=True, env={**os.environ, "FTKIT_ENV_RENDEZVOUS": "0"})
     assert off.stdout.strip() == "False", off.stderr
     script = tmp_path / "late.py"
@@ -210,49 +210,49 @@ def test_launcher_runs_the_script_as_python_would(tmp_path):
                       "print(json.dumps({'name': __name__, 'argv': sys.argv, 'path0': sys.path[0],\n"
                       "                  'value': helper_mod.VALUE, 'ftkit': hasattr(r, 'ftkit_original')}))\n"
                       "sys.exit(3)\n")
-    out = subprocess.run([sys.executable, "-m", "ftkit.launch", str(script), "--x", "1"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ftkit.tools.launch", str(script), "--x", "1"], capture_output=True,
                          text=True, cwd=REPO)
     assert out.returncode == 3, out.stderr
     doc = json.loads(out.stdout)
     assert doc == {"name": "__main__", "argv": [str(script), "--x", "1"], "path0": str(tmp_path), "value": 7,
                    "ftkit": True}
-    mod = subprocess.run([sys.executable, "-m", "ftkit.launch", "--module", "job", "a"], capture_output=True,
+    mod = subprocess.run([sys.executable, "-m", "ftkit.tools.launch", "--module", "job", "a"], capture_output=True,
                          text=True, cwd=tmp_path)
     assert mod.returncode == 3, mod.stderr
     assert json.loads(mod.stdout)["argv"] == [str(tmp_path / "job.py"), "a"]
 
 
 def test_ftkit_run_command_line_rewrite():
-    from ftkit.supervise import plan
+    from ftkit.tools.supervise import plan
 
     p = plan(["--nproc-per-node", "2", "--startup-timeout", "30", "train.py", "--run-dir", "x", "--max-restarts=9"])
     assert p.startup_timeout_s == 30 and p.run_dir == "ftkit-run" and p.launched
     # ftkit's own options are taken out; the script's options (same names or not) are the script's
     assert p.torchrun_args == ["--max-restarts", "3", "--monitor-interval", "0.5", "--standalone",
-                               "--nproc-per-node", "2", "-m", "ftkit.launch", "train.py", "--run-dir", "x",
+                               "--nproc-per-node", "2", "-m", "ftkit.tools.launch", "train.py", "--run-dir", "x",
                                "--max-restarts=9"]
     p = plan(["--run-dir=r", "-m", "pkg.train", "--lr", "1"])
     assert p.run_dir == "r"
-    assert p.torchrun_args[-6:] == ["-m", "ftkit.launch", "--module", "pkg.train", "--lr", "1"]
+    assert p.torchrun_args[-6:] == ["-m", "ftkit.tools.launch", "--module", "pkg.train", "--lr", "1"]
     p = plan(["--no-python", "--max-restarts", "1", "./run.sh"])
     assert not p.launched and p.notes and p.torchrun_args[-1] == "./run.sh"
     assert plan(["--nproc-per-node"]).torchrun_args == ["--nproc-per-node"]  # torchrun reports the error
 
 
 def test_ftkit_run_rejects_a_negative_startup_timeout():
-    out = subprocess.run([sys.executable, "-m", "ftkit.cli", "run", "--startup-timeout", "-1", "train.py"],
+    out = subprocess.run([sys.executable, "-m", "ftkit.tools.cli", "run", "--startup-timeout", "-1", "train.py"],
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2 and "startup-timeout" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_the_launcher_sees_a_checkpointer_watchdog_as_the_first_heartbeat():
-    # ftkit.launch reports "heartbeat" once a watchdog thread runs: keep the two in step
+    # ftkit.tools.launch reports "heartbeat" once a watchdog thread runs: keep the two in step
     import torch.distributed as dist
 
-    from ftkit.dist import DistContext
-    from ftkit.events import EventLog
-    from ftkit.launch import _heartbeat_running
-    from ftkit.watchdog import Watchdog
+    from ftkit.coord.dist import DistContext
+    from ftkit.coord.events import EventLog
+    from ftkit.tools.launch import _heartbeat_running
+    from ftkit.coord.watchdog import Watchdog
 
     assert not _heartbeat_running()
     wd = Watchdog(DistContext(rank=0, world_size=2, store=dist.HashStore()), EventLog(None, 0))

@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from ftkit.report import analyze, to_html
+from ftkit.tools.report import analyze, to_html
 from torchrun_job import Job, stop_everything
 
 STEPS = 30

@@ -13,10 +13,10 @@ from conftest import REPO
 
 
 class Job:
-    """`torchrun -m ftkit.reference` in the background, with its run dir and RAM dir under `root`."""
+    """`torchrun -m ftkit.drill.reference` in the background, with its run dir and RAM dir under `root`."""
 
     def __init__(self, root, nproc: int = 4, steps: int = 30, extra: tuple[str, ...] = (),
-                 max_restarts: int = 2, module: str = "ftkit.reference"):
+                 max_restarts: int = 2, module: str = "ftkit.drill.reference"):
         self.root = root
         self.run_dir = root / "run"
         self.final = root / "final.pt"

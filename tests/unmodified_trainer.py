@@ -1,5 +1,5 @@
 """An "unmodified" trainer for tests/test_unmodified_trainer.py: it never imports
-ftkit.dist and forms its group with plain ``dist.init_process_group("gloo")``.
+ftkit.coord.dist and forms its group with plain ``dist.init_process_group("gloo")``.
 
 It trains a replicated tensor through real all_reduces (step s adds
 s * (1 + 2 + ... + W) to every element), snapshots every step with a

@@ -10,7 +10,7 @@ import sys
 import time
 
 import ftkit.checkpointer
-import ftkit.reference
+import ftkit.drill.reference
 
 _snapshot = ftkit.checkpointer.Checkpointer.snapshot
 
@@ -27,4 +27,4 @@ def snapshot(self, step):
 ftkit.checkpointer.Checkpointer.snapshot = snapshot
 
 if __name__ == "__main__":
-    sys.exit(ftkit.reference.main())
+    sys.exit(ftkit.drill.reference.main())

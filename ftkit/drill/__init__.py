@@ -9,7 +9,7 @@ verify.py    faults matched to recoveries; states and checkpoints checked
 run.py       the order of a drill, reports, the command line
 """
 
-from .run import DEFAULT_FAULTS, main, run_drill
-from .schedule import Fault, parse_faults, random_faults
+from ftkit.drill.run import DEFAULT_FAULTS, main, run_drill
+from ftkit.drill.schedule import Fault, parse_faults, random_faults
 
 __all__ = ["DEFAULT_FAULTS", "Fault", "main", "parse_faults", "random_faults", "run_drill"]

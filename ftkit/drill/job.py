@@ -2,7 +2,7 @@
 
 Order of calls (see run.py): ``Job(...)`` starts torchrun in its own process
 group; for each fault, ``Injector.inject(fault)`` asks a rank to freeze at a
-fault point (ftkit.faults.fault_point), waits until it has, does the fault
+fault point (ftkit.coord.faultpoints.fault_point), waits until it has, does the fault
 (kill it, wipe its node, stop the S3 server...) and lets it go on where the
 fault allows; ``wait_restarted`` waits for torchrun's next attempt; finally
 ``proc.wait()`` and ``kill()`` (always, in a finally).
@@ -20,9 +20,10 @@ import threading
 import time
 from typing import Any, Sequence
 
-from ..events import read_events
-from ..faults import FAULT_POINTS_ENV, set_faults
-from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.coord.events import read_events
+from ftkit.coord.faultpoints import FAULT_POINTS_ENV
+from ftkit.drill.faults import set_faults
+from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
 
 _STORAGE_SWITCH = {"enospc": "enospc", "unavailable": "unavailable", "latency": "latency_s",
                    "torn-write": "torn_write", "bitflip": "bitflip"}
@@ -148,7 +149,7 @@ class Injector:
     def __init__(self, job: Job, durable_root: str | None = None, s3_server: Any = None):
         self.job = job
         self.durable_root = durable_root  # the local directory behind faulty:// (storage faults)
-        self.s3 = s3_server  # ftkit.s3server.S3Server the drill started (s3-outage)
+        self.s3 = s3_server  # ftkit.drill.s3server.S3Server the drill started (s3-outage)
         self.threads: list[threading.Thread] = []
         self._storage_faults: dict[str, Any] = {}
         self._lock = threading.Lock()

@@ -25,11 +25,11 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..events import read_events
-from ..report import analyze, to_html
-from .job import Injector, Job
-from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
-from .verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
+from ftkit.coord.events import read_events
+from ftkit.tools.report import analyze, to_html
+from ftkit.drill.job import Injector, Job
+from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
+from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
 
 DEFAULT_FAULTS = "kill@70:rank=1,hang@160:rank=2,node@250:node=1,crash@340:rank=3"
 DEFAULT_TIERS = "ram,peer,disk"
@@ -93,7 +93,7 @@ def _check_schedule(faults: list[Fault], tiers: TierPlan | None) -> None:
 
 
 def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) -> list[str]:
-    return ["-m", "ftkit.reference", "--ckpt", url, "--every", str(args.every),
+    return ["-m", "ftkit.drill.reference", "--ckpt", url, "--every", str(args.every),
             *(["--ram"] if tiers.ram else []), *(["--peer", str(tiers.replicas)] if tiers.replicas else []),
             "--steps", str(args.steps), "--step-time", str(step_time), "--final-out", final_out]
 
@@ -159,7 +159,7 @@ def run_drill(args) -> dict[str, Any]:
     job: Job | None = None
     try:
         if tiers and tiers.durable == "s3":
-            from ..s3server import S3Server
+            from ftkit.drill.s3server import S3Server
 
             s3 = S3Server(data_dir=os.path.join(root, "s3")).start()
             say(f"drill: S3 server (SeaweedFS) at {s3.endpoint_url}")
@@ -207,7 +207,7 @@ def run_drill(args) -> dict[str, Any]:
     events = read_events(job.run_dir) if job else []
     report = analyze(events) if events else None
     check_faults(faults, report, events, args.max_lost, errors)
-    result: dict[str, Any] = {"run_dir": root, "target": script or "ftkit.reference", "tiers": tiers.spec if tiers else None}
+    result: dict[str, Any] = {"run_dir": root, "target": script or "ftkit.drill.reference", "tiers": tiers.spec if tiers else None}
     if script:
         result["checkpoints"] = verify_checkpoints(events, errors)
         result["bitwise_equal"] = None

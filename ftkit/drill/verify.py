@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..report import Report
-from .schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.tools.report import Report
+from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
 
 
 def check_faults(faults: list[Fault], report: Report | None, events: list[dict[str, Any]],
@@ -120,9 +120,9 @@ def compare_states(faulted_pt: str, clean_pt: str, errors: list[str]) -> bool:
 
 def verify_checkpoints(events: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
     """A user's script: the newest committed step of every durable tier it used verifies."""
-    from ..errors import FtkitError
-    from ..reader import committed_steps, load_manifest, verify
-    from ..storage import Storage
+    from ftkit.errors import FtkitError
+    from ftkit.format.reader import committed_steps, load_manifest, verify
+    from ftkit.tiers.storage import Storage
 
     urls = sorted({u for e in events if e["event"] == "start" for u in e.get("tiers", [])
                    if u not in ("ram", "peer")})

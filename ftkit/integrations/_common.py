@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..errors import FtkitError, StorageError
-from ..reader import committed_steps
-from ..storage import redact_url
-from ..tiers import Tier
+from ftkit.errors import FtkitError, StorageError
+from ftkit.format.reader import committed_steps
+from ftkit.tiers.storage import redact_url
+from ftkit.config import Tier
 
 
 def coerce_tiers(tiers: Sequence[Tier | str | dict] | Tier | str) -> list[Tier]:

@@ -60,11 +60,11 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 import torch
 
-from ..capture import rng_state, set_rng_state
-from ..checkpointer import Checkpointer
-from ..errors import FtkitError, StateMismatchError
-from ..tiers import Tier
-from ._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.save.capture import rng_state, set_rng_state
+from ftkit.checkpointer import Checkpointer
+from ftkit.errors import FtkitError, StateMismatchError
+from ftkit.config import Tier
+from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
 
 log = logging.getLogger("ftkit.huggingface")
 

@@ -58,11 +58,11 @@ except ImportError:  # pragma: no cover - depends on what is installed
         raise ImportError("ftkit.integrations.lightning needs PyTorch Lightning: "
                           "pip install 'ftkit[lightning]' (or lightning / pytorch-lightning >= 2.2)") from None
 
-from ..capture import rng_state, set_rng_state
-from ..checkpointer import Checkpointer
-from ..errors import FtkitError
-from ..tiers import Tier
-from ._common import Adapter, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.save.capture import rng_state, set_rng_state
+from ftkit.checkpointer import Checkpointer
+from ftkit.errors import FtkitError
+from ftkit.config import Tier
+from ftkit.integrations._common import Adapter, check_every, check_tiers_reachable, coerce_tiers
 
 log = logging.getLogger("ftkit.lightning")
 

@@ -1,0 +1,223 @@
+"""Who we are in the job, and agreement between ranks through the c10d store.
+
+Ranks coordinate only through the key-value store that torchrun's rendezvous
+(or init_process_group) provides: never through collectives on the training
+process group, so a background thread can take part safely and a dead rank
+costs a bounded wait, not a hang. A single process is a world of one with no
+store, and every call here degenerates to a no-op.
+
+Node identity decides failure domains (RAM tiers, peer placement): the
+``FTKIT_NODE_ID`` variable if set, else ``node<rank // FTKIT_RANKS_PER_NODE>``
+if that is set (how tests simulate several nodes on one machine), else the
+host name. Whether another process runs on *this* machine, so that its pid
+means something here (the watchdog kills stuck local peers), is a stricter
+question: see :func:`host_identity`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from ftkit.errors import PeerTimeout
+
+
+def node_id(rank: int) -> str:
+    if os.environ.get("FTKIT_NODE_ID"):
+        return os.environ["FTKIT_NODE_ID"]
+    per_node = os.environ.get("FTKIT_RANKS_PER_NODE")
+    if per_node:
+        return f"node{rank // int(per_node)}"
+    return socket.gethostname()
+
+
+def host_identity() -> str | None:
+    """What makes a pid meaningful: host name, boot id and pid namespace, or None if unknown.
+
+    Host names alone are not unique: containers often share one ("localhost",
+    a pod template's name), and a pid from another container or another boot
+    names an unrelated process here. Two processes may signal each other's pids
+    only when all three match. None (no /proc, e.g. not Linux) means "never
+    assume the same host": callers then fall back to what needs no pid.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    if not boot or not pidns:
+        return None
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+# torchrun's --rdzv-id when none is given (every such job gets the same one).
+_DEFAULT_RDZV_IDS = ("", "none")
+
+
+def rendezvous_id() -> str | None:
+    """The rendezvous (run) id torchrun was given, or None if it is torchrun's default or absent.
+
+    Without --rdzv-id, torchrun's run id is "none" for every job. With
+    --standalone (or a single-node static rendezvous) it is a fresh uuid per
+    torchrun invocation, kept across that invocation's restarts: a real id.
+    """
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run is None or run.strip().lower() in _DEFAULT_RDZV_IDS else run
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    store: Any = None  # a c10d Store (prefixed for ftkit) or None
+    node: str = field(default_factory=lambda: node_id(0))
+    timeout_s: float = 300.0
+    nodes: list[str] = field(default_factory=list)  # node of every rank, by rank
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            self.nodes = [self.node] * self.world_size
+
+    @staticmethod
+    def detect(timeout_s: float = 300.0) -> "DistContext":
+        """The running job's context (torch.distributed if initialized), else a world of one."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return DistContext(timeout_s=timeout_s)
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        # Keys are namespaced per torchrun attempt so a restarted group never reads
+        # what the previous attempt left in a store that outlives it.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
+        rank = dist.get_rank()
+        ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s)
+        ctx.nodes = ctx.gather("nodes", ctx.node)
+        return ctx
+
+    def own_connection(self) -> "DistContext":
+        """The same context over a new connection to the store.
+
+        A store client serializes its calls: a thread blocked in a long wait (rank
+        0 waiting for a slow rank's report) would otherwise stall every other
+        thread's calls, the watchdog's heartbeats among them. Each thread that
+        talks to the store gets its own connection.
+        """
+        store = self.store.clone() if self.store is not None else None
+        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes))
+
+    def scoped(self, prefix: str) -> "DistContext":
+        """The same context with its keys below `prefix` (one Checkpointer's namespace)."""
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(prefix, self.store) if self.store is not None else None
+        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def node_leader(self, rank: int) -> bool:
+        """Whether `rank` is the lowest rank of its node (it keeps the node's RAM tier)."""
+        return rank == min(r for r, n in enumerate(self.nodes) if n == self.nodes[rank])
+
+    # ---------------------------------------------------------------- store
+    def put(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def get(self, key: str, timeout_s: float | None = None) -> Any:
+        """The JSON value at `key`, waiting at most `timeout_s` for it to appear."""
+        self._wait([key], timeout_s)
+        return json.loads(self.store.get(key))
+
+    def get_raw(self, key: str, timeout_s: float | None = None) -> bytes:
+        """The bytes at `key` as set, waiting at most `timeout_s` for them to appear."""
+        self._wait([key], timeout_s)
+        return self.store.get(key)
+
+    def gather(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's `value` for `key`, in rank order (all ranks call this).
+
+        Three store round trips whatever the world size (set, wait for all, one
+        multi_get): each is a TCP exchange with a server that, under torchrun,
+        competes for the same cores as the ranks.
+        """
+        if not self.distributed:
+            return [value]
+        self.put(f"{key}/{self.rank}", value)
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self._wait(keys, timeout_s)
+        return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def gather_text(self, key: str, text: str, timeout_s: float | None = None) -> list[str]:
+        """gather() for values the caller encodes itself (and may decode only in part)."""
+        if not self.distributed:
+            return [text]
+        self.store.set(f"{key}/{self.rank}", text)
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self._wait(keys, timeout_s)
+        return [v.decode() for v in self.store.multi_get(keys)]
+
+    def _wait(self, keys: list[str], timeout_s: float | None) -> None:
+        timeout_s = timeout_s or self.timeout_s
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout_s))
+        except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
+            missing = [k for k in keys if not self._has(k)] or keys
+            raise PeerTimeout(f"rank {self.rank}: no answer for {', '.join(map(repr, missing))} within "
+                              f"{timeout_s:.0f}s ({type(e).__name__})") from None
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:  # the store itself is gone: report the key as missing
+            return False
+
+    def broadcast(self, key: str, value: Any = None, timeout_s: float | None = None) -> Any:
+        """Rank 0's `value`, on every rank."""
+        if not self.distributed:
+            return value
+        if self.rank == 0:
+            self.put(key, value)
+            return value
+        return self.get(key, timeout_s)
+
+    def delete(self, *keys: str) -> None:
+        if self.store is None:
+            return
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except Exception:  # best effort: stale keys only cost store memory
+                pass
+
+
+def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> None:
+    """torch.distributed.init_process_group for torchrun workers that survives restarts.
+
+    Under torchrun with restarts, workers of a new attempt can read the
+    rendezvous keys the previous attempt left in the agent's store and try to
+    connect to dead peers ("connectFullMesh failed ... Connection refused").
+    This opens the same store and namespaces it by attempt
+    (TORCHELASTIC_RESTART_COUNT), then initializes the group on it.
+    Outside torchrun it is the plain call.
+    """
+    import torch.distributed as dist
+
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "store" in kwargs:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ftkit-attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)

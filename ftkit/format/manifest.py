@@ -1,0 +1,136 @@
+"""The on-storage checkpoint format: pure data, no I/O.
+
+A tier root holds one directory per committed step::
+
+    <root>/step-000000000120/
+        rank-00000-1f3a9c2e.data   # chunks of tensor bytes, raw or zstd frames
+        manifest.json              # written last; its presence commits the step
+
+The manifest is JSON (no pickle) and self-contained: for every tensor its dtype,
+global shape and saved shards (region offsets and lengths), and for every shard
+the chunks that hold its bytes (file, byte range, codec, checksum). FORMAT.md
+documents it field by field. This module encodes it; validate.py is the single
+place that decodes and validates it, so a manifest that passes
+:func:`manifest_from_json` is safe to act on (FORMAT.md, "Invariants").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+FORMAT_NAME = "ftkit-checkpoint"
+FORMAT_VERSION = 2  # 2: Python's RNG state as a tensor (FORMAT.md, the skeleton)
+MANIFEST_NAME = "manifest.json"
+STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
+# Data files are plain names inside their step directory: no separators, no "..".
+SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+CODECS = ("raw", "zstd")
+DTYPES = (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+    "uint8", "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2",
+)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of a shard's bytes stored in one file, checksummed as stored."""
+
+    file: str
+    offset: int  # byte offset in `file`
+    length: int  # stored bytes
+    raw_offset: int  # offset of these bytes within the shard's raw bytes
+    raw_length: int  # bytes after decoding
+    codec: str  # "raw" or "zstd"
+    checksum: str  # "xxh3_64:<hex>" over the stored bytes
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rectangular region of a tensor, stored row-major."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    rank: int = 0  # the rank that wrote it
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # global shape
+    shards: tuple[Shard, ...]
+    kind: str = "replicated"  # "replicated", "sharded" (DTensor) or "rank-local" (RNG)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    tensors: tuple[TensorEntry, ...]
+    skeleton: dict[str, Any]
+    files: dict[str, dict[str, Any]]  # file name -> {"bytes": n, "rank": r}
+    rank_state: dict[str, Any] = field(default_factory=dict)  # str(rank) -> {"rng": ...}
+    created_at: float = 0.0
+    writer: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_raw_bytes(self) -> int:
+        return sum(c.raw_length for t in self.tensors for s in t.shards for c in s.chunks)
+
+    @property
+    def total_stored_bytes(self) -> int:
+        return sum(c.length for t in self.tensors for s in t.shards for c in s.chunks)
+
+    def tensor(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
+    """A tensor entry as plain JSON types (hand-written: asdict deep-copies, 20x slower)."""
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
+            "shards": [{"offsets": list(s.offsets), "lengths": list(s.lengths), "rank": s.rank,
+                        "chunks": [dict(c.__dict__) for c in s.chunks]} for s in t.shards]}
+
+
+def manifest_json(step: int, world_size: int, tensor_docs: list[dict[str, Any]], skeleton: dict[str, Any],
+                  files: dict[str, dict[str, Any]], rank_state: dict[str, Any], created_at: float,
+                  writer: dict[str, Any]) -> bytes:
+    """A manifest's bytes from its parts, the tensors already as tensor_entry_doc()s
+    (how ranks report their writes: the commit then never rebuilds the dataclasses)."""
+    # Identifying fields first, so the first bytes of the file say what it is.
+    doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
+           "tensors": tensor_docs, "skeleton": skeleton, "files": files, "rank_state": rank_state,
+           "created_at": created_at, "writer": writer}
+    # Compact: a large model has thousands of entries; `jq . manifest.json` pretty-prints.
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def manifest_from_json(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
+    """Parse and validate a manifest; raise FormatError naming `where` on any problem.
+
+    The validation (validate.py) is the only one in ftkit: what passes it is safe to
+    act on, and FORMAT.md's "Invariants" lists what it proves."""
+    from ftkit.format.validate import parse_manifest
+
+    return parse_manifest(data, where, expect_step)

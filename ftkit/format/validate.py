@@ -1,0 +1,404 @@
+"""The one validator of untrusted checkpoint metadata: a manifest (from a file or
+from the store) or a rank's report of its writes becomes frozen dataclasses, or a
+:class:`~ftkit.errors.FormatError` that names what is wrong and where.
+
+Nothing else in ftkit decodes these documents, so everything downstream may rely
+on what is proven here, before any allocation or read (FORMAT.md, "Invariants"):
+
+* every field has its JSON type (an int is an int: not a bool, not ``1e400``) and
+  lies in range (steps, ranks, offsets, shapes, counts, nesting depth);
+* every chunk names a listed file and lies inside that file's declared size;
+  chunks never share stored bytes; a raw chunk stores exactly its raw bytes and
+  a zstd chunk at most 32768 raw bytes per stored byte (zstd cannot do better);
+* a shard's chunks tile exactly ``prod(lengths) * itemsize`` raw bytes, with no
+  gap and no overlap;
+* a tensor's shards tile its global shape exactly once;
+* the skeleton's tags are well formed and every tensor it names exists.
+
+So the raw bytes a manifest makes a reader allocate never exceed what its files
+store (x32768 for zstd), and the reader compares the declared file sizes with the
+real ones (:func:`ftkit.format.reader.check_file_sizes`) before allocating anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from ftkit.errors import FormatError
+from ftkit.format.manifest import (CODECS, DTYPES, FORMAT_NAME, FORMAT_VERSION, SAFE_FILE_RE, Chunk, Manifest, Shard,
+                     TensorEntry)
+
+KINDS = ("replicated", "sharded", "rank-local")
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+assert set(ITEMSIZE) == set(DTYPES)
+
+MAX_INT = 2**62  # offsets, sizes, byte counts: anything larger is not a real checkpoint
+MAX_STEP = 10**12 - 1  # step directories have 12 digits
+MAX_WORLD = 2**24
+MAX_NDIM = 64
+MAX_NAME = 4096
+MAX_DEPTH = 200  # skeleton nesting; JSON parsers give up near 1000
+ZSTD_MAX_RATIO = 32768  # a zstd block of <= 128 KiB needs >= 4 stored bytes
+MAX_IRREGULAR_SHARDS = 4096  # shards that are no grid are checked pairwise
+CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+TAGS = ("$tensor", "$ndarray", "$tuple", "$items", "$float")
+NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cannot back an $ndarray
+
+
+# ----------------------------------------------------------------- manifests
+def parse_manifest(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
+    """Parse and validate a manifest; raise FormatError naming `where` on any problem."""
+    doc = parse_json(data, where, "manifest")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        v = doc.get("format") if isinstance(doc, dict) else None
+        raise FormatError(f"{where}: not an ftkit checkpoint manifest (format field is {repr(v)[:40]})")
+    version = doc.get("format_version")
+    if type(version) is not int or version < 1:
+        raise FormatError(f"{where}: manifest has no valid integer format_version")
+    if version > FORMAT_VERSION:
+        raise FormatError(f"{where}: manifest format version {version} is newer than this ftkit supports "
+                          f"({FORMAT_VERSION}); upgrade ftkit to read it")
+    try:
+        m = manifest_from_doc(doc)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    if expect_step is not None and m.step != expect_step:
+        raise FormatError(f"{where}: manifest says step {m.step}, directory says {expect_step}")
+    return m
+
+
+def parse_json(data: bytes | str, where: str, what: str) -> Any:
+    """JSON as ftkit writes it: UTF-8, no NaN/Infinity, no float that overflows."""
+    try:
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+    except FormatError as e:
+        raise FormatError(f"{where}: {what} {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{where}: {what} is not valid JSON ({getattr(e, 'msg', None) or e})") from None
+    except RecursionError:
+        raise FormatError(f"{where}: {what} is nested too deeply") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise FormatError(f"holds {name}, which ftkit never writes")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise FormatError(f"holds the number {text[:40]}, which overflows")
+    return value
+
+
+def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
+    """A Manifest from a parsed manifest document (format and version already checked)."""
+    step = _int(doc.get("step"), "step", 0, MAX_STEP)
+    world = _int(doc.get("world_size"), "world_size", 1, MAX_WORLD)
+    files = _files(doc.get("files"), world)
+    tensor_docs = _list(doc.get("tensors"), "tensors")
+    tensors = tuple(tensor_entry(t, files, world) for t in tensor_docs)
+    names = {t.name for t in tensors}
+    shared = {t.name for t in tensors if t.kind != "rank-local"}
+    numpy_ok = {t.name for t in tensors if t.dtype not in NOT_NUMPY}
+    if len(names) != len(tensors):
+        dup = next(t.name for i, t in enumerate(tensors) if t.name in {u.name for u in tensors[:i]})
+        raise FormatError(f"tensor {dup[:80]!r} is listed twice")
+    check_no_shared_bytes(tensors)
+    skeleton = doc.get("skeleton")
+    if not isinstance(skeleton, dict) or not isinstance(skeleton.get("entries"), dict):
+        raise FormatError("'skeleton' must be an object with an 'entries' object")
+    for key, entry in skeleton["entries"].items():
+        if not isinstance(entry, dict) or entry.get("kind") not in ("stateful", "tensor", "value") \
+                or "value" not in entry:
+            raise FormatError(f"skeleton entry {key[:80]!r} is not {{'kind': ..., 'value': ...}}")
+        check_value(entry["value"], shared, f"skeleton entry {key[:80]!r}", numpy_ok=numpy_ok)
+    rank_state = doc.get("rank_state", {})
+    if not isinstance(rank_state, dict):
+        raise FormatError("'rank_state' must be an object")
+    for r, st in rank_state.items():
+        if not r.isdigit() or int(r) >= world or not isinstance(st, dict):
+            raise FormatError(f"rank_state has a bad entry for rank {r[:20]!r}")
+        own = {t.name for t in tensors if t.kind == "rank-local" and t.name.startswith(f"_rng/r{r}/")}
+        check_value(st.get("rng"), own, f"rank_state of rank {r}", numpy_ok=numpy_ok)
+    created = doc.get("created_at", 0.0)
+    if type(created) not in (int, float):
+        raise FormatError("'created_at' must be a number")
+    writer = doc.get("writer", {})
+    if not isinstance(writer, dict):
+        raise FormatError("'writer' must be an object")
+    return Manifest(step=step, world_size=world, tensors=tensors, skeleton=skeleton, files=files,
+                    rank_state=rank_state, created_at=float(created), writer=writer,
+                    format=doc["format"], format_version=doc["format_version"])
+
+
+def _files(files: Any, world: int) -> dict[str, dict[str, Any]]:
+    if not isinstance(files, dict):
+        raise FormatError("'files' must be an object")
+    for name, info in files.items():
+        check_file_name(name)
+        if not isinstance(info, dict):
+            raise FormatError(f"file {name!r} has no {{'bytes': ..., 'rank': ...}} record")
+        _int(info.get("bytes"), f"byte count of file {name!r}", 0, MAX_INT)
+        _int(info.get("rank", 0), f"rank of file {name!r}", 0, world - 1)
+    return files
+
+
+def check_file_name(name: Any) -> str:
+    """A data file's name: a plain name inside its step directory."""
+    if not isinstance(name, str) or not SAFE_FILE_RE.match(name) or ".." in name:
+        raise FormatError(f"manifest names a file outside its step directory: {str(name)[:80]!r}")
+    return name
+
+
+# ------------------------------------------------------------------- tensors
+def tensor_entry(t: Any, files: dict[str, dict[str, Any]], world: int, whole: bool = True) -> TensorEntry:
+    """One validated tensor entry whose chunks point into `files` ({name: {"bytes": n}});
+    `whole`: its shards must tile the tensor (a manifest's entries; not one rank's report)."""
+    if not isinstance(t, dict):
+        raise FormatError("a tensor entry is not an object")
+    name = t.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise FormatError(f"a tensor entry has no valid name ({str(name)[:80]!r})")
+    what = f"tensor {name[:120]!r}"
+    dtype = t.get("dtype")
+    if dtype not in DTYPES:
+        raise FormatError(f"{what} has unknown dtype {str(dtype)[:40]!r}")
+    shape = _dims(t.get("shape"), f"shape of {what}", None)
+    kind = t.get("kind", "replicated")
+    if kind not in KINDS:
+        raise FormatError(f"{what} has unknown kind {str(kind)[:40]!r}")
+    itemsize = ITEMSIZE[dtype]
+    if _volume(shape) * itemsize > MAX_INT:
+        raise FormatError(f"{what} claims {shape}: more bytes than any checkpoint holds")
+    shards = tuple(_shard(s, shape, itemsize, files, world, what) for s in _list(t.get("shards"), f"shards of {what}"))
+    if whole:
+        check_shards_tile(shape, shards, what)
+    return TensorEntry(name, dtype, shape, shards, kind)
+
+
+def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any], world: int,
+           what: str) -> Shard:
+    # Called for every shard of every tensor (rank 0 validates each commit's manifest):
+    # plain tests first, the precise message only when one fails.
+    offsets, lengths, rank = (s.get("offsets"), s.get("lengths"), s.get("rank", 0)) if type(s) is dict \
+        else (None, None, None)
+    ndim = len(shape)
+    if not (type(offsets) is list and type(lengths) is list and len(offsets) == len(lengths) == ndim
+            and all(type(o) is int and type(n) is int and 0 <= o and 0 <= n and o + n <= d
+                    for o, n, d in zip(offsets, lengths, shape))
+            and type(rank) is int and 0 <= rank < world):
+        _shard_problem(s, shape, world, what)
+    chunk_docs = s.get("chunks")
+    if type(chunk_docs) is not list:
+        raise FormatError(f"the chunks of a shard of {what} are not a list")
+    chunks = tuple(_chunk(c, files, what) for c in chunk_docs)
+    # The chunks tile the shard's raw bytes exactly: sorted by raw offset, back to back.
+    need = _volume(lengths) * itemsize
+    at = 0
+    for c in (chunks if len(chunks) < 2 else sorted(chunks, key=lambda c: c.raw_offset)):
+        if c.raw_offset != at:
+            problem = "a gap" if c.raw_offset > at else "overlapping chunks"
+            raise FormatError(f"the chunks of a shard of {what} do not tile its {need} bytes ({problem} at byte {at})")
+        at += c.raw_length
+    if at != need:
+        raise FormatError(f"the chunks of a shard of {what} hold {at} bytes; the shard {tuple(lengths)} needs {need}")
+    return Shard(tuple(offsets), tuple(lengths), chunks, rank)
+
+
+def _shard_problem(s: Any, shape: tuple[int, ...], world: int, what: str) -> None:
+    """Raise the precise FormatError for a shard that failed _shard's quick test."""
+    if not isinstance(s, dict):
+        raise FormatError(f"a shard of {what} is not an object")
+    offsets = _dims(s.get("offsets"), f"shard offsets of {what}", len(shape))
+    lengths = _dims(s.get("lengths"), f"shard lengths of {what}", len(shape))
+    if any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
+        raise FormatError(f"a shard of {what} lies outside the tensor")
+    _int(s.get("rank", 0), f"shard rank of {what}", 0, world - 1)
+    raise FormatError(f"a shard of {what} is malformed")  # not reached: one test above failed
+
+
+def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
+    if type(c) is dict:
+        file, offset, length = c.get("file"), c.get("offset"), c.get("length")
+        raw_offset, raw_length, codec, checksum = c.get("raw_offset"), c.get("raw_length"), c.get("codec"), \
+            c.get("checksum")
+        # `files` holds only validated names, so membership checks the name too.
+        if (type(file) is str and file in files and type(offset) is int and type(length) is int
+                and type(raw_offset) is int and type(raw_length) is int
+                and 0 <= offset and 1 <= length and 0 <= raw_offset <= MAX_INT and 1 <= raw_length <= MAX_INT
+                and offset + length <= files[file]["bytes"]
+                and (codec == "raw" and length == raw_length
+                     or codec == "zstd" and raw_length <= ZSTD_MAX_RATIO * length)
+                and type(checksum) is str and CHECKSUM_RE.match(checksum)):
+            return Chunk(file, offset, length, raw_offset, raw_length, codec, checksum)
+    _chunk_problem(c, files, what)
+    raise AssertionError("unreachable")
+
+
+def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> None:
+    """Raise the precise FormatError for a chunk that failed _chunk's quick test."""
+    if not isinstance(c, dict):
+        raise FormatError(f"a chunk of {what} is not an object")
+    file = check_file_name(c.get("file"))
+    if file not in files:
+        raise FormatError(f"a chunk of {what} names unlisted file {file!r}")
+    offset = _int(c.get("offset"), f"chunk offset of {what}", 0, MAX_INT)
+    length = _int(c.get("length"), f"chunk length of {what}", 1, MAX_INT)
+    _int(c.get("raw_offset"), f"chunk raw_offset of {what}", 0, MAX_INT)
+    raw_length = _int(c.get("raw_length"), f"chunk raw_length of {what}", 1, MAX_INT)
+    codec = c.get("codec")
+    if codec not in CODECS:
+        raise FormatError(f"a chunk of {what} has unknown codec {str(codec)[:40]!r}")
+    if codec == "raw" and length != raw_length:
+        raise FormatError(f"a raw chunk of {what} stores {length} bytes for {raw_length} raw bytes")
+    if codec == "zstd" and raw_length > ZSTD_MAX_RATIO * length:
+        raise FormatError(f"a zstd chunk of {what} claims {raw_length} raw bytes from {length} stored bytes")
+    checksum = c.get("checksum")
+    if not isinstance(checksum, str) or not CHECKSUM_RE.match(checksum):
+        raise FormatError(f"a chunk of {what} has no valid checksum ({str(checksum)[:40]!r})")
+    if offset + length > files[file]["bytes"]:
+        raise FormatError(f"a chunk of {what} runs past the end of {file!r}")
+    raise FormatError(f"a chunk of {what} is malformed")  # not reached
+
+
+def check_no_shared_bytes(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> None:
+    """No two chunks share stored bytes: so the raw bytes of raw chunks never exceed the files."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for t in tensors:
+        for s in t.shards:
+            for c in s.chunks:
+                by_file.setdefault(c.file, []).append((c.offset, c.offset + c.length, t.name))
+    for file, spans in by_file.items():
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise FormatError(f"chunks of {a[:80]!r} and {b[:80]!r} share bytes of {file!r}")
+
+
+def check_shards_tile(shape: tuple[int, ...], shards: tuple[Shard, ...], what: str) -> None:
+    """The non-empty shards cover every element of `shape` exactly once."""
+    total = _volume(shape)
+    full = [s for s in shards if _volume(s.lengths) > 0]
+    covered = sum(_volume(s.lengths) for s in full)
+    if covered != total:
+        raise FormatError(f"the shards of {what} cover {covered} of its {total} elements" if covered < total
+                          else f"the shards of {what} overlap ({covered} elements saved for {total})")
+    if len(full) <= 1 or _is_grid(shape, full):
+        return  # one shard inside the tensor with the full volume, or cells of a grid: exact
+    if len(full) > MAX_IRREGULAR_SHARDS:
+        raise FormatError(f"{what} has {len(full)} shards that form no grid; too many to check")
+    for i, a in enumerate(full):  # equal volumes and no overlap: an exact cover
+        for b in full[i + 1:]:
+            if all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths)):
+                raise FormatError(f"two shards of {what} overlap")
+    # (only reached when volumes add up and nothing overlaps)
+
+
+def _is_grid(shape: tuple[int, ...], shards: list[Shard]) -> bool:
+    """Whether the shards are the distinct cells of a grid that partitions `shape`."""
+    cuts = []
+    for d, size in enumerate(shape):
+        intervals = sorted({(s.offsets[d], s.lengths[d]) for s in shards})
+        at = 0
+        for o, n in intervals:
+            if o != at:
+                return False
+            at += n
+        if at != size:
+            return False
+        cuts.append(len(intervals))
+    cells = {(s.offsets, s.lengths) for s in shards}
+    return len(cells) == len(shards) == _volume(cuts)
+
+
+# ------------------------------------------------------------------ skeleton
+def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy_ok: set[str] | None = None) -> None:
+    """A skeleton value: JSON with well-formed tags, naming only tensors in `tensors`
+    (and, for $ndarray, in `numpy_ok`). The state's skeleton names shared tensors
+    only; a rank's RNG state names only that rank's own ``_rng/r<rank>/`` tensors."""
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{where} is nested more than {MAX_DEPTH} levels deep")
+    if isinstance(value, list):
+        for v in value:
+            check_value(v, tensors, where, depth + 1, numpy_ok)
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1024:
+        raise FormatError(f"{where} holds an integer of more than 1024 bits")
+    if not isinstance(value, dict):
+        return
+    tagged = [k for k in value if k in TAGS]
+    if not tagged:
+        for v in value.values():
+            check_value(v, tensors, where, depth + 1, numpy_ok)
+        return
+    if len(value) != 1:
+        raise FormatError(f"{where} has a tag {tagged[0]!r} beside other keys")
+    (tag, inner), = value.items()
+    if tag in ("$tensor", "$ndarray"):
+        if not isinstance(inner, str) or inner not in tensors:
+            raise FormatError(f"{where} refers to tensor {str(inner)[:80]!r}, which the manifest does not list "
+                              "for it")
+        if tag == "$ndarray" and numpy_ok is not None and inner not in numpy_ok:
+            raise FormatError(f"{where} stores tensor {inner[:80]!r} as a numpy array, which its dtype cannot be")
+    elif tag == "$tuple":
+        check_value(_list(inner, f"a $tuple in {where}"), tensors, where, depth + 1, numpy_ok)
+    elif tag == "$items":
+        for pair in _list(inner, f"the $items of {where}"):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise FormatError(f"{where} has an $items entry that is not a [key, value] pair")
+            check_value(pair, tensors, where, depth + 1, numpy_ok)
+            if isinstance(pair[0], dict) and not (len(pair[0]) == 1 and ("$tuple" in pair[0] or "$float" in pair[0])):
+                raise FormatError(f"{where} has an $items key that is not hashable")
+    elif tag == "$float" and inner not in ("inf", "-inf", "nan"):
+        raise FormatError(f"{where} has a $float that is not inf, -inf or nan")
+
+
+# --------------------------------------------------------------- store reports
+def report_tensors(docs: Any, file: str, nbytes: Any, world: int, where: str) -> tuple[TensorEntry, ...]:
+    """The tensor entries one rank reported, through the store, for its data file.
+
+    Validated like a manifest's, except that the shards of one report need not
+    cover their tensors (other ranks hold the rest: the commit checks coverage)."""
+    try:
+        files = {check_file_name(file): {"bytes": _int(nbytes, "the reported byte count", 0, MAX_INT)}}
+        out = tuple(tensor_entry(t, files, world, whole=False) for t in _list(docs, "the reported tensors"))
+        check_no_shared_bytes(out)
+        return out
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+
+
+# -------------------------------------------------------------------- basics
+def _int(v: Any, what: str, lo: int, hi: int) -> int:
+    if type(v) is not int:
+        raise FormatError(f"{what} is not an integer ({str(v)[:40]!r})")
+    if not lo <= v <= hi:
+        raise FormatError(f"{what} is out of range ({str(v)[:40]})")
+    return v
+
+
+def _list(v: Any, what: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise FormatError(f"{what} is not a list")
+    return v
+
+
+def _dims(v: Any, what: str, ndim: int | None) -> tuple[int, ...]:
+    dims = _list(v, what)
+    if len(dims) > MAX_NDIM or (ndim is not None and len(dims) != ndim):
+        raise FormatError(f"{what} has {len(dims)} dimensions" + ("" if ndim is None else f", not {ndim}"))
+    return tuple(_int(x, what, 0, MAX_INT) for x in dims)
+
+
+def _volume(dims) -> int:
+    n = 1
+    for x in dims:
+        n *= x
+    return n

@@ -1,0 +1,351 @@
+"""Turn live training state into tensors plus a JSON skeleton, and back.
+
+The state handed to a Checkpointer is a mapping of names to
+
+* objects with ``state_dict()`` / ``load_state_dict()`` (modules, optimizers,
+  LR schedulers, GradScaler, samplers, anything user-defined),
+* tensors (restored in place), and
+* JSON-safe values (ints, floats, strings, lists, dicts, tuples, None).
+
+:func:`capture` walks it once and returns a :class:`CapturedState`: the tensors in
+a flat, ordered list with path-like names (``model/fc.weight``) and a JSON
+skeleton in which each tensor is a ``{"$tensor": name}`` placeholder. Containers
+JSON cannot express exactly are tagged (``$tuple``, ``$items`` for dicts with
+non-string keys, ``$float`` for inf/nan), so a restored optimizer state dict has
+the same int keys and tuples it was saved with. Anything else is refused *here*,
+naming the key, because the only way to store it would be pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from ftkit.errors import CaptureError, StateMismatchError, one_line
+
+RNG_KEY = "_rng"
+_MARKERS = ("$tensor", "$tuple", "$items", "$float", "$ndarray")
+
+
+@dataclass
+class CapturedState:
+    skeleton: dict[str, Any]  # {"entries": {name: {"kind": ..., "value": ...}}}
+    tensors: list[tuple[str, torch.Tensor]]  # (name, live tensor), in capture order
+    rng: Any = None  # this process's encoded RNG state, when captured
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self._names: set[str] = set()
+
+    def _add_tensor(self, path: str, t: torch.Tensor) -> str:
+        name = path
+        n = 1
+        while name in self._names:  # two containers flattening to one path
+            n += 1
+            name = f"{path}#{n}"
+        self._names.add(name)
+        self.tensors.append((name, t))
+        return name
+
+    def encode(self, value: Any, path: str) -> Any:
+        # Called once per value of the whole state at every snapshot, on the training
+        # thread: the commonest kinds (tensors, then dicts and numbers) are tested first.
+        if isinstance(value, torch.Tensor):
+            return {"$tensor": self._add_tensor(path, _check_tensor(value, path))}
+        if isinstance(value, dict) and _plain_keys(value):
+            return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            return {"$float": repr(value)}  # 'inf', '-inf', 'nan'
+        if isinstance(value, tuple):  # torch.Size and namedtuples come back as plain tuples
+            return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            if _plain_keys(value):
+                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            items = []
+            for k, v in value.items():
+                if isinstance(k, (torch.Tensor, list, dict)):
+                    raise CaptureError(f"cannot store {path!r}: dict key of type {type(k).__name__}")
+                items.append([self.encode(k, f"{path}/<key>"), self.encode(v, f"{path}/{k}")])
+            return {"$items": items}
+        np = _numpy()
+        if np is not None:
+            if isinstance(value, np.ndarray):
+                if value.dtype == object:
+                    raise CaptureError(f"cannot store {path!r}: a numpy array of Python objects needs pickle")
+                t = torch.from_numpy(value.copy())
+                return {"$ndarray": self._add_tensor(path, t)}
+            if isinstance(value, np.generic):
+                return self.encode(value.item(), path)
+        if isinstance(value, torch.dtype):
+            raise CaptureError(f"cannot store {path!r}: a torch.dtype value would need pickle")
+        kind = "a function" if callable(value) else f"a {type(value).__module__}.{type(value).__qualname__}"
+        raise CaptureError(f"cannot store {path!r} ({kind}) without pickle; "
+                           "store tensors, numbers, strings, lists or dicts there")
+
+
+def _plain_keys(mapping: Mapping) -> bool:
+    """Whether a dict can be stored as a JSON object as is (string keys, none a tag)."""
+    return all(isinstance(k, str) for k in mapping) and not any(k in _MARKERS for k in mapping)
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise CaptureError(f"cannot store {path!r}: {t.layout} tensors are not supported; densify them first")
+    if t.dtype not in _storable_dtypes():
+        if t.is_quantized:
+            raise CaptureError(f"cannot store {path!r}: quantized tensors are not supported")
+        raise CaptureError(f"cannot store {path!r}: dtype {t.dtype} is not supported")
+    return t.detach()
+
+
+_STORABLE: frozenset | None = None
+
+
+def _storable_dtypes() -> frozenset:
+    """The torch dtypes the format has names for (looked up once; DTYPES holds names)."""
+    global _STORABLE
+    if _STORABLE is None:
+        from ftkit.format.manifest import DTYPES
+
+        _STORABLE = frozenset(getattr(torch, n) for n in DTYPES if hasattr(torch, n))
+    return _STORABLE
+
+
+_NUMPY: Any = False  # not looked up yet
+
+
+def _numpy():
+    global _NUMPY
+    if _NUMPY is False:
+        try:
+            import numpy
+
+            _NUMPY = numpy
+        except ImportError:  # numpy is optional for the state, required by nothing here
+            _NUMPY = None
+    return _NUMPY
+
+
+def capture(state: Mapping[str, Any], *, rng: bool = True, rng_path: str = f"{RNG_KEY}/r0") -> CapturedState:
+    """Walk `state` (and the RNGs when `rng`) into tensors plus a JSON skeleton.
+
+    RNG tensors are named below `rng_path`, which callers make rank-specific
+    (RNG state differs per rank and is saved per rank).
+    """
+    enc = _Encoder()
+    entries: dict[str, Any] = {}
+    for key, obj in state.items():
+        if not isinstance(key, str) or not key or key == RNG_KEY or "/" in key:
+            raise CaptureError(f"state key {key!r} must be a non-empty string without '/' (and not {RNG_KEY!r})")
+        if isinstance(obj, torch.Tensor):
+            entries[key] = {"kind": "tensor", "value": enc.encode(obj, key)}
+        elif _is_stateful(obj):
+            entries[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), key)}
+        else:
+            entries[key] = {"kind": "value", "value": enc.encode(obj, key)}
+    rng_value = enc.encode(rng_state(), rng_path) if rng else None
+    return CapturedState({"entries": entries}, enc.tensors, rng_value)
+
+
+def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild a Python value from its skeleton form, taking tensors by name."""
+    if isinstance(value, list):
+        return [decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        (tag, inner), = value.items()
+        if tag == "$tensor":
+            return tensors[inner]
+        if tag == "$ndarray":
+            return tensors[inner].numpy()
+        if tag == "$tuple":
+            return tuple(decode(v, tensors) for v in inner)
+        if tag == "$items":
+            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in inner}
+        if tag == "$float":
+            return float(inner)
+    return {k: decode(v, tensors) for k, v in value.items()}
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG of this process. Python's Mersenne Twister state (625 words) is kept
+    as one int64 tensor: as a list it would be 625 skeleton values to encode at every
+    snapshot, on the training thread."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                                        "gauss": gauss},
+                             "torch": torch.get_rng_state()}
+    np = _numpy()
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def rng_problems(state: Any) -> list[str]:
+    """What keeps a decoded RNG state (from a checkpoint) from being set: checked
+    before the restore vote, so a malformed one fails its candidate instead of
+    raising after the others have loaded."""
+    if not isinstance(state, Mapping):
+        return ["the RNG state is not a mapping"]
+    out = []
+    py = state.get("python")
+    if py is not None:
+        if isinstance(py, Mapping):
+            internal, version = py.get("internal"), py.get("version")
+            ok = (isinstance(internal, torch.Tensor) and internal.dtype == torch.int64 and internal.shape == (625,)
+                  or isinstance(internal, (list, tuple)) and len(internal) == 625
+                  and all(type(x) is int for x in internal))
+            if not ok or type(version) is not int or not isinstance(py.get("gauss"), (float, type(None))):
+                out.append("Python's RNG state is malformed")
+        elif not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], (list, tuple)) and len(py[1]) == 625):
+            out.append("Python's RNG state is malformed")
+    t = state.get("torch")
+    if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+        out.append("torch's RNG state is not a uint8 tensor")
+    nps = state.get("numpy")
+    if nps is not None:
+        np = _numpy()
+        if not (isinstance(nps, tuple) and len(nps) == 5 and nps[0] == "MT19937" and np is not None
+                and isinstance(nps[1], np.ndarray) and nps[1].shape == (624,) and type(nps[2]) is int):
+            out.append("numpy's RNG state is malformed")
+    cuda = state.get("cuda")
+    if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
+            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)):
+        out.append("the CUDA RNG state is malformed")
+    return out
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    if "python" in state:
+        py = state["python"]
+        if isinstance(py, Mapping):
+            internal = py["internal"]
+            internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+            random.setstate((py["version"], tuple(internal), py["gauss"]))
+        else:  # the earlier form: (version, [625 ints], gauss)
+            version, internal, gauss = py
+            random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].clone())
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        np.random.set_state(tuple(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        saved = list(state["cuda"])[: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([s.clone() for s in saved])
+
+
+def check(state: Mapping[str, Any], skeleton: Mapping[str, Any],
+          tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """What keeps the checkpoint from loading into the live `state` (empty: it fits).
+
+    Shapes and dtypes of tensors present on both sides, the key sets of modules
+    (whose load is strict), and the kinds of the entries.
+    """
+    entries = skeleton["entries"]
+    problems: list[str] = []
+    missing = [k for k in state if k not in entries]
+    if missing:
+        problems.append(f"not in checkpoint: {', '.join(missing)}")
+    for key, entry in entries.items():
+        if key not in state:
+            problems.append(f"{key}: in checkpoint but not in the live state")
+            continue
+        live = state[key]
+        if entry["kind"] == "stateful":
+            if not _is_stateful(live):
+                problems.append(f"{key}: checkpoint holds a state_dict, live value is a {type(live).__name__}")
+                continue
+            value = decode(entry["value"], tensors)
+            problems += _compare(live.state_dict(), value, key, strict_keys=isinstance(live, torch.nn.Module))
+        elif entry["kind"] == "tensor":
+            if not isinstance(live, torch.Tensor):
+                problems.append(f"{key}: checkpoint holds a tensor, live value is a {type(live).__name__}")
+                continue
+            problems += _compare(live, decode(entry["value"], tensors), key, strict_keys=True)
+    return problems
+
+
+def describe(problems: list[str]) -> str:
+    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+    return f"checkpoint does not fit the live state: {shown}"
+
+
+def load(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+         rng_value: Any = None) -> None:
+    """Load decoded values into the live `state` in place (after `check` found nothing)."""
+    for key, entry in skeleton["entries"].items():
+        value = decode(entry["value"], tensors)
+        if entry["kind"] == "stateful":
+            try:
+                state[key].load_state_dict(value)
+            except Exception as e:  # a user object's own validation; keep its words
+                raise StateMismatchError(f"{key}: load_state_dict refused the checkpoint: {one_line(e, 300)}") from e
+        elif entry["kind"] == "tensor":
+            with torch.no_grad():
+                state[key].copy_(value)
+        else:
+            state[key] = value
+    if rng_value is not None:
+        set_rng_state(decode(rng_value, tensors))
+
+
+def apply(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+          rng_value: Any = None) -> None:
+    """check() then load(): a mismatch raises before anything in `state` changes."""
+    problems = check(state, skeleton, tensors)
+    if problems:
+        raise StateMismatchError(describe(problems))
+    load(state, skeleton, tensors, rng_value)
+
+
+def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str]:
+    """Shape/dtype/key differences between a live value and a decoded saved one."""
+    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
+        out = []
+        if tuple(live.shape) != tuple(saved.shape):
+            out.append(f"{path}: shape {tuple(saved.shape)} in checkpoint, {tuple(live.shape)} live")
+        elif live.dtype != saved.dtype:
+            out.append(f"{path}: dtype {saved.dtype} in checkpoint, {live.dtype} live")
+        return out
+    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+        out = []
+        if strict_keys:
+            extra = [str(k) for k in saved if k not in live]
+            lost = [str(k) for k in live if k not in saved]
+            if extra:
+                out.append(f"{path}: unexpected keys in checkpoint: {', '.join(extra[:5])}")
+            if lost:
+                out.append(f"{path}: keys missing from checkpoint: {', '.join(lost[:5])}")
+        for k in saved:
+            if k in live:
+                out += _compare(live[k], saved[k], f"{path}/{k}", strict_keys=strict_keys)
+        return out
+    return []
+
+

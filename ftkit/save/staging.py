@@ -1,0 +1,478 @@
+"""The staging arena: reused host buffers the training state is copied into.
+
+Copying into fresh memory is ~10x slower than into reused memory (first-touch
+page faults), so the arena allocates each slot once and reuses it for every
+snapshot of the same size (or smaller). Two slots give double buffering: one can be
+filled while the other is still being persisted. A memory budget caps the total;
+when it only fits one slot, snapshots serialize on it.
+
+Order of calls::
+
+    layout = Layout.of(named_tensors)         # pure plan: offsets in one flat buffer
+    slot = arena.acquire(layout, wait=...)    # None when busy and not waiting
+    slot.fill(named_tensors)                  # the training stall (CPU); async on CUDA
+    ...training: the next optimizer.step() calls slot.fence() first...
+    ...background: slot.ready() ... read slot.views / slot.buffer ...
+    arena.release(slot)                       # waits for the copies too, should ready() not have run
+
+The CUDA path (every device call goes through :class:`DeviceOps`, so that tests on
+machines without a GPU drive the same logic with a simulated device):
+
+* Slots are page-locked (pinned) host memory of exactly the layout's size: the
+  buffer is allocated pageable and registered with CUDA (``cudaHostRegister``),
+  because PyTorch's pinned allocator rounds every block up to a power of two
+  (an 8.1 GiB snapshot would pin 16 GiB, twice). If registering fails, the
+  pinned allocator is used after all. Copies into pinned memory are
+  ``non_blocking``; into pageable memory (``pin=False``) they are blocking.
+* Large device tensors (>= 1 MiB, on the side stream's device, not named
+  ``in_order``) are copied on a **side stream**, which first waits for the work
+  already queued on the current stream (``side.wait_stream(current)``: the
+  optimizer step that produced the values may still be running), so the copy
+  overlaps the next forward and backward. An event recorded on the side stream
+  after them is what :meth:`Slot.fence` makes the current stream wait for (on the
+  GPU: the host does not stall). The optimizer step pre-hook calls it, so the
+  next step cannot overwrite a tensor before it is staged. The event is recorded
+  at every fill, also when nothing went on the side stream, so fencing the newest
+  slot also covers an older slot's copies still on the stream.
+* Small device tensors (BatchNorm statistics and the like, which forward updates
+  in place) and tensors named ``in_order`` are copied on the **current** stream of
+  their device, in program order: the next forward's update is queued after the
+  copy, so it cannot leak in. Tensors on another device than the side stream's
+  go this way too (a side stream belongs to one device).
+* CPU tensors are copied synchronously.
+* The copies' source tensors are kept referenced until :meth:`Slot.ready` has seen
+  the copies finish: a temporary that ``state_dict()`` made would otherwise go back
+  to the CUDA caching allocator, be handed to the next kernel and be overwritten
+  before the side stream read it.
+* :meth:`Slot.ready` (the background thread, before it reads the buffer) blocks on
+  every event the fill recorded. Events are created with ``blocking=True``: the
+  waiting thread sleeps instead of spinning a core the training loop needs.
+
+What is and is not guarded against in-place writes racing the copy:
+
+* guarded: an ``optimizer.step()`` whose step pre-hook calls the fence (the
+  Checkpointer registers one), and everything queued on the current stream
+  after it; in-place updates of small tensors (< 1 MiB) and of ``in_order``
+  tensors at any time (stream order); CPU tensors (copied before ``fill``
+  returns).
+* NOT guarded: an in-place write on the GPU to a large tensor that is not
+  ``in_order``, between ``fill`` and the next fence, made outside a fenced
+  optimizer step: ``p.data.mul_()``, an EMA or weight projection run before the
+  step, an optimizer without the hook. Such code must call the fence first, or
+  the write may reach the tensor before it is copied (tests/test_cuda.py shows
+  both on a GPU; tests/test_staging_paths.py with a simulated device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Collection, Iterator, Mapping, Sequence
+
+import torch
+
+from ftkit.errors import FtkitError
+
+ALIGN = 64
+_SMALL_TENSOR_BYTES = 1 << 20
+
+
+class DeviceOps:
+    """Every CUDA call the staging path makes, in one place.
+
+    The arena takes its device operations from here (the module's ``DEVICE``, read
+    when an arena is made), so tests without a GPU can hand it a simulated device
+    with the same methods and check which stream each copy goes on and what the
+    fence and the background wait for (tests/fakedevice.py).
+    """
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def device_of(self, t: torch.Tensor) -> Any:
+        return t.device
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def stream_device(self, stream: Any) -> Any:
+        return stream.device
+
+    def current_stream(self, device: Any) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> Any:
+        """A context in which `stream` is the current stream (copies are queued on it)."""
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event(blocking=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        dst.copy_(src, non_blocking=non_blocking)
+
+    def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, str | None]:
+        """A host buffer of exactly `nbytes`, page-locked when `pin`; and how it was pinned."""
+        if not pin:
+            return torch.empty(nbytes, dtype=torch.uint8), None
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            buf.zero_()  # fault the pages in (in parallel) before locking them
+            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)  # 1: portable (every context)
+            if buf.is_pinned():
+                return buf, "registered"
+        except Exception:  # noqa: BLE001 (any failure: the pinned allocator instead)
+            pass
+        del buf
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "allocator"
+
+    def free_host(self, buf: torch.Tensor, how: str | None) -> None:
+        """Undo alloc_host's registration; the caller then drops its references."""
+        if how == "registered" and buf.numel():
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+DEVICE: DeviceOps = DeviceOps()
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # into the flat staging buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a snapshot lives in one flat byte buffer."""
+
+    entries: tuple[TensorSlot, ...]
+    total_bytes: int
+
+    @staticmethod
+    def of(named: Sequence[tuple[str, torch.Tensor]]) -> "Layout":
+        entries, offset = [], 0
+        for name, t in named:
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
+            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        return Layout(tuple(entries), offset)
+
+
+class Slot:
+    """One staging buffer and what is staged in it."""
+
+    def __init__(self, index: int, pin: bool, ops: DeviceOps | None = None, side_stream: Any = None):
+        self.index = index
+        self.pin = pin
+        self.ops = ops if ops is not None else DEVICE
+        self._side = side_stream  # a callable giving the arena's side stream, or None
+        self.capacity = 0
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.pinned_by: str | None = None  # "registered", "allocator" or None (pageable)
+        self.layout: Layout | None = None
+        self.views: dict[str, torch.Tensor] = {}
+        self.busy = False
+        self._events: list[Any] = []  # what ready() waits for: every copy of the last fill
+        self._fence_event: Any = None  # side-stream event the next optimizer step must wait for
+        self._fence_device: Any = None
+        self._sources: list[torch.Tensor] = []  # kept alive until the copies are done
+
+    def _ensure(self, layout: Layout) -> bool:
+        """Size the buffer for `layout`; True when it had to (re)allocate."""
+        grew = False
+        if layout.total_bytes > self.capacity:
+            self.ready()  # nothing may still be copying into the old buffer
+            self._free_buffer()  # free the old one first
+            # Pageable buffers are not pre-faulted: the first copy touches every page anyway
+            # (a separate zero-fill would be a second pass); every later copy reuses them.
+            self.buffer, self.pinned_by = self.ops.alloc_host(max(layout.total_bytes, 1), self.pin)
+            self.capacity = layout.total_bytes
+            grew = True
+        if grew or layout != self.layout:
+            self.views = {
+                e.name: self.buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+                for e in layout.entries
+            }
+            # The alignment gaps are part of the slot's byte image (written and sent as
+            # is): zero them, so no stale heap bytes leave the process.
+            ends = [e.offset + e.nbytes for e in layout.entries]
+            for end, nxt in zip(ends, [e.offset for e in layout.entries[1:]] + [layout.total_bytes]):
+                if nxt > end:
+                    self.buffer[end:nxt].zero_()
+            self.layout = layout
+        return grew
+
+    def __del__(self) -> None:
+        if self.pinned_by == "registered":  # an arena dropped without close(): unregister anyway
+            try:
+                self.ops.free_host(self.buffer, self.pinned_by)
+            except Exception:  # noqa: BLE001 (interpreter shutdown)
+                pass
+
+    def _free_buffer(self) -> None:
+        buf, how = self.buffer, self.pinned_by
+        self.views = {}
+        self.layout = None
+        self.buffer, self.pinned_by, self.capacity = torch.empty(0, dtype=torch.uint8), None, 0
+        self.ops.free_host(buf, how)
+
+    def fill(self, named: Sequence[tuple[str, torch.Tensor]], side_stream: Any = None,
+             in_order: Collection[str] = ()) -> None:
+        """Copy the tensors in: CPU ones now, device ones queued (see the module docstring).
+
+        side_stream: the stream for large device tensors (default: the arena's own).
+        in_order: names of device tensors to copy on the current stream whatever
+            their size (tensors that forward updates in place, e.g. module buffers).
+        """
+        ops = self.ops
+        self.ready()  # a copy into this buffer still in flight must land before new ones
+        if side_stream is None and self._side is not None:
+            side_stream = self._side()
+        side_device = ops.stream_device(side_stream) if side_stream is not None else None
+        big: list[tuple[torch.Tensor, torch.Tensor]] = []
+        in_stream_order: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        events: list[Any] = []
+        sources: list[torch.Tensor] = []
+        used: list[Any] = []  # streams given work, for the error path
+        try:
+            with torch.no_grad():
+                for name, t in named:
+                    dst = self.views[name]
+                    if not ops.on_device(t):
+                        dst.copy_(t)
+                        continue
+                    device = ops.device_of(t)
+                    if side_stream is not None and device == side_device and name not in in_order \
+                            and t.numel() * t.element_size() >= _SMALL_TENSOR_BYTES:
+                        big.append((dst, t))
+                    else:
+                        in_stream_order.setdefault(device, []).append((dst, t))
+                # Small tensors: on the current stream of their device, in program order.
+                for device, pairs in in_stream_order.items():
+                    current = ops.current_stream(device)
+                    used.append(current)
+                    with ops.use(current):
+                        for dst, t in pairs:
+                            ops.copy(dst, t, non_blocking=self.pin)
+                        ev = ops.new_event()
+                        ev.record(current)
+                    events.append(ev)
+                    sources += [t for _, t in pairs]
+                if side_stream is not None:
+                    if big:
+                        # What is queued on the current stream so far (the optimizer step that
+                        # wrote these values) runs before the copies read them.
+                        side_stream.wait_stream(ops.current_stream(side_device))
+                        used.append(side_stream)
+                        with ops.use(side_stream):
+                            for dst, t in big:
+                                ops.copy(dst, t, non_blocking=self.pin)
+                        sources += [t for _, t in big]
+                    # Recorded even with nothing queued now: it also covers copies of an
+                    # earlier fill (another slot) still on the stream, for the fence.
+                    ev = ops.new_event()
+                    ev.record(side_stream)
+                    events.append(ev)
+                    self._fence_event, self._fence_device = ev, side_device
+        except BaseException:
+            for stream in used:  # nothing of a failed fill may still be in flight
+                stream.synchronize()
+            raise
+        self._events = events
+        self._sources = sources
+
+    def fence(self) -> None:
+        """Make the current stream wait for this slot's side-stream copies (on the GPU, no host stall)."""
+        ev, device = self._fence_event, self._fence_device
+        if ev is not None:
+            self.ops.current_stream(device).wait_event(ev)
+
+    def ready(self) -> None:
+        """Block the calling (background) thread until the staged bytes are final."""
+        events = self._events
+        for ev in events:
+            ev.synchronize()
+        if events:
+            self._events = []
+            self._fence_event = None
+            self._sources = []
+
+    def in_flight(self) -> bool:
+        """Whether copies of the last fill may still be running (True until ready() saw them done)."""
+        return bool(self._events)
+
+    def upload(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Copy staged tensors (this slot's views of the same names) into `targets`, then wait.
+
+        The restore path for device tensors: read and verified into this (pinned)
+        slot, then one host-to-device copy each, queued on the current stream of
+        the target's device, and waited for before the slot can be reused.
+        """
+        ops = self.ops
+        streams: dict[Any, Any] = {}
+        with torch.no_grad():
+            for name, live in targets.items():
+                src = self.views[name]
+                if not ops.on_device(live):
+                    live.copy_(src)
+                    continue
+                device = ops.device_of(live)
+                stream = streams.setdefault(device, ops.current_stream(device))
+                with ops.use(stream):
+                    ops.copy(live, src, non_blocking=self.pin)
+        for stream in streams.values():
+            ev = ops.new_event()
+            ev.record(stream)
+            ev.synchronize()
+
+    def bytes_of(self, e: TensorSlot) -> memoryview:
+        """The staged bytes of one entry of the layout."""
+        return _bytes_view(self.buffer[e.offset:e.offset + e.nbytes])
+
+    def image(self) -> torch.Tensor:
+        """The whole staged layout as one uint8 tensor: every entry at its offset, zeroed gaps."""
+        assert self.layout is not None
+        return self.buffer[:self.layout.total_bytes]
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+class StagingArena:
+    """A fixed number of reusable slots under a memory budget.
+
+    ops: the device operations (default: the module's ``DEVICE``, CUDA).
+    """
+
+    def __init__(self, slots: int = 2, budget_bytes: int | None = None, pin: bool | None = None,
+                 ops: DeviceOps | None = None):
+        if slots < 1:
+            raise ValueError("the staging arena needs at least one slot")
+        self.max_slots = slots
+        self.budget_bytes = budget_bytes
+        self.ops = ops if ops is not None else DEVICE
+        self.pin = self.ops.available() if pin is None else pin
+        self._slots: list[Slot] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._side_stream: Any = None
+
+    def side_stream(self) -> Any:
+        """The arena's stream for device-to-host copies (made on first use); None without a device."""
+        if self._side_stream is None and self.ops.available():
+            self._side_stream = self.ops.new_stream()
+        return self._side_stream
+
+    def _slots_for(self, layout: Layout) -> int:
+        if self.budget_bytes is None:
+            return self.max_slots
+        fit = self.budget_bytes // max(layout.total_bytes, 1)
+        if fit < 1:
+            raise FtkitError(
+                f"staging budget of {self.budget_bytes / 2**20:.0f} MiB cannot hold one snapshot of "
+                f"{layout.total_bytes / 2**20:.0f} MiB; raise max_staging_bytes"
+            )
+        return min(self.max_slots, int(fit))
+
+    def acquire(self, layout: Layout, wait: bool, timeout: float | None = None) -> Slot | None:
+        """A free slot sized for `layout`, or None when all are busy and not `wait`ing."""
+        n = self._slots_for(layout)
+        dropped: list[Slot] = []
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise FtkitError("the staging arena is closed")
+                # Drop slots beyond the budget (only free ones), then add up to n.
+                while len(self._slots) > n and not self._slots[-1].busy:
+                    dropped.append(self._slots.pop())
+                while len(self._slots) < n:
+                    self._slots.append(Slot(len(self._slots), self.pin, self.ops, self.side_stream))
+                # Prefer a slot already big enough: no allocation on the hot path.
+                free = [s for s in self._slots[:n] if not s.busy]
+                if free:
+                    slot = max(free, key=lambda s: s.capacity >= layout.total_bytes)
+                    slot.busy = True
+                    break
+                if not wait:
+                    slot = None
+                    break
+                if not self._cond.wait(timeout):
+                    slot = None
+                    break
+        for s in dropped:
+            s.ready()
+            s._free_buffer()
+        if slot is None:
+            return None
+        try:
+            slot._ensure(layout)
+        except Exception:
+            self.release(slot)
+            raise
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        try:
+            slot.ready()  # a job that failed before reading the slot left its copies unwaited
+        finally:
+            with self._cond:
+                slot.busy = False
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def host_targets(self, targets: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """`targets` with each device tensor replaced by a view of a (pinned) staging slot.
+
+        For restore: read the saved bytes into what this yields; on a clean exit the
+        slot's views are copied into the device tensors (one host-to-device copy each,
+        waited for). Host tensors are yielded as they are. The slot comes from this
+        arena (sized with room for the host tensors and RNG state too, so the first
+        snapshot after a restore reuses it instead of allocating again), or, when the
+        arena is closed or the slot would not fit its budget, is a temporary one.
+        """
+        device = {n: t for n, t in targets.items() if self.ops.on_device(t)}
+        if not device:
+            yield dict(targets)
+            return
+        host_bytes = sum(t.numel() * t.element_size() for n, t in targets.items() if n not in device)
+        spare = torch.empty((), dtype=torch.uint8).expand(host_bytes + (1 << 20))  # no memory: a size
+        layout = Layout.of([*device.items(), ("\0spare", spare)])
+        slot: Slot | None = None
+        if not self._closed and (self.budget_bytes is None or layout.total_bytes <= self.budget_bytes):
+            slot = self.acquire(layout, wait=True)
+        owned = slot is None  # closed, or over the staging budget: a slot of its own, freed after
+        if slot is None:
+            slot = Slot(-1, self.pin, self.ops)
+            slot.busy = True
+            slot._ensure(layout)
+        try:
+            yield {**targets, **{n: slot.views[n] for n in device}}
+            slot.upload(device)
+        finally:
+            if owned:
+                slot._free_buffer()
+            else:
+                self.release(slot)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.capacity for s in self._slots)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            slots, self._slots = self._slots, []
+            self._cond.notify_all()
+        for s in slots:
+            try:
+                s.ready()
+            finally:
+                s._free_buffer()

@@ -1,0 +1,39 @@
+"""Ending a step's life on a tier: delete it, or retire it from the timeline.
+
+* :func:`delete_step` (retention, ``ftkit gc``): the manifest goes first, so the
+  step stops existing before its data goes; nothing is deleted through a
+  symbolic link (a linked step directory is refused, see storage.py).
+* :func:`retire_step` (restore): a step newer than the one a run restored
+  belongs to a future the run has left. Its manifest is renamed to
+  ``manifest.retired.json``: the step no longer exists for any reader, the run
+  writes that step number afresh, and its bytes stay until retention or
+  ``ftkit gc`` removes them (an operator can rename the manifest back).
+"""
+
+from __future__ import annotations
+
+from ftkit.errors import StorageError
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.tiers.storage import Storage
+
+RETIRED_MANIFEST = "manifest.retired.json"
+
+
+def delete_step(storage: Storage, step: int) -> None:
+    """Remove a step: manifest first, so it stops existing before its data goes."""
+    d = step_dir_name(step)
+    if storage.is_link(d):
+        raise StorageError(f"{storage.where(d)} is a symbolic link; not deleting through it")
+    storage.remove(f"{d}/{MANIFEST_NAME}")
+    if storage.spares is not None:  # the RAM tier writes its next files over these (ramtier.SparePool)
+        names = [n for n, kind in storage.list_dir(d) if kind == "file" and n.endswith(".data")]
+        storage.spares.give([storage.path(f"{d}/{n}") for n in names])
+    storage.remove(d, recursive=True)
+
+
+def retire_step(storage: Storage, step: int) -> None:
+    """Take a committed step out of the timeline, keeping its bytes (module docstring)."""
+    d = step_dir_name(step)
+    if storage.is_link(d):
+        raise StorageError(f"{storage.where(d)} is a symbolic link; not retiring through it")
+    storage.rename(f"{d}/{MANIFEST_NAME}", f"{d}/{RETIRED_MANIFEST}")

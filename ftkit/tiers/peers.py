@@ -1,0 +1,126 @@
+"""Peer replication: copies of each rank's RAM-tier data on other nodes.
+
+Placement (pure): rank r's file goes to the ranks at r's local index on the
+next k nodes in node order, so a single node failure never holds both a shard
+and all of its replicas. With fewer than k+1 nodes, as many distinct nodes as
+exist are used (and the shortfall is logged once).
+
+Transport: a dedicated gloo process group created for this (never the training
+group), used only from ftkit's background thread while persisting and from
+restore() on the main thread. Every rank posts all its sends and receives at
+once (non-blocking), in the order of one list of transfers all ranks agree on,
+so messages between the same two ranks match up and no order can deadlock. The group has its own timeout, so a dead peer costs a bounded wait;
+after a failure the group is considered broken and replication stops until the
+job restarts (the watchdog's business).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+
+from ftkit.errors import PeerTransferError
+
+log = logging.getLogger("ftkit")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Send one data file of a step from one rank to another."""
+
+    src: int
+    dst: int
+    file: str
+
+
+def node_order(nodes: Sequence[str]) -> list[str]:
+    """Distinct node ids in order of their first rank."""
+    seen: list[str] = []
+    for n in nodes:
+        if n not in seen:
+            seen.append(n)
+    return seen
+
+
+def replica_targets(rank: int, nodes: Sequence[str], k: int) -> list[int]:
+    """The ranks that hold replicas of `rank`'s data: one per other node, k at most."""
+    order = node_order(nodes)
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    mine = nodes[rank]
+    local_index = members[mine].index(rank)
+    start = order.index(mine)
+    out = []
+    for j in range(1, min(k, len(order) - 1) + 1):
+        peers = members[order[(start + j) % len(order)]]
+        out.append(peers[local_index % len(peers)])
+    return out
+
+
+def replication_plan(files: Sequence[str | None], nodes: Sequence[str], k: int) -> list[Transfer]:
+    """Every rank's file to its replica targets, in one order all ranks agree on."""
+    plan = []
+    for j in range(k):
+        for rank, name in enumerate(files):
+            targets = replica_targets(rank, nodes, k)
+            if name is not None and j < len(targets):
+                plan.append(Transfer(rank, targets[j], name))
+    return plan
+
+
+class PeerGroup:
+    """The dedicated gloo group and the transfers run over it."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
+        import torch.distributed as dist
+
+        # A collective on the default group: every rank builds its Checkpointer together.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.rank = rank
+        self.world_size = world_size
+        self.broken: str | None = None
+        self._buffers: list[torch.Tensor] = []  # receive buffers kept between runs (keep_buffers)
+
+    def run(self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int],
+            keep_buffers: bool = False) -> list[str]:
+        """Execute the transfers this rank takes part in, all at once.
+
+        read(file) -> uint8 tensor of a file this rank sends; write(file, tensor) stores
+        what it receives (the tensor is only valid during the call); sizes[(src, file)]
+        is each file's length. keep_buffers: receive into buffers kept for the next run
+        (every snapshot replicates the same sizes: no page faults after the first).
+        Returns the files received. Raises on a transport failure and marks the group
+        broken.
+        """
+        import torch.distributed as dist
+
+        if self.broken:
+            raise PeerTransferError(f"peer group unusable after an earlier failure: {self.broken}")
+        received = []
+        try:
+            incoming = [t for t in plan if t.dst == self.rank]
+            bufs = [self._buffer(i, sizes[(t.src, t.file)], keep_buffers) for i, t in enumerate(incoming)]
+            recvs = [dist.irecv(buf, src=t.src, group=self.group) for t, buf in zip(incoming, bufs)]
+            sends = [dist.isend(read(t.file), dst=t.dst, group=self.group) for t in plan if t.src == self.rank]
+            for t, buf, work in zip(incoming, bufs, recvs):
+                work.wait()
+                write(t.file, buf)
+                received.append(t.file)
+            for work in sends:
+                work.wait()
+        except Exception as e:
+            self.broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            raise
+        return received
+
+    def _buffer(self, i: int, size: int, keep: bool) -> torch.Tensor:
+        if not keep:
+            return torch.empty(size, dtype=torch.uint8)
+        if i == len(self._buffers):
+            self._buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._buffers[i].numel() < size:
+            self._buffers[i] = torch.empty(size, dtype=torch.uint8)
+        return self._buffers[i][:size]

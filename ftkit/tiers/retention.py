@@ -1,0 +1,151 @@
+"""Which committed steps a tier keeps: a pure plan, executed by the caller.
+
+Rules: keep the newest `keep` steps, keep every step divisible by `keep_every`
+forever, and never delete the newest step that verified (`protect`), whatever
+the numbers say. Retention runs only after a successful commit, so a failed save
+can never cost a good checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ftkit.errors import StorageError
+from ftkit.format.reader import scan
+from ftkit.tiers.lifecycle import delete_step
+from ftkit.tiers.storage import Storage
+
+log = logging.getLogger("ftkit")
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    keep: tuple[int, ...]
+    delete: tuple[int, ...]
+
+
+def plan_retention(committed: list[int], keep: int | None, keep_every: int | None = None,
+                   protect: int | None = None) -> RetentionPlan:
+    steps = sorted(set(committed))
+    if keep is None:
+        return RetentionPlan(tuple(steps), ())
+    if keep < 1:
+        raise ValueError("keep must be at least 1")
+    kept = set(steps[-keep:])
+    if keep_every:
+        kept |= {s for s in steps if s % keep_every == 0}
+    if protect is not None and protect in steps:
+        kept.add(protect)
+    return RetentionPlan(tuple(s for s in steps if s in kept), tuple(s for s in steps if s not in kept))
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the collector knows of one step directory (pure input to plan_collection)."""
+
+    step: int
+    status: str  # reader.StepDir.status: committed, partial, retired, empty, link, bad
+    verified: bool | None = None  # committed steps: None when not checked
+    age_s: float | None = None  # since its newest file changed; None when unknown
+
+
+@dataclass(frozen=True)
+class CollectionPlan:
+    """What `ftkit gc` (and a job's retention) deletes, keeps and refuses on one tier."""
+
+    keep: tuple[int, ...]  # committed steps kept
+    delete: tuple[int, ...]  # committed steps removed
+    remove_partial: tuple[int, ...]  # partial, retired and empty directories removed
+    held: tuple[int, ...]  # partial directories left alone: younger than the grace period
+    refused: tuple[int, ...]  # symbolic links and non-regular manifests: never touched, reported
+    protected: int | None  # the newest step that verified (None: none did, so no committed step goes)
+
+
+def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, grace_s: float) -> CollectionPlan:
+    """Which directories of a tier go. Rules, in order of strength:
+
+    * a symbolic link or a manifest that is no regular file is never touched;
+    * the newest step that verified is kept, and so is every newer step (it did
+      not verify, but it may be good: when unsure, keep); if no step verified,
+      no committed step is deleted;
+    * otherwise committed steps follow plan_retention(keep, keep_every);
+    * a directory without a manifest goes only once nothing changed in it for
+      `grace_s` (a live writer may be filling it), and only when it is older
+      than the newest committed step, retired, or empty.
+    """
+    committed = [s.step for s in steps if s.status == "committed"]
+    verified = [s.step for s in steps if s.status == "committed" and s.verified]
+    protected = max(verified) if verified else None
+    if protected is None:
+        keep_set, delete = tuple(committed), ()
+    else:
+        plan = plan_retention(committed, keep, keep_every, protect=protected)
+        delete = tuple(s for s in plan.delete if s < protected)
+        keep_set = tuple(s for s in committed if s not in delete)
+    newest = max(committed, default=None)
+    remove, held = [], []
+    for s in steps:
+        if s.status not in ("partial", "retired", "empty"):
+            continue
+        if not (s.status in ("retired", "empty") or (newest is not None and s.step < newest)):
+            continue  # a partial step newer than every commit: maybe the next commit in flight
+        (remove if s.age_s is not None and s.age_s >= grace_s else held).append(s.step)
+    refused = tuple(s.step for s in steps if s.status in ("link", "bad"))
+    return CollectionPlan(keep_set, delete, tuple(remove), tuple(held), refused, protected)
+
+
+def abort_stale_uploads(storage: Storage, grace_s: float) -> int:
+    """A running job's share of collection on object stores: abort incomplete
+    uploads older than `grace_s` below the tier. Returns how many."""
+    now = time.time()
+    n = 0
+    for u in storage.incomplete_uploads():
+        if now - u["initiated"] >= grace_s:
+            storage.abort_upload(u)
+            n += 1
+    return n
+
+
+JOB_UPLOAD_GRACE_S = 6 * 3600.0  # an upload this old is nobody's (a 6-hour single-file upload is not a thing)
+JOB_UPLOAD_CHECK_S = 3600.0  # a running job lists incomplete uploads at most this often per tier
+
+
+def apply_job_retention(storage: Storage, keep: int | None, keep_every: int | None, protect: int,
+                        upload_grace_s: float = JOB_UPLOAD_GRACE_S) -> list[int]:
+    """A running job's retention after it committed step `protect`; returns the steps removed.
+
+    The job trusts the step it has just committed (written, checksummed and its
+    files re-checked at the commit) rather than reading it back: that is the step
+    every rule protects. Committed steps follow plan_retention; directories without
+    a manifest older than `protect` were abandoned (rank 0 commits in step order)
+    and go; newer ones may be the next steps being written and stay. Symbolic links
+    and non-regular manifests are never touched (and said once per tier)."""
+    dirs = scan(storage)
+    refused = [d.step for d in dirs if d.status in ("link", "bad")]
+    if refused and storage.url not in _warned:
+        _warned.add(storage.url)
+        log.warning("ftkit: %s holds step directories that are symbolic links or whose manifest is no regular "
+                    "file: %s; retention leaves them alone (see `ftkit ls`)", storage.display_url, refused)
+    plan = plan_retention([d.step for d in dirs if d.committed], keep, keep_every, protect=protect)
+    abandoned = [d.step for d in dirs if d.status in ("partial", "retired") and d.step < protect]
+    removed = []
+    for step in list(plan.delete) + abandoned:
+        delete_step(storage, step)
+        removed.append(step)
+    now = time.monotonic()
+    if not storage.is_local and now - _uploads_checked.get(storage.url, -JOB_UPLOAD_CHECK_S) >= JOB_UPLOAD_CHECK_S:
+        _uploads_checked[storage.url] = now
+        try:
+            n = abort_stale_uploads(storage, upload_grace_s)
+            if n:
+                log.info("ftkit: aborted %d incomplete upload(s) older than %.0fs below %s", n, upload_grace_s,
+                         storage.display_url)
+        except StorageError as e:  # only costs money: never a reason to fail a persist
+            log.warning("ftkit: could not clear incomplete uploads below %s: %s", storage.display_url, e)
+    return removed
+
+
+_warned: set[str] = set()
+_uploads_checked: dict[str, float] = {}  # tier URL -> monotonic time of the last look

@@ -1,0 +1,437 @@
+"""Byte movement to and from any fsspec URL.
+
+A :class:`Storage` is rooted at one URL (a local path, ``file://``, ``s3://``,
+anything fsspec knows) and only moves bytes: list, read, write, remove. It owns
+two things the rest of ftkit relies on:
+
+* **Atomic writes.** On a local filesystem a file is written to a temporary name,
+  fsynced, renamed into place and its directory fsynced; on object stores a
+  single PUT (or a completed multipart upload) is atomic by nature, and a failed
+  upload is discarded rather than completed.
+* **One-line errors.** Backend exceptions (botocore, aiohttp, OSError...) become
+  :class:`~ftkit.errors.StorageError` naming the operation and the URL, with any
+  credential from ``storage_options`` scrubbed from the text.
+* **No trust in what it finds.** A checkpoint directory may have been written by
+  someone else. On local filesystems reads open regular files only (a FIFO
+  named ``manifest.json`` is an error, not a hang), symbolic links are never
+  followed below the root (reported as kind ``link``, refused when reading,
+  writing or deleting through them), and deleting never follows a link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from typing import Any, Iterator
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ftkit.errors import CorruptCheckpointError, FtkitError, StorageError, UnknownProtocolError
+from ftkit.errors import one_line as _one_line
+from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
+
+log = logging.getLogger(__name__)
+
+# Protocols whose fsspec backend lives in another package: the install hint.
+INSTALL_HINTS = {
+    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
+    "abfs": "adlfs", "abfss": "adlfs", "hf": "huggingface_hub", "sftp": "paramiko", "ssh": "paramiko",
+}
+# Bounded timeouts so an unreachable endpoint is an error in seconds, not minutes.
+S3_DEFAULTS: dict[str, Any] = {
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 120,
+                      "retries": {"max_attempts": 3, "mode": "standard"}},
+}
+_SECRET_KEYS = ("key", "secret", "token", "password", "aws_secret_access_key",
+                "aws_access_key_id", "aws_session_token", "access_key", "secret_key")
+
+
+def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    out = dict(defaults)
+    for k, v in given.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _secrets_in(options: Any) -> list[str]:
+    found: list[str] = []
+    if isinstance(options, dict):
+        for k, v in options.items():
+            if isinstance(v, str) and k.lower() in _SECRET_KEYS and len(v) >= 4:
+                found.append(v)
+            else:
+                found += _secrets_in(v)
+    return found
+
+
+class Storage:
+    """Byte-level access below one root URL. Paths given to methods are relative."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        self.url = url.rstrip("/") or url
+        self.display_url = redact_url(self.url)
+        options = dict(storage_options or {})
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        if protocol in ("s3", "s3a"):
+            options = _merge(S3_DEFAULTS, options)
+        self._secrets = _secrets_in(options) + _secrets_in({"key": os.environ.get("AWS_SECRET_ACCESS_KEY", "")})
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
+        except ImportError:
+            pkg = INSTALL_HINTS.get(protocol, "the fsspec backend for it")
+            raise UnknownProtocolError(f"{self.display_url}: protocol {protocol!r} needs {pkg}: pip install {pkg}") from None
+        except ValueError as e:
+            if "Protocol not known" in str(e) or "not known" in str(e):
+                raise UnknownProtocolError(f"{self.display_url}: unknown storage protocol {protocol!r} "
+                                   "(not a protocol fsspec knows)") from None
+            raise StorageError(self._scrub(f"{self.display_url}: bad storage URL or options: {e}")) from None
+        except Exception as e:
+            raise StorageError(self._scrub(f"{self.display_url}: cannot open storage: {_one_line(e)}")) from None
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.protocol = protocol
+        # Local files to write over instead of creating new ones (the RAM tier's, see ramtier.py).
+        self.spares: Any = None
+
+    # ----------------------------------------------------------------- helpers
+    def path(self, rel: str = "") -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def where(self, rel: str = "") -> str:
+        return f"{self.display_url}/{rel}" if rel else self.display_url
+
+    def _scrub(self, text: str) -> str:
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return redact_url(text)
+
+    @contextlib.contextmanager
+    def _errors(self, action: str, rel: str) -> Iterator[None]:
+        """Translate backend exceptions into StorageError (FileNotFoundError passes)."""
+        try:
+            yield
+        except (FileNotFoundError, FtkitError):
+            raise  # not-found is the caller's to interpret; ours are already clear
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise StorageError(f"no space left on device while {action} {self.where(rel)}") from None
+            if isinstance(e, PermissionError):
+                raise StorageError(f"permission denied while {action} {self.where(rel)}") from None
+            raise StorageError(self._scrub(f"{action} {self.where(rel)} failed: {_one_line(e)}")) from None
+        except Exception as e:
+            raise StorageError(self._scrub(f"{action} {self.where(rel)} failed: {_one_line(e)}")) from None
+
+    # ------------------------------------------------------------------- reads
+    def list_dir(self, rel: str = "") -> list[tuple[str, str]]:
+        """(name, kind) of the entries below `rel`; [] when it does not exist.
+
+        kind: "file", "directory", "link" (a symbolic link, local only: never
+        followed) or "other" (a FIFO, socket or device, local only)."""
+        if self.is_local:  # the RAM tier lists at every commit: skip fsspec's per-entry info()
+            with self._errors("listing", rel):
+                self._no_links_within(rel)
+                try:
+                    with os.scandir(self.path(rel)) as it:
+                        return [(e.name, _local_kind(e)) for e in it]
+                except FileNotFoundError:
+                    return []
+        with self._errors("listing", rel):
+            self.fs.invalidate_cache(self.path(rel))
+            try:
+                entries = self.fs.ls(self.path(rel), detail=True)
+            except FileNotFoundError:
+                return []
+        base = self.path(rel).rstrip("/")
+        out = []
+        for e in entries:
+            name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            if e["name"].rstrip("/") == base:
+                continue  # the prefix itself (an object store's directory marker)
+            out.append((name, "directory" if e.get("type") == "directory" else "file"))
+        return out
+
+    def list_sizes(self, rel: str = "") -> dict[str, int]:
+        """{name: bytes} of the regular files directly below `rel` (one listing)."""
+        if self.is_local:
+            with self._errors("listing", rel):
+                self._no_links_within(rel)
+                try:
+                    with os.scandir(self.path(rel)) as it:
+                        return {e.name: e.stat(follow_symlinks=False).st_size for e in it
+                                if e.is_file(follow_symlinks=False)}
+                except FileNotFoundError:
+                    return {}
+        with self._errors("listing", rel):
+            self.fs.invalidate_cache(self.path(rel))
+            try:
+                entries = self.fs.ls(self.path(rel), detail=True)
+            except FileNotFoundError:
+                return {}
+        base = self.path(rel).rstrip("/")
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
+                if e.get("type") != "directory" and e["name"].rstrip("/") != base}
+
+    def modified(self, rel: str) -> float | None:
+        """The newest modification time (Unix seconds) of `rel` or of the files directly in it."""
+        times = []
+        with self._errors("listing", rel):
+            if self.is_local:
+                try:
+                    st = os.lstat(self.path(rel))
+                except FileNotFoundError:
+                    return None
+                times.append(st.st_mtime)
+                if stat.S_ISDIR(st.st_mode):
+                    with os.scandir(self.path(rel)) as it:
+                        times += [e.stat(follow_symlinks=False).st_mtime for e in it]
+            else:
+                self.fs.invalidate_cache(self.path(rel))
+                try:
+                    entries = self.fs.ls(self.path(rel), detail=True)
+                except FileNotFoundError:
+                    return None
+                for e in entries:
+                    t = e.get("LastModified") or e.get("mtime") or e.get("created")
+                    if hasattr(t, "timestamp"):
+                        times.append(t.timestamp())
+                    elif isinstance(t, (int, float)):
+                        times.append(float(t))
+        return max(times) if times else None
+
+    def exists(self, rel: str) -> bool:
+        with self._errors("checking", rel):
+            if self.is_local:
+                return os.path.exists(self.path(rel))
+            return bool(self.fs.exists(self.path(rel)))
+
+    def size(self, rel: str) -> int:
+        with self._errors("reading size of", rel):
+            if self.is_local:
+                self._no_links_within(rel)
+                return os.lstat(self.path(rel)).st_size
+            return int(self.fs.size(self.path(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        if self.is_local:
+            with self.open_read(rel) as f:
+                return f.read()
+        with self._errors("reading", rel):
+            return self.fs.cat_file(self.path(rel))
+
+    @contextlib.contextmanager
+    def open_read(self, rel: str) -> Iterator[Any]:
+        with self._errors("reading", rel):
+            if self.is_local:
+                f = self._open_regular(rel)
+            else:
+                f = self.fs.open(self.path(rel), "rb", block_size=8 * 2**20, cache_type="none")
+            try:
+                yield f
+            finally:
+                f.close()
+
+    # ------------------------------------------------------------------ writes
+    @contextlib.contextmanager
+    def open_write(self, rel: str, *, recycle: bool = False) -> Iterator[Any]:
+        """A file that appears at `rel` only if the block completes without error.
+
+        recycle: a big data file; write it over one of `spares` when there is one."""
+        full = self.path(rel)
+        with self._errors("writing", rel):
+            if self.is_local:
+                self._no_links_within(rel)
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+                reused = recycle and self.spares is not None and self.spares.take(tmp)
+                try:  # buffered so that many small tensors become few syscalls; big writes pass through
+                    f = open(tmp, "r+b" if reused else "wb", buffering=8 * 2**20)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)  # a spare already renamed to tmp
+                    raise
+                ok = False
+                try:
+                    yield f
+                    f.flush()
+                    if reused:
+                        f.truncate()  # a spare may be longer than what was written
+                    os.fsync(f.fileno())
+                    ok = True
+                finally:
+                    if ok:
+                        f.close()
+                        os.replace(tmp, full)
+                        _fsync_dir(os.path.dirname(full))
+                    else:
+                        # close() may fail again flushing its buffer (ENOSPC): still remove tmp.
+                        with contextlib.suppress(OSError):
+                            f.close()
+                        with contextlib.suppress(OSError):
+                            os.remove(tmp)
+            else:
+                f = self.fs.open(full, "wb", block_size=64 * 2**20)
+                ok = False
+                try:
+                    yield f
+                    ok = True
+                finally:
+                    if ok:
+                        f.close()  # completes the (multipart) upload: the object appears now
+                    else:
+                        with contextlib.suppress(Exception):
+                            (getattr(f, "discard", None) or f.close)()
+
+    def write_bytes_atomic(self, rel: str, data: bytes) -> None:
+        if self.is_local:
+            with self.open_write(rel) as f:
+                f.write(data)
+            return
+        with self._errors("writing", rel):
+            self.fs.pipe_file(self.path(rel), data)
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        """Delete a file (or, `recursive`, a directory tree); gone already is fine.
+
+        Never follows a symbolic link: a link below the root on the way to `rel`
+        is refused, a link at `rel` is removed itself (not its target), and a
+        recursive delete of a link is refused."""
+        with self._errors("removing", rel):
+            try:
+                if not self.is_local:
+                    self.fs.rm(self.path(rel), recursive=recursive)
+                    if recursive:  # some stores (SeaweedFS) keep an empty prefix as a directory entry
+                        with contextlib.suppress(Exception):
+                            self.fs.rm_file(self.path(rel).rstrip("/") + "/")
+                    return
+                self._no_links_within(rel)
+                st = os.lstat(self.path(rel))
+                if stat.S_ISLNK(st.st_mode) and recursive:
+                    raise StorageError(f"{self.where(rel)} is a symbolic link; not following it to delete")
+                if recursive and stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(self.path(rel))  # fd-based on Linux: does not follow links inside
+                else:
+                    os.remove(self.path(rel))
+            except FileNotFoundError:
+                pass
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        """Rename a file (atomically on POSIX; a copy then a delete on object stores)."""
+        with self._errors("renaming", rel):
+            if self.is_local:
+                self._no_links_within(rel)
+                self._no_links_within(new_rel)
+                os.replace(self.path(rel), self.path(new_rel))
+                _fsync_dir(os.path.dirname(self.path(new_rel)))
+            else:
+                self.fs.mv(self.path(rel), self.path(new_rel))
+
+    def is_link(self, rel: str) -> bool:
+        """Whether `rel` itself is a symbolic link (local only; object stores have none)."""
+        return self.is_local and os.path.islink(self.path(rel))
+
+    # -------------------------------------------------- object-store uploads
+    def incomplete_uploads(self, rel: str = "") -> list[dict[str, Any]]:
+        """Multipart uploads started below `rel` and never completed ({key, upload_id,
+        initiated}): what a writer killed mid-upload leaves behind, invisible to
+        listings and billed. [] on backends without multipart uploads."""
+        if not hasattr(self.fs, "call_s3"):
+            return []
+        bucket, _, prefix = self.path(rel).partition("/")
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        out: list[dict[str, Any]] = []
+        with self._errors("listing incomplete uploads of", rel):
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", **kwargs)
+                for u in page.get("Uploads") or []:
+                    t = u.get("Initiated")
+                    out.append({"key": u["Key"], "upload_id": u["UploadId"],
+                                "initiated": t.timestamp() if hasattr(t, "timestamp") else time.time()})
+                if not page.get("IsTruncated"):
+                    return out
+                kwargs.update(KeyMarker=page.get("NextKeyMarker"), UploadIdMarker=page.get("NextUploadIdMarker"))
+
+    def abort_upload(self, upload: dict[str, Any]) -> None:
+        """Abort one incomplete multipart upload (from :meth:`incomplete_uploads`)."""
+        bucket = self.path().partition("/")[0]
+        with self._errors("aborting the upload of", upload["key"]):
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["key"], UploadId=upload["upload_id"])
+
+    # ------------------------------------------------------- local safety
+    def _no_links_within(self, rel: str) -> None:
+        """Refuse a path below the root whose directories include a symbolic link.
+
+        (The root itself may be reached through links: it is the user's choice.)"""
+        parts = [p for p in rel.split("/")[:-1] if p]
+        at = self.root
+        for p in parts:
+            at = os.path.join(at, p)
+            try:
+                if stat.S_ISLNK(os.lstat(at).st_mode):
+                    raise StorageError(f"{self.where(rel)}: {self.where(at[len(self.root) + 1:])} is a symbolic "
+                                       "link; ftkit does not follow links inside a tier")
+            except FileNotFoundError:
+                return
+
+    def _open_regular(self, rel: str):
+        """An unbuffered binary reader of `rel`, which must be a regular file (not a link,
+        not a FIFO: opening a FIFO without O_NONBLOCK would wait for a writer forever)."""
+        self._no_links_within(rel)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path(rel), flags)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"{self.where(rel)} is a symbolic link; not following it") from None
+            raise
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise CorruptCheckpointError(f"{self.where(rel)} is not a regular file ({_mode_name(mode)})")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def makedirs(self, rel: str) -> None:
+        with self._errors("creating", rel):
+            self.fs.makedirs(self.path(rel), exist_ok=True)
+
+
+def _local_kind(entry: os.DirEntry) -> str:
+    if entry.is_symlink():
+        return "link"
+    if entry.is_dir(follow_symlinks=False):
+        return "directory"
+    return "file" if entry.is_file(follow_symlinks=False) else "other"
+
+
+def _mode_name(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+

@@ -1,0 +1,61 @@
+"""Export a checkpoint step to a single torch or safetensors file.
+
+The torch file holds the state as nested dicts, lists and tensors, exactly what
+the training code would pass to ``load_state_dict`` (e.g. ``obj["model"]``), plus
+``"_ftkit": {"step": N}``; it loads with ``torch.load(path, weights_only=True)``.
+The safetensors file holds the tensors under their ftkit names
+(``model/fc.weight``) and the JSON skeleton in its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from ftkit.save import capture as cap
+from ftkit.errors import FtkitError
+from ftkit.format.manifest import Manifest
+from ftkit.format.reader import read_tensors
+from ftkit.tiers.storage import Storage
+
+FORMATS = ("torch", "safetensors")
+
+
+def to_nested(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    entries = manifest.skeleton.get("entries", {})
+    out: dict[str, Any] = {k: cap.decode(e["value"], tensors) for k, e in entries.items()}
+    out["_ftkit"] = {"step": manifest.step, "world_size": manifest.world_size}
+    return out
+
+
+def export(storage: Storage, manifest: Manifest, out_path: str, fmt: str, *, overwrite: bool = False,
+           progress: Callable[[int], None] | None = None) -> None:
+    """Read and verify `manifest`'s step, then write it to `out_path` atomically."""
+    if fmt not in FORMATS:
+        raise FtkitError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
+    if os.path.exists(out_path) and not overwrite:
+        raise FtkitError(f"{out_path} already exists; remove it or pass --force")
+    parent = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(parent):
+        raise FtkitError(f"{parent}: output directory does not exist")
+    tensors = read_tensors(storage, manifest, progress=progress)
+    tmp = f"{out_path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        if fmt == "torch":
+            torch.save(to_nested(manifest, tensors), tmp)
+        else:
+            try:
+                from safetensors.torch import save_file
+            except ImportError:
+                raise FtkitError("--format safetensors needs the safetensors package: "
+                                 "pip install safetensors") from None
+            meta = {"ftkit_step": str(manifest.step), "ftkit_skeleton": json.dumps(manifest.skeleton)}
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

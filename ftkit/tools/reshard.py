@@ -1,0 +1,66 @@
+"""Offline resharding: rewrite a checkpoint step for another world size.
+
+    ftkit restore SRC --out DST_DIR --world-size M
+
+The result is an ordinary ftkit checkpoint (DST_DIR/step-N/...) with M rank
+files, as if M ranks had saved it: replicated tensors split by the same plan a
+live job uses, sharded (DTensor) tensors cut into M row blocks, and the RNG
+state of ranks 0..M-1 kept (ranks beyond the old world have none). Tensors are
+read whole and verified first, so this needs memory for the largest step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ftkit.format.manifest import Manifest
+from ftkit.save.persist import commit, discard, write_data
+from ftkit.format.reader import read_tensors
+from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
+from ftkit.save.staging import Layout, StagingArena
+from ftkit.tiers.storage import Storage
+
+
+def plan_for_world(manifest: Manifest, tensors, rank: int, world_size: int) -> list[tuple[Piece, object]]:
+    """The pieces rank `rank` of `world_size` would save of this checkpoint's tensors."""
+    kinds = {t.name: t.kind for t in manifest.tensors}
+    replicated = [(n, t) for n, t in tensors.items() if kinds[n] not in (SHARDED, RANK_LOCAL)]
+    out = [pc for pc in plan_pieces(replicated, rank, world_size)]
+    for name, t in tensors.items():
+        if kinds[name] == SHARDED:
+            shape = tuple(t.shape)
+            if shape and shape[0] >= world_size:
+                start, stop = row_block(shape[0], world_size, rank)
+                offs, lens = (start,) + (0,) * (len(shape) - 1), (stop - start,) + shape[1:]
+                out.append((Piece(name, SHARDED, shape, offs, lens), t[start:stop]))
+            elif rank == 0:
+                out.append((Piece(name, SHARDED, shape, (0,) * len(shape), shape), t))
+        elif kinds[name] == RANK_LOCAL and name.startswith(f"_rng/r{rank}/"):
+            out.append((Piece(name, RANK_LOCAL, tuple(t.shape), (0,) * t.dim(), tuple(t.shape)), t))
+    return out
+
+
+def reshard(src: Storage, manifest: Manifest, dst: Storage, world_size: int, *, compress: str | None = None,
+            progress: Callable[[int], None] | None = None) -> Manifest:
+    """Write `manifest`'s step to `dst` laid out for `world_size` ranks; return the new manifest."""
+    tensors = read_tensors(src, manifest, progress=progress)
+    arena = StagingArena(slots=1, pin=False)
+    writes = []
+    try:
+        for rank in range(world_size):
+            pieces = plan_for_world(manifest, tensors, rank, world_size)
+            named = [(p.name, t) for p, t in pieces]
+            slot = arena.acquire(Layout.of(named), wait=True)
+            try:
+                slot.fill(named)
+                writes.append(write_data(dst, manifest.step, slot, {p.name: p for p, _ in pieces},
+                                         compress=compress, rank=rank))
+            finally:
+                arena.release(slot)
+        rank_state = {r: v for r, v in manifest.rank_state.items() if int(r) < world_size}
+        return commit(dst, manifest.step, writes, manifest.skeleton, world_size, rank_state)
+    except BaseException:
+        discard(dst, manifest.step, [w.file for w in writes])
+        raise
+    finally:
+        arena.close()

@@ -1,0 +1,282 @@
+"""What ``ftkit run`` adds to torchrun: its command line, and the startup watch.
+
+torchrun stays the launcher and the elastic agent; ``ftkit run`` only
+
+1. rewrites the command so torchrun starts each worker as
+   ``python -u -m ftkit.tools.launch SCRIPT ARGS`` (ftkit/tools/launch.py): the restart-safe
+   ``env://`` rendezvous is in place before the script runs, whether or not
+   the script imports ftkit, and each worker reports its start-up milestones;
+2. watches start-up (:class:`StartupWatch`): every worker of a group must
+   reach its first heartbeat (a Checkpointer's watchdog running) within
+   ``--startup-timeout`` seconds of its start. If one does not, the group has
+   not formed or is stuck before any ftkit watchdog can judge it (inside
+   ``init_process_group``, or in a collective before the Checkpointer): the
+   watch SIGKILLs this node's workers of that group, so torchrun's agent sees
+   them fail and restarts the group (one of ``--max-restarts``), instead of
+   every worker waiting out the 30-minute collective timeout.
+
+Why a watch in ``ftkit run`` and not a timer inside each worker: the worker
+may be SIGSTOPped, or stuck in native code that holds the GIL, and then no
+thread of its own can act; a process outside can always SIGKILL it, and
+SIGKILL is what torchrun's agent already handles as a worker failure. (A
+worker waiting in gloo's rendezvous does release the GIL: measured, a Python
+thread kept ticking at 10 Hz through a 4 s wait inside ``init_process_group``;
+that is how the milestone thread can report ``group`` and ``heartbeat``.)
+
+Measured (tests/test_unmodified_trainer.py, 2 ranks, --startup-timeout 15): a
+rank hanging before ``init_process_group`` (its peer waits inside it) or after
+it in a collective before any Checkpointer: the watch ends the group 15 s after
+the workers started, torchrun restarts it and the job finishes with the exact
+values (the test runs take ~30 s, against gloo's 30-minute default timeout).
+A healthy group is never touched: its workers report ``heartbeat`` within a
+few seconds of starting (the test with provoked kills runs with the watch on).
+
+The watch only acts on this node's workers (torchrun's direct children), so on
+several nodes each ``ftkit run`` ends its own share of a stuck group, and the
+other agents follow through torchrun's rendezvous. It records a ``detect``
+event (``what: "startup"``, rank -1, beside the ranks' own) in the run's event
+log, so ``ftkit report`` shows the incident.
+
+The bound applies to workers started through ``ftkit.tools.launch``; with
+``--no-python`` or ``--run-path`` the workers are not, and the watch is off.
+A trainer whose workers never start a Checkpointer watchdog (no Checkpointer,
+or ``watchdog=False``) never reaches a first heartbeat: run it with
+``--startup-timeout 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ftkit.errors import UsageError
+from ftkit.tools.launch import STARTUP_DIR_ENV
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+STARTED_UP = ("heartbeat", "single")
+
+
+class _Unparsable(Exception):
+    pass
+
+
+@dataclass
+class Plan:
+    """What ftkit run will start: torchrun's arguments and its own settings."""
+
+    torchrun_args: list[str]
+    run_dir: str = "ftkit-run"
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    launched: bool = True  # workers start through ftkit.tools.launch
+    notes: list[str] = field(default_factory=list)
+
+
+class _Record(argparse.Action):
+    """Store the value, and remember the option as typed (to take it out of torchrun's arguments)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.ftkit_tokens.append(option_string)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.add_argument("--run-dir", action=_Record, default="ftkit-run")
+    p.add_argument("--startup-timeout", action=_Record, type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+
+    def fail(message: str = "", *_a) -> None:
+        raise _Unparsable(message)
+
+    p.error = fail  # type: ignore[method-assign]  # torchrun reports its own usage errors
+    p.exit = lambda status=0, message=None: fail(message or "")  # type: ignore[method-assign]
+    p.print_help = lambda file=None: None  # type: ignore[method-assign]
+    return p
+
+
+def _strip(tokens: list[str], typed: list[str]) -> list[str]:
+    """`tokens` without the options typed as `typed` (and their values)."""
+    out, skip = [], False
+    for t in tokens:
+        if skip:
+            skip = False
+        elif t in typed:
+            skip = True
+        elif any(t.startswith(o + "=") for o in typed):
+            pass
+        else:
+            out.append(t)
+    return out
+
+
+def plan(argv: list[str]) -> Plan:
+    """Split `ftkit run` arguments into ftkit's and torchrun's, and rewrite the latter."""
+    ns = argparse.Namespace(ftkit_tokens=[])
+    try:
+        ns = _parser().parse_args(argv, namespace=ns)
+    except _Unparsable:
+        # torchrun will say what is wrong; without a script there is nothing to rewrite
+        return Plan(list(argv), launched=False)
+    script_at = len(argv) - len(ns.training_script_args) - 1
+    options = _strip(argv[:script_at], ns.ftkit_tokens)
+    script = [ns.training_script, *ns.training_script_args]
+    if ns.startup_timeout < 0:
+        raise UsageError("--startup-timeout must be 0 (off) or a number of seconds")
+    out = Plan([], ns.run_dir, ns.startup_timeout)
+    names = {o.split("=", 1)[0].replace("_", "-") for o in options if o.startswith("--")}
+    defaults = []
+    if "--max-restarts" not in names:
+        defaults += ["--max-restarts", "3"]
+    if "--monitor-interval" not in names:
+        defaults += ["--monitor-interval", "0.5"]
+    if not names & {"--standalone", "--rdzv-endpoint", "--nnodes", "--master-addr"}:
+        defaults.append("--standalone")
+    if ns.no_python or ns.run_path:
+        out.launched = False
+        out.notes.append("with --no-python or --run-path the workers do not start through ftkit.tools.launch: "
+                         "restarts are safe only if the script imports ftkit before init_process_group, "
+                         "and the startup watch is off")
+        out.torchrun_args = [*defaults, *options, *script]
+    elif ns.module:  # torchrun runs `python -m ftkit.tools.launch --module MODULE ARGS`
+        out.torchrun_args = [*defaults, *options, "ftkit.tools.launch", "--module", *script]
+    else:  # torchrun runs `python -m ftkit.tools.launch SCRIPT ARGS`
+        out.torchrun_args = [*defaults, *options, "-m", "ftkit.tools.launch", *script]
+    return out
+
+
+# ------------------------------------------------------------ startup watch
+@dataclass
+class _Worker:
+    pid: int
+    created: float  # its create time: a status file older than that is a previous pid's
+    first_seen: float  # monotonic
+    proc: object
+
+
+class StartupWatch:
+    """Ends (SIGKILLs) this node's worker group when a worker is not started up within `bound_s`.
+
+    Polls torchrun's direct children (the workers) every `interval_s` and the
+    status files ftkit.tools.launch writes to `status_dir` (one per worker pid).
+    """
+
+    def __init__(self, agent_pid: int, status_dir: str, bound_s: float, run_dir: str | None,
+                 interval_s: float = 0.5):
+        self.agent_pid = agent_pid
+        self.status_dir = status_dir
+        self.bound_s = bound_s
+        self.run_dir = run_dir
+        self.interval_s = interval_s
+        self.endings: list[dict] = []  # one per group ended (for the caller and tests)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftkit-startup-watch", daemon=True)
+        self._seen: dict[tuple[int, float], _Worker] = {}
+        self._ended: set[tuple[int, float]] = set()
+
+    def start(self) -> "StartupWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import psutil
+
+        try:
+            agent = psutil.Process(self.agent_pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check(agent)
+            except psutil.NoSuchProcess:  # torchrun is gone
+                return
+            except Exception as e:  # never let the watch take ftkit run down
+                print(f"ftkit run: startup watch error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def check(self, agent) -> None:
+        """One look at the workers; end their group if one is late."""
+        import psutil
+
+        now = time.monotonic()
+        workers = []
+        for child in agent.children():
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                key = (child.pid, child.create_time())
+            except psutil.NoSuchProcess:
+                continue
+            w = self._seen.setdefault(key, _Worker(child.pid, key[1], now, child))
+            if key not in self._ended:
+                workers.append((key, w))
+        late = [(key, w, status) for key, w in workers
+                for status in [self._status(w)] if status.get("phase") not in STARTED_UP
+                and now - w.first_seen > self.bound_s]
+        if late:
+            self._end_group(workers, late, now)
+
+    def _status(self, w: _Worker) -> dict:
+        try:
+            with open(os.path.join(self.status_dir, f"{w.pid}.json")) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return doc if doc.get("t", 0) >= w.created - 1 else {}  # else: a previous process with this pid
+
+    def _end_group(self, workers: list, late: list, now: float) -> None:
+        import psutil
+
+        for key, w, status in late:
+            rank, attempt = status.get("rank"), status.get("attempt")
+            if rank is None or attempt is None:
+                try:
+                    env = w.proc.environ()
+                    rank, attempt = env.get("RANK"), env.get("TORCHELASTIC_RESTART_COUNT")
+                except (psutil.Error, OSError):
+                    pass
+            phase = {"started": "it had not formed the process group",
+                     "group": "the process group had formed; no Checkpointer watchdog yet"}.get(
+                status.get("phase"), "it had not even reached ftkit.tools.launch")
+            why = f"no first heartbeat within {self.bound_s:g}s of its start ({phase})"
+            print(f"ftkit run: rank {rank} (pid {w.pid}, attempt {attempt}): {why}; ending this node's "
+                  f"workers of the group so torchrun restarts it", file=sys.stderr, flush=True)
+            event = {"t": time.time(), "rank": -1, "attempt": _int(attempt), "event": "detect", "what": "startup",
+                     "target": _int(rank), "pid": w.pid, "latency_s": now - w.first_seen, "why": why}
+            self.endings.append(event)
+            self._log(event)
+        for key, w in workers:
+            self._ended.add(key)
+            try:
+                w.proc.kill()  # psutil checks it is still that process (pid reuse)
+            except psutil.NoSuchProcess:
+                pass
+
+    def _log(self, event: dict) -> None:
+        if not self.run_dir:
+            return
+        try:
+            os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+            with open(os.path.join(self.run_dir, "events", "ftkit-run.jsonl"), "a") as f:
+                f.write(json.dumps(event) + "\n")
+        except OSError as e:
+            print(f"ftkit run: cannot write the event log: {e}", file=sys.stderr, flush=True)
+
+
+def _int(v) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def startup_env(status_dir: str) -> dict[str, str]:
+    return {STARTUP_DIR_ENV: status_dir}
