@@ -42,7 +42,7 @@ from ftkit.tiers.peers import PeerGroup
 from ftkit.coord.preemption import PreemptionHandler
 from ftkit.tiers.ram import SparePool, open_node_dir, run_identity
 from ftkit.tiers.redact import redact_url
-from ftkit.restore import restore as _restore
+from ftkit.restore import RestoreContext, restore as _restore
 from ftkit.save.sharding import Piece, plan_pieces
 from ftkit.save.staging import Layout, Slot, StagingArena
 from ftkit.tiers.storage import Storage
@@ -467,11 +467,16 @@ class Checkpointer:
         then the next newest step is tried. Raises if checkpoints exist but none
         is usable, or if a tier could not be read and nothing was found elsewhere
         (restarting from scratch would lose work). `last_restore` then says where
-        this rank's bytes came from and how long each phase took. See restore.py.
+        this rank's bytes came from and how long each phase took. See ftkit/restore/.
         """
         if not self._closed:
             self.wait()
-        return _restore(self, step)
+        key = f"restore/{self._restores}"
+        self._restores += 1
+        context = RestoreContext(self.state, self.rng, self._ctx, self.tiers, self._storages, self._ram_index,
+                                 self._peers, self._arena, self.events.emit)
+        restored, self.last_restore = _restore(context, step, key)
+        return restored
 
 
 def _exit_unless_gone(seconds: float, exc: BaseException | None) -> None:

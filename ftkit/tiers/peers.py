@@ -39,35 +39,53 @@ class Transfer:
 
 def node_order(nodes: Sequence[str]) -> list[str]:
     """Distinct node ids in order of their first rank."""
-    seen: list[str] = []
-    for n in nodes:
-        if n not in seen:
-            seen.append(n)
-    return seen
+    return list(dict.fromkeys(nodes))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Nodes in order, their ranks, and each rank's node position and local index: O(ranks) once."""
+
+    order: tuple[str, ...]
+    members: dict[str, tuple[int, ...]]
+    position: dict[str, int]
+    local_index: tuple[int, ...]
+
+    @staticmethod
+    def of(nodes: Sequence[str]) -> "_Layout":
+        members: dict[str, list[int]] = {}
+        local = []
+        for r, n in enumerate(nodes):
+            group = members.setdefault(n, [])
+            local.append(len(group))
+            group.append(r)
+        order = tuple(members)
+        return _Layout(order, {n: tuple(m) for n, m in members.items()}, {n: i for i, n in enumerate(order)},
+                       tuple(local))
+
+    def targets(self, rank: int, nodes: Sequence[str], k: int) -> list[int]:
+        start, count = self.position[nodes[rank]], len(self.order)
+        out = []
+        for j in range(1, min(k, count - 1) + 1):
+            peers = self.members[self.order[(start + j) % count]]
+            out.append(peers[self.local_index[rank] % len(peers)])
+        return out
 
 
 def replica_targets(rank: int, nodes: Sequence[str], k: int) -> list[int]:
     """The ranks that hold replicas of `rank`'s data: one per other node, k at most."""
-    order = node_order(nodes)
-    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
-    mine = nodes[rank]
-    local_index = members[mine].index(rank)
-    start = order.index(mine)
-    out = []
-    for j in range(1, min(k, len(order) - 1) + 1):
-        peers = members[order[(start + j) % len(order)]]
-        out.append(peers[local_index % len(peers)])
-    return out
+    return _Layout.of(nodes).targets(rank, nodes, k)
 
 
 def replication_plan(files: Sequence[str | None], nodes: Sequence[str], k: int) -> list[Transfer]:
     """Every rank's file to its replica targets, in one order all ranks agree on."""
+    layout = _Layout.of(nodes)
+    targets = [layout.targets(rank, nodes, k) if name is not None else [] for rank, name in enumerate(files)]
     plan = []
     for j in range(k):
         for rank, name in enumerate(files):
-            targets = replica_targets(rank, nodes, k)
-            if name is not None and j < len(targets):
-                plan.append(Transfer(rank, targets[j], name))
+            if name is not None and j < len(targets[rank]):
+                plan.append(Transfer(rank, targets[rank][j], name))
     return plan
 
 

@@ -1,0 +1,148 @@
+"""The restore planner: pure functions over plain data, no I/O, no processes.
+
+Inputs are what the ranks and tiers reported (inventories of the RAM tier per
+rank, committed steps per shared tier, the node of every rank); outputs are the
+candidates to try, in order, and which files move between nodes. Everything here
+is unit-tested with made-up inventories of 4 to 1,024 ranks
+(tests/test_planners.py).
+
+Order of calls (restore/__init__.py)::
+
+    ram = ram_candidates(inventories, nodes, ram_tier, can_fetch)   # rank 0
+    candidates = order_candidates(step, ram, listings)              # rank 0, broadcast
+    per candidate: missing = sorted(files_for(manifest, regions) - present)   # every rank
+                   transfers = fetch_plan(requests, candidate.holders, nodes)  # every rank alike
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from ftkit.format.manifest import Manifest
+from ftkit.save.sharding import overlap
+from ftkit.tiers.peers import Transfer
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (step, source) to try. For the RAM tier: which ranks hold each data file,
+    and which rank sends the manifest to the nodes that lack it (None: all have it)."""
+
+    step: int
+    tier: int
+    holders: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    manifest_rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "tier": self.tier, "holders": {f: list(r) for f, r in self.holders.items()},
+                "manifest_rank": self.manifest_rank}
+
+    @staticmethod
+    def from_json(doc: Mapping[str, Any]) -> "Candidate":
+        return Candidate(int(doc["step"]), int(doc["tier"]),
+                         {str(f): tuple(int(r) for r in rs) for f, rs in doc.get("holders", {}).items()},
+                         None if doc.get("manifest_rank") is None else int(doc["manifest_rank"]))
+
+
+def _inventory_entries(inv: Any):
+    """(step, files held, files the manifest needs or None) of one rank's inventory,
+    skipping anything malformed: inventories come through the store."""
+    if not isinstance(inv, Mapping):
+        return
+    for s, info in inv.items():
+        if not (isinstance(s, str) and s.isdigit() and isinstance(info, Mapping)):
+            continue
+        have, need = info.get("have"), info.get("need")
+        if not isinstance(have, list) or not all(isinstance(f, str) for f in have):
+            continue
+        if need is not None and (not isinstance(need, list) or not all(isinstance(f, str) for f in need)):
+            continue
+        yield int(s), have, need
+
+
+def ram_candidates(inventories: Sequence[Any], nodes: Sequence[str], ram_tier: int,
+                   can_fetch: bool) -> dict[int, Candidate]:
+    """RAM-tier steps that can be restored: every file the manifest names is on some
+    node (when files can be fetched between nodes, `can_fetch`), or on every node.
+
+    `inventories[r]` is rank r's view of its node: {"<step>": {"have": [data files],
+    "need": [files the manifest names] or None when the node has no manifest}}."""
+    parsed = [{s: (have, need) for s, have, need in _inventory_entries(inv)} for inv in inventories]
+    by_step: dict[int, dict[str, Any]] = {}
+    for rank, inv in enumerate(parsed):
+        for s, (have, need) in inv.items():
+            entry = by_step.setdefault(s, {"holders": {}, "need": None, "manifest_rank": None, "nodes": {}})
+            for f in have:
+                entry["holders"].setdefault(f, []).append(rank)
+            entry["nodes"].setdefault(nodes[rank], set()).update(have)
+            if need is not None and entry["need"] is None:
+                entry["need"], entry["manifest_rank"] = need, rank
+    all_nodes = set(nodes)
+    out = {}
+    for s, e in by_step.items():
+        if e["need"] is None:
+            continue
+        need = set(e["need"])
+        if can_fetch:
+            complete = need <= set(e["holders"])
+        else:  # no transport between nodes: every node must hold everything
+            complete = all(need <= e["nodes"].get(n, set()) for n in all_nodes)
+        if complete:  # the manifest goes through the store only when a node lacks it
+            lacking = any(inv.get(s, (None, None))[1] is None for inv in parsed)
+            out[s] = Candidate(s, ram_tier, {f: tuple(r) for f, r in e["holders"].items()},
+                               e["manifest_rank"] if lacking else None)
+    return out
+
+
+def order_candidates(step: int | None, ram: Mapping[int, Candidate],
+                     listings: Sequence[tuple[int, Sequence[int]]]) -> list[Candidate]:
+    """Every (step, source) to try: newest step first (only `step` when one is asked
+    for); for a step, the RAM tier first, then the shared tiers in the order given
+    (`listings`: (tier index, its committed steps), fastest tier first)."""
+    options: dict[int, list[Candidate]] = {}
+    for s, cand in ram.items():
+        options.setdefault(s, []).append(cand)
+    for tier, steps in listings:
+        for s in steps:
+            options.setdefault(s, []).append(Candidate(s, tier))
+    wanted = [step] if step is not None else sorted(options, reverse=True)
+    return [c for s in wanted for c in options.get(s, [])]
+
+
+def files_for(manifest: Manifest, regions: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> set[str]:
+    """The data files holding any byte of the `regions` (name -> (offsets, lengths)) this rank needs."""
+    files = set()
+    for t in manifest.tensors:
+        if t.name not in regions:
+            continue
+        offs, lens = regions[t.name]
+        for s in t.shards:
+            if overlap(offs, lens, s.offsets, s.lengths) is not None or not lens:
+                files.update(c.file for c in s.chunks)
+    return files
+
+
+def fetch_plan(requests: Sequence[Mapping[str, Any]], holders: Mapping[str, Sequence[int]],
+               nodes: Sequence[str]) -> list[Transfer]:
+    """One transfer per (node, file) that node lacks, to one of the node's ranks that need it.
+
+    `requests[r]["missing"]`: the files rank r needs and its node lacks. Receiving
+    and storing are spread over the node's ranks (a lost node's ranks lack the same
+    files; one of them receiving everything would store it all alone), and sending
+    over the holders on other nodes. Every rank computes the same plan from the
+    same requests."""
+    wanted: dict[tuple[str, str], list[int]] = {}
+    for rank, req in enumerate(requests):
+        for f in req.get("missing") or []:
+            wanted.setdefault((nodes[rank], f), []).append(rank)
+    plan: list[Transfer] = []
+    received_by: dict[int, int] = {}
+    for (node, f), ranks in wanted.items():
+        sources = [h for h in holders.get(f, []) if nodes[h] != node]
+        if not sources:
+            continue
+        dst = min(ranks, key=lambda r: (received_by.get(r, 0), r))  # the least loaded so far
+        received_by[dst] = received_by.get(dst, 0) + 1
+        plan.append(Transfer(sources[len(plan) % len(sources)], dst, f))
+    return plan

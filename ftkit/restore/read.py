@@ -1,0 +1,258 @@
+"""Reading one restore candidate on this rank, before the vote (restore/__init__.py).
+
+A shared tier (`read_shared_candidate`): the manifest, validated; its files'
+real sizes; the fit with the live state; then one pass over the chunks, each
+verified where it lands. The RAM tier (`read_ram_candidate`): the same, after
+fetching the files this node lacks from a rank whose node holds them, over the
+peer group. Both return (loaded, vote): what `load` needs, or None, and this
+rank's ballot {"error": ..., "mismatch": [...]}.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
+from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
+from ftkit.format.reader import check_file_sizes, load_manifest, read_regions, torch_dtype
+from ftkit.restore.context import RestoreContext
+from ftkit.restore.plan import Candidate, fetch_plan, files_for
+from ftkit.save import capture as cap
+from ftkit.save.sharding import RANK_LOCAL, dtensor_region, is_dtensor
+
+log = logging.getLogger("ftkit")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in as sent
+
+
+def read_shared_candidate(rc: RestoreContext, step: int, storage):
+    """Read and check this rank's part of a step on a shared tier, before the vote.
+
+    Order: the manifest (validated), the sizes of its files against storage
+    (before anything is allocated on its word), the fit with the live state (a
+    mismatch is known before any live byte is written), then one pass over the
+    chunks: tensors whose live counterpart is a plain contiguous CPU tensor of the
+    saved shape and dtype are read straight into it, verified chunk by chunk; the
+    rest into new tensors, loaded after the vote. A failure anywhere makes this
+    rank vote "error"; every rank then moves on to the next candidate, which
+    rewrites every live byte this one touched (the chunks of a valid step tile
+    every tensor exactly).
+    """
+    try:
+        manifest = load_manifest(storage, step)
+        check_file_sizes(storage, manifest)
+        regions, dtensors, live = _regions(rc, manifest)
+        in_place = _in_place_targets(live, manifest, regions, dtensors)
+        problems = _fit_problems(rc, manifest, regions, in_place)
+        if problems:
+            return None, {"error": None, "mismatch": problems}
+        with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
+            tensors = read_regions(storage, manifest, regions, out=targets)
+        tensors.update(in_place)
+        loaded = _finish(rc, step, manifest, tensors, dtensors)
+    except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+        return None, {"error": str(e), "mismatch": []}
+    return loaded, {"error": None, "mismatch": []}
+
+
+def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: Manifest | None):
+    """Read a step from the RAM tier, fetching files this node lacks from peers.
+
+    Every rank takes part in every exchange below even after a local error (it
+    then only reports the error), so no rank waits on one that gave up.
+    """
+    ctx, step = rc.dist, cand.step
+    storage = rc.storages[rc.ram]
+    step_dir = step_dir_name(step)
+    error: str | None = None
+    # The manifest: parsed by the inventory, or from this node, or from the rank named by the plan.
+    if ctx.rank == cand.manifest_rank and ctx.distributed:
+        try:
+            ctx.put(f"{key}/manifest", storage.read_bytes(f"{step_dir}/{MANIFEST_NAME}").decode())
+        except Exception as e:
+            ctx.put(f"{key}/manifest", "")
+            error = str(e)
+    try:
+        if manifest is None and storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
+            manifest = load_manifest(storage, step)
+        if manifest is None:
+            doc = ctx.get(f"{key}/manifest")
+            if not doc:
+                raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
+            manifest = manifest_from_json(doc.encode(), f"RAM manifest of step {step}", expect_step=step)
+        present = set(storage.list_sizes(step_dir))
+        check_file_sizes(storage, manifest, present & set(manifest.files))  # peers check theirs before sending
+        regions, dtensors, live = _regions(rc, manifest)
+        in_place = _in_place_targets(live, manifest, regions, dtensors)
+        problems = _fit_problems(rc, manifest, regions, in_place)
+        needed = files_for(manifest, regions)
+        missing = sorted(needed - present)
+    except (FtkitError, OSError, ValueError) as e:  # ValueError: a store message that is not JSON
+        error, missing, regions, dtensors, in_place, problems = str(e), [], {}, {}, {}, []
+    requests = ctx.gather(f"{key}/req", {"missing": missing, "error": error, "mismatch": problems})
+    origin = {"source": "ram+peer" if missing else "ram", "files_from_peers": len(missing), "received": []}
+    if any(r["mismatch"] for r in requests):  # known everywhere before any live byte is written
+        return None, {"error": None, "mismatch": problems}, origin
+    plan = fetch_plan(requests, cand.holders, ctx.nodes)
+    moved_error = None
+    received: list[str] = []
+    t_fetch = time.perf_counter()
+    if plan:
+        try:
+            if rc.peers is None or rc.peers.broken:
+                raise StorageError("files are on other nodes but there is no peer group to fetch them")
+            sizes = {(t.src, t.file): manifest.files[_listed(manifest, t.file)]["bytes"] for t in plan}
+            received = rc.peers.run(plan, lambda f: _read_file(storage, step_dir, f, manifest),
+                                     lambda f, buf: _write_file(storage, step_dir, f, buf, manifest), sizes)
+        except Exception as e:
+            moved_error = f"fetching RAM-tier files from peers failed: {e}"
+    moved = ctx.gather(f"{key}/moved", moved_error)  # siblings' received files are in place now
+    if plan:
+        origin["fetch_s"] = time.perf_counter() - t_fetch
+    error = error or moved_error or next((m for m in moved if m), None)
+    if error is None:
+        try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
+            with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
+                tensors = read_regions(storage, manifest, regions, out=targets)
+            tensors.update(in_place)
+        except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+            error = str(e)
+    origin["received"] = received
+    if error is None:
+        try:
+            loaded = _finish(rc, step, manifest, tensors, dtensors)
+        except CorruptCheckpointError as e:
+            error = str(e)
+    if error is not None:
+        return None, {"error": error, "mismatch": []}, origin
+    return loaded, {"error": None, "mismatch": []}, origin
+
+
+def _regions(rc, manifest: Manifest):
+    """The region of each saved tensor this rank needs, the live DTensors among them, and the live tensors."""
+    _init_sharded_optimizers(rc.state)
+    live = dict(cap.capture(rc.state, rng=False).tensors)
+    rank_prefix = f"{cap.RNG_KEY}/r{rc.dist.rank}/"
+    regions, dtensors = {}, {}
+    for entry in manifest.tensors:
+        full = ((0,) * len(entry.shape), entry.shape)
+        if entry.kind == RANK_LOCAL:
+            if entry.name.startswith(rank_prefix):
+                regions[entry.name] = full
+            continue
+        t = live.get(entry.name)
+        if t is not None and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
+            offsets, lengths, _ = dtensor_region(t)
+            regions[entry.name] = (offsets, lengths)
+            dtensors[entry.name] = t
+        else:
+            regions[entry.name] = full
+    return regions, dtensors, live
+
+
+def _fit_problems(rc, manifest: Manifest, regions, in_place) -> list[str]:
+    """What keeps `manifest` from loading into the live state, decided from the manifest alone.
+
+    Saved tensors not yet read stand in as memoryless tensors of their global
+    shape and dtype (a DTensor compares by global shape too).
+    """
+    entries = {t.name: t for t in manifest.tensors}
+    stand_ins = {}
+    for name in regions:
+        if name in in_place:
+            stand_ins[name] = in_place[name]
+        else:
+            e = entries[name]
+            stand_ins[name] = torch.empty((), dtype=torch_dtype(e.dtype)).expand(e.shape)
+    return cap.check(rc.state, manifest.skeleton, stand_ins)
+
+
+def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
+    """Wrap DTensor regions, pick this rank's RNG."""
+    for name, t in dtensors.items():
+        from torch.distributed.tensor import DTensor
+
+        local = tensors[name].to(t.to_local().device)
+        tensors[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                           shape=t.shape, stride=t.stride())
+    rng_value = None
+    if rc.rng:
+        rng_value = manifest.rank_state.get(str(rc.dist.rank), {}).get("rng")
+        if rng_value is None:
+            log.info("step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
+                     step, rc.dist.rank, manifest.world_size)
+        else:
+            try:
+                problems = cap.rng_problems(cap.decode(rng_value, tensors))
+            except KeyError as e:
+                problems = [f"it names tensor {e} that this rank did not read"]
+            if problems:
+                raise CorruptCheckpointError(f"step {step}: the RNG state of rank {rc.dist.rank} is unusable: "
+                                             f"{'; '.join(problems)}")
+    return manifest, tensors, rng_value
+
+
+def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
+    """Live tensors a whole saved tensor can be read straight into: plain, contiguous, on the CPU or a
+    CUDA device (read through a pinned staging slot, see StagingArena.host_targets), same shape and dtype."""
+    out = {}
+    for entry in manifest.tensors:
+        t = live.get(entry.name)
+        if t is None or entry.name in dtensors or entry.name not in regions:
+            continue
+        whole = regions[entry.name] == ((0,) * len(entry.shape), entry.shape)
+        if whole and t.device.type in ("cpu", "cuda") and t.is_contiguous() and not is_dtensor(t) \
+                and tuple(t.shape) == tuple(entry.shape) and str(t.dtype).removeprefix("torch.") == entry.dtype:
+            out[entry.name] = t
+    return out
+
+
+def _listed(manifest, name: Any) -> str:
+    """A file name from a peer's request (a store message: untrusted): one the manifest lists."""
+    if manifest is None or not isinstance(name, str) or name not in manifest.files:
+        raise CorruptCheckpointError(f"a peer asked for {str(name)[:80]!r}, which the manifest does not list")
+    return name
+
+
+def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
+    """A data file to send to a peer: its page-cache pages themselves when the file is local."""
+    size = manifest.files[_listed(manifest, name)]["bytes"]
+    if size and storage.is_local:
+        fd = os.open(storage.path(f"{step_dir}/{name}"), os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size >= size:
+                # Mapped and populated in one call: no copy into fresh memory (which costs
+                # several times a read, in page faults). The tensor keeps the mapping alive
+                # until the send is done; gloo only reads it.
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "not writable": nobody writes it
+                    return torch.frombuffer(mapped, dtype=torch.uint8)
+        finally:
+            os.close(fd)
+    buf = torch.empty(size, dtype=torch.uint8)  # a short file sends what it has; the receiver's checksum says so
+    with storage.open_read(f"{step_dir}/{name}") as f:
+        if size:
+            f.readinto(memoryview(buf.numpy()))
+    return buf
+
+
+def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor, manifest) -> None:
+    with storage.open_write(f"{step_dir}/{_listed(manifest, name)}", recycle=True) as f:
+        f.write(memoryview(buf.numpy()))
+
+
+def _init_sharded_optimizers(state) -> None:
+    """Give empty optimizers over DTensor parameters their state, so it can be resharded into."""
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer) and not obj.state and any(
+                is_dtensor(p) for g in obj.param_groups for p in g["params"]):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(obj)

@@ -1,0 +1,196 @@
+"""The pure planners, without processes or storage: restore candidates and fetch plans
+(for 4, 64 and 1,024 ranks), the save plan, replica placement, retention, overlaps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftkit.format.manifest import Chunk, Manifest, Shard, TensorEntry
+from ftkit.restore.plan import Candidate, fetch_plan, files_for, order_candidates, ram_candidates
+from ftkit.save.sharding import RANK_LOCAL, REPLICATED, byte_span, overlap, plan_pieces
+from ftkit.tiers.peers import replica_targets, replication_plan
+from ftkit.tiers.retention import StepInfo, plan_collection, plan_retention
+
+
+def _nodes(world: int, per_node: int) -> list[str]:
+    return [f"node{r // per_node}" for r in range(world)]
+
+
+def _files(world: int) -> list[str]:
+    return [f"rank-{r:05d}-00000000.data" for r in range(world)]
+
+
+def _inventories(world: int, per_node: int, steps: dict[int, set[str]], replicas: int = 1,
+                 lost: set[str] = frozenset()) -> list[dict]:
+    """What each rank reports: its node holds its ranks' files of every step, plus the
+    replicas it received (placement as peers.replica_targets), and the manifest; a
+    lost node holds nothing."""
+    nodes = _nodes(world, per_node)
+    files = _files(world)
+    held: dict[str, set[str]] = {n: set() for n in nodes}
+    for r in range(world):
+        held[nodes[r]].add(files[r])
+        for t in replica_targets(r, nodes, replicas):
+            held[nodes[t]].add(files[r])
+    out = []
+    for r in range(world):
+        node = nodes[r]
+        inv = {}
+        if node not in lost:
+            for s, need in steps.items():
+                inv[str(s)] = {"have": sorted(held[node] & need), "need": sorted(need)}
+        out.append(inv)
+    return out
+
+
+@pytest.mark.parametrize("world, per_node", [(4, 2), (64, 8), (1024, 8)])
+def test_every_step_complete_somewhere_is_a_ram_candidate(world, per_node):
+    nodes = _nodes(world, per_node)
+    need = set(_files(world))
+    inv = _inventories(world, per_node, {10: need, 11: need})
+    got = ram_candidates(inv, nodes, ram_tier=0, can_fetch=True)
+    assert sorted(got) == [10, 11]
+    c = got[11]
+    assert c.tier == 0 and c.manifest_rank is None  # every node has the manifest: nothing goes through the store
+    assert set(c.holders) == need
+    for f in need:  # each file is held by the ranks of its own node and of its replica's node
+        assert len({nodes[r] for r in c.holders[f]}) == 2
+
+
+@pytest.mark.parametrize("world, per_node", [(4, 2), (64, 8), (1024, 8)])
+def test_a_lost_node_is_restored_from_replicas_only_with_peers(world, per_node):
+    nodes = _nodes(world, per_node)
+    need = set(_files(world))
+    inv = _inventories(world, per_node, {7: need}, lost={"node1"})
+    with_peers = ram_candidates(inv, nodes, 0, can_fetch=True)
+    assert list(with_peers) == [7]
+    assert with_peers[7].manifest_rank is not None and nodes[with_peers[7].manifest_rank] != "node1"
+    assert ram_candidates(inv, nodes, 0, can_fetch=False) == {}  # no transport: node1 cannot get its files
+
+
+def test_a_step_missing_a_file_everywhere_is_no_candidate():
+    world, per_node = 64, 8
+    need = set(_files(world))
+    inv = _inventories(world, per_node, {5: need}, replicas=0)
+    victim = _files(world)[9]
+    for r, i in enumerate(inv):
+        i["5"]["have"] = [f for f in i["5"]["have"] if f != victim]
+    assert ram_candidates(inv, _nodes(world, per_node), 0, can_fetch=True) == {}
+
+
+def test_malformed_inventories_from_the_store_are_skipped():
+    world, per_node = 4, 2
+    nodes = _nodes(world, per_node)
+    need = set(_files(world))
+    inv = _inventories(world, per_node, {3: need})
+    inv[1] = {"3": {"have": "not a list", "need": None}, "x": {}, "4": [1]}
+    inv[3] = ["not", "a", "dict"]
+    got = ram_candidates(inv, nodes, 0, can_fetch=True)
+    assert list(got) == [3] and got[3].manifest_rank == 0  # ranks 1 and 3 said nothing usable
+
+
+def test_candidates_are_newest_first_ram_first_then_fastest_tier():
+    ram = {9: Candidate(9, 0), 7: Candidate(7, 0)}
+    listings = [(1, [5, 7, 8]), (2, [6, 8])]  # tier 1 (local) before tier 2 (remote)
+    got = [(c.step, c.tier) for c in order_candidates(None, ram, listings)]
+    assert got == [(9, 0), (8, 1), (8, 2), (7, 0), (7, 1), (6, 2), (5, 1)]
+    assert [(c.step, c.tier) for c in order_candidates(7, ram, listings)] == [(7, 0), (7, 1)]
+    assert order_candidates(4, ram, listings) == []
+    c = Candidate(3, 0, {"f": (1, 2)}, 2)
+    assert Candidate.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize("world, per_node", [(4, 2), (64, 8), (1024, 8)])
+def test_a_lost_nodes_files_are_fetched_once_each_and_spread_over_its_ranks(world, per_node):
+    nodes = _nodes(world, per_node)
+    files = _files(world)
+    inv = _inventories(world, per_node, {1: set(files)}, lost={"node1"})
+    cand = ram_candidates(inv, nodes, 0, can_fetch=True)[1]
+    lost_ranks = [r for r in range(world) if nodes[r] == "node1"]
+    # every rank of node1 needs every file (a replicated state), and holds none
+    requests = [{"missing": sorted(files) if r in lost_ranks else []} for r in range(world)]
+    plan = fetch_plan(requests, cand.holders, nodes)
+    assert sorted(t.file for t in plan) == sorted(files)  # once per file for the node
+    assert all(nodes[t.src] != "node1" and nodes[t.dst] == "node1" for t in plan)
+    per_dst = [sum(t.dst == r for t in plan) for r in lost_ranks]
+    assert max(per_dst) - min(per_dst) <= 1  # receiving spread evenly
+    assert all(t.src in cand.holders[t.file] for t in plan)
+    assert fetch_plan(requests, cand.holders, nodes) == plan  # every rank computes the same plan
+
+
+def test_files_for_reads_only_the_overlapping_shards():
+    def chunk(f):
+        return (Chunk(f, 0, 16, 0, 16, "raw", "xxh3_64:" + "0" * 16),)
+    t = TensorEntry("w", "float32", (8,), (Shard((0,), (4,), chunk("a.data")), Shard((4,), (4,), chunk("b.data"))))
+    m = Manifest(1, 2, (t,), {"entries": {}}, {"a.data": {"bytes": 16}, "b.data": {"bytes": 16}})
+    assert files_for(m, {"w": ((0,), (8,))}) == {"a.data", "b.data"}
+    assert files_for(m, {"w": ((5,), (2,))}) == {"b.data"}
+    assert files_for(m, {}) == set()
+
+
+# ------------------------------------------------------------------ saving
+def test_plan_pieces_saves_replicated_state_once_split_and_balanced():
+    big = torch.zeros(1024, 512)  # 2 MiB: split into row blocks
+    small = [torch.zeros(100) for _ in range(6)]
+    named = [("big", big)] + [(f"s{i}", t) for i, t in enumerate(small)] + [("_rng/r0/torch", torch.zeros(10))]
+    world = 4
+    plans = [plan_pieces(named, r, world) for r in range(world)]
+    rows = sorted((p.offsets[0], p.lengths[0]) for pl in plans for p, _ in pl if p.name == "big")
+    assert rows == [(0, 256), (256, 256), (512, 256), (768, 256)]  # tiles the tensor once
+    owners = {p.name: r for r, pl in enumerate(plans) for p, _ in pl if p.name.startswith("s")}
+    assert sorted(owners) == [f"s{i}" for i in range(6)] and len(set(owners.values())) >= 2  # spread
+    rng = [(r, p) for r, pl in enumerate(plans) for p, _ in pl if p.name.startswith("_rng")]
+    assert all(p.kind == RANK_LOCAL for _, p in rng) and len(rng) == world  # every rank its own
+    for r, pl in enumerate(plans):
+        for p, src in pl:
+            assert tuple(src.shape) == p.lengths and (p.kind in (REPLICATED, RANK_LOCAL))
+
+
+def test_plan_pieces_on_one_rank_saves_everything_whole():
+    named = [("a", torch.zeros(3000, 100)), ("b", torch.zeros(5))]
+    got = plan_pieces(named, 0, 1)
+    assert [(p.name, p.lengths) for p, _ in got] == [("a", (3000, 100)), ("b", (5,))]
+
+
+@pytest.mark.parametrize("nodes, k", [(_nodes(4, 2), 1), (_nodes(64, 8), 2), (_nodes(1024, 8), 1), (["a"] * 3, 1)])
+def test_replicas_go_to_other_nodes_and_never_all_on_one(nodes, k):
+    node_count = len(set(nodes))
+    for r in range(0, len(nodes), max(1, len(nodes) // 16)):
+        targets = replica_targets(r, nodes, k)
+        assert len(targets) == min(k, node_count - 1)
+        assert all(nodes[t] != nodes[r] for t in targets)
+        assert len({nodes[t] for t in targets}) == len(targets)  # distinct nodes
+    files = _files(len(nodes))
+    plan = replication_plan(files, nodes, k)
+    assert len(plan) == len(nodes) * min(k, node_count - 1)
+    assert replication_plan(files, nodes, k) == plan  # the same order on every rank
+
+
+# ------------------------------------------------------------------ retention
+def test_plan_retention_keeps_the_newest_every_mth_and_the_protected():
+    p = plan_retention([1, 2, 3, 4, 5, 6], keep=2, keep_every=3, protect=1)
+    assert p.keep == (1, 3, 5, 6) and p.delete == (2, 4)
+    assert plan_retention([1, 2], keep=None).delete == ()
+    with pytest.raises(ValueError):
+        plan_retention([1], keep=0)
+
+
+def test_plan_collection_never_deletes_past_the_newest_verified_step():
+    steps = [StepInfo(1, "committed", None), StepInfo(2, "committed", True), StepInfo(3, "committed", False),
+             StepInfo(4, "partial", None, age_s=10.0), StepInfo(0, "partial", None, age_s=7200.0),
+             StepInfo(9, "link"), StepInfo(5, "retired", None, age_s=7200.0)]
+    p = plan_collection(steps, keep=1, keep_every=None, grace_s=3600)
+    assert p.protected == 2 and p.delete == (1,) and p.keep == (2, 3)
+    assert p.remove_partial == (0, 5) and p.held == () and p.refused == (9,)
+    none_ok = plan_collection([StepInfo(1, "committed", False), StepInfo(2, "committed", False)], 1, None, 0)
+    assert none_ok.delete == () and none_ok.protected is None
+
+
+# ------------------------------------------------------------------ overlaps
+def test_overlap_and_byte_span():
+    assert overlap((0, 0), (4, 4), (2, 2), (4, 4)) == ((2, 2), (2, 2))
+    assert overlap((0,), (4,), (4,), (4,)) is None
+    # rows 1-2 of a 4x3 shard of 4-byte items: bytes 12..36
+    assert byte_span((1, 0), (2, 3), (0, 0), (4, 3), 4) == (12, 36)
+    assert byte_span((), (), (), (), 8) == (0, 8)
