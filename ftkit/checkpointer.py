@@ -36,8 +36,10 @@ from ftkit.coord.events import EventLog
 from ftkit.errors import AlreadyCommitted, FtkitError
 from ftkit.coord.faultpoints import fault_point
 from ftkit.tiers.retention import apply_job_retention
-from ftkit.save.persist import (KeyLedger, commit_key, persist, persist_node_local,
-                      report_skipped)
+from ftkit.save.commit import persist
+from ftkit.save.keys import KeyLedger, commit_key
+from ftkit.save.node_commit import persist_node_local
+from ftkit.save.reports import report_skipped
 from ftkit.tiers.peers import PeerGroup
 from ftkit.coord.preemption import PreemptionHandler
 from ftkit.tiers.ram import SparePool, open_node_dir, run_identity

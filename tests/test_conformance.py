@@ -16,7 +16,7 @@ import torch
 import ftkit
 from ftkit.errors import CorruptCheckpointError
 from ftkit.format.manifest import step_dir_name
-from ftkit.save.persist import write_data
+from ftkit.save.write import write_data
 from ftkit.format.reader import committed_steps, load_manifest, verify
 from ftkit.save.staging import Layout, StagingArena
 

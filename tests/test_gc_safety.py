@@ -16,7 +16,8 @@ import torch
 
 import ftkit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.save.persist import commit, write_data
+from ftkit.save.commit import commit
+from ftkit.save.write import write_data
 from ftkit.format.reader import committed_steps, scan
 from ftkit.save.staging import Layout, StagingArena
 from ftkit.tiers.storage import Storage

@@ -322,7 +322,7 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path):
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
-    from ftkit.save.persist import persist_node_local
+    from ftkit.save.node_commit import persist_node_local
     from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()
@@ -348,7 +348,7 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path):
 
 def test_a_report_with_no_tensors_for_its_bytes_is_refused():
     from ftkit.errors import FormatError
-    from ftkit.save.persist import _Report
+    from ftkit.save.reports import NodeReport as _Report
 
     text = json.dumps({"file": "rank-00001-abcdef01.data", "nbytes": 4096, "error": None, "rng": None}) + "\n[]"
     with pytest.raises(FormatError, match="no tensor for its 4096-byte file"):
@@ -361,7 +361,8 @@ def test_a_node_leader_validates_the_manifest_it_receives(tmp_path):
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
-    from ftkit.save.persist import _Report, persist_node_local
+    from ftkit.save.node_commit import persist_node_local
+    from ftkit.save.reports import NodeReport as _Report
     from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ftkit.format.manifest import Manifest
-from ftkit.save.persist import commit, discard, write_data
+from ftkit.save.commit import commit
+from ftkit.save.write import discard, write_data
 from ftkit.format.reader import read_tensors
 from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
 from ftkit.save.staging import Layout, StagingArena

@@ -1,0 +1,72 @@
+"""The c10d store keys a step's commit uses, and the bookkeeping that deletes them.
+
+Every commit passes reports through the store (torchrun's agent, or rank 0): a
+job that snapshots every step for days must not grow it by every report it ever
+sent. `commit_key` names one step's commit to one tier; a `KeyLedger` remembers
+what a commit left behind, for a later one to delete once that is safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+from ftkit.coord.dist import DistContext
+
+
+def commit_key(tier: int, epoch: int, step: int) -> str:
+    """The store keys of one step's commit to one tier. `epoch` (restore() calls so far)
+    keeps a step snapshotted again after an in-process restore from meeting the keys
+    of its first commit."""
+    return f"commit/{tier}/{epoch}/{step}"
+
+
+class KeyLedger:
+    """Store keys that calls of one tier's commit left behind, each with the (restore
+    epoch, step) it belongs to; a later call deletes those of earlier steps once it
+    is safe. `names(key)` lists what one call with `key` may leave behind."""
+
+    def __init__(self, names: Callable[[str], list[str]]):
+        self._names = names
+        self._lock = threading.Lock()  # the training thread records skips; the persist thread the rest
+        self._keys: list[tuple[tuple[int, int], str]] = []
+
+    @staticmethod
+    def node_local(rank: int) -> "KeyLedger":
+        """persist_node_local's keys of one rank: its reports, and rank 0's manifest."""
+        manifest = ["manifest"] if rank == 0 else []
+        return KeyLedger(lambda key: [f"{key}/{n}" for n in (f"w/{rank}", f"r/{rank}", *manifest)])
+
+    @staticmethod
+    def shared(world_size: int) -> "KeyLedger":
+        """persist's keys of a step rank 0 skipped: every rank's report, which rank 0 would have deleted."""
+        return KeyLedger(lambda key: [f"{key}/{r}" for r in range(world_size)])
+
+    def record(self, at: tuple[int, int], key: str) -> None:
+        with self._lock:
+            self._keys += [(at, k) for k in self._names(key)]
+
+    @contextlib.contextmanager
+    def older_than(self, at: tuple[int, int]) -> Iterator[list[tuple[tuple[int, int], str]]]:
+        """The (at, key) pairs of calls before `at`, for this call to delete (emptying
+        the list); whatever is still in the list at the end is kept for a later call."""
+        with self._lock:
+            older = [(t, k) for t, k in self._keys if t < at]
+            self._keys = [(t, k) for t, k in self._keys if t >= at]
+        try:
+            yield older
+        finally:
+            if older:  # not deleted this time
+                with self._lock:
+                    self._keys += older
+
+
+def older_keys(ledger: KeyLedger | None, at: tuple[int, int]):
+    return ledger.older_than(at) if ledger else contextlib.nullcontext([])
+
+
+def delete_keys(ctx: DistContext, older: list[tuple[tuple[int, int], str]]) -> None:
+    if older:
+        ctx.delete(*(k for _, k in older))
+        older.clear()

@@ -1,0 +1,125 @@
+"""The reports ranks send each other through the store while committing a step.
+
+They are untrusted input (anyone who can write the job's store can forge one):
+decoding validates them like a manifest (format/validate.py), and one that does
+not validate reads as that rank's error, so every rank sees the same outcome and
+the step is simply not committed.
+
+* shared tiers (save/commit.py): one JSON object per rank, {"write", "error", "rng"};
+* the RAM tier (save/node_commit.py): `NodeReport`, two JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ftkit.coord.dist import DistContext
+from ftkit.errors import FormatError
+from ftkit.format.manifest import tensor_entry_doc
+from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
+from ftkit.save.write import RankWrite
+
+
+def shared_report(rank: int, raw: bytes, world_size: int) -> dict[str, Any]:
+    """A rank's report to rank 0 (persist), read from the store: untrusted, validated
+    like a manifest's parts; one that does not validate reads as that rank's error."""
+    where = f"rank {rank}'s report"
+    try:
+        doc = parse_json(raw, where, "")
+        if not isinstance(doc, dict) or not isinstance(doc.get("error"), (str, type(None))):
+            raise FormatError(f"{where} is malformed")
+        if doc["error"] is None:  # the tensors are validated with the manifest they become part of
+            w = doc.get("write")
+            if not isinstance(w, dict) or w.get("rank") != rank or not isinstance(w.get("tensors"), list):
+                raise FormatError(f"{where} has no write of rank {rank}")
+            check_file_name(w.get("file"))
+        return doc
+    except FormatError as e:
+        return {"error": f"unreadable report: {e}", "write": None}
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One rank's report of its RAM-tier write, as gathered by every rank.
+
+    Sent as two JSON lines: a small head that every rank reads, then the tensor
+    entries, which only rank 0 (for the manifest) and the ranks receiving this
+    rank's replica (for its checksums) decode.
+    """
+
+    rank: int
+    file: str | None
+    nbytes: int
+    error: str | None
+    rng: Any
+    tensors_json: str
+    skipped: bool = False  # sent by the training thread (policy "skip"), not by a persist thread
+    world_size: int = 1
+
+    @staticmethod
+    def encode(write: RankWrite | None, error: str | None, rng: Any, skipped: bool = False) -> str:
+        head = {"file": write.file if write else None, "nbytes": write.nbytes if write else 0,
+                "error": error, "rng": rng, "skipped": skipped}
+        tensors = [tensor_entry_doc(t) for t in write.tensors] if write else []
+        return json.dumps(head) + "\n" + json.dumps(tensors)  # json.dumps never emits a raw newline
+
+    @staticmethod
+    def decode(rank: int, text: str, world_size: int) -> "NodeReport":
+        """A report as read from the store: untrusted, so its head is validated here
+        (a file name is a plain name inside the step directory) and its tensors by
+        `tensors()`, the only way they are read."""
+        where = f"rank {rank}'s report"
+        head_text, _, tensors = text.partition("\n")
+        h = parse_json(head_text, where, "head")
+        if not isinstance(h, dict) or not isinstance(h.get("error"), (str, type(None))):
+            raise FormatError(f"{where} is malformed")
+        file = h.get("file")
+        if file is not None:
+            check_file_name(file)
+        nbytes = h.get("nbytes", 0)
+        if type(nbytes) is not int or not 0 <= nbytes <= MAX_INT:
+            raise FormatError(f"{where} has a bad byte count")
+        return NodeReport(rank, file, nbytes, h["error"], h.get("rng"), tensors or "[]", h.get("skipped") is True,
+                       world_size)
+
+    def tensors(self, validate: bool = True) -> list[dict[str, Any]]:
+        """The reported tensor entries, validated against this report's file
+        (validate.report_tensors) unless the caller validates what it builds of them."""
+        docs = parse_json(self.tensors_json, f"rank {self.rank}'s report", "tensor list")
+        if self.file is None:
+            if docs:
+                raise FormatError(f"rank {self.rank}'s report lists tensors but no file")
+            return []
+        if validate:
+            entries = report_tensors(docs, self.file, self.nbytes, self.world_size, f"rank {self.rank}'s report")
+            if not entries and self.nbytes:
+                raise FormatError(f"rank {self.rank}'s report lists no tensor for its {self.nbytes}-byte file")
+        return docs
+
+    def write_doc(self) -> dict[str, Any]:
+        """For rank 0's commit, which validates the whole manifest it assembles."""
+        return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes, "tensors": self.tensors(validate=False)}
+
+
+def decode_report(rank: int, text: str, world_size: int) -> NodeReport:
+    """A report, or (when it does not even parse) an error report in its place, so that
+    every rank sees the same outcome and the step is simply not committed."""
+    try:
+        return NodeReport.decode(rank, text, world_size)
+    except FormatError as e:
+        return NodeReport(rank, None, 0, f"unreadable report: {e}", None, "[]", False, world_size)
+
+
+def report_skipped(ctx: DistContext, key: str, node_local: bool, reason: str) -> None:
+
+    """Policy "skip": tell the other ranks at once that this rank will not write the
+    step of `key`, so nobody waits for its share (or, from rank 0, for a manifest)."""
+    if not node_local:
+        ctx.put(f"{key}/{ctx.rank}", {"write": None, "rng": None, "error": reason})
+        return
+    ctx.store.set(f"{key}/w/{ctx.rank}", NodeReport.encode(None, reason, None, skipped=True))
+    ctx.put(f"{key}/r/{ctx.rank}", None)
+    if ctx.rank == 0:
+        ctx.put(f"{key}/manifest", "")
