@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
-import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, MutableMapping, Sequence
 
@@ -33,23 +30,21 @@ import torch
 from ftkit.save import capture as cap
 from ftkit.coord.dist import DistContext
 from ftkit.coord.events import EventLog
-from ftkit.errors import AlreadyCommitted, FtkitError
+from ftkit.errors import FtkitError
 from ftkit.coord.faultpoints import fault_point
-from ftkit.tiers.retention import apply_job_retention
-from ftkit.save.commit import persist
 from ftkit.save.keys import KeyLedger, commit_key
-from ftkit.save.node_commit import persist_node_local
 from ftkit.save.reports import report_skipped
 from ftkit.tiers.peers import PeerGroup
 from ftkit.coord.preemption import PreemptionHandler
 from ftkit.tiers.ram import SparePool, open_node_dir, run_identity
 from ftkit.tiers.redact import redact_url
 from ftkit.restore import RestoreContext, restore as _restore
-from ftkit.save.sharding import Piece, plan_pieces
+from ftkit.save.pipeline import PersistJob, PersistPipeline
+from ftkit.save.sharding import plan_pieces
 from ftkit.save.staging import Layout, Slot, StagingArena
 from ftkit.tiers.storage import Storage
 from ftkit.config import Tier
-from ftkit.coord.watchdog import Watchdog, WatchdogConfig
+from ftkit.coord.watchdog import Watchdog, WatchdogConfig, exit_unless_gone, time_first_gradient
 
 log = logging.getLogger("ftkit")
 
@@ -67,17 +62,6 @@ class Stats:
     failed: int = 0  # tier persists that failed
     last_stall_s: float = 0.0
     last_committed: dict[str, int] = field(default_factory=dict)  # tier url (redacted) -> step
-
-
-@dataclass
-class _Job:
-    slot: Slot
-    step: int
-    skeleton: dict[str, Any]
-    tiers: list[int]
-    pieces: dict[str, Piece]
-    rng: Any
-    epoch: int  # restore() calls before it was staged: commits after a restore use new store keys
 
 
 class Checkpointer:
@@ -175,9 +159,6 @@ class Checkpointer:
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
-        self._errors: list[BaseException] = []
-        self._errors_lock = threading.Lock()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
         self._stopping_on_purpose = False  # a preemption's final save: exiting is the plan
         self._exit_after_failure_s = exit_after_failure_s
@@ -189,9 +170,9 @@ class Checkpointer:
         self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
         self._in_order = frozenset(f"{key}/{name}" for key, obj in state.items()
                                    if isinstance(obj, torch.nn.Module) for name, _ in obj.named_buffers())
-        self._worker = threading.Thread(target=self._run_worker, name="ftkit-persist", daemon=True)
-        self._worker.start()
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
+        self._pipeline = PersistPipeline(self.tiers, self._storages, self._keys, self._bg_ctx, self._peers,
+                                         self._replicas, self.stats, self.events.emit, self._arena.release)
         self.events.emit("start", world_size=self._ctx.world_size, node=self._ctx.node, pid=os.getpid(),
                          tiers=[redact_url(t.url) for t in self.tiers],
                          **({"ram_run": self.ram_identity.name} if self.ram_identity else {}))
@@ -210,10 +191,10 @@ class Checkpointer:
             config = watchdog if isinstance(watchdog, WatchdogConfig) else None
             pre = self._preemption
             self._watchdog = Watchdog(
-                self._ctx.own_connection(), self.events, config, flush=self._drain,
+                self._ctx.own_connection(), self.events, config, flush=self._pipeline.drain,
                 preempted=(lambda: pre.requested is not None) if pre else None,
                 on_peer_preempted=(lambda r: pre.request(signal.SIGTERM, by_rank=r)) if pre else None)
-            _time_first_gradient(state, self._watchdog)
+            time_first_gradient(state, self._watchdog)
             self._watchdog.start()
 
     # ------------------------------------------------------------- snapshots
@@ -231,37 +212,12 @@ class Checkpointer:
         self.events.emit("step", step=step)
         fault_point("step", step, self._ctx.rank)
         if self._preemption is not None and self._preemption.requested is not None \
-                and self._final_step_reached(step):
+                and self._preemption.final_step_reached(self._ctx, step):
             self._save_and_exit(step)
         due = self.due_tiers(step)
         if not due:
             return False
         return self._stage(step, due)
-
-    def _final_step_reached(self, step: int) -> bool:
-        """After a preemption notice: is `step` the one every rank saves and stops at?
-
-        Never blocks the training loop: ranks hear of the notice at different
-        times (by the signal, or a peer's heartbeat), and a rank that waited
-        here would hold the others in the next collective. Each rank publishes,
-        at the first step end after it heard, that step + 2: in lock-step
-        training nobody can have finished that step yet. Once every rank has
-        published (a non-blocking check at each step end), the stop is the
-        largest value, and every rank is still short of it.
-        """
-        ctx, pre = self._ctx, self._preemption
-        assert pre is not None
-        if not ctx.distributed:
-            return True
-        if pre.first_boundary is None:
-            pre.first_boundary = step
-            ctx.put(f"preempt/{ctx.rank}", step + 2)
-        if pre.final_step is None:
-            keys = [f"preempt/{r}" for r in range(ctx.world_size)]
-            if not ctx.store.check(keys):  # one round trip: all present?
-                return False  # someone has not heard yet; the watchdog's heartbeats will tell it
-            pre.final_step = max(ctx.get(k) for k in keys)
-        return step >= pre.final_step
 
     def _save_and_exit(self, step: int) -> None:
         """Preempted: take this step to every tier, wait for the commits, then exit."""
@@ -311,8 +267,8 @@ class Checkpointer:
         self.stats.last_stall_s = time.perf_counter() - t0
         self.events.emit("snapshot", step=step, stall_s=self.stats.last_stall_s,
                          bytes=slot.layout.total_bytes if slot.layout else 0)
-        self._jobs.put(_Job(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces},
-                            captured.rng, self._restores))
+        self._pipeline.submit(PersistJob(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces},
+                                         captured.rng, self._restores))
         return True
 
     def mark_compute_done(self) -> None:
@@ -342,74 +298,10 @@ class Checkpointer:
         """Optimizer step pre-hook: the step must not overwrite tensors still being copied."""
         self.fence()
 
-    # ------------------------------------------------------------ background
-    def _run_worker(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                self._persist_job(job)
-            finally:
-                if job is not None:
-                    self._arena.release(job.slot)
-                self._jobs.task_done()
-
-    def _persist_job(self, job: _Job) -> None:
-        for i in job.tiers:
-            tier, storage = self.tiers[i], self._storages[i]
-            try:
-                t0 = time.perf_counter()
-                key = commit_key(i, job.epoch, job.step)
-                if tier.is_ram:
-                    committed = persist_node_local(
-                        storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
-                        rng=job.rng, ctx=self._bg_ctx, key=key, peers=self._peers, replicas=self._replicas,
-                        ledger=self._keys[i], at=(job.epoch, job.step))
-                else:
-                    committed = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
-                                       pieces=job.pieces, rng=job.rng, ctx=self._bg_ctx, key=key,
-                                       ledger=self._keys[i], at=(job.epoch, job.step))
-                self.stats.persisted += 1
-                self.stats.last_committed[redact_url(tier.url)] = job.step
-                self.events.emit("persist", step=job.step, tier=redact_url(tier.url), ok=True,
-                                 seconds=time.perf_counter() - t0, committed_by_me=committed is not None)
-                if committed is not None:  # rank 0: the commit is ours, and so is retention
-                    log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
-                             committed.stored_bytes / 1e6, time.perf_counter() - t0)
-                if committed is not None or (tier.is_ram and self._ctx.node_leader(self._ctx.rank)):
-                    self._apply_retention(tier, storage, protect=job.step)
-            except AlreadyCommitted:
-                log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
-            except Exception as e:  # recorded for wait(); training goes on
-                self.stats.failed += 1
-                self.events.emit("persist", step=job.step, tier=redact_url(tier.url), ok=False,
-                                 error=redact_url(str(e))[:300])
-                log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, redact_url(str(e)))
-                with self._errors_lock:
-                    self._errors.append(e)
-
-    def _apply_retention(self, tier: Tier, storage: Storage, protect: int) -> None:
-        """After committing `protect`: drop old steps, and partial steps older than it (gc.py)."""
-        for step in apply_job_retention(storage, tier.keep, tier.keep_every, protect):
-            log.debug("retention removed step %d from %s", step, storage.display_url)
-
     # ----------------------------------------------------------------- flush
     def wait(self) -> None:
         """Block until all background work is done; re-raise the first failure since the last wait."""
-        self._jobs.join()
-        with self._errors_lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            if len(errors) > 1:
-                log.error("%d background persists failed; raising the first", len(errors))
-            raise errors[0]
-
-    def _drain(self, deadline_s: float) -> None:
-        """Let queued background persists finish, for at most `deadline_s` (before an abort)."""
-        end = time.monotonic() + deadline_s
-        while self._jobs.unfinished_tasks and time.monotonic() < end:
-            time.sleep(0.05)
+        self._pipeline.wait()
 
     def close(self, failed: bool = False) -> None:
         """Flush background work, release staging memory and hooks. Idempotent.
@@ -438,8 +330,7 @@ class Checkpointer:
             self.events.emit("close", stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed,
                                              "skipped": self.stats.skipped})
             self.events.close()
-            self._jobs.put(None)
-            self._worker.join()
+            self._pipeline.close()
             for h in self._hooks:
                 h.remove()
             self._arena.close()
@@ -452,7 +343,7 @@ class Checkpointer:
             exc.code in (0, None) or self._stopping_on_purpose))
         if not on_purpose and self._exit_after_failure_s is not None and self._ctx.distributed \
                 and "TORCHELASTIC_RUN_ID" in os.environ:
-            _exit_unless_gone(self._exit_after_failure_s, exc)
+            exit_unless_gone(self._exit_after_failure_s, exc)
         try:
             self.close(failed=not on_purpose)
         except Exception:
@@ -479,41 +370,3 @@ class Checkpointer:
                                  self._peers, self._arena, self.events.emit)
         restored, self.last_restore = _restore(context, step, key)
         return restored
-
-
-def _exit_unless_gone(seconds: float, exc: BaseException | None) -> None:
-    """End this worker if it is still alive in `seconds` (a daemon timer: a clean exit cancels it)."""
-    def end() -> None:
-        log.error("ftkit: this worker failed and is still alive %.0fs later (a collective or the process "
-                  "group's teardown is waiting for a dead peer); ending it so torchrun restarts the group. "
-                  "The failure:\n%s", seconds, redact_url("".join(traceback.format_exception(exc))) if exc else "?")
-        logging.shutdown()
-        os._exit(1)
-
-    timer = threading.Timer(seconds, end)
-    timer.daemon = True
-    timer.start()
-
-
-def _time_first_gradient(state: MutableMapping[str, Any], watchdog: Watchdog) -> None:
-    """Under DDP, note when each step's first gradient bucket is ready: a rank's busy time.
-
-    In lockstep training every rank's step takes as long as the slowest one's, so
-    the whole step cannot show a straggler; the time until the first all-reduce
-    can. Uses DDP's stock all-reduce hook, so gradients are the same as without it.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    for obj in state.values():
-        if isinstance(obj, DistributedDataParallel):
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            def hook(process_group, bucket):
-                watchdog.mark_first_gradient()
-                return default_hooks.allreduce_hook(process_group, bucket)
-
-            try:
-                obj.register_comm_hook(None, hook)
-            except RuntimeError:  # the user registered their own hook: keep it
-                log.info("ftkit: DDP already has a comm hook; call ck.mark_compute_done() from it to "
-                         "time this rank's compute for straggler detection")

@@ -102,6 +102,30 @@ class PreemptionHandler:
         self.emit("preempt_timeout")
         os._exit(128 + (self.requested or signal.SIGTERM))
 
+    def final_step_reached(self, ctx, step: int) -> bool:
+        """After a preemption notice: is `step` the one every rank saves and stops at?
+
+        Never blocks the training loop: ranks hear of the notice at different
+        times (by the signal, or a peer's heartbeat), and a rank that waited
+        here would hold the others in the next collective. Each rank publishes,
+        at the first step end after it heard, that step + 2: in lock-step
+        training nobody can have finished that step yet. Once every rank has
+        published (a non-blocking check at each step end), the stop is the
+        largest value, and every rank is still short of it.
+        """
+        pre = self
+        if not ctx.distributed:
+            return True
+        if pre.first_boundary is None:
+            pre.first_boundary = step
+            ctx.put(f"preempt/{ctx.rank}", step + 2)
+        if pre.final_step is None:
+            keys = [f"preempt/{r}" for r in range(ctx.world_size)]
+            if not ctx.store.check(keys):  # one round trip: all present?
+                return False  # someone has not heard yet; the watchdog's heartbeats will tell it
+            pre.final_step = max(ctx.get(k) for k in keys)
+        return step >= pre.final_step
+
     def done(self) -> None:
         """The final save is committed (or failed): stop the deadline timer."""
         if self._timer is not None:

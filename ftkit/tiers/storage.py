@@ -24,7 +24,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import shutil
 import stat
 import time

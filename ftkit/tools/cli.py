@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ftkit import __version__
-from ftkit.errors import (CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError, UnknownProtocolError,
+from ftkit.errors import (CheckpointNotFoundError, CorruptCheckpointError, FtkitError, UnknownProtocolError,
                      UsageError, AlreadyCommitted, InvalidJobIdError, RunIdentityError)
 from ftkit.format.manifest import Manifest, parse_step_dir
 from ftkit.format.reader import load_manifest, newest_manifest, scan, verify

@@ -1,0 +1,130 @@
+"""The background half of a snapshot: one thread that persists staged slots to their tiers.
+
+Order of calls (the Checkpointer's)::
+
+    pipeline = PersistPipeline(...)       # starts the thread
+    pipeline.submit(job)                  # after a slot is staged (training thread)
+    pipeline.wait()                       # block until idle; re-raise the first failure since the last wait
+    pipeline.drain(deadline_s)            # before an abort: let queued work finish, within a bound
+    pipeline.close()                      # stop the thread once the queue is empty
+
+A failure is logged, counted and kept for wait(), never raised into the training
+loop; every job's slot is released whatever happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ftkit.config import Tier
+from ftkit.coord.dist import DistContext
+from ftkit.errors import AlreadyCommitted
+from ftkit.save.commit import persist
+from ftkit.save.keys import KeyLedger, commit_key
+from ftkit.save.node_commit import persist_node_local
+from ftkit.save.sharding import Piece
+from ftkit.save.staging import Slot
+from ftkit.tiers.redact import redact_url
+from ftkit.tiers.retention import apply_job_retention
+
+log = logging.getLogger("ftkit")
+
+
+@dataclass
+class PersistJob:
+    slot: Slot
+    step: int
+    skeleton: dict[str, Any]
+    tiers: list[int]
+    pieces: dict[str, Piece]
+    rng: Any
+    epoch: int  # restore() calls before it was staged: commits after a restore use new store keys
+
+
+class PersistPipeline:
+    def __init__(self, tiers: Sequence[Tier], storages: Sequence[Any], keys: dict[int, KeyLedger], ctx: DistContext,
+                 peers: Any, replicas: int, stats: Any, emit: Callable[..., None], release: Callable[[Slot], None]):
+        self.tiers, self.storages, self.keys = tiers, storages, keys
+        self.ctx = ctx  # the thread's own store connection (DistContext.own_connection)
+        self.peers, self.replicas = peers, replicas
+        self.stats, self.emit, self.release = stats, emit, release
+        self._jobs: queue.Queue[PersistJob | None] = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="ftkit-persist", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: PersistJob) -> None:
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        """Block until all background work is done; re-raise the first failure since the last wait."""
+        self._jobs.join()
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            if len(errors) > 1:
+                log.error("%d background persists failed; raising the first", len(errors))
+            raise errors[0]
+
+    def drain(self, deadline_s: float) -> None:
+        """Let queued background persists finish, for at most `deadline_s` (before an abort)."""
+        end = time.monotonic() + deadline_s
+        while self._jobs.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                for i in job.tiers:
+                    self._persist(job, i)
+            finally:
+                if job is not None:
+                    self.release(job.slot)
+                self._jobs.task_done()
+
+    def _persist(self, job: PersistJob, i: int) -> None:
+        tier, storage = self.tiers[i], self.storages[i]
+        try:
+            t0 = time.perf_counter()
+            key = commit_key(i, job.epoch, job.step)
+            if tier.is_ram:
+                committed = persist_node_local(
+                    storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
+                    rng=job.rng, ctx=self.ctx, key=key, peers=self.peers, replicas=self.replicas,
+                    ledger=self.keys[i], at=(job.epoch, job.step))
+            else:
+                committed = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
+                                    pieces=job.pieces, rng=job.rng, ctx=self.ctx, key=key,
+                                    ledger=self.keys[i], at=(job.epoch, job.step))
+            self.stats.persisted += 1
+            self.stats.last_committed[redact_url(tier.url)] = job.step
+            self.emit("persist", step=job.step, tier=redact_url(tier.url), ok=True,
+                      seconds=time.perf_counter() - t0, committed_by_me=committed is not None)
+            if committed is not None:  # rank 0: the commit is ours, and so is retention
+                log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
+                         committed.stored_bytes / 1e6, time.perf_counter() - t0)
+            if committed is not None or (tier.is_ram and self.ctx.node_leader(self.ctx.rank)):
+                for step in apply_job_retention(storage, tier.keep, tier.keep_every, protect=job.step):
+                    log.debug("retention removed step %d from %s", step, storage.display_url)
+        except AlreadyCommitted:
+            log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
+        except Exception as e:  # recorded for wait(); training goes on
+            self.stats.failed += 1
+            self.emit("persist", step=job.step, tier=redact_url(tier.url), ok=False, error=redact_url(str(e))[:300])
+            log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, redact_url(str(e)))
+            with self._lock:
+                self._errors.append(e)
