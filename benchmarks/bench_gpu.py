@@ -177,7 +177,8 @@ class Bench:
 # ------------------------------------------------------------------ phases
 def phase_floor(b: Bench) -> None:
     """Device-to-host into one reused pinned buffer, best of 3; host-to-device from it."""
-    from ftkit.save.staging import DEVICE, Layout
+    from ftkit.save.layout import Layout
+    from ftkit.save.staging import DEVICE
 
     named = b.named
     layout = Layout.of(named)
@@ -430,7 +431,7 @@ def phase_restore(b: Bench, work: str) -> None:
     finally:
         rmtree(disk)
         rmtree(ram_root)
-        del ref
+        ref = None  # free the reference copy before the next phase
         free_memory()
 
 

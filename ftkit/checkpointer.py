@@ -41,7 +41,8 @@ from ftkit.tiers.redact import redact_url
 from ftkit.restore import RestoreContext, restore as _restore
 from ftkit.save.pipeline import PersistJob, PersistPipeline
 from ftkit.save.sharding import plan_pieces
-from ftkit.save.staging import Layout, Slot, StagingArena
+from ftkit.save.layout import Layout
+from ftkit.save.staging import Slot, StagingArena
 from ftkit.tiers.storage import Storage
 from ftkit.config import Tier
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig, exit_unless_gone, time_first_gradient

@@ -1,6 +1,6 @@
 """A simulated GPU for driving ftkit's CUDA staging path on machines without one.
 
-`FakeDevice` has the methods of `ftkit.save.staging.DeviceOps`. Its "device tensors"
+`FakeDevice` has the methods of `ftkit.save.device.DeviceOps`. Its "device tensors"
 are ordinary CPU tensors the test declared resident (`put`); its streams are FIFO
 queues of operations (copies, kernels the test `launch`es, waits on events)
 that run only when the scheduling policy lets them or when the host waits:
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from ftkit.save.staging import DeviceOps
+from ftkit.save.device import DeviceOps
 
 POLICIES = ("current_first", "side_first", "lazy")
 

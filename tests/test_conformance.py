@@ -18,7 +18,8 @@ from ftkit.errors import CorruptCheckpointError
 from ftkit.format.manifest import step_dir_name
 from ftkit.save.write import write_data
 from ftkit.format.reader import committed_steps, load_manifest, verify
-from ftkit.save.staging import Layout, StagingArena
+from ftkit.save.layout import Layout
+from ftkit.save.staging import StagingArena
 
 from conftest import assert_same_values, make_state, run_cli, snapshot_values, train_one
 

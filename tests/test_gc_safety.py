@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -19,7 +18,8 @@ from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.save.commit import commit
 from ftkit.save.write import write_data
 from ftkit.format.reader import committed_steps, scan
-from ftkit.save.staging import Layout, StagingArena
+from ftkit.save.layout import Layout
+from ftkit.save.staging import StagingArena
 from ftkit.tiers.storage import Storage
 
 from conftest import REPO, run_cli

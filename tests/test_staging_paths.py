@@ -21,7 +21,9 @@ from fakedevice import POLICIES, FakeDevice, FakeEvent, FakeStream
 from ftkit.save import capture as cap
 from ftkit.save import staging
 from ftkit.format.reader import load_manifest, read_tensors
-from ftkit.save.staging import DeviceOps, Layout, Slot, StagingArena
+from ftkit.save.device import DeviceOps
+from ftkit.save.layout import Layout
+from ftkit.save.staging import Slot, StagingArena
 
 BIG = 4096  # bytes: the threshold for a "large" tensor in these tests (1 MiB in ftkit)
 

@@ -304,7 +304,8 @@ def test_unsafe_skip_checksums_warns_and_never_fools_verify(two_steps):
 
 # ------------------------------------------------ 10. store messages are data, not paths
 def _staged(value: float):
-    from ftkit.save.staging import Layout, StagingArena
+    from ftkit.save.layout import Layout
+    from ftkit.save.staging import StagingArena
 
     arena = StagingArena(slots=1, pin=False)
     t = torch.full((N,), value)

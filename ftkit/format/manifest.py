@@ -35,6 +35,12 @@ DTYPES = (
     "uint8", "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
     "float8_e4m3fn", "float8_e5m2",
 )
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+KINDS = ("replicated", "sharded", "rank-local")
 
 
 def step_dir_name(step: int) -> str:

@@ -28,16 +28,8 @@ import re
 from typing import Any
 
 from ftkit.errors import FormatError
-from ftkit.format.manifest import (CODECS, DTYPES, FORMAT_NAME, FORMAT_VERSION, SAFE_FILE_RE, Chunk, Manifest, Shard,
-                     TensorEntry)
-
-KINDS = ("replicated", "sharded", "rank-local")
-ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
-assert set(ITEMSIZE) == set(DTYPES)
+from ftkit.format.manifest import (CODECS, DTYPES, FORMAT_NAME, FORMAT_VERSION, ITEMSIZE, KINDS, SAFE_FILE_RE, Chunk,
+                                   Manifest, Shard, TensorEntry)
 
 MAX_INT = 2**62  # offsets, sizes, byte counts: anything larger is not a real checkpoint
 MAX_STEP = 10**12 - 1  # step directories have 12 digits

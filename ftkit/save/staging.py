@@ -67,102 +67,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import torch
 
 from ftkit.errors import FtkitError
+from ftkit.save.device import DeviceOps
+from ftkit.save.layout import Layout, TensorSlot
 
-ALIGN = 64
 _SMALL_TENSOR_BYTES = 1 << 20
 
 
-class DeviceOps:
-    """Every CUDA call the staging path makes, in one place.
-
-    The arena takes its device operations from here (the module's ``DEVICE``, read
-    when an arena is made), so tests without a GPU can hand it a simulated device
-    with the same methods and check which stream each copy goes on and what the
-    fence and the background wait for (tests/fakedevice.py).
-    """
-
-    def available(self) -> bool:
-        return torch.cuda.is_available()
-
-    def on_device(self, t: torch.Tensor) -> bool:
-        return t.is_cuda
-
-    def device_of(self, t: torch.Tensor) -> Any:
-        return t.device
-
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream()
-
-    def stream_device(self, stream: Any) -> Any:
-        return stream.device
-
-    def current_stream(self, device: Any) -> Any:
-        return torch.cuda.current_stream(device)
-
-    def use(self, stream: Any) -> Any:
-        """A context in which `stream` is the current stream (copies are queued on it)."""
-        return torch.cuda.stream(stream)
-
-    def new_event(self) -> Any:
-        return torch.cuda.Event(blocking=True)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
-        dst.copy_(src, non_blocking=non_blocking)
-
-    def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, str | None]:
-        """A host buffer of exactly `nbytes`, page-locked when `pin`; and how it was pinned."""
-        if not pin:
-            return torch.empty(nbytes, dtype=torch.uint8), None
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        try:
-            buf.zero_()  # fault the pages in (in parallel) before locking them
-            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)  # 1: portable (every context)
-            if buf.is_pinned():
-                return buf, "registered"
-        except Exception:  # noqa: BLE001 (any failure: the pinned allocator instead)
-            pass
-        del buf
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "allocator"
-
-    def free_host(self, buf: torch.Tensor, how: str | None) -> None:
-        """Undo alloc_host's registration; the caller then drops its references."""
-        if how == "registered" and buf.numel():
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-
-
 DEVICE: DeviceOps = DeviceOps()
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # into the flat staging buffer
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each tensor of a snapshot lives in one flat byte buffer."""
-
-    entries: tuple[TensorSlot, ...]
-    total_bytes: int
-
-    @staticmethod
-    def of(named: Sequence[tuple[str, torch.Tensor]]) -> "Layout":
-        entries, offset = [], 0
-        for name, t in named:
-            nbytes = t.numel() * t.element_size()
-            entries.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
-            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        return Layout(tuple(entries), offset)
 
 
 class Slot:

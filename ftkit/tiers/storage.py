@@ -33,8 +33,11 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ftkit.errors import CorruptCheckpointError, FtkitError, StorageError, UnknownProtocolError
+from ftkit.errors import FtkitError, StorageError, UnknownProtocolError
 from ftkit.errors import one_line as _one_line
+from ftkit.tiers.localfs import fsync_dir as _fsync_dir
+from ftkit.tiers.localfs import local_kind as _local_kind
+from ftkit.tiers.localfs import no_links_within, open_regular
 from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
 
 log = logging.getLogger(__name__)
@@ -365,72 +368,12 @@ class Storage:
 
     # ------------------------------------------------------- local safety
     def _no_links_within(self, rel: str) -> None:
-        """Refuse a path below the root whose directories include a symbolic link.
-
-        (The root itself may be reached through links: it is the user's choice.)"""
-        parts = [p for p in rel.split("/")[:-1] if p]
-        at = self.root
-        for p in parts:
-            at = os.path.join(at, p)
-            try:
-                if stat.S_ISLNK(os.lstat(at).st_mode):
-                    raise StorageError(f"{self.where(rel)}: {self.where(at[len(self.root) + 1:])} is a symbolic "
-                                       "link; ftkit does not follow links inside a tier")
-            except FileNotFoundError:
-                return
+        no_links_within(self.root, rel, self.where)
 
     def _open_regular(self, rel: str):
-        """An unbuffered binary reader of `rel`, which must be a regular file (not a link,
-        not a FIFO: opening a FIFO without O_NONBLOCK would wait for a writer forever)."""
         self._no_links_within(rel)
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(self.path(rel), flags)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptCheckpointError(f"{self.where(rel)} is a symbolic link; not following it") from None
-            raise
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise CorruptCheckpointError(f"{self.where(rel)} is not a regular file ({_mode_name(mode)})")
-            os.set_blocking(fd, True)
-            return os.fdopen(fd, "rb", buffering=0)
-        except BaseException:
-            os.close(fd)
-            raise
+        return open_regular(self.path(rel), self.where(rel))
 
     def makedirs(self, rel: str) -> None:
         with self._errors("creating", rel):
             self.fs.makedirs(self.path(rel), exist_ok=True)
-
-
-def _local_kind(entry: os.DirEntry) -> str:
-    if entry.is_symlink():
-        return "link"
-    if entry.is_dir(follow_symlinks=False):
-        return "directory"
-    return "file" if entry.is_file(follow_symlinks=False) else "other"
-
-
-def _mode_name(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-

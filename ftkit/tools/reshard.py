@@ -18,7 +18,8 @@ from ftkit.save.commit import commit
 from ftkit.save.write import discard, write_data
 from ftkit.format.reader import read_tensors
 from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
-from ftkit.save.staging import Layout, StagingArena
+from ftkit.save.layout import Layout
+from ftkit.save.staging import StagingArena
 from ftkit.tiers.storage import Storage
 
 

@@ -1,0 +1,36 @@
+"""Where each tensor of a snapshot lives in one flat staging buffer: a pure plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+ALIGN = 64  # every tensor starts at a multiple of this in the buffer (and in an uncompressed data file)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # into the flat staging buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a snapshot lives in one flat byte buffer."""
+
+    entries: tuple[TensorSlot, ...]
+    total_bytes: int
+
+    @staticmethod
+    def of(named: Sequence[tuple[str, torch.Tensor]]) -> "Layout":
+        entries, offset = [], 0
+        for name, t in named:
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
+            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        return Layout(tuple(entries), offset)

@@ -1,0 +1,85 @@
+"""Local-filesystem safety for tiers on a local path (the RAM tier among them).
+
+A checkpoint directory may have been written by someone else: readers open
+regular files only (a FIFO named manifest.json would otherwise block every
+reader forever), and nothing follows a symbolic link below a tier's root, for
+reading, writing or deleting (a linked step directory could point at another
+run's files).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Callable
+
+from ftkit.errors import CorruptCheckpointError, StorageError
+
+
+def local_kind(entry: os.DirEntry) -> str:
+    """"file", "directory", "link" (never followed) or "other" (FIFO, socket, device)."""
+    if entry.is_symlink():
+        return "link"
+    if entry.is_dir(follow_symlinks=False):
+        return "directory"
+    return "file" if entry.is_file(follow_symlinks=False) else "other"
+
+
+def no_links_within(root: str, rel: str, where: Callable[[str], str]) -> None:
+    """Refuse a path below `root` whose directories include a symbolic link.
+
+    (The root itself may be reached through links: it is the user's choice.)"""
+    parts = [p for p in rel.split("/")[:-1] if p]
+    at = root
+    for p in parts:
+        at = os.path.join(at, p)
+        try:
+            if stat.S_ISLNK(os.lstat(at).st_mode):
+                raise StorageError(f"{where(rel)}: {where(at[len(root) + 1:])} is a symbolic "
+                                   "link; ftkit does not follow links inside a tier")
+        except FileNotFoundError:
+            return
+
+
+def open_regular(path: str, shown: str):
+    """An unbuffered binary reader of `path`, which must be a regular file (not a link,
+    not a FIFO: opening a FIFO without O_NONBLOCK would wait for a writer forever)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{shown} is a symbolic link; not following it") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(f"{shown} is not a regular file ({mode_name(mode)})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def mode_name(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory (a rename in it is durable after this); best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,84 @@
+"""`ftkit run`: torchrun with fault-tolerance defaults, the restart-safe launcher and the startup watch.
+
+The command line is planned by tools/supervise.py (`plan`), the workers start
+through tools/launch.py, and the startup watch (`StartupWatch`) ends a group
+whose workers never sent their first heartbeat.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+from ftkit.errors import UsageError
+from ftkit.tools.supervise import StartupWatch, plan, startup_env
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+RUN_HELP = """usage: ftkit run [--run-dir DIR] [--startup-timeout S] [torchrun options] script.py [script args]
+
+torchrun (python -m torch.distributed.run) with fault-tolerance defaults, for
+trainers as they are:
+
+  * --max-restarts 3 and --monitor-interval 0.5 unless given, and --standalone
+    unless a rendezvous endpoint or --nnodes is given;
+  * FTKIT_RUN_DIR is set to --run-dir (default ./ftkit-run) so Checkpointers log
+    events there; `ftkit report DIR` reads them afterwards;
+  * every worker starts through ftkit.tools.launch, which makes a plain
+    init_process_group() (init_method env://, the default) safe across torchrun
+    restarts: each attempt gets its own namespace in torchrun's store, so no
+    worker reads a dead attempt's rendezvous keys. The script needs no change,
+    and need not import ftkit before creating its process group;
+  * a startup watch: a worker that has not sent its first ftkit heartbeat (its
+    Checkpointer's watchdog) --startup-timeout seconds (default 600) after it
+    started gets this node's workers of its group ended, so torchrun restarts
+    the group instead of waiting out the 30-minute collective timeout. 0 turns
+    the watch off (for workers that run no Checkpointer watchdog).
+
+With --no-python or --run-path the workers are started as given (no launcher,
+no watch). Exits with torchrun's exit code."""
+
+
+def cmd_run(argv: list[str]) -> int:
+    """`ftkit run ARGV`: torchrun with the defaults above; torchrun's exit code."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(RUN_HELP)
+        return EXIT_OK if argv else EXIT_USAGE
+    try:
+        p = plan(argv)
+    except UsageError as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    for note in p.notes:
+        print(f"ftkit run: {note}", file=sys.stderr)
+    os.makedirs(p.run_dir, exist_ok=True)
+    env = {**os.environ, "FTKIT_RUN_DIR": os.path.abspath(p.run_dir)}
+    watch_dir = None
+    if p.launched and p.startup_timeout_s > 0:
+        watch_dir = tempfile.mkdtemp(prefix="ftkit-run-")
+        env.update(startup_env(watch_dir))
+    cmd = [sys.executable, "-m", "torch.distributed.run", *p.torchrun_args]
+    print(f"ftkit run: {' '.join(cmd[1:])}  (events in {p.run_dir})", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+    watch = StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start() \
+        if watch_dir else None
+    # torchrun shares our terminal's process group, so a Ctrl-C reaches it directly: wait for it to
+    # stop its workers rather than leave them behind. A SIGTERM sent to ftkit run alone is passed on.
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if watch is not None:
+            watch.stop()
+        if watch_dir:
+            shutil.rmtree(watch_dir, ignore_errors=True)
