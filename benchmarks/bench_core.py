@@ -51,16 +51,17 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 import ftkit
-from ftkit.format.reader import newest_manifest
 from ftkit.config import Tier
+from ftkit.format.reader import newest_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -182,8 +183,7 @@ class Results:
             print(f"  {'PASS' if ok else 'MISS'}  {what}: {detail}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"figures": self.figures,
-                "targets": [{"what": w, "pass": ok, "detail": d} for w, ok, d in self.targets]}
+        return {"figures": self.figures, "targets": [{"what": w, "pass": ok, "detail": d} for w, ok, d in self.targets]}
 
 
 def fmt_t(seconds: float, nbytes: int | None = None) -> str:
@@ -203,10 +203,12 @@ def fmt_rate(nbytes: int, seconds: float) -> str:
 # ------------------------------------------------------- the contenders
 def copy_floor(src: State, dst: State, reps: int = 3) -> list[float]:
     """`reps` copies into reused, pre-touched buffers: the best is what a stall cannot beat."""
+
     def copy() -> None:
         with torch.no_grad():
             for k, v in src.items():
                 dst[k].copy_(v)
+
     return [timed(copy) for _ in range(reps)]
 
 
@@ -278,10 +280,10 @@ def phase_rounds(state: State, work: str, rounds: int) -> tuple[dict[str, Any], 
     """
     dst = {k: torch.zeros_like(v) for k, v in state.items()}  # zeros: pre-touched
     views = raw_views(state)
-    ck = ftkit.Checkpointer(state, tiers=[Tier(os.path.join(work, "ours"), keep=1)], rng=False,
-                            policy="wait")
-    r: dict[str, list[float]] = {k: [] for k in ("floor", "copy", "stall", "commit", "persist", "raw", "dcp_block",
-                                                 "dcp_bg")}
+    ck = ftkit.Checkpointer(state, tiers=[Tier(os.path.join(work, "ours"), keep=1)], rng=False, policy="wait")
+    r: dict[str, list[float]] = {
+        k: [] for k in ("floor", "copy", "stall", "commit", "persist", "raw", "dcp_block", "dcp_bg")
+    }
     for i in range(rounds + 1):
         progress(f"round {i}/{rounds}")
         settle()  # the previous round's writes and deletes must not slow this round's copies
@@ -304,18 +306,22 @@ def phase_rounds(state: State, work: str, rounds: int) -> tuple[dict[str, Any], 
 
     steady = {k: v[1:] for k, v in r.items()}
     out: dict[str, Any] = {f"rounds_{k}_s": v for k, v in r.items()}
-    out.update({
-        "ours_stall_first_s": r["stall"][0], "ours_persist_first_s": r["persist"][0],
-        "dcp_async_first_s": r["dcp_block"][0], "dcp_async_bg_first_s": r["dcp_bg"][0],
-        "raw_write_first_s": r["raw"][0],
-        **{f"{k}_steady_s": median(v) for k, v in steady.items()},
-        "stall_over_floor": median([s / f for s, f in zip(steady["stall"], steady["floor"])]),
-        "stall_over_copy": median([s / c for s, c in zip(steady["stall"], steady["copy"])]),
-        "dcp_async_over_stall": median([d / s for d, s in zip(steady["dcp_block"], steady["stall"])]),
-        "persist_speed_over_raw": median([w / p for w, p in zip(steady["raw"], steady["persist"])]),
-        "commit_speed_over_raw": median([w / c for w, c in zip(steady["raw"], steady["commit"])]),
-        "persist_speed_over_dcp_bg": median([d / p for d, p in zip(steady["dcp_bg"], steady["persist"])]),
-    })
+    out.update(
+        {
+            "ours_stall_first_s": r["stall"][0],
+            "ours_persist_first_s": r["persist"][0],
+            "dcp_async_first_s": r["dcp_block"][0],
+            "dcp_async_bg_first_s": r["dcp_bg"][0],
+            "raw_write_first_s": r["raw"][0],
+            **{f"{k}_steady_s": median(v) for k, v in steady.items()},
+            "stall_over_floor": median([s / f for s, f in zip(steady["stall"], steady["floor"])]),
+            "stall_over_copy": median([s / c for s, c in zip(steady["stall"], steady["copy"])]),
+            "dcp_async_over_stall": median([d / s for d, s in zip(steady["dcp_block"], steady["stall"])]),
+            "persist_speed_over_raw": median([w / p for w, p in zip(steady["raw"], steady["persist"])]),
+            "commit_speed_over_raw": median([w / c for w, c in zip(steady["raw"], steady["commit"])]),
+            "persist_speed_over_dcp_bg": median([d / p for d, p in zip(steady["dcp_bg"], steady["persist"])]),
+        }
+    )
     return out, ck
 
 
@@ -357,11 +363,11 @@ def phase_blocking_savers(state: State, work: str, reps: int = 2) -> dict[str, A
     """clone(), torch.save + fsync and DCP save; the last files stay for the restore phase."""
     out: dict[str, Any] = {"clone_fresh_s": clone_fresh(state)}
     ts, ds = [], []
-    for i in range(reps):
+    for _ in range(reps):
         ts.append(torch_save(state, os.path.join(work, "state.pt")))
         path = os.path.join(work, "dcp-save")
         rmtree(path)
-        ds.append(timed(lambda: dcp.save(state, checkpoint_id=path)))
+        ds.append(timed(lambda path=path: dcp.save(state, checkpoint_id=path)))
         free()
     out.update(torch_save_all_s=ts, torch_save_s=min(ts), dcp_save_all_s=ds, dcp_save_s=min(ds))
     return out
@@ -386,18 +392,24 @@ def phase_zstd(state: State, work: str, rounds: int = 2) -> dict[str, Any]:
             m = newest_manifest(tier.open())
         finally:
             ck.close()
-        out.update({f"zstd_{label}_bytes": state_bytes(s), f"zstd_{label}_persist_s": median(persist),
-                    f"zstd_{label}_raw_write_s": median(raw),
-                    f"zstd_{label}_ratio": m.total_stored_bytes / m.total_raw_bytes,
-                    f"zstd_{label}_speed_over_raw": median([w / p for w, p in zip(raw, persist)])})
+        out.update(
+            {
+                f"zstd_{label}_bytes": state_bytes(s),
+                f"zstd_{label}_persist_s": median(persist),
+                f"zstd_{label}_raw_write_s": median(raw),
+                f"zstd_{label}_ratio": m.total_stored_bytes / m.total_raw_bytes,
+                f"zstd_{label}_speed_over_raw": median([w / p for w, p in zip(raw, persist)]),
+            }
+        )
         rmtree(url)
         del s, views, ck
         free()
     return out
 
 
-def phase_restore(state: State, loaders: dict[str, Callable[[State], None]], reps: int = 2,
-                  prefix: str = "restore") -> dict[str, Any]:
+def phase_restore(
+    state: State, loaders: dict[str, Callable[[State], None]], reps: int = 2, prefix: str = "restore"
+) -> dict[str, Any]:
     """Each loader fills zeroed tensors of the state's shapes; cold (caches dropped) then warm.
 
     Rounds interleave the loaders; figures are medians. Every load is checked
@@ -416,7 +428,7 @@ def phase_restore(state: State, loaders: dict[str, Callable[[State], None]], rep
                     t.zero_()
                 if cache == "cold":
                     drop_caches()
-                times[name].append(timed(lambda: load(dest)))
+                times[name].append(timed(lambda load=load: load(dest)))
                 if not same(dest, state):
                     raise AssertionError(f"{name} did not restore the state")
                 free()
@@ -434,6 +446,7 @@ def ours_loader(url: str, storage_options: dict | None = None) -> Callable[[Stat
                 raise AssertionError(f"nothing to restore in {url}")
         finally:
             ck.close()
+
     return load
 
 
@@ -443,6 +456,7 @@ def torch_loader(path: str) -> Callable[[State], None]:
         with torch.no_grad():
             for k, v in loaded.items():
                 dest[k].copy_(v)
+
     return load
 
 
@@ -490,17 +504,24 @@ def phase_s3(args: argparse.Namespace, work: str) -> dict[str, Any]:
         out["s3_raw_concurrent_s"] = now() - t0
         fs.rm(f"{raw_prefix}c", recursive=True)
         out.update({f"s3_rounds_{k}_s": v for k, v in r.items()})
-        out.update({"s3_ours_persist_first_s": r["persist"][0],
-                    **{f"s3_{k}_steady_s": median(v[1:]) for k, v in r.items()},
-                    "s3_persist_speed_over_raw_seq": median([w / p for w, p in zip(r["raw_seq"][1:], r["persist"][1:])]),
-                    "s3_persist_speed_over_dcp": median([d / p for d, p in zip(r["dcp_save"][1:], r["persist"][1:])])})
+        out.update(
+            {
+                "s3_ours_persist_first_s": r["persist"][0],
+                **{f"s3_{k}_steady_s": median(v[1:]) for k, v in r.items()},
+                "s3_persist_speed_over_raw_seq": median([w / p for w, p in zip(r["raw_seq"][1:], r["persist"][1:])]),
+                "s3_persist_speed_over_dcp": median([d / p for d, p in zip(r["dcp_save"][1:], r["persist"][1:])]),
+            }
+        )
         progress("S3 restore")
 
         def dcp_load(dest: State) -> None:
             dcp.load(dest, storage_reader=FsspecReader(dcp_url, **opts))
 
-        out.update(phase_restore(state, {"ours": ours_loader(ours_url, opts), "dcp_load": dcp_load},
-                                 reps=1, prefix="s3_restore"))
+        out.update(
+            phase_restore(
+                state, {"ours": ours_loader(ours_url, opts), "dcp_load": dcp_load}, reps=1, prefix="s3_restore"
+            )
+        )
     return out
 
 
@@ -508,9 +529,17 @@ def phase_s3(args: argparse.Namespace, work: str) -> dict[str, Any]:
 def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
     state = make_state(args.gib, args.tensors)
     f: dict[str, Any] = {
-        "state_bytes": state_bytes(state), "tensors": len(state), "dtype": "float32", "dir": work,
-        "filesystem": fs_description(work), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "rounds": args.rounds, "loadavg_start": os.getloadavg()}
+        "state_bytes": state_bytes(state),
+        "tensors": len(state),
+        "dtype": "float32",
+        "dir": work,
+        "filesystem": fs_description(work),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "loadavg_start": os.getloadavg(),
+    }
 
     progress("rounds: copy floor, ours snapshot + persist, raw write, DCP async_save")
     rounds, ck = phase_rounds(state, work, args.rounds)
@@ -527,11 +556,16 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
     progress("ours zstd")
     f.update(phase_zstd(state, work))
     progress("restore")
-    f.update(phase_restore(state, {
-        "ours": ours_loader(os.path.join(work, "ours")),
-        "dcp_load": lambda dest: dcp.load(dest, checkpoint_id=os.path.join(work, "dcp-save")),
-        "torch_load": torch_loader(os.path.join(work, "state.pt")),
-    }))
+    f.update(
+        phase_restore(
+            state,
+            {
+                "ours": ours_loader(os.path.join(work, "ours")),
+                "dcp_load": lambda dest: dcp.load(dest, checkpoint_id=os.path.join(work, "dcp-save")),
+                "torch_load": torch_loader(os.path.join(work, "state.pt")),
+            },
+        )
+    )
     del state
     free()
     if args.s3:
@@ -549,67 +583,152 @@ def tabulate(f: dict[str, Any]) -> Results:
     floor, stall, dcp_a = f["floor_steady_s"], f["stall_steady_s"], f["dcp_block_steady_s"]
     raw, persist = f["raw_steady_s"], f["persist_steady_s"]
 
-    rows = res.section(f"snapshot stall: {n / 2**30:.2f} GiB in {f['tensors']} fp32 tensors on CPU "
-                       f"({f['cpu_count']} cores); steady = median of {k} rounds")
+    rows = res.section(
+        f"snapshot stall: {n / 2**30:.2f} GiB in {f['tensors']} fp32 tensors on CPU "
+        f"({f['cpu_count']} cores); steady = median of {k} rounds"
+    )
     rows += [
-        Row("copy into reused buffers (floor, best of 3)", fmt_t(floor, n),
-            f"range {min(f['rounds_floor_s']):.3f}-{max(f['rounds_floor_s']):.3f} s"),
-        Row("copy into fresh buffers (clone, best of 3)", "", fmt_t(f["clone_fresh_s"], n),
-            f"{f['clone_fresh_s'] / floor:.1f}x the floor"),
-        Row("snapshot(), first call", fmt_t(f["ours_stall_first_s"]), "",
-            f"{f['ours_stall_first_s'] / floor:.1f}x floor"),
-        Row("snapshot(), steady, background idle", fmt_t(stall, n), f"floor {fmt_t(floor)}",
-            f"{f['stall_over_floor']:.2f}x floor (paired)"),
-        Row("  vs a single copy (median of the 3)", fmt_t(stall), fmt_t(f["copy_steady_s"]),
-            f"{f['stall_over_copy']:.2f}x (paired)"),
-        Row("  bg busy: 2nd slot's first use", fmt_t(f["busy_second_slot_first_use_s"]), "",
-            f"{f['busy_second_slot_first_use_s'] / floor:.1f}x floor"),
-        Row("  bg busy: a slot free, policy=wait", fmt_t(f["busy_wait_slot_free_s"]), "",
-            f"{f['busy_wait_slot_free_s'] / floor:.1f}x floor"),
-        Row("  bg busy: a slot free, policy=skip", fmt_t(f["busy_skip_slot_free_s"]), "",
-            f"{f['busy_skip_slot_free_s'] / floor:.1f}x floor"),
-        Row("  bg busy: no slot free, policy=wait", fmt_t(f["busy_wait_no_slot_s"]), "",
-            "blocks until a persist ends"),
-        Row("  bg busy: no slot free, policy=skip", fmt_t(f["busy_skip_no_slot_s"]), "",
-            f"skipped {f['busy_skip_skipped']} of {f['busy_skip_reps']}"),
-        Row("torch.save + fsync (blocking)", fmt_t(stall), fmt_t(f["torch_save_s"], n),
-            f"{f['torch_save_s'] / stall:.1f}x ours"),
+        Row(
+            "copy into reused buffers (floor, best of 3)",
+            fmt_t(floor, n),
+            f"range {min(f['rounds_floor_s']):.3f}-{max(f['rounds_floor_s']):.3f} s",
+        ),
+        Row(
+            "copy into fresh buffers (clone, best of 3)",
+            "",
+            fmt_t(f["clone_fresh_s"], n),
+            f"{f['clone_fresh_s'] / floor:.1f}x the floor",
+        ),
+        Row(
+            "snapshot(), first call",
+            fmt_t(f["ours_stall_first_s"]),
+            "",
+            f"{f['ours_stall_first_s'] / floor:.1f}x floor",
+        ),
+        Row(
+            "snapshot(), steady, background idle",
+            fmt_t(stall, n),
+            f"floor {fmt_t(floor)}",
+            f"{f['stall_over_floor']:.2f}x floor (paired)",
+        ),
+        Row(
+            "  vs a single copy (median of the 3)",
+            fmt_t(stall),
+            fmt_t(f["copy_steady_s"]),
+            f"{f['stall_over_copy']:.2f}x (paired)",
+        ),
+        Row(
+            "  bg busy: 2nd slot's first use",
+            fmt_t(f["busy_second_slot_first_use_s"]),
+            "",
+            f"{f['busy_second_slot_first_use_s'] / floor:.1f}x floor",
+        ),
+        Row(
+            "  bg busy: a slot free, policy=wait",
+            fmt_t(f["busy_wait_slot_free_s"]),
+            "",
+            f"{f['busy_wait_slot_free_s'] / floor:.1f}x floor",
+        ),
+        Row(
+            "  bg busy: a slot free, policy=skip",
+            fmt_t(f["busy_skip_slot_free_s"]),
+            "",
+            f"{f['busy_skip_slot_free_s'] / floor:.1f}x floor",
+        ),
+        Row("  bg busy: no slot free, policy=wait", fmt_t(f["busy_wait_no_slot_s"]), "", "blocks until a persist ends"),
+        Row(
+            "  bg busy: no slot free, policy=skip",
+            fmt_t(f["busy_skip_no_slot_s"]),
+            "",
+            f"skipped {f['busy_skip_skipped']} of {f['busy_skip_reps']}",
+        ),
+        Row(
+            "torch.save + fsync (blocking)",
+            fmt_t(stall),
+            fmt_t(f["torch_save_s"], n),
+            f"{f['torch_save_s'] / stall:.1f}x ours",
+        ),
         Row("DCP save (blocking)", fmt_t(stall), fmt_t(f["dcp_save_s"], n), f"{f['dcp_save_s'] / stall:.1f}x ours"),
-        Row("DCP async_save blocking, 1st call", fmt_t(f["ours_stall_first_s"]), fmt_t(f["dcp_async_first_s"]),
-            f"{f['dcp_async_first_s'] / f['ours_stall_first_s']:.2f}x ours 1st"),
-        Row("DCP async_save blocking, steady", fmt_t(stall), fmt_t(dcp_a),
-            f"{f['dcp_async_over_stall']:.2f}x ours (paired)"),
+        Row(
+            "DCP async_save blocking, 1st call",
+            fmt_t(f["ours_stall_first_s"]),
+            fmt_t(f["dcp_async_first_s"]),
+            f"{f['dcp_async_first_s'] / f['ours_stall_first_s']:.2f}x ours 1st",
+        ),
+        Row(
+            "DCP async_save blocking, steady",
+            fmt_t(stall),
+            fmt_t(dcp_a),
+            f"{f['dcp_async_over_stall']:.2f}x ours (paired)",
+        ),
     ]
 
     rows = res.section("persist to the local directory (same bytes; steady = median of rounds)")
     rows += [
-        Row("raw write + fsync", "", fmt_rate(n, raw),
-            f"range {rate(n, max(f['rounds_raw_s']))} - {rate(n, min(f['rounds_raw_s']))}"),
-        Row("ours persist, first", fmt_rate(n, f["ours_persist_first_s"]), fmt_rate(n, f["raw_write_first_s"]),
-            f"{f['raw_write_first_s'] / f['ours_persist_first_s']:.2f}x raw's speed"),
-        Row("ours persist, steady vs raw write", fmt_rate(n, persist), fmt_rate(n, raw),
-            f"{f['persist_speed_over_raw']:.2f}x raw's speed (paired)"),
-        Row("  ours until commit (before retention)", fmt_rate(n, f["commit_steady_s"]), fmt_rate(n, raw),
-            f"{f['commit_speed_over_raw']:.2f}x raw's speed (paired)"),
-        Row("ours persist vs DCP async_save background", fmt_rate(n, persist), fmt_rate(n, f["dcp_bg_steady_s"]),
-            f"{f['persist_speed_over_dcp_bg']:.2f}x DCP's speed (paired)"),
-        Row("ours persist vs torch.save + fsync", fmt_rate(n, persist), fmt_rate(n, f["torch_save_s"]),
-            f"{f['torch_save_s'] / persist:.2f}x torch's speed"),
+        Row(
+            "raw write + fsync",
+            "",
+            fmt_rate(n, raw),
+            f"range {rate(n, max(f['rounds_raw_s']))} - {rate(n, min(f['rounds_raw_s']))}",
+        ),
+        Row(
+            "ours persist, first",
+            fmt_rate(n, f["ours_persist_first_s"]),
+            fmt_rate(n, f["raw_write_first_s"]),
+            f"{f['raw_write_first_s'] / f['ours_persist_first_s']:.2f}x raw's speed",
+        ),
+        Row(
+            "ours persist, steady vs raw write",
+            fmt_rate(n, persist),
+            fmt_rate(n, raw),
+            f"{f['persist_speed_over_raw']:.2f}x raw's speed (paired)",
+        ),
+        Row(
+            "  ours until commit (before retention)",
+            fmt_rate(n, f["commit_steady_s"]),
+            fmt_rate(n, raw),
+            f"{f['commit_speed_over_raw']:.2f}x raw's speed (paired)",
+        ),
+        Row(
+            "ours persist vs DCP async_save background",
+            fmt_rate(n, persist),
+            fmt_rate(n, f["dcp_bg_steady_s"]),
+            f"{f['persist_speed_over_dcp_bg']:.2f}x DCP's speed (paired)",
+        ),
+        Row(
+            "ours persist vs torch.save + fsync",
+            fmt_rate(n, persist),
+            fmt_rate(n, f["torch_save_s"]),
+            f"{f['torch_save_s'] / persist:.2f}x torch's speed",
+        ),
     ]
     for label in ("fp32", "bf16"):
         m = f[f"zstd_{label}_bytes"]
-        rows.append(Row(f"ours zstd, {label} (stored/raw {f[f'zstd_{label}_ratio']:.3f}) vs raw",
-                        fmt_rate(m, f[f"zstd_{label}_persist_s"]), fmt_rate(m, f[f"zstd_{label}_raw_write_s"]),
-                        f"{f[f'zstd_{label}_speed_over_raw']:.2f}x raw's speed (paired)"))
+        rows.append(
+            Row(
+                f"ours zstd, {label} (stored/raw {f[f'zstd_{label}_ratio']:.3f}) vs raw",
+                fmt_rate(m, f[f"zstd_{label}_persist_s"]),
+                fmt_rate(m, f[f"zstd_{label}_raw_write_s"]),
+                f"{f[f'zstd_{label}_speed_over_raw']:.2f}x raw's speed (paired)",
+            )
+        )
 
     caches = ("cold", "warm") if f["restore_cold_cache"] else ("warm",)
-    rows = res.section("restore into existing tensors (" + ("page cache dropped before each cold load)"
-                       if f["restore_cold_cache"] else "warm page cache only: cannot drop caches)"))
+    rows = res.section(
+        "restore into existing tensors ("
+        + (
+            "page cache dropped before each cold load)"
+            if f["restore_cold_cache"]
+            else "warm page cache only: cannot drop caches)"
+        )
+    )
     for cache in caches:
         o = f[f"restore_ours_{cache}_s"]
         for peer, label in (("dcp_load", "DCP load"), ("torch_load", "torch.load + copy_")):
             p = f[f"restore_{peer}_{cache}_s"]
-            rows.append(Row(f"restore() vs {label}, {cache}", fmt_rate(n, o), fmt_rate(n, p), f"{p / o:.2f}x their speed"))
+            rows.append(
+                Row(f"restore() vs {label}, {cache}", fmt_rate(n, o), fmt_rate(n, p), f"{p / o:.2f}x their speed")
+            )
 
     if "s3_state_bytes" in f:
         m = f["s3_state_bytes"]
@@ -617,41 +736,75 @@ def tabulate(f: dict[str, Any]) -> Results:
         rows = res.section(f"S3 on a local SeaweedFS: {m / 2**30:.2f} GiB; steady = median of rounds")
         rows += [
             Row("ours persist, first", fmt_rate(m, f["s3_ours_persist_first_s"])),
-            Row("ours persist vs s3fs put per tensor (seq)", fmt_rate(m, p), fmt_rate(m, f["s3_raw_seq_steady_s"]),
-                f"{f['s3_persist_speed_over_raw_seq']:.2f}x their speed (paired)"),
-            Row("ours persist vs s3fs pipe (concurrent)", fmt_rate(m, p), fmt_rate(m, f["s3_raw_concurrent_s"]),
-                f"{f['s3_raw_concurrent_s'] / p:.2f}x their speed"),
-            Row("ours persist vs DCP save, FsspecWriter", fmt_rate(m, p), fmt_rate(m, f["s3_dcp_save_steady_s"]),
-                f"{f['s3_persist_speed_over_dcp']:.2f}x their speed (paired)"),
+            Row(
+                "ours persist vs s3fs put per tensor (seq)",
+                fmt_rate(m, p),
+                fmt_rate(m, f["s3_raw_seq_steady_s"]),
+                f"{f['s3_persist_speed_over_raw_seq']:.2f}x their speed (paired)",
+            ),
+            Row(
+                "ours persist vs s3fs pipe (concurrent)",
+                fmt_rate(m, p),
+                fmt_rate(m, f["s3_raw_concurrent_s"]),
+                f"{f['s3_raw_concurrent_s'] / p:.2f}x their speed",
+            ),
+            Row(
+                "ours persist vs DCP save, FsspecWriter",
+                fmt_rate(m, p),
+                fmt_rate(m, f["s3_dcp_save_steady_s"]),
+                f"{f['s3_persist_speed_over_dcp']:.2f}x their speed (paired)",
+            ),
             Row("ours snapshot() stall, steady (server shares the CPUs)", fmt_t(f["s3_stall_steady_s"])),
         ]
         for cache in ("cold", "warm") if f["s3_restore_cold_cache"] else ("warm",):
             o, d = f[f"s3_restore_ours_{cache}_s"], f[f"s3_restore_dcp_load_{cache}_s"]
-            rows.append(Row(f"restore() vs DCP FsspecReader load, {cache}", fmt_rate(m, o), fmt_rate(m, d),
-                            f"{d / o:.2f}x their speed"))
+            rows.append(
+                Row(
+                    f"restore() vs DCP FsspecReader load, {cache}",
+                    fmt_rate(m, o),
+                    fmt_rate(m, d),
+                    f"{d / o:.2f}x their speed",
+                )
+            )
 
-    res.target("steady stall <= 1.25x the copy floor", f["stall_over_floor"] <= 1.25,
-               f"{f['stall_over_floor']:.2f}x ({fmt_t(stall)} vs {fmt_t(floor)})")
-    res.target("steady stall >= 4x lower than DCP async_save blocking (steady)", f["dcp_async_over_stall"] >= 4,
-               f"{f['dcp_async_over_stall']:.2f}x lower ({fmt_t(stall)} vs {fmt_t(dcp_a)}; "
-               f"the floor itself is {dcp_a / floor:.2f}x lower)")
-    res.target("persist throughput >= 0.9x raw write + fsync", f["persist_speed_over_raw"] >= 0.9,
-               f"{f['persist_speed_over_raw']:.2f}x ({fmt_rate(n, persist)} vs {fmt_rate(n, raw)})")
+    res.target(
+        "steady stall <= 1.25x the copy floor",
+        f["stall_over_floor"] <= 1.25,
+        f"{f['stall_over_floor']:.2f}x ({fmt_t(stall)} vs {fmt_t(floor)})",
+    )
+    res.target(
+        "steady stall >= 4x lower than DCP async_save blocking (steady)",
+        f["dcp_async_over_stall"] >= 4,
+        f"{f['dcp_async_over_stall']:.2f}x lower ({fmt_t(stall)} vs {fmt_t(dcp_a)}; "
+        f"the floor itself is {dcp_a / floor:.2f}x lower)",
+    )
+    res.target(
+        "persist throughput >= 0.9x raw write + fsync",
+        f["persist_speed_over_raw"] >= 0.9,
+        f"{f['persist_speed_over_raw']:.2f}x ({fmt_rate(n, persist)} vs {fmt_rate(n, raw)})",
+    )
     cache = caches[0]
     o, d = f[f"restore_ours_{cache}_s"], f[f"restore_dcp_load_{cache}_s"]
-    res.target(f"restore at least as fast as DCP load ({cache} cache)", o <= d,
-               f"{d / o:.2f}x DCP's speed ({fmt_rate(n, o)} vs {fmt_rate(n, d)})")
+    res.target(
+        f"restore at least as fast as DCP load ({cache} cache)",
+        o <= d,
+        f"{d / o:.2f}x DCP's speed ({fmt_rate(n, o)} vs {fmt_rate(n, d)})",
+    )
     if "s3_state_bytes" in f:
         ratio = f["s3_persist_speed_over_raw_seq"]
-        res.target("S3 persist >= raw s3fs puts", ratio >= 1,
-                   f"{ratio:.2f}x ({fmt_rate(f['s3_state_bytes'], f['s3_persist_steady_s'])} vs "
-                   f"{fmt_rate(f['s3_state_bytes'], f['s3_raw_seq_steady_s'])})")
+        res.target(
+            "S3 persist >= raw s3fs puts",
+            ratio >= 1,
+            f"{ratio:.2f}x ({fmt_rate(f['s3_state_bytes'], f['s3_persist_steady_s'])} vs "
+            f"{fmt_rate(f['s3_state_bytes'], f['s3_raw_seq_steady_s'])})",
+        )
     return res
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
     p.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
     p.add_argument("--rounds", type=int, default=6, help="steady rounds after the first (default 6)")
@@ -669,21 +822,31 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
 
     if os.getloadavg()[0] > 1.0:
-        print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: "
-              "other work will skew the figures", flush=True)
+        print(
+            f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: "
+            "other work will skew the figures",
+            flush=True,
+        )
     work = tempfile.mkdtemp(prefix="ftkit-bench-", dir=args.dir)
-    print(f"work dir {work} ({fs_description(work)}); page cache drop "
-          f"{'possible: cold restores' if can_drop_caches() else 'NOT possible: warm restores only'}", flush=True)
+    print(
+        f"work dir {work} ({fs_description(work)}); page cache drop "
+        f"{'possible: cold restores' if can_drop_caches() else 'NOT possible: warm restores only'}",
+        flush=True,
+    )
     try:
         figures = run(args, work)
     finally:
         rmtree(work)
     res = tabulate(figures)
     res.print()
-    print(f"\n{figures['state_bytes'] / 2**30:.2f} GiB state; {figures['dir']} on {figures['filesystem']}; "
-          f"torch {figures['torch']}, {figures['torch_threads']} threads; peak RSS {figures['peak_rss_gib']:.1f} GiB; "
-          f"load average {figures['loadavg_start'][0]:.1f} at start, {figures['loadavg_end'][0]:.1f} at end"
-          f"{' (other work was running: figures are noisy)' if max(figures['loadavg_start'][0], figures['loadavg_end'][0]) > 1.5 else ''}")
+    busy = max(figures["loadavg_start"][0], figures["loadavg_end"][0]) > 1.5
+    noisy = " (other work was running: figures are noisy)" if busy else ""
+    print(
+        f"\n{figures['state_bytes'] / 2**30:.2f} GiB state; {figures['dir']} on {figures['filesystem']}; "
+        f"torch {figures['torch']}, {figures['torch_threads']} threads; peak RSS {figures['peak_rss_gib']:.1f} GiB; "
+        f"load average {figures['loadavg_start'][0]:.1f} at start, {figures['loadavg_end'][0]:.1f} at end"
+        f"{noisy}"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res.to_json(), fh, indent=1, default=str)

@@ -71,9 +71,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -103,8 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phases", default="restore,replication,train", help="comma-separated subset")
     p.add_argument("--dir", default=None, help="where the disk tier and DCP checkpoint go (default: /tmp)")
     p.add_argument("--no-drop-caches", action="store_true", help="never drop the page cache")
-    p.add_argument("--no-trim", action="store_true",
-                   help="do not malloc_trim() before each restore (figures then depend on the order)")
+    p.add_argument(
+        "--no-trim",
+        action="store_true",
+        help="do not malloc_trim() before each restore (figures then depend on the order)",
+    )
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--timeout", type=float, default=3600.0, help="kill the job after this many seconds")
     # Internal: set by the launcher for the ranks.
@@ -123,18 +127,55 @@ def launch(args: argparse.Namespace) -> int:
     base = tempfile.mkdtemp(prefix="ftkit-bench-dist-", dir=args.dir)
     shm = tempfile.mkdtemp(prefix="ftkit-bench-dist-", dir="/dev/shm")
     out = os.path.join(base, "results.json")
-    env = {**os.environ, "FTKIT_RAM_DIR": shm, "FTKIT_RANKS_PER_NODE": str(args.ranks // 2),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "FTKIT_RAM_DIR": shm,
+        "FTKIT_RANKS_PER_NODE": str(args.ranks // 2),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("FTKIT_NODE_ID", None)
-    passthrough = ["--mib", str(args.mib), "--tensors", str(args.tensors), "--ranks", str(args.ranks),
-                   "--repeats", str(args.repeats), "--rounds", str(args.rounds), "--steps", str(args.steps),
-                   "--mlp-dim", str(args.mlp_dim), "--mlp-batch", str(args.mlp_batch), "--phases", args.phases]
+    passthrough = [
+        "--mib",
+        str(args.mib),
+        "--tensors",
+        str(args.tensors),
+        "--ranks",
+        str(args.ranks),
+        "--repeats",
+        str(args.repeats),
+        "--rounds",
+        str(args.rounds),
+        "--steps",
+        str(args.steps),
+        "--mlp-dim",
+        str(args.mlp_dim),
+        "--mlp-batch",
+        str(args.mlp_batch),
+        "--phases",
+        args.phases,
+    ]
     if args.no_drop_caches:
         passthrough.append("--no-drop-caches")
     if args.no_trim:
         passthrough.append("--no-trim")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-           __file__, "--worker", "--base", base, "--shm", shm, "--out", out, *passthrough]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.ranks),
+        __file__,
+        "--worker",
+        "--base",
+        base,
+        "--shm",
+        shm,
+        "--out",
+        out,
+        *passthrough,
+    ]
     t0 = now()
     proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), start_new_session=True)
     try:
@@ -162,9 +203,12 @@ def launch(args: argparse.Namespace) -> int:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     res["config"]["wall_s"] = now() - t0
-    res["config"]["command"] = " ".join([os.path.relpath(sys.executable, REPO)
-                                        if sys.executable.startswith(str(REPO)) else sys.executable,
-                                        *map(str, sys.argv)])
+    res["config"]["command"] = " ".join(
+        [
+            os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable,
+            *map(str, sys.argv),
+        ]
+    )
     targets = report(res)
     res["targets"] = targets
     if args.json:
@@ -200,20 +244,30 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
         targets.append({"what": what, "pass": bool(ok), "detail": detail})
 
     print(f"\nftkit distributed benchmark  ({c['command']})")
-    print(f"  {c['world']} ranks under torchrun --standalone, 2 simulated nodes x {c['world'] // 2} ranks "
-          f"(FTKIT_RANKS_PER_NODE), gloo over loopback; {c['cpus']} CPUs, 1 torch thread per rank; "
-          f"torch {c['torch']}")
+    print(
+        f"  {c['world']} ranks under torchrun --standalone, 2 simulated nodes x {c['world'] // 2} ranks "
+        f"(FTKIT_RANKS_PER_NODE), gloo over loopback; {c['cpus']} CPUs, 1 torch thread per rank; "
+        f"torch {c['torch']}"
+    )
     print(f"  disk: {c['disk_fs']}; RAM tier: tmpfs /dev/shm; whole run {c['wall_s']:.0f} s")
 
     r = res.get("restore")
     if r:
         nb = r["state_bytes"]
-        cache = "cold = page cache dropped before" if r["drop_caches"] else \
-            "page cache could NOT be dropped: 'cold' rows are warm"
-        print(f"\n  state: {nb / 2**20:.0f} MiB fp32, {r['tensors']} tensors, replicated on every rank; "
-              f"median of {len(r['rounds'])} rounds; {cache}; "
-              + ("malloc_trim(0) before each restore (a restarted process's empty heap)" if r.get("trim")
-                 else "heap NOT trimmed between restores"))
+        cache = (
+            "cold = page cache dropped before"
+            if r["drop_caches"]
+            else "page cache could NOT be dropped: 'cold' rows are warm"
+        )
+        print(
+            f"\n  state: {nb / 2**20:.0f} MiB fp32, {r['tensors']} tensors, replicated on every rank; "
+            f"median of {len(r['rounds'])} rounds; {cache}; "
+            + (
+                "malloc_trim(0) before each restore (a restarted process's empty heap)"
+                if r.get("trim")
+                else "heap NOT trimmed between restores"
+            )
+        )
         m = r["median"]
         ratio = r["ratio"]
         sp = r["spread"]
@@ -222,111 +276,206 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
             return f"{fmt_s(m[k])} [{fmt_s(sp[k][0])}-{fmt_s(sp[k][1])}]"
 
         rows = [
-            ("RAM tier, same nodes", cell("ram"), "DCP load, disk, cold", cell("dcp_cold"),
-             f"{ratio['dcp_cold/ram']:.2f}x"),
+            (
+                "RAM tier, same nodes",
+                cell("ram"),
+                "DCP load, disk, cold",
+                cell("dcp_cold"),
+                f"{ratio['dcp_cold/ram']:.2f}x",
+            ),
             ("", "", "DCP load, disk, warm", cell("dcp_warm"), f"{ratio['dcp_warm/ram']:.2f}x"),
             ("", "", "DCP load, /dev/shm", cell("dcp_shm"), f"{ratio['dcp_shm/ram']:.2f}x"),
-            ("peer replicas (node1's RAM lost)", cell("peer"), "DCP load, disk, cold", cell("dcp_cold"),
-             f"{ratio['dcp_cold/peer']:.2f}x"),
+            (
+                "peer replicas (node1's RAM lost)",
+                cell("peer"),
+                "DCP load, disk, cold",
+                cell("dcp_cold"),
+                f"{ratio['dcp_cold/peer']:.2f}x",
+            ),
             ("", "", "DCP load, disk, warm", cell("dcp_warm"), f"{ratio['dcp_warm/peer']:.2f}x"),
-            ("local disk tier, cold", cell("disk_cold"), "DCP load, disk, cold", cell("dcp_cold"),
-             f"{ratio['dcp_cold/disk_cold']:.2f}x"),
-            ("local disk tier, warm", cell("disk_warm"), "DCP load, disk, warm", cell("dcp_warm"),
-             f"{ratio['dcp_warm/disk_warm']:.2f}x"),
-            ("floor: RAM files read into live", cell("floor"), "DCP load, disk, warm", cell("dcp_warm"),
-             f"{ratio['dcp_warm/floor']:.2f}x"),
+            (
+                "local disk tier, cold",
+                cell("disk_cold"),
+                "DCP load, disk, cold",
+                cell("dcp_cold"),
+                f"{ratio['dcp_cold/disk_cold']:.2f}x",
+            ),
+            (
+                "local disk tier, warm",
+                cell("disk_warm"),
+                "DCP load, disk, warm",
+                cell("dcp_warm"),
+                f"{ratio['dcp_warm/disk_warm']:.2f}x",
+            ),
+            (
+                "floor: RAM files read into live",
+                cell("floor"),
+                "DCP load, disk, warm",
+                cell("dcp_warm"),
+                f"{ratio['dcp_warm/floor']:.2f}x",
+            ),
         ]
-        table("1. restore: wall time of the restore call, max over ranks, median [min-max] (lower is better)",
-              ("ours", "time", "competitor", "time", "DCP/ours"), rows, (32, 29, 20, 29, 8))
+        table(
+            "1. restore: wall time of the restore call, max over ranks, median [min-max] (lower is better)",
+            ("ours", "time", "competitor", "time", "DCP/ours"),
+            rows,
+            (32, 29, 20, 29, 8),
+        )
         f1 = r["first"]
-        print("  first round (first restore of each kind in the process): "
-              + ", ".join(f"{k} {fmt_s(v)}" for k, v in f1.items()))
+        print(
+            "  first round (first restore of each kind in the process): "
+            + ", ".join(f"{k} {fmt_s(v)}" for k, v in f1.items())
+        )
         dr = r.get("disk_read_cold")
         if dr:
-            print(f"  this disk read cold (page cache dropped, one reader, sequential): "
-                  f"{fmt_rate(dr['bytes'] / dr['s'])} ({dr['bytes'] / 2**20:.0f} MiB in {fmt_s(dr['s'])})")
+            print(
+                f"  this disk read cold (page cache dropped, one reader, sequential): "
+                f"{fmt_rate(dr['bytes'] / dr['s'])} ({dr['bytes'] / 2**20:.0f} MiB in {fmt_s(dr['s'])})"
+            )
         b = r["breakdown"]
-        print("  ftkit restore() phases, max over ranks (median of rounds): "
-              + "; ".join(f"{k}: plan {fmt_s(v['plan_s'])}, read+verify {fmt_s(v['read_s'])}"
-                          + (f" (of which fetch from peers {fmt_s(v['fetch_s'])})" if v["fetch_s"] else "")
-                          + f", load {fmt_s(v['load_s'])}" for k, v in b.items()))
-        print(f"  per-rank read rate of the RAM restore: {fmt_rate(nb / m['ram'])} "
-              f"(every rank restores all {nb / 2**20:.0f} MiB); peer sources by rank: {r['peer_sources']}")
-        target(f"restore from RAM >= {TARGET_RAM_VS_DCP:.0f}x faster than DCP load from disk (cold)",
-               ratio["dcp_cold/ram"] >= TARGET_RAM_VS_DCP,
-               f"{ratio['dcp_cold/ram']:.1f}x ({fmt_s(m['ram'])} vs {fmt_s(m['dcp_cold'])})"
-               + ("" if r["drop_caches"] else " [caches not dropped: this is warm]"))
-        target(f"restore from RAM >= {TARGET_RAM_VS_DCP:.0f}x faster than DCP load from disk (warm page cache)",
-               ratio["dcp_warm/ram"] >= TARGET_RAM_VS_DCP,
-               f"{ratio['dcp_warm/ram']:.1f}x ({fmt_s(m['ram'])} vs {fmt_s(m['dcp_warm'])})")
+        print(
+            "  ftkit restore() phases, max over ranks (median of rounds): "
+            + "; ".join(
+                f"{k}: plan {fmt_s(v['plan_s'])}, read+verify {fmt_s(v['read_s'])}"
+                + (f" (of which fetch from peers {fmt_s(v['fetch_s'])})" if v["fetch_s"] else "")
+                + f", load {fmt_s(v['load_s'])}"
+                for k, v in b.items()
+            )
+        )
+        print(
+            f"  per-rank read rate of the RAM restore: {fmt_rate(nb / m['ram'])} "
+            f"(every rank restores all {nb / 2**20:.0f} MiB); peer sources by rank: {r['peer_sources']}"
+        )
+        target(
+            f"restore from RAM >= {TARGET_RAM_VS_DCP:.0f}x faster than DCP load from disk (cold)",
+            ratio["dcp_cold/ram"] >= TARGET_RAM_VS_DCP,
+            f"{ratio['dcp_cold/ram']:.1f}x ({fmt_s(m['ram'])} vs {fmt_s(m['dcp_cold'])})"
+            + ("" if r["drop_caches"] else " [caches not dropped: this is warm]"),
+        )
+        target(
+            f"restore from RAM >= {TARGET_RAM_VS_DCP:.0f}x faster than DCP load from disk (warm page cache)",
+            ratio["dcp_warm/ram"] >= TARGET_RAM_VS_DCP,
+            f"{ratio['dcp_warm/ram']:.1f}x ({fmt_s(m['ram'])} vs {fmt_s(m['dcp_warm'])})",
+        )
 
     p = res.get("replication")
     if p:
         nb = p["replicated_bytes"]
         m = p["median"]
         rows = [
-            ("replication cost: snapshot->wait with peer minus without", fmt_s(m["peer_delta_s"]),
-             fmt_rate(nb / m["peer_delta_s"]), f"{p['ratio']['delta']:.2f}x"),
-            ("  PeerGroup.run window (first start -> last end)", fmt_s(m["run_window_s"]),
-             fmt_rate(nb / m["run_window_s"]), f"{p['ratio']['run']:.2f}x"),
-            ("  of it, read own file back + verify/write received (max rank)",
-             f"{fmt_s(m['run_read_s'])} + {fmt_s(m['run_write_s'])}", "", ""),
-            ("raw gloo isend/irecv, all pairs concurrently (baseline)", fmt_s(m["raw_concurrent_s"]),
-             fmt_rate(nb / m["raw_concurrent_s"]), "1.00x"),
-            ("raw gloo send/recv in ftkit's plan order (blocking)", fmt_s(m["raw_plan_order_s"]),
-             fmt_rate(nb / m["raw_plan_order_s"]), f"{p['ratio']['raw_plan_order']:.2f}x"),
-            ("floor: raw + store over tmpfs pages + hash (no ftkit)", fmt_s(m["floor_s"]),
-             fmt_rate(nb / m["floor_s"]), f"{p['ratio']['floor']:.2f}x"),
+            (
+                "replication cost: snapshot->wait with peer minus without",
+                fmt_s(m["peer_delta_s"]),
+                fmt_rate(nb / m["peer_delta_s"]),
+                f"{p['ratio']['delta']:.2f}x",
+            ),
+            (
+                "  PeerGroup.run window (first start -> last end)",
+                fmt_s(m["run_window_s"]),
+                fmt_rate(nb / m["run_window_s"]),
+                f"{p['ratio']['run']:.2f}x",
+            ),
+            (
+                "  of it, read own file back + verify/write received (max rank)",
+                f"{fmt_s(m['run_read_s'])} + {fmt_s(m['run_write_s'])}",
+                "",
+                "",
+            ),
+            (
+                "raw gloo isend/irecv, all pairs concurrently (baseline)",
+                fmt_s(m["raw_concurrent_s"]),
+                fmt_rate(nb / m["raw_concurrent_s"]),
+                "1.00x",
+            ),
+            (
+                "raw gloo send/recv in ftkit's plan order (blocking)",
+                fmt_s(m["raw_plan_order_s"]),
+                fmt_rate(nb / m["raw_plan_order_s"]),
+                f"{p['ratio']['raw_plan_order']:.2f}x",
+            ),
+            (
+                "floor: raw + store over tmpfs pages + hash (no ftkit)",
+                fmt_s(m["floor_s"]),
+                fmt_rate(nb / m["floor_s"]),
+                f"{p['ratio']['floor']:.2f}x",
+            ),
             ("context: snapshot->wait, tiers [ram]", fmt_s(m["ram_only_s"]), "", ""),
             ("context: snapshot->wait, tiers [ram, peer]", fmt_s(m["ram_peer_s"]), "", ""),
         ]
-        table(f"2. peer replication of one snapshot: {nb / 2**20:.0f} MiB sent in total, "
-              f"pairs {p['pairs']} (median of {len(p['rounds'])} rounds)",
-              ("what", "time", "throughput", "vs raw"), rows, (62, 17, 10, 7))
-        target(f"ftkit replication >= {TARGET_REPL_VS_RAW}x raw gloo throughput",
-               p["ratio"]["delta"] >= TARGET_REPL_VS_RAW,
-               f"{p['ratio']['delta']:.2f}x ({fmt_rate(nb / m['peer_delta_s'])} vs "
-               f"{fmt_rate(nb / m['raw_concurrent_s'])}; measured as the snapshot->wait difference; "
-               f"PeerGroup.run alone: {p['ratio']['run']:.2f}x; the floor of storing and checking "
-               f"the replica here: {p['ratio']['floor']:.2f}x)")
+        table(
+            f"2. peer replication of one snapshot: {nb / 2**20:.0f} MiB sent in total, "
+            f"pairs {p['pairs']} (median of {len(p['rounds'])} rounds)",
+            ("what", "time", "throughput", "vs raw"),
+            rows,
+            (62, 17, 10, 7),
+        )
+        target(
+            f"ftkit replication >= {TARGET_REPL_VS_RAW}x raw gloo throughput",
+            p["ratio"]["delta"] >= TARGET_REPL_VS_RAW,
+            f"{p['ratio']['delta']:.2f}x ({fmt_rate(nb / m['peer_delta_s'])} vs "
+            f"{fmt_rate(nb / m['raw_concurrent_s'])}; measured as the snapshot->wait difference; "
+            f"PeerGroup.run alone: {p['ratio']['run']:.2f}x; the floor of storing and checking "
+            f"the replica here: {p['ratio']['floor']:.2f}x)",
+        )
 
     t = res.get("train")
     if t:
         rows = []
         for name, v in t.items():
-            rows.append((f"{name} ({v['state_bytes'] / 2**20:.1f} MiB state, {v['params'] / 1e6:.2f} M params)",
-                         fmt_s(v["base_s"]), f"{fmt_s(v['attached_s'])} ({v['attached_slowdown'] * 100:+.1f}%)",
-                         fmt_s(v["ftkit_s"]), f"{v['slowdown'] * 100:+.1f}%", fmt_s(v["stall_s"]),
-                         f"{v['contention'] * 100:+.1f}%"))
-        table(f"3. DDP training step, median of per-step max over ranks ({t[next(iter(t))]['steps']} steps per "
-              "column, alternating blocks); snapshot every step to [ram, peer], policy wait",
-              ("model", "no ftkit", "attached, no snapshot", "snapshot", "slowdown", "stall", "rest"),
-              rows, (42, 9, 21, 9, 8, 8, 6))
-        print("  attached = a Checkpointer on the model (its DDP comm hook, optimizer pre-hook, watchdog thread)\n"
-              "  stall = ck.stats.last_stall_s (capture + wait for a slot + copy, on the training thread)\n"
-              "  rest = (snapshot - attached - stall) / no ftkit: the background persist and replication "
-              "competing for the 2 cores")
+            rows.append(
+                (
+                    f"{name} ({v['state_bytes'] / 2**20:.1f} MiB state, {v['params'] / 1e6:.2f} M params)",
+                    fmt_s(v["base_s"]),
+                    f"{fmt_s(v['attached_s'])} ({v['attached_slowdown'] * 100:+.1f}%)",
+                    fmt_s(v["ftkit_s"]),
+                    f"{v['slowdown'] * 100:+.1f}%",
+                    fmt_s(v["stall_s"]),
+                    f"{v['contention'] * 100:+.1f}%",
+                )
+            )
+        table(
+            f"3. DDP training step, median of per-step max over ranks ({t[next(iter(t))]['steps']} steps per "
+            "column, alternating blocks); snapshot every step to [ram, peer], policy wait",
+            ("model", "no ftkit", "attached, no snapshot", "snapshot", "slowdown", "stall", "rest"),
+            rows,
+            (42, 9, 21, 9, 8, 8, 6),
+        )
+        print(
+            "  attached = a Checkpointer on the model (its DDP comm hook, optimizer pre-hook, watchdog thread)\n"
+            "  stall = ck.stats.last_stall_s (capture + wait for a slot + copy, on the training thread)\n"
+            "  rest = (snapshot - attached - stall) / no ftkit: the background persist and replication "
+            "competing for the 2 cores"
+        )
         for name, v in t.items():
             if "every_slowdown" in v:
-                print(f"  {name}: one snapshot every {v['every_n']} steps instead (same tiers; mean step time "
-                      f"over its blocks vs no ftkit): {v['every_slowdown'] * 100:+.1f}%")
+                print(
+                    f"  {name}: one snapshot every {v['every_n']} steps instead (same tiers; mean step time "
+                    f"over its blocks vs no ftkit): {v['every_slowdown'] * 100:+.1f}%"
+                )
         for name, v in t.items():
             c = v.get("cpu_per_step_s")
             if c:
                 extra = [sn - at for sn, at in zip(c["snapshot"], c["attached"])]
-                print(f"  {name}: CPU per step of each rank process (all threads), mean over ranks: no ftkit "
-                      f"{fmt_s(statistics.fmean(c['base']))}, attached {fmt_s(statistics.fmean(c['attached']))}, "
-                      f"snapshot every step {fmt_s(statistics.fmean(c['snapshot']))}: a snapshot costs "
-                      f"{fmt_s(statistics.fmean(extra))} of CPU per rank ({'/'.join(fmt_s(x) for x in extra)})")
+                print(
+                    f"  {name}: CPU per step of each rank process (all threads), mean over ranks: no ftkit "
+                    f"{fmt_s(statistics.fmean(c['base']))}, attached {fmt_s(statistics.fmean(c['attached']))}, "
+                    f"snapshot every step {fmt_s(statistics.fmean(c['snapshot']))}: a snapshot costs "
+                    f"{fmt_s(statistics.fmean(extra))} of CPU per rank ({'/'.join(fmt_s(x) for x in extra)})"
+                )
         for name, v in t.items():
-            print(f"  {name}: background persist per snapshot, by rank: wall "
-                  + "/".join(fmt_s(x) for x in v["persist_wall_s"]) + "; CPU of the persist thread "
-                  + "/".join(fmt_s(x) for x in v["persist_cpu_s"]))
+            print(
+                f"  {name}: background persist per snapshot, by rank: wall "
+                + "/".join(fmt_s(x) for x in v["persist_wall_s"])
+                + "; CPU of the persist thread "
+                + "/".join(fmt_s(x) for x in v["persist_cpu_s"])
+            )
         for name, v in t.items():
-            target(f"training-step slowdown < {TARGET_SLOWDOWN * 100:.0f}% ({name})",
-                   v["slowdown"] < TARGET_SLOWDOWN,
-                   f"{v['slowdown'] * 100:+.1f}% ({fmt_s(v['base_s'])} -> {fmt_s(v['ftkit_s'])}; "
-                   f"stall {fmt_s(v['stall_s'])}, p90 step {fmt_s(v['ftkit_p90_s'])} vs {fmt_s(v['base_p90_s'])})")
+            target(
+                f"training-step slowdown < {TARGET_SLOWDOWN * 100:.0f}% ({name})",
+                v["slowdown"] < TARGET_SLOWDOWN,
+                f"{v['slowdown'] * 100:+.1f}% ({fmt_s(v['base_s'])} -> {fmt_s(v['ftkit_s'])}; "
+                f"stall {fmt_s(v['stall_s'])}, p90 step {fmt_s(v['ftkit_p90_s'])} vs {fmt_s(v['base_p90_s'])})",
+            )
 
     rule = "-" * 100
     print(f"\ntargets\n{rule}")
@@ -380,7 +529,7 @@ class Ranks:
 def tensor_shapes(total_bytes: int, n: int, cols: int = 1024) -> list[tuple[int, ...]]:
     """A few small 1-D tensors (< 1 MiB: kept whole by one rank), the rest rows x cols of 1-4 units."""
     small = min(4, max(0, n // 4))
-    shapes: list[tuple[int, ...]] = [(1024 * 4 ** i,) for i in range(small)]  # 4 KiB .. 256 KiB
+    shapes: list[tuple[int, ...]] = [(1024 * 4**i,) for i in range(small)]  # 4 KiB .. 256 KiB
     rest = max(total_bytes - sum(s[0] * 4 for s in shapes), 0)
     weights = [1 + (i % 4) for i in range(n - small)]
     row_bytes = cols * 4
@@ -450,7 +599,7 @@ def floor_restore(state, node_path: str, step: int) -> None:
             for sh in t.shards:
                 base = sh.offsets[0] * row if sh.offsets else 0
                 for c in sh.chunks:
-                    part = dst[base + c.raw_offset:base + c.raw_offset + c.raw_length]
+                    part = dst[base + c.raw_offset : base + c.raw_offset + c.raw_length]
                     f = files[c.file]
                     f.seek(c.offset)
                     if f.readinto(part) != c.length:
@@ -476,11 +625,21 @@ def timed_restore(R: Ranks, state, want: list[float], fn: Callable[[], Any], ck=
     if digest(state) != want:
         raise AssertionError(f"rank {R.rank}: restored state differs from the saved one")
     info = dict(ck.last_restore) if ck is not None else {}
-    per_rank = R.gather({"s": dt, "source": info.get("source"), "plan_s": info.get("plan_s"),
-                         "read_s": info.get("read_s"), "load_s": info.get("load_s"),
-                         "fetch_s": info.get("fetch_s", 0.0)})
-    out = {"s": max(p["s"] for p in per_rank), "per_rank_s": [p["s"] for p in per_rank],
-           "sources": [p["source"] for p in per_rank]}
+    per_rank = R.gather(
+        {
+            "s": dt,
+            "source": info.get("source"),
+            "plan_s": info.get("plan_s"),
+            "read_s": info.get("read_s"),
+            "load_s": info.get("load_s"),
+            "fetch_s": info.get("fetch_s", 0.0),
+        }
+    )
+    out = {
+        "s": max(p["s"] for p in per_rank),
+        "per_rank_s": [p["s"] for p in per_rank],
+        "sources": [p["source"] for p in per_rank],
+    }
     if ck is not None:
         for k in ("plan_s", "read_s", "load_s", "fetch_s"):
             out[k] = max(p[k] for p in per_rank)
@@ -576,7 +735,7 @@ def phase_restore(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
             row["dcp_warm"] = timed_restore(R, state, want, lambda: dcp.load(state, checkpoint_id=dcp_disk))
             row["dcp_shm"] = timed_restore(R, state, want, lambda: dcp.load(state, checkpoint_id=dcp_shm))
             my_node = os.path.join(a.shm, "restore", f"node{R.rank // R.per_node}")
-            row["floor"] = timed_restore(R, state, want, lambda: floor_restore(state, my_node, 1))
+            row["floor"] = timed_restore(R, state, want, lambda my_node=my_node: floor_restore(state, my_node, 1))
             if set(row["ram"]["sources"]) != {"ram"}:
                 raise AssertionError(f"RAM restore came from {row['ram']['sources']}")
             if "ram+peer" not in row["peer"]["sources"]:
@@ -592,18 +751,38 @@ def phase_restore(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
     keys = list(rounds[0])
     med = {k: median([rw[k]["s"] for rw in rounds]) for k in keys}
     ratio = {}
-    for comp, ours in (("dcp_cold", "ram"), ("dcp_warm", "ram"), ("dcp_shm", "ram"), ("dcp_cold", "peer"),
-                       ("dcp_warm", "peer"), ("dcp_cold", "disk_cold"), ("dcp_warm", "disk_warm"),
-                       ("dcp_warm", "floor"), ("dcp_cold", "floor")):
+    for comp, ours in (
+        ("dcp_cold", "ram"),
+        ("dcp_warm", "ram"),
+        ("dcp_shm", "ram"),
+        ("dcp_cold", "peer"),
+        ("dcp_warm", "peer"),
+        ("dcp_cold", "disk_cold"),
+        ("dcp_warm", "disk_warm"),
+        ("dcp_warm", "floor"),
+        ("dcp_cold", "floor"),
+    ):
         ratio[f"{comp}/{ours}"] = median([rw[comp]["s"] / rw[ours]["s"] for rw in rounds])
-    breakdown = {k: {p: median([rw[k][p] for rw in rounds]) for p in ("plan_s", "read_s", "load_s", "fetch_s")}
-                 for k in ("ram", "peer", "disk_cold", "disk_warm")}
+    breakdown = {
+        k: {p: median([rw[k][p] for rw in rounds]) for p in ("plan_s", "read_s", "load_s", "fetch_s")}
+        for k in ("ram", "peer", "disk_cold", "disk_warm")
+    }
     spread = {k: (min(rw[k]["s"] for rw in rounds), max(rw[k]["s"] for rw in rounds)) for k in keys}
-    return {"state_bytes": nbytes_of(state), "tensors": len(state), "drop_caches": allowed and dropped,
-            "disk_read_cold": disk_read, "trim": _TRIM, "spread": spread, "first": {k: rounds[0][k]["s"] for k in keys},
-            "save_s": {"ftkit_ram_peer_disk": save_ftkit, "dcp_disk": save_dcp},
-            "rounds": rounds, "median": med, "ratio": ratio, "breakdown": breakdown,
-            "peer_sources": rounds[0]["peer"]["sources"]}
+    return {
+        "state_bytes": nbytes_of(state),
+        "tensors": len(state),
+        "drop_caches": allowed and dropped,
+        "disk_read_cold": disk_read,
+        "trim": _TRIM,
+        "spread": spread,
+        "first": {k: rounds[0][k]["s"] for k in keys},
+        "save_s": {"ftkit_ram_peer_disk": save_ftkit, "dcp_disk": save_dcp},
+        "rounds": rounds,
+        "median": med,
+        "ratio": ratio,
+        "breakdown": breakdown,
+        "peer_sources": rounds[0]["peer"]["sources"],
+    }
 
 
 # ------------------------------------------------------------- phase 2
@@ -650,14 +829,15 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
     import torch
 
     import ftkit
-    from ftkit.tiers.peers import replica_targets, replication_plan
     from ftkit.save.sharding import plan_pieces
+    from ftkit.tiers.peers import replica_targets, replication_plan
 
     _instrument_peer_group()
     dist = R.dist
     named = list(state.items())
-    share = [sum(src.numel() * src.element_size() for _, src in plan_pieces(named, r, R.world))
-             for r in range(R.world)]  # each rank's data file is exactly its share (raw codec)
+    share = [
+        sum(src.numel() * src.element_size() for _, src in plan_pieces(named, r, R.world)) for r in range(R.world)
+    ]  # each rank's data file is exactly its share (raw codec)
     nodes = [f"node{r // R.per_node}" for r in range(R.world)]
     target = {r: replica_targets(r, nodes, 1)[0] for r in range(R.world)}
     source = {t: r for r, t in target.items()}
@@ -666,8 +846,7 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
     os.environ["FTKIT_JOB_ID"] = "repl-ram"
     ck_a = quiet_checkpointer(state, [ftkit.Tier("ram", keep=1)], rng=False)
     os.environ["FTKIT_JOB_ID"] = "repl-peer"
-    ck_b = quiet_checkpointer(state, [ftkit.Tier("ram", keep=1), ftkit.Tier("peer", replicas=1)],
-                              rng=False)
+    ck_b = quiet_checkpointer(state, [ftkit.Tier("ram", keep=1), ftkit.Tier("peer", replicas=1)], rng=False)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
     out_buf = torch.ones(share[R.rank], dtype=torch.uint8)
     in_buf = torch.zeros(share[source[R.rank]], dtype=torch.uint8)
@@ -679,7 +858,6 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
         ck.snapshot(step)
         ck.wait()
         return now() - t0
-
 
     def raw_plan_order() -> tuple[float, float]:
         R.barrier()
@@ -735,16 +913,18 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
             per = R.gather({"ta": ta, "tb": tb, "run": run, "rc": rc, "rp": rp, "rf": rf})
             if any(p["run"] is None for p in per):
                 raise AssertionError("a rank did not replicate (PeerGroup.run not called)")
-            rounds.append({
-                "ram_only_s": max(p["ta"] for p in per),
-                "ram_peer_s": max(p["tb"] for p in per),
-                "run_window_s": window([(p["run"]["start"], p["run"]["end"]) for p in per]),
-                "run_read_s": max(p["run"]["read_s"] for p in per),
-                "run_write_s": max(p["run"]["write_s"] for p in per),
-                "raw_concurrent_s": window([p["rc"] for p in per]),
-                "raw_plan_order_s": window([p["rp"] for p in per]),
-                "floor_s": window([p["rf"] for p in per]),
-            })
+            rounds.append(
+                {
+                    "ram_only_s": max(p["ta"] for p in per),
+                    "ram_peer_s": max(p["tb"] for p in per),
+                    "run_window_s": window([(p["run"]["start"], p["run"]["end"]) for p in per]),
+                    "run_read_s": max(p["run"]["read_s"] for p in per),
+                    "run_write_s": max(p["run"]["write_s"] for p in per),
+                    "raw_concurrent_s": window([p["rc"] for p in per]),
+                    "raw_plan_order_s": window([p["rp"] for p in per]),
+                    "floor_s": window([p["rf"] for p in per]),
+                }
+            )
             rounds[-1]["peer_delta_s"] = max(rounds[-1]["ram_peer_s"] - rounds[-1]["ram_only_s"], 1e-9)
         if ck_b.stats.failed or ck_a.stats.failed:
             raise AssertionError("a persist failed during the replication phase")
@@ -759,13 +939,20 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
         for job in ("repl-ram", "repl-peer"):
             shutil.rmtree(os.path.join(a.shm, job), ignore_errors=True)
     med = {k: median([rw[k] for rw in rounds]) for k in rounds[0]}
-    ratio = {"delta": median([rw["raw_concurrent_s"] / rw["peer_delta_s"] for rw in rounds]),
-             "run": median([rw["raw_concurrent_s"] / rw["run_window_s"] for rw in rounds]),
-             "raw_plan_order": median([rw["raw_concurrent_s"] / rw["raw_plan_order_s"] for rw in rounds]),
-             "floor": median([rw["raw_concurrent_s"] / rw["floor_s"] for rw in rounds])}
-    return {"replicated_bytes": sum(share), "share_bytes": share,
-            "pairs": ", ".join(f"{r}->{target[r]}" for r in range(R.world)),
-            "rounds": rounds, "median": med, "ratio": ratio}
+    ratio = {
+        "delta": median([rw["raw_concurrent_s"] / rw["peer_delta_s"] for rw in rounds]),
+        "run": median([rw["raw_concurrent_s"] / rw["run_window_s"] for rw in rounds]),
+        "raw_plan_order": median([rw["raw_concurrent_s"] / rw["raw_plan_order_s"] for rw in rounds]),
+        "floor": median([rw["raw_concurrent_s"] / rw["floor_s"] for rw in rounds]),
+    }
+    return {
+        "replicated_bytes": sum(share),
+        "share_bytes": share,
+        "pairs": ", ".join(f"{r}->{target[r]}" for r in range(R.world)),
+        "rounds": rounds,
+        "median": med,
+        "ratio": ratio,
+    }
 
 
 # ------------------------------------------------------------- phase 3
@@ -887,8 +1074,16 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
         shutil.rmtree(os.path.join(a.shm, f"train-{kind}"), ignore_errors=True)
     jobs = list(_JOBS)
     n_steps = a.rounds * a.steps
-    per = R.gather({**times, "stall": stalls, "failed": failed, "cpu": {k: v / n_steps for k, v in cpu.items()},
-                    "job_wall": median([j[0] for j in jobs]), "job_cpu": median([j[1] for j in jobs])})
+    per = R.gather(
+        {
+            **times,
+            "stall": stalls,
+            "failed": failed,
+            "cpu": {k: v / n_steps for k, v in cpu.items()},
+            "job_wall": median([j[0] for j in jobs]),
+            "job_cpu": median([j[1] for j in jobs]),
+        }
+    )
     if any(p["failed"] for p in per):
         raise AssertionError(f"{kind}: background persists failed")
 
@@ -902,13 +1097,29 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     bm, am, fm, sm = median(b), median(at), median(f), median(s)
     # One snapshot per block: a median would hide it, so this one compares means.
     every_slowdown = statistics.fmean(ev) / statistics.fmean(b) - 1
-    return {"params": params, "state_bytes": state_bytes, "steps": len(b), "base_s": bm, "attached_s": am,
-            "ftkit_s": fm, "stall_s": sm, "slowdown": fm / bm - 1, "attached_slowdown": am / bm - 1,
-            "every_n": a.steps, "every_slowdown": every_slowdown,
-            "cpu_per_step_s": {k: [p["cpu"][k] for p in per] for k in cpu},
-            "contention": (fm - sm - am) / bm, "base_p90_s": p90(b), "ftkit_p90_s": p90(f),
-            "persist_wall_s": [p["job_wall"] for p in per], "persist_cpu_s": [p["job_cpu"] for p in per],
-            "base_all_s": b, "attached_all_s": at, "ftkit_all_s": f, "stall_all_s": s}
+    return {
+        "params": params,
+        "state_bytes": state_bytes,
+        "steps": len(b),
+        "base_s": bm,
+        "attached_s": am,
+        "ftkit_s": fm,
+        "stall_s": sm,
+        "slowdown": fm / bm - 1,
+        "attached_slowdown": am / bm - 1,
+        "every_n": a.steps,
+        "every_slowdown": every_slowdown,
+        "cpu_per_step_s": {k: [p["cpu"][k] for p in per] for k in cpu},
+        "contention": (fm - sm - am) / bm,
+        "base_p90_s": p90(b),
+        "ftkit_p90_s": p90(f),
+        "persist_wall_s": [p["job_wall"] for p in per],
+        "persist_cpu_s": [p["job_cpu"] for p in per],
+        "base_all_s": b,
+        "attached_all_s": at,
+        "ftkit_all_s": f,
+        "stall_all_s": s,
+    }
 
 
 def fs_description(path: str) -> str:
@@ -926,17 +1137,29 @@ def worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {os.environ.get('RANK')} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(levelname)s rank {os.environ.get('RANK')} %(name)s: %(message)s"
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     R = Ranks()
     global _TRIM
     _TRIM = not a.no_trim
     phases = set(a.phases.split(","))
-    res: dict[str, Any] = {"config": {
-        "world": R.world, "cpus": os.cpu_count(), "torch": torch.__version__, "mib": a.mib,
-        "tensors": a.tensors, "repeats": a.repeats, "rounds": a.rounds, "steps": a.steps,
-        "disk_fs": fs_description(a.base), "launcher": "torchrun --standalone"}}
+    res: dict[str, Any] = {
+        "config": {
+            "world": R.world,
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "mib": a.mib,
+            "tensors": a.tensors,
+            "repeats": a.repeats,
+            "rounds": a.rounds,
+            "steps": a.steps,
+            "disk_fs": fs_description(a.base),
+            "launcher": "torchrun --standalone",
+        }
+    }
     if phases & {"restore", "replication"}:
         R.log(f"making the state: {a.mib:g} MiB in {a.tensors} tensors on every rank")
         state = make_state(a.mib, a.tensors)

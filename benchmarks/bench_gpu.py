@@ -50,8 +50,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -185,7 +186,7 @@ def phase_floor(b: Bench) -> None:
     buf, how = DEVICE.alloc_host(layout.total_bytes, pin=b.cuda)
     views: list[torch.Tensor] = []
     try:
-        views = [buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries]
+        views = [buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries]
         d2h = []
         for _ in range(3):
             b.sync()
@@ -201,8 +202,15 @@ def phase_floor(b: Bench) -> None:
                 src.copy_(dst, non_blocking=b.cuda)
         b.sync()
         h2d = now() - t0
-        emit("copy_floor", d2h_s=min(d2h), d2h_all_s=d2h, h2d_s=h2d, pinned_by=how,
-             d2h_gbps=b.nbytes / min(d2h) / GB, h2d_gbps=b.nbytes / h2d / GB)
+        emit(
+            "copy_floor",
+            d2h_s=min(d2h),
+            d2h_all_s=d2h,
+            h2d_s=h2d,
+            pinned_by=how,
+            d2h_gbps=b.nbytes / min(d2h) / GB,
+            h2d_gbps=b.nbytes / h2d / GB,
+        )
     finally:
         DEVICE.free_host(buf, how)
         del buf, views
@@ -222,8 +230,7 @@ def staging_only_checkpointer(b: Bench, work: str):
             job.slot.ready()
             self.copy_done.append(now())
 
-    return StagingOnly(b.state, [os.path.join(work, "never-written")], rng=False, watchdog=False,
-                       preemption_signals=())
+    return StagingOnly(b.state, [os.path.join(work, "never-written")], rng=False, watchdog=False, preemption_signals=())
 
 
 def phase_steps(b: Bench, work: str) -> None:
@@ -249,8 +256,14 @@ def phase_steps(b: Bench, work: str) -> None:
         returns.append(now())
         second = returns[-1] - t0
         ck.wait()
-        emit("ours_first_snapshot", stall_s=first, second_slot_stall_s=second, pinned_by=slot.pinned_by,
-             slot_bytes=slot.capacity, slots=sum(1 for s in ck._arena._slots if s.capacity))
+        emit(
+            "ours_first_snapshot",
+            stall_s=first,
+            second_slot_stall_s=second,
+            pinned_by=slot.pinned_by,
+            slot_bytes=slot.capacity,
+            slots=sum(1 for s in ck._arena._slots if s.capacity),
+        )
         step = 3
         base, snap, stalls = [], [], []
         for r in range(args.rounds):
@@ -275,11 +288,23 @@ def phase_steps(b: Bench, work: str) -> None:
             ck.wait()
         copy_after = [d - r for d, r in zip(ck.copy_done[3:], returns[3:])]
         slow = [s / x - 1 for s, x in zip(snap, base)]
-        emit("ours_steps", step_s=median(base), step_with_snapshot_s=median(snap), slowdown=median(slow),
-             slowdown_all=slow, step_all_s=base, step_with_snapshot_all_s=snap, stall_steady_s=median(stalls),
-             stall_max_s=max(stalls), stall_all_s=stalls, copy_done_after_return_s=median(copy_after),
-             copy_done_after_return_max_s=max(copy_after), steps_per_round=args.steps, rounds=args.rounds,
-             snapshots=ck.stats.snapshots)
+        emit(
+            "ours_steps",
+            step_s=median(base),
+            step_with_snapshot_s=median(snap),
+            slowdown=median(slow),
+            slowdown_all=slow,
+            step_all_s=base,
+            step_with_snapshot_all_s=snap,
+            stall_steady_s=median(stalls),
+            stall_max_s=max(stalls),
+            stall_all_s=stalls,
+            copy_done_after_return_s=median(copy_after),
+            copy_done_after_return_max_s=max(copy_after),
+            steps_per_round=args.steps,
+            rounds=args.rounds,
+            snapshots=ck.stats.snapshots,
+        )
     finally:
         ck.close()
         del ck
@@ -305,15 +330,16 @@ def dcp_pinned_stager(b: Bench, work: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    opts = StagingOptions(use_pinned_memory=b.cuda, use_shared_memory=False, use_async_staging=True,
-                          use_non_blocking_copy=b.cuda)
+    opts = StagingOptions(
+        use_pinned_memory=b.cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=b.cuda
+    )
     stager = DefaultStager(opts)
     try:
         for i in range(2):
             path = os.path.join(work, f"dcp-pinned-{i}")
             label = f"dcp_async_pinned_stager_{i}"
 
-            def one() -> None:
+            def one(path=path, label=label, stager=stager, opts=opts) -> None:
                 sd = b.flat()
                 b.sync()
                 t0 = now()
@@ -324,8 +350,14 @@ def dcp_pinned_stager(b: Bench, work: str) -> None:
                     staging.result()
                 t2 = now()
                 getattr(resp, "upload_completion", resp).result()
-                emit(label, return_s=t1 - t0, staged_after_return_s=t2 - t1, upload_after_return_s=now() - t1,
-                     options=str(opts))
+                emit(
+                    label,
+                    return_s=t1 - t0,
+                    staged_after_return_s=t2 - t1,
+                    upload_after_return_s=now() - t1,
+                    options=str(opts),
+                )
+
             guarded(label, one)
             rmtree(path)
     finally:
@@ -377,15 +409,15 @@ def phase_restore(b: Bench, work: str) -> None:
     disk = os.path.join(work, "ours")
     ref = b.reference()
     try:
+
         def persist() -> None:
-            with ftkit.Checkpointer(b.state, ["ram", disk], rng=False, watchdog=False,
-                                    preemption_signals=()) as ck:
+            with ftkit.Checkpointer(b.state, ["ram", disk], rng=False, watchdog=False, preemption_signals=()) as ck:
                 t0 = now()
                 ck.snapshot(1)
                 t1 = now()
                 ck.wait()
-                emit("ours_persist_ram_and_dir", stall_s=t1 - t0, persist_after_return_s=now() - t1,
-                     ram_tier=ram_where)
+                emit("ours_persist_ram_and_dir", stall_s=t1 - t0, persist_after_return_s=now() - t1, ram_tier=ram_where)
+
         guarded("ours_persist_ram_and_dir", persist)
 
         cold = can_drop_caches()
@@ -407,6 +439,7 @@ def phase_restore(b: Bench, work: str) -> None:
         guarded("ours_restore_dir", lambda: ours(disk, "ours_restore_dir", cold))
 
         import torch.distributed.checkpoint as dcp
+
         path = os.path.join(work, "dcp-save")
 
         def dcp_save() -> None:
@@ -452,39 +485,88 @@ def table(b: Bench) -> list[tuple[str, bool, str]]:
     rows += [
         ("copy floor: D2H into a reused pinned buffer", "", fmt_rate(n, floor), "best of 3"),
         ("H2D from it (the restore floor)", "", fmt_rate(n, h2d), ""),
-        ("snapshot() stall, first (allocates the slot)", fmt_t(first), "", f"pinned: {get('ours_first_snapshot', 'pinned_by')}"),
-        ("  the second slot's first use", fmt_t(get("ours_first_snapshot", "second_slot_stall_s")), "",
-         f"slots: {get('ours_first_snapshot', 'slots')}"),
-        ("snapshot() stall, steady (median)", fmt_t(steady), f"floor {fmt_t(floor)}",
-         f"max {fmt_t(get('ours_steps', 'stall_max_s'))}"),
-        ("  copy done after snapshot() returned", fmt_t(get("ours_steps", "copy_done_after_return_s")),
-         "", "overlapped with forward/backward"),
-        ("step time, no snapshots / one per step", fmt_t(get("ours_steps", "step_s")),
-         fmt_t(get("ours_steps", "step_with_snapshot_s")),
-         f"{(get('ours_steps', 'slowdown') or float('nan')) * 100:+.2f}% (paired rounds)"),
-        ("DCP async_save (default), 1st / 2nd return", fmt_t(steady),
-         f"{fmt_t(dcp_def[0])} / {fmt_t(dcp_def[1])}", f"{ratio(dcp_def[1] or dcp_def[0], steady)} ours"),
-        ("DCP async_save, pinned stager, return", fmt_t(steady), f"{fmt_t(dcp_pin[0])} / {fmt_t(dcp_pin[1])}",
-         f"{ratio(dcp_pin[1] or dcp_pin[0], steady)} ours"),
-        ("  its staging done after return (1st / 2nd)", fmt_t(get("ours_steps", "copy_done_after_return_s")),
-         f"{fmt_t(dcp_pin_staged[0])} / {fmt_t(dcp_pin_staged[1])}", "ours: copy done after return"),
-        ("torch.save + fsync (blocking)", fmt_t(steady), fmt_t(get("torch_save_fsync", "s")),
-         f"{ratio(get('torch_save_fsync', 's'), steady)} ours"),
-        ("persist to RAM tier + dir (after return)", fmt_t(get("ours_persist_ram_and_dir", "persist_after_return_s")),
-         "", f"RAM tier in {get('ours_persist_ram_and_dir', 'ram_tier')}"),
-        (f"restore into {b.dev.type} tensors from the RAM tier", fmt_rate(n, get("ours_restore_ram", "s")), "",
-         f"verified {get('ours_restore_ram', 'verified')}"),
-        (f"restore into {b.dev.type} tensors from a dir vs DCP load ({get('ours_restore_dir', 'cache')})",
-         fmt_rate(n, get("ours_restore_dir", "s")), fmt_rate(n, get("dcp_load_dir", "s")),
-         f"{ratio(get('dcp_load_dir', 's'), get('ours_restore_dir', 's'))} their speed; verified "
-         f"{get('ours_restore_dir', 'verified')}/{get('dcp_load_dir', 'verified')}"),
+        (
+            "snapshot() stall, first (allocates the slot)",
+            fmt_t(first),
+            "",
+            f"pinned: {get('ours_first_snapshot', 'pinned_by')}",
+        ),
+        (
+            "  the second slot's first use",
+            fmt_t(get("ours_first_snapshot", "second_slot_stall_s")),
+            "",
+            f"slots: {get('ours_first_snapshot', 'slots')}",
+        ),
+        (
+            "snapshot() stall, steady (median)",
+            fmt_t(steady),
+            f"floor {fmt_t(floor)}",
+            f"max {fmt_t(get('ours_steps', 'stall_max_s'))}",
+        ),
+        (
+            "  copy done after snapshot() returned",
+            fmt_t(get("ours_steps", "copy_done_after_return_s")),
+            "",
+            "overlapped with forward/backward",
+        ),
+        (
+            "step time, no snapshots / one per step",
+            fmt_t(get("ours_steps", "step_s")),
+            fmt_t(get("ours_steps", "step_with_snapshot_s")),
+            f"{(get('ours_steps', 'slowdown') or float('nan')) * 100:+.2f}% (paired rounds)",
+        ),
+        (
+            "DCP async_save (default), 1st / 2nd return",
+            fmt_t(steady),
+            f"{fmt_t(dcp_def[0])} / {fmt_t(dcp_def[1])}",
+            f"{ratio(dcp_def[1] or dcp_def[0], steady)} ours",
+        ),
+        (
+            "DCP async_save, pinned stager, return",
+            fmt_t(steady),
+            f"{fmt_t(dcp_pin[0])} / {fmt_t(dcp_pin[1])}",
+            f"{ratio(dcp_pin[1] or dcp_pin[0], steady)} ours",
+        ),
+        (
+            "  its staging done after return (1st / 2nd)",
+            fmt_t(get("ours_steps", "copy_done_after_return_s")),
+            f"{fmt_t(dcp_pin_staged[0])} / {fmt_t(dcp_pin_staged[1])}",
+            "ours: copy done after return",
+        ),
+        (
+            "torch.save + fsync (blocking)",
+            fmt_t(steady),
+            fmt_t(get("torch_save_fsync", "s")),
+            f"{ratio(get('torch_save_fsync', 's'), steady)} ours",
+        ),
+        (
+            "persist to RAM tier + dir (after return)",
+            fmt_t(get("ours_persist_ram_and_dir", "persist_after_return_s")),
+            "",
+            f"RAM tier in {get('ours_persist_ram_and_dir', 'ram_tier')}",
+        ),
+        (
+            f"restore into {b.dev.type} tensors from the RAM tier",
+            fmt_rate(n, get("ours_restore_ram", "s")),
+            "",
+            f"verified {get('ours_restore_ram', 'verified')}",
+        ),
+        (
+            f"restore into {b.dev.type} tensors from a dir vs DCP load ({get('ours_restore_dir', 'cache')})",
+            fmt_rate(n, get("ours_restore_dir", "s")),
+            fmt_rate(n, get("dcp_load_dir", "s")),
+            f"{ratio(get('dcp_load_dir', 's'), get('ours_restore_dir', 's'))} their speed; verified "
+            f"{get('ours_restore_dir', 'verified')}/{get('dcp_load_dir', 'verified')}",
+        ),
         ("DCP save (blocking)", "", fmt_t(get("dcp_save_blocking", "s")), ""),
     ]
     errors = [(k, v["error"]) for k, v in f.items() if "error" in v]
     widths = (46, 22, 30, 34)
     rule = "-" * (sum(widths) + 9)
-    print(f"\n{n / 2**30:.2f} GiB of fp32 state ({b.layers} x Linear({b.args.width}) + Adam) on "
-          f"{get('env', 'device_name')}; step: {b.args.rows} rows\n{rule}")
+    print(
+        f"\n{n / 2**30:.2f} GiB of fp32 state ({b.layers} x Linear({b.args.width}) + Adam) on "
+        f"{get('env', 'device_name')}; step: {b.args.rows} rows\n{rule}"
+    )
     print(" | ".join(h.ljust(w) for h, w in zip(("what", "ours", "competitor", "ratio / note"), widths)))
     print(rule)
     for r in rows:
@@ -501,12 +583,18 @@ def table(b: Bench) -> list[tuple[str, bool, str]]:
     ram = get("ours_restore_ram", "s")
     if ram is not None:
         limit = 0.5 * n / 2**33  # 0.5 s for 8 GiB
-        targets.append((f"restore from the RAM tier <= {fmt_t(limit)} (0.5 s per 8 GiB)", ram <= limit,
-                        fmt_rate(n, ram)))
+        targets.append(
+            (f"restore from the RAM tier <= {fmt_t(limit)} (0.5 s per 8 GiB)", ram <= limit, fmt_rate(n, ram))
+        )
     dcp_steady = dcp_def[1] or dcp_def[0]
     if dcp_steady and steady:
-        targets.append(("DCP async_save >= 100x slower to return", dcp_steady / steady >= 100,
-                        f"{dcp_steady / steady:.0f}x ({fmt_t(dcp_steady)} vs {fmt_t(steady)})"))
+        targets.append(
+            (
+                "DCP async_save >= 100x slower to return",
+                dcp_steady / steady >= 100,
+                f"{dcp_steady / steady:.0f}x ({fmt_t(dcp_steady)} vs {fmt_t(steady)})",
+            )
+        )
     for what in ("ours_restore_ram", "ours_restore_dir", "dcp_load_dir"):
         if get(what, "verified") is False:
             targets.append((f"{what} restored every byte", False, "NOT bitwise equal"))
@@ -517,10 +605,19 @@ def table(b: Bench) -> list[tuple[str, bool, str]]:
 
 
 def environment(b: Bench, work: str) -> None:
-    env: dict[str, Any] = {"device": str(b.dev), "torch": torch.__version__, "cuda": torch.version.cuda,
-                           "state_bytes": b.nbytes, "tensors": len(b.named), "layers": b.layers,
-                           "width": b.args.width, "rows": b.args.rows, "cpu_count": os.cpu_count(),
-                           "work_dir": work, "tf32": torch.backends.cuda.matmul.allow_tf32}
+    env: dict[str, Any] = {
+        "device": str(b.dev),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "state_bytes": b.nbytes,
+        "tensors": len(b.named),
+        "layers": b.layers,
+        "width": b.args.width,
+        "rows": b.args.rows,
+        "cpu_count": os.cpu_count(),
+        "work_dir": work,
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
     if b.cuda:
         env["device_name"] = torch.cuda.get_device_name(b.dev)
         env["gpu_memory_gib"] = torch.cuda.get_device_properties(b.dev).total_memory / 2**30
@@ -535,8 +632,9 @@ def environment(b: Bench, work: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gib", type=float, default=8.0, help="state size: parameters + Adam moments (default 8)")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (to check the code paths)")
     p.add_argument("--width", type=int, default=None, help="layer width (default 4096 on CUDA, 512 on CPU)")
@@ -582,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         if "dcp" not in skip:
             for i in range(2):
                 progress(f"DCP async_save default, call {i + 1}")
-                guarded(f"dcp_async_default_{i}", lambda: dcp_async_default(b, work, i))
+                guarded(f"dcp_async_default_{i}", lambda i=i: dcp_async_default(b, work, i))
                 free_memory()
             progress("DCP async_save with the pinned stager")
             guarded("dcp_async_pinned_stager", lambda: dcp_pinned_stager(b, work))
@@ -598,8 +696,12 @@ def main(argv: list[str] | None = None) -> int:
         rmtree(work)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"figures": FIG, "targets": [{"what": w, "pass": ok, "detail": d} for w, ok, d in targets]},
-                      fh, indent=1, default=str)
+            json.dump(
+                {"figures": FIG, "targets": [{"what": w, "pass": ok, "detail": d} for w, ok, d in targets]},
+                fh,
+                indent=1,
+                default=str,
+            )
     return 0 if all(ok for _, ok, _ in targets) else 1
 
 

@@ -35,12 +35,28 @@ from ftkit.tools.report import analyze  # noqa: E402
 
 
 def launch(root: str, nproc: int, steps: int, extra: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "FTKIT_RAM_DIR": os.path.join(root, "shm"), "FTKIT_JOB_ID": "bench",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=2", "--monitor-interval=0.1", "-m", "ftkit.drill.reference", "--ckpt",
-           os.path.join(root, "ckpt"), "--ram", "--steps", str(steps), "--run-dir", os.path.join(root, "run"),
-           "--step-time", "0.02", *extra]
+    env = {**os.environ, "FTKIT_RAM_DIR": os.path.join(root, "shm"), "FTKIT_JOB_ID": "bench", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=2",
+        "--monitor-interval=0.1",
+        "-m",
+        "ftkit.drill.reference",
+        "--ckpt",
+        os.path.join(root, "ckpt"),
+        "--ram",
+        "--steps",
+        str(steps),
+        "--run-dir",
+        os.path.join(root, "run"),
+        "--step-time",
+        "0.02",
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
 
 
@@ -88,9 +104,15 @@ def fault_run(nproc: int, steps: int, sig: int) -> dict:
         evs = events(root) + [{"t": t_fault, "rank": 1, "attempt": 0, "event": "fault", "kind": sig.name}]
         inc = analyze(sorted(evs, key=lambda e: e["t"])).incidents[0]
         first_resumed = min(e["t"] for e in evs if e["event"] == "step" and e["attempt"] == 1)
-        return {"detect_s": inc.detect_s, "detected_by": inc.detected_by, "restart_s": inc.restart_s,
-                "restore_s": inc.restore_s, "first_resumed_step_s": first_resumed - t_fault,
-                "steps_lost": inc.steps_lost, "restore_source": inc.restore_source}
+        return {
+            "detect_s": inc.detect_s,
+            "detected_by": inc.detected_by,
+            "restart_s": inc.restart_s,
+            "restore_s": inc.restore_s,
+            "first_resumed_step_s": first_resumed - t_fault,
+            "steps_lost": inc.steps_lost,
+            "restore_source": inc.restore_source,
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -107,24 +129,33 @@ def main() -> int:
     hang = fault_run(args.nproc, args.steps, signal.SIGSTOP)
     overhead = with_wd / without - 1
     print(f"reference job: {args.nproc} ranks under torchrun, gloo, RAM tier every step, {args.steps} steps")
-    print(f"heartbeat overhead: median step {with_wd * 1e3:.1f} ms with the watchdog, {without * 1e3:.1f} ms "
-          f"without: {overhead:+.1%}  (target < 1%)")
+    print(
+        f"heartbeat overhead: median step {with_wd * 1e3:.1f} ms with the watchdog, {without * 1e3:.1f} ms "
+        f"without: {overhead:+.1%}  (target < 1%)"
+    )
     for name, r in (("SIGKILL", kill), ("SIGSTOP", hang)):
         det = f"{r['detect_s']:.2f}s" if r["detect_s"] is not None else "by torchrun (process exit)"
-        print(f"{name}: detected {det}; restart {r['restart_s']:.2f}s, restore {r['restore_s']:.2f}s from "
-              f"{r['restore_source']}; first resumed step {r['first_resumed_step_s']:.2f}s after the fault; "
-              f"{r['steps_lost']} step(s) lost")
+        print(
+            f"{name}: detected {det}; restart {r['restart_s']:.2f}s, restore {r['restore_s']:.2f}s from "
+            f"{r['restore_source']}; first resumed step {r['first_resumed_step_s']:.2f}s after the fault; "
+            f"{r['steps_lost']} step(s) lost"
+        )
     print("targets:")
     print(f"  {'PASS' if hang['detect_s'] is not None and hang['detect_s'] < 5 else 'MISS'}  hang detected < 5 s")
     for name, r in (("kill", kill), ("hang", hang)):
         ok = r["first_resumed_step_s"] < 15
         print(f"  {'PASS' if ok else 'MISS'}  {name}: first resumed step < 15 s ({r['first_resumed_step_s']:.1f}s)")
-    print(f"  {'PASS' if overhead < 0.01 else 'MISS'}  heartbeat overhead < 1% ({overhead:+.1%}; "
-          "step-time noise on this 2-core machine is a few %)")
+    print(
+        f"  {'PASS' if overhead < 0.01 else 'MISS'}  heartbeat overhead < 1% ({overhead:+.1%}; "
+        "step-time noise on this 2-core machine is a few %)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"step_with_watchdog_s": with_wd, "step_without_watchdog_s": without, "kill": kill,
-                       "hang": hang}, f, indent=2)
+            json.dump(
+                {"step_with_watchdog_s": with_wd, "step_without_watchdog_s": without, "kill": kill, "hang": hang},
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -57,10 +57,19 @@ def main():
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=32))
-    args = TrainingArguments(output_dir=os.path.join(tempfile.gettempdir(), "ftkit-hf-example-out"),
-                             use_cpu=True, report_to=[], save_strategy="no", dataloader_num_workers=0,
-                             per_device_train_batch_size=8, num_train_epochs=5, learning_rate=1e-3,
-                             logging_steps=10, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=os.path.join(tempfile.gettempdir(), "ftkit-hf-example-out"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        per_device_train_batch_size=8,
+        num_train_epochs=5,
+        learning_rate=1e-3,
+        logging_steps=10,
+        seed=0,
+        disable_tqdm=True,
+    )
     ftkit_cb = FtkitCallback([a.ckpt], every_n_steps=5)
     callbacks = [ftkit_cb] + ([CrashAt(a.crash_at)] if a.crash_at else [])
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
@@ -69,8 +78,10 @@ def main():
     finally:
         ftkit_cb.close()  # the Trainer has no exception hook: flush what was staged
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest()
-    print(f"resumed from step {ftkit_cb.restored_step}; final step {trainer.state.global_step}, "
-          f"epoch {trainer.state.epoch:g}; weights {digest[:16]}")
+    print(
+        f"resumed from step {ftkit_cb.restored_step}; final step {trainer.state.global_step}, "
+        f"epoch {trainer.state.epoch:g}; weights {digest[:16]}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ from ftkit.integrations.lightning import FtkitCallback
 class Regressor(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -68,13 +69,21 @@ def main():
     pl.seed_everything(0)
     ftkit_cb = FtkitCallback([a.ckpt], every_n_steps=5)
     callbacks = [ftkit_cb] + ([CrashAt(a.crash_at)] if a.crash_at else [])
-    trainer = pl.Trainer(max_epochs=5, deterministic=True, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_epochs=5,
+        deterministic=True,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=callbacks,
+    )
     model = Regressor()
     trainer.fit(model)
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest()
-    print(f"resumed from step {ftkit_cb.restored_step}; final step {trainer.global_step}, "
-          f"epoch {trainer.current_epoch}; weights {digest[:16]}")
+    print(
+        f"resumed from step {ftkit_cb.restored_step}; final step {trainer.global_step}, "
+        f"epoch {trainer.current_epoch}; weights {digest[:16]}"
+    )
 
 
 if __name__ == "__main__":

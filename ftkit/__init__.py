@@ -3,20 +3,50 @@
 __version__ = "0.1.0"
 
 from ftkit.checkpointer import Checkpointer, Stats  # noqa: E402
-from ftkit.errors import (AlreadyCommitted, CaptureError, CheckpointNotFoundError, CorruptCheckpointError,  # noqa: E402
-                     FormatError, FtkitError, InvalidJobIdError, PeerTimeout, PeerTransferError, RunIdentityError,
-                     StateMismatchError, StorageError, UnknownProtocolError, UnsafeRamDirError, UsageError)
-from ftkit.integrations.sampler import ResumableDistributedSampler  # noqa: E402
 from ftkit.config import Tier  # noqa: E402
 from ftkit.coord.rendezvous import install as _install_rendezvous  # noqa: E402
+from ftkit.errors import (  # noqa: E402
+    AlreadyCommitted,
+    CaptureError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    FtkitError,
+    InvalidJobIdError,
+    PeerTimeout,
+    PeerTransferError,
+    RunIdentityError,
+    StateMismatchError,
+    StorageError,
+    UnknownProtocolError,
+    UnsafeRamDirError,
+    UsageError,
+)
+from ftkit.integrations.sampler import ResumableDistributedSampler  # noqa: E402
 
 # torchrun restarts of a plain init_process_group("gloo"/"nccl") read no stale
 # rendezvous keys once ftkit is imported (see ftkit/coord/rendezvous.py).
 _install_rendezvous()
 
 __all__ = [
-    "Checkpointer", "Stats", "Tier", "ResumableDistributedSampler", "FtkitError", "CaptureError", "CheckpointNotFoundError",
-    "CorruptCheckpointError", "FormatError", "StateMismatchError", "StorageError", "AlreadyCommitted",
-    "UnknownProtocolError", "UsageError", "PeerTimeout", "PeerTransferError", "RunIdentityError", "InvalidJobIdError",
-    "UnsafeRamDirError", "__version__",
+    "Checkpointer",
+    "Stats",
+    "Tier",
+    "ResumableDistributedSampler",
+    "FtkitError",
+    "CaptureError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatError",
+    "StateMismatchError",
+    "StorageError",
+    "AlreadyCommitted",
+    "UnknownProtocolError",
+    "UsageError",
+    "PeerTimeout",
+    "PeerTransferError",
+    "RunIdentityError",
+    "InvalidJobIdError",
+    "UnsafeRamDirError",
+    "__version__",
 ]

@@ -22,30 +22,32 @@ import logging
 import os
 import signal
 import time
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, MutableMapping, Sequence
+from typing import Any
 
 import torch
 
-from ftkit.save import capture as cap
+from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
 from ftkit.coord.events import EventLog
-from ftkit.errors import FtkitError
 from ftkit.coord.faultpoints import fault_point
-from ftkit.save.keys import KeyLedger, commit_key
-from ftkit.save.reports import report_skipped
-from ftkit.tiers.peers import PeerGroup
 from ftkit.coord.preemption import PreemptionHandler
+from ftkit.coord.watchdog import Watchdog, WatchdogConfig, exit_unless_gone, time_first_gradient
+from ftkit.errors import FtkitError
+from ftkit.restore import RestoreContext
+from ftkit.restore import restore as _restore
+from ftkit.save import capture as cap
+from ftkit.save.keys import KeyLedger, commit_key
+from ftkit.save.layout import Layout
+from ftkit.save.pipeline import PersistJob, PersistPipeline
+from ftkit.save.reports import report_skipped
+from ftkit.save.sharding import plan_pieces
+from ftkit.save.staging import Slot, StagingArena
+from ftkit.tiers.peers import PeerGroup
 from ftkit.tiers.ram import SparePool, open_node_dir, run_identity
 from ftkit.tiers.redact import redact_url
-from ftkit.restore import RestoreContext, restore as _restore
-from ftkit.save.pipeline import PersistJob, PersistPipeline
-from ftkit.save.sharding import plan_pieces
-from ftkit.save.layout import Layout
-from ftkit.save.staging import Slot, StagingArena
 from ftkit.tiers.storage import Storage
-from ftkit.config import Tier
-from ftkit.coord.watchdog import Watchdog, WatchdogConfig, exit_unless_gone, time_first_gradient
 
 log = logging.getLogger("ftkit")
 
@@ -111,12 +113,23 @@ class Checkpointer:
     rank's share is durable.
     """
 
-    def __init__(self, state: MutableMapping[str, Any], tiers: Sequence[Tier | str | dict], *,
-                 policy: str = "wait", max_staging_bytes: int | None = None, rng: bool = True,
-                 commit_timeout_s: float = 300.0, peer_timeout_s: float = 60.0,
-                 run_dir: str | None = None, watchdog: bool | WatchdogConfig = True,
-                 preemption_signals: Sequence[int] | None = None, preemption_deadline_s: float = 60.0,
-                 exit_after_failure_s: float | None = 1.0, run_id: str | None = None):
+    def __init__(
+        self,
+        state: MutableMapping[str, Any],
+        tiers: Sequence[Tier | str | dict],
+        *,
+        policy: str = "wait",
+        max_staging_bytes: int | None = None,
+        rng: bool = True,
+        commit_timeout_s: float = 300.0,
+        peer_timeout_s: float = 60.0,
+        run_dir: str | None = None,
+        watchdog: bool | WatchdogConfig = True,
+        preemption_signals: Sequence[int] | None = None,
+        preemption_deadline_s: float = 60.0,
+        exit_after_failure_s: float | None = 1.0,
+        run_id: str | None = None,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
@@ -133,13 +146,16 @@ class Checkpointer:
         self._restores = 0  # restore() calls so far: namespaces their store keys
         self.last_restore: dict[str, Any] = {}
         # The RAM tier is bound to this run's identity (ramtier.py): never another run's snapshots.
-        self.ram_identity = run_identity([t.url for t in self.tiers if not (t.is_ram or t.is_peer)], run_id) \
-            if any(t.is_ram for t in self.tiers) else None
+        self.ram_identity = (
+            run_identity([t.url for t in self.tiers if not (t.is_ram or t.is_peer)], run_id)
+            if any(t.is_ram for t in self.tiers)
+            else None
+        )
         # Opening every tier now makes a bad URL or missing backend fail at start.
         self._storages: list[Storage] = [
-            Storage(open_node_dir(self.ram_identity, self._ctx.node)) if t.is_ram
-            else (None if t.is_peer else t.open())
-            for t in self.tiers]
+            Storage(open_node_dir(self.ram_identity, self._ctx.node)) if t.is_ram else (None if t.is_peer else t.open())
+            for t in self.tiers
+        ]
         self._ram_index = next((i for i, t in enumerate(self.tiers) if t.is_ram), None)
         peer = next((t for t in self.tiers if t.is_peer), None)
         self._replicas = peer.replicas if peer else 0
@@ -147,16 +163,18 @@ class Checkpointer:
             ram = self._storages[self._ram_index]
             ram.spares = SparePool(ram.root, self._ctx.nodes.count(self._ctx.node) * (1 + self._replicas))
         # The store keys commits left behind, per tier, for a later commit to delete (persist.py).
-        self._keys = {i: KeyLedger.node_local(self._ctx.rank) if t.is_ram else KeyLedger.shared(self._ctx.world_size)
-                      for i, t in enumerate(self.tiers) if not t.is_peer}
+        self._keys = {
+            i: KeyLedger.node_local(self._ctx.rank) if t.is_ram else KeyLedger.shared(self._ctx.world_size)
+            for i, t in enumerate(self.tiers)
+            if not t.is_peer
+        }
         if peer and self._ram_index is None:
             raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
         self._peers: PeerGroup | None = None
         if peer and self._ctx.distributed:
             self._peers = PeerGroup(self._ctx.rank, self._ctx.world_size, peer_timeout_s)
         if peer and len(set(self._ctx.nodes)) < 2:
-            log.warning("peer tier: all ranks are on one node (%s); no replica can survive its loss",
-                        self._ctx.node)
+            log.warning("peer tier: all ranks are on one node (%s); no replica can survive its loss", self._ctx.node)
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
@@ -169,32 +187,59 @@ class Checkpointer:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
-        self._in_order = frozenset(f"{key}/{name}" for key, obj in state.items()
-                                   if isinstance(obj, torch.nn.Module) for name, _ in obj.named_buffers())
+        self._in_order = frozenset(
+            f"{key}/{name}"
+            for key, obj in state.items()
+            if isinstance(obj, torch.nn.Module)
+            for name, _ in obj.named_buffers()
+        )
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
-        self._pipeline = PersistPipeline(self.tiers, self._storages, self._keys, self._bg_ctx, self._peers,
-                                         self._replicas, self.stats, self.events.emit, self._arena.release)
-        self.events.emit("start", world_size=self._ctx.world_size, node=self._ctx.node, pid=os.getpid(),
-                         tiers=[redact_url(t.url) for t in self.tiers],
-                         **({"ram_run": self.ram_identity.name} if self.ram_identity else {}))
+        self._pipeline = PersistPipeline(
+            self.tiers,
+            self._storages,
+            self._keys,
+            self._bg_ctx,
+            self._peers,
+            self._replicas,
+            self.stats,
+            self.events.emit,
+            self._arena.release,
+        )
+        self.events.emit(
+            "start",
+            world_size=self._ctx.world_size,
+            node=self._ctx.node,
+            pid=os.getpid(),
+            tiers=[redact_url(t.url) for t in self.tiers],
+            **({"ram_run": self.ram_identity.name} if self.ram_identity else {}),
+        )
         if self.ram_identity is not None:
-            log.info("ftkit: RAM tier of run %s (from %s) at %s", self.ram_identity.name, self.ram_identity.source,
-                     self._storages[self._ram_index].display_url)
+            log.info(
+                "ftkit: RAM tier of run %s (from %s) at %s",
+                self.ram_identity.name,
+                self.ram_identity.source,
+                self._storages[self._ram_index].display_url,
+            )
         signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
         self._preemption = PreemptionHandler(signals, preemption_deadline_s, self.events.emit) if signals else None
         # Take over the signals now only where they are wanted from the start (preemption.py);
         # otherwise the first snapshot() does, so a restore-only Checkpointer never does.
-        if self._preemption is not None and (preemption_signals is not None or self._ctx.distributed
-                                             or "TORCHELASTIC_RUN_ID" in os.environ):
+        if self._preemption is not None and (
+            preemption_signals is not None or self._ctx.distributed or "TORCHELASTIC_RUN_ID" in os.environ
+        ):
             self._preemption.install()
         self._watchdog: Watchdog | None = None
         if watchdog and self._ctx.distributed:
             config = watchdog if isinstance(watchdog, WatchdogConfig) else None
             pre = self._preemption
             self._watchdog = Watchdog(
-                self._ctx.own_connection(), self.events, config, flush=self._pipeline.drain,
+                self._ctx.own_connection(),
+                self.events,
+                config,
+                flush=self._pipeline.drain,
                 preempted=(lambda: pre.requested is not None) if pre else None,
-                on_peer_preempted=(lambda r: pre.request(signal.SIGTERM, by_rank=r)) if pre else None)
+                on_peer_preempted=(lambda r: pre.request(signal.SIGTERM, by_rank=r)) if pre else None,
+            )
             time_first_gradient(state, self._watchdog)
             self._watchdog.start()
 
@@ -212,8 +257,11 @@ class Checkpointer:
             self._watchdog.progress(step)
         self.events.emit("step", step=step)
         fault_point("step", step, self._ctx.rank)
-        if self._preemption is not None and self._preemption.requested is not None \
-                and self._preemption.final_step_reached(self._ctx, step):
+        if (
+            self._preemption is not None
+            and self._preemption.requested is not None
+            and self._preemption.final_step_reached(self._ctx, step)
+        ):
             self._save_and_exit(step)
         due = self.due_tiers(step)
         if not due:
@@ -248,8 +296,12 @@ class Checkpointer:
         slot = self._arena.acquire(Layout.of(named), wait=self.policy == "wait")
         if slot is None:
             self.stats.skipped += 1
-            log.warning("snapshot of step %d skipped: the previous snapshots are still being persisted "
-                        "(policy 'skip'; %d skipped so far)", step, self.stats.skipped)
+            log.warning(
+                "snapshot of step %d skipped: the previous snapshots are still being persisted "
+                "(policy 'skip'; %d skipped so far)",
+                step,
+                self.stats.skipped,
+            )
             if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
                 for i in due:
                     key = commit_key(i, self._restores, step)
@@ -266,10 +318,12 @@ class Checkpointer:
         self._unfenced = slot
         self.stats.snapshots += 1
         self.stats.last_stall_s = time.perf_counter() - t0
-        self.events.emit("snapshot", step=step, stall_s=self.stats.last_stall_s,
-                         bytes=slot.layout.total_bytes if slot.layout else 0)
-        self._pipeline.submit(PersistJob(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces},
-                                         captured.rng, self._restores))
+        self.events.emit(
+            "snapshot", step=step, stall_s=self.stats.last_stall_s, bytes=slot.layout.total_bytes if slot.layout else 0
+        )
+        self._pipeline.submit(
+            PersistJob(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces}, captured.rng, self._restores)
+        )
         return True
 
     def mark_compute_done(self) -> None:
@@ -328,22 +382,29 @@ class Checkpointer:
                 self._watchdog.stop()
             if self._preemption is not None:
                 self._preemption.uninstall()
-            self.events.emit("close", stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed,
-                                             "skipped": self.stats.skipped})
+            self.events.emit(
+                "close",
+                stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed, "skipped": self.stats.skipped},
+            )
             self.events.close()
             self._pipeline.close()
             for h in self._hooks:
                 h.remove()
             self._arena.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        on_purpose = exc_type is None or (isinstance(exc, SystemExit) and (
-            exc.code in (0, None) or self._stopping_on_purpose))
-        if not on_purpose and self._exit_after_failure_s is not None and self._ctx.distributed \
-                and "TORCHELASTIC_RUN_ID" in os.environ:
+        on_purpose = exc_type is None or (
+            isinstance(exc, SystemExit) and (exc.code in (0, None) or self._stopping_on_purpose)
+        )
+        if (
+            not on_purpose
+            and self._exit_after_failure_s is not None
+            and self._ctx.distributed
+            and "TORCHELASTIC_RUN_ID" in os.environ
+        ):
             exit_unless_gone(self._exit_after_failure_s, exc)
         try:
             self.close(failed=not on_purpose)
@@ -367,7 +428,16 @@ class Checkpointer:
             self.wait()
         key = f"restore/{self._restores}"
         self._restores += 1
-        context = RestoreContext(self.state, self.rng, self._ctx, self.tiers, self._storages, self._ram_index,
-                                 self._peers, self._arena, self.events.emit)
+        context = RestoreContext(
+            self.state,
+            self.rng,
+            self._ctx,
+            self.tiers,
+            self._storages,
+            self._ram_index,
+            self._peers,
+            self._arena,
+            self.events.emit,
+        )
         restored, self.last_restore = _restore(context, step, key)
         return restored

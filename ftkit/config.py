@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ftkit.tiers.redact import redact_url
 from ftkit.tiers.storage import Storage
@@ -47,13 +48,15 @@ class Tier:
             raise ValueError(f"tier {shown!r}: compress must be 'zstd' or None, not {self.compress!r}")
 
     def __repr__(self) -> str:  # the generated one would print credentials in the URL
-        return (f"Tier(url={redact_url(self.url)!r}, every={self.every!r}, keep={self.keep!r}, "
-                f"keep_every={self.keep_every!r}, compress={self.compress!r}, replicas={self.replicas!r})")
+        return (
+            f"Tier(url={redact_url(self.url)!r}, every={self.every!r}, keep={self.keep!r}, "
+            f"keep_every={self.keep_every!r}, compress={self.compress!r}, replicas={self.replicas!r})"
+        )
 
     __str__ = __repr__
 
     @staticmethod
-    def coerce(spec: "Tier | str | Mapping[str, Any]") -> "Tier":
+    def coerce(spec: Tier | str | Mapping[str, Any]) -> Tier:
         if isinstance(spec, Tier):
             return spec
         if isinstance(spec, str):

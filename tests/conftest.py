@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from s3fixture import s3_server, s3_url  # noqa: F401  (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,8 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def make_state(seed: int = 0, width: int = 16):
     """A small model + optimizer + scheduler after one real step, and a plain value."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width),
-                                torch.nn.Linear(width, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     model(torch.randn(4, 8)).sum().backward()
@@ -54,8 +52,9 @@ def assert_same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 120,
-            in_process: bool | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 120, in_process: bool | None = None
+) -> subprocess.CompletedProcess:
     """Run `ftkit ARGS` and capture its exit code, stdout and stderr.
 
     In-process by default (the same `main()` the console script calls, minus
@@ -65,8 +64,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 120,
     if in_process is None:
         in_process = env is None
     if not in_process:
-        return subprocess.run([sys.executable, "-m", "ftkit.tools.cli", *args], capture_output=True, text=True,
-                              env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, "-m", "ftkit", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=timeout,
+            cwd=REPO,
+        )
     from ftkit.tools.cli import main
 
     out, err = io.StringIO(), io.StringIO()

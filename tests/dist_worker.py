@@ -53,8 +53,17 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(rank: int, world: int, parallel: str, ckpt: str, ref: str, steps: int = 3,
-         die: tuple[int, int] = (-1, -1), commit_timeout: float = 300.0, sync: bool = False) -> str:
+def save(
+    rank: int,
+    world: int,
+    parallel: str,
+    ckpt: str,
+    ref: str,
+    steps: int = 3,
+    die: tuple[int, int] = (-1, -1),
+    commit_timeout: float = 300.0,
+    sync: bool = False,
+) -> str:
     """Train and snapshot; `sync` waits for each step's commit on every rank."""
     model, opt = build(parallel, seed=1)
     state = {"model": model, "optim": opt, "meta": {"parallel": parallel}}
@@ -109,9 +118,10 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.mode == "save":
         die = tuple(map(int, args.die.split(":"))) if args.die else (-1, -1)
-        print(save(rank, world, args.parallel, args.ckpt, args.ref, args.steps, die, args.commit_timeout,
-                   args.sync),
-              flush=True)
+        print(
+            save(rank, world, args.parallel, args.ckpt, args.ref, args.steps, die, args.commit_timeout, args.sync),
+            flush=True,
+        )
     else:
         print(restore(rank, world, args.parallel, args.ckpt, args.ref), flush=True)
     dist.destroy_process_group()
@@ -127,8 +137,7 @@ def ram_tiers(disk: str, disk_every: int):
     return ["ram", ftkit.Tier("peer", replicas=1), ftkit.Tier(disk, every=disk_every, keep=5)]
 
 
-def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: int = 3,
-             disk_every: int = 100) -> str:
+def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: int = 3, disk_every: int = 100) -> str:
     """Snapshot every step to RAM (+ a peer replica) and disk every `disk_every`; refs per step."""
     model, opt = build(parallel, seed=1)
     state = {"model": model, "optim": opt, "meta": {"parallel": parallel}}
@@ -179,8 +188,9 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
 
     state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
     budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
-    with ftkit.Checkpointer(state, ["ram", ftkit.Tier("peer", replicas=1)], policy="skip", rng=False,
-                            max_staging_bytes=budget) as ck:
+    with ftkit.Checkpointer(
+        state, ["ram", ftkit.Tier("peer", replicas=1)], policy="skip", rng=False, max_staging_bytes=budget
+    ) as ck:
         if rank == 1:
             time.sleep(2)  # rank 0's persist of step 1 waits for this rank's report meanwhile
         ck.snapshot(1)
@@ -194,8 +204,11 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
         skipped = ck.stats.skipped
     dist.barrier()
     node = node_dir(f"node{rank // 2}")
-    committed = sorted(int(d.name[5:]) for d in os.scandir(node)
-                       if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json")))
+    committed = sorted(
+        int(d.name[5:])
+        for d in os.scandir(node)
+        if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
+    )
     return {"skipped": skipped, "committed": committed}
 
 
@@ -211,8 +224,9 @@ def durable_skip_on_rank0(rank: int, world: int, disk: str) -> dict:
     state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
     budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
     counts = []
-    with ftkit.Checkpointer(state, [ftkit.Tier(disk, keep=5)], policy="skip", rng=False,
-                            max_staging_bytes=budget) as ck:
+    with ftkit.Checkpointer(
+        state, [ftkit.Tier(disk, keep=5)], policy="skip", rng=False, max_staging_bytes=budget
+    ) as ck:
         ck.snapshot(1)
         ck.wait()
         dist.barrier()
@@ -228,8 +242,11 @@ def durable_skip_on_rank0(rank: int, world: int, disk: str) -> dict:
         skipped = ck.stats.skipped
     dist.barrier()
     counts.append(_get_default_store().num_keys())
-    return {"skipped": skipped, "new_keys": counts[1] - counts[0],
-            "committed": committed_steps(ftkit.Tier(disk).open())}
+    return {
+        "skipped": skipped,
+        "new_keys": counts[1] - counts[0],
+        "committed": committed_steps(ftkit.Tier(disk).open()),
+    }
 
 
 def ram_rewind_and_redo(rank: int, world: int) -> dict:
@@ -265,8 +282,12 @@ def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk
     bad = [k for k in expect if not torch.equal(expect[k], got[k])]
     if bad:
         raise AssertionError(f"rank {rank}: step {step} differs: {bad[:5]}")
-    return {"step": step, "source": info["source"], "from_peers": info.get("files_from_peers", 0),
-            "received": sorted(info.get("received", []))}
+    return {
+        "step": step,
+        "source": info["source"],
+        "from_peers": info.get("files_from_peers", 0),
+        "received": sorted(info.get("received", [])),
+    }
 
 
 # ------------------------------------------------------------ data position

@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -46,12 +47,12 @@ class CopyRecord:
 
 
 class FakeEvent:
-    def __init__(self, dev: "FakeDevice"):
+    def __init__(self, dev: FakeDevice):
         self.dev = dev
         self.stream: FakeStream | None = None
         self.position = 0
 
-    def record(self, stream: "FakeStream | None" = None) -> None:
+    def record(self, stream: FakeStream | None = None) -> None:
         with self.dev.lock:
             stream = stream if stream is not None else self.dev.current_stream("fake:0")
             self.stream, self.position = stream, len(stream.queue)
@@ -70,7 +71,7 @@ class FakeEvent:
 
 @dataclass(eq=False)
 class FakeStream:
-    dev: "FakeDevice"
+    dev: FakeDevice
     name: str
     device: str
     queue: list = field(default_factory=list)  # ("op", fn) or ("wait", FakeEvent)
@@ -85,7 +86,7 @@ class FakeStream:
     def wait_event(self, ev: FakeEvent) -> None:
         self.enqueue(("wait", ev))
 
-    def wait_stream(self, other: "FakeStream") -> None:
+    def wait_stream(self, other: FakeStream) -> None:
         ev = FakeEvent(self.dev)
         ev.record(other)
         self.wait_event(ev)
@@ -215,6 +216,7 @@ class FakeDevice(DeviceOps):
                 dst.view(-1).view(torch.uint8).fill_(0x5A)
             else:
                 dst.copy_(live)
+
         stream.enqueue(("op", op))
         del src
         if not non_blocking:

@@ -14,8 +14,9 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 # Imported once by the fork server so every rank starts with them: DDP's first
 # construction imports torch._dynamo (~1.5 s alone, ~6 s with four ranks on two cores).
@@ -24,19 +25,25 @@ _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
 
 
-def _child(fn: Callable, rank: int, world: int, port: int, env: dict[str, str], args: tuple,
-           queue) -> None:
+def _child(fn: Callable, rank: int, world: int, port: int, env: dict[str, str], args: tuple, queue) -> None:
     code = 0
     try:
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                **env,
+            }
+        )
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
         dist.destroy_process_group()
@@ -47,20 +54,19 @@ def _child(fn: Callable, rank: int, world: int, port: int, env: dict[str, str], 
         os._exit(code)  # skip the parent's atexit handlers and pytest's teardown in the child
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
-              timeout: float = 120) -> list[Any]:
+def run_ranks(
+    world: int, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None, timeout: float = 120
+) -> list[Any]:
     """fn(rank, world, *args) on `world` processes; their return values by rank.
 
     Raises AssertionError with the failing rank's traceback if any rank fails.
     """
     import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=60))
+    server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = _ctx
     queue = ctx.SimpleQueue()  # put() is synchronous: nothing is lost at the child's os._exit
-    procs = [ctx.Process(target=_child, args=(fn, r, world, server.port, env or {}, args, queue))
-             for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, server.port, env or {}, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

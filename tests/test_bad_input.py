@@ -8,12 +8,11 @@ import uuid
 
 import pytest
 import torch
+from conftest import run_cli
 
 import ftkit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.reader import committed_steps
-
-from conftest import run_cli
 
 
 def _one_line_error(r, code: int, *needles: str) -> None:
@@ -88,6 +87,7 @@ def _damage_escape(root):
             for s in t["shards"]:
                 for c in s["chunks"]:
                     c["file"] = "../../etc/passwd"
+
     _edit_manifest(root, fn)
 
 
@@ -99,15 +99,18 @@ def _damage_foreign(root):
     _manifest(root).write_text(json.dumps({"metadata": "a DCP checkpoint, say"}))
 
 
-@pytest.mark.parametrize("damage, needle", [
-    (_damage_truncate, "truncated"),
-    (_damage_bitflip, "checksum mismatch"),
-    (_damage_missing_data, "data file is missing"),
-    (_damage_newer_version, "format version 99 is newer"),
-    (_damage_escape, "outside its step directory"),
-    (_damage_garbage, "not valid JSON"),
-    (_damage_foreign, "not an ftkit checkpoint"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (_damage_truncate, "truncated"),
+        (_damage_bitflip, "checksum mismatch"),
+        (_damage_missing_data, "data file is missing"),
+        (_damage_newer_version, "format version 99 is newer"),
+        (_damage_escape, "outside its step directory"),
+        (_damage_garbage, "not valid JSON"),
+        (_damage_foreign, "not an ftkit checkpoint"),
+    ],
+)
 def test_damaged_step_fails_verify_and_restore_falls_back(two_steps, damage, needle):
     damage(two_steps)
     r = run_cli("verify", str(two_steps), "--step", "2")
@@ -142,7 +145,9 @@ def test_empty_directory_and_wrong_path(tmp_path):
 
 
 def test_unknown_protocol():
-    _one_line_error(run_cli("ls", "nosuchproto://bucket/x", in_process=False), 2, "unknown storage protocol 'nosuchproto'")
+    _one_line_error(
+        run_cli("ls", "nosuchproto://bucket/x", in_process=False), 2, "unknown storage protocol 'nosuchproto'"
+    )
     with pytest.raises(ftkit.StorageError, match="unknown storage protocol"):
         ftkit.Checkpointer({"w": torch.zeros(2)}, ["nosuchproto://bucket/x"])
 
@@ -154,21 +159,24 @@ def test_unreachable_s3_endpoint_is_a_clear_error_without_credentials():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     secret = "SuperSecret" + uuid.uuid4().hex
-    opts = json.dumps({"key": "AKIDEXAMPLE", "secret": secret,
-                       "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}})
+    opts = json.dumps(
+        {"key": "AKIDEXAMPLE", "secret": secret, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    )
     r = run_cli("ls", "s3://bucket/prefix", "--storage-options", opts, in_process=False)
     _one_line_error(r, 1, "s3://bucket/prefix", "Could not connect")
     assert secret not in r.stderr + r.stdout
-    env = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": secret,
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
     r = run_cli("verify", "s3://bucket/prefix", env=env, timeout=120)
     _one_line_error(r, 1, "s3://bucket/prefix", "Could not connect")
     assert secret not in r.stderr + r.stdout
 
 
 def test_state_with_a_lambda_is_refused_at_capture(tmp_path):
-    ck = ftkit.Checkpointer({"model": torch.nn.Linear(2, 2), "cfg": {"schedule": lambda s: s}},
-                            [str(tmp_path)])
+    ck = ftkit.Checkpointer({"model": torch.nn.Linear(2, 2), "cfg": {"schedule": lambda s: s}}, [str(tmp_path)])
     with pytest.raises(ftkit.CaptureError, match="'cfg/schedule'"):
         ck.snapshot(1)
     ck.close()

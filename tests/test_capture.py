@@ -9,13 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from ftkit.save.capture import apply, capture, decode, rng_state, set_rng_state
 from ftkit.errors import CaptureError, StateMismatchError
+from ftkit.save.capture import apply, capture, decode, rng_state, set_rng_state
 
 
 def test_skeleton_round_trips_types_json_cannot_express():
-    value = {"tuple": (1, 2.5, "x"), 3: [None, True], "inf": float("inf"), "nan": float("nan"),
-             "$tensor": "not a tensor", "nested": {"t": torch.arange(3)}, "size": torch.Size([2, 3])}
+    value = {
+        "tuple": (1, 2.5, "x"),
+        3: [None, True],
+        "inf": float("inf"),
+        "nan": float("nan"),
+        "$tensor": "not a tensor",
+        "nested": {"t": torch.arange(3)},
+        "size": torch.Size([2, 3]),
+    }
     cs = capture({"v": value}, rng=False)
     names = dict(cs.tensors)
     out = decode(cs.skeleton["entries"]["v"]["value"], names)
@@ -52,10 +59,14 @@ def test_optimizer_state_keeps_int_keys_and_tuples():
 
 
 def test_rng_state_round_trip_draws_the_same_numbers():
-    random.seed(1); np.random.seed(2); torch.manual_seed(3)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
     saved = capture({}, rng=True)
     expect = (random.random(), np.random.rand(), torch.rand(2))
-    random.seed(9); np.random.seed(9); torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
     set_rng_state(decode(saved.rng, dict(saved.tensors)))
     got = (random.random(), np.random.rand(), torch.rand(2))
     assert expect[0] == got[0] and expect[1] == got[1] and torch.equal(expect[2], got[2])

@@ -9,13 +9,12 @@ import random
 
 import pytest
 import torch
+from conftest import assert_same_values, make_state, snapshot_values, train_one
 
 import ftkit
 from ftkit.errors import StateMismatchError
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.reader import committed_steps, load_manifest
-
-from conftest import assert_same_values, make_state, snapshot_values, train_one
 
 
 def test_plain_loop_restores_exact_state_step_and_rng(tmp_path):
@@ -97,8 +96,9 @@ def test_budget_too_small_for_one_snapshot_is_a_clear_error(tmp_path):
 def test_tier_interval_and_retention(tmp_path):
     fast, slow = tmp_path / "fast", tmp_path / "slow"
     state = {"t": torch.zeros(8)}
-    with ftkit.Checkpointer(state, [ftkit.Tier(str(fast), every=1, keep=2),
-                                    ftkit.Tier(str(slow), every=3, keep=1, keep_every=6)], rng=False) as ck:
+    with ftkit.Checkpointer(
+        state, [ftkit.Tier(str(fast), every=1, keep=2), ftkit.Tier(str(slow), every=3, keep=1, keep_every=6)], rng=False
+    ) as ck:
         for step in range(1, 13):
             state["t"].fill_(step)
             ck.snapshot(step)
@@ -186,8 +186,11 @@ def test_restore_of_a_different_model_names_mismatched_keys(tmp_path):
     other = make_state(width=32)
     before = snapshot_values(other)
     with ftkit.Checkpointer(other, [str(tmp_path)]) as ck:
-        with pytest.raises(StateMismatchError, match=r"model/0.weight: shape \(16, 8\) in checkpoint, "
-                                                     r"\(32, 8\) live"):
+        with pytest.raises(
+            StateMismatchError,
+            match=r"model/0.weight: shape \(16, 8\) in checkpoint, "
+            r"\(32, 8\) live",
+        ):
             ck.restore()
     assert_same_values(before, snapshot_values(other))
 
@@ -217,9 +220,14 @@ def test_same_step_is_never_overwritten(tmp_path):
 
 def test_dtypes_and_odd_shapes_round_trip(tmp_path):
     state = {
-        "bf16": torch.randn(3, 5).to(torch.bfloat16), "f16": torch.randn(7).half(),
-        "i64": torch.arange(10), "b": torch.tensor([True, False]), "scalar": torch.tensor(3.5),
-        "empty": torch.zeros(0, 4), "strided": torch.randn(6, 4).t(), "u8": torch.arange(5, dtype=torch.uint8),
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "f16": torch.randn(7).half(),
+        "i64": torch.arange(10),
+        "b": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(6, 4).t(),
+        "u8": torch.arange(5, dtype=torch.uint8),
     }
     ref = {k: v.clone() for k, v in state.items()}
     with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
@@ -237,12 +245,12 @@ def test_uncompressed_data_file_is_the_staged_image_with_zeroed_gaps(tmp_path):
     with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
         ck.snapshot(1)
     m = load_manifest(ftkit.Tier(str(tmp_path)).open(), 1)
-    (name, info), = m.files.items()
+    ((name, info),) = m.files.items()
     data = (tmp_path / step_dir_name(1) / name).read_bytes()
     assert len(data) == info["bytes"]
     used = bytearray(len(data))
     for t in m.tensors:
         for c in t.shards[0].chunks:
             assert c.offset % 64 == 0  # each tensor at its aligned staging offset
-            used[c.offset:c.offset + c.length] = b"\x01" * c.length
+            used[c.offset : c.offset + c.length] = b"\x01" * c.length
     assert all(byte == 0 for byte, u in zip(data, used) if not u)  # the gaps hold no stale memory

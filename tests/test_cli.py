@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
+from conftest import make_state, run_cli, snapshot_values, train_one
 
 import ftkit
 from ftkit.format.reader import committed_steps
-
-from conftest import make_state, run_cli, snapshot_values, train_one
 
 
 @pytest.fixture
@@ -32,8 +31,12 @@ def test_ls_lists_committed_and_partial_steps(ckpt):
     r = run_cli("ls", str(root), "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["steps"]
-    assert [(x["step"], x["status"]) for x in rows] == [(1, "committed"), (2, "committed"), (3, "committed"),
-                                                        (4, "partial")]
+    assert [(x["step"], x["status"]) for x in rows] == [
+        (1, "committed"),
+        (2, "committed"),
+        (3, "committed"),
+        (4, "partial"),
+    ]
     assert rows[2]["entries"] == ["epoch", "model", "optim", "sched"]
     text = run_cli("ls", str(root))
     assert "partial" in text.stdout and text.stdout.count("committed") == 3
@@ -67,8 +70,7 @@ def test_restore_to_torch_loads_with_weights_only(ckpt, tmp_path):
     fresh = make_state(seed=5)
     fresh["model"].load_state_dict(obj["model"])
     fresh["optim"].load_state_dict(obj["optim"])
-    assert all(torch.equal(fresh["model"].state_dict()[k[6:]], v) for k, v in values.items()
-               if k.startswith("model/"))
+    assert all(torch.equal(fresh["model"].state_dict()[k[6:]], v) for k, v in values.items() if k.startswith("model/"))
     # An existing output is not overwritten without --force.
     r = run_cli("restore", str(root), "--out", str(out), "--step", "1")
     assert r.returncode == 2 and "already exists" in r.stderr

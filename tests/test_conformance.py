@@ -12,16 +12,15 @@ import threading
 
 import pytest
 import torch
+from conftest import assert_same_values, make_state, run_cli, snapshot_values, train_one
 
 import ftkit
 from ftkit.errors import CorruptCheckpointError
 from ftkit.format.manifest import step_dir_name
-from ftkit.save.write import write_data
 from ftkit.format.reader import committed_steps, load_manifest, verify
 from ftkit.save.layout import Layout
 from ftkit.save.staging import StagingArena
-
-from conftest import assert_same_values, make_state, run_cli, snapshot_values, train_one
+from ftkit.save.write import write_data
 
 
 @pytest.fixture(params=["local", "file", "s3"])
@@ -37,6 +36,7 @@ def tier(request, tmp_path):
 
     def make(**kw) -> ftkit.Tier:
         return ftkit.Tier(url, storage_options=opts, **kw)
+
     return make
 
 
@@ -99,8 +99,7 @@ def test_partial_step_is_invisible(tier):
     arena.close()
     assert committed_steps(storage) == [1]
     r = run_cli("ls", t.url, "--json", "--storage-options", json.dumps(dict(t.storage_options)))
-    assert [(s["step"], s["status"]) for s in json.loads(r.stdout)["steps"]] == [(1, "committed"),
-                                                                                 (3, "partial")]
+    assert [(s["step"], s["status"]) for s in json.loads(r.stdout)["steps"]] == [(1, "committed"), (3, "partial")]
     state = {"w": torch.zeros(2048), "step_value": 0}
     with ftkit.Checkpointer(state, [t], rng=False) as ck:
         assert ck.restore() == 1

@@ -22,12 +22,14 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.save import capture as cap
 from ftkit.format.reader import load_manifest, read_tensors
+from ftkit.save import capture as cap
 
 ON_CPU = os.environ.get("FTKIT_CUDA_TESTS_ON_CPU") == "1"
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not ON_CPU,
-                                reason="no CUDA device (FTKIT_CUDA_TESTS_ON_CPU=1 runs these on the CPU)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and not ON_CPU,
+    reason="no CUDA device (FTKIT_CUDA_TESTS_ON_CPU=1 runs these on the CPU)",
+)
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -81,8 +83,9 @@ def still_copying(ck) -> bool:
 def make(dtype=torch.float32, seed: int = 0):
     """Linear layers large enough for the side stream (>= 1 MiB in bf16 too), BatchNorm, Adam."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.BatchNorm1d(1024),
-                                torch.nn.ReLU(), torch.nn.Linear(1024, 512)).to(DEV, dtype)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.BatchNorm1d(1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512)
+    ).to(DEV, dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     return model, opt
 
@@ -187,8 +190,9 @@ def test_direct_writes_outside_the_optimizer(tmp_path, dtype):
         ck.wait()
     got1, got2 = saved(tmp_path, 1), saved(tmp_path, 2)
     leaked = want1["model/0.weight"] * 2
-    assert torch.equal(got1["model/0.weight"], leaked if CUDA else want1["model/0.weight"]), \
+    assert torch.equal(got1["model/0.weight"], leaked if CUDA else want1["model/0.weight"]), (
         "unfenced write: expected the documented leak on CUDA (none on CPU)"
+    )
     assert torch.equal(got1["model/0.bias"], want1["model/0.bias"])
     assert_equal(got2, want2, "fenced write")
 
@@ -281,8 +285,7 @@ def test_a_temporary_from_state_dict_lives_until_it_is_copied(tmp_path):
 def test_pinned_slots_are_registered_at_their_size_and_reused(tmp_path):
     model, opt = make()
     train(model, opt)
-    with ftkit.Checkpointer({"model": model, "optim": opt}, [ftkit.Tier(str(tmp_path), keep=1)],
-                            rng=False) as ck:
+    with ftkit.Checkpointer({"model": model, "optim": opt}, [ftkit.Tier(str(tmp_path), keep=1)], rng=False) as ck:
         ptrs = set()
         for step in range(1, 4):
             ck.snapshot(step)
@@ -306,12 +309,18 @@ def test_cuda_rng_continues_after_restore(tmp_path):
     with ftkit.Checkpointer(state, [str(tmp_path)]) as ck:
         ck.snapshot(1)
         ck.wait()
-        draws = (torch.randn(8, device=DEV).cpu(), torch.randn(8).clone(),
-                 torch.nn.functional.dropout(torch.ones(64, device=DEV), 0.5).cpu())
+        draws = (
+            torch.randn(8, device=DEV).cpu(),
+            torch.randn(8).clone(),
+            torch.nn.functional.dropout(torch.ones(64, device=DEV), 0.5).cpu(),
+        )
         torch.manual_seed(99)  # move every RNG elsewhere
         torch.randn(1000, device=DEV)
         assert ck.restore() == 1
-        again = (torch.randn(8, device=DEV).cpu(), torch.randn(8).clone(),
-                 torch.nn.functional.dropout(torch.ones(64, device=DEV), 0.5).cpu())
+        again = (
+            torch.randn(8, device=DEV).cpu(),
+            torch.randn(8).clone(),
+            torch.nn.functional.dropout(torch.ones(64, device=DEV), 0.5).cpu(),
+        )
     for a, b in zip(draws, again):
         assert torch.equal(a, b)

@@ -10,21 +10,19 @@ import os
 import subprocess
 import sys
 
+import dist_worker
 import pytest
+from conftest import REPO, run_cli
+from ranks import run_ranks
 
 import ftkit
 from ftkit.format.reader import committed_steps, scan
-
-import dist_worker
-from conftest import REPO, run_cli
-from ranks import run_ranks
 
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           WORKER, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -59,8 +57,7 @@ def test_save_on_4_restore_on_4_2_3(tmp_path, parallel):
 
 def test_step_one_rank_never_finished_is_invisible(tmp_path):
     ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")
-    r = torchrun(4, "--mode", "save", "--ckpt", ckpt, "--ref", ref, "--die", "2:2", "--commit-timeout", "10",
-                 "--sync")
+    r = torchrun(4, "--mode", "save", "--ckpt", ckpt, "--ref", ref, "--die", "2:2", "--commit-timeout", "10", "--sync")
     assert r.returncode != 0 and "DYING rank=2 step=2" in r.stdout
     storage = ftkit.Tier(ckpt).open()
     assert committed_steps(storage) == [1]

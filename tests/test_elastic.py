@@ -21,7 +21,6 @@ import time
 import psutil
 import pytest
 import torch
-
 from conftest import REPO
 
 STEPS = 100
@@ -34,19 +33,45 @@ def _free_port() -> int:
 
 
 def _agent(tmp_path, node: str, is_host: bool, port: int) -> subprocess.Popen:
-    env = {**os.environ, "FTKIT_RAM_DIR": str(tmp_path / "shm"), "FTKIT_JOB_ID": "job", "FTKIT_NODE_ID": node,
-           "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "FTKIT_RAM_DIR": str(tmp_path / "shm"),
+        "FTKIT_JOB_ID": "job",
+        "FTKIT_NODE_ID": node,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
     # Short rendezvous timeouts: a dead agent is dropped after ~5 s of missed keep-alives (with 2
     # attempts a live but busy agent was dropped too; see the README), and a round closes 3 s
     # after its first member arrived (both agents start within that at launch).
-    conf = f"is_host={int(is_host)},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5," \
-           "join_timeout=120,close_timeout=10"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={conf}",
-           "--max-restarts=2", "--monitor-interval=0.1", os.path.join(REPO, "tests", "elastic_job.py"),
-           "--ckpt", str(tmp_path / "ckpt"), "--steps", str(STEPS), "--run-dir", str(tmp_path / "run"),
-           "--step-time", "0.05", "--final-out", str(tmp_path / "final.pt")]
+    conf = (
+        f"is_host={int(is_host)},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5,"
+        "join_timeout=120,close_timeout=10"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=elastic",
+        f"--rdzv-conf={conf}",
+        "--max-restarts=2",
+        "--monitor-interval=0.1",
+        os.path.join(REPO, "tests", "elastic_job.py"),
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--steps",
+        str(STEPS),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--step-time",
+        "0.05",
+        "--final-out",
+        str(tmp_path / "final.pt"),
+    ]
     log = open(tmp_path / f"agent-{node}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
 
@@ -101,10 +126,13 @@ def test_lost_node_shrinks_the_job_and_it_goes_on_from_ram_with_nothing_lost(tmp
     b = _agent(tmp_path, "b", False, port)
     try:
         deadline = time.monotonic() + 120
-        while not any(e["event"] == "persist" and e.get("tier") == "ram" and e["step"] >= 20 and e["rank"] == 0
-                      for e in _events(tmp_path)):
-            assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, \
-                (tmp_path / "agent-a.log").read_text()[-3000:]
+        while not any(
+            e["event"] == "persist" and e.get("tier") == "ram" and e["step"] >= 20 and e["rank"] == 0
+            for e in _events(tmp_path)
+        ):
+            assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, (
+                tmp_path / "agent-a.log"
+            ).read_text()[-3000:]
             time.sleep(0.2)
         _kill_tree(b)  # node b is gone: agent, workers and its RAM
         shutil.rmtree(tmp_path / "shm" / "job" / "b")
@@ -140,7 +168,7 @@ def test_lost_node_shrinks_the_job_and_it_goes_on_from_ram_with_nothing_lost(tmp
     # The global sample stream, round k of every rank in rank order, is the uninterrupted one.
     stream = [b[k] for _, bs in lineage for k in range(len(bs[0])) for b in bs]
     epochs = [torch.randperm(64, generator=torch.Generator().manual_seed(7 + e)).tolist() for e in range(12)]
-    assert stream == [i for e in epochs for i in e][:len(stream)]
+    assert stream == [i for e in epochs for i in e][: len(stream)]
     # And the weights are those of that training, momentum and all, across the reshard.
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert final["world_size"] == 2

@@ -8,29 +8,30 @@ import subprocess
 import sys
 
 import torch
+from conftest import REPO
 
 import ftkit
 from ftkit.format.manifest import FORMAT_VERSION, manifest_from_json
-
-from conftest import REPO
 
 
 def test_format_md_recipe_reads_a_tensor_without_ftkit(tmp_path):
     w = torch.randn(64, 32)
     ckpt = tmp_path / "ckpt"
-    with ftkit.Checkpointer({"model": {"fc.weight": w}}, [ftkit.Tier(str(ckpt), compress="zstd")],
-                            rng=False) as ck:
+    with ftkit.Checkpointer({"model": {"fc.weight": w}}, [ftkit.Tier(str(ckpt), compress="zstd")], rng=False) as ck:
         ck.snapshot(120)
     # A dict of tensors is a plain value: tensors inside it still become entries.
     doc = open(os.path.join(REPO, "FORMAT.md")).read()
     recipe = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
-    script = ("import sys; sys.modules['ftkit'] = None\n"  # prove ftkit is not needed
-              + recipe.replace('"ckpt/step-000000000120"', repr(str(ckpt / "step-000000000120")))
-              + "\nnp.save(sys.argv[1], w)\n")
+    script = (
+        "import sys; sys.modules['ftkit'] = None\n"  # prove ftkit is not needed
+        + recipe.replace('"ckpt/step-000000000120"', repr(str(ckpt / "step-000000000120")))
+        + "\nnp.save(sys.argv[1], w)\n"
+    )
     out = tmp_path / "w.npy"
     r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     import numpy as np
+
     assert np.array_equal(np.load(out), w.numpy())
 
 

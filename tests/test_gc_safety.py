@@ -12,17 +12,16 @@ import time
 
 import pytest
 import torch
+from conftest import REPO, run_cli
 
 import ftkit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.save.commit import commit
-from ftkit.save.write import write_data
 from ftkit.format.reader import committed_steps, scan
+from ftkit.save.commit import commit
 from ftkit.save.layout import Layout
 from ftkit.save.staging import StagingArena
+from ftkit.save.write import write_data
 from ftkit.tiers.storage import Storage
-
-from conftest import REPO, run_cli
 
 N = 1024
 
@@ -169,11 +168,13 @@ def test_a_fifo_named_manifest_hangs_nothing(tmp_path):
     d = root / step_dir_name(2)
     d.mkdir()
     os.mkfifo(d / MANIFEST_NAME)
-    code = ("import sys, ftkit, torch; from ftkit.tools.cli import main;"
-            f"r = [main(['ls', {str(root)!r}]), main(['gc', {str(root)!r}, '--keep', '1']),"
-            f" main(['verify', {str(root)!r}]), main(['inspect', {str(root)!r}, '--step', '2'])];"
-            f"s = {{'w': torch.zeros({N})}}; ck = ftkit.Checkpointer(s, [{str(root)!r}], rng=False);"
-            "print('RESULT', r, ck.restore()); ck.close()")
+    code = (
+        "import sys, ftkit, torch; from ftkit.tools.cli import main;"
+        f"r = [main(['ls', {str(root)!r}]), main(['gc', {str(root)!r}, '--keep', '1']),"
+        f" main(['verify', {str(root)!r}]), main(['inspect', {str(root)!r}, '--step', '2'])];"
+        f"s = {{'w': torch.zeros({N})}}; ck = ftkit.Checkpointer(s, [{str(root)!r}], rng=False);"
+        "print('RESULT', r, ck.restore()); ck.close()"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "RESULT [0, 0, 0, 1] 1" in r.stdout, r.stdout + r.stderr
@@ -217,8 +218,9 @@ ck.snapshot(2); ck.wait()
 def test_a_writer_killed_mid_upload_leaves_an_upload_gc_aborts(s3_server, s3_url):
     opts = s3_server.storage_options()
     storage = Storage(s3_url, opts)
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, s3_url, json.dumps(opts)], stdout=subprocess.PIPE,
-                            text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, s3_url, json.dumps(opts)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
     try:
         assert proc.stdout.readline().strip() == "COMMITTED"
         deadline = time.monotonic() + 60

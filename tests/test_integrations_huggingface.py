@@ -25,16 +25,16 @@ import pytest
 import torch
 
 if any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")):  # fail, do not skip
-    pytest.fail("transformers/accelerate are not installed: pip install -e '.[test]' (the 'huggingface' extra)",
-                pytrace=False)
+    pytest.fail(
+        "transformers/accelerate are not installed: pip install -e '.[test]' (the 'huggingface' extra)", pytrace=False
+    )
 
-from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
-                          TrainingArguments)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import ftkit  # noqa: E402
-from ftkit.integrations.huggingface import FtkitCallback  # noqa: E402
 from ftkit.format.reader import committed_steps  # noqa: E402
+from ftkit.integrations.huggingface import FtkitCallback  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 STEPS_PER_EPOCH = 10  # 40 sequences, batch size 4
@@ -93,12 +93,31 @@ class FailAt(TrainerCallback):
         raise RuntimeError(f"injected failure at step {self.step}")
 
 
-def make_trainer(out: str, ckpt: str | None, *, every: int = 1, fail_at: int | None = None, kill: bool = False,
-                 n_embd: int = 32, tiers=None):
+def make_trainer(
+    out: str,
+    ckpt: str | None,
+    *,
+    every: int = 1,
+    fail_at: int | None = None,
+    kill: bool = False,
+    n_embd: int = 32,
+    tiers=None,
+):
     model = make_model(n_embd)
-    args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], save_strategy="no",
-                             dataloader_num_workers=0, per_device_train_batch_size=4, num_train_epochs=EPOCHS,
-                             learning_rate=1e-3, warmup_steps=3, logging_steps=5, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=out,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        per_device_train_batch_size=4,
+        num_train_epochs=EPOCHS,
+        learning_rate=1e-3,
+        warmup_steps=3,
+        logging_steps=5,
+        seed=0,
+        disable_tqdm=True,
+    )
     trace = Trace(model)
     ftcb = FtkitCallback(tiers or [ckpt], every_n_steps=every) if (ckpt or tiers) else None
     callbacks = ([ftcb] if ftcb else []) + [trace]
@@ -148,8 +167,13 @@ def reference(tmp_path_factory):
 
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(tmp_path, reference):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    r = subprocess.run([sys.executable, HERE, out, ckpt, "13", "3"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    r = subprocess.run(
+        [sys.executable, HERE, out, ckpt, "13", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert committed_steps(ftkit.Tier(ckpt).open()) == [9, 12]  # keep=2; 13 is not a multiple of 3
 
@@ -222,9 +246,14 @@ def test_unreachable_tier_fails_when_the_trainer_is_built(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tier = ftkit.Tier("s3://bucket/run", storage_options={
-        "key": "AKIDEXAMPLE", "secret": "not-a-real-secret-123",
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}})
+    tier = ftkit.Tier(
+        "s3://bucket/run",
+        storage_options={
+            "key": "AKIDEXAMPLE",
+            "secret": "not-a-real-secret-123",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+        },
+    )
     with pytest.raises(ftkit.StorageError) as err:
         make_trainer(str(tmp_path / "out"), None, tiers=[str(tmp_path / "local"), tier])
     msg = str(err.value)

@@ -30,8 +30,8 @@ import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ftkit  # noqa: E402
-from ftkit.integrations.lightning import FtkitCallback  # noqa: E402
 from ftkit.format.reader import committed_steps  # noqa: E402
+from ftkit.integrations.lightning import FtkitCallback  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 BATCHES_PER_EPOCH = 10  # 40 samples, batch size 4
@@ -43,8 +43,9 @@ class Net(pl.LightningModule):
 
     def __init__(self, width: int = 16, interval: str = "step", validate: bool = False, iterable: bool = False):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                       torch.nn.Linear(width, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(width, 1)
+        )
         self.interval = interval
         self.validate = validate
         self.iterable = iterable
@@ -116,8 +117,18 @@ class FailAt(pl.Callback):
         raise RuntimeError(f"injected failure at step {self.step}")
 
 
-def fit(ckpt: str | None, *, every: int = 1, fail_at: int | None = None, kill: bool = False,
-        width: int = 16, interval: str = "step", validate: bool = False, iterable: bool = False, ftkit_tiers=None):
+def fit(
+    ckpt: str | None,
+    *,
+    every: int = 1,
+    fail_at: int | None = None,
+    kill: bool = False,
+    width: int = 16,
+    interval: str = "step",
+    validate: bool = False,
+    iterable: bool = False,
+    ftkit_tiers=None,
+):
     pl.seed_everything(0, verbose=False)
     model = Net(width, interval, validate, iterable)
     trace = Trace()
@@ -125,10 +136,19 @@ def fit(ckpt: str | None, *, every: int = 1, fail_at: int | None = None, kill: b
     callbacks = ([ftcb] if ftcb else []) + [trace]
     if fail_at is not None:
         callbacks.append(FailAt(fail_at, kill=kill, flush=ftcb))
-    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, deterministic=True,
-                         enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=2 if validate else 0, callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2 if validate else 0,
+        callbacks=callbacks,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on num_workers etc.
         trainer.fit(model)
@@ -173,17 +193,20 @@ def reference():
         if key not in cache:
             model, trainer, trace, _ = fit(None, interval=interval, validate=validate, iterable=iterable)
             assert trainer.global_step == EPOCHS * BATCHES_PER_EPOCH and trainer.current_epoch == EPOCHS
-            cache[key] = (final_values(model, trainer), trainer.lr_scheduler_configs[0].scheduler.state_dict(),
-                          trace.steps)
+            cache[key] = (
+                final_values(model, trainer),
+                trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                trace.steps,
+            )
         return cache[key]
+
     return get
 
 
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(tmp_path, reference):
     ckpt = str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, HERE, ckpt, "13", "3"], capture_output=True, text=True, timeout=120,
-                       env=env)
+    r = subprocess.run([sys.executable, HERE, ckpt, "13", "3"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert committed_steps(ftkit.Tier(ckpt).open()) == [9, 12]  # keep=2; 13 is not a multiple of 3
 
@@ -241,9 +264,17 @@ def test_snapshot_of_a_different_model_fails_restore_naming_keys(tmp_path):
     pl.seed_everything(1, verbose=False)
     other = Net(width=32)
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[FtkitCallback([ckpt])])
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FtkitCallback([ckpt])],
+    )
     with pytest.raises(ftkit.StateMismatchError) as err, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(other)
@@ -258,9 +289,14 @@ def test_unreachable_tier_fails_at_setup_before_any_step(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tier = ftkit.Tier("s3://bucket/run", storage_options={
-        "key": "AKIDEXAMPLE", "secret": "not-a-real-secret-123",
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}})
+    tier = ftkit.Tier(
+        "s3://bucket/run",
+        storage_options={
+            "key": "AKIDEXAMPLE",
+            "secret": "not-a-real-secret-123",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+        },
+    )
     with pytest.raises(ftkit.StorageError) as err:
         fit(None, ftkit_tiers=[str(tmp_path / "local"), tier])
     msg = str(err.value)

@@ -22,17 +22,23 @@ import time
 
 import pytest
 import torch
+from conftest import REPO
 
 import ftkit
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
-from ftkit.tiers.ram import (IDENTITY_FILE,
-                           existing_job_dir, job_dir, remove_job, run_identity, validate_job_id)
 from ftkit.format.reader import committed_steps
+from ftkit.tiers.ram import IDENTITY_FILE, existing_job_dir, job_dir, remove_job, run_identity, validate_job_id
 
-from conftest import REPO
-
-IDENTITY_VARS = ("FTKIT_JOB_ID", "FTKIT_RUN_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                 "FTKIT_RAM_DIR", "FTKIT_NODE_ID", "FTKIT_RANKS_PER_NODE", "FTKIT_RUN_DIR")
+IDENTITY_VARS = (
+    "FTKIT_JOB_ID",
+    "FTKIT_RUN_ID",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "FTKIT_RAM_DIR",
+    "FTKIT_NODE_ID",
+    "FTKIT_RANKS_PER_NODE",
+    "FTKIT_RUN_DIR",
+)
 OTHER_UID = 12345
 
 
@@ -44,8 +50,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _python(code: str, *args: str, env: dict[str, str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=REPO, **kw)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, **kw
+    )
 
 
 @pytest.fixture
@@ -121,7 +128,7 @@ def test_a_ram_tier_without_any_identity_is_refused_with_how_to_name_the_run(tmp
         r = _python(RUN, "111", "3", json.dumps(["ram", {"url": "peer"}]), env=_env(FTKIT_RAM_DIR=str(shm), **extra))
         assert r.returncode == 1
         last = r.stderr.strip().splitlines()[-1]
-        assert last.startswith("ftkit.errors.RunIdentityError: the \"ram\" tier cannot tell which run"), last
+        assert last.startswith('ftkit.errors.RunIdentityError: the "ram" tier cannot tell which run'), last
         assert 'run_id="my-run"' in last and "FTKIT_RUN_ID=my-run" in last
         assert not shm.exists()  # nothing created, nothing read
 
@@ -166,12 +173,39 @@ def test_a_directory_recording_another_identity_is_refused(clean_env, tmp_path):
 def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path):
     """No FTKIT_JOB_ID: a restarted worker derives the same identity as the first attempt."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.1", "-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt"), "--every", "1000",
-           "--steps", "16", "--ram", "--step-time", "0.1", "--run-dir", str(run_dir), "--pg-timeout", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        "-m",
+        "ftkit.drill.reference",
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--every",
+        "1000",
+        "--steps",
+        "16",
+        "--ram",
+        "--step-time",
+        "0.1",
+        "--run-dir",
+        str(run_dir),
+        "--pg-timeout",
+        "60",
+    ]
     with open(tmp_path / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(FTKIT_RAM_DIR=str(tmp_path / "shm")),
-                                cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(FTKIT_RAM_DIR=str(tmp_path / "shm")),
+            cwd=REPO,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -339,8 +373,10 @@ def test_a_second_user_on_the_node_gets_a_root_of_its_own(tmp_path):
         assert (st.st_uid, st.st_mode & 0o777) == (OTHER_UID, 0o700)
         steps = lambda d: sorted(n for n in os.listdir(d) if n.startswith("step-"))  # noqa: E731
         assert steps(restart["ram_dir"]) == ["step-000000000003", "step-000000000004"]
-        assert steps(os.path.join(ours, a["ram_run"], socket.gethostname())) == \
-            ["step-000000000002", "step-000000000003"]  # A's, untouched
+        assert steps(os.path.join(ours, a["ram_run"], socket.gethostname())) == [
+            "step-000000000002",
+            "step-000000000003",
+        ]  # A's, untouched
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for run in created_runs:
@@ -368,8 +404,10 @@ def test_a_credential_in_a_tier_url_never_leaves_the_process(clean_env, tmp_path
     events = (run_dir / "events" / "rank-00000.jsonl").read_text()
     start = json.loads(events.splitlines()[0])
     assert start["tiers"] == ["ram", "memory://***@bucket/isolation-run"]
-    assert {json.loads(line)["tier"] for line in events.splitlines() if '"persist"' in line} == \
-        {"ram", "memory://***@bucket/isolation-run"}
+    assert {json.loads(line)["tier"] for line in events.splitlines() if '"persist"' in line} == {
+        "ram",
+        "memory://***@bucket/isolation-run",
+    }
     record = (clean_env / ramrun / IDENTITY_FILE).read_text()
     for text in [events, record, caplog.text, *shown]:
         assert "hunter2" not in text
@@ -378,13 +416,21 @@ def test_a_credential_in_a_tier_url_never_leaves_the_process(clean_env, tmp_path
     assert committed_steps(ftkit.Tier(url).open()) == [1, 2]
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("s3://AKIAX:abc/def+ghi@bucket/p", "s3://***@bucket/p"),  # "/" in an AWS secret key
-    ("https://u:p@ss@host/x", "https://***@host/x"),  # an unescaped "@" in a password
-    ("https://h/o?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=f00&a=1", "https://h/o?X-Amz-Credential=***&X-Amz-Signature=***&a=1"),
-    ("cannot open s3://k:s@b/x: timeout", "cannot open s3://***@b/x: timeout"),
-    ("/ckpt/run", "/ckpt/run"), ("ram", "ram"), ("s3://bucket/dir/file@v2", "s3://bucket/dir/file@v2"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("s3://AKIAX:abc/def+ghi@bucket/p", "s3://***@bucket/p"),  # "/" in an AWS secret key
+        ("https://u:p@ss@host/x", "https://***@host/x"),  # an unescaped "@" in a password
+        (
+            "https://h/o?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=f00&a=1",
+            "https://h/o?X-Amz-Credential=***&X-Amz-Signature=***&a=1",
+        ),
+        ("cannot open s3://k:s@b/x: timeout", "cannot open s3://***@b/x: timeout"),
+        ("/ckpt/run", "/ckpt/run"),
+        ("ram", "ram"),
+        ("s3://bucket/dir/file@v2", "s3://bucket/dir/file@v2"),
+    ],
+)
 def test_redact_url(url, shown):
     from ftkit.tiers.redact import redact_url
     from ftkit.tiers.storage import redact_url as storage_redact
@@ -417,8 +463,9 @@ sys.exit(3)  # the watchdog never ended this process
 """
 
 
-@pytest.mark.parametrize("which, killed", [("other-boot", False), ("other-pidns", False), ("none", False),
-                                           ("same", True)])
+@pytest.mark.parametrize(
+    "which, killed", [("other-boot", False), ("other-pidns", False), ("none", False), ("same", True)]
+)
 def test_the_watchdog_kills_a_dead_peers_pid_only_on_the_same_host_boot_and_pid_namespace(tmp_path, which, killed):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
@@ -487,6 +534,8 @@ except SystemExit as e:
 def test_a_training_checkpointer_saves_on_sigterm_and_chains_the_previous_handler(tmp_path, how):
     r = _python(TRAINING, str(tmp_path / "ckpt"), how, env=_env())
     assert r.returncode == 128 + signal.SIGTERM, r.stderr
-    assert r.stdout.splitlines() == [f"at start, ftkit's: {how == 'explicit'}",
-                                     f"exit {128 + signal.SIGTERM} previous handler called [15] restored True"]
+    assert r.stdout.splitlines() == [
+        f"at start, ftkit's: {how == 'explicit'}",
+        f"exit {128 + signal.SIGTERM} previous handler called [15] restored True",
+    ]
     assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [4]  # nothing was due: the final save

@@ -21,14 +21,13 @@ import random
 
 import pytest
 import torch
+from conftest import make_state, run_cli
 
 import ftkit
 from ftkit.errors import CorruptCheckpointError, FormatError, StorageError
 from ftkit.format.manifest import MANIFEST_NAME, manifest_from_json, step_dir_name
 from ftkit.format.reader import read_tensors, verify
 from ftkit.format.validate import ZSTD_MAX_RATIO
-
-from conftest import make_state, run_cli
 
 ITERATIONS = int(__import__("os").environ.get("FTKIT_FUZZ_ITERATIONS", "150"))
 
@@ -90,8 +89,31 @@ def _mutate(doc, rng: random.Random, strings: list[str]):
         choices += ["other_string", "other_string"]
     how = rng.choice(choices)
     if how == "replace":
-        new = rng.choice([None, True, False, -1, 0, 1, 7, 2**31, 2**63, 2**70, 0.5, "__INF__", "", "../x",
-                          "a" * 300, [], {}, {"$tensor": "nope"}, [0, 0], {"bytes": 1}, rng.randint(-10, 10**6)])
+        new = rng.choice(
+            [
+                None,
+                True,
+                False,
+                -1,
+                0,
+                1,
+                7,
+                2**31,
+                2**63,
+                2**70,
+                0.5,
+                "__INF__",
+                "",
+                "../x",
+                "a" * 300,
+                [],
+                {},
+                {"$tensor": "nope"},
+                [0, 0],
+                {"bytes": 1},
+                rng.randint(-10, 10**6),
+            ]
+        )
         doc = _set(doc, path, new)
     elif how == "drop" and value:
         value.pop(rng.randrange(len(value)))

@@ -21,8 +21,9 @@ def _files(world: int) -> list[str]:
     return [f"rank-{r:05d}-00000000.data" for r in range(world)]
 
 
-def _inventories(world: int, per_node: int, steps: dict[int, set[str]], replicas: int = 1,
-                 lost: set[str] = frozenset()) -> list[dict]:
+def _inventories(
+    world: int, per_node: int, steps: dict[int, set[str]], replicas: int = 1, lost: set[str] = frozenset()
+) -> list[dict]:
     """What each rank reports: its node holds its ranks' files of every step, plus the
     replicas it received (placement as peers.replica_targets), and the manifest; a
     lost node holds nothing."""
@@ -74,7 +75,7 @@ def test_a_step_missing_a_file_everywhere_is_no_candidate():
     need = set(_files(world))
     inv = _inventories(world, per_node, {5: need}, replicas=0)
     victim = _files(world)[9]
-    for r, i in enumerate(inv):
+    for i in inv:
         i["5"]["have"] = [f for f in i["5"]["have"] if f != victim]
     assert ram_candidates(inv, _nodes(world, per_node), 0, can_fetch=True) == {}
 
@@ -122,6 +123,7 @@ def test_a_lost_nodes_files_are_fetched_once_each_and_spread_over_its_ranks(worl
 def test_files_for_reads_only_the_overlapping_shards():
     def chunk(f):
         return (Chunk(f, 0, 16, 0, 16, "raw", "xxh3_64:" + "0" * 16),)
+
     t = TensorEntry("w", "float32", (8,), (Shard((0,), (4,), chunk("a.data")), Shard((4,), (4,), chunk("b.data"))))
     m = Manifest(1, 2, (t,), {"entries": {}}, {"a.data": {"bytes": 16}, "b.data": {"bytes": 16}})
     assert files_for(m, {"w": ((0,), (8,))}) == {"a.data", "b.data"}
@@ -142,7 +144,7 @@ def test_plan_pieces_saves_replicated_state_once_split_and_balanced():
     assert sorted(owners) == [f"s{i}" for i in range(6)] and len(set(owners.values())) >= 2  # spread
     rng = [(r, p) for r, pl in enumerate(plans) for p, _ in pl if p.name.startswith("_rng")]
     assert all(p.kind == RANK_LOCAL for _, p in rng) and len(rng) == world  # every rank its own
-    for r, pl in enumerate(plans):
+    for pl in plans:
         for p, src in pl:
             assert tuple(src.shape) == p.lengths and (p.kind in (REPLICATED, RANK_LOCAL))
 
@@ -177,9 +179,15 @@ def test_plan_retention_keeps_the_newest_every_mth_and_the_protected():
 
 
 def test_plan_collection_never_deletes_past_the_newest_verified_step():
-    steps = [StepInfo(1, "committed", None), StepInfo(2, "committed", True), StepInfo(3, "committed", False),
-             StepInfo(4, "partial", None, age_s=10.0), StepInfo(0, "partial", None, age_s=7200.0),
-             StepInfo(9, "link"), StepInfo(5, "retired", None, age_s=7200.0)]
+    steps = [
+        StepInfo(1, "committed", None),
+        StepInfo(2, "committed", True),
+        StepInfo(3, "committed", False),
+        StepInfo(4, "partial", None, age_s=10.0),
+        StepInfo(0, "partial", None, age_s=7200.0),
+        StepInfo(9, "link"),
+        StepInfo(5, "retired", None, age_s=7200.0),
+    ]
     p = plan_collection(steps, keep=1, keep_every=None, grace_s=3600)
     assert p.protected == 2 and p.delete == (1,) and p.keep == (2, 3)
     assert p.remove_partial == (0, 5) and p.held == () and p.refused == (9,)

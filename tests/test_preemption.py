@@ -7,17 +7,30 @@ import subprocess
 import sys
 
 import torch
+from conftest import REPO
+from torchrun_job import Job, stop_everything
 
 import ftkit
 from ftkit.format.reader import committed_steps
 
-from conftest import REPO
-from torchrun_job import Job, stop_everything
-
 
 def _trainer(ckpt, final, steps=60, extra=()):
-    return [sys.executable, "-m", "ftkit.drill.reference", "--ckpt", str(ckpt), "--steps", str(steps),
-            "--every", "1000", "--step-time", "0.05", "--final-out", str(final), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "ftkit.drill.reference",
+        "--ckpt",
+        str(ckpt),
+        "--steps",
+        str(steps),
+        "--every",
+        "1000",
+        "--step-time",
+        "0.05",
+        "--final-out",
+        str(final),
+        *extra,
+    ]
 
 
 def test_sigterm_saves_to_the_durable_tier_and_a_new_run_resumes_exactly(tmp_path):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
-
 import dist_worker
+import pytest
 from ranks import run_ranks
 
 
@@ -15,8 +14,12 @@ def job(tmp_path):
     env = {"FTKIT_RAM_DIR": str(tmp_path / "shm"), "FTKIT_RANKS_PER_NODE": "2", "FTKIT_JOB_ID": "job"}
     refs = tmp_path / "refs"
     refs.mkdir()
-    return {"env": env, "disk": str(tmp_path / "disk"), "refs": str(refs),
-            "node": lambda n: tmp_path / "shm" / "job" / f"node{n}"}
+    return {
+        "env": env,
+        "disk": str(tmp_path / "disk"),
+        "refs": str(refs),
+        "node": lambda n: tmp_path / "shm" / "job" / f"node{n}",
+    }
 
 
 def _save(job, disk_every=100, parallel="ddp"):
@@ -33,8 +36,12 @@ def test_worker_restart_restores_from_node_ram(job):
     files = sorted(p.name for p in (node0 / "step-000000000003").iterdir())
     # node0 holds its ranks' data, the replicas of node1's ranks, and the manifest
     assert "manifest.json" in files
-    assert sorted(f[:10] for f in files if f.endswith(".data")) == \
-        ["rank-00000", "rank-00001", "rank-00002", "rank-00003"]
+    assert sorted(f[:10] for f in files if f.endswith(".data")) == [
+        "rank-00000",
+        "rank-00001",
+        "rank-00002",
+        "rank-00003",
+    ]
     assert (node0.parent.stat().st_mode & 0o777) == 0o700
     out = _restore(job)
     assert [o["step"] for o in out] == [3] * 4

@@ -35,7 +35,7 @@ def rank_share(n: int, world: int, rank: int, epoch: int, position: int, seed: i
     """What rank `rank` of `world` should yield from (epoch, position) with drop_last=False."""
     rounds = -(-(n - position) // world)
     rest = [i for e in range(epoch, epoch + 2 + world // n) for i in epoch_order(n, e, seed)]
-    return rest[position + rank::world][:rounds]
+    return rest[position + rank :: world][:rounds]
 
 
 def ranks(n: int, world: int, **kw) -> list[ResumableDistributedSampler]:
@@ -71,15 +71,14 @@ def one_pass(samplers: list[ResumableDistributedSampler]) -> list[list[int]]:
     return [list(s) for s in samplers]
 
 
-@pytest.mark.parametrize("n,world", [(1, 1), (10, 1), (10, 2), (12, 3), (10, 3), (7, 4), (16, 4),
-                                     (5, 8), (2, 5)])
+@pytest.mark.parametrize("n,world", [(1, 1), (10, 1), (10, 2), (12, 3), (10, 3), (7, 4), (16, 4), (5, 8), (2, 5)])
 def test_one_pass_never_skips_or_repeats_within_an_epoch(n, world):
     samplers = ranks(n, world, seed=3)
     per_rank = one_pass(samplers)
     assert all(len(p) == len(s) == -(-n // world) for p, s in zip(per_rank, samplers))
     got = interleave(per_rank)
     # The whole epoch-0 permutation, in order, then the start of epoch 1 (and on, if n < world).
-    assert got == stream(n, 3, seed=3)[:len(got)]
+    assert got == stream(n, 3, seed=3)[: len(got)]
     assert sorted(got[:n]) == list(range(n))
     assert len(got) - n < world
 
@@ -97,15 +96,17 @@ def test_unshuffled_pass_is_identity_order():
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
-@pytest.mark.parametrize("n,batch,steps_before,steps_after", [
-    (23, 3, 2, 6),    # resumes mid-epoch 0; 2 then 3 ranks run on into epoch 1 and 2
-    (23, 3, 4, 5),    # saved after the 2-rank run crossed the boundary (24 > 23)
-    (20, 5, 2, 4),    # saved exactly at the end of epoch 0
-    (31, 4, 3, 12),   # several boundaries after the resume
-    (7, 2, 1, 9),     # tiny epochs: rounds of 6 straddle most boundaries
-])
-def test_restart_on_three_ranks_continues_the_two_rank_stream_exactly(n, batch, steps_before,
-                                                                      steps_after, shuffle):
+@pytest.mark.parametrize(
+    "n,batch,steps_before,steps_after",
+    [
+        (23, 3, 2, 6),  # resumes mid-epoch 0; 2 then 3 ranks run on into epoch 1 and 2
+        (23, 3, 4, 5),  # saved after the 2-rank run crossed the boundary (24 > 23)
+        (20, 5, 2, 4),  # saved exactly at the end of epoch 0
+        (31, 4, 3, 12),  # several boundaries after the resume
+        (7, 2, 1, 9),  # tiny epochs: rounds of 6 straddle most boundaries
+    ],
+)
+def test_restart_on_three_ranks_continues_the_two_rank_stream_exactly(n, batch, steps_before, steps_after, shuffle):
     before = ranks(n, 2, seed=11, shuffle=shuffle)
     first = train(before, batch, steps_before)
     saved = json.loads(json.dumps(before[0].state_dict()))  # what a checkpoint would hold
@@ -117,7 +118,7 @@ def test_restart_on_three_ranks_continues_the_two_rank_stream_exactly(n, batch, 
     second = train(after, batch, steps_after)
 
     whole = first + second
-    assert whole == stream(n, len(whole) // n + 2, seed=11, shuffle=shuffle)[:len(whole)]
+    assert whole == stream(n, len(whole) // n + 2, seed=11, shuffle=shuffle)[: len(whole)]
     # And the same as one uninterrupted single-rank run of the sampler.
     assert whole == train(ranks(n, 1, seed=11, shuffle=shuffle), 1, len(whole))
     epochs, position = divmod(len(whole), n)
@@ -189,7 +190,7 @@ def test_epoch_loop_with_set_epoch_resumes_exactly():
         s.load_state_dict(before[0].state_dict())
     whole = first + run(after)
     # Epochs 0..2 in full, plus whatever the last round of epoch 2 took from epoch 3.
-    assert whole == stream(n, epochs + 1, seed=1)[:len(whole)]
+    assert whole == stream(n, epochs + 1, seed=1)[: len(whole)]
     assert n * epochs <= len(whole) < n * epochs + 2
 
 
@@ -212,8 +213,7 @@ def test_dataloader_prefetching_does_not_move_the_position():
     n, batch, world, stop = 101, 4, 2, 5
     sampler = ResumableDistributedSampler(n, num_replicas=world, rank=0, seed=7)
     counting = _Counting(sampler)
-    loader = DataLoader(list(range(n)), batch_size=batch, sampler=counting, num_workers=2,
-                        prefetch_factor=2)
+    loader = DataLoader(list(range(n)), batch_size=batch, sampler=counting, num_workers=2, prefetch_factor=2)
     consumed = []
     for step, b in enumerate(loader, 1):
         consumed += b.tolist()
@@ -223,14 +223,13 @@ def test_dataloader_prefetching_does_not_move_the_position():
             break
     assert counting.pulled > stop * batch  # the loader really did run ahead of the loop
     order = epoch_order(n, 0, seed=7)
-    assert consumed == order[0:stop * batch * world:world]
+    assert consumed == order[0 : stop * batch * world : world]
 
     # A restart (here on one rank) picks up exactly after the last consumed round.
     resumed = ResumableDistributedSampler(n, num_replicas=1, rank=0)
     resumed.load_state_dict(sampler.state_dict())
-    rest = [i for b in DataLoader(list(range(n)), batch_size=batch, sampler=resumed, num_workers=2)
-            for i in b.tolist()]
-    assert rest == order[stop * batch * world:]
+    rest = [i for b in DataLoader(list(range(n)), batch_size=batch, sampler=resumed, num_workers=2) for i in b.tolist()]
+    assert rest == order[stop * batch * world :]
 
 
 def test_state_is_json_safe_identical_across_ranks_and_checkpointed_by_ftkit(tmp_path):
@@ -251,9 +250,11 @@ def test_state_is_json_safe_identical_across_ranks_and_checkpointed_by_ftkit(tmp
 
 
 def test_same_seed_gives_the_same_stream_in_another_process():
-    code = ("import json; from ftkit.integrations.sampler import ResumableDistributedSampler as S; "
-            "s = S(1000, num_replicas=3, rank=1, seed=42); s.set_epoch(4); s.advance(7); "
-            "print(json.dumps(list(s)))")
+    code = (
+        "import json; from ftkit.integrations.sampler import ResumableDistributedSampler as S; "
+        "s = S(1000, num_replicas=3, rank=1, seed=42); s.set_epoch(4); s.advance(7); "
+        "print(json.dumps(list(s)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     here = ResumableDistributedSampler(1000, num_replicas=3, rank=1, seed=42)
     here.set_epoch(4)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import dist_worker
+import torch
 from ranks import run_ranks
 
 

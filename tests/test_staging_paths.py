@@ -15,12 +15,12 @@ import weakref
 
 import pytest
 import torch
+from fakedevice import POLICIES, FakeDevice, FakeEvent, FakeStream
 
 import ftkit
-from fakedevice import POLICIES, FakeDevice, FakeEvent, FakeStream
+from ftkit.format.reader import load_manifest, read_tensors
 from ftkit.save import capture as cap
 from ftkit.save import staging
-from ftkit.format.reader import load_manifest, read_tensors
 from ftkit.save.device import DeviceOps
 from ftkit.save.layout import Layout
 from ftkit.save.staging import Slot, StagingArena
@@ -43,6 +43,7 @@ def fake(monkeypatch):
         monkeypatch.setattr(staging, "DEVICE", dev)
         made.append(dev)
         return dev
+
     yield make
     for dev in made:  # never leave a persist thread blocked
         dev.background_gate.set()
@@ -157,8 +158,9 @@ def test_sabotage_background_not_waiting_for_the_copy_is_caught(fake, tmp_path, 
 def test_sabotage_small_tensors_on_the_side_stream_is_caught(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(staging, "_SMALL_TENSOR_BYTES", 0)  # the buffer would go on the side stream...
     real_fill = Slot.fill  # ...unless named in_order (module buffers, when the Checkpointer names them)
-    monkeypatch.setattr(Slot, "fill", lambda self, named, side_stream=None, in_order=(): real_fill(self, named,
-                                                                                                  side_stream))
+    monkeypatch.setattr(
+        Slot, "fill", lambda self, named, side_stream=None, in_order=(): real_fill(self, named, side_stream)
+    )
     assert "current_first" in _fails_somewhere(fake, tmp_path)
 
 
@@ -174,6 +176,7 @@ def test_real_optimizer_and_batchnorm_forward_do_not_leak(fake, tmp_path):
         opt.zero_grad()
         model(torch.randn(8, 64)).square().mean().backward()  # forward updates BatchNorm's stats
         opt.step()
+
     train()
     dev.put(model, opt)
     state = {"model": model, "optim": opt}
@@ -328,6 +331,7 @@ def test_a_failing_fill_leaves_nothing_in_flight(fake, monkeypatch):
         if src is b:
             raise RuntimeError("CUDA error: an illegal memory access")
         real_copy(dst, src, non_blocking)
+
     monkeypatch.setattr(dev, "copy", copy)
     named = [("a", a), ("b", b)]
     slot = arena.acquire(Layout.of(named), wait=True)
@@ -376,8 +380,7 @@ def test_background_and_training_threads_share_the_device(fake, tmp_path):
     want = [net.w.detach().clone()]  # the same float operations, in the same order
     for _ in range(8):
         want.append(want[-1].clone().add_(net.w.grad, alpha=-0.5))
-    with ftkit.Checkpointer({"model": net, "optim": opt}, [ftkit.Tier(str(tmp_path), keep=10)],
-                            rng=False) as ck:
+    with ftkit.Checkpointer({"model": net, "optim": opt}, [ftkit.Tier(str(tmp_path), keep=10)], rng=False) as ck:
         for step in range(1, 9):
             ck.snapshot(step)
             opt.step()
@@ -399,6 +402,7 @@ def test_pinning_registers_exactly_the_bytes_asked_and_unregisters(monkeypatch):
         def cudaHostUnregister(self, ptr):
             calls.append(("unregister", ptr))
             return 0
+
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
     ops = DeviceOps()
@@ -420,6 +424,7 @@ def test_pinning_falls_back_to_the_allocator_when_registering_fails(monkeypatch)
         asked.append(kwargs.get("pin_memory", False))
         kwargs.pop("pin_memory", None)
         return real_empty(*args, **kwargs)
+
     monkeypatch.setattr(torch, "empty", empty)
     buf, how = DeviceOps().alloc_host(4096, pin=True)
     assert how == "allocator" and asked == [False, True]
@@ -502,6 +507,7 @@ def test_restore_into_device_tensors_goes_through_pinned_memory(fake, tmp_path, 
     import inspect
 
     import ftkit.restore
+
     if "host_targets" not in inspect.getsource(ftkit.restore):
         pytest.skip("restore.py reads device tensors into fresh host memory (host_targets not used yet)")
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
@@ -531,8 +537,9 @@ def test_restore_into_device_tensors_goes_through_pinned_memory(fake, tmp_path, 
             assert ck.restore() == 1
             assert_equal(values(state2), want, f"restored from {url}")
             h2d = [c for c in dev.copies if c.kind == "h2d"]
-            assert sum(c.nbytes for c in h2d) == sum(v.numel() * v.element_size() for n, v in want.items()
-                                                      if n != "optim/state/0/step")
+            assert sum(c.nbytes for c in h2d) == sum(
+                v.numel() * v.element_size() for n, v in want.items() if n != "optim/state/0/step"
+            )
             assert len(dev.allocs) == allocs + 1  # the bounce slot...
             ck.snapshot(2)
             ck.wait()

@@ -11,12 +11,11 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, run_cli
 
 import ftkit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.reader import scan
-
-from conftest import REPO, run_cli
 
 N = 4096
 
@@ -82,16 +81,28 @@ def _assert_rejected_everywhere(root, needle: str | None = None):
 
 
 # ------------------------------------------------ 1. chunks cover tensors exactly
-@pytest.mark.parametrize("damage, needle", [
-    (lambda d: _chunks(d).clear(), "hold 0 bytes"),
-    (lambda d: _chunks(d).append(dict(_chunks(d)[0])), "tile"),
-    (lambda d: d["tensors"][0].update(dtype="float64"), "needs"),
-    (lambda d: _chunks(d)[0].update(raw_length=_chunks(d)[0]["raw_length"] // 2,
-                                    length=_chunks(d)[0]["length"] // 2), "needs"),
-    (lambda d: d["tensors"][0]["shards"].append(d["tensors"][0]["shards"][0]), "overlap"),
-    (lambda d: (d["tensors"][0]["shards"][0].update(lengths=[N // 2]),
-                _chunks(d)[0].update(raw_length=2 * N, length=2 * N)), "cover 2048 of its 4096"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda d: _chunks(d).clear(), "hold 0 bytes"),
+        (lambda d: _chunks(d).append(dict(_chunks(d)[0])), "tile"),
+        (lambda d: d["tensors"][0].update(dtype="float64"), "needs"),
+        (
+            lambda d: _chunks(d)[0].update(
+                raw_length=_chunks(d)[0]["raw_length"] // 2, length=_chunks(d)[0]["length"] // 2
+            ),
+            "needs",
+        ),
+        (lambda d: d["tensors"][0]["shards"].append(d["tensors"][0]["shards"][0]), "overlap"),
+        (
+            lambda d: (
+                d["tensors"][0]["shards"][0].update(lengths=[N // 2]),
+                _chunks(d)[0].update(raw_length=2 * N, length=2 * N),
+            ),
+            "cover 2048 of its 4096",
+        ),
+    ],
+)
 def test_chunks_and_shards_must_tile_exactly(two_steps, damage, needle):
     _edit(two_steps, damage)
     _assert_rejected_everywhere(two_steps, needle)
@@ -102,6 +113,7 @@ def test_a_chunk_beyond_the_real_file_is_refused(two_steps):
         name = next(iter(d["files"]))
         d["files"][name]["bytes"] += 4096
         _chunks(d)[0]["offset"] += 4096
+
     _edit(two_steps, lie)
     _assert_rejected_everywhere(two_steps, "bytes, manifest says")
 
@@ -116,6 +128,7 @@ def test_a_huge_shape_allocates_nothing_and_falls_back(two_steps):
         c["length"] = c["raw_length"] = 4 * 10**12
         name = next(iter(d["files"]))
         d["files"][name]["bytes"] = 4 * 10**12
+
     _edit(two_steps, huge)
     _assert_rejected_everywhere(two_steps, "data file is")
     out = two_steps.parent / "out.pt"
@@ -141,7 +154,8 @@ MALFORMED = {
     "bad $float": lambda d: d["skeleton"]["entries"].update(v={"kind": "value", "value": {"$float": "1"}}),
     "deep nesting": lambda d: d["skeleton"]["entries"].update(v={"kind": "value", "value": "__deep__"}),
     "nesting past the validator's bound": lambda d: d["skeleton"]["entries"].update(
-        v={"kind": "value", "value": "__300__"}),
+        v={"kind": "value", "value": "__300__"}
+    ),
     "step a string": lambda d: d.update(step="2"),
     "world size zero": lambda d: d.update(world_size=0),
     "shard rank out of range": lambda d: d["tensors"][0]["shards"][0].update(rank=5),
@@ -185,9 +199,9 @@ def test_a_zstd_chunk_that_does_not_decode_never_reaches_the_live_tensor(tmp_pat
     data_path = root / step_dir_name(2) / c["file"]
     data = bytearray(data_path.read_bytes())
     garbage = bytes(range(256)) * (c["length"] // 256 + 1)
-    data[c["offset"]:c["offset"] + c["length"]] = garbage[:c["length"]]
+    data[c["offset"] : c["offset"] + c["length"]] = garbage[: c["length"]]
     data_path.write_bytes(bytes(data))
-    c["checksum"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(garbage[:c["length"]])
+    c["checksum"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(garbage[: c["length"]])
     _manifest_path(root).write_text(json.dumps(doc))
     r = run_cli("verify", str(root), "--step", "2")
     assert r.returncode == 1 and "does not decode" in r.stdout, r.stdout
@@ -291,12 +305,20 @@ def test_unsafe_skip_checksums_warns_and_never_fools_verify(two_steps):
     raw[8] ^= 0x40
     f.write_bytes(bytes(raw))
     env = {**os.environ, "FTKIT_UNSAFE_SKIP_CHECKSUMS": "1"}
-    r = subprocess.run([sys.executable, "-m", "ftkit.tools.cli", "verify", str(two_steps), "--step", "2"],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ftkit", "verify", str(two_steps), "--step", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert r.returncode == 1 and "checksum mismatch" in r.stdout, r.stdout + r.stderr
-    code = ("import ftkit, torch, logging; logging.basicConfig();"
-            f"s={{'w': torch.zeros({N})}};"
-            f"ck=ftkit.Checkpointer(s, [{str(two_steps)!r}], rng=False); print(ck.restore()); ck.close()")
+    code = (
+        "import ftkit, torch, logging; logging.basicConfig();"
+        f"s={{'w': torch.zeros({N})}};"
+        f"ck=ftkit.Checkpointer(s, [{str(two_steps)!r}], rng=False); print(ck.restore()); ck.close()"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "WITHOUT verifying checksums" in r.stderr
@@ -331,8 +353,7 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path):
     node = tmp_path / "ram" / "job" / "node0"
     storage = Storage(str(node))
     (tmp_path / "escaped.data").write_text("precious")
-    store.set("k/w/1", json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None})
-              + "\n[]")
+    store.set("k/w/1", json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None}) + "\n[]")
     store.set("k/r/1", "null")
     arena, slot = _staged(1.0)
     try:
@@ -371,8 +392,16 @@ def test_a_node_leader_validates_the_manifest_it_receives(tmp_path):
     node = tmp_path / "node1"
     storage = Storage(str(node))
     store.set("k/w/0", _Report.encode(None, None, None))  # rank 0 "wrote nothing"
-    forged = {"format": "ftkit-checkpoint", "format_version": 2, "step": 1, "world_size": 2, "tensors": [],
-              "skeleton": {"entries": {}}, "files": {"../../evil": {"bytes": 1, "rank": 0}}, "rank_state": {}}
+    forged = {
+        "format": "ftkit-checkpoint",
+        "format_version": 2,
+        "step": 1,
+        "world_size": 2,
+        "tensors": [],
+        "skeleton": {"entries": {}},
+        "files": {"../../evil": {"bytes": 1, "rank": 0}},
+        "rank_state": {},
+    }
     store.set("k/manifest", json.dumps(forged))
     arena, slot = _staged(2.0)
     try:

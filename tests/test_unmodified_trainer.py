@@ -22,7 +22,6 @@ from datetime import timedelta
 import psutil
 import pytest
 import torch
-
 from conftest import REPO
 
 TRAINER = os.path.join(REPO, "tests", "unmodified_trainer.py")
@@ -36,8 +35,9 @@ def _run(tmp_path, cmd: list[str], timeout: float, env: dict | None = None) -> t
     log_path = tmp_path / "job.log"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "FTKIT_RUN_DIR": str(tmp_path / "run"), **(env or {})}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=tmp_path,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=tmp_path, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -65,9 +65,19 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _trainer_args(tmp_path, faults: list[str], *extra: str) -> list[str]:
     (tmp_path / "marks").mkdir()
-    return [TRAINER, "--ckpt", str(tmp_path / "ckpt"), "--steps", str(STEPS), "--final-out",
-            str(tmp_path / "final.pt"), "--marks", str(tmp_path / "marks"),
-            *[x for f in faults for x in ("--fault", f)], *extra]
+    return [
+        TRAINER,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--steps",
+        str(STEPS),
+        "--final-out",
+        str(tmp_path / "final.pt"),
+        "--marks",
+        str(tmp_path / "marks"),
+        *[x for f in faults for x in ("--fault", f)],
+        *extra,
+    ]
 
 
 def _events(tmp_path) -> list[dict]:
@@ -97,8 +107,19 @@ def _restores(tmp_path) -> dict[int, set[int]]:
 
 @pytest.mark.timeout(120)
 def test_plain_torchrun_restarts_survive_when_ftkit_is_imported_first(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "--max-restarts", "3", "--monitor-interval", "0.1", *_trainer_args(tmp_path, PROVOKED)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.1",
+        *_trainer_args(tmp_path, PROVOKED),
+    ]
     rc, log = _run(tmp_path, cmd, timeout=110)
     assert rc == 0, log[-4000:]
     final = _check_result(tmp_path, 3, log)
@@ -114,9 +135,21 @@ def test_plain_torchrun_restarts_survive_when_ftkit_is_imported_first(tmp_path):
 @pytest.mark.timeout(120)
 def test_ftkit_run_protects_a_trainer_that_imports_ftkit_only_after_its_group(tmp_path):
     # ftkit is imported after init_process_group: only ftkit run's launcher can help this one
-    cmd = [sys.executable, "-m", "ftkit.tools.cli", "run", "--run-dir", str(tmp_path / "run"), "--startup-timeout", "90",
-           "--nproc-per-node", "2", "--monitor-interval", "0.1",
-           *_trainer_args(tmp_path, PROVOKED, "--import-ftkit", "late")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftkit",
+        "run",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--startup-timeout",
+        "90",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.1",
+        *_trainer_args(tmp_path, PROVOKED, "--import-ftkit", "late"),
+    ]
     rc, log = _run(tmp_path, cmd, timeout=110)
     assert rc == 0, log[-4000:]
     assert "-m ftkit.tools.launch" in log  # torchrun was told to start the workers through the launcher
@@ -134,9 +167,23 @@ def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tm
     # issue reproduced), or, with phase "collective", after it, before any Checkpointer (its peer
     # waits in a broadcast): nothing in the group can ever heartbeat, and gloo's own timeout is
     # 30 minutes. The second case is the same watch and costs 22 s of CI: run it by hand.
-    cmd = [sys.executable, "-m", "ftkit.tools.cli", "run", "--run-dir", str(tmp_path / "run"), "--startup-timeout", "15",
-           "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.1",
-           *_trainer_args(tmp_path, [f"hang:0:1:{phase}"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftkit",
+        "run",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--startup-timeout",
+        "15",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.1",
+        *_trainer_args(tmp_path, [f"hang:0:1:{phase}"]),
+    ]
     rc, log = _run(tmp_path, cmd, timeout=110)
     assert rc == 0, log[-4000:]
     _check_result(tmp_path, 2, log)
@@ -151,8 +198,12 @@ def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tm
     assert last >= 1 and restores[last] == {0}  # attempt 0 never trained: the restart starts fresh
     assert not any(e["attempt"] == last for e in ended)
     # ftkit report sees the incident and who ended it
-    out = subprocess.run([sys.executable, "-m", "ftkit.tools.cli", "report", str(tmp_path / "run"), "--json"],
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "ftkit", "report", str(tmp_path / "run"), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     incidents = json.loads(out.stdout)["incidents"]
     assert incidents and "startup" in incidents[0]["detected_by"]
@@ -160,15 +211,21 @@ def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tm
 
 # ---------------------------------------------------------------- the pieces
 def test_env_rendezvous_namespaces_the_store_per_torchrun_attempt(monkeypatch):
-    import ftkit  # noqa: F401  (installs the handler)
     from torch.distributed import PrefixStore, TCPStore
 
+    import ftkit  # noqa: F401  (installs the handler)
     from ftkit.coord.rendezvous import installed
 
     assert installed()
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "RANK": "0", "WORLD_SIZE": "1",
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "job",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     rendezvous = sys.modules["torch.distributed.rendezvous"].rendezvous
@@ -188,15 +245,25 @@ def test_env_rendezvous_namespaces_the_store_per_torchrun_attempt(monkeypatch):
 
 
 def test_env_rendezvous_can_be_turned_off_and_warns_when_the_group_came_first(tmp_path):
-    off = subprocess.run([sys.executable, "-c", "import ftkit, ftkit.coord.rendezvous as r; print(r.installed())"],
-                         capture_output=True, text=True, env={**os.environ, "FTKIT_ENV_RENDEZVOUS": "0"})
+    off = subprocess.run(
+        [sys.executable, "-c", "import ftkit, ftkit.coord.rendezvous as r; print(r.installed())"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FTKIT_ENV_RENDEZVOUS": "0"},
+    )
     assert off.stdout.strip() == "False", off.stderr
     script = tmp_path / "late.py"
-    script.write_text("import torch.distributed as dist\n"
-                      "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-                      "import ftkit\n")
-    late = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "import ftkit\n"
+    )
+    late = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3"},
+    )
     assert late.returncode == 0, late.stderr
     assert "created before ftkit was imported" in late.stderr and "ftkit run" in late.stderr
 
@@ -204,20 +271,32 @@ def test_env_rendezvous_can_be_turned_off_and_warns_when_the_group_came_first(tm
 def test_launcher_runs_the_script_as_python_would(tmp_path):
     (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
     script = tmp_path / "job.py"
-    script.write_text("import sys, json, helper_mod\n"
-                      "import torch.distributed.rendezvous\n"
-                      "r = sys.modules['torch.distributed.rendezvous']._rendezvous_handlers['env']\n"
-                      "print(json.dumps({'name': __name__, 'argv': sys.argv, 'path0': sys.path[0],\n"
-                      "                  'value': helper_mod.VALUE, 'ftkit': hasattr(r, 'ftkit_original')}))\n"
-                      "sys.exit(3)\n")
-    out = subprocess.run([sys.executable, "-m", "ftkit.tools.launch", str(script), "--x", "1"], capture_output=True,
-                         text=True, cwd=REPO)
+    script.write_text(
+        "import sys, json, helper_mod\n"
+        "import torch.distributed.rendezvous\n"
+        "r = sys.modules['torch.distributed.rendezvous']._rendezvous_handlers['env']\n"
+        "print(json.dumps({'name': __name__, 'argv': sys.argv, 'path0': sys.path[0],\n"
+        "                  'value': helper_mod.VALUE, 'ftkit': hasattr(r, 'ftkit_original')}))\n"
+        "sys.exit(3)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "ftkit.tools.launch", str(script), "--x", "1"], capture_output=True, text=True, cwd=REPO
+    )
     assert out.returncode == 3, out.stderr
     doc = json.loads(out.stdout)
-    assert doc == {"name": "__main__", "argv": [str(script), "--x", "1"], "path0": str(tmp_path), "value": 7,
-                   "ftkit": True}
-    mod = subprocess.run([sys.executable, "-m", "ftkit.tools.launch", "--module", "job", "a"], capture_output=True,
-                         text=True, cwd=tmp_path)
+    assert doc == {
+        "name": "__main__",
+        "argv": [str(script), "--x", "1"],
+        "path0": str(tmp_path),
+        "value": 7,
+        "ftkit": True,
+    }
+    mod = subprocess.run(
+        [sys.executable, "-m", "ftkit.tools.launch", "--module", "job", "a"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert mod.returncode == 3, mod.stderr
     assert json.loads(mod.stdout)["argv"] == [str(tmp_path / "job.py"), "a"]
 
@@ -228,9 +307,21 @@ def test_ftkit_run_command_line_rewrite():
     p = plan(["--nproc-per-node", "2", "--startup-timeout", "30", "train.py", "--run-dir", "x", "--max-restarts=9"])
     assert p.startup_timeout_s == 30 and p.run_dir == "ftkit-run" and p.launched
     # ftkit's own options are taken out; the script's options (same names or not) are the script's
-    assert p.torchrun_args == ["--max-restarts", "3", "--monitor-interval", "0.5", "--standalone",
-                               "--nproc-per-node", "2", "-m", "ftkit.tools.launch", "train.py", "--run-dir", "x",
-                               "--max-restarts=9"]
+    assert p.torchrun_args == [
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.5",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ftkit.tools.launch",
+        "train.py",
+        "--run-dir",
+        "x",
+        "--max-restarts=9",
+    ]
     p = plan(["--run-dir=r", "-m", "pkg.train", "--lr", "1"])
     assert p.run_dir == "r"
     assert p.torchrun_args[-6:] == ["-m", "ftkit.tools.launch", "--module", "pkg.train", "--lr", "1"]
@@ -240,8 +331,12 @@ def test_ftkit_run_command_line_rewrite():
 
 
 def test_ftkit_run_rejects_a_negative_startup_timeout():
-    out = subprocess.run([sys.executable, "-m", "ftkit.tools.cli", "run", "--startup-timeout", "-1", "train.py"],
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "ftkit", "run", "--startup-timeout", "-1", "train.py"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 2 and "startup-timeout" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -251,8 +346,8 @@ def test_the_launcher_sees_a_checkpointer_watchdog_as_the_first_heartbeat():
 
     from ftkit.coord.dist import DistContext
     from ftkit.coord.events import EventLog
-    from ftkit.tools.launch import _heartbeat_running
     from ftkit.coord.watchdog import Watchdog
+    from ftkit.tools.launch import _heartbeat_running
 
     assert not _heartbeat_running()
     wd = Watchdog(DistContext(rank=0, world_size=2, store=dist.HashStore()), EventLog(None, 0))

@@ -11,9 +11,9 @@ import signal
 
 import pytest
 import torch
+from torchrun_job import Job, stop_everything
 
 from ftkit.tools.report import analyze, to_html
-from torchrun_job import Job, stop_everything
 
 STEPS = 30
 
@@ -85,8 +85,12 @@ def test_sigstop_of_one_rank_is_detected_as_dead_and_restarted(tmp_path, referen
 
 
 def test_slow_rank_is_reported_as_straggler_without_restart(tmp_path):
-    job = Job(tmp_path, steps=40, extra=("--ram", "--step-time", "0.1", "--slow-rank", "3",
-                                         "--slow-factor", "3"), max_restarts=0)
+    job = Job(
+        tmp_path,
+        steps=40,
+        extra=("--ram", "--step-time", "0.1", "--slow-rank", "3", "--slow-factor", "3"),
+        max_restarts=0,
+    )
     try:
         assert job.wait() == 0, job.output()
     finally:

@@ -15,17 +15,47 @@ from conftest import REPO
 class Job:
     """`torchrun -m ftkit.drill.reference` in the background, with its run dir and RAM dir under `root`."""
 
-    def __init__(self, root, nproc: int = 4, steps: int = 30, extra: tuple[str, ...] = (),
-                 max_restarts: int = 2, module: str = "ftkit.drill.reference"):
+    def __init__(
+        self,
+        root,
+        nproc: int = 4,
+        steps: int = 30,
+        extra: tuple[str, ...] = (),
+        max_restarts: int = 2,
+        module: str = "ftkit.drill.reference",
+    ):
         self.root = root
         self.run_dir = root / "run"
         self.final = root / "final.pt"
-        env = {**os.environ, "FTKIT_RAM_DIR": str(root / "shm"), "FTKIT_JOB_ID": "job", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "-m", module,
-               "--ckpt", str(root / "ckpt"), "--steps", str(steps), "--run-dir", str(self.run_dir),
-               "--final-out", str(self.final), "--pg-timeout", "120", *extra]
+        env = {
+            **os.environ,
+            "FTKIT_RAM_DIR": str(root / "shm"),
+            "FTKIT_JOB_ID": "job",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1",
+            "-m",
+            module,
+            "--ckpt",
+            str(root / "ckpt"),
+            "--steps",
+            str(steps),
+            "--run-dir",
+            str(self.run_dir),
+            "--final-out",
+            str(self.final),
+            "--pg-timeout",
+            "120",
+            *extra,
+        ]
         self.log = open(root / "torchrun.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
@@ -66,7 +96,7 @@ class Job:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"job did not finish in {timeout}s:\n{self.output()}")
+            raise AssertionError(f"job did not finish in {timeout}s:\n{self.output()}") from None
         finally:
             self.log.close()
 

@@ -84,7 +84,7 @@ class DistContext:
             self.nodes = [self.node] * self.world_size
 
     @staticmethod
-    def detect(timeout_s: float = 300.0) -> "DistContext":
+    def detect(timeout_s: float = 300.0) -> DistContext:
         """The running job's context (torch.distributed if initialized), else a world of one."""
         import torch.distributed as dist
 
@@ -102,7 +102,7 @@ class DistContext:
         ctx.nodes = ctx.gather("nodes", ctx.node)
         return ctx
 
-    def own_connection(self) -> "DistContext":
+    def own_connection(self) -> DistContext:
         """The same context over a new connection to the store.
 
         A store client serializes its calls: a thread blocked in a long wait (rank
@@ -113,7 +113,7 @@ class DistContext:
         store = self.store.clone() if self.store is not None else None
         return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes))
 
-    def scoped(self, prefix: str) -> "DistContext":
+    def scoped(self, prefix: str) -> DistContext:
         """The same context with its keys below `prefix` (one Checkpointer's namespace)."""
         import torch.distributed as dist
 
@@ -171,8 +171,10 @@ class DistContext:
             self.store.wait(keys, timedelta(seconds=timeout_s))
         except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
             missing = [k for k in keys if not self._has(k)] or keys
-            raise PeerTimeout(f"rank {self.rank}: no answer for {', '.join(map(repr, missing))} within "
-                              f"{timeout_s:.0f}s ({type(e).__name__})") from None
+            raise PeerTimeout(
+                f"rank {self.rank}: no answer for {', '.join(map(repr, missing))} within "
+                f"{timeout_s:.0f}s ({type(e).__name__})"
+            ) from None
 
     def _has(self, key: str) -> bool:
         try:
@@ -216,8 +218,19 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwarg
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timedelta(seconds=timeout_s),
+    )
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    dist.init_process_group(backend, store=dist.PrefixStore(f"ftkit-attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"ftkit-attempt-{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )

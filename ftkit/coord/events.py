@@ -45,8 +45,10 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:
             return
-        line = json.dumps({"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event,
-                           **_redacted(fields)}, default=lambda v: redact_url(str(v)))
+        line = json.dumps(
+            {"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event, **_redacted(fields)},
+            default=lambda v: redact_url(str(v)),
+        )
         with self._lock:
             try:
                 self._file.write(line + "\n")

@@ -40,7 +40,8 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 log = logging.getLogger("ftkit")
 
@@ -90,15 +91,17 @@ class PreemptionHandler:
         name = signal.Signals(signum).name
         why = f"{name} received" if by_rank is None else f"rank {by_rank} got {name}"
         log.warning("ftkit: %s: saving the state at the end of this step (deadline %.0fs)", why, self.deadline_s)
-        self.emit("preempt", signal=name, deadline_s=self.deadline_s,
-                  **({} if by_rank is None else {"by_rank": by_rank}))
+        self.emit(
+            "preempt", signal=name, deadline_s=self.deadline_s, **({} if by_rank is None else {"by_rank": by_rank})
+        )
         self._timer = threading.Timer(self.deadline_s, self._out_of_time)
         self._timer.daemon = True
         self._timer.start()
 
     def _out_of_time(self) -> None:
-        log.error("ftkit: no step ended within the %.0fs preemption deadline; exiting without a final save",
-                  self.deadline_s)
+        log.error(
+            "ftkit: no step ended within the %.0fs preemption deadline; exiting without a final save", self.deadline_s
+        )
         self.emit("preempt_timeout")
         os._exit(128 + (self.requested or signal.SIGTERM))
 

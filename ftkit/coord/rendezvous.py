@@ -64,7 +64,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 log = logging.getLogger("ftkit")
 
@@ -129,9 +130,14 @@ def install() -> bool:
     if hasattr(current, "ftkit_original"):
         return True
     handlers["env"] = _wrap(current)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ and dist.is_initialized() \
-            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
-        log.warning("ftkit: the process group was created before ftkit was imported, so torchrun restarts may "
-                    "read the previous attempt's rendezvous keys (Gloo 'connectFullMesh failed ... Connection "
-                    "refused', or a hang in init_process_group). Import ftkit before init_process_group, or "
-                    "launch with `ftkit run`.")
+    if (
+        "TORCHELASTIC_RESTART_COUNT" in os.environ
+        and dist.is_initialized()
+        and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+    ):
+        log.warning(
+            "ftkit: the process group was created before ftkit was imported, so torchrun restarts may "
+            "read the previous attempt's rendezvous keys (Gloo 'connectFullMesh failed ... Connection "
+            "refused', or a hang in init_process_group). Import ftkit before init_process_group, or "
+            "launch with `ftkit run`."
+        )

@@ -28,7 +28,8 @@ is on this host (a stopped process would otherwise hold up torchrun's restart;
 dist.host_identity: a pid from another container with the same host name names
 an unrelated process here),
 and ends this process (on a straggler abort, background persists first get
-`flush_deadline_s` to finish: the straggler can still contribute its share) with `os._exit` (``sys.exit`` in a thread only ends the thread), so
+`flush_deadline_s` to finish: the straggler can still contribute its share) with
+`os._exit` (``sys.exit`` in a thread only ends the thread), so
 torchrun's elastic agent restarts the worker group and survivors never sit in a
 collective until its timeout.
 
@@ -51,8 +52,9 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable, MutableMapping
+from typing import Any
 
 from ftkit.coord.dist import DistContext, host_identity
 from ftkit.coord.events import EventLog
@@ -107,10 +109,15 @@ class _Seen:
 
 
 class Watchdog:
-    def __init__(self, ctx: DistContext, events: EventLog, config: WatchdogConfig | None = None,
-                 flush: Callable[[float], None] | None = None,
-                 preempted: Callable[[], bool] | None = None,
-                 on_peer_preempted: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        ctx: DistContext,
+        events: EventLog,
+        config: WatchdogConfig | None = None,
+        flush: Callable[[float], None] | None = None,
+        preempted: Callable[[], bool] | None = None,
+        on_peer_preempted: Callable[[int], None] | None = None,
+    ):
         self.ctx = ctx
         self.events = events
         self.cfg = config or WatchdogConfig()
@@ -187,8 +194,16 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         try:
-            self.ctx.put(f"hb/{self.ctx.rank}", {"done": True, "failed": failed, "host": socket.gethostname(),
-                                                 "host_id": self._host_id, "pid": os.getpid()})
+            self.ctx.put(
+                f"hb/{self.ctx.rank}",
+                {
+                    "done": True,
+                    "failed": failed,
+                    "host": socket.gethostname(),
+                    "host_id": self._host_id,
+                    "pid": os.getpid(),
+                },
+            )
         except Exception:
             pass
 
@@ -204,8 +219,9 @@ class Watchdog:
             except Exception as e:  # store unreachable: freeze the clocks, judge nobody
                 if self._outage_since is None:
                     self._outage_since = time.monotonic()
-                    log.warning("ftkit watchdog: store unreachable (%s); not judging peers until it is back",
-                                type(e).__name__)
+                    log.warning(
+                        "ftkit watchdog: store unreachable (%s); not judging peers until it is back", type(e).__name__
+                    )
                 continue
             if self._outage_since is not None:
                 gap = time.monotonic() - self._outage_since
@@ -226,14 +242,20 @@ class Watchdog:
         self._check_store()
         self._seq += 1
         busy = list(self._busy)
-        self.ctx.put(f"hb/{self.ctx.rank}", {
-            "seq": self._seq, "step": self._step, "host": socket.gethostname(), "host_id": self._host_id,
-            "pid": os.getpid(),
-            "busy": statistics.median(busy) if busy else None,
-            "interval": statistics.median(self._intervals) if self._intervals else None,
-            "preempt": bool(self._preempted and self._preempted()),
-            **({"done": True} if self._finished else {}),
-        })
+        self.ctx.put(
+            f"hb/{self.ctx.rank}",
+            {
+                "seq": self._seq,
+                "step": self._step,
+                "host": socket.gethostname(),
+                "host_id": self._host_id,
+                "pid": os.getpid(),
+                "busy": statistics.median(busy) if busy else None,
+                "interval": statistics.median(self._intervals) if self._intervals else None,
+                "preempt": bool(self._preempted and self._preempted()),
+                **({"done": True} if self._finished else {}),
+            },
+        )
 
     def _read(self) -> dict[int, dict]:
         self._check_store()
@@ -261,7 +283,8 @@ class Watchdog:
         now = time.monotonic()
         cfg = self.cfg
         intervals = [b["interval"] for b in beats.values() if b.get("interval")] + (
-            [statistics.median(self._intervals)] if self._intervals else [])
+            [statistics.median(self._intervals)] if self._intervals else []
+        )
         median_step = statistics.median(intervals) if intervals else None
         hang_bound = min(max(cfg.hang_factor * (median_step or 0), cfg.hang_floor_s), cfg.hang_ceiling_s)
         busies = {r: b["busy"] for r, b in beats.items() if b.get("busy")}
@@ -300,12 +323,21 @@ class Watchdog:
             elif seen.step >= 0 and now - seen.step_changed > hang_bound and not self._finished:
                 # (only after its first step; and not once this rank is done: a peer may still be
                 # busy with its own ending, e.g. an evaluation, without steps)
-                self._abort(r, "hung", now - seen.step_changed,
-                            f"no step progress for {now - seen.step_changed:.1f}s (bound {hang_bound:.0f}s)")
+                self._abort(
+                    r,
+                    "hung",
+                    now - seen.step_changed,
+                    f"no step progress for {now - seen.step_changed:.1f}s (bound {hang_bound:.0f}s)",
+                )
             busy = busies.get(r)
             min_excess = max(cfg.straggler_min_excess_s, 0.25 * (median_step or 0))
-            if not self._finished and median_busy and busy and busy > cfg.straggler_factor * median_busy \
-                    and busy - median_busy > min_excess:
+            if (
+                not self._finished
+                and median_busy
+                and busy
+                and busy > cfg.straggler_factor * median_busy
+                and busy - median_busy > min_excess
+            ):
                 seen.slow_checks += 1
                 if seen.slow_checks >= cfg.straggler_checks and not seen.flagged_straggler:
                     seen.flagged_straggler = True
@@ -316,10 +348,8 @@ class Watchdog:
 
     # -------------------------------------------------------------- actions
     def _straggler(self, rank: int, busy: float, median: float) -> None:
-        log.warning("ftkit watchdog: rank %d is a straggler: %.3fs per step busy vs median %.3fs",
-                    rank, busy, median)
-        self.events.emit("straggler", target=rank, busy_s=busy, median_s=median,
-                         factor=busy / median, by=self.ctx.rank)
+        log.warning("ftkit watchdog: rank %d is a straggler: %.3fs per step busy vs median %.3fs", rank, busy, median)
+        self.events.emit("straggler", target=rank, busy_s=busy, median_s=median, factor=busy / median, by=self.ctx.rank)
         self.detections.append({"target": rank, "what": "straggler"})
         if self.cfg.straggler_action == "abort":
             self._abort(rank, "straggler", 0.0, f"{busy / median:.1f}x slower than the median")
@@ -330,8 +360,13 @@ class Watchdog:
             self.ctx.put(f"hb/{self.ctx.rank}", {"done": True, "aborted": {"target": rank, "what": what}})
         except Exception:
             pass
-        log.error("ftkit watchdog (rank %d): rank %d is %s: %s; ending this worker so torchrun restarts "
-                  "the group", self.ctx.rank, rank, what, why)
+        log.error(
+            "ftkit watchdog (rank %d): rank %d is %s: %s; ending this worker so torchrun restarts the group",
+            self.ctx.rank,
+            rank,
+            what,
+            why,
+        )
         self.events.emit("detect", target=rank, what=what, latency_s=latency, why=why, step=self._step)
         self.detections.append({"target": rank, "what": what})
         if self._local(info) and info.get("pid"):
@@ -355,10 +390,15 @@ class Watchdog:
 
 def exit_unless_gone(seconds: float, exc: BaseException | None) -> None:
     """End this worker if it is still alive in `seconds` (a daemon timer: a clean exit cancels it)."""
+
     def end() -> None:
-        log.error("ftkit: this worker failed and is still alive %.0fs later (a collective or the process "
-                  "group's teardown is waiting for a dead peer); ending it so torchrun restarts the group. "
-                  "The failure:\n%s", seconds, redact_url("".join(traceback.format_exception(exc))) if exc else "?")
+        log.error(
+            "ftkit: this worker failed and is still alive %.0fs later (a collective or the process "
+            "group's teardown is waiting for a dead peer); ending it so torchrun restarts the group. "
+            "The failure:\n%s",
+            seconds,
+            redact_url("".join(traceback.format_exception(exc))) if exc else "?",
+        )
         logging.shutdown()
         os._exit(1)
 
@@ -387,5 +427,7 @@ def time_first_gradient(state: MutableMapping[str, Any], watchdog: Watchdog) -> 
             try:
                 obj.register_comm_hook(None, hook)
             except RuntimeError:  # the user registered their own hook: keep it
-                log.info("ftkit: DDP already has a comm hook; call ck.mark_compute_done() from it to "
-                         "time this rank's compute for straggler detection")
+                log.info(
+                    "ftkit: DDP already has a comm hook; call ck.mark_compute_done() from it to "
+                    "time this rank's compute for straggler detection"
+                )

@@ -26,12 +26,23 @@ import torch
 
 
 def _trainer(ckpt: str, steps: int, final_out: str, step_time: float = 0.0) -> list[str]:
-    return [sys.executable, "-m", "ftkit.drill.reference", "--ckpt", ckpt, "--steps", str(steps),
-            "--final-out", final_out, "--step-time", str(step_time)]
+    return [
+        sys.executable,
+        "-m",
+        "ftkit.drill.reference",
+        "--ckpt",
+        ckpt,
+        "--steps",
+        str(steps),
+        "--final-out",
+        final_out,
+        "--step-time",
+        str(step_time),
+    ]
 
 
 def _cli(*args: str) -> int:
-    cmd = [sys.executable, "-m", "ftkit.tools.cli", *args]
+    cmd = [sys.executable, "-m", "ftkit", *args]
     print(f"\n$ ftkit {' '.join(args)}", flush=True)
     return subprocess.run(cmd).returncode
 
@@ -52,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     reference_out = os.path.join(run_dir, "final-reference.pt")
 
     print(f"== 1. training {args.steps} steps with snapshots to {ckpt}; SIGKILL at step {args.kill_at}")
-    proc = subprocess.Popen(_trainer(ckpt, args.steps, resumed_out, step_time=0.05),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_trainer(ckpt, args.steps, resumed_out, step_time=0.05), stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         print("   " + line.rstrip(), flush=True)
@@ -73,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if _cli("restore", ckpt, "--out", export) != 0:
         return 1
     exported = torch.load(export, weights_only=True)
-    print(f"   exported file holds step {exported['_ftkit']['step']}: "
-          f"{len(exported['model'])} model tensors, optimizer, scheduler, RNG state")
+    print(
+        f"   exported file holds step {exported['_ftkit']['step']}: "
+        f"{len(exported['model'])} model tensors, optimizer, scheduler, RNG state"
+    )
 
     print("\n== 3. restarting the trainer: it resumes from the newest snapshot")
     rc = subprocess.run(_trainer(ckpt, args.steps, resumed_out)).returncode
@@ -91,11 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     a = torch.load(resumed_out, weights_only=True)
     b = torch.load(reference_out, weights_only=True)
     same = all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
-    same = same and all(torch.equal(x, y) for sa, sb in zip(a["optim"]["state"].values(),
-                                                          b["optim"]["state"].values())
-                        for x, y in zip(sa.values(), sb.values()) if isinstance(x, torch.Tensor))
-    print(f"\n== result: killed-and-resumed run {'EQUALS' if same else 'DIFFERS FROM'} the uninterrupted run "
-          f"bit for bit ({len(b['model'])} model tensors and the optimizer state compared)")
+    same = same and all(
+        torch.equal(x, y)
+        for sa, sb in zip(a["optim"]["state"].values(), b["optim"]["state"].values())
+        for x, y in zip(sa.values(), sb.values())
+        if isinstance(x, torch.Tensor)
+    )
+    print(
+        f"\n== result: killed-and-resumed run {'EQUALS' if same else 'DIFFERS FROM'} the uninterrupted run "
+        f"bit for bit ({len(b['model'])} model tensors and the optimizer state compared)"
+    )
     print(f"   files are in {run_dir}")
     return 0 if same else 1
 

@@ -58,7 +58,7 @@ class FaultyFileSystem(fsspec.AbstractFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
-        path = path[len("faulty://"):] if path.startswith("faulty://") else path
+        path = path[len("faulty://") :] if path.startswith("faulty://") else path
         return "/" + path.lstrip("/") if path else "/"
 
     # ----------------------------------------------------------- the switch

@@ -18,36 +18,65 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.faults import set_faults
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
 
-_STORAGE_SWITCH = {"enospc": "enospc", "unavailable": "unavailable", "latency": "latency_s",
-                   "torn-write": "torn_write", "bitflip": "bitflip"}
+_STORAGE_SWITCH = {
+    "enospc": "enospc",
+    "unavailable": "unavailable",
+    "latency": "latency_s",
+    "torn-write": "torn_write",
+    "bitflip": "bitflip",
+}
 
 
 class Job:
     """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``)."""
 
-    def __init__(self, root: str, entry: Sequence[str], nproc: int, ranks_per_node: int, restarts: int,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        root: str,
+        entry: Sequence[str],
+        nproc: int,
+        ranks_per_node: int,
+        restarts: int,
+        env: dict[str, str] | None = None,
+    ):
         self.root = root
         self.ranks_per_node = ranks_per_node
         self.run_dir = os.path.join(root, "run")
         self.ram_dir = os.path.join(root, "shm")
         self.fault_request = os.path.join(root, "fault-request")
-        full_env = {**os.environ, **(env or {}), "FTKIT_RAM_DIR": self.ram_dir, "FTKIT_JOB_ID": "drill",
-                    "FTKIT_RANKS_PER_NODE": str(ranks_per_node), "FTKIT_RUN_DIR": self.run_dir,
-                    FAULT_POINTS_ENV: self.fault_request, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={restarts}", "--monitor-interval=0.1", *entry]
+        full_env = {
+            **os.environ,
+            **(env or {}),
+            "FTKIT_RAM_DIR": self.ram_dir,
+            "FTKIT_JOB_ID": "drill",
+            "FTKIT_RANKS_PER_NODE": str(ranks_per_node),
+            "FTKIT_RUN_DIR": self.run_dir,
+            FAULT_POINTS_ENV: self.fault_request,
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}",
+            "--monitor-interval=0.1",
+            *entry,
+        ]
         self.log = open(os.path.join(root, "torchrun.log"), "w")
         # Its own process group: cleaning up kills the workers too, not just torchrun.
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
 
     def kill(self) -> None:
         for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker ignores everything but these
@@ -83,8 +112,7 @@ class Job:
         return self.attempt() > attempt
 
     # ------------------------------------------------------------ fault points
-    def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop",
-                  timeout: float = 600) -> dict[str, Any]:
+    def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop", timeout: float = 600) -> dict[str, Any]:
         """Ask `rank` to stop (or crash) at `phase` of `step` or later; return once it has.
 
         Returns the fault point's record (pid, at_step). Raises RuntimeError when
@@ -104,8 +132,9 @@ class Job:
             if rec and "pid" in rec:
                 break
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the job ended (exit {self.proc.returncode}) before rank {rank} "
-                                   f"reached {phase} of step {step}")
+                raise RuntimeError(
+                    f"the job ended (exit {self.proc.returncode}) before rank {rank} reached {phase} of step {step}"
+                )
             if time.monotonic() > end:
                 raise RuntimeError(f"rank {rank} did not reach {phase} of step {step} within {timeout:.0f}s")
             time.sleep(0.02)
@@ -161,12 +190,14 @@ class Injector:
         rec = job.freeze_at(f.during, f.step, rank, action="crash" if f.kind == "crash" else "stop")
         pid = rec["pid"]
         f.attempt, f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
-        target = f"node{f.node}" if f.kind == "node" else \
-            f.kind if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS else rank
+        target = (
+            f"node{f.node}" if f.kind == "node" else f.kind if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS else rank
+        )
         # `restarts`: the report takes only these as the cause (and start) of a restart; a storage
         # fault or a slow rank earlier in the same attempt is not one.
-        job.note(kind=f.kind, step=f.injected_step, during=f.during, attempt=attempt, target=target,
-                 restarts=f.restarts)
+        job.note(
+            kind=f.kind, step=f.injected_step, during=f.during, attempt=attempt, target=target, restarts=f.restarts
+        )
         if f.kind == "kill":
             _signal(pid, signal.SIGKILL)
         elif f.kind == "hang":

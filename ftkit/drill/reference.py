@@ -100,7 +100,7 @@ def average_gradients(model: nn.Module, ck=None) -> None:
     total.div_(world)
     offset = 0
     for g in grads:
-        g.copy_(total[offset:offset + g.numel()].view_as(g))
+        g.copy_(total[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         tiers.append(ftkit.Tier("peer", replicas=args.peer))
     tiers.append(ftkit.Tier(args.ckpt, every=args.every, keep=3))
-    with ftkit.Checkpointer(state, tiers, policy="wait", run_dir=args.run_dir,
-                            watchdog=not args.no_watchdog) as ck:
+    with ftkit.Checkpointer(state, tiers, policy="wait", run_dir=args.run_dir, watchdog=not args.no_watchdog) as ck:
         sync = (lambda: average_gradients(model, ck)) if world > 1 else None
         start = ck.restore()
         if rank == 0:
@@ -155,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             loss = train_step(model, opt, sched, step, args.seed, rank, sync)
             # What this rank consumed at this step: drills check the stream against a fault-free run.
-            ck.events.emit("batch", step=step, digest=xxhash.xxh3_64_hexdigest(
-                batch_for(step, args.seed, rank=rank).numpy().tobytes()))
+            ck.events.emit(
+                "batch",
+                step=step,
+                digest=xxhash.xxh3_64_hexdigest(batch_for(step, args.seed, rank=rank).numpy().tobytes()),
+            )
             compute = time.perf_counter() - t0
             if not math.isfinite(loss):
                 print(f"loss is {loss} at step {step}", file=sys.stderr)

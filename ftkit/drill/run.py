@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ftkit.coord.events import read_events
-from ftkit.tools.report import analyze, to_html
 from ftkit.drill.job import Injector, Job
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
+from ftkit.tools.report import analyze, to_html
 
 DEFAULT_FAULTS = "kill@70:rank=1,hang@160:rank=2,node@250:node=1,crash@340:rank=3"
 DEFAULT_TIERS = "ram,peer,disk"
@@ -38,13 +38,14 @@ DEFAULT_TIERS = "ram,peer,disk"
 @dataclass(frozen=True)
 class TierPlan:
     """What the built-in trainer snapshots to: RAM, peer replicas, one durable tier."""
+
     ram: bool
     replicas: int
     durable: str  # "disk", "s3" (the drill's own server) or a URL
     spec: str
 
     @staticmethod
-    def parse(spec: str) -> "TierPlan":
+    def parse(spec: str) -> TierPlan:
         ram, replicas, durable = False, 0, []
         for item in filter(None, (s.strip() for s in spec.split(","))):
             if item == "ram":
@@ -72,7 +73,7 @@ class TierPlan:
         if self.durable == "s3":
             return s3.url(f"drill-{uuid.uuid4().hex[:8]}/ckpt"), None
         if self.durable.startswith("faulty://"):
-            return self.durable, self.durable[len("faulty://"):]
+            return self.durable, self.durable[len("faulty://") :]
         return self.durable, None
 
 
@@ -80,12 +81,16 @@ def _check_schedule(faults: list[Fault], tiers: TierPlan | None) -> None:
     for f in faults:
         if tiers is None:  # a user's script
             if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS:
-                raise ValueError(f"{f.label()}: storage faults need the built-in trainer "
-                                 "(its durable tier is behind the drill's faulty:// filesystem)")
+                raise ValueError(
+                    f"{f.label()}: storage faults need the built-in trainer "
+                    "(its durable tier is behind the drill's faulty:// filesystem)"
+                )
             continue
         if f.kind in STORAGE_KINDS and not (tiers.durable == "disk" or tiers.durable.startswith("faulty://")):
-            raise ValueError(f"{f.label()}: storage faults need the durable tier behind faulty:// "
-                             f"(--tiers ...,disk), not {tiers.durable}")
+            raise ValueError(
+                f"{f.label()}: storage faults need the durable tier behind faulty:// "
+                f"(--tiers ...,disk), not {tiers.durable}"
+            )
         if f.kind in OBJECT_STORE_KINDS and tiers.durable != "s3":
             raise ValueError(f"{f.label()}: an S3 outage needs the drill's own S3 server (--tiers ...,s3)")
         if f.during == "replicate" and not tiers.replicas:
@@ -93,9 +98,22 @@ def _check_schedule(faults: list[Fault], tiers: TierPlan | None) -> None:
 
 
 def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) -> list[str]:
-    return ["-m", "ftkit.drill.reference", "--ckpt", url, "--every", str(args.every),
-            *(["--ram"] if tiers.ram else []), *(["--peer", str(tiers.replicas)] if tiers.replicas else []),
-            "--steps", str(args.steps), "--step-time", str(step_time), "--final-out", final_out]
+    return [
+        "-m",
+        "ftkit.drill.reference",
+        "--ckpt",
+        url,
+        "--every",
+        str(args.every),
+        *(["--ram"] if tiers.ram else []),
+        *(["--peer", str(tiers.replicas)] if tiers.replicas else []),
+        "--steps",
+        str(args.steps),
+        "--step-time",
+        str(step_time),
+        "--final-out",
+        final_out,
+    ]
 
 
 def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, list | None, str | None]:
@@ -113,8 +131,9 @@ def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, l
     os.makedirs(clean)
     final = os.path.join(clean, "final.pt")
     plain = TierPlan(tiers.ram, tiers.replicas, "disk", tiers.spec)
-    ref = Job(clean, _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0), args.nproc,
-              args.ranks_per_node, restarts=0)
+    ref = Job(
+        clean, _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0), args.nproc, args.ranks_per_node, restarts=0
+    )
     try:
         rc = ref.proc.wait(timeout=300 + args.steps)
     except subprocess.TimeoutExpired:
@@ -137,8 +156,14 @@ def run_drill(args) -> dict[str, Any]:
     script = args.script
     tiers = None if script else TierPlan.parse(args.tiers or DEFAULT_TIERS)
     if args.seed is not None:
-        faults = random_faults(args.seed, args.steps, args.nproc, rpn, count=args.count,
-                               peer=bool(tiers and tiers.replicas) or bool(script))
+        faults = random_faults(
+            args.seed,
+            args.steps,
+            args.nproc,
+            rpn,
+            count=args.count,
+            peer=bool(tiers and tiers.replicas) or bool(script),
+        )
     else:
         faults = parse_faults(args.faults, args.nproc, rpn)
     if faults and faults[-1].step >= args.steps - 2:
@@ -207,25 +232,35 @@ def run_drill(args) -> dict[str, Any]:
     events = read_events(job.run_dir) if job else []
     report = analyze(events) if events else None
     check_faults(faults, report, events, args.max_lost, errors)
-    result: dict[str, Any] = {"run_dir": root, "target": script or "ftkit.drill.reference", "tiers": tiers.spec if tiers else None}
+    result: dict[str, Any] = {
+        "run_dir": root,
+        "target": script or "ftkit.drill.reference",
+        "tiers": tiers.spec if tiers else None,
+    }
     if script:
         result["checkpoints"] = verify_checkpoints(events, errors)
         result["bitwise_equal"] = None
     else:
         result["bitwise_equal"] = bool(clean_pt) and compare_states(final_pt, clean_pt, errors)
         result["same_sample_stream"] = clean_stream is not None and compare_streams(
-            consumed_stream(events), clean_stream, errors)
+            consumed_stream(events), clean_stream, errors
+        )
     recovered = [f.outcome for f in faults if f.restarts and "recovery_s" in f.outcome]
     detect = [o["detect_s"] for o in recovered if o["detect_s"] is not None]
-    result.update({
-        "passed": not errors, "errors": errors,
-        "goodput": report.goodput if report else 0.0, "wall_s": report.wall_s if report else 0.0,
-        "final_step": report.final_step if report else 0, "attempts": report.attempts if report else 0,
-        "mean_detect_s": statistics.mean(detect) if detect else None,
-        "mean_recovery_s": statistics.mean(o["recovery_s"] for o in recovered) if recovered else None,
-        "steps_lost": sum(o["steps_lost"] for o in recovered),
-        "faults": [asdict(f) for f in faults],
-    })
+    result.update(
+        {
+            "passed": not errors,
+            "errors": errors,
+            "goodput": report.goodput if report else 0.0,
+            "wall_s": report.wall_s if report else 0.0,
+            "final_step": report.final_step if report else 0,
+            "attempts": report.attempts if report else 0,
+            "mean_detect_s": statistics.mean(detect) if detect else None,
+            "mean_recovery_s": statistics.mean(o["recovery_s"] for o in recovered) if recovered else None,
+            "steps_lost": sum(o["steps_lost"] for o in recovered),
+            "faults": [asdict(f) for f in faults],
+        }
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2, default=str)
@@ -240,31 +275,40 @@ def print_summary(result: dict[str, Any]) -> None:
     for f in result["faults"]:
         o = f["outcome"]
         fault = Fault(**{k: f[k] for k in ("kind", "step", "rank", "node", "during")})
-        label = f"{fault.kind}@{f['injected_step'] or f['step']} {fault.where()}" + \
-            ("" if fault.during == "step" else f" ({fault.during})")
+        label = f"{fault.kind}@{f['injected_step'] or f['step']} {fault.where()}" + (
+            "" if fault.during == "step" else f" ({fault.during})"
+        )
         if f["kind"] == "slow":
             print(f"  {label:<28} straggler reported: {o.get('straggler_reported')}")
         elif f["kind"] in STORAGE_KINDS + OBJECT_STORE_KINDS:
-            print(f"  {label:<28} {o.get('failed_persists')} persist(s) failed; training went on: "
-                  f"{o.get('training_continued')}; next commit after it: step {o.get('committed_after')}")
+            print(
+                f"  {label:<28} {o.get('failed_persists')} persist(s) failed; training went on: "
+                f"{o.get('training_continued')}; next commit after it: step {o.get('committed_after')}"
+            )
         elif o.get("finished_before_stop"):
             print(f"  {label:<28} the run reached its last step before the agreed stop: nothing to resume")
         elif o:
             det = f"{o['detect_s']:.1f}s" if o["detect_s"] is not None else "at once"
-            print(f"  {label:<28} detected by {o['detected_by']} ({det}); recovered in {o['recovery_s']:.1f}s "
-                  f"(restart {o['restart_s']:.1f}s, restore {o['restore_s']:.2f}s from {o['restored_from']}, "
-                  f"recompute {o['recompute_s']:.1f}s); resumed at step {o['resumed_from']} of "
-                  f"{o['reached']}, {o['steps_lost']} step(s) recomputed")
+            print(
+                f"  {label:<28} detected by {o['detected_by']} ({det}); recovered in {o['recovery_s']:.1f}s "
+                f"(restart {o['restart_s']:.1f}s, restore {o['restore_s']:.2f}s from {o['restored_from']}, "
+                f"recompute {o['recompute_s']:.1f}s); resumed at step {o['resumed_from']} of "
+                f"{o['reached']}, {o['steps_lost']} step(s) recomputed"
+            )
         else:
             print(f"  {label:<28} NOT RECOVERED")
     md, mr = result["mean_detect_s"], result["mean_recovery_s"]
-    print(f"\n  final step {result['final_step']}; goodput {result['goodput']:.1%} over {result['wall_s']:.1f}s; "
-          f"mean detection {'-' if md is None else f'{md:.1f}s'}, mean recovery "
-          f"{'-' if mr is None else f'{mr:.1f}s'}, {result['steps_lost']} step(s) recomputed in all")
+    print(
+        f"\n  final step {result['final_step']}; goodput {result['goodput']:.1%} over {result['wall_s']:.1f}s; "
+        f"mean detection {'-' if md is None else f'{md:.1f}s'}, mean recovery "
+        f"{'-' if mr is None else f'{mr:.1f}s'}, {result['steps_lost']} step(s) recomputed in all"
+    )
     if result["bitwise_equal"] is not None:
-        print(f"  final model and optimizer state {'EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
-              f"to the fault-free run, bit for bit; consumed sample stream "
-              f"{'IDENTICAL' if result.get('same_sample_stream') else 'DIFFERENT'}")
+        print(
+            f"  final model and optimizer state {'EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
+            f"to the fault-free run, bit for bit; consumed sample stream "
+            f"{'IDENTICAL' if result.get('same_sample_stream') else 'DIFFERENT'}"
+        )
     for url, step in (result.get("checkpoints") or {}).items():
         print(f"  final checkpoint in {url}: " + (f"step {step} verifies" if step is not None else "DOES NOT VERIFY"))
     for e in result["errors"]:
@@ -274,28 +318,43 @@ def print_summary(result: dict[str, Any]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ftkit drill", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="ftkit drill",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inject faults into a real torchrun job and prove it recovers with nothing lost.",
-        epilog=__import__("ftkit.drill.schedule", fromlist=["x"]).__doc__)
+        epilog=__import__("ftkit.drill.schedule", fromlist=["x"]).__doc__,
+    )
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)")
     p.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
-    p.add_argument("--step-time", type=float, default=0.25,
-                   help="seconds each step waits, standing for accelerator time (default 0.25)")
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.25,
+        help="seconds each step waits, standing for accelerator time (default 0.25)",
+    )
     p.add_argument("--every", type=int, default=10, help="durable tier every N steps (default 10)")
     p.add_argument("--faults", default=DEFAULT_FAULTS, help=f"the schedule (default {DEFAULT_FAULTS!r})")
     p.add_argument("--seed", type=int, help="a random schedule from this seed instead of --faults")
     p.add_argument("--count", type=int, default=3, help="faults in a --seed schedule (default 3)")
-    p.add_argument("--tiers", help=f"built-in trainer's tiers: ram, peer[=K], and one of disk, s3 (an S3 "
-                                   f"server the drill runs), or a URL (default {DEFAULT_TIERS})")
+    p.add_argument(
+        "--tiers",
+        help=f"built-in trainer's tiers: ram, peer[=K], and one of disk, s3 (an S3 "
+        f"server the drill runs), or a URL (default {DEFAULT_TIERS})",
+    )
     p.add_argument("--no-peer", action="store_true", help="shorthand for --tiers ram,disk")
-    p.add_argument("--script", help="drill this training script (it uses ftkit) instead of the built-in "
-                                    "trainer; its arguments go after --")
+    p.add_argument(
+        "--script",
+        help="drill this training script (it uses ftkit) instead of the built-in trainer; its arguments go after --",
+    )
     p.add_argument("--run-dir", help="where to keep everything (default: a new temporary directory)")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--html", help="write a page with the timeline here")
-    p.add_argument("--max-lost", type=int, default=1,
-                   help="steps a fault between steps may cost (default 1; one more inside the persist pipeline)")
+    p.add_argument(
+        "--max-lost",
+        type=int,
+        default=1,
+        help="steps a fault between steps may cost (default 1; one more inside the persist pipeline)",
+    )
     p.add_argument("--reference-cache", help="reuse fault-free runs kept in this directory")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -306,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     script_args: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, script_args = argv[:cut], argv[cut + 1:]
+        argv, script_args = argv[:cut], argv[cut + 1 :]
     p = build_parser()
     args = p.parse_args(argv)
     args.script_args = script_args

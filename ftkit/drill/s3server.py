@@ -59,11 +59,10 @@ REGION = "us-east-1"
 
 
 # An early exit whose log matches this means we lost a race for a port.
-_PORT_CONFLICT_RE = re.compile(
-    r"address already in use|is not available|reserved for gRPC", re.IGNORECASE
-)
+_PORT_CONFLICT_RE = re.compile(r"address already in use|is not available|reserved for gRPC", re.IGNORECASE)
 
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
 
 class S3Server:
     """A SeaweedFS ``weed mini`` process serving S3 on 127.0.0.1.
@@ -311,10 +310,7 @@ class S3Server:
             if self._proc.poll() is not None:
                 tail = self.log_tail()
                 cls = _PortConflict if _PORT_CONFLICT_RE.search(tail) else RuntimeError
-                raise cls(
-                    f"weed exited with code {self._proc.returncode} during startup; "
-                    f"log {self.log_path}:\n{tail}"
-                )
+                raise cls(f"weed exited with code {self._proc.returncode} during startup; log {self.log_path}:\n{tail}")
             try:
                 # A write (not just a listing) so that volume allocation for
                 # the bucket's collection is done before tests start timing.

@@ -79,8 +79,9 @@ def _check(f: Fault, part: str, nproc: int, ranks_per_node: int) -> None:
     if f.during not in PHASES:
         raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
     if f.kind in _LOOP_ONLY and f.during not in _LOOP_ONLY[f.kind]:
-        raise ValueError(f"{part!r}: a {f.kind} fault happens in the training loop "
-                         f"(during={' or '.join(_LOOP_ONLY[f.kind])})")
+        raise ValueError(
+            f"{part!r}: a {f.kind} fault happens in the training loop (during={' or '.join(_LOOP_ONLY[f.kind])})"
+        )
     if f.kind == "node":
         f.node = 0 if f.node is None else f.node
         if not 0 <= f.node < nodes:
@@ -88,7 +89,7 @@ def _check(f: Fault, part: str, nproc: int, ranks_per_node: int) -> None:
         if f.during == "commit" and f.node != 0:
             raise ValueError(f"{part!r}: only rank 0 (node 0) commits")
     else:
-        f.rank = (0 if f.rank is None else f.rank)
+        f.rank = 0 if f.rank is None else f.rank
         if not 0 <= f.rank < nproc:
             raise ValueError(f"{part!r}: rank {f.rank} does not exist ({nproc} ranks)")
         if f.during == "commit" and f.rank != 0:
@@ -105,8 +106,7 @@ def parse_faults(spec: str, nproc: int, ranks_per_node: int) -> list[Fault]:
         kind, _, step = head.partition("@")
         kind = ALIASES.get(kind, kind)
         if kind not in KINDS or not step.isdigit() or int(step) < 1:
-            raise ValueError(f"bad fault {part!r}: expected KIND@STEP (STEP >= 1) with KIND one of "
-                             f"{', '.join(KINDS)}")
+            raise ValueError(f"bad fault {part!r}: expected KIND@STEP (STEP >= 1) with KIND one of {', '.join(KINDS)}")
         f = Fault(kind, int(step))
         for o in opts:
             k, _, v = o.partition("=")
@@ -129,8 +129,9 @@ def parse_faults(spec: str, nproc: int, ranks_per_node: int) -> list[Fault]:
     return faults
 
 
-def random_faults(seed: int, steps: int, nproc: int, ranks_per_node: int, count: int = 3,
-                  peer: bool = True) -> list[Fault]:
+def random_faults(
+    seed: int, steps: int, nproc: int, ranks_per_node: int, count: int = 3, peer: bool = True
+) -> list[Fault]:
     """`count` restarting faults at random steps, ranks and phases: the same seed, the same schedule."""
     rng = random.Random(seed)
     lo, hi = 4, steps - 6

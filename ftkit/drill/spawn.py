@@ -51,12 +51,7 @@ def pick_ports(names) -> dict[str, int]:
 
     def usable(port: int) -> bool:
         grpc = port + GRPC_PORT_OFFSET
-        return (
-            grpc < 65536
-            and not {port, grpc} & taken
-            and _port_is_free(port)
-            and _port_is_free(grpc)
-        )
+        return grpc < 65536 and not {port, grpc} & taken and _port_is_free(port) and _port_is_free(grpc)
 
     def take(name: str, port: int) -> None:
         chosen[name] = port

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftkit.tools.report import Report
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.tools.report import Report
 
 
-def check_faults(faults: list[Fault], report: Report | None, events: list[dict[str, Any]],
-                 max_lost: int, errors: list[str]) -> None:
+def check_faults(
+    faults: list[Fault], report: Report | None, events: list[dict[str, Any]], max_lost: int, errors: list[str]
+) -> None:
     """Fill each fault's outcome; append a line to `errors` for each one not survived."""
     incidents = {i.attempt: i for i in (report.incidents if report else [])}
     stragglers = report.stragglers if report else []
     final_step = report.final_step if report else 0
     for n, f in enumerate(faults):
         # Effects are counted up to the next fault's injection, so they are not double counted.
-        until = next((g.injected_t for g in faults[n + 1:] if g.injected_t), float("inf"))
+        until = next((g.injected_t for g in faults[n + 1 :] if g.injected_t), float("inf"))
         if f.restarts and f.outcome.get("finished_before_stop"):
             continue
         if f.restarts:
@@ -29,16 +30,26 @@ def check_faults(faults: list[Fault], report: Report | None, events: list[dict[s
             if inc is None:
                 errors.append(f"{f.label()}: no recovery followed")
                 continue
-            f.outcome = {"detected_by": inc.detected_by, "detect_s": inc.detect_s, "restart_s": inc.restart_s,
-                         "restore_s": inc.restore_s, "recompute_s": inc.recompute_s, "recovery_s": inc.total_s,
-                         "resumed_from": inc.resumed_from, "reached": inc.last_step,
-                         "steps_lost": inc.steps_lost, "restored_from": inc.restore_source}
+            f.outcome = {
+                "detected_by": inc.detected_by,
+                "detect_s": inc.detect_s,
+                "restart_s": inc.restart_s,
+                "restore_s": inc.restore_s,
+                "recompute_s": inc.recompute_s,
+                "recovery_s": inc.total_s,
+                "resumed_from": inc.resumed_from,
+                "reached": inc.last_step,
+                "steps_lost": inc.steps_lost,
+                "restored_from": inc.restore_source,
+            }
             # A fault inside the persist pipeline may cost the snapshot in flight; a
             # preemption notice costs nothing: the ranks save the step they stop at.
             allowed = 0 if f.kind == "term" else max_lost + (f.during != "step")
             if inc.steps_lost > allowed:
-                errors.append(f"{f.label()}: {inc.steps_lost} step(s) lost (resumed at step {inc.resumed_from} "
-                              f"of {inc.last_step}; at most {allowed} allowed)")
+                errors.append(
+                    f"{f.label()}: {inc.steps_lost} step(s) lost (resumed at step {inc.resumed_from} "
+                    f"of {inc.last_step}; at most {allowed} allowed)"
+                )
             if f.kind == "hang" and not inc.detected_by.startswith("ftkit watchdog"):
                 errors.append(f"{f.label()}: the hang was not detected by the watchdog ({inc.detected_by})")
         elif f.kind == "slow":
@@ -47,15 +58,40 @@ def check_faults(faults: list[Fault], report: Report | None, events: list[dict[s
                 errors.append(f"{f.label()}: the slow rank was not reported as a straggler")
         elif f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS:
             t0 = f.injected_t or 0.0
-            failed = [e for e in events if e["event"] == "persist" and not e.get("ok", True)
-                      and t0 <= e["t"] < until and not str(e.get("tier", "")).startswith("ram")]
-            later = [e for e in events if e["event"] == "persist" and e.get("ok") and e.get("committed_by_me")
-                     and e["t"] >= t0 + f.seconds and not str(e.get("tier", "")).startswith("ram")]
-            slowest = max((e.get("seconds") or 0.0 for e in events if e["event"] == "persist" and e.get("ok")
-                           and t0 <= e["t"] < until and not str(e.get("tier", "")).startswith("ram")), default=0.0)
-            f.outcome = {"failed_persists": len(failed), "slowest_persist_s": slowest,
-                         "training_continued": final_step > (f.injected_step or 0),
-                         "committed_after": min((e["step"] for e in later), default=None)}
+            failed = [
+                e
+                for e in events
+                if e["event"] == "persist"
+                and not e.get("ok", True)
+                and t0 <= e["t"] < until
+                and not str(e.get("tier", "")).startswith("ram")
+            ]
+            later = [
+                e
+                for e in events
+                if e["event"] == "persist"
+                and e.get("ok")
+                and e.get("committed_by_me")
+                and e["t"] >= t0 + f.seconds
+                and not str(e.get("tier", "")).startswith("ram")
+            ]
+            slowest = max(
+                (
+                    e.get("seconds") or 0.0
+                    for e in events
+                    if e["event"] == "persist"
+                    and e.get("ok")
+                    and t0 <= e["t"] < until
+                    and not str(e.get("tier", "")).startswith("ram")
+                ),
+                default=0.0,
+            )
+            f.outcome = {
+                "failed_persists": len(failed),
+                "slowest_persist_s": slowest,
+                "training_continued": final_step > (f.injected_step or 0),
+                "committed_after": min((e["step"] for e in later), default=None),
+            }
             if not f.outcome["training_continued"]:
                 errors.append(f"{f.label()}: training did not go on")
             # (An S3 outage may also be waited out: the client retries until the server is back.)
@@ -72,13 +108,18 @@ def consumed_stream(events: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
     only the batches up to R count (later ones were recomputed or lost).
     """
     attempts = sorted({e.get("attempt", 0) for e in events if e["event"] == "batch"})
-    resumed = {a: max((e.get("step") or 0 for e in events if e["event"] == "restore" and e.get("attempt") == a),
-                      default=0) for a in attempts}
+    resumed = {
+        a: max((e.get("step") or 0 for e in events if e["event"] == "restore" and e.get("attempt") == a), default=0)
+        for a in attempts
+    }
     out = []
     for n, a in enumerate(attempts):
         cutoff = resumed[attempts[n + 1]] if n + 1 < len(attempts) else float("inf")
-        out += [(e["step"], e["rank"], e["digest"]) for e in events
-                if e["event"] == "batch" and e.get("attempt", 0) == a and e["step"] <= cutoff]
+        out += [
+            (e["step"], e["rank"], e["digest"])
+            for e in events
+            if e["event"] == "batch" and e.get("attempt", 0) == a and e["step"] <= cutoff
+        ]
     return sorted(out)
 
 
@@ -93,9 +134,11 @@ def compare_streams(faulted: list, clean: list, errors: list[str]) -> bool:
     repeated = sorted(k for k, n in seen.items() if n > 1)
     missing = sorted({(s, r) for s, r, _ in clean} - set(seen))
     other = sorted({(s, r) for s, r, d in set(faulted) - set(clean)} - set(repeated))
-    errors.append(f"the consumed sample stream differs from the fault-free run: {len(missing)} batch(es) skipped "
-                  f"{missing[:3]}, {len(repeated)} repeated {repeated[:3]}, {len(other)} different {other[:3]} "
-                  "((step, rank) pairs)")
+    errors.append(
+        f"the consumed sample stream differs from the fault-free run: {len(missing)} batch(es) skipped "
+        f"{missing[:3]}, {len(repeated)} repeated {repeated[:3]}, {len(other)} different {other[:3]} "
+        "((step, rank) pairs)"
+    )
     return False
 
 
@@ -111,8 +154,11 @@ def compare_states(faulted_pt: str, clean_pt: str, errors: list[str]) -> bool:
         return False
     diff = [k for k, v in b["model"].items() if k not in a["model"] or not torch.equal(a["model"][k], v)]
     for p, st in b["optim"]["state"].items():
-        diff += [f"optim.state.{p}.{k}" for k, v in st.items()
-                 if k not in a["optim"]["state"].get(p, {}) or not torch.equal(a["optim"]["state"][p][k], v)]
+        diff += [
+            f"optim.state.{p}.{k}"
+            for k, v in st.items()
+            if k not in a["optim"]["state"].get(p, {}) or not torch.equal(a["optim"]["state"][p][k], v)
+        ]
     if diff:
         errors.append(f"final state differs from the fault-free run in {len(diff)} tensor(s), e.g. {diff[0]}")
     return not diff
@@ -124,8 +170,7 @@ def verify_checkpoints(events: list[dict[str, Any]], errors: list[str]) -> dict[
     from ftkit.format.reader import committed_steps, load_manifest, verify
     from ftkit.tiers.storage import Storage
 
-    urls = sorted({u for e in events if e["event"] == "start" for u in e.get("tiers", [])
-                   if u not in ("ram", "peer")})
+    urls = sorted({u for e in events if e["event"] == "start" for u in e.get("tiers", []) if u not in ("ram", "peer")})
     out: dict[str, Any] = {}
     for url in urls:
         try:
@@ -141,5 +186,3 @@ def verify_checkpoints(events: list[dict[str, Any]], errors: list[str]) -> dict[
     if not urls:
         errors.append("the script used no durable tier: nothing to verify")
     return out
-
-

@@ -66,8 +66,15 @@ def weed_env() -> dict[str, str]:
 
 def write_identities(path: Path, access_key: str, secret_key: str) -> None:
     """The one identity every request must be signed with (0600: it holds the secret)."""
-    config = {"identities": [{"name": "ftkit", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-                              "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    config = {
+        "identities": [
+            {
+                "name": "ftkit",
+                "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(config, f, indent=2)

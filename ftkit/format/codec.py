@@ -38,8 +38,10 @@ UNSAFE_SKIP_CHECKSUMS = os.environ.get("FTKIT_UNSAFE_SKIP_CHECKSUMS") == "1"
 def skipping_checksums(where: str) -> bool:
     """Whether this read may skip checksums (FTKIT_UNSAFE_SKIP_CHECKSUMS=1); warns when so."""
     if UNSAFE_SKIP_CHECKSUMS:
-        log.warning("ftkit: FTKIT_UNSAFE_SKIP_CHECKSUMS=1: reading %s WITHOUT verifying checksums "
-                    "(a test hook; unset it)", where)
+        log.warning(
+            "ftkit: FTKIT_UNSAFE_SKIP_CHECKSUMS=1: reading %s WITHOUT verifying checksums (a test hook; unset it)",
+            where,
+        )
     return UNSAFE_SKIP_CHECKSUMS
 
 

@@ -21,7 +21,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-
 FORMAT_NAME = "ftkit-checkpoint"
 FORMAT_VERSION = 2  # 2: Python's RNG state as a tensor (FORMAT.md, the skeleton)
 MANIFEST_NAME = "manifest.json"
@@ -31,14 +30,42 @@ SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 CODECS = ("raw", "zstd")
 DTYPES = (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-    "uint8", "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
-    "float8_e4m3fn", "float8_e5m2",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
 )
 ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 KINDS = ("replicated", "sharded", "rank-local")
 
@@ -114,20 +141,48 @@ class Manifest:
 
 def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
     """A tensor entry as plain JSON types (hand-written: asdict deep-copies, 20x slower)."""
-    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
-            "shards": [{"offsets": list(s.offsets), "lengths": list(s.lengths), "rank": s.rank,
-                        "chunks": [dict(c.__dict__) for c in s.chunks]} for s in t.shards]}
+    return {
+        "name": t.name,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "kind": t.kind,
+        "shards": [
+            {
+                "offsets": list(s.offsets),
+                "lengths": list(s.lengths),
+                "rank": s.rank,
+                "chunks": [dict(c.__dict__) for c in s.chunks],
+            }
+            for s in t.shards
+        ],
+    }
 
 
-def manifest_json(step: int, world_size: int, tensor_docs: list[dict[str, Any]], skeleton: dict[str, Any],
-                  files: dict[str, dict[str, Any]], rank_state: dict[str, Any], created_at: float,
-                  writer: dict[str, Any]) -> bytes:
+def manifest_json(
+    step: int,
+    world_size: int,
+    tensor_docs: list[dict[str, Any]],
+    skeleton: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    rank_state: dict[str, Any],
+    created_at: float,
+    writer: dict[str, Any],
+) -> bytes:
     """A manifest's bytes from its parts, the tensors already as tensor_entry_doc()s
     (how ranks report their writes: the commit then never rebuilds the dataclasses)."""
     # Identifying fields first, so the first bytes of the file say what it is.
-    doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
-           "tensors": tensor_docs, "skeleton": skeleton, "files": files, "rank_state": rank_state,
-           "created_at": created_at, "writer": writer}
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "tensors": tensor_docs,
+        "skeleton": skeleton,
+        "files": files,
+        "rank_state": rank_state,
+        "created_at": created_at,
+        "writer": writer,
+    }
     # Compact: a large model has thousands of entries; `jq . manifest.json` pretty-prints.
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 

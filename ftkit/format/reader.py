@@ -9,16 +9,17 @@ which file and tensor are bad.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
-from ftkit.format import codec
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
-from ftkit.tiers.lifecycle import RETIRED_MANIFEST
+from ftkit.format import codec
 from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, manifest_from_json, parse_step_dir, step_dir_name
 from ftkit.save.sharding import byte_span, overlap
+from ftkit.tiers.lifecycle import RETIRED_MANIFEST
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,9 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
     try:
         data = storage.read_bytes(rel)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{storage.where(step_dir)}: no manifest (step {step} "
-                                      "is not committed)") from None
+        raise CheckpointNotFoundError(
+            f"{storage.where(step_dir)}: no manifest (step {step} is not committed)"
+        ) from None
     return manifest_from_json(data, storage.where(rel), expect_step=step)
 
 
@@ -121,8 +123,10 @@ def check_file_sizes(storage: Storage, manifest: Manifest, only: Iterable[str] |
         if name not in sizes:
             raise CorruptCheckpointError(f"{storage.where(rel)}: data file is missing")
         if sizes[name] != manifest.files[name]["bytes"]:
-            raise CorruptCheckpointError(f"{storage.where(rel)}: data file is {sizes[name]} bytes, manifest says "
-                                         f"{manifest.files[name]['bytes']} (truncated?)")
+            raise CorruptCheckpointError(
+                f"{storage.where(rel)}: data file is {sizes[name]} bytes, manifest says "
+                f"{manifest.files[name]['bytes']} (truncated?)"
+            )
 
 
 def _read_exact(f, length: int, where: str) -> bytes:
@@ -146,16 +150,21 @@ def _readinto_exact(f, dest: memoryview, where: str) -> None:
         got += n
 
 
-def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None = None,
-           names: Iterable[str] | None = None) -> None:
+def verify(
+    storage: Storage,
+    manifest: Manifest,
+    progress: Callable[[int], None] | None = None,
+    names: Iterable[str] | None = None,
+) -> None:
     """Check sizes, every chunk's checksum and that every zstd chunk decodes to exactly
     its raw length (of the `names` tensors, default all); raise on the first problem.
 
     Never skips checksums, whatever FTKIT_UNSAFE_SKIP_CHECKSUMS says: this is the
     check an operator runs to know."""
     wanted = set(names) if names is not None else None
-    jobs_by_file = {f: [j for j in jobs if wanted is None or j[1] in wanted]
-                    for f, jobs in _chunk_jobs(manifest).items()}
+    jobs_by_file = {
+        f: [j for j in jobs if wanted is None or j[1] in wanted] for f, jobs in _chunk_jobs(manifest).items()
+    }
     jobs_by_file = {f: jobs for f, jobs in jobs_by_file.items() if jobs}
     check_file_sizes(storage, manifest, set(jobs_by_file) if wanted is not None else None)
     step_dir = step_dir_name(manifest.step)
@@ -171,13 +180,17 @@ def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None]
                 if c.codec != "raw":
                     if len(scratch) < c.raw_length:
                         scratch = bytearray(c.raw_length)
-                    codec.decode_into(c.codec, data, memoryview(scratch)[:c.raw_length], where)
+                    codec.decode_into(c.codec, data, memoryview(scratch)[: c.raw_length], where)
                 if progress:
                     progress(c.raw_length)
 
 
-def read_tensors(storage: Storage, manifest: Manifest, names: Iterable[str] | None = None,
-                 progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(
+    storage: Storage,
+    manifest: Manifest,
+    names: Iterable[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Read (and verify) whole tensors into new contiguous CPU tensors."""
     wanted = set(names) if names is not None else {t.name for t in manifest.tensors}
     regions = {t.name: ((0,) * len(t.shape), t.shape) for t in manifest.tensors if t.name in wanted}
@@ -187,9 +200,13 @@ def read_tensors(storage: Storage, manifest: Manifest, names: Iterable[str] | No
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 
 
-def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region],
-                 progress: Callable[[int], None] | None = None,
-                 out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def read_regions(
+    storage: Storage,
+    manifest: Manifest,
+    regions: dict[str, Region],
+    progress: Callable[[int], None] | None = None,
+    out: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Read a region of each named tensor, touching only the chunks that overlap it.
 
     Order: plan which chunks each region needs (nothing allocated), check that
@@ -227,8 +244,9 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
                 shards.append((shard, "part", ov))
             files.update(c.file for c in shard.chunks)
         if covered != _numel(lens):
-            raise CorruptCheckpointError(f"{step_where}: the saved shards of {name!r} do not cover the region "
-                                         "to restore")
+            raise CorruptCheckpointError(
+                f"{step_where}: the saved shards of {name!r} do not cover the region to restore"
+            )
         plans.append((name, shards))
     # 2. The files hold what the manifest says they do: only now may its sizes be allocated.
     check_file_sizes(storage, manifest, files)
@@ -240,10 +258,15 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
         entry, (offs, lens) = entries[name], regions[name]
         dtype = torch_dtype(entry.dtype)
         given = (out or {}).get(name)
-        if given is not None and (tuple(given.shape) != tuple(lens) or given.dtype != dtype
-                                  or not given.is_contiguous() or given.device.type != "cpu"):
-            raise ValueError(f"read_regions: the tensor given for {name!r} is not a contiguous CPU "
-                             f"{entry.dtype}{list(lens)}")
+        if given is not None and (
+            tuple(given.shape) != tuple(lens)
+            or given.dtype != dtype
+            or not given.is_contiguous()
+            or given.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"read_regions: the tensor given for {name!r} is not a contiguous CPU {entry.dtype}{list(lens)}"
+            )
         out_t = dest[name] = given if given is not None else torch.empty(tuple(lens), dtype=dtype)
         for shard, how, ov in shards:
             if how == "exact":
@@ -282,9 +305,13 @@ def read_regions(storage: Storage, manifest: Manifest, regions: dict[str, Region
 
 def _row_block_inside(shard, offs, lens) -> bool:
     """Whether `shard` spans whole trailing dimensions of the region and lies within its rows."""
-    return (len(lens) >= 1 and tuple(shard.offsets[1:]) == tuple(offs[1:])
-            and tuple(shard.lengths[1:]) == tuple(lens[1:])
-            and offs[0] <= shard.offsets[0] and shard.offsets[0] + shard.lengths[0] <= offs[0] + lens[0])
+    return (
+        len(lens) >= 1
+        and tuple(shard.offsets[1:]) == tuple(offs[1:])
+        and tuple(shard.lengths[1:]) == tuple(lens[1:])
+        and offs[0] <= shard.offsets[0]
+        and shard.offsets[0] + shard.lengths[0] <= offs[0] + lens[0]
+    )
 
 
 def _numel(lengths) -> int:
@@ -301,7 +328,7 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool = False) -> None:
-    dest = target[c.raw_offset:c.raw_offset + c.raw_length]
+    dest = target[c.raw_offset : c.raw_offset + c.raw_length]
     if len(dest) != c.raw_length:
         raise FormatError(f"{where}: chunk lies outside its shard")
     f.seek(c.offset)

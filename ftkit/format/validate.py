@@ -28,8 +28,19 @@ import re
 from typing import Any
 
 from ftkit.errors import FormatError
-from ftkit.format.manifest import (CODECS, DTYPES, FORMAT_NAME, FORMAT_VERSION, ITEMSIZE, KINDS, SAFE_FILE_RE, Chunk,
-                                   Manifest, Shard, TensorEntry)
+from ftkit.format.manifest import (
+    CODECS,
+    DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    ITEMSIZE,
+    KINDS,
+    SAFE_FILE_RE,
+    Chunk,
+    Manifest,
+    Shard,
+    TensorEntry,
+)
 
 MAX_INT = 2**62  # offsets, sizes, byte counts: anything larger is not a real checkpoint
 MAX_STEP = 10**12 - 1  # step directories have 12 digits
@@ -55,8 +66,10 @@ def parse_manifest(data: bytes | str, where: str, expect_step: int | None = None
     if type(version) is not int or version < 1:
         raise FormatError(f"{where}: manifest has no valid integer format_version")
     if version > FORMAT_VERSION:
-        raise FormatError(f"{where}: manifest format version {version} is newer than this ftkit supports "
-                          f"({FORMAT_VERSION}); upgrade ftkit to read it")
+        raise FormatError(
+            f"{where}: manifest format version {version} is newer than this ftkit supports "
+            f"({FORMAT_VERSION}); upgrade ftkit to read it"
+        )
     try:
         m = manifest_from_doc(doc)
     except FormatError as e:
@@ -107,8 +120,11 @@ def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
     if not isinstance(skeleton, dict) or not isinstance(skeleton.get("entries"), dict):
         raise FormatError("'skeleton' must be an object with an 'entries' object")
     for key, entry in skeleton["entries"].items():
-        if not isinstance(entry, dict) or entry.get("kind") not in ("stateful", "tensor", "value") \
-                or "value" not in entry:
+        if (
+            not isinstance(entry, dict)
+            or entry.get("kind") not in ("stateful", "tensor", "value")
+            or "value" not in entry
+        ):
             raise FormatError(f"skeleton entry {key[:80]!r} is not {{'kind': ..., 'value': ...}}")
         check_value(entry["value"], shared, f"skeleton entry {key[:80]!r}", numpy_ok=numpy_ok)
     rank_state = doc.get("rank_state", {})
@@ -125,9 +141,18 @@ def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
     writer = doc.get("writer", {})
     if not isinstance(writer, dict):
         raise FormatError("'writer' must be an object")
-    return Manifest(step=step, world_size=world, tensors=tensors, skeleton=skeleton, files=files,
-                    rank_state=rank_state, created_at=float(created), writer=writer,
-                    format=doc["format"], format_version=doc["format_version"])
+    return Manifest(
+        step=step,
+        world_size=world,
+        tensors=tensors,
+        skeleton=skeleton,
+        files=files,
+        rank_state=rank_state,
+        created_at=float(created),
+        writer=writer,
+        format=doc["format"],
+        format_version=doc["format_version"],
+    )
 
 
 def _files(files: Any, world: int) -> dict[str, dict[str, Any]]:
@@ -175,17 +200,24 @@ def tensor_entry(t: Any, files: dict[str, dict[str, Any]], world: int, whole: bo
     return TensorEntry(name, dtype, shape, shards, kind)
 
 
-def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any], world: int,
-           what: str) -> Shard:
+def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any], world: int, what: str) -> Shard:
     # Called for every shard of every tensor (rank 0 validates each commit's manifest):
     # plain tests first, the precise message only when one fails.
-    offsets, lengths, rank = (s.get("offsets"), s.get("lengths"), s.get("rank", 0)) if type(s) is dict \
-        else (None, None, None)
+    offsets, lengths, rank = (
+        (s.get("offsets"), s.get("lengths"), s.get("rank", 0)) if type(s) is dict else (None, None, None)
+    )
     ndim = len(shape)
-    if not (type(offsets) is list and type(lengths) is list and len(offsets) == len(lengths) == ndim
-            and all(type(o) is int and type(n) is int and 0 <= o and 0 <= n and o + n <= d
-                    for o, n, d in zip(offsets, lengths, shape))
-            and type(rank) is int and 0 <= rank < world):
+    if not (
+        type(offsets) is list
+        and type(lengths) is list
+        and len(offsets) == len(lengths) == ndim
+        and all(
+            type(o) is int and type(n) is int and 0 <= o and 0 <= n and o + n <= d
+            for o, n, d in zip(offsets, lengths, shape)
+        )
+        and type(rank) is int
+        and 0 <= rank < world
+    ):
         _shard_problem(s, shape, world, what)
     chunk_docs = s.get("chunks")
     if type(chunk_docs) is not list:
@@ -194,7 +226,7 @@ def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any],
     # The chunks tile the shard's raw bytes exactly: sorted by raw offset, back to back.
     need = _volume(lengths) * itemsize
     at = 0
-    for c in (chunks if len(chunks) < 2 else sorted(chunks, key=lambda c: c.raw_offset)):
+    for c in chunks if len(chunks) < 2 else sorted(chunks, key=lambda c: c.raw_offset):
         if c.raw_offset != at:
             problem = "a gap" if c.raw_offset > at else "overlapping chunks"
             raise FormatError(f"the chunks of a shard of {what} do not tile its {need} bytes ({problem} at byte {at})")
@@ -219,16 +251,29 @@ def _shard_problem(s: Any, shape: tuple[int, ...], world: int, what: str) -> Non
 def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
     if type(c) is dict:
         file, offset, length = c.get("file"), c.get("offset"), c.get("length")
-        raw_offset, raw_length, codec, checksum = c.get("raw_offset"), c.get("raw_length"), c.get("codec"), \
-            c.get("checksum")
+        raw_offset, raw_length, codec, checksum = (
+            c.get("raw_offset"),
+            c.get("raw_length"),
+            c.get("codec"),
+            c.get("checksum"),
+        )
         # `files` holds only validated names, so membership checks the name too.
-        if (type(file) is str and file in files and type(offset) is int and type(length) is int
-                and type(raw_offset) is int and type(raw_length) is int
-                and 0 <= offset and 1 <= length and 0 <= raw_offset <= MAX_INT and 1 <= raw_length <= MAX_INT
-                and offset + length <= files[file]["bytes"]
-                and (codec == "raw" and length == raw_length
-                     or codec == "zstd" and raw_length <= ZSTD_MAX_RATIO * length)
-                and type(checksum) is str and CHECKSUM_RE.match(checksum)):
+        if (
+            type(file) is str
+            and file in files
+            and type(offset) is int
+            and type(length) is int
+            and type(raw_offset) is int
+            and type(raw_length) is int
+            and 0 <= offset
+            and 1 <= length
+            and 0 <= raw_offset <= MAX_INT
+            and 1 <= raw_length <= MAX_INT
+            and offset + length <= files[file]["bytes"]
+            and (codec == "raw" and length == raw_length or codec == "zstd" and raw_length <= ZSTD_MAX_RATIO * length)
+            and type(checksum) is str
+            and CHECKSUM_RE.match(checksum)
+        ):
             return Chunk(file, offset, length, raw_offset, raw_length, codec, checksum)
     _chunk_problem(c, files, what)
     raise AssertionError("unreachable")
@@ -280,14 +325,17 @@ def check_shards_tile(shape: tuple[int, ...], shards: tuple[Shard, ...], what: s
     full = [s for s in shards if _volume(s.lengths) > 0]
     covered = sum(_volume(s.lengths) for s in full)
     if covered != total:
-        raise FormatError(f"the shards of {what} cover {covered} of its {total} elements" if covered < total
-                          else f"the shards of {what} overlap ({covered} elements saved for {total})")
+        raise FormatError(
+            f"the shards of {what} cover {covered} of its {total} elements"
+            if covered < total
+            else f"the shards of {what} overlap ({covered} elements saved for {total})"
+        )
     if len(full) <= 1 or _is_grid(shape, full):
         return  # one shard inside the tensor with the full volume, or cells of a grid: exact
     if len(full) > MAX_IRREGULAR_SHARDS:
         raise FormatError(f"{what} has {len(full)} shards that form no grid; too many to check")
     for i, a in enumerate(full):  # equal volumes and no overlap: an exact cover
-        for b in full[i + 1:]:
+        for b in full[i + 1 :]:
             if all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths)):
                 raise FormatError(f"two shards of {what} overlap")
     # (only reached when volumes add up and nothing overlaps)
@@ -332,11 +380,10 @@ def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy
         return
     if len(value) != 1:
         raise FormatError(f"{where} has a tag {tagged[0]!r} beside other keys")
-    (tag, inner), = value.items()
+    ((tag, inner),) = value.items()
     if tag in ("$tensor", "$ndarray"):
         if not isinstance(inner, str) or inner not in tensors:
-            raise FormatError(f"{where} refers to tensor {str(inner)[:80]!r}, which the manifest does not list "
-                              "for it")
+            raise FormatError(f"{where} refers to tensor {str(inner)[:80]!r}, which the manifest does not list for it")
         if tag == "$ndarray" and numpy_ok is not None and inner not in numpy_ok:
             raise FormatError(f"{where} stores tensor {inner[:80]!r} as a numpy array, which its dtype cannot be")
     elif tag == "$tuple":

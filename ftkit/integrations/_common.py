@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from ftkit.config import Tier
 from ftkit.errors import FtkitError, StorageError
 from ftkit.format.reader import committed_steps
 from ftkit.tiers.storage import redact_url
-from ftkit.config import Tier
 
 
 def coerce_tiers(tiers: Sequence[Tier | str | dict] | Tier | str) -> list[Tier]:

@@ -50,21 +50,23 @@ import logging
 import os
 import shutil
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 try:
     from transformers import TrainerCallback
 except ImportError:  # pragma: no cover - depends on what is installed
-    raise ImportError("ftkit.integrations.huggingface needs transformers (and accelerate): "
-                      "pip install 'ftkit[huggingface]'") from None
+    raise ImportError(
+        "ftkit.integrations.huggingface needs transformers (and accelerate): pip install 'ftkit[huggingface]'"
+    ) from None
 
 import torch
 
-from ftkit.save.capture import rng_state, set_rng_state
 from ftkit.checkpointer import Checkpointer
-from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.config import Tier
+from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.save.capture import rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.huggingface")
 
@@ -87,9 +89,16 @@ class FtkitCallback(TrainerCallback):
     checkpointer_kwargs: passed to :class:`ftkit.Checkpointer` (``max_staging_bytes``).
     """
 
-    def __init__(self, tiers: Sequence[Tier | str | dict] | Tier | str, every_n_steps: int = 1, *,
-                 policy: str = "wait", resume_dir: str | None = None, ignore_existing: bool = False,
-                 **checkpointer_kwargs: Any):
+    def __init__(
+        self,
+        tiers: Sequence[Tier | str | dict] | Tier | str,
+        every_n_steps: int = 1,
+        *,
+        policy: str = "wait",
+        resume_dir: str | None = None,
+        ignore_existing: bool = False,
+        **checkpointer_kwargs: Any,
+    ):
         if "rng" in checkpointer_kwargs:
             raise TypeError("FtkitCallback always snapshots the RNG state; 'rng' cannot be turned off here")
         self.tiers = coerce_tiers(tiers)
@@ -118,10 +127,12 @@ class FtkitCallback(TrainerCallback):
             "model": model,
             "optimizer": inner if inner is not None else Stash(dict),
             "scheduler": scheduler if scheduler is not None else Stash(dict),
-            "scaler": (Adapter(scaler.state_dict, scaler.load_state_dict) if scaler is not None
-                       else Stash(dict)),
-            "trainer_state": (Adapter(lambda: json.dumps(dataclasses.asdict(trainer_state), sort_keys=True),
-                                      lambda v: None) if trainer_state is not None else Stash(str)),
+            "scaler": (Adapter(scaler.state_dict, scaler.load_state_dict) if scaler is not None else Stash(dict)),
+            "trainer_state": (
+                Adapter(lambda: json.dumps(dataclasses.asdict(trainer_state), sort_keys=True), lambda v: None)
+                if trainer_state is not None
+                else Stash(str)
+            ),
             "rng": Adapter(rng_state, lambda v: None) if trainer_state is not None else Stash(dict),
         }
 
@@ -142,8 +153,9 @@ class FtkitCallback(TrainerCallback):
         weights are restored in place now; the rest when training begins.
         """
         if self._model is None:
-            raise FtkitError("resume_from_checkpoint(): pass this callback to the Trainer first "
-                             "(Trainer(..., callbacks=[ftkit_cb]))")
+            raise FtkitError(
+                "resume_from_checkpoint(): pass this callback to the Trainer first (Trainer(..., callbacks=[ftkit_cb]))"
+            )
         entries = self._entries(self._model, None, None, None)
         with Checkpointer(entries, self.tiers, rng=False, **self.checkpointer_kwargs) as ck:
             step = ck.restore()
@@ -176,22 +188,30 @@ class FtkitCallback(TrainerCallback):
         self._remove_resume_dir()
         if resume is not None:
             if state.global_step != resume["step"]:
-                raise FtkitError(f"ftkit restored step {resume['step']} but the Trainer starts at step "
-                                 f"{state.global_step}: pass the directory to train(): "
-                                 "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())")
+                raise FtkitError(
+                    f"ftkit restored step {resume['step']} but the Trainer starts at step "
+                    f"{state.global_step}: pass the directory to train(): "
+                    "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())"
+                )
             self._load_training_objects(optimizer, lr_scheduler, resume)
             self._rng_due = resume["rng"]
             self.restored_step = self._last_step = resume["step"]
         elif state.global_step == 0 and not self.ignore_existing:
-            found = {url: steps for url, steps in check_tiers_reachable(self.tiers, "FtkitCallback").items()
-                     if steps}
+            found = {url: steps for url, steps in check_tiers_reachable(self.tiers, "FtkitCallback").items() if steps}
             if found:
                 url, steps = next(iter(found.items()))
-                raise FtkitError(f"ftkit tier {url} holds snapshots up to step {max(steps)}; resume with "
-                                 "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
-                                 "pass FtkitCallback(..., ignore_existing=True) to start over")
-        self.checkpointer = Checkpointer(self._entries(model, optimizer, lr_scheduler, state), self.tiers,
-                                         policy=self.policy, rng=False, **self.checkpointer_kwargs)
+                raise FtkitError(
+                    f"ftkit tier {url} holds snapshots up to step {max(steps)}; resume with "
+                    "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
+                    "pass FtkitCallback(..., ignore_existing=True) to start over"
+                )
+        self.checkpointer = Checkpointer(
+            self._entries(model, optimizer, lr_scheduler, state),
+            self.tiers,
+            policy=self.policy,
+            rng=False,
+            **self.checkpointer_kwargs,
+        )
         if not self._atexit:  # no exception hook in the Trainer: flush at exit at the latest
             atexit.register(_close_at_exit, weakref.ref(self))
             self._atexit = True
@@ -245,7 +265,7 @@ class FtkitCallback(TrainerCallback):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _close_at_exit(ref: "weakref.ref[FtkitCallback]") -> None:
+def _close_at_exit(ref: weakref.ref[FtkitCallback]) -> None:
     cb = ref()
     if cb is not None:
         cb._close_quietly()

@@ -45,7 +45,8 @@ restore.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as pl
@@ -55,14 +56,16 @@ except ImportError:  # pragma: no cover - depends on what is installed
         import pytorch_lightning as pl  # type: ignore[no-redef]
         from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
     except ImportError:
-        raise ImportError("ftkit.integrations.lightning needs PyTorch Lightning: "
-                          "pip install 'ftkit[lightning]' (or lightning / pytorch-lightning >= 2.2)") from None
+        raise ImportError(
+            "ftkit.integrations.lightning needs PyTorch Lightning: "
+            "pip install 'ftkit[lightning]' (or lightning / pytorch-lightning >= 2.2)"
+        ) from None
 
-from ftkit.save.capture import rng_state, set_rng_state
 from ftkit.checkpointer import Checkpointer
-from ftkit.errors import FtkitError
 from ftkit.config import Tier
+from ftkit.errors import FtkitError
 from ftkit.integrations._common import Adapter, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.save.capture import rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.lightning")
 
@@ -85,8 +88,15 @@ class FtkitCallback(Callback):
     checkpointer_kwargs: passed to :class:`ftkit.Checkpointer` (``max_staging_bytes``, ``rng``).
     """
 
-    def __init__(self, tiers: Sequence[Tier | str | dict] | Tier | str, every_n_steps: int = 1, *,
-                 policy: str = "wait", restore: bool = True, **checkpointer_kwargs: Any):
+    def __init__(
+        self,
+        tiers: Sequence[Tier | str | dict] | Tier | str,
+        every_n_steps: int = 1,
+        *,
+        policy: str = "wait",
+        restore: bool = True,
+        **checkpointer_kwargs: Any,
+    ):
         super().__init__()
         self.tiers = coerce_tiers(tiers)
         self.every_n_steps = check_every(every_n_steps)
@@ -101,15 +111,16 @@ class FtkitCallback(Callback):
         self._pending: dict[str, Any] | None = None  # what on_train_start still has to do after a restore
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if trainer.world_size > 1:
-            raise FtkitError(f"FtkitCallback supports one training process; this Trainer has world_size "
-                             f"{trainer.world_size}")
+            raise FtkitError(
+                f"FtkitCallback supports one training process; this Trainer has world_size {trainer.world_size}"
+            )
         check_tiers_reachable(self.tiers, "FtkitCallback")
 
-    def _state(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
+    def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         state: dict[str, Any] = {"model": pl_module}
         for i, opt in enumerate(trainer.optimizers):
             state[f"optimizer{i}"] = opt
@@ -117,8 +128,9 @@ class FtkitCallback(Callback):
             state[f"scheduler{i}"] = cfg.scheduler
         prec = trainer.precision_plugin
         state["precision"] = Adapter(prec.state_dict, lambda sd: prec.load_state_dict(sd) if sd else None)
-        state["callbacks"] = Adapter(lambda: self._callback_states(trainer),
-                                     lambda sd: self._load_callback_states(trainer, sd))
+        state["callbacks"] = Adapter(
+            lambda: self._callback_states(trainer), lambda sd: self._load_callback_states(trainer, sd)
+        )
         dm = trainer.datamodule
         if dm is not None:
             state["datamodule"] = Adapter(dm.state_dict, lambda sd: dm.load_state_dict(sd) if sd else None)
@@ -126,7 +138,7 @@ class FtkitCallback(Callback):
         state[_ENTRY] = Adapter(self._own_state, self._load_own_state)
         return state
 
-    def _callback_states(self, trainer: "pl.Trainer") -> dict[str, Any]:
+    def _callback_states(self, trainer: pl.Trainer) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for cb in trainer.callbacks:
             if cb is self:
@@ -136,18 +148,20 @@ class FtkitCallback(Callback):
                 out[str(cb.state_key)] = sd
         return out
 
-    def _load_callback_states(self, trainer: "pl.Trainer", saved: dict[str, Any]) -> None:
+    def _load_callback_states(self, trainer: pl.Trainer, saved: dict[str, Any]) -> None:
         for cb in trainer.callbacks:
             if cb is not self and str(cb.state_key) in saved:
                 cb.load_state_dict(saved[str(cb.state_key)])
 
-    def _load_loops(self, trainer: "pl.Trainer"):
+    def _load_loops(self, trainer: pl.Trainer):
         def load(sd: dict[str, Any]) -> None:
             trainer.fit_loop.load_state_dict(sd)
             max_epochs = trainer.max_epochs
             if max_epochs not in (None, -1) and trainer.current_epoch > max_epochs:
-                raise FtkitError(f"the snapshot is at epoch {trainer.current_epoch}, past Trainer(max_epochs="
-                                 f"{max_epochs})")
+                raise FtkitError(
+                    f"the snapshot is at epoch {trainer.current_epoch}, past Trainer(max_epochs={max_epochs})"
+                )
+
         return load
 
     def _own_state(self) -> dict[str, Any]:
@@ -159,19 +173,23 @@ class FtkitCallback(Callback):
         self._pending = dict(saved)
 
     # ----------------------------------------------------------------- restore
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_quietly()
         self._last_step = -1
         self._pending = None
         self.restored_step = 0
-        self.checkpointer = Checkpointer(self._state(trainer, pl_module), self.tiers, policy=self.policy,
-                                         rng=False, **self.checkpointer_kwargs)
+        self.checkpointer = Checkpointer(
+            self._state(trainer, pl_module), self.tiers, policy=self.policy, rng=False, **self.checkpointer_kwargs
+        )
         if self.restore and trainer.ckpt_path:
-            log.warning("trainer.fit(ckpt_path=%s) given: Lightning restores that checkpoint; "
-                        "ftkit does not restore", trainer.ckpt_path)
+            log.warning(
+                "trainer.fit(ckpt_path=%s) given: Lightning restores that checkpoint; ftkit does not restore",
+                trainer.ckpt_path,
+            )
         elif self.restore and trainer.global_step > 0:
-            log.info("ftkit: this Trainer has already trained %d steps; continuing without a restore",
-                     trainer.global_step)
+            log.info(
+                "ftkit: this Trainer has already trained %d steps; continuing without a restore", trainer.global_step
+            )
         elif self.restore:
             self.restored_step = self.checkpointer.restore()
         if self.restored_step:
@@ -180,14 +198,18 @@ class FtkitCallback(Callback):
             if self.rng and pending.get("rng") is not None:
                 set_rng_state(pending["rng"])
             self._epoch_rng = pending.get("epoch_rng")
-            log.info("ftkit: resumed from step %d (epoch %d, global_step %d)", self.restored_step,
-                     trainer.current_epoch, trainer.global_step)
+            log.info(
+                "ftkit: resumed from step %d (epoch %d, global_step %d)",
+                self.restored_step,
+                trainer.current_epoch,
+                trainer.global_step,
+            )
         else:
             self._pending = None
             # The first epoch's iterator is made right after this hook (FitLoop.setup_data).
             self._epoch_rng = rng_state() if self.rng else None
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pending, self._pending = self._pending, None
         if not self.restored_step or pending is None:
             return
@@ -205,8 +227,9 @@ class FtkitCallback(Callback):
         if fetcher is None or fetcher.iterator is None:
             return
         if type(fetcher).__name__ == "_DataLoaderIterDataFetcher":
-            log.warning("ftkit: training_step takes dataloader_iter; the data position of the "
-                        "interrupted epoch is not restored")
+            log.warning(
+                "ftkit: training_step takes dataloader_iter; the data position of the interrupted epoch is not restored"
+            )
             return
         if self.rng and epoch_rng is not None:
             set_rng_state(epoch_rng)
@@ -218,7 +241,7 @@ class FtkitCallback(Callback):
             set_rng_state(pending["rng"])
         log.info("ftkit: dataloader moved past the %d batch(es) this epoch had consumed", consumed)
 
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning makes a new iterator for this epoch right after this hook, under the same
         # condition it uses in _TrainingEpochLoop.on_run_start.
         loop = trainer.fit_loop
@@ -226,8 +249,9 @@ class FtkitCallback(Callback):
             self._epoch_rng = rng_state() if self.rng else None
 
     # ---------------------------------------------------------------- snapshot
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step <= 0 or step == self._last_step or step % self.every_n_steps:
             return
@@ -236,15 +260,14 @@ class FtkitCallback(Callback):
         self.checkpointer.snapshot(step)
 
     # ------------------------------------------------------------------- close
-    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()  # flushes; a failed background persist is raised here
 
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._close_quietly()
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                     exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close_quietly()
 
     def close(self) -> None:

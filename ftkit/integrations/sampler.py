@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Iterator, Mapping, Sized
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,9 +83,16 @@ class ResumableDistributedSampler(Sampler[int]):
     moves on).
     """
 
-    def __init__(self, dataset_or_len: Sized | int, *, num_replicas: int | None = None,
-                 rank: int | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        dataset_or_len: Sized | int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         try:
             n = operator.index(dataset_or_len)  # an int, not a dataset that happens to be one
         except TypeError:
@@ -167,8 +175,13 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe, and the same on every rank."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "shuffle": self.shuffle, "num_samples": self.num_samples}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the saved stream at the saved global position, on this world size.

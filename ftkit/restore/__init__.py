@@ -68,15 +68,18 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     if ctx.rank == 0:
         ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch) if rc.ram is not None else {}
         listings, unreachable = shared_listings(rc)
-        listing = {"candidates": [c.to_json() for c in order_candidates(step, ram, listings)],
-                   "unreachable": unreachable}
+        listing = {
+            "candidates": [c.to_json() for c in order_candidates(step, ram, listings)],
+            "unreachable": unreachable,
+        }
     listing = ctx.broadcast(f"{key}/candidates", listing)
     candidates = [Candidate.from_json(c) for c in listing["candidates"]]
     unreachable = listing["unreachable"]
     t_plan = time.perf_counter() - t_start
     if step is not None and not candidates:
-        raise CheckpointNotFoundError(f"step {step} is not committed on any tier "
-                                      f"({', '.join(s.display_url for s in rc.storages)})")
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed on any tier ({', '.join(s.display_url for s in rc.storages)})"
+        )
     problems: list[str] = []
     for n, cand in enumerate(candidates):
         s, i = cand.step, cand.tier
@@ -97,8 +100,13 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
         if failed:
             r, err = failed[0]
             problems.append(err)
-            log.warning("step %d from %s is unusable, trying the next source: %s%s", s,
-                        origin.get("source", storage.display_url), err, "" if r == ctx.rank else f" (on rank {r})")
+            log.warning(
+                "step %d from %s is unusable, trying the next source: %s%s",
+                s,
+                origin.get("source", storage.display_url),
+                err,
+                "" if r == ctx.rank else f" (on rank {r})",
+            )
             continue
         manifest, tensors, rng_value = loaded
         t1 = time.perf_counter()
@@ -106,20 +114,39 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
         t_load = time.perf_counter() - t1
         retired = _retire_newer(rc, s, f"{key}/retired")
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        report = {"step": s, **origin, "bytes": nbytes, "saved_world_size": manifest.world_size,
-                  "plan_s": t_plan, "read_s": t_read, "load_s": t_load,
-                  "total_s": time.perf_counter() - t_start, "retired": retired}
+        report = {
+            "step": s,
+            **origin,
+            "bytes": nbytes,
+            "saved_world_size": manifest.world_size,
+            "plan_s": t_plan,
+            "read_s": t_read,
+            "load_s": t_load,
+            "total_s": time.perf_counter() - t_start,
+            "retired": retired,
+        }
         rc.emit("restore", **{k: v for k, v in report.items() if k != "received"})
-        log.info("rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s%s",
-                 ctx.rank, s, origin["source"], nbytes / 1e6, t_plan, t_read,
-                 f" of which fetching from peers {origin['fetch_s']:.2f}s" if "fetch_s" in origin else "", t_load,
-                 f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "",
-                 f"; saved by {manifest.world_size} ranks, resharded to {ctx.world_size}"
-                 if manifest.world_size != ctx.world_size else "")
+        log.info(
+            "rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s%s",
+            ctx.rank,
+            s,
+            origin["source"],
+            nbytes / 1e6,
+            t_plan,
+            t_read,
+            f" of which fetching from peers {origin['fetch_s']:.2f}s" if "fetch_s" in origin else "",
+            t_load,
+            f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "",
+            f"; saved by {manifest.world_size} ranks, resharded to {ctx.world_size}"
+            if manifest.world_size != ctx.world_size
+            else "",
+        )
         return s, report
     if problems:
-        raise CorruptCheckpointError(f"no usable checkpoint: {len(problems)} candidate(s) failed, so the live "
-                                     f"state may hold part of one; newest problem: {problems[0]}")
+        raise CorruptCheckpointError(
+            f"no usable checkpoint: {len(problems)} candidate(s) failed, so the live "
+            f"state may hold part of one; newest problem: {problems[0]}"
+        )
     if unreachable:
         raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
     _retire_newer(rc, 0, f"{key}/retired")  # incomplete RAM steps (no manifest anywhere) go too
@@ -148,8 +175,9 @@ def _retire_newer(rc: RestoreContext, step: int, key: str) -> dict[str, list[int
         try:
             dirs = [d for d in scan(storage) if d.step > step and (tier.is_ram or d.committed)]
         except StorageError as e:
-            log.warning("rank %d: cannot list %s to retire steps newer than %d: %s", ctx.rank,
-                        storage.display_url, step, e)
+            log.warning(
+                "rank %d: cannot list %s to retire steps newer than %d: %s", ctx.rank, storage.display_url, step, e
+            )
             continue
         for d in dirs:
             try:
@@ -162,9 +190,14 @@ def _retire_newer(rc: RestoreContext, step: int, key: str) -> dict[str, list[int
                 log.warning("rank %d: could not retire step %d of %s: %s", ctx.rank, d.step, storage.display_url, e)
         committed = [d.step for d in dirs if d.committed]
         if committed and step > 0:
-            log.warning("ftkit: restored step %d, so newer step(s) %s of %s are %s: this run continues from step "
-                        "%d", step, committed, storage.display_url,
-                        "dropped" if tier.is_ram else f"retired (renamed to {RETIRED_MANIFEST})", step)
+            log.warning(
+                "ftkit: restored step %d, so newer step(s) %s of %s are %s: this run continues from step %d",
+                step,
+                committed,
+                storage.display_url,
+                "dropped" if tier.is_ram else f"retired (renamed to {RETIRED_MANIFEST})",
+                step,
+            )
     if ctx.distributed:
         ctx.gather(key, None)  # nobody snapshots before every node's newer steps are gone
     return out

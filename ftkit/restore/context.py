@@ -3,8 +3,9 @@ restore code never reaches into the Checkpointer's private fields."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, MutableMapping, Sequence
+from typing import Any
 
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext

@@ -40,13 +40,13 @@ def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifes
     return out, manifests
 
 
-
 def shared_listings(rc: RestoreContext) -> tuple[list[tuple[int, list[int]]], list[str]]:
     """(tier index, committed steps) of every shared tier, fastest first, and the errors
     of those that could not be listed."""
     listings, unreachable = [], []
-    order = sorted((i for i, t in enumerate(rc.tiers) if not (t.is_ram or t.is_peer)),
-                   key=lambda i: rc.tiers[i].speed_rank)
+    order = sorted(
+        (i for i, t in enumerate(rc.tiers) if not (t.is_ram or t.is_peer)), key=lambda i: rc.tiers[i].speed_rank
+    )
     for i in order:
         try:
             listings.append((i, [d.step for d in scan(rc.storages[i]) if d.committed]))

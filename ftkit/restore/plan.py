@@ -16,8 +16,9 @@ Order of calls (restore/__init__.py)::
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ftkit.format.manifest import Manifest
 from ftkit.save.sharding import overlap
@@ -35,14 +36,21 @@ class Candidate:
     manifest_rank: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "tier": self.tier, "holders": {f: list(r) for f, r in self.holders.items()},
-                "manifest_rank": self.manifest_rank}
+        return {
+            "step": self.step,
+            "tier": self.tier,
+            "holders": {f: list(r) for f, r in self.holders.items()},
+            "manifest_rank": self.manifest_rank,
+        }
 
     @staticmethod
-    def from_json(doc: Mapping[str, Any]) -> "Candidate":
-        return Candidate(int(doc["step"]), int(doc["tier"]),
-                         {str(f): tuple(int(r) for r in rs) for f, rs in doc.get("holders", {}).items()},
-                         None if doc.get("manifest_rank") is None else int(doc["manifest_rank"]))
+    def from_json(doc: Mapping[str, Any]) -> Candidate:
+        return Candidate(
+            int(doc["step"]),
+            int(doc["tier"]),
+            {str(f): tuple(int(r) for r in rs) for f, rs in doc.get("holders", {}).items()},
+            None if doc.get("manifest_rank") is None else int(doc["manifest_rank"]),
+        )
 
 
 def _inventory_entries(inv: Any):
@@ -61,8 +69,9 @@ def _inventory_entries(inv: Any):
         yield int(s), have, need
 
 
-def ram_candidates(inventories: Sequence[Any], nodes: Sequence[str], ram_tier: int,
-                   can_fetch: bool) -> dict[int, Candidate]:
+def ram_candidates(
+    inventories: Sequence[Any], nodes: Sequence[str], ram_tier: int, can_fetch: bool
+) -> dict[int, Candidate]:
     """RAM-tier steps that can be restored: every file the manifest names is on some
     node (when files can be fetched between nodes, `can_fetch`), or on every node.
 
@@ -90,13 +99,15 @@ def ram_candidates(inventories: Sequence[Any], nodes: Sequence[str], ram_tier: i
             complete = all(need <= e["nodes"].get(n, set()) for n in all_nodes)
         if complete:  # the manifest goes through the store only when a node lacks it
             lacking = any(inv.get(s, (None, None))[1] is None for inv in parsed)
-            out[s] = Candidate(s, ram_tier, {f: tuple(r) for f, r in e["holders"].items()},
-                               e["manifest_rank"] if lacking else None)
+            out[s] = Candidate(
+                s, ram_tier, {f: tuple(r) for f, r in e["holders"].items()}, e["manifest_rank"] if lacking else None
+            )
     return out
 
 
-def order_candidates(step: int | None, ram: Mapping[int, Candidate],
-                     listings: Sequence[tuple[int, Sequence[int]]]) -> list[Candidate]:
+def order_candidates(
+    step: int | None, ram: Mapping[int, Candidate], listings: Sequence[tuple[int, Sequence[int]]]
+) -> list[Candidate]:
     """Every (step, source) to try: newest step first (only `step` when one is asked
     for); for a step, the RAM tier first, then the shared tiers in the order given
     (`listings`: (tier index, its committed steps), fastest tier first)."""
@@ -123,8 +134,9 @@ def files_for(manifest: Manifest, regions: Mapping[str, tuple[tuple[int, ...], t
     return files
 
 
-def fetch_plan(requests: Sequence[Mapping[str, Any]], holders: Mapping[str, Sequence[int]],
-               nodes: Sequence[str]) -> list[Transfer]:
+def fetch_plan(
+    requests: Sequence[Mapping[str, Any]], holders: Mapping[str, Sequence[int]], nodes: Sequence[str]
+) -> list[Transfer]:
     """One transfer per (node, file) that node lacks, to one of the node's ranks that need it.
 
     `requests[r]["missing"]`: the files rank r needs and its node lacks. Receiving

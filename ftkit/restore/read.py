@@ -108,8 +108,12 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
             if rc.peers is None or rc.peers.broken:
                 raise StorageError("files are on other nodes but there is no peer group to fetch them")
             sizes = {(t.src, t.file): manifest.files[_listed(manifest, t.file)]["bytes"] for t in plan}
-            received = rc.peers.run(plan, lambda f: _read_file(storage, step_dir, f, manifest),
-                                     lambda f, buf: _write_file(storage, step_dir, f, buf, manifest), sizes)
+            received = rc.peers.run(
+                plan,
+                lambda f: _read_file(storage, step_dir, f, manifest),
+                lambda f, buf: _write_file(storage, step_dir, f, buf, manifest),
+                sizes,
+            )
         except Exception as e:
             moved_error = f"fetching RAM-tier files from peers failed: {e}"
     moved = ctx.gather(f"{key}/moved", moved_error)  # siblings' received files are in place now
@@ -179,22 +183,28 @@ def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
         from torch.distributed.tensor import DTensor
 
         local = tensors[name].to(t.to_local().device)
-        tensors[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                                           shape=t.shape, stride=t.stride())
+        tensors[name] = DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
     rng_value = None
     if rc.rng:
         rng_value = manifest.rank_state.get(str(rc.dist.rank), {}).get("rng")
         if rng_value is None:
-            log.info("step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
-                     step, rc.dist.rank, manifest.world_size)
+            log.info(
+                "step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
+                step,
+                rc.dist.rank,
+                manifest.world_size,
+            )
         else:
             try:
                 problems = cap.rng_problems(cap.decode(rng_value, tensors))
             except KeyError as e:
                 problems = [f"it names tensor {e} that this rank did not read"]
             if problems:
-                raise CorruptCheckpointError(f"step {step}: the RNG state of rank {rc.dist.rank} is unusable: "
-                                             f"{'; '.join(problems)}")
+                raise CorruptCheckpointError(
+                    f"step {step}: the RNG state of rank {rc.dist.rank} is unusable: {'; '.join(problems)}"
+                )
     return manifest, tensors, rng_value
 
 
@@ -207,8 +217,14 @@ def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, 
         if t is None or entry.name in dtensors or entry.name not in regions:
             continue
         whole = regions[entry.name] == ((0,) * len(entry.shape), entry.shape)
-        if whole and t.device.type in ("cpu", "cuda") and t.is_contiguous() and not is_dtensor(t) \
-                and tuple(t.shape) == tuple(entry.shape) and str(t.dtype).removeprefix("torch.") == entry.dtype:
+        if (
+            whole
+            and t.device.type in ("cpu", "cuda")
+            and t.is_contiguous()
+            and not is_dtensor(t)
+            and tuple(t.shape) == tuple(entry.shape)
+            and str(t.dtype).removeprefix("torch.") == entry.dtype
+        ):
             out[entry.name] = t
     return out
 
@@ -251,8 +267,11 @@ def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor, manifest) 
 def _init_sharded_optimizers(state) -> None:
     """Give empty optimizers over DTensor parameters their state, so it can be resharded into."""
     for obj in state.values():
-        if isinstance(obj, torch.optim.Optimizer) and not obj.state and any(
-                is_dtensor(p) for g in obj.param_groups for p in g["params"]):
+        if (
+            isinstance(obj, torch.optim.Optimizer)
+            and not obj.state
+            and any(is_dtensor(p) for g in obj.param_groups for p in g["params"])
+        ):
             from torch.distributed.checkpoint.state_dict import _init_optim_state
 
             _init_optim_state(obj)

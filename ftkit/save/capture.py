@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -97,8 +98,9 @@ class _Encoder:
         if isinstance(value, torch.dtype):
             raise CaptureError(f"cannot store {path!r}: a torch.dtype value would need pickle")
         kind = "a function" if callable(value) else f"a {type(value).__module__}.{type(value).__qualname__}"
-        raise CaptureError(f"cannot store {path!r} ({kind}) without pickle; "
-                           "store tensors, numbers, strings, lists or dicts there")
+        raise CaptureError(
+            f"cannot store {path!r} ({kind}) without pickle; store tensors, numbers, strings, lists or dicts there"
+        )
 
 
 def _plain_keys(mapping: Mapping) -> bool:
@@ -172,7 +174,7 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (tag, inner), = value.items()
+        ((tag, inner),) = value.items()
         if tag == "$tensor":
             return tensors[inner]
         if tag == "$ndarray":
@@ -195,9 +197,10 @@ def rng_state() -> dict[str, Any]:
     as one int64 tensor: as a list it would be 625 skeleton values to encode at every
     snapshot, on the training thread."""
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
-                                        "gauss": gauss},
-                             "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
     np = _numpy()
     if np is not None:
         state["numpy"] = np.random.get_state()
@@ -217,9 +220,14 @@ def rng_problems(state: Any) -> list[str]:
     if py is not None:
         if isinstance(py, Mapping):
             internal, version = py.get("internal"), py.get("version")
-            ok = (isinstance(internal, torch.Tensor) and internal.dtype == torch.int64 and internal.shape == (625,)
-                  or isinstance(internal, (list, tuple)) and len(internal) == 625
-                  and all(type(x) is int for x in internal))
+            ok = (
+                isinstance(internal, torch.Tensor)
+                and internal.dtype == torch.int64
+                and internal.shape == (625,)
+                or isinstance(internal, (list, tuple))
+                and len(internal) == 625
+                and all(type(x) is int for x in internal)
+            )
             if not ok or type(version) is not int or not isinstance(py.get("gauss"), (float, type(None))):
                 out.append("Python's RNG state is malformed")
         elif not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], (list, tuple)) and len(py[1]) == 625):
@@ -230,12 +238,20 @@ def rng_problems(state: Any) -> list[str]:
     nps = state.get("numpy")
     if nps is not None:
         np = _numpy()
-        if not (isinstance(nps, tuple) and len(nps) == 5 and nps[0] == "MT19937" and np is not None
-                and isinstance(nps[1], np.ndarray) and nps[1].shape == (624,) and type(nps[2]) is int):
+        if not (
+            isinstance(nps, tuple)
+            and len(nps) == 5
+            and nps[0] == "MT19937"
+            and np is not None
+            and isinstance(nps[1], np.ndarray)
+            and nps[1].shape == (624,)
+            and type(nps[2]) is int
+        ):
             out.append("numpy's RNG state is malformed")
     cuda = state.get("cuda")
-    if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
-            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)):
+    if cuda is not None and not (
+        isinstance(cuda, (list, tuple)) and all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)
+    ):
         out.append("the CUDA RNG state is malformed")
     return out
 
@@ -260,8 +276,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.clone() for s in saved])
 
 
-def check(state: Mapping[str, Any], skeleton: Mapping[str, Any],
-          tensors: Mapping[str, torch.Tensor]) -> list[str]:
+def check(state: Mapping[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """What keeps the checkpoint from loading into the live `state` (empty: it fits).
 
     Shapes and dtypes of tensors present on both sides, the key sets of modules
@@ -296,8 +311,9 @@ def describe(problems: list[str]) -> str:
     return f"checkpoint does not fit the live state: {shown}"
 
 
-def load(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-         rng_value: Any = None) -> None:
+def load(
+    state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], rng_value: Any = None
+) -> None:
     """Load decoded values into the live `state` in place (after `check` found nothing)."""
     for key, entry in skeleton["entries"].items():
         value = decode(entry["value"], tensors)
@@ -315,8 +331,9 @@ def load(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[st
         set_rng_state(decode(rng_value, tensors))
 
 
-def apply(state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-          rng_value: Any = None) -> None:
+def apply(
+    state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], rng_value: Any = None
+) -> None:
     """check() then load(): a mismatch raises before anything in `state` changes."""
     problems = check(state, skeleton, tensors)
     if problems:
@@ -347,5 +364,3 @@ def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str
                 out += _compare(live[k], saved[k], f"{path}/{k}", strict_keys=strict_keys)
         return out
     return []
-
-

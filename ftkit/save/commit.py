@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
@@ -28,16 +29,22 @@ from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, manifest_json, step_dir_name
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
 from ftkit.save.reports import shared_report
+from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import RankWrite, discard, write_share
-from ftkit.save.sharding import Piece
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
 
 
-def commit(storage: Storage, step: int, writes: list[RankWrite], skeleton: dict[str, Any],
-           world_size: int = 1, rank_state: dict[str, Any] | None = None) -> Manifest:
+def commit(
+    storage: Storage,
+    step: int,
+    writes: list[RankWrite],
+    skeleton: dict[str, Any],
+    world_size: int = 1,
+    rank_state: dict[str, Any] | None = None,
+) -> Manifest:
     """Write the manifest that makes `step` exist (atomic on every backend); return it as read back."""
     done = commit_docs(storage, step, [w.to_json() for w in writes], skeleton, world_size, rank_state or {})
     assert done.manifest is not None
@@ -64,15 +71,24 @@ def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if prev is None:
                 merged[t["name"]] = {**t, "shards": list(t["shards"])}
             elif (prev["dtype"], prev["shape"], prev["kind"]) != (t["dtype"], t["shape"], t["kind"]):
-                raise FtkitError(f"ranks disagree about tensor {t['name']!r}: {prev['dtype']}{prev['shape']} "
-                                 f"vs {t['dtype']}{t['shape']}")
+                raise FtkitError(
+                    f"ranks disagree about tensor {t['name']!r}: {prev['dtype']}{prev['shape']} "
+                    f"vs {t['dtype']}{t['shape']}"
+                )
             else:
                 prev["shards"].extend(t["shards"])
     return list(merged.values())
 
 
-def commit_docs(storage: Storage, step: int, writes: list[dict[str, Any]], skeleton: dict[str, Any],
-                 world_size: int, rank_state: dict[str, Any], present: set[str] | None = None) -> Committed:
+def commit_docs(
+    storage: Storage,
+    step: int,
+    writes: list[dict[str, Any]],
+    skeleton: dict[str, Any],
+    world_size: int,
+    rank_state: dict[str, Any],
+    present: set[str] | None = None,
+) -> Committed:
     """commit() from the ranks' reports as they arrived: the manifest is assembled from
     the JSON documents, never rebuilt as dataclasses, then validated as any reader
     would validate it (the reports came through the store: untrusted) before it is
@@ -89,8 +105,9 @@ def commit_docs(storage: Storage, step: int, writes: list[dict[str, Any]], skele
         raise FormatError(f"{storage.where(rel)}: a rank's report is malformed ({type(e).__name__}: {e})") from None
     data = manifest_json(step, world_size, tensors, skeleton, files, rank_state, time.time(), writer_info())
     manifest = manifest_from_json(data, storage.where(rel), step)
-    check_files_present(storage, step, {f: info["bytes"] for f, info in files.items()
-                                         if present is None or f in present})
+    check_files_present(
+        storage, step, {f: info["bytes"] for f, info in files.items() if present is None or f in present}
+    )
     storage.write_bytes_atomic(rel, data)
     return Committed(sum(w["nbytes"] for w in writes), data, manifest)
 
@@ -103,14 +120,26 @@ def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -
     for name, nbytes in expected.items():
         if sizes.get(name) != nbytes:
             what = "is gone" if name not in sizes else f"is {sizes[name]} bytes, not {nbytes}"
-            raise StorageError(f"step {step} not committed to {storage.display_url}: data file {name} {what} "
-                               "(removed or changed by someone else?)")
+            raise StorageError(
+                f"step {step} not committed to {storage.display_url}: data file {name} {what} "
+                "(removed or changed by someone else?)"
+            )
 
 
-def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
-            compress: str | None, pieces: Mapping[str, Piece] | None = None, rng: Any = None,
-            ctx: DistContext | None = None, key: str = "", ledger: KeyLedger | None = None,
-            at: tuple[int, int] = (0, 0)) -> Committed | None:
+def persist(
+    storage: Storage,
+    step: int,
+    slot: Slot,
+    skeleton: dict[str, Any],
+    *,
+    compress: str | None,
+    pieces: Mapping[str, Piece] | None = None,
+    rng: Any = None,
+    ctx: DistContext | None = None,
+    key: str = "",
+    ledger: KeyLedger | None = None,
+    at: tuple[int, int] = (0, 0),
+) -> Committed | None:
     """Persist one step: every rank writes its data, rank 0 commits after all did.
 
     Ranks report to rank 0 through the store (`key`/rank): the file they wrote,
@@ -127,8 +156,10 @@ def persist(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *
     write, error = write_share(storage, step, slot, pieces, compress, ctx.rank)
     fault_point("persist", step, ctx.rank)  # data written, not yet reported
     if ctx.distributed:
-        ctx.put(f"{key}/{ctx.rank}", {"write": write.to_json() if write else None,
-                                      "error": str(error) if error else None, "rng": rng})
+        ctx.put(
+            f"{key}/{ctx.rank}",
+            {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng},
+        )
     if error is not None:
         raise error
     assert write is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ftkit.coord.dist import DistContext
 
@@ -33,13 +33,13 @@ class KeyLedger:
         self._keys: list[tuple[tuple[int, int], str]] = []
 
     @staticmethod
-    def node_local(rank: int) -> "KeyLedger":
+    def node_local(rank: int) -> KeyLedger:
         """persist_node_local's keys of one rank: its reports, and rank 0's manifest."""
         manifest = ["manifest"] if rank == 0 else []
         return KeyLedger(lambda key: [f"{key}/{n}" for n in (f"w/{rank}", f"r/{rank}", *manifest)])
 
     @staticmethod
-    def shared(world_size: int) -> "KeyLedger":
+    def shared(world_size: int) -> KeyLedger:
         """persist's keys of a step rank 0 skipped: every rank's report, which rank 0 would have deleted."""
         return KeyLedger(lambda key: [f"{key}/{r}" for r in range(world_size)])
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ class Layout:
     total_bytes: int
 
     @staticmethod
-    def of(named: Sequence[tuple[str, torch.Tensor]]) -> "Layout":
+    def of(named: Sequence[tuple[str, torch.Tensor]]) -> Layout:
         entries, offset = [], 0
         for name, t in named:
             nbytes = t.numel() * t.element_size()

@@ -15,7 +15,8 @@ ranks receiving that rank's replica.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
@@ -34,11 +35,22 @@ from ftkit.tiers.storage import Storage
 log = logging.getLogger(__name__)
 
 
-def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[str, Any], *,
-                       compress: str | None, pieces: Mapping[str, Piece] | None, rng: Any,
-                       ctx: DistContext, key: str, peers: PeerGroup | None = None,
-                       replicas: int = 0, ledger: KeyLedger | None = None,
-                       at: tuple[int, int] = (0, 0)) -> Committed | None:
+def persist_node_local(
+    storage: Storage,
+    step: int,
+    slot: Slot,
+    skeleton: dict[str, Any],
+    *,
+    compress: str | None,
+    pieces: Mapping[str, Piece] | None,
+    rng: Any,
+    ctx: DistContext,
+    key: str,
+    peers: PeerGroup | None = None,
+    replicas: int = 0,
+    ledger: KeyLedger | None = None,
+    at: tuple[int, int] = (0, 0),
+) -> Committed | None:
     """Persist one step to a node-local tier (the RAM tier), with peer replicas.
 
     1. every rank writes its data file into its node's directory and reports it;
@@ -59,12 +71,14 @@ def persist_node_local(storage: Storage, step: int, slot: Slot, skeleton: dict[s
     with older_keys(ledger, at) as older:
         if ledger:
             ledger.record(at, key)
-        return _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers,
-                                   replicas, older)
+        return _persist_node_local(
+            storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers, replicas, older
+        )
 
 
-def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers, replicas,
-                        older: list) -> Committed | None:
+def _persist_node_local(
+    storage, step, slot, skeleton, compress, pieces, rng, ctx, key, peers, replicas, older: list
+) -> Committed | None:
     """persist_node_local's work; empties `older` once it has deleted those keys."""
     try:
         write, error = write_share(storage, step, slot, pieces, compress, ctx.rank)
@@ -95,9 +109,15 @@ def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ct
             writes = [r.write_doc() for r in reports if r.file]
             if failures:
                 raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
-            committed = commit_docs(storage, step, writes, skeleton, ctx.world_size,
-                                     {str(r.rank): {"rng": r.rng} for r in reports},
-                                     present={r.file for r in reports if r.file and ctx.nodes[r.rank] == ctx.node})
+            committed = commit_docs(
+                storage,
+                step,
+                writes,
+                skeleton,
+                ctx.world_size,
+                {str(r.rank): {"rng": r.rng} for r in reports},
+                present={r.file for r in reports if r.file and ctx.nodes[r.rank] == ctx.node},
+            )
         except BaseException:
             discard(storage, step, [w["file"] for w in writes])
             if ctx.distributed:
@@ -121,8 +141,15 @@ def _persist_node_local(storage, step, slot, skeleton, compress, pieces, rng, ct
     return None
 
 
-def _replicate(storage: Storage, step: int, reports: list[NodeReport], ctx: DistContext, peers: PeerGroup,
-               replicas: int, own_bytes=None) -> None:
+def _replicate(
+    storage: Storage,
+    step: int,
+    reports: list[NodeReport],
+    ctx: DistContext,
+    peers: PeerGroup,
+    replicas: int,
+    own_bytes=None,
+) -> None:
     """Send this rank's file to its replica targets; store verified copies of what arrives.
 
     `own_bytes`: this rank's data file as a uint8 tensor when it is in memory
@@ -153,8 +180,11 @@ def _replicate(storage: Storage, step: int, reports: list[NodeReport], ctx: Dist
         for t in tensors:
             for sh in t["shards"]:
                 for c in sh["chunks"]:
-                    codec.check(data[c["offset"]:c["offset"] + c["length"]], c["checksum"],
-                                f"replica {name} of step {step} (tensor {t['name']!r})")
+                    codec.check(
+                        data[c["offset"] : c["offset"] + c["length"]],
+                        c["checksum"],
+                        f"replica {name} of step {step} (tensor {t['name']!r})",
+                    )
         with storage.open_write(f"{step_dir}/{name}", recycle=True) as f:
             f.write(data)
 

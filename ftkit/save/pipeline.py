@@ -18,8 +18,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
@@ -47,8 +48,18 @@ class PersistJob:
 
 
 class PersistPipeline:
-    def __init__(self, tiers: Sequence[Tier], storages: Sequence[Any], keys: dict[int, KeyLedger], ctx: DistContext,
-                 peers: Any, replicas: int, stats: Any, emit: Callable[..., None], release: Callable[[Slot], None]):
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        storages: Sequence[Any],
+        keys: dict[int, KeyLedger],
+        ctx: DistContext,
+        peers: Any,
+        replicas: int,
+        stats: Any,
+        emit: Callable[..., None],
+        release: Callable[[Slot], None],
+    ):
         self.tiers, self.storages, self.keys = tiers, storages, keys
         self.ctx = ctx  # the thread's own store connection (DistContext.own_connection)
         self.peers, self.replicas = peers, replicas
@@ -103,20 +114,52 @@ class PersistPipeline:
             key = commit_key(i, job.epoch, job.step)
             if tier.is_ram:
                 committed = persist_node_local(
-                    storage, job.step, job.slot, job.skeleton, compress=tier.compress, pieces=job.pieces,
-                    rng=job.rng, ctx=self.ctx, key=key, peers=self.peers, replicas=self.replicas,
-                    ledger=self.keys[i], at=(job.epoch, job.step))
+                    storage,
+                    job.step,
+                    job.slot,
+                    job.skeleton,
+                    compress=tier.compress,
+                    pieces=job.pieces,
+                    rng=job.rng,
+                    ctx=self.ctx,
+                    key=key,
+                    peers=self.peers,
+                    replicas=self.replicas,
+                    ledger=self.keys[i],
+                    at=(job.epoch, job.step),
+                )
             else:
-                committed = persist(storage, job.step, job.slot, job.skeleton, compress=tier.compress,
-                                    pieces=job.pieces, rng=job.rng, ctx=self.ctx, key=key,
-                                    ledger=self.keys[i], at=(job.epoch, job.step))
+                committed = persist(
+                    storage,
+                    job.step,
+                    job.slot,
+                    job.skeleton,
+                    compress=tier.compress,
+                    pieces=job.pieces,
+                    rng=job.rng,
+                    ctx=self.ctx,
+                    key=key,
+                    ledger=self.keys[i],
+                    at=(job.epoch, job.step),
+                )
             self.stats.persisted += 1
             self.stats.last_committed[redact_url(tier.url)] = job.step
-            self.emit("persist", step=job.step, tier=redact_url(tier.url), ok=True,
-                      seconds=time.perf_counter() - t0, committed_by_me=committed is not None)
+            self.emit(
+                "persist",
+                step=job.step,
+                tier=redact_url(tier.url),
+                ok=True,
+                seconds=time.perf_counter() - t0,
+                committed_by_me=committed is not None,
+            )
             if committed is not None:  # rank 0: the commit is ours, and so is retention
-                log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, storage.display_url,
-                         committed.stored_bytes / 1e6, time.perf_counter() - t0)
+                log.info(
+                    "step %d committed to %s (%.1f MB in %.2fs)",
+                    job.step,
+                    storage.display_url,
+                    committed.stored_bytes / 1e6,
+                    time.perf_counter() - t0,
+                )
             if committed is not None or (tier.is_ram and self.ctx.node_leader(self.ctx.rank)):
                 for step in apply_job_retention(storage, tier.keep, tier.keep_every, protect=job.step):
                     log.debug("retention removed step %d from %s", step, storage.display_url)

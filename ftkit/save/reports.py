@@ -60,13 +60,18 @@ class NodeReport:
 
     @staticmethod
     def encode(write: RankWrite | None, error: str | None, rng: Any, skipped: bool = False) -> str:
-        head = {"file": write.file if write else None, "nbytes": write.nbytes if write else 0,
-                "error": error, "rng": rng, "skipped": skipped}
+        head = {
+            "file": write.file if write else None,
+            "nbytes": write.nbytes if write else 0,
+            "error": error,
+            "rng": rng,
+            "skipped": skipped,
+        }
         tensors = [tensor_entry_doc(t) for t in write.tensors] if write else []
         return json.dumps(head) + "\n" + json.dumps(tensors)  # json.dumps never emits a raw newline
 
     @staticmethod
-    def decode(rank: int, text: str, world_size: int) -> "NodeReport":
+    def decode(rank: int, text: str, world_size: int) -> NodeReport:
         """A report as read from the store: untrusted, so its head is validated here
         (a file name is a plain name inside the step directory) and its tensors by
         `tensors()`, the only way they are read."""
@@ -81,8 +86,9 @@ class NodeReport:
         nbytes = h.get("nbytes", 0)
         if type(nbytes) is not int or not 0 <= nbytes <= MAX_INT:
             raise FormatError(f"{where} has a bad byte count")
-        return NodeReport(rank, file, nbytes, h["error"], h.get("rng"), tensors or "[]", h.get("skipped") is True,
-                       world_size)
+        return NodeReport(
+            rank, file, nbytes, h["error"], h.get("rng"), tensors or "[]", h.get("skipped") is True, world_size
+        )
 
     def tensors(self, validate: bool = True) -> list[dict[str, Any]]:
         """The reported tensor entries, validated against this report's file
@@ -113,7 +119,6 @@ def decode_report(rank: int, text: str, world_size: int) -> NodeReport:
 
 
 def report_skipped(ctx: DistContext, key: str, node_local: bool, reason: str) -> None:
-
     """Policy "skip": tell the other ranks at once that this rank will not write the
     step of `key`, so nobody waits for its share (or, from rank 0, for a manifest)."""
     if not node_local:

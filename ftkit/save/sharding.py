@@ -19,9 +19,8 @@ with each saved shard so only overlapping chunks are read.
 from __future__ import annotations
 
 import sys
-
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -76,8 +75,9 @@ def row_block(n: int, parts: int, i: int) -> tuple[int, int]:
     return n * i // parts, n * (i + 1) // parts
 
 
-def plan_pieces(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int,
-                rng_prefix: str = "_rng/") -> list[tuple[Piece, torch.Tensor]]:
+def plan_pieces(
+    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int, rng_prefix: str = "_rng/"
+) -> list[tuple[Piece, torch.Tensor]]:
     """The pieces this rank saves, each with the source tensor (view) to copy from."""
     if any(is_dtensor(t) for _, t in named):
         return _plan_pieces(named, rank, world_size, rng_prefix)
@@ -87,19 +87,21 @@ def plan_pieces(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size
     cached = _PLAN_CACHE.get(signature)
     if cached is None:
         index = {n: i for i, (n, _) in enumerate(named)}
-        cached = [(p, index[p.name], p.offsets[0] if p.lengths != p.global_shape else None)
-                  for p, _ in _plan_pieces(named, rank, world_size, rng_prefix)]
+        cached = [
+            (p, index[p.name], p.offsets[0] if p.lengths != p.global_shape else None)
+            for p, _ in _plan_pieces(named, rank, world_size, rng_prefix)
+        ]
         _PLAN_CACHE.clear()  # one state per process is the rule; keep only the latest plan
         _PLAN_CACHE[signature] = cached
-    return [(p, named[i][1] if start is None else named[i][1][start:start + p.lengths[0]])
-            for p, i, start in cached]
+    return [(p, named[i][1] if start is None else named[i][1][start : start + p.lengths[0]]) for p, i, start in cached]
 
 
 _PLAN_CACHE: dict[tuple, list[tuple[Piece, int, int | None]]] = {}
 
 
-def _plan_pieces(named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int,
-                 rng_prefix: str) -> list[tuple[Piece, torch.Tensor]]:
+def _plan_pieces(
+    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int, rng_prefix: str
+) -> list[tuple[Piece, torch.Tensor]]:
     mine: list[tuple[Piece, torch.Tensor]] = []
     load = [0] * world_size  # bytes assigned per rank, for balancing small tensors
     for name, t in named:
@@ -140,8 +142,13 @@ def overlap(a_off: Sequence[int], a_len: Sequence[int], b_off: Sequence[int], b_
     return tuple(offs), tuple(lens)
 
 
-def byte_span(region_off: Sequence[int], region_len: Sequence[int], shard_off: Sequence[int],
-              shard_len: Sequence[int], itemsize: int) -> tuple[int, int]:
+def byte_span(
+    region_off: Sequence[int],
+    region_len: Sequence[int],
+    shard_off: Sequence[int],
+    shard_len: Sequence[int],
+    itemsize: int,
+) -> tuple[int, int]:
     """[start, stop) bytes of a shard's row-major data that cover `region` (a superset)."""
     if not shard_len:
         return 0, itemsize

@@ -67,7 +67,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -113,8 +114,7 @@ class Slot:
             grew = True
         if grew or layout != self.layout:
             self.views = {
-                e.name: self.buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-                for e in layout.entries
+                e.name: self.buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries
             }
             # The alignment gaps are part of the slot's byte image (written and sent as
             # is): zero them, so no stale heap bytes leave the process.
@@ -139,8 +139,9 @@ class Slot:
         self.buffer, self.pinned_by, self.capacity = torch.empty(0, dtype=torch.uint8), None, 0
         self.ops.free_host(buf, how)
 
-    def fill(self, named: Sequence[tuple[str, torch.Tensor]], side_stream: Any = None,
-             in_order: Collection[str] = ()) -> None:
+    def fill(
+        self, named: Sequence[tuple[str, torch.Tensor]], side_stream: Any = None, in_order: Collection[str] = ()
+    ) -> None:
         """Copy the tensors in: CPU ones now, device ones queued (see the module docstring).
 
         side_stream: the stream for large device tensors (default: the arena's own).
@@ -165,8 +166,12 @@ class Slot:
                         dst.copy_(t)
                         continue
                     device = ops.device_of(t)
-                    if side_stream is not None and device == side_device and name not in in_order \
-                            and t.numel() * t.element_size() >= _SMALL_TENSOR_BYTES:
+                    if (
+                        side_stream is not None
+                        and device == side_device
+                        and name not in in_order
+                        and t.numel() * t.element_size() >= _SMALL_TENSOR_BYTES
+                    ):
                         big.append((dst, t))
                     else:
                         in_stream_order.setdefault(device, []).append((dst, t))
@@ -250,12 +255,12 @@ class Slot:
 
     def bytes_of(self, e: TensorSlot) -> memoryview:
         """The staged bytes of one entry of the layout."""
-        return _bytes_view(self.buffer[e.offset:e.offset + e.nbytes])
+        return _bytes_view(self.buffer[e.offset : e.offset + e.nbytes])
 
     def image(self) -> torch.Tensor:
         """The whole staged layout as one uint8 tensor: every entry at its offset, zeroed gaps."""
         assert self.layout is not None
-        return self.buffer[:self.layout.total_bytes]
+        return self.buffer[: self.layout.total_bytes]
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -268,8 +273,9 @@ class StagingArena:
     ops: the device operations (default: the module's ``DEVICE``, CUDA).
     """
 
-    def __init__(self, slots: int = 2, budget_bytes: int | None = None, pin: bool | None = None,
-                 ops: DeviceOps | None = None):
+    def __init__(
+        self, slots: int = 2, budget_bytes: int | None = None, pin: bool | None = None, ops: DeviceOps | None = None
+    ):
         if slots < 1:
             raise ValueError("the staging arena needs at least one slot")
         self.max_slots = slots

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ftkit.errors import AlreadyCommitted, StorageError
 from ftkit.format import codec
@@ -34,17 +35,28 @@ class RankWrite:
     tensors: tuple[TensorEntry, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes,
-                "tensors": [tensor_entry_doc(t) for t in self.tensors]}
+        return {
+            "rank": self.rank,
+            "file": self.file,
+            "nbytes": self.nbytes,
+            "tensors": [tensor_entry_doc(t) for t in self.tensors],
+        }
 
 
 def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Piece] | None = None, *,
-               compress: str | None, rank: int = 0,
-               progress: Callable[[int], None] | None = None) -> RankWrite:
+def write_data(
+    storage: Storage,
+    step: int,
+    slot: Slot,
+    pieces: Mapping[str, Piece] | None = None,
+    *,
+    compress: str | None,
+    rank: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> RankWrite:
     """Write every staged tensor of `slot` into one new data file of `step`.
 
     `pieces` says which region of which global tensor each staged tensor is
@@ -68,23 +80,31 @@ def write_data(storage: Storage, step: int, slot: Slot, pieces: Mapping[str, Pie
             f.write(whole)
         for e in slot.layout.entries:
             # One view of the image, sliced per tensor: a tensor view per entry costs more than its hash.
-            raw = whole[e.offset:e.offset + e.nbytes] if whole is not None else slot.bytes_of(e)
+            raw = whole[e.offset : e.offset + e.nbytes] if whole is not None else slot.bytes_of(e)
             chunks = []
             for raw_off in range(0, e.nbytes, CHUNK_BYTES):
-                piece = raw[raw_off:raw_off + CHUNK_BYTES]
+                piece = raw[raw_off : raw_off + CHUNK_BYTES]
                 if image:
                     codec_name, stored, at = "raw", piece, e.offset + raw_off
                 else:
                     codec_name, stored = codec.encode(piece, compress)
                     f.write(stored)
                     at, offset = offset, offset + len(stored)
-                chunks.append(Chunk(file_name, at, len(stored), raw_off, len(piece), codec_name,
-                                    codec.checksum(stored)))
+                chunks.append(
+                    Chunk(file_name, at, len(stored), raw_off, len(piece), codec_name, codec.checksum(stored))
+                )
                 if progress:
                     progress(len(piece))
             p = (pieces or {}).get(e.name) or Piece(e.name, REPLICATED, e.shape, (0,) * len(e.shape), e.shape)
-            entries.append(TensorEntry(e.name, dtype_name(e.dtype), p.global_shape,
-                                       (Shard(p.offsets, p.lengths, tuple(chunks), rank),), p.kind))
+            entries.append(
+                TensorEntry(
+                    e.name,
+                    dtype_name(e.dtype),
+                    p.global_shape,
+                    (Shard(p.offsets, p.lengths, tuple(chunks), rank),),
+                    p.kind,
+                )
+            )
     return RankWrite(rank, file_name, slot.layout.total_bytes if image else offset, tuple(entries))
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Callable
+from collections.abc import Callable
 
 from ftkit.errors import CorruptCheckpointError, StorageError
 
 
 def local_kind(entry: os.DirEntry) -> str:
-    """"file", "directory", "link" (never followed) or "other" (FIFO, socket, device)."""
+    """ "file", "directory", "link" (never followed) or "other" (FIFO, socket, device)."""
     if entry.is_symlink():
         return "link"
     if entry.is_dir(follow_symlinks=False):
@@ -36,8 +36,10 @@ def no_links_within(root: str, rel: str, where: Callable[[str], str]) -> None:
         at = os.path.join(at, p)
         try:
             if stat.S_ISLNK(os.lstat(at).st_mode):
-                raise StorageError(f"{where(rel)}: {where(at[len(root) + 1:])} is a symbolic "
-                                   "link; ftkit does not follow links inside a tier")
+                raise StorageError(
+                    f"{where(rel)}: {where(at[len(root) + 1 :])} is a symbolic "
+                    "link; ftkit does not follow links inside a tier"
+                )
         except FileNotFoundError:
             return
 
@@ -64,8 +66,13 @@ def open_regular(path: str, shown: str):
 
 
 def mode_name(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"

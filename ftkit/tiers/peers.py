@@ -9,7 +9,8 @@ Transport: a dedicated gloo process group created for this (never the training
 group), used only from ftkit's background thread while persisting and from
 restore() on the main thread. Every rank posts all its sends and receives at
 once (non-blocking), in the order of one list of transfers all ranks agree on,
-so messages between the same two ranks match up and no order can deadlock. The group has its own timeout, so a dead peer costs a bounded wait;
+so messages between the same two ranks match up and no order can deadlock.
+The group has its own timeout, so a dead peer costs a bounded wait;
 after a failure the group is considered broken and replication stops until the
 job restarts (the watchdog's business).
 """
@@ -17,9 +18,9 @@ job restarts (the watchdog's business).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 
@@ -52,7 +53,7 @@ class _Layout:
     local_index: tuple[int, ...]
 
     @staticmethod
-    def of(nodes: Sequence[str]) -> "_Layout":
+    def of(nodes: Sequence[str]) -> _Layout:
         members: dict[str, list[int]] = {}
         local = []
         for r, n in enumerate(nodes):
@@ -60,8 +61,9 @@ class _Layout:
             local.append(len(group))
             group.append(r)
         order = tuple(members)
-        return _Layout(order, {n: tuple(m) for n, m in members.items()}, {n: i for i, n in enumerate(order)},
-                       tuple(local))
+        return _Layout(
+            order, {n: tuple(m) for n, m in members.items()}, {n: i for i, n in enumerate(order)}, tuple(local)
+        )
 
     def targets(self, rank: int, nodes: Sequence[str], k: int) -> list[int]:
         start, count = self.position[nodes[rank]], len(self.order)
@@ -102,8 +104,9 @@ class PeerGroup:
         self.broken: str | None = None
         self._buffers: list[torch.Tensor] = []  # receive buffers kept between runs (keep_buffers)
 
-    def run(self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int],
-            keep_buffers: bool = False) -> list[str]:
+    def run(
+        self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int], keep_buffers: bool = False
+    ) -> list[str]:
         """Execute the transfers this rank takes part in, all at once.
 
         read(file) -> uint8 tensor of a file this rank sends; write(file, tensor) stores

@@ -54,8 +54,9 @@ import os
 import re
 import stat
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
 from ftkit.tiers.redact import redact_url
@@ -77,8 +78,10 @@ def validate_job_id(job: str) -> str:
     """
     if not isinstance(job, str) or not _VALID_NAME.fullmatch(job):
         shown = job if isinstance(job, str) and len(job) <= 80 else f"{str(job)[:80]}..."
-        raise InvalidJobIdError(f"invalid job id {shown!r}: use 1-128 letters, digits, '.', '_' or '-', "
-                                "not starting with '.' or '-' (a directory name under the RAM root)")
+        raise InvalidJobIdError(
+            f"invalid job id {shown!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "not starting with '.' or '-' (a directory name under the RAM root)"
+        )
     return job
 
 
@@ -87,8 +90,10 @@ def _name_from(raw: str, what: str) -> str:
     try:
         return validate_job_id(_SAFE.sub("_", raw.strip()))
     except InvalidJobIdError:
-        raise RunIdentityError(f"{what} {raw[:80]!r} cannot name a RAM-tier directory: use 1-128 letters, "
-                               "digits, '.', '_' or '-', not starting with '.' or '-'") from None
+        raise RunIdentityError(
+            f"{what} {raw[:80]!r} cannot name a RAM-tier directory: use 1-128 letters, "
+            "digits, '.', '_' or '-', not starting with '.' or '-'"
+        ) from None
 
 
 def ram_root() -> str:
@@ -111,8 +116,10 @@ def job_id() -> str:
     """
     named = _named_run()
     if named is None:
-        raise RunIdentityError(f"no job id given and $FTKIT_RUN_ID / $FTKIT_JOB_ID are unset: name the "
-                               f"job (its directory under {ram_root()})")
+        raise RunIdentityError(
+            f"no job id given and $FTKIT_RUN_ID / $FTKIT_JOB_ID are unset: name the "
+            f"job (its directory under {ram_root()})"
+        )
     return _name_from(named[1], f"${named[0]}")
 
 
@@ -134,7 +141,7 @@ class RunIdentity:
 def _location(url: str) -> str:
     """A durable tier's location, credentials removed: the same on every restart of the run."""
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     if "://" not in url:
         return os.path.normpath(os.path.abspath(url))
     return redact_url(url).rstrip("/")
@@ -165,7 +172,8 @@ def run_identity(durable_urls: Iterable[str], run_id: str | None = None) -> RunI
             'the "ram" tier cannot tell which run it belongs to (no run_id, no $FTKIT_RUN_ID or '
             "$FTKIT_JOB_ID, no durable tier, no torchrun --rdzv-id), so it would share its snapshots with "
             'every other run on this host. Name the run: Checkpointer(..., run_id="my-run") or '
-            "FTKIT_RUN_ID=my-run (a restarted run must use the same name)")
+            "FTKIT_RUN_ID=my-run (a restarted run must use the same name)"
+        )
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
     return RunIdentity(f"run-{digest[:16]}", record, source)
 
@@ -178,19 +186,25 @@ def _check_private(path: str, what: str, st: os.stat_result | None = None) -> No
     except OSError as e:
         raise UnsafeRamDirError(f"RAM tier {what} {path}: cannot stat it ({e.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafeRamDirError(f"RAM tier {what} {path} is a symlink; refusing to follow it "
-                                f"(remove it, or set FTKIT_RAM_DIR to a directory of your own)")
+        raise UnsafeRamDirError(
+            f"RAM tier {what} {path} is a symlink; refusing to follow it "
+            f"(remove it, or set FTKIT_RAM_DIR to a directory of your own)"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeRamDirError(f"RAM tier {what} {path} is not a directory")
     if st.st_uid != os.geteuid():
-        raise UnsafeRamDirError(f"RAM tier {what} {path} is owned by uid {st.st_uid}, not by this process "
-                                f"(uid {os.geteuid()}); refusing to use it (set FTKIT_RAM_DIR to a directory "
-                                "of your own)")
+        raise UnsafeRamDirError(
+            f"RAM tier {what} {path} is owned by uid {st.st_uid}, not by this process "
+            f"(uid {os.geteuid()}); refusing to use it (set FTKIT_RAM_DIR to a directory "
+            "of your own)"
+        )
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
-        raise UnsafeRamDirError(f"RAM tier {what} {path} has mode {mode:04o}: others can write into it "
-                                f"(plant or replace snapshots); refusing to use it (chmod 700 it, or set "
-                                "FTKIT_RAM_DIR to a private directory)")
+        raise UnsafeRamDirError(
+            f"RAM tier {what} {path} has mode {mode:04o}: others can write into it "
+            f"(plant or replace snapshots); refusing to use it (chmod 700 it, or set "
+            "FTKIT_RAM_DIR to a private directory)"
+        )
     if mode & 0o077:  # readable by others, but nothing can have been planted: make it private
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
@@ -271,7 +285,8 @@ def _bind(job_path: str, identity: RunIdentity) -> None:
         raise RunIdentityError(
             f"RAM tier directory {job_path} belongs to another run (recorded {json.dumps(recorded)[:200]}; "
             f"this run is {json.dumps(identity.record)[:200]}); refusing to reuse it. Give this run another "
-            f"name (run_id / $FTKIT_RUN_ID), or remove that one: ftkit gc ram --job {os.path.basename(job_path)}")
+            f"name (run_id / $FTKIT_RUN_ID), or remove that one: ftkit gc ram --job {os.path.basename(job_path)}"
+        )
 
 
 def open_node_dir(identity: RunIdentity, node: str) -> str:

@@ -26,8 +26,9 @@ class RetentionPlan:
     delete: tuple[int, ...]
 
 
-def plan_retention(committed: list[int], keep: int | None, keep_every: int | None = None,
-                   protect: int | None = None) -> RetentionPlan:
+def plan_retention(
+    committed: list[int], keep: int | None, keep_every: int | None = None, protect: int | None = None
+) -> RetentionPlan:
     steps = sorted(set(committed))
     if keep is None:
         return RetentionPlan(tuple(steps), ())
@@ -112,8 +113,9 @@ JOB_UPLOAD_GRACE_S = 6 * 3600.0  # an upload this old is nobody's (a 6-hour sing
 JOB_UPLOAD_CHECK_S = 3600.0  # a running job lists incomplete uploads at most this often per tier
 
 
-def apply_job_retention(storage: Storage, keep: int | None, keep_every: int | None, protect: int,
-                        upload_grace_s: float = JOB_UPLOAD_GRACE_S) -> list[int]:
+def apply_job_retention(
+    storage: Storage, keep: int | None, keep_every: int | None, protect: int, upload_grace_s: float = JOB_UPLOAD_GRACE_S
+) -> list[int]:
     """A running job's retention after it committed step `protect`; returns the steps removed.
 
     The job trusts the step it has just committed (written, checksummed and its
@@ -126,8 +128,12 @@ def apply_job_retention(storage: Storage, keep: int | None, keep_every: int | No
     refused = [d.step for d in dirs if d.status in ("link", "bad")]
     if refused and storage.url not in _warned:
         _warned.add(storage.url)
-        log.warning("ftkit: %s holds step directories that are symbolic links or whose manifest is no regular "
-                    "file: %s; retention leaves them alone (see `ftkit ls`)", storage.display_url, refused)
+        log.warning(
+            "ftkit: %s holds step directories that are symbolic links or whose manifest is no regular "
+            "file: %s; retention leaves them alone (see `ftkit ls`)",
+            storage.display_url,
+            refused,
+        )
     plan = plan_retention([d.step for d in dirs if d.committed], keep, keep_every, protect=protect)
     abandoned = [d.step for d in dirs if d.status in ("partial", "retired") and d.step < protect]
     removed = []
@@ -140,8 +146,12 @@ def apply_job_retention(storage: Storage, keep: int | None, keep_every: int | No
         try:
             n = abort_stale_uploads(storage, upload_grace_s)
             if n:
-                log.info("ftkit: aborted %d incomplete upload(s) older than %.0fs below %s", n, upload_grace_s,
-                         storage.display_url)
+                log.info(
+                    "ftkit: aborted %d incomplete upload(s) older than %.0fs below %s",
+                    n,
+                    upload_grace_s,
+                    storage.display_url,
+                )
         except StorageError as e:  # only costs money: never a reason to fail a persist
             log.warning("ftkit: could not clear incomplete uploads below %s: %s", storage.display_url, e)
     return removed

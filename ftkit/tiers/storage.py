@@ -28,7 +28,8 @@ import shutil
 import stat
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -44,16 +45,32 @@ log = logging.getLogger(__name__)
 
 # Protocols whose fsspec backend lives in another package: the install hint.
 INSTALL_HINTS = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
-    "abfs": "adlfs", "abfss": "adlfs", "hf": "huggingface_hub", "sftp": "paramiko", "ssh": "paramiko",
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "hf": "huggingface_hub",
+    "sftp": "paramiko",
+    "ssh": "paramiko",
 }
 # Bounded timeouts so an unreachable endpoint is an error in seconds, not minutes.
 S3_DEFAULTS: dict[str, Any] = {
-    "config_kwargs": {"connect_timeout": 5, "read_timeout": 120,
-                      "retries": {"max_attempts": 3, "mode": "standard"}},
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}},
 }
-_SECRET_KEYS = ("key", "secret", "token", "password", "aws_secret_access_key",
-                "aws_access_key_id", "aws_session_token", "access_key", "secret_key")
+_SECRET_KEYS = (
+    "key",
+    "secret",
+    "token",
+    "password",
+    "aws_secret_access_key",
+    "aws_access_key_id",
+    "aws_session_token",
+    "access_key",
+    "secret_key",
+)
 
 
 def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -89,11 +106,14 @@ class Storage:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         except ImportError:
             pkg = INSTALL_HINTS.get(protocol, "the fsspec backend for it")
-            raise UnknownProtocolError(f"{self.display_url}: protocol {protocol!r} needs {pkg}: pip install {pkg}") from None
+            raise UnknownProtocolError(
+                f"{self.display_url}: protocol {protocol!r} needs {pkg}: pip install {pkg}"
+            ) from None
         except ValueError as e:
             if "Protocol not known" in str(e) or "not known" in str(e):
-                raise UnknownProtocolError(f"{self.display_url}: unknown storage protocol {protocol!r} "
-                                   "(not a protocol fsspec knows)") from None
+                raise UnknownProtocolError(
+                    f"{self.display_url}: unknown storage protocol {protocol!r} (not a protocol fsspec knows)"
+                ) from None
             raise StorageError(self._scrub(f"{self.display_url}: bad storage URL or options: {e}")) from None
         except Exception as e:
             raise StorageError(self._scrub(f"{self.display_url}: cannot open storage: {_one_line(e)}")) from None
@@ -166,8 +186,11 @@ class Storage:
                 self._no_links_within(rel)
                 try:
                     with os.scandir(self.path(rel)) as it:
-                        return {e.name: e.stat(follow_symlinks=False).st_size for e in it
-                                if e.is_file(follow_symlinks=False)}
+                        return {
+                            e.name: e.stat(follow_symlinks=False).st_size
+                            for e in it
+                            if e.is_file(follow_symlinks=False)
+                        }
                 except FileNotFoundError:
                     return {}
         with self._errors("listing", rel):
@@ -177,8 +200,11 @@ class Storage:
             except FileNotFoundError:
                 return {}
         base = self.path(rel).rstrip("/")
-        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
-                if e.get("type") != "directory" and e["name"].rstrip("/") != base}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") != "directory" and e["name"].rstrip("/") != base
+        }
 
     def modified(self, rel: str) -> float | None:
         """The newest modification time (Unix seconds) of `rel` or of the files directly in it."""
@@ -354,8 +380,13 @@ class Storage:
                 page = self.fs.call_s3("list_multipart_uploads", **kwargs)
                 for u in page.get("Uploads") or []:
                     t = u.get("Initiated")
-                    out.append({"key": u["Key"], "upload_id": u["UploadId"],
-                                "initiated": t.timestamp() if hasattr(t, "timestamp") else time.time()})
+                    out.append(
+                        {
+                            "key": u["Key"],
+                            "upload_id": u["UploadId"],
+                            "initiated": t.timestamp() if hasattr(t, "timestamp") else time.time(),
+                        }
+                    )
                 if not page.get("IsTruncated"):
                     return out
                 kwargs.update(KeyMarker=page.get("NextKeyMarker"), UploadIdMarker=page.get("NextUploadIdMarker"))

@@ -14,12 +14,21 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from ftkit import __version__
-from ftkit.errors import (CheckpointNotFoundError, CorruptCheckpointError, FtkitError, UnknownProtocolError,
-                     UsageError, AlreadyCommitted, InvalidJobIdError, RunIdentityError)
+from ftkit.errors import (
+    AlreadyCommitted,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FtkitError,
+    InvalidJobIdError,
+    RunIdentityError,
+    UnknownProtocolError,
+    UsageError,
+)
 from ftkit.format.manifest import Manifest, parse_step_dir
 from ftkit.format.reader import load_manifest, newest_manifest, scan, verify
 from ftkit.tiers.storage import Storage
@@ -79,9 +88,13 @@ def _when(ts: float) -> str:
 
 def _summary(m: Manifest) -> dict[str, Any]:
     return {
-        "step": m.step, "world_size": m.world_size, "tensors": len(m.tensors),
-        "raw_bytes": m.total_raw_bytes, "stored_bytes": m.total_stored_bytes,
-        "created_at": m.created_at, "format_version": m.format_version,
+        "step": m.step,
+        "world_size": m.world_size,
+        "tensors": len(m.tensors),
+        "raw_bytes": m.total_raw_bytes,
+        "stored_bytes": m.total_stored_bytes,
+        "created_at": m.created_at,
+        "format_version": m.format_version,
         "entries": sorted(m.skeleton.get("entries", {})),
     }
 
@@ -97,8 +110,12 @@ def _emit(args, payload: Any, text: str) -> None:
 def cmd_ls(args) -> int:
     storage, _ = _open(args)
     rows = []
-    notes = {"partial": "no manifest: not a checkpoint", "retired": "retired: superseded by a restore of an older step",
-             "link": "a symbolic link: ignored", "bad": "manifest.json is not a regular file: ignored"}
+    notes = {
+        "partial": "no manifest: not a checkpoint",
+        "retired": "retired: superseded by a restore of an older step",
+        "link": "a symbolic link: ignored",
+        "bad": "manifest.json is not a regular file: ignored",
+    }
     for sd in scan(storage):
         if not sd.committed:
             rows.append({"step": sd.step, "status": sd.status})
@@ -113,17 +130,29 @@ def cmd_ls(args) -> int:
     lines = [f"{'STEP':>10}  {'STATUS':<12} {'WORLD':>5} {'TENSORS':>7} {'STORED':>10} {'RAW':>10}  CREATED"]
     for r in rows:
         if r["status"] == "committed":
-            lines.append(f"{r['step']:>10}  {r['status']:<12} {r['world_size']:>5} {r['tensors']:>7} "
-                         f"{_human(r['stored_bytes']):>10} {_human(r['raw_bytes']):>10}  {_when(r['created_at'])}")
+            lines.append(
+                f"{r['step']:>10}  {r['status']:<12} {r['world_size']:>5} {r['tensors']:>7} "
+                f"{_human(r['stored_bytes']):>10} {_human(r['raw_bytes']):>10}  {_when(r['created_at'])}"
+            )
         else:
-            lines.append(f"{r['step']:>10}  {r['status']:<12} {'-':>5} {'-':>7} {'-':>10} {'-':>10}  "
-                         f"{r.get('error', notes.get(r['status'], ''))}")
+            lines.append(
+                f"{r['step']:>10}  {r['status']:<12} {'-':>5} {'-':>7} {'-':>10} {'-':>10}  "
+                f"{r.get('error', notes.get(r['status'], ''))}"
+            )
     if uploads:
-        lines.append(f"{len(uploads)} incomplete multipart upload(s) (a writer died mid-upload; `ftkit gc` aborts "
-                     f"them): {', '.join(u['key'] for u in uploads[:3])}{' ...' if len(uploads) > 3 else ''}")
-    _emit(args, {"url": storage.display_url, "steps": rows,
-                 "incomplete_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in uploads]},
-          "\n".join(lines))
+        lines.append(
+            f"{len(uploads)} incomplete multipart upload(s) (a writer died mid-upload; `ftkit gc` aborts "
+            f"them): {', '.join(u['key'] for u in uploads[:3])}{' ...' if len(uploads) > 3 else ''}"
+        )
+    _emit(
+        args,
+        {
+            "url": storage.display_url,
+            "steps": rows,
+            "incomplete_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in uploads],
+        },
+        "\n".join(lines),
+    )
     return EXIT_OK
 
 
@@ -133,23 +162,33 @@ def cmd_inspect(args) -> int:
     tensors = []
     for t in m.tensors:
         chunks = [c for s in t.shards for c in s.chunks]
-        tensors.append({
-            "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "shards": len(t.shards),
-            "stored_bytes": sum(c.length for c in chunks), "raw_bytes": sum(c.raw_length for c in chunks),
-            "codecs": sorted({c.codec for c in chunks}),
-        })
-    payload = {**_summary(m), "url": storage.display_url, "files": m.files, "writer": m.writer,
-               "tensor_list": tensors}
-    lines = [f"step {m.step} at {storage.display_url}",
-             f"  format v{m.format_version}, world size {m.world_size}, created {_when(m.created_at)}, "
-             f"written by ftkit {m.writer.get('ftkit', '?')} / torch {m.writer.get('torch', '?')}",
-             f"  {len(m.tensors)} tensors, {_human(m.total_raw_bytes)} raw, {_human(m.total_stored_bytes)} stored "
-             f"in {len(m.files)} file(s)",
-             f"  state entries: {', '.join(payload['entries']) or '-'}", ""]
+        tensors.append(
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "shards": len(t.shards),
+                "stored_bytes": sum(c.length for c in chunks),
+                "raw_bytes": sum(c.raw_length for c in chunks),
+                "codecs": sorted({c.codec for c in chunks}),
+            }
+        )
+    payload = {**_summary(m), "url": storage.display_url, "files": m.files, "writer": m.writer, "tensor_list": tensors}
+    lines = [
+        f"step {m.step} at {storage.display_url}",
+        f"  format v{m.format_version}, world size {m.world_size}, created {_when(m.created_at)}, "
+        f"written by ftkit {m.writer.get('ftkit', '?')} / torch {m.writer.get('torch', '?')}",
+        f"  {len(m.tensors)} tensors, {_human(m.total_raw_bytes)} raw, {_human(m.total_stored_bytes)} stored "
+        f"in {len(m.files)} file(s)",
+        f"  state entries: {', '.join(payload['entries']) or '-'}",
+        "",
+    ]
     lines.append(f"  {'TENSOR':<48} {'DTYPE':<10} {'SHAPE':<20} {'STORED':>10}  CODEC")
     for t in tensors:
-        lines.append(f"  {t['name'][:48]:<48} {t['dtype']:<10} {str(tuple(t['shape']))[:20]:<20} "
-                     f"{_human(t['stored_bytes']):>10}  {'+'.join(t['codecs']) or '-'}")
+        lines.append(
+            f"  {t['name'][:48]:<48} {t['dtype']:<10} {str(tuple(t['shape']))[:20]:<20} "
+            f"{_human(t['stored_bytes']):>10}  {'+'.join(t['codecs']) or '-'}"
+        )
     _emit(args, payload, "\n".join(lines))
     return EXIT_OK
 
@@ -188,9 +227,11 @@ def cmd_restore(args) -> int:
         raise UsageError(f"{args.out} already exists; remove it or pass --force")
     with _progress(m.total_raw_bytes, f"restore step {m.step}") as update:
         export(storage, m, args.out, args.format, overwrite=args.force, progress=update)
-    _emit(args, {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes},
-          f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, "
-          f"{_human(m.total_raw_bytes)})")
+    _emit(
+        args,
+        {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes},
+        f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, {_human(m.total_raw_bytes)})",
+    )
     return EXIT_OK
 
 
@@ -207,9 +248,12 @@ def _reshard(args, storage: Storage, m: Manifest) -> int:
             new = reshard(storage, m, dst, args.world_size, progress=update)
     except AlreadyCommitted:
         raise UsageError(f"{dst.display_url} already holds step {m.step}; choose another --out") from None
-    _emit(args, {"step": m.step, "out": dst.display_url, "world_size": new.world_size, "files": len(new.files)},
-          f"wrote step {m.step} for {new.world_size} rank(s) to {dst.display_url} "
-          f"(from {m.world_size} rank(s), {len(new.files)} file(s))")
+    _emit(
+        args,
+        {"step": m.step, "out": dst.display_url, "world_size": new.world_size, "files": len(new.files)},
+        f"wrote step {m.step} for {new.world_size} rank(s) to {dst.display_url} "
+        f"(from {m.world_size} rank(s), {len(new.files)} file(s))",
+    )
     return EXIT_OK
 
 
@@ -243,14 +287,24 @@ def cmd_gc(args) -> int:
             bar.close()
     plan = done.plan
     verb = "would remove" if args.dry_run else "removed"
-    payload = {"url": storage.display_url, "dry_run": args.dry_run, "kept": list(plan.keep),
-               "removed": list(plan.delete), "removed_partial": list(plan.remove_partial),
-               "held_partial": list(plan.held), "refused": list(plan.refused), "protected": plan.protected,
-               "failed_verification": {str(k): v for k, v in done.failed_verification.items()},
-               "aborted_uploads": [u["key"] for u in done.uploads], "held_uploads": done.uploads_held,
-               "errors": done.errors}
-    lines = [f"{verb} {len(plan.delete)} step(s) {list(plan.delete)} and {len(plan.remove_partial)} partial "
-             f"step(s) {list(plan.remove_partial)}; kept {list(plan.keep)}"]
+    payload = {
+        "url": storage.display_url,
+        "dry_run": args.dry_run,
+        "kept": list(plan.keep),
+        "removed": list(plan.delete),
+        "removed_partial": list(plan.remove_partial),
+        "held_partial": list(plan.held),
+        "refused": list(plan.refused),
+        "protected": plan.protected,
+        "failed_verification": {str(k): v for k, v in done.failed_verification.items()},
+        "aborted_uploads": [u["key"] for u in done.uploads],
+        "held_uploads": done.uploads_held,
+        "errors": done.errors,
+    }
+    lines = [
+        f"{verb} {len(plan.delete)} step(s) {list(plan.delete)} and {len(plan.remove_partial)} partial "
+        f"step(s) {list(plan.remove_partial)}; kept {list(plan.keep)}"
+    ]
     if plan.protected is None and plan.keep:
         lines.append("no step verified: every committed step was kept")
     else:
@@ -262,8 +316,10 @@ def cmd_gc(args) -> int:
     if plan.refused:
         lines.append(f"refused (a symbolic link, or a manifest that is no regular file): {list(plan.refused)}")
     if done.uploads or done.uploads_held:
-        lines.append(f"{verb} {len(done.uploads)} incomplete upload(s)"
-                     + (f"; {done.uploads_held} younger than {args.grace:.0f}s left alone" if done.uploads_held else ""))
+        lines.append(
+            f"{verb} {len(done.uploads)} incomplete upload(s)"
+            + (f"; {done.uploads_held} younger than {args.grace:.0f}s left alone" if done.uploads_held else "")
+        )
     lines += [f"error: {e}" for e in done.errors]
     _emit(args, payload, "\n".join(lines))
     return EXIT_FAIL if done.errors else EXIT_OK
@@ -282,8 +338,11 @@ def _gc_ram(args) -> int:
     size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
     if not args.dry_run:
         remove_job(args.job)
-    _emit(args, {"removed": path, "bytes": size, "dry_run": args.dry_run},
-          f"{'would remove' if args.dry_run else 'removed'} {path} ({_human(size)})")
+    _emit(
+        args,
+        {"removed": path, "bytes": size, "dry_run": args.dry_run},
+        f"{'would remove' if args.dry_run else 'removed'} {path} ({_human(size)})",
+    )
     return EXIT_OK
 
 
@@ -313,8 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, func, help_: str, *, json_flag: bool = True, step: bool = True) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("url", help="tier URL: a local path, file://..., s3://bucket/prefix, any fsspec URL")
-        sp.add_argument("--storage-options", metavar="JSON",
-                        help='fsspec storage options, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
+        sp.add_argument(
+            "--storage-options",
+            metavar="JSON",
+            help='fsspec storage options, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'',
+        )
         if step:
             sp.add_argument("--step", type=int, help="a step (default: the newest)")
         if json_flag:
@@ -326,30 +388,48 @@ def build_parser() -> argparse.ArgumentParser:
     add("inspect", cmd_inspect, "show one checkpoint's tensors, files and metadata")
     v = add("verify", cmd_verify, "check every chunk's checksum")
     v.add_argument("--all", action="store_true", help="verify every committed step")
-    r = add("restore", cmd_restore, "export a checkpoint to one torch or safetensors file, "
-                                    "or reshard it for another world size")
+    r = add(
+        "restore",
+        cmd_restore,
+        "export a checkpoint to one torch or safetensors file, or reshard it for another world size",
+    )
     r.add_argument("--out", required=True, help="output file (with --world-size: a checkpoint directory or URL)")
     r.add_argument("--world-size", type=int, help="write an ftkit checkpoint laid out for this many ranks")
     r.add_argument("--format", choices=("torch", "safetensors"), default="torch")
     r.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    g = add("gc", cmd_gc, "remove old checkpoints and partial steps; 'ftkit gc ram' removes a job's RAM tier",
-            step=False)
+    g = add(
+        "gc", cmd_gc, "remove old checkpoints and partial steps; 'ftkit gc ram' removes a job's RAM tier", step=False
+    )
     g.add_argument("--keep", type=int, help="keep the newest N steps")
-    g.add_argument("--job", help="with URL 'ram': the run's name, a plain directory name under the RAM root "
-                                 "(default: $FTKIT_RUN_ID, $FTKIT_JOB_ID; unnamed runs are run-<hash>)")
+    g.add_argument(
+        "--job",
+        help="with URL 'ram': the run's name, a plain directory name under the RAM root "
+        "(default: $FTKIT_RUN_ID, $FTKIT_JOB_ID; unnamed runs are run-<hash>)",
+    )
     g.add_argument("--keep-every", type=int, help="also keep every step divisible by M")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    g.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
-                   help="leave partial steps and incomplete uploads younger than this alone (default 3600)")
-    rp = sub.add_parser("report", help="goodput, incidents and a timeline from a run's event log",
-                        description="goodput, incidents and a timeline from a run's event log")
+    g.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="leave partial steps and incomplete uploads younger than this alone (default 3600)",
+    )
+    rp = sub.add_parser(
+        "report",
+        help="goodput, incidents and a timeline from a run's event log",
+        description="goodput, incidents and a timeline from a run's event log",
+    )
     rp.add_argument("run_dir", help="the run directory ($FTKIT_RUN_DIR of the job)")
     rp.add_argument("--json", action="store_true", help="machine-readable output")
     rp.add_argument("--html", metavar="FILE", help="write a page with the timeline")
     rp.set_defaults(func=cmd_report)
     sub.add_parser("run", help="torchrun with fault-tolerance defaults (ftkit run --help)", add_help=False)
-    sub.add_parser("drill", help="inject faults into a real torchrun job and prove it recovers (ftkit drill --help)",
-                   add_help=False)
+    sub.add_parser(
+        "drill",
+        help="inject faults into a real torchrun job and prove it recovers (ftkit drill --help)",
+        add_help=False,
+    )
     return p
 
 
@@ -365,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         return drill_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if getattr(args, "keep", 1) is not None and getattr(args, "keep", 1) < 1:
         parser.error("--keep must be at least 1")
     try:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ftkit.save import capture as cap
 from ftkit.errors import FtkitError
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import read_tensors
+from ftkit.save import capture as cap
 from ftkit.tiers.storage import Storage
 
 FORMATS = ("torch", "safetensors")
@@ -32,8 +33,15 @@ def to_nested(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def export(storage: Storage, manifest: Manifest, out_path: str, fmt: str, *, overwrite: bool = False,
-           progress: Callable[[int], None] | None = None) -> None:
+def export(
+    storage: Storage,
+    manifest: Manifest,
+    out_path: str,
+    fmt: str,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> None:
     """Read and verify `manifest`'s step, then write it to `out_path` atomically."""
     if fmt not in FORMATS:
         raise FtkitError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
@@ -51,8 +59,9 @@ def export(storage: Storage, manifest: Manifest, out_path: str, fmt: str, *, ove
             try:
                 from safetensors.torch import save_file
             except ImportError:
-                raise FtkitError("--format safetensors needs the safetensors package: "
-                                 "pip install safetensors") from None
+                raise FtkitError(
+                    "--format safetensors needs the safetensors package: pip install safetensors"
+                ) from None
             meta = {"ftkit_step": str(manifest.step), "ftkit_skeleton": json.dumps(manifest.skeleton)}
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
         os.replace(tmp, out_path)

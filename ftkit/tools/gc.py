@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ftkit.format.manifest import step_dir_name
-from ftkit.tiers.lifecycle import delete_step
 from ftkit.format.reader import load_manifest, scan, verify
+from ftkit.tiers.lifecycle import delete_step
 from ftkit.tiers.retention import CollectionPlan, StepInfo, plan_collection
 from ftkit.tiers.storage import Storage
 
@@ -44,8 +45,11 @@ class Collected:
     errors: list[str] = field(default_factory=list)  # deletions that failed (kept)
 
 
-def survey(storage: Storage, verify_steps: bool = True,
-           progress: Callable[[int, int], Callable[[int], None] | None] | None = None) -> tuple[list[StepInfo], dict[int, str]]:
+def survey(
+    storage: Storage,
+    verify_steps: bool = True,
+    progress: Callable[[int, int], Callable[[int], None] | None] | None = None,
+) -> tuple[list[StepInfo], dict[int, str]]:
     """StepInfo for every step directory, verifying committed steps newest first
     until one verifies. `progress(step, nbytes)` may return an update callable."""
     now = time.time()
@@ -73,8 +77,14 @@ def survey(storage: Storage, verify_steps: bool = True,
     return infos, failed
 
 
-def collect(storage: Storage, keep: int, keep_every: int | None = None, grace_s: float = DEFAULT_GRACE_S,
-            dry_run: bool = False, progress=None) -> Collected:
+def collect(
+    storage: Storage,
+    keep: int,
+    keep_every: int | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+    progress=None,
+) -> Collected:
     """Plan and (unless `dry_run`) carry out a collection of `storage` (module docstring).
 
     Raises CheckpointNotFoundError when the URL holds no step directory and no

@@ -38,8 +38,13 @@ WATCHDOG_THREAD = "ftkit-watchdog"  # the name ftkit/coord/watchdog.py gives its
 def _write_phase(directory: str, phase: str) -> None:
     """Atomically replace this worker's status file (the watch never reads half a file)."""
     pid = os.getpid()
-    doc = {"pid": pid, "phase": phase, "t": time.time(), "rank": os.environ.get("RANK"),
-           "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
+    doc = {
+        "pid": pid,
+        "phase": phase,
+        "t": time.time(),
+        "rank": os.environ.get("RANK"),
+        "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+    }
     tmp = os.path.join(directory, f".{pid}.tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f)

@@ -69,8 +69,9 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         old, new = by_attempt[prev], by_attempt[nxt]
         steps_old = [e for e in old if e["event"] == "step"]
         last_step = max((e["step"] for e in steps_old), default=0)
-        faults = [e for e in events if e["event"] == "fault" and e.get("attempt", prev) == prev
-                  and e.get("restarts", True)]
+        faults = [
+            e for e in events if e["event"] == "fault" and e.get("attempt", prev) == prev and e.get("restarts", True)
+        ]
         fault_t = min((e["t"] for e in faults), default=max((e["t"] for e in steps_old), default=old[0]["t"]))
         cause = faults[0].get("kind", "fault") if faults else "worker failure"
         detects = [e for e in old if e["event"] == "detect" and e["t"] >= fault_t - 1]
@@ -87,23 +88,34 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         else:
             detected_by = "torchrun agent (process exit)"
         detect_t = min((e["t"] for e in detects), default=None)
-        start_t = min(e["t"] for e in new if e["event"] == "start") if any(
-            e["event"] == "start" for e in new) else new[0]["t"]
+        start_t = (
+            min(e["t"] for e in new if e["event"] == "start")
+            if any(e["event"] == "start" for e in new)
+            else new[0]["t"]
+        )
         restores = [e for e in new if e["event"] == "restore"]
         restore_t = max((e["t"] for e in restores), default=start_t)
         resumed = max((e.get("step") or 0 for e in restores), default=0)
         redone = [e["t"] for e in new if e["event"] == "step" and e["step"] >= last_step]
         recompute_end = min(redone, default=restore_t)
         base = detect_t if detect_t is not None else fault_t
-        incidents.append(Incident(
-            attempt=prev, fault_t=fault_t, cause=cause,
-            detected_by=detected_by,
-            detect_s=(detect_t - fault_t) if detect_t is not None else None,
-            restart_s=max(0.0, start_t - base), restore_s=max(0.0, restore_t - start_t),
-            recompute_s=max(0.0, recompute_end - restore_t), total_s=max(0.0, recompute_end - fault_t),
-            last_step=last_step, resumed_from=resumed, steps_lost=max(0, last_step - resumed),
-            restore_source=", ".join(sorted({str(e.get("source")) for e in restores})) if restores else None,
-        ))
+        incidents.append(
+            Incident(
+                attempt=prev,
+                fault_t=fault_t,
+                cause=cause,
+                detected_by=detected_by,
+                detect_s=(detect_t - fault_t) if detect_t is not None else None,
+                restart_s=max(0.0, start_t - base),
+                restore_s=max(0.0, restore_t - start_t),
+                recompute_s=max(0.0, recompute_end - restore_t),
+                total_s=max(0.0, recompute_end - fault_t),
+                last_step=last_step,
+                resumed_from=resumed,
+                steps_lost=max(0, last_step - resumed),
+                restore_source=", ".join(sorted({str(e.get("source")) for e in restores})) if restores else None,
+            )
+        )
     wall = max(t1 - t0, 1e-9)
     lost = sum(i.total_s for i in incidents)
     snaps = [e for e in events if e["event"] == "snapshot"]
@@ -113,9 +125,14 @@ def analyze(events: list[dict[str, Any]]) -> Report:
             seen.add(e["target"])
             stragglers.append({"rank": e["target"], "factor": round(e["factor"], 2), "t": e["t"] - t0})
     return Report(
-        wall_s=wall, productive_s=max(0.0, wall - lost), goodput=max(0.0, wall - lost) / wall,
+        wall_s=wall,
+        productive_s=max(0.0, wall - lost),
+        goodput=max(0.0, wall - lost) / wall,
         final_step=max((e["step"] for e in events if e["event"] == "step"), default=0),
-        attempts=len(attempts), incidents=incidents, stragglers=stragglers, snapshots=len(snaps),
+        attempts=len(attempts),
+        incidents=incidents,
+        stragglers=stragglers,
+        snapshots=len(snaps),
         mean_stall_s=sum(e["stall_s"] for e in snaps) / len(snaps) if snaps else 0.0,
         persist_failures=sum(1 for e in events if e["event"] == "persist" and not e.get("ok", True)),
     )
@@ -126,16 +143,20 @@ def to_json(report: Report) -> dict[str, Any]:
 
 
 def to_text(report: Report) -> str:
-    lines = [f"goodput {report.goodput:.1%}: {report.productive_s:.1f}s productive of {report.wall_s:.1f}s wall; "
-             f"final step {report.final_step}; {report.attempts} attempt(s)",
-             f"snapshots {report.snapshots}, mean stall {report.mean_stall_s * 1e3:.1f} ms, "
-             f"failed persists {report.persist_failures}"]
+    lines = [
+        f"goodput {report.goodput:.1%}: {report.productive_s:.1f}s productive of {report.wall_s:.1f}s wall; "
+        f"final step {report.final_step}; {report.attempts} attempt(s)",
+        f"snapshots {report.snapshots}, mean stall {report.mean_stall_s * 1e3:.1f} ms, "
+        f"failed persists {report.persist_failures}",
+    ]
     for n, i in enumerate(report.incidents, 1):
         det = f"detect {i.detect_s:.1f}s, " if i.detect_s is not None else ""
-        lines.append(f"incident {n}: {i.cause} in attempt {i.attempt}, detected by {i.detected_by}: "
-                     f"{det}restart {i.restart_s:.1f}s, restore {i.restore_s:.1f}s from {i.restore_source}, "
-                     f"recompute {i.recompute_s:.1f}s; total {i.total_s:.1f}s; resumed from step "
-                     f"{i.resumed_from} of {i.last_step} ({i.steps_lost} step(s) lost)")
+        lines.append(
+            f"incident {n}: {i.cause} in attempt {i.attempt}, detected by {i.detected_by}: "
+            f"{det}restart {i.restart_s:.1f}s, restore {i.restore_s:.1f}s from {i.restore_source}, "
+            f"recompute {i.recompute_s:.1f}s; total {i.total_s:.1f}s; resumed from step "
+            f"{i.resumed_from} of {i.last_step} ({i.steps_lost} step(s) lost)"
+        )
     for s in report.stragglers:
         lines.append(f"straggler: rank {s['rank']} at {s['t']:.1f}s, {s['factor']}x the median busy time")
     return "\n".join(lines)
@@ -157,20 +178,32 @@ def to_html(report: Report, events: list[dict[str, Any]], title: str = "ftkit ru
         for a, b in zip(steps, steps[1:]):
             if a.get("attempt") == b.get("attempt"):
                 c = colors[a.get("attempt", 0) % len(colors)]
-                parts.append(f'<rect x="{x(a["t"]):.1f}" y="{y}" width="{max(0.5, (b["t"] - a["t"]) * scale):.1f}" '
-                             f'height="{row - 8}" fill="{c}"><title>step {b["step"]}</title></rect>')
+                parts.append(
+                    f'<rect x="{x(a["t"]):.1f}" y="{y}" width="{max(0.5, (b["t"] - a["t"]) * scale):.1f}" '
+                    f'height="{row - 8}" fill="{c}"><title>step {b["step"]}</title></rect>'
+                )
         for e in events:
             if e["rank"] != r:
                 continue
-            mark = {"detect": "#c0392b", "abort": "#7f0000", "restore": "#2c3e50", "straggler": "#f1c40f",
-                    "fault": "#ff0000", "preempt": "#8e44ad"}.get(e["event"])
+            mark = {
+                "detect": "#c0392b",
+                "abort": "#7f0000",
+                "restore": "#2c3e50",
+                "straggler": "#f1c40f",
+                "fault": "#ff0000",
+                "preempt": "#8e44ad",
+            }.get(e["event"])
             if mark:
                 tip = html.escape(json.dumps({k: v for k, v in e.items() if k not in ("t",)})[:300])
-                parts.append(f'<rect x="{x(e["t"]) - 2:.1f}" y="{y - 3}" width="4" height="{row - 2}" '
-                             f'fill="{mark}"><title>{e["event"]}: {tip}</title></rect>')
+                parts.append(
+                    f'<rect x="{x(e["t"]) - 2:.1f}" y="{y - 3}" width="4" height="{row - 2}" '
+                    f'fill="{mark}"><title>{e["event"]}: {tip}</title></rect>'
+                )
     for i in report.incidents:
-        parts.append(f'<rect x="{x(i.fault_t):.1f}" y="10" width="{max(1, i.total_s * scale):.1f}" '
-                     f'height="{len(ranks) * row + 14}" fill="#c0392b" opacity="0.12"/>')
+        parts.append(
+            f'<rect x="{x(i.fault_t):.1f}" y="10" width="{max(1, i.total_s * scale):.1f}" '
+            f'height="{len(ranks) * row + 14}" fill="#c0392b" opacity="0.12"/>'
+        )
     height = 40 + len(ranks) * row
     for k in range(0, int(report.wall_s) + 1, max(1, int(report.wall_s / 10) or 1)):
         parts.append(f'<text x="{left + k * scale:.1f}" y="{height - 4}" font-size="10">{k}s</text>')
@@ -180,7 +213,8 @@ def to_html(report: Report, events: list[dict[str, Any]], title: str = "ftkit ru
         f"<td>{'' if i.detect_s is None else f'{i.detect_s:.1f}'}</td><td>{i.restart_s:.1f}</td>"
         f"<td>{i.restore_s:.1f}</td><td>{i.recompute_s:.1f}</td><td>{i.total_s:.1f}</td>"
         f"<td>{i.resumed_from} / {i.last_step}</td><td>{html.escape(str(i.restore_source))}</td></tr>"
-        for n, i in enumerate(report.incidents, 1))
+        for n, i in enumerate(report.incidents, 1)
+    )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:24px}} td,th{{padding:3px 10px;text-align:left}}
 th{{background:#eee}} .big{{font-size:28px}}</style></head><body>

@@ -11,15 +11,15 @@ read whole and verified first, so this needs memory for the largest step.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ftkit.format.manifest import Manifest
-from ftkit.save.commit import commit
-from ftkit.save.write import discard, write_data
 from ftkit.format.reader import read_tensors
-from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
+from ftkit.save.commit import commit
 from ftkit.save.layout import Layout
+from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
 from ftkit.save.staging import StagingArena
+from ftkit.save.write import discard, write_data
 from ftkit.tiers.storage import Storage
 
 
@@ -42,8 +42,15 @@ def plan_for_world(manifest: Manifest, tensors, rank: int, world_size: int) -> l
     return out
 
 
-def reshard(src: Storage, manifest: Manifest, dst: Storage, world_size: int, *, compress: str | None = None,
-            progress: Callable[[int], None] | None = None) -> Manifest:
+def reshard(
+    src: Storage,
+    manifest: Manifest,
+    dst: Storage,
+    world_size: int,
+    *,
+    compress: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
     """Write `manifest`'s step to `dst` laid out for `world_size` ranks; return the new manifest."""
     tensors = read_tensors(src, manifest, progress=progress)
     arena = StagingArena(slots=1, pin=False)
@@ -55,8 +62,9 @@ def reshard(src: Storage, manifest: Manifest, dst: Storage, world_size: int, *, 
             slot = arena.acquire(Layout.of(named), wait=True)
             try:
                 slot.fill(named)
-                writes.append(write_data(dst, manifest.step, slot, {p.name: p for p, _ in pieces},
-                                         compress=compress, rank=rank))
+                writes.append(
+                    write_data(dst, manifest.step, slot, {p.name: p for p, _ in pieces}, compress=compress, rank=rank)
+                )
             finally:
                 arena.release(slot)
         rank_state = {r: v for r, v in manifest.rank_state.items() if int(r) < world_size}

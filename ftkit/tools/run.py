@@ -65,8 +65,7 @@ def cmd_run(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", *p.torchrun_args]
     print(f"ftkit run: {' '.join(cmd[1:])}  (events in {p.run_dir})", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env)
-    watch = StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start() \
-        if watch_dir else None
+    watch = StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start() if watch_dir else None
     # torchrun shares our terminal's process group, so a Ctrl-C reaches it directly: wait for it to
     # stop its workers rather than leave them behind. A SIGTERM sent to ftkit run alone is passed on.
     previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))

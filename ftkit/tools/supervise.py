@@ -139,9 +139,11 @@ def plan(argv: list[str]) -> Plan:
         defaults.append("--standalone")
     if ns.no_python or ns.run_path:
         out.launched = False
-        out.notes.append("with --no-python or --run-path the workers do not start through ftkit.tools.launch: "
-                         "restarts are safe only if the script imports ftkit before init_process_group, "
-                         "and the startup watch is off")
+        out.notes.append(
+            "with --no-python or --run-path the workers do not start through ftkit.tools.launch: "
+            "restarts are safe only if the script imports ftkit before init_process_group, "
+            "and the startup watch is off"
+        )
         out.torchrun_args = [*defaults, *options, *script]
     elif ns.module:  # torchrun runs `python -m ftkit.tools.launch --module MODULE ARGS`
         out.torchrun_args = [*defaults, *options, "ftkit.tools.launch", "--module", *script]
@@ -166,8 +168,7 @@ class StartupWatch:
     status files ftkit.tools.launch writes to `status_dir` (one per worker pid).
     """
 
-    def __init__(self, agent_pid: int, status_dir: str, bound_s: float, run_dir: str | None,
-                 interval_s: float = 0.5):
+    def __init__(self, agent_pid: int, status_dir: str, bound_s: float, run_dir: str | None, interval_s: float = 0.5):
         self.agent_pid = agent_pid
         self.status_dir = status_dir
         self.bound_s = bound_s
@@ -179,7 +180,7 @@ class StartupWatch:
         self._seen: dict[tuple[int, float], _Worker] = {}
         self._ended: set[tuple[int, float]] = set()
 
-    def start(self) -> "StartupWatch":
+    def start(self) -> StartupWatch:
         self._thread.start()
         return self
 
@@ -218,9 +219,12 @@ class StartupWatch:
             w = self._seen.setdefault(key, _Worker(child.pid, key[1], now, child))
             if key not in self._ended:
                 workers.append((key, w))
-        late = [(key, w, status) for key, w in workers
-                for status in [self._status(w)] if status.get("phase") not in STARTED_UP
-                and now - w.first_seen > self.bound_s]
+        late = [
+            (key, w, status)
+            for key, w in workers
+            for status in [self._status(w)]
+            if status.get("phase") not in STARTED_UP and now - w.first_seen > self.bound_s
+        ]
         if late:
             self._end_group(workers, late, now)
 
@@ -235,7 +239,7 @@ class StartupWatch:
     def _end_group(self, workers: list, late: list, now: float) -> None:
         import psutil
 
-        for key, w, status in late:
+        for _key, w, status in late:
             rank, attempt = status.get("rank"), status.get("attempt")
             if rank is None or attempt is None:
                 try:
@@ -243,14 +247,28 @@ class StartupWatch:
                     rank, attempt = env.get("RANK"), env.get("TORCHELASTIC_RESTART_COUNT")
                 except (psutil.Error, OSError):
                     pass
-            phase = {"started": "it had not formed the process group",
-                     "group": "the process group had formed; no Checkpointer watchdog yet"}.get(
-                status.get("phase"), "it had not even reached ftkit.tools.launch")
+            phase = {
+                "started": "it had not formed the process group",
+                "group": "the process group had formed; no Checkpointer watchdog yet",
+            }.get(status.get("phase"), "it had not even reached ftkit.tools.launch")
             why = f"no first heartbeat within {self.bound_s:g}s of its start ({phase})"
-            print(f"ftkit run: rank {rank} (pid {w.pid}, attempt {attempt}): {why}; ending this node's "
-                  f"workers of the group so torchrun restarts it", file=sys.stderr, flush=True)
-            event = {"t": time.time(), "rank": -1, "attempt": _int(attempt), "event": "detect", "what": "startup",
-                     "target": _int(rank), "pid": w.pid, "latency_s": now - w.first_seen, "why": why}
+            print(
+                f"ftkit run: rank {rank} (pid {w.pid}, attempt {attempt}): {why}; ending this node's "
+                f"workers of the group so torchrun restarts it",
+                file=sys.stderr,
+                flush=True,
+            )
+            event = {
+                "t": time.time(),
+                "rank": -1,
+                "attempt": _int(attempt),
+                "event": "detect",
+                "what": "startup",
+                "target": _int(rank),
+                "pid": w.pid,
+                "latency_s": now - w.first_seen,
+                "why": why,
+            }
             self.endings.append(event)
             self._log(event)
         for key, w in workers:
