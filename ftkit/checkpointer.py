@@ -152,15 +152,15 @@ class Checkpointer:
             else None
         )
         # Opening every tier now makes a bad URL or missing backend fail at start.
-        self._storages: list[Storage] = [
-            Storage(open_node_dir(self.ram_identity, self._ctx.node)) if t.is_ram else (None if t.is_peer else t.open())
-            for t in self.tiers
+        ram_storage = Storage(open_node_dir(self.ram_identity, self._ctx.node)) if self.ram_identity else None
+        self._storages: list[Storage | None] = [
+            ram_storage if t.is_ram else (None if t.is_peer else t.open()) for t in self.tiers
         ]
         self._ram_index = next((i for i, t in enumerate(self.tiers) if t.is_ram), None)
         peer = next((t for t in self.tiers if t.is_peer), None)
         self._replicas = peer.replicas if peer else 0
-        if self._ram_index is not None:  # room for one step of this node's data files and replicas
-            ram = self._storages[self._ram_index]
+        if ram_storage is not None:  # room for one step of this node's data files and replicas
+            ram = ram_storage
             ram.spares = SparePool(ram.root, self._ctx.nodes.count(self._ctx.node) * (1 + self._replicas))
         # The store keys commits left behind, per tier, for a later commit to delete (persist.py).
         self._keys = {
@@ -218,7 +218,7 @@ class Checkpointer:
                 "ftkit: RAM tier of run %s (from %s) at %s",
                 self.ram_identity.name,
                 self.ram_identity.source,
-                self._storages[self._ram_index].display_url,
+                ram_storage.display_url if ram_storage else "-",
             )
         signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
         self._preemption = PreemptionHandler(signals, preemption_deadline_s, self.events.emit) if signals else None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (or reuse) .venv and run the whole test suite. Extra args go to pytest.
+# Set up (or reuse) .venv, lint and type-check, then run the whole test suite. Extra args go to pytest.
 # Two workers, one test file each at a time (--dist loadfile): the drills (test_drill.py,
 # the longest file, about 9 minutes) run on one while the rest of the suite runs on the
 # other; most of a drill is waiting (step sleeps, detection bounds, restarts), so the two
@@ -7,4 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+.venv/bin/ruff check ftkit tests benchmarks scripts examples
+.venv/bin/ruff format --check --quiet ftkit tests benchmarks scripts examples
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile --durations=15 "$@"

@@ -141,3 +141,4 @@ def install() -> bool:
             "refused', or a hang in init_process_group). Import ftkit before init_process_group, or "
             "launch with `ftkit run`."
         )
+    return True

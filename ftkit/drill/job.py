@@ -186,7 +186,7 @@ class Injector:
     def inject(self, f: Fault) -> None:
         job = self.job
         attempt = job.attempt()
-        rank = f.node * job.ranks_per_node if f.kind == "node" else (f.rank or 0)
+        rank = (f.node or 0) * job.ranks_per_node if f.kind == "node" else (f.rank or 0)
         rec = job.freeze_at(f.during, f.step, rank, action="crash" if f.kind == "crash" else "stop")
         pid = rec["pid"]
         f.attempt, f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")

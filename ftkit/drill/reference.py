@@ -43,7 +43,8 @@ class TinyGPT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok(x) + self.pos[: x.shape[1]]
-        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
+        h = self.blocks(h, mask=mask[: x.shape[1], : x.shape[1]], is_causal=True)
         return self.head(self.norm(h))
 
 

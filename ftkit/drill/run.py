@@ -134,6 +134,7 @@ def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, l
     ref = Job(
         clean, _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0), args.nproc, args.ranks_per_node, restarts=0
     )
+    rc: int | str
     try:
         rc = ref.proc.wait(timeout=300 + args.steps)
     except subprocess.TimeoutExpired:
@@ -174,7 +175,7 @@ def run_drill(args) -> dict[str, Any]:
     shutil.rmtree(faulted, ignore_errors=True)
     os.makedirs(faulted)
     say = (lambda *a, **k: None) if args.quiet else print
-    what = f"script {script}" if script else f"the reference trainer (tiers {tiers.spec})"
+    what = f"script {script}" if script or tiers is None else f"the reference trainer (tiers {tiers.spec})"
     say(f"drill: {what}, {args.nproc} ranks on {args.nproc // rpn} simulated nodes, {args.steps} steps")
     say(f"drill: faults: {', '.join(f.label() for f in faults) or 'none'}")
     say(f"drill: run directory {root}")
@@ -189,6 +190,7 @@ def run_drill(args) -> dict[str, Any]:
             s3 = S3Server(data_dir=os.path.join(root, "s3")).start()
             say(f"drill: S3 server (SeaweedFS) at {s3.endpoint_url}")
         if not script:
+            assert tiers is not None  # the reference trainer always has a tier plan
             clean_pt, clean_stream, err = _reference_run(args, tiers, root, say)
             if err:
                 errors.append(err)
@@ -197,6 +199,7 @@ def run_drill(args) -> dict[str, Any]:
         if script:
             entry, durable_root = [script, *args.script_args], None
         else:
+            assert tiers is not None
             url, durable_root = tiers.durable_url(faulted, s3)
             entry = _entry(args, tiers, url, final_pt, args.step_time)
         job = Job(faulted, entry, args.nproc, rpn, restarts, env=s3.env() if s3 else None)
@@ -241,7 +244,7 @@ def run_drill(args) -> dict[str, Any]:
         result["checkpoints"] = verify_checkpoints(events, errors)
         result["bitwise_equal"] = None
     else:
-        result["bitwise_equal"] = bool(clean_pt) and compare_states(final_pt, clean_pt, errors)
+        result["bitwise_equal"] = clean_pt is not None and compare_states(final_pt, clean_pt, errors)
         result["same_sample_stream"] = clean_stream is not None and compare_streams(
             consumed_stream(events), clean_stream, errors
         )

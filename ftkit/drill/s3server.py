@@ -50,6 +50,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import IO
 
 from ftkit.drill.spawn import GRPC_PORT_OFFSET, HOST, pdeathsig_preexec, pick_ports
 from ftkit.drill.weed import SERVICES, find_weed, weed_command, weed_env, write_identities
@@ -99,7 +100,7 @@ class S3Server:
         self.data_dir: Path | None = None if data_dir is None else Path(data_dir)
         self.ports: dict[str, int] = {}
         self._proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._log_file: IO[bytes] | None = None
         self.startup_seconds: float | None = None  # duration of the last start
 
     # ------------------------------------------------------------------ info
@@ -148,6 +149,8 @@ class S3Server:
         }
 
     def log_tail(self, max_lines: int = 40) -> str:
+        if self.log_path is None:
+            return ""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -212,19 +215,20 @@ class S3Server:
             self.stop_process()
         # weed merges <dir>/mini.options from the previous run into its flags;
         # we pass every flag explicitly, so drop it to stay hermetic.
-        (self.data_dir / "mini.options").unlink(missing_ok=True)
+        data_dir, log_path = self._dirs()
+        (data_dir / "mini.options").unlink(missing_ok=True)
         cmd = self._command()
         t0 = time.monotonic()
-        self._log_file = open(self.log_path, "ab")
+        self._log_file = log_file = open(log_path, "ab")
         try:
-            self._log_file.write(f"\n==== {time.ctime()}: {shlex.join(cmd)}\n".encode())
-            self._log_file.flush()
+            log_file.write(f"\n==== {time.ctime()}: {shlex.join(cmd)}\n".encode())
+            log_file.flush()
             self._proc = subprocess.Popen(
                 cmd,
-                cwd=self.data_dir,  # weed also reads *.toml from its cwd
+                cwd=data_dir,  # weed also reads *.toml from its cwd
                 env=self._child_env(),
                 stdin=subprocess.DEVNULL,
-                stdout=self._log_file,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
                 # Own session/process group: Ctrl-C in the terminal must not
                 # hit weed directly, and stop_process() signals the group.
@@ -232,7 +236,7 @@ class S3Server:
                 preexec_fn=pdeathsig_preexec(),
             )
         except BaseException:
-            self._log_file.close()
+            log_file.close()
             self._log_file = None
             raise
         try:
@@ -276,14 +280,22 @@ class S3Server:
 
     # -------------------------------------------------------------- helpers
 
+    def _dirs(self) -> tuple[Path, Path]:
+        """(data dir, log file) of a started server."""
+        if self.data_dir is None or self.log_path is None:
+            raise RuntimeError("S3Server has not been started")
+        return self.data_dir, self.log_path
+
     def _command(self) -> list[str]:
-        return weed_command(self._weed, self.data_dir, self.ports, self.bucket, self._identities_path())
+        if self._weed is None:
+            raise RuntimeError("S3Server has not been started")
+        return weed_command(self._weed, self._dirs()[0], self.ports, self.bucket, self._identities_path())
 
     def _child_env(self) -> dict[str, str]:
         return weed_env()
 
     def _identities_path(self) -> Path:
-        return self.data_dir / "s3_identities.json"
+        return self._dirs()[0] / "s3_identities.json"
 
     def _write_identities(self) -> None:
         write_identities(self._identities_path(), self.access_key, self.secret_key)
@@ -306,11 +318,14 @@ class S3Server:
         probe = f"{self.bucket}/.s3-server-ready-{uuid.uuid4().hex}"
         deadline = time.monotonic() + timeout
         last_error: BaseException | None = None
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError("weed is not running")
         while True:
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
                 tail = self.log_tail()
                 cls = _PortConflict if _PORT_CONFLICT_RE.search(tail) else RuntimeError
-                raise cls(f"weed exited with code {self._proc.returncode} during startup; log {self.log_path}:\n{tail}")
+                raise cls(f"weed exited with code {proc.returncode} during startup; log {self.log_path}:\n{tail}")
             try:
                 # A write (not just a listing) so that volume allocation for
                 # the bucket's collection is done before tests start timing.

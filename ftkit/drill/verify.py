@@ -50,7 +50,7 @@ def check_faults(
                     f"{f.label()}: {inc.steps_lost} step(s) lost (resumed at step {inc.resumed_from} "
                     f"of {inc.last_step}; at most {allowed} allowed)"
                 )
-            if f.kind == "hang" and not inc.detected_by.startswith("ftkit watchdog"):
+            if f.kind == "hang" and not (inc.detected_by or "").startswith("ftkit watchdog"):
                 errors.append(f"{f.label()}: the hang was not detected by the watchdog ({inc.detected_by})")
         elif f.kind == "slow":
             f.outcome = {"straggler_reported": any(s["rank"] == f.rank for s in stragglers)}

@@ -274,6 +274,7 @@ def read_regions(
             elif how == "rows":
                 target, needed = out_t.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]), shard.chunks
             else:
+                assert ov is not None  # "part" shards always have their overlap
                 target = torch.empty(shard.lengths, dtype=dtype)
                 lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
                 needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
@@ -324,7 +325,7 @@ def _numel(lengths) -> int:
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    return t.view(-1).view(torch.uint8).numpy().data
 
 
 def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool = False) -> None:

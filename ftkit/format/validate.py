@@ -203,6 +203,9 @@ def tensor_entry(t: Any, files: dict[str, dict[str, Any]], world: int, whole: bo
 def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any], world: int, what: str) -> Shard:
     # Called for every shard of every tensor (rank 0 validates each commit's manifest):
     # plain tests first, the precise message only when one fails.
+    offsets: Any
+    lengths: Any
+    rank: Any
     offsets, lengths, rank = (
         (s.get("offsets"), s.get("lengths"), s.get("rank", 0)) if type(s) is dict else (None, None, None)
     )

@@ -171,7 +171,7 @@ class FtkitCallback(TrainerCallback):
             f.write(self._resume["trainer_state"])
         # Trainer.train() insists on a weights file; these are the weights just restored.
         if hasattr(self._model, "save_pretrained"):
-            self._model.save_pretrained(path)
+            self._model.save_pretrained(path)  # type: ignore[operator]  # a transformers model
         else:
             from safetensors.torch import save_model
 

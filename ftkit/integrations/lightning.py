@@ -54,7 +54,7 @@ try:  # the unified package first, then the standalone one
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
         import pytorch_lightning as pl  # type: ignore[no-redef]
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
     except ImportError:
         raise ImportError(
             "ftkit.integrations.lightning needs PyTorch Lightning: "
@@ -131,7 +131,7 @@ class FtkitCallback(Callback):
         state["callbacks"] = Adapter(
             lambda: self._callback_states(trainer), lambda sd: self._load_callback_states(trainer, sd)
         )
-        dm = trainer.datamodule
+        dm = trainer.datamodule  # type: ignore[attr-defined]  # (Lightning sets it on the trainer at fit)
         if dm is not None:
             state["datamodule"] = Adapter(dm.state_dict, lambda sd: dm.load_state_dict(sd) if sd else None)
         state["loops"] = Adapter(trainer.fit_loop.state_dict, self._load_loops(trainer))
@@ -140,7 +140,7 @@ class FtkitCallback(Callback):
 
     def _callback_states(self, trainer: pl.Trainer) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for cb in trainer.callbacks:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # (a Trainer property Lightning adds)
             if cb is self:
                 continue
             sd = cb.state_dict()
@@ -149,7 +149,7 @@ class FtkitCallback(Callback):
         return out
 
     def _load_callback_states(self, trainer: pl.Trainer, saved: dict[str, Any]) -> None:
-        for cb in trainer.callbacks:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # (a Trainer property Lightning adds)
             if cb is not self and str(cb.state_key) in saved:
                 cb.load_state_dict(saved[str(cb.state_key)])
 
@@ -194,7 +194,7 @@ class FtkitCallback(Callback):
             self.restored_step = self.checkpointer.restore()
         if self.restored_step:
             self._last_step = trainer.global_step
-            pending = self._pending or {}
+            pending: dict[str, Any] = self._pending or {}
             if self.rng and pending.get("rng") is not None:
                 set_rng_state(pending["rng"])
             self._epoch_rng = pending.get("epoch_rng")

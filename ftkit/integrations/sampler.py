@@ -94,7 +94,7 @@ class ResumableDistributedSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         try:
-            n = operator.index(dataset_or_len)  # an int, not a dataset that happens to be one
+            n = operator.index(dataset_or_len)  # type: ignore[arg-type]  # an int, not a dataset that is one
         except TypeError:
             n = len(dataset_or_len)  # type: ignore[arg-type]
         num_replicas, rank = _world(num_replicas, rank)

@@ -123,7 +123,7 @@ def order_candidates(
 
 def files_for(manifest: Manifest, regions: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> set[str]:
     """The data files holding any byte of the `regions` (name -> (offsets, lengths)) this rank needs."""
-    files = set()
+    files: set[str] = set()
     for t in manifest.tensors:
         if t.name not in regions:
             continue

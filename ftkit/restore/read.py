@@ -68,7 +68,7 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     then only reports the error), so no rank waits on one that gave up.
     """
     ctx, step = rc.dist, cand.step
-    storage = rc.storages[rc.ram]
+    storage = rc.storages[cand.tier]
     step_dir = step_dir_name(step)
     error: str | None = None
     # The manifest: parsed by the inventory, or from this node, or from the rank named by the plan.
@@ -96,7 +96,11 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     except (FtkitError, OSError, ValueError) as e:  # ValueError: a store message that is not JSON
         error, missing, regions, dtensors, in_place, problems = str(e), [], {}, {}, {}, []
     requests = ctx.gather(f"{key}/req", {"missing": missing, "error": error, "mismatch": problems})
-    origin = {"source": "ram+peer" if missing else "ram", "files_from_peers": len(missing), "received": []}
+    origin: dict[str, Any] = {
+        "source": "ram+peer" if missing else "ram",
+        "files_from_peers": len(missing),
+        "received": [],
+    }
     if any(r["mismatch"] for r in requests):  # known everywhere before any live byte is written
         return None, {"error": None, "mismatch": problems}, origin
     plan = fetch_plan(requests, cand.holders, ctx.nodes)
@@ -107,6 +111,8 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
         try:
             if rc.peers is None or rc.peers.broken:
                 raise StorageError("files are on other nodes but there is no peer group to fetch them")
+            if manifest is None:
+                raise CorruptCheckpointError(f"step {step}: no manifest to fetch files by")
             sizes = {(t.src, t.file): manifest.files[_listed(manifest, t.file)]["bytes"] for t in plan}
             received = rc.peers.run(
                 plan,
@@ -120,21 +126,18 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     if plan:
         origin["fetch_s"] = time.perf_counter() - t_fetch
     error = error or moved_error or next((m for m in moved if m), None)
-    if error is None:
-        try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
-            with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
-                tensors = read_regions(storage, manifest, regions, out=targets)
-            tensors.update(in_place)
-        except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
-            error = str(e)
     origin["received"] = received
-    if error is None:
-        try:
-            loaded = _finish(rc, step, manifest, tensors, dtensors)
-        except CorruptCheckpointError as e:
-            error = str(e)
-    if error is not None:
+    if error is None and manifest is None:  # (no error means the manifest was read above)
+        error = f"step {step}: the RAM tier manifest could not be read"
+    if error is not None or manifest is None:
         return None, {"error": error, "mismatch": []}, origin
+    try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
+        with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
+            tensors = read_regions(storage, manifest, regions, out=targets)
+        tensors.update(in_place)
+        loaded = _finish(rc, step, manifest, tensors, dtensors)
+    except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+        return None, {"error": str(e), "mismatch": []}, origin
     return loaded, {"error": None, "mismatch": []}, origin
 
 
@@ -255,13 +258,13 @@ def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
     buf = torch.empty(size, dtype=torch.uint8)  # a short file sends what it has; the receiver's checksum says so
     with storage.open_read(f"{step_dir}/{name}") as f:
         if size:
-            f.readinto(memoryview(buf.numpy()))
+            f.readinto(buf.numpy().data)
     return buf
 
 
 def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor, manifest) -> None:
     with storage.open_write(f"{step_dir}/{_listed(manifest, name)}", recycle=True) as f:
-        f.write(memoryview(buf.numpy()))
+        f.write(buf.numpy().data)
 
 
 def _init_sharded_optimizers(state) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,7 +312,10 @@ def describe(problems: list[str]) -> str:
 
 
 def load(
-    state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], rng_value: Any = None
+    state: MutableMapping[str, Any],
+    skeleton: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    rng_value: Any = None,
 ) -> None:
     """Load decoded values into the live `state` in place (after `check` found nothing)."""
     for key, entry in skeleton["entries"].items():
@@ -332,7 +335,10 @@ def load(
 
 
 def apply(
-    state: dict[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], rng_value: Any = None
+    state: MutableMapping[str, Any],
+    skeleton: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    rng_value: Any = None,
 ) -> None:
     """check() then load(): a mismatch raises before anything in `state` changes."""
     problems = check(state, skeleton, tensors)

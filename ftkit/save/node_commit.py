@@ -169,11 +169,11 @@ def _replicate(
         buf = torch.empty(reports[ctx.rank].nbytes, dtype=torch.uint8)
         with storage.open_read(f"{step_dir}/{name}") as f:
             if buf.numel():
-                f.readinto(memoryview(buf.numpy()))
+                f.readinto(buf.numpy().data)
         return buf
 
     def write(name: str, buf) -> None:
-        data = memoryview(buf.numpy())
+        data = buf.numpy().data
         tensors, nbytes = incoming[name]
         if len(data) != nbytes:
             raise CorruptCheckpointError(f"replica {name} of step {step}: {len(data)} bytes arrived, {nbytes} reported")

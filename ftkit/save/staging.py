@@ -264,7 +264,7 @@ class Slot:
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")
 
 
 class StagingArena:
@@ -308,6 +308,7 @@ class StagingArena:
         """A free slot sized for `layout`, or None when all are busy and not `wait`ing."""
         n = self._slots_for(layout)
         dropped: list[Slot] = []
+        slot: Slot | None
         with self._cond:
             while True:
                 if self._closed:

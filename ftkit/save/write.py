@@ -75,7 +75,7 @@ def write_data(
     assert slot.layout is not None
     image = compress is None
     with storage.open_write(rel, recycle=True) as f:
-        whole = memoryview(slot.image().numpy()).cast("B") if image else None
+        whole = slot.image().numpy().data.cast("B") if image else None
         if whole is not None:
             f.write(whole)
         for e in slot.layout.entries:
@@ -84,6 +84,7 @@ def write_data(
             chunks = []
             for raw_off in range(0, e.nbytes, CHUNK_BYTES):
                 piece = raw[raw_off : raw_off + CHUNK_BYTES]
+                stored: memoryview | bytes
                 if image:
                     codec_name, stored, at = "raw", piece, e.offset + raw_off
                 else:

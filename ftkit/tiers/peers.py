@@ -127,11 +127,13 @@ class PeerGroup:
             recvs = [dist.irecv(buf, src=t.src, group=self.group) for t, buf in zip(incoming, bufs)]
             sends = [dist.isend(read(t.file), dst=t.dst, group=self.group) for t in plan if t.src == self.rank]
             for t, buf, work in zip(incoming, bufs, recvs):
-                work.wait()
+                if work is not None:  # None only outside the group, which a plan never asks for
+                    work.wait()
                 write(t.file, buf)
                 received.append(t.file)
-            for work in sends:
-                work.wait()
+            for send in sends:
+                if send is not None:
+                    send.wait()
         except Exception as e:
             self.broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             raise

@@ -299,8 +299,9 @@ def open_node_dir(identity: RunIdentity, node: str) -> str:
 
 def node_dir(node: str, job: str | None = None) -> str:
     """The RAM tier directory of `node` in the named run `job` (default: job_id())."""
-    name = validate_job_id(job) if job is not None else job_id()
-    return open_node_dir(RunIdentity(name, {"named": job if job is not None else _named_run()[1]}), node)
+    name = validate_job_id(job) if job is not None else job_id()  # job_id() raises when no run is named
+    named = job if job is not None else (_named_run() or ("", name))[1]
+    return open_node_dir(RunIdentity(name, {"named": named}), node)
 
 
 def existing_job_dir(job: str | None = None) -> str | None:

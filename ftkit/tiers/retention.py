@@ -79,14 +79,16 @@ def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, gr
     committed = [s.step for s in steps if s.status == "committed"]
     verified = [s.step for s in steps if s.status == "committed" and s.verified]
     protected = max(verified) if verified else None
+    delete: tuple[int, ...] = ()
     if protected is None:
-        keep_set, delete = tuple(committed), ()
+        keep_set = tuple(committed)
     else:
         plan = plan_retention(committed, keep, keep_every, protect=protected)
         delete = tuple(s for s in plan.delete if s < protected)
         keep_set = tuple(s for s in committed if s not in delete)
     newest = max(committed, default=None)
-    remove, held = [], []
+    remove: list[int] = []
+    held: list[int] = []
     for s in steps:
         if s.status not in ("partial", "retired", "empty"):
             continue

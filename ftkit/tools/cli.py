@@ -109,7 +109,7 @@ def _emit(args, payload: Any, text: str) -> None:
 # ------------------------------------------------------------------ commands
 def cmd_ls(args) -> int:
     storage, _ = _open(args)
-    rows = []
+    rows: list[dict[str, Any]] = []
     notes = {
         "partial": "no manifest: not a checkpoint",
         "retired": "retired: superseded by a restore of an older step",
@@ -159,7 +159,7 @@ def cmd_ls(args) -> int:
 def cmd_inspect(args) -> int:
     storage, step = _open(args)
     m = newest_manifest(storage, step)
-    tensors = []
+    tensors: list[dict[str, Any]] = []
     for t in m.tensors:
         chunks = [c for s in t.shards for c in s.chunks]
         tensors.append(
@@ -184,10 +184,10 @@ def cmd_inspect(args) -> int:
         "",
     ]
     lines.append(f"  {'TENSOR':<48} {'DTYPE':<10} {'SHAPE':<20} {'STORED':>10}  CODEC")
-    for t in tensors:
+    for row in tensors:
         lines.append(
-            f"  {t['name'][:48]:<48} {t['dtype']:<10} {str(tuple(t['shape']))[:20]:<20} "
-            f"{_human(t['stored_bytes']):>10}  {'+'.join(t['codecs']) or '-'}"
+            f"  {row['name'][:48]:<48} {row['dtype']:<10} {str(tuple(row['shape']))[:20]:<20} "
+            f"{_human(row['stored_bytes']):>10}  {'+'.join(row['codecs']) or '-'}"
         )
     _emit(args, payload, "\n".join(lines))
     return EXIT_OK
@@ -201,7 +201,7 @@ def cmd_verify(args) -> int:
             raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
     else:
         steps = [step if step is not None else newest_manifest(storage).step]
-    results = []
+    results: list[dict[str, Any]] = []
     for s in steps:
         try:
             m = load_manifest(storage, s)

@@ -199,9 +199,9 @@ def to_html(report: Report, events: list[dict[str, Any]], title: str = "ftkit ru
                     f'<rect x="{x(e["t"]) - 2:.1f}" y="{y - 3}" width="4" height="{row - 2}" '
                     f'fill="{mark}"><title>{e["event"]}: {tip}</title></rect>'
                 )
-    for i in report.incidents:
+    for inc in report.incidents:
         parts.append(
-            f'<rect x="{x(i.fault_t):.1f}" y="10" width="{max(1, i.total_s * scale):.1f}" '
+            f'<rect x="{x(inc.fault_t):.1f}" y="10" width="{max(1, inc.total_s * scale):.1f}" '
             f'height="{len(ranks) * row + 14}" fill="#c0392b" opacity="0.12"/>'
         )
     height = 40 + len(ranks) * row

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import read_tensors
 from ftkit.save.commit import commit
@@ -23,7 +25,9 @@ from ftkit.save.write import discard, write_data
 from ftkit.tiers.storage import Storage
 
 
-def plan_for_world(manifest: Manifest, tensors, rank: int, world_size: int) -> list[tuple[Piece, object]]:
+def plan_for_world(
+    manifest: Manifest, tensors: dict[str, torch.Tensor], rank: int, world_size: int
+) -> list[tuple[Piece, torch.Tensor]]:
     """The pieces rank `rank` of `world_size` would save of this checkpoint's tensors."""
     kinds = {t.name: t.kind for t in manifest.tensors}
     replicated = [(n, t) for n, t in tensors.items() if kinds[n] not in (SHARDED, RANK_LOCAL)]
@@ -60,6 +64,7 @@ def reshard(
             pieces = plan_for_world(manifest, tensors, rank, world_size)
             named = [(p.name, t) for p, t in pieces]
             slot = arena.acquire(Layout.of(named), wait=True)
+            assert slot is not None  # waiting without a timeout always gets one
             try:
                 slot.fill(named)
                 writes.append(

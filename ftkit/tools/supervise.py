@@ -53,6 +53,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from ftkit.errors import UsageError
 from ftkit.tools.launch import STARTUP_DIR_ENV
@@ -91,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", action=_Record, default="ftkit-run")
     p.add_argument("--startup-timeout", action=_Record, type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
 
-    def fail(message: str = "", *_a) -> None:
+    def fail(message: str = "", *_a: Any) -> NoReturn:
         raise _Unparsable(message)
 
     p.error = fail  # type: ignore[method-assign]  # torchrun reports its own usage errors
