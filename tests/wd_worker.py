@@ -1,7 +1,9 @@
 """The reference trainer with two watchdog faults injected that must not kill anyone.
 
 Rank 1's heartbeat thread dies at step 5 (the training thread restarts it), and
-at step 15 every rank loses the store for longer than the dead-rank bound.
+at step 15 every rank loses the store for longer than the dead-rank bound. Both
+are injected from here, by patching this process's watchdog: ftkit has no test
+hooks of its own for them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,37 @@ import ftkit.drill.reference
 _snapshot = ftkit.checkpointer.Checkpointer.snapshot
 
 
+def _die_once(wd) -> None:
+    """The heartbeat thread's next publish ends the thread (SystemExit is no Exception it catches)."""
+    publish = wd._publish
+
+    def die() -> None:
+        wd._publish = publish
+        raise SystemExit
+
+    wd._publish = die
+
+
+def _store_outage(wd, seconds: float) -> None:
+    """Every store call of the heartbeat thread fails for `seconds`."""
+    until = time.monotonic() + seconds
+    for name in ("_publish", "_read"):
+        real = getattr(wd, name)
+
+        def failing(*a, real=real, **k):
+            if time.monotonic() < until:
+                raise ConnectionError("store unreachable (injected)")
+            return real(*a, **k)
+
+        setattr(wd, name, failing)
+
+
 def snapshot(self, step):
     wd = self._watchdog
     if wd is not None and step == 5 and self._ctx.rank == 1:
-        wd._die_for_test = True
+        _die_once(wd)
     if wd is not None and step == 15:
-        wd.store_outage_until = time.monotonic() + 2 * wd.cfg.dead_after_s
+        _store_outage(wd, 2 * wd.cfg.dead_after_s)
     return _snapshot(self, step)
 
 

@@ -139,8 +139,6 @@ class Watchdog:
         self._outage_since: float | None = None
         self._started = time.monotonic()
         self._thread: threading.Thread | None = None
-        self._die_for_test = False
-        self.store_outage_until = 0.0  # test hook: store calls fail until this monotonic time
         self.detections: list[dict[str, Any]] = []
 
     # ------------------------------------------------------ training thread
@@ -210,9 +208,6 @@ class Watchdog:
     # ---------------------------------------------------------- the thread
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.interval_s):
-            if self._die_for_test:
-                self._die_for_test = False
-                raise SystemExit  # a thread that dies: the training thread restarts it
             try:
                 self._publish()
                 beats = self._read()
@@ -234,12 +229,7 @@ class Watchdog:
             except Exception:
                 log.exception("ftkit watchdog: judging heartbeats failed")
 
-    def _check_store(self) -> None:
-        if time.monotonic() < self.store_outage_until:
-            raise ConnectionError("store unreachable (injected)")
-
     def _publish(self) -> None:
-        self._check_store()
         self._seq += 1
         busy = list(self._busy)
         self.ctx.put(
@@ -258,7 +248,6 @@ class Watchdog:
         )
 
     def _read(self) -> dict[int, dict]:
-        self._check_store()
         out = {}
         for r in self._seen:
             key = f"hb/{r}"
