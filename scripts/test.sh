@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up (or reuse) .venv, lint and type-check, then run the whole test suite. Extra args go to pytest.
-# Two workers, one test file each at a time (--dist loadfile): the drills (test_drill.py,
-# the longest file, about 9 minutes) run on one while the rest of the suite runs on the
-# other; most of a drill is waiting (step sleeps, detection bounds, restarts), so the two
-# share the 2 cores without either missing a bound. The 15 slowest tests are listed.
+# Two workers, one test file each at a time (--dist loadfile): the drills, split over two
+# files (test_drill.py, test_drill_faults.py, about 4.5 minutes each), and the rest of the
+# suite share them; most of a drill is waiting (step sleeps, detection bounds, restarts),
+# so two jobs share the 2 cores without missing a bound. The 15 slowest tests are listed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
