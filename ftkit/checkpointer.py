@@ -35,7 +35,7 @@ from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.preemption import PreemptionHandler
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig, exit_unless_gone, time_first_gradient
 from ftkit.errors import FtkitError
-from ftkit.restore import RestoreContext
+from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
 from ftkit.save import capture as cap
 from ftkit.save.keys import KeyLedger, commit_key
@@ -145,6 +145,7 @@ class Checkpointer:
         self._bg_ctx = self._ctx.own_connection()  # the persist thread's (see DistContext.own_connection)
         self._restores = 0  # restore() calls so far: namespaces their store keys
         self.last_restore: dict[str, Any] = {}
+        self._superseded: Superseded | None = None  # what the last restore superseded, until the next snapshot
         # The RAM tier is bound to this run's identity (ramtier.py): never another run's snapshots.
         self.ram_identity = (
             run_identity([t.url for t in self.tiers if not (t.is_ram or t.is_peer)], run_id)
@@ -288,6 +289,8 @@ class Checkpointer:
 
     def _stage(self, step: int, due: list[int]) -> bool:
         """Capture, take a staging slot and copy: the part of snapshot() the training thread waits for."""
+        if self._superseded is not None:  # the first snapshot after a restore: forget the abandoned future
+            self._retire_superseded()
         t0 = time.perf_counter()
         ctx = self._ctx
         captured = cap.capture(self.state, rng=self.rng, rng_path=f"{cap.RNG_KEY}/r{ctx.rank}")
@@ -428,7 +431,11 @@ class Checkpointer:
             self.wait()
         key = f"restore/{self._restores}"
         self._restores += 1
-        context = RestoreContext(
+        restored, self.last_restore, self._superseded = _restore(self._restore_context(), step, key)
+        return restored
+
+    def _restore_context(self) -> RestoreContext:
+        return RestoreContext(
             self.state,
             self.rng,
             self._ctx,
@@ -439,5 +446,12 @@ class Checkpointer:
             self._arena,
             self.events.emit,
         )
-        restored, self.last_restore = _restore(context, step, key)
-        return restored
+
+    def _retire_superseded(self) -> None:
+        """The first snapshot after a restore: the steps it superseded leave the timeline (ftkit/restore)."""
+        superseded, self._superseded = self._superseded, None
+        if superseded is None:
+            return
+        retired = retire_superseded(self._restore_context(), superseded, f"restore/{self._restores - 1}/retired")
+        if retired:
+            self.events.emit("retire", step=superseded.step, retired=retired)

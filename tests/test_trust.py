@@ -15,7 +15,7 @@ from conftest import REPO, run_cli
 
 import ftkit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.format.reader import scan
+from ftkit.format.reader import committed_steps, scan
 
 N = 4096
 
@@ -263,12 +263,12 @@ def test_restoring_an_older_step_supersedes_newer_ones(tmp_path, monkeypatch, ca
             ck.snapshot(step)
         ck.wait()
     with ftkit.Checkpointer(state, spec, rng=False, run_id="lineage") as ck:
-        with caplog.at_level("WARNING", logger="ftkit"):
-            assert ck.restore(step=3) == 3
-        assert "newer step(s) [4, 5]" in caplog.text
+        assert ck.restore(step=3) == 3
         for step in (4, 5):  # the new future: values 40, 50
             state["w"].fill_(step * 10)
-            ck.snapshot(step)
+            with caplog.at_level("WARNING", logger="ftkit"):
+                ck.snapshot(step)  # the first one retires the old 4 and 5 first, and says so
+        assert "newer step(s) [4, 5]" in caplog.text
         ck.wait()
         assert ck.stats.failed == 0
     status = {d.step: d.status for d in scan(ftkit.Tier(str(root)).open())}
@@ -285,17 +285,39 @@ def test_retired_steps_are_listed_and_collected(tmp_path):
     root = tmp_path / "ckpt"
     state = {"w": torch.zeros(N)}
     with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=10)], rng=False) as ck:
+        for step in range(1, 5):
+            ck.snapshot(step)
+        ck.wait()
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=10)], rng=False) as ck:
+        assert ck.restore(step=1) == 1
+        assert ck.last_restore["superseded"] == {str(root): [2, 3, 4]}
+        assert committed_steps(ftkit.Tier(str(root)).open()) == [1, 2, 3, 4]  # nothing changes before a snapshot
+        ck.snapshot(2)  # the run goes on from step 1: 2, 3 and 4 of the old future leave the timeline first
+        ck.wait()
+    rows = json.loads(run_cli("ls", str(root), "--json").stdout)["steps"]
+    assert [(r["step"], r["status"]) for r in rows] == [
+        (1, "committed"),
+        (2, "committed"),
+        (3, "retired"),
+        (4, "retired"),
+    ]
+    r = run_cli("gc", str(root), "--keep", "2", "--grace", "0", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["removed_partial"] == [3, 4]
+    assert [d.step for d in scan(ftkit.Tier(str(root)).open(), include_empty=True)] == [1, 2]
+
+
+def test_a_process_that_only_restores_retires_nothing(tmp_path):
+    """An evaluation that restores an older step of a training run's tier must not touch
+    the run's newer steps: retiring happens only before this process's own first snapshot."""
+    root = tmp_path / "ckpt"
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=10)], rng=False) as ck:
         for step in range(1, 4):
             ck.snapshot(step)
         ck.wait()
     with ftkit.Checkpointer(state, [str(root)], rng=False) as ck:
         assert ck.restore(step=1) == 1
-        assert ck.last_restore["retired"] == {str(root): [2, 3]}
-    rows = json.loads(run_cli("ls", str(root), "--json").stdout)["steps"]
-    assert [(r["step"], r["status"]) for r in rows] == [(1, "committed"), (2, "retired"), (3, "retired")]
-    r = run_cli("gc", str(root), "--keep", "1", "--grace", "0", "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["removed_partial"] == [2, 3]
-    assert [d.step for d in scan(ftkit.Tier(str(root)).open(), include_empty=True)] == [1]
+    assert committed_steps(ftkit.Tier(str(root)).open()) == [1, 2, 3]
 
 
 # ------------------------------------------------ 7. FTKIT_UNSAFE_SKIP_CHECKSUMS

@@ -31,15 +31,17 @@ replica, a torn file or a crafted manifest never ends up loaded; when NO
 candidate verifies, restore raises CorruptCheckpointError and the live tensors
 may hold part of one (do not train on them).
 
-After a successful restore of step N every newer step is taken out of the
-timeline (`_retire_newer`): dropped from the RAM tier, retired on shared tiers.
-Nothing is dropped or retired before then: a failed candidate destroys nothing.
+A restore of step N supersedes every newer step: before the run's first snapshot
+after it (`retire_superseded`), they are dropped from the RAM tier and retired on
+shared tiers. Nothing is dropped or retired by the restore itself: a failed
+candidate destroys nothing, and a process that only restores changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, StorageError
@@ -51,20 +53,32 @@ from ftkit.restore.read import read_ram_candidate, read_shared_candidate
 from ftkit.save import capture as cap
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
 
-__all__ = ["RestoreContext", "restore"]
+__all__ = ["RestoreContext", "Superseded", "restore", "retire_superseded"]
 
 log = logging.getLogger("ftkit")
 
 
-def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[str, Any]]:
+@dataclass(frozen=True)
+class Superseded:
+    """What a restore of `step` leaves behind: the newer steps that belong to a future
+    the run has left, to be taken out of the timeline before its first snapshot
+    (`retire_superseded`). `listed`: per shared tier (index), the newer committed
+    steps rank 0 listed while planning (empty on other ranks)."""
+
+    step: int
+    listed: dict[int, list[int]] = field(default_factory=dict)
+
+
+def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[str, Any], Superseded | None]:
     """Restore `step` (None: the newest usable) into rc.state; every rank calls it with
     the same `key` (the store namespace of this call). Returns (step restored or 0,
-    what this rank's last_restore reports)."""
+    what this rank's last_restore reports, what the restore superseded)."""
     ctx = rc.dist
     t_start = time.perf_counter()
     inventory, manifests = ram_inventory(rc)
     inventories = ctx.gather(f"{key}/inv", inventory)
     listing = None
+    listings: list[tuple[int, list[int]]] = []
     if ctx.rank == 0:
         ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch) if rc.ram is not None else {}
         listings, unreachable = shared_listings(rc)
@@ -112,7 +126,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
         t1 = time.perf_counter()
         cap.load(rc.state, manifest.skeleton, tensors, rng_value)
         t_load = time.perf_counter() - t1
-        retired = _retire_newer(rc, s, f"{key}/retired")
+        superseded = Superseded(s, {i: [x for x in steps if x > s] for i, steps in listings})
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         report = {
             "step": s,
@@ -123,7 +137,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             "read_s": t_read,
             "load_s": t_load,
             "total_s": time.perf_counter() - t_start,
-            "retired": retired,
+            "superseded": {rc.storages[i].display_url: v for i, v in superseded.listed.items() if v},
         }
         rc.emit("restore", **{k: v for k, v in report.items() if k != "received"})
         log.info(
@@ -141,7 +155,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             if manifest.world_size != ctx.world_size
             else "",
         )
-        return s, report
+        return s, report, superseded
     if problems:
         raise CorruptCheckpointError(
             f"no usable checkpoint: {len(problems)} candidate(s) failed, so the live "
@@ -149,31 +163,35 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
         )
     if unreachable:
         raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
-    _retire_newer(rc, 0, f"{key}/retired")  # incomplete RAM steps (no manifest anywhere) go too
     rc.emit("restore", step=0, source=None, total_s=time.perf_counter() - t_start)
-    return 0, {}
+    return 0, {}, Superseded(0)  # RAM steps without a manifest anywhere go before the first snapshot
 
 
-def _retire_newer(rc: RestoreContext, step: int, key: str) -> dict[str, list[int]]:
-    """After restoring `step` (0: starting afresh), take every newer step out of the timeline.
+def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> dict[str, list[int]]:
+    """Before the first snapshot after a restore, take the steps it superseded out of the timeline.
 
     They belong to a future the run has left: an explicit `restore(step=N)`, or a
     fallback past newer steps that failed. Left in place, the run's next snapshots
     of those step numbers would be refused as already committed and a later
-    restart would resume the abandoned future. The RAM tier drops them (node
-    leaders; it is a cache); shared tiers retire them (rank 0; lifecycle.py: the
-    manifest is renamed aside, the bytes stay until retention). Runs only once a
-    restore has succeeded, so a failed candidate destroys nothing; ends with a
-    barrier, so no rank snapshots before every newer step is gone. Returns
-    {tier URL: steps retired} (this rank's share of the work)."""
+    restart would resume the abandoned future. The RAM tier drops every newer step
+    (node leaders; it is this run's cache); shared tiers retire the newer steps
+    listed when the restore planned (rank 0; lifecycle.py: the manifest is renamed
+    aside, the bytes stay until retention), never one committed since. Done at
+    the first snapshot, not at the restore: a process that only restores (an
+    evaluation reading a training run's checkpoints) changes nothing, and a failed
+    restore destroys nothing. Every rank calls it at the same snapshot; it ends
+    with a barrier, so no rank writes before every node's newer steps are gone.
+    Returns {tier URL: steps retired} (this rank's share of the work)."""
     ctx = rc.dist
+    step = superseded.step
     out: dict[str, list[int]] = {}
     for i, tier in enumerate(rc.tiers):
         storage = rc.storages[i]
-        if tier.is_peer or not (ctx.node_leader(ctx.rank) if tier.is_ram else ctx.rank == 0):
+        if storage is None or not (ctx.node_leader(ctx.rank) if tier.is_ram else ctx.rank == 0):
             continue
         try:
-            dirs = [d for d in scan(storage) if d.step > step and (tier.is_ram or d.committed)]
+            listed = set(superseded.listed.get(i, []))
+            dirs = [d for d in scan(storage) if d.step > step and (tier.is_ram or (d.committed and d.step in listed))]
         except StorageError as e:
             log.warning(
                 "rank %d: cannot list %s to retire steps newer than %d: %s", ctx.rank, storage.display_url, step, e
@@ -199,5 +217,5 @@ def _retire_newer(rc: RestoreContext, step: int, key: str) -> dict[str, list[int
                 step,
             )
     if ctx.distributed:
-        ctx.gather(key, None)  # nobody snapshots before every node's newer steps are gone
+        ctx.gather(key, None)  # nobody writes before every node's newer steps are gone
     return out
