@@ -23,48 +23,34 @@ import os
 import signal
 import time
 from collections.abc import MutableMapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
+from ftkit.coord.ending import exit_unless_gone, time_first_gradient
 from ftkit.coord.events import EventLog
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.preemption import PreemptionHandler
-from ftkit.coord.watchdog import Watchdog, WatchdogConfig, exit_unless_gone, time_first_gradient
+from ftkit.coord.watchdog import Watchdog, WatchdogConfig
 from ftkit.errors import FtkitError
 from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
 from ftkit.save import capture as cap
-from ftkit.save.keys import KeyLedger, commit_key
+from ftkit.save.keys import commit_key
 from ftkit.save.layout import Layout
-from ftkit.save.pipeline import PersistJob, PersistPipeline
+from ftkit.save.pipeline import PersistJob, PersistPipeline, Stats
 from ftkit.save.reports import report_skipped
 from ftkit.save.sharding import plan_pieces
 from ftkit.save.staging import Slot, StagingArena
-from ftkit.tiers.peers import PeerGroup
-from ftkit.tiers.ram import SparePool, open_node_dir, run_identity
+from ftkit.tiers.opened import open_tiers
 from ftkit.tiers.redact import redact_url
-from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
 
 POLICIES = ("skip", "wait")
 _instances = 0
-
-
-@dataclass
-class Stats:
-    """Counters a user (or a test) can read at any time."""
-
-    snapshots: int = 0
-    skipped: int = 0  # due, but every staging slot was busy (policy "skip")
-    persisted: int = 0  # tier commits
-    failed: int = 0  # tier persists that failed
-    last_stall_s: float = 0.0
-    last_committed: dict[str, int] = field(default_factory=dict)  # tier url (redacted) -> step
 
 
 class Checkpointer:
@@ -147,35 +133,11 @@ class Checkpointer:
         self.last_restore: dict[str, Any] = {}
         self._superseded: Superseded | None = None  # what the last restore superseded, until the next snapshot
         # The RAM tier is bound to this run's identity (ramtier.py): never another run's snapshots.
-        self.ram_identity = (
-            run_identity([t.url for t in self.tiers if not (t.is_ram or t.is_peer)], run_id)
-            if any(t.is_ram for t in self.tiers)
-            else None
-        )
-        # Opening every tier now makes a bad URL or missing backend fail at start.
-        ram_storage = Storage(open_node_dir(self.ram_identity, self._ctx.node)) if self.ram_identity else None
-        self._storages: list[Storage | None] = [
-            ram_storage if t.is_ram else (None if t.is_peer else t.open()) for t in self.tiers
-        ]
-        self._ram_index = next((i for i, t in enumerate(self.tiers) if t.is_ram), None)
-        peer = next((t for t in self.tiers if t.is_peer), None)
-        self._replicas = peer.replicas if peer else 0
-        if ram_storage is not None:  # room for one step of this node's data files and replicas
-            ram = ram_storage
-            ram.spares = SparePool(ram.root, self._ctx.nodes.count(self._ctx.node) * (1 + self._replicas))
-        # The store keys commits left behind, per tier, for a later commit to delete (persist.py).
-        self._keys = {
-            i: KeyLedger.node_local(self._ctx.rank) if t.is_ram else KeyLedger.shared(self._ctx.world_size)
-            for i, t in enumerate(self.tiers)
-            if not t.is_peer
-        }
-        if peer and self._ram_index is None:
-            raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
-        self._peers: PeerGroup | None = None
-        if peer and self._ctx.distributed:
-            self._peers = PeerGroup(self._ctx.rank, self._ctx.world_size, peer_timeout_s)
-        if peer and len(set(self._ctx.nodes)) < 2:
-            log.warning("peer tier: all ranks are on one node (%s); no replica can survive its loss", self._ctx.node)
+        # Opening every tier now makes a bad URL or missing backend fail at start (tiers/opened.py).
+        opened = open_tiers(self.tiers, self._ctx, run_id, peer_timeout_s)
+        self.ram_identity = opened.ram_identity
+        self._storages, self._ram_index, self._replicas = opened.storages, opened.ram_index, opened.replicas
+        self._peers, self._keys = opened.peers, opened.keys
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
@@ -188,23 +150,10 @@ class Checkpointer:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
-        self._in_order = frozenset(
-            f"{key}/{name}"
-            for key, obj in state.items()
-            if isinstance(obj, torch.nn.Module)
-            for name, _ in obj.named_buffers()
-        )
+        self._in_order = cap.module_buffer_names(state)
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
         self._pipeline = PersistPipeline(
-            self.tiers,
-            self._storages,
-            self._keys,
-            self._bg_ctx,
-            self._peers,
-            self._replicas,
-            self.stats,
-            self.events.emit,
-            self._arena.release,
+            self.tiers, opened, self._bg_ctx, self.stats, self.events.emit, self._arena.release
         )
         self.events.emit(
             "start",
@@ -214,13 +163,6 @@ class Checkpointer:
             tiers=[redact_url(t.url) for t in self.tiers],
             **({"ram_run": self.ram_identity.name} if self.ram_identity else {}),
         )
-        if self.ram_identity is not None:
-            log.info(
-                "ftkit: RAM tier of run %s (from %s) at %s",
-                self.ram_identity.name,
-                self.ram_identity.source,
-                ram_storage.display_url if ram_storage else "-",
-            )
         signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
         self._preemption = PreemptionHandler(signals, preemption_deadline_s, self.events.emit) if signals else None
         # Take over the signals now only where they are wanted from the start (preemption.py);

@@ -41,6 +41,7 @@ from ftkit.format.manifest import (
     Shard,
     TensorEntry,
 )
+from ftkit.format.tiling import check_no_shared_bytes, check_shards_tile
 
 MAX_INT = 2**62  # offsets, sizes, byte counts: anything larger is not a real checkpoint
 MAX_STEP = 10**12 - 1  # step directories have 12 digits
@@ -49,7 +50,6 @@ MAX_NDIM = 64
 MAX_NAME = 4096
 MAX_DEPTH = 200  # skeleton nesting; JSON parsers give up near 1000
 ZSTD_MAX_RATIO = 32768  # a zstd block of <= 128 KiB needs >= 4 stored bytes
-MAX_IRREGULAR_SHARDS = 4096  # shards that are no grid are checked pairwise
 CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 TAGS = ("$tensor", "$ndarray", "$tuple", "$items", "$float")
 NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cannot back an $ndarray
@@ -306,59 +306,6 @@ def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> None:
     if offset + length > files[file]["bytes"]:
         raise FormatError(f"a chunk of {what} runs past the end of {file!r}")
     raise FormatError(f"a chunk of {what} is malformed")  # not reached
-
-
-def check_no_shared_bytes(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> None:
-    """No two chunks share stored bytes: so the raw bytes of raw chunks never exceed the files."""
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
-    for t in tensors:
-        for s in t.shards:
-            for c in s.chunks:
-                by_file.setdefault(c.file, []).append((c.offset, c.offset + c.length, t.name))
-    for file, spans in by_file.items():
-        spans.sort()
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-            if start < end:
-                raise FormatError(f"chunks of {a[:80]!r} and {b[:80]!r} share bytes of {file!r}")
-
-
-def check_shards_tile(shape: tuple[int, ...], shards: tuple[Shard, ...], what: str) -> None:
-    """The non-empty shards cover every element of `shape` exactly once."""
-    total = _volume(shape)
-    full = [s for s in shards if _volume(s.lengths) > 0]
-    covered = sum(_volume(s.lengths) for s in full)
-    if covered != total:
-        raise FormatError(
-            f"the shards of {what} cover {covered} of its {total} elements"
-            if covered < total
-            else f"the shards of {what} overlap ({covered} elements saved for {total})"
-        )
-    if len(full) <= 1 or _is_grid(shape, full):
-        return  # one shard inside the tensor with the full volume, or cells of a grid: exact
-    if len(full) > MAX_IRREGULAR_SHARDS:
-        raise FormatError(f"{what} has {len(full)} shards that form no grid; too many to check")
-    for i, a in enumerate(full):  # equal volumes and no overlap: an exact cover
-        for b in full[i + 1 :]:
-            if all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths)):
-                raise FormatError(f"two shards of {what} overlap")
-    # (only reached when volumes add up and nothing overlaps)
-
-
-def _is_grid(shape: tuple[int, ...], shards: list[Shard]) -> bool:
-    """Whether the shards are the distinct cells of a grid that partitions `shape`."""
-    cuts = []
-    for d, size in enumerate(shape):
-        intervals = sorted({(s.offsets[d], s.lengths[d]) for s in shards})
-        at = 0
-        for o, n in intervals:
-            if o != at:
-                return False
-            at += n
-        if at != size:
-            return False
-        cuts.append(len(intervals))
-    cells = {(s.offsets, s.lengths) for s in shards}
-    return len(cells) == len(shards) == _volume(cuts)
 
 
 # ------------------------------------------------------------------ skeleton

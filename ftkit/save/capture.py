@@ -370,3 +370,14 @@ def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str
                 out += _compare(live[k], saved[k], f"{path}/{k}", strict_keys=strict_keys)
         return out
     return []
+
+
+def module_buffer_names(state: Mapping[str, Any]) -> frozenset[str]:
+    """The names (as captured) of every module buffer in `state`: forward updates them in
+    place, whatever their size, so they are copied in stream order (`Slot.fill(in_order=)`)."""
+    return frozenset(
+        f"{key}/{name}"
+        for key, obj in state.items()
+        if isinstance(obj, torch.nn.Module)
+        for name, _ in obj.named_buffers()
+    )

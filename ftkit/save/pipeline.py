@@ -19,21 +19,34 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
 from ftkit.errors import AlreadyCommitted
 from ftkit.save.commit import persist
-from ftkit.save.keys import KeyLedger, commit_key
+from ftkit.save.keys import commit_key
 from ftkit.save.node_commit import persist_node_local
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
+from ftkit.tiers.opened import OpenedTiers
 from ftkit.tiers.redact import redact_url
 from ftkit.tiers.retention import apply_job_retention
 
 log = logging.getLogger("ftkit")
+
+
+@dataclass
+class Stats:
+    """Counters a user (or a test) can read at any time."""
+
+    snapshots: int = 0
+    skipped: int = 0  # due, but every staging slot was busy (policy "skip")
+    persisted: int = 0  # tier commits
+    failed: int = 0  # tier persists that failed
+    last_stall_s: float = 0.0
+    last_committed: dict[str, int] = field(default_factory=dict)  # tier url (redacted) -> step
 
 
 @dataclass
@@ -51,18 +64,15 @@ class PersistPipeline:
     def __init__(
         self,
         tiers: Sequence[Tier],
-        storages: Sequence[Any],
-        keys: dict[int, KeyLedger],
+        opened: OpenedTiers,
         ctx: DistContext,
-        peers: Any,
-        replicas: int,
-        stats: Any,
+        stats: Stats,
         emit: Callable[..., None],
         release: Callable[[Slot], None],
     ):
-        self.tiers, self.storages, self.keys = tiers, storages, keys
+        self.tiers, self.storages, self.keys = tiers, opened.storages, opened.keys
         self.ctx = ctx  # the thread's own store connection (DistContext.own_connection)
-        self.peers, self.replicas = peers, replicas
+        self.peers, self.replicas = opened.peers, opened.replicas
         self.stats, self.emit, self.release = stats, emit, release
         self._jobs: queue.Queue[PersistJob | None] = queue.Queue()
         self._errors: list[BaseException] = []
@@ -109,6 +119,7 @@ class PersistPipeline:
 
     def _persist(self, job: PersistJob, i: int) -> None:
         tier, storage = self.tiers[i], self.storages[i]
+        assert storage is not None  # only tiers with storage are ever due (not the "peer" tier)
         try:
             t0 = time.perf_counter()
             key = commit_key(i, job.epoch, job.step)

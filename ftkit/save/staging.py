@@ -15,8 +15,7 @@ Order of calls::
     ...background: slot.ready() ... read slot.views / slot.buffer ...
     arena.release(slot)                       # waits for the copies too, should ready() not have run
 
-The CUDA path (every device call goes through :class:`DeviceOps`, so that tests on
-machines without a GPU drive the same logic with a simulated device):
+The CUDA path (every device call goes through :class:`DeviceOps`: save/device.py):
 
 * Slots are page-locked (pinned) host memory of exactly the layout's size: the
   buffer is allocated pageable and registered with CUDA (``cudaHostRegister``),

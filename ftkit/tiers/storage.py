@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import stat
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +39,7 @@ from ftkit.tiers.localfs import fsync_dir as _fsync_dir
 from ftkit.tiers.localfs import local_kind as _local_kind
 from ftkit.tiers.localfs import no_links_within, open_regular
 from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
+from ftkit.tiers.uploads import abort_upload, list_incomplete_uploads
 
 log = logging.getLogger(__name__)
 
@@ -366,36 +366,14 @@ class Storage:
 
     # -------------------------------------------------- object-store uploads
     def incomplete_uploads(self, rel: str = "") -> list[dict[str, Any]]:
-        """Multipart uploads started below `rel` and never completed ({key, upload_id,
-        initiated}): what a writer killed mid-upload leaves behind, invisible to
-        listings and billed. [] on backends without multipart uploads."""
-        if not hasattr(self.fs, "call_s3"):
-            return []
-        bucket, _, prefix = self.path(rel).partition("/")
-        prefix = prefix.rstrip("/") + "/" if prefix else ""
-        out: list[dict[str, Any]] = []
+        """Multipart uploads started below `rel` and never completed (tiers/uploads.py)."""
         with self._errors("listing incomplete uploads of", rel):
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-            while True:
-                page = self.fs.call_s3("list_multipart_uploads", **kwargs)
-                for u in page.get("Uploads") or []:
-                    t = u.get("Initiated")
-                    out.append(
-                        {
-                            "key": u["Key"],
-                            "upload_id": u["UploadId"],
-                            "initiated": t.timestamp() if hasattr(t, "timestamp") else time.time(),
-                        }
-                    )
-                if not page.get("IsTruncated"):
-                    return out
-                kwargs.update(KeyMarker=page.get("NextKeyMarker"), UploadIdMarker=page.get("NextUploadIdMarker"))
+            return list_incomplete_uploads(self.fs, self.path(rel))
 
     def abort_upload(self, upload: dict[str, Any]) -> None:
         """Abort one incomplete multipart upload (from :meth:`incomplete_uploads`)."""
-        bucket = self.path().partition("/")[0]
         with self._errors("aborting the upload of", upload["key"]):
-            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["key"], UploadId=upload["upload_id"])
+            abort_upload(self.fs, self.path(), upload)
 
     # ------------------------------------------------------- local safety
     def _no_links_within(self, rel: str) -> None:

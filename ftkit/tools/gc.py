@@ -19,17 +19,27 @@ trusts the step it has just committed instead of reading it back.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from ftkit.format.manifest import step_dir_name
+from ftkit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidJobIdError,
+    RunIdentityError,
+    StorageError,
+    UsageError,
+)
+from ftkit.format.manifest import parse_step_dir, step_dir_name
 from ftkit.format.reader import load_manifest, scan, verify
 from ftkit.tiers.lifecycle import delete_step
 from ftkit.tiers.retention import CollectionPlan, StepInfo, plan_collection
 from ftkit.tiers.storage import Storage
+from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier
 
 log = logging.getLogger("ftkit")
 
@@ -110,3 +120,93 @@ def collect(
         except StorageError as e:
             done.errors.append(str(e))
     return done
+
+
+# ------------------------------------------------------------ the command
+def cmd_gc(args) -> int:
+    from ftkit.tools.gc import collect
+
+    if args.url == "ram":
+        return _gc_ram(args)
+    if args.keep is None:
+        raise UsageError("gc needs --keep N (or the URL 'ram' to remove a finished job's RAM tier)")
+    if parse_step_dir(args.url.rstrip("/").rsplit("/", 1)[-1]) is not None:
+        raise UsageError(f"{args.url} is one step's directory; gc works on the tier above it")
+    storage, _ = open_tier(args)
+
+    bars: list[Any] = []
+
+    def progress(step: int, nbytes: int):  # a bar per step verified, on a terminal
+        if not sys.stderr.isatty() or nbytes <= 0:
+            return None
+        from tqdm import tqdm
+
+        bars.append(tqdm(total=nbytes, desc=f"verify step {step}", unit="B", unit_scale=True, leave=False))
+        return bars[-1].update
+
+    try:
+        done = collect(storage, args.keep, args.keep_every, args.grace, dry_run=args.dry_run, progress=progress)
+    except CheckpointNotFoundError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        for bar in bars:
+            bar.close()
+    plan = done.plan
+    verb = "would remove" if args.dry_run else "removed"
+    payload = {
+        "url": storage.display_url,
+        "dry_run": args.dry_run,
+        "kept": list(plan.keep),
+        "removed": list(plan.delete),
+        "removed_partial": list(plan.remove_partial),
+        "held_partial": list(plan.held),
+        "refused": list(plan.refused),
+        "protected": plan.protected,
+        "failed_verification": {str(k): v for k, v in done.failed_verification.items()},
+        "aborted_uploads": [u["key"] for u in done.uploads],
+        "held_uploads": done.uploads_held,
+        "errors": done.errors,
+    }
+    lines = [
+        f"{verb} {len(plan.delete)} step(s) {list(plan.delete)} and {len(plan.remove_partial)} partial "
+        f"step(s) {list(plan.remove_partial)}; kept {list(plan.keep)}"
+    ]
+    if plan.protected is None and plan.keep:
+        lines.append("no step verified: every committed step was kept")
+    else:
+        lines.append(f"newest verified step: {plan.protected}")
+    for s, why in sorted(done.failed_verification.items()):
+        lines.append(f"step {s} failed verification (kept): {why}")
+    if plan.held:
+        lines.append(f"left alone (changed less than {args.grace:.0f}s ago; a writer may be live): {list(plan.held)}")
+    if plan.refused:
+        lines.append(f"refused (a symbolic link, or a manifest that is no regular file): {list(plan.refused)}")
+    if done.uploads or done.uploads_held:
+        lines.append(
+            f"{verb} {len(done.uploads)} incomplete upload(s)"
+            + (f"; {done.uploads_held} younger than {args.grace:.0f}s left alone" if done.uploads_held else "")
+        )
+    lines += [f"error: {e}" for e in done.errors]
+    emit(args, payload, "\n".join(lines))
+    return EXIT_FAIL if done.errors else EXIT_OK
+
+
+def _gc_ram(args) -> int:
+    """Remove a finished job's RAM tier (every simulated node's directory) on this machine."""
+    from ftkit.tiers.ram import existing_job_dir, job_dir, remove_job
+
+    try:  # a job id is a plain name under the RAM root: never a path (not absolute, no "..")
+        path = existing_job_dir(args.job)  # checked as for use: ours, private, not a link
+    except (InvalidJobIdError, RunIdentityError) as e:
+        raise UsageError(str(e)) from None
+    if path is None:
+        raise CheckpointNotFoundError(f"no RAM tier for job {args.job or '(default)'} at {job_dir(args.job)}")
+    size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
+    if not args.dry_run:
+        remove_job(args.job)
+    emit(
+        args,
+        {"removed": path, "bytes": size, "dry_run": args.dry_run},
+        f"{'would remove' if args.dry_run else 'removed'} {path} ({human(size)})",
+    )
+    return EXIT_OK

@@ -15,10 +15,8 @@ import sys
 import tempfile
 
 from ftkit.errors import UsageError
+from ftkit.tools.cliutil import EXIT_OK, EXIT_USAGE
 from ftkit.tools.supervise import StartupWatch, plan, startup_env
-
-EXIT_OK, EXIT_USAGE = 0, 2
-
 
 RUN_HELP = """usage: ftkit run [--run-dir DIR] [--startup-timeout S] [torchrun options] script.py [script args]
 

@@ -1,0 +1,64 @@
+"""Proofs that a manifest's pieces fit together exactly (format/validate.py uses them):
+no two chunks share stored bytes, and a tensor's shards cover it exactly once."""
+
+from __future__ import annotations
+
+import math
+
+from ftkit.errors import FormatError
+from ftkit.format.manifest import Shard, TensorEntry
+
+MAX_IRREGULAR_SHARDS = 4096  # shards that are no grid are checked pairwise
+
+
+def check_no_shared_bytes(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> None:
+    """No two chunks share stored bytes: so the raw bytes of raw chunks never exceed the files."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for t in tensors:
+        for s in t.shards:
+            for c in s.chunks:
+                by_file.setdefault(c.file, []).append((c.offset, c.offset + c.length, t.name))
+    for file, spans in by_file.items():
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise FormatError(f"chunks of {a[:80]!r} and {b[:80]!r} share bytes of {file!r}")
+
+
+def check_shards_tile(shape: tuple[int, ...], shards: tuple[Shard, ...], what: str) -> None:
+    """The non-empty shards cover every element of `shape` exactly once."""
+    total = math.prod(shape)
+    full = [s for s in shards if math.prod(s.lengths) > 0]
+    covered = sum(math.prod(s.lengths) for s in full)
+    if covered != total:
+        raise FormatError(
+            f"the shards of {what} cover {covered} of its {total} elements"
+            if covered < total
+            else f"the shards of {what} overlap ({covered} elements saved for {total})"
+        )
+    if len(full) <= 1 or _is_grid(shape, full):
+        return  # one shard inside the tensor with the full volume, or cells of a grid: exact
+    if len(full) > MAX_IRREGULAR_SHARDS:
+        raise FormatError(f"{what} has {len(full)} shards that form no grid; too many to check")
+    for i, a in enumerate(full):  # equal volumes and no overlap: an exact cover
+        for b in full[i + 1 :]:
+            if all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths)):
+                raise FormatError(f"two shards of {what} overlap")
+    # (only reached when volumes add up and nothing overlaps)
+
+
+def _is_grid(shape: tuple[int, ...], shards: list[Shard]) -> bool:
+    """Whether the shards are the distinct cells of a grid that partitions `shape`."""
+    cuts = []
+    for d, size in enumerate(shape):
+        intervals = sorted({(s.offsets[d], s.lengths[d]) for s in shards})
+        at = 0
+        for o, n in intervals:
+            if o != at:
+                return False
+            at += n
+        if at != size:
+            return False
+        cuts.append(len(intervals))
+    cells = {(s.offsets, s.lengths) for s in shards}
+    return len(cells) == len(shards) == math.prod(cuts)

@@ -1,0 +1,185 @@
+"""The `ftkit` commands that read checkpoints: ls, inspect, verify, restore, report."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ftkit.errors import (
+    AlreadyCommitted,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UsageError,
+)
+from ftkit.format.manifest import Manifest
+from ftkit.format.reader import load_manifest, newest_manifest, scan, verify
+from ftkit.tiers.storage import Storage
+from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, progress_bar, summary, when
+
+
+# ------------------------------------------------------------------ commands
+def cmd_ls(args) -> int:
+    storage, _ = open_tier(args)
+    rows: list[dict[str, Any]] = []
+    notes = {
+        "partial": "no manifest: not a checkpoint",
+        "retired": "retired: superseded by a restore of an older step",
+        "link": "a symbolic link: ignored",
+        "bad": "manifest.json is not a regular file: ignored",
+    }
+    for sd in scan(storage):
+        if not sd.committed:
+            rows.append({"step": sd.step, "status": sd.status})
+            continue
+        try:
+            rows.append({**summary(load_manifest(storage, sd.step)), "status": "committed"})
+        except CorruptCheckpointError as e:
+            rows.append({"step": sd.step, "status": "bad-manifest", "error": str(e)})
+    uploads = storage.incomplete_uploads()
+    if not rows and not uploads:
+        raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
+    lines = [f"{'STEP':>10}  {'STATUS':<12} {'WORLD':>5} {'TENSORS':>7} {'STORED':>10} {'RAW':>10}  CREATED"]
+    for r in rows:
+        if r["status"] == "committed":
+            lines.append(
+                f"{r['step']:>10}  {r['status']:<12} {r['world_size']:>5} {r['tensors']:>7} "
+                f"{human(r['stored_bytes']):>10} {human(r['raw_bytes']):>10}  {when(r['created_at'])}"
+            )
+        else:
+            lines.append(
+                f"{r['step']:>10}  {r['status']:<12} {'-':>5} {'-':>7} {'-':>10} {'-':>10}  "
+                f"{r.get('error', notes.get(r['status'], ''))}"
+            )
+    if uploads:
+        lines.append(
+            f"{len(uploads)} incomplete multipart upload(s) (a writer died mid-upload; `ftkit gc` aborts "
+            f"them): {', '.join(u['key'] for u in uploads[:3])}{' ...' if len(uploads) > 3 else ''}"
+        )
+    emit(
+        args,
+        {
+            "url": storage.display_url,
+            "steps": rows,
+            "incomplete_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in uploads],
+        },
+        "\n".join(lines),
+    )
+    return EXIT_OK
+
+
+def cmd_inspect(args) -> int:
+    storage, step = open_tier(args)
+    m = newest_manifest(storage, step)
+    tensors: list[dict[str, Any]] = []
+    for t in m.tensors:
+        chunks = [c for s in t.shards for c in s.chunks]
+        tensors.append(
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "shards": len(t.shards),
+                "stored_bytes": sum(c.length for c in chunks),
+                "raw_bytes": sum(c.raw_length for c in chunks),
+                "codecs": sorted({c.codec for c in chunks}),
+            }
+        )
+    payload = {**summary(m), "url": storage.display_url, "files": m.files, "writer": m.writer, "tensor_list": tensors}
+    lines = [
+        f"step {m.step} at {storage.display_url}",
+        f"  format v{m.format_version}, world size {m.world_size}, created {when(m.created_at)}, "
+        f"written by ftkit {m.writer.get('ftkit', '?')} / torch {m.writer.get('torch', '?')}",
+        f"  {len(m.tensors)} tensors, {human(m.total_raw_bytes)} raw, {human(m.total_stored_bytes)} stored "
+        f"in {len(m.files)} file(s)",
+        f"  state entries: {', '.join(payload['entries']) or '-'}",
+        "",
+    ]
+    lines.append(f"  {'TENSOR':<48} {'DTYPE':<10} {'SHAPE':<20} {'STORED':>10}  CODEC")
+    for row in tensors:
+        lines.append(
+            f"  {row['name'][:48]:<48} {row['dtype']:<10} {str(tuple(row['shape']))[:20]:<20} "
+            f"{human(row['stored_bytes']):>10}  {'+'.join(row['codecs']) or '-'}"
+        )
+    emit(args, payload, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    storage, step = open_tier(args)
+    if args.all:
+        steps = [s.step for s in scan(storage) if s.committed]
+        if not steps:
+            raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
+    else:
+        steps = [step if step is not None else newest_manifest(storage).step]
+    results: list[dict[str, Any]] = []
+    for s in steps:
+        try:
+            m = load_manifest(storage, s)
+            with progress_bar(m.total_raw_bytes, f"verify step {s}") as update:
+                verify(storage, m, progress=update)
+            results.append({"step": s, "ok": True, "bytes": m.total_stored_bytes})
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            results.append({"step": s, "ok": False, "error": str(e)})
+    ok = all(r["ok"] for r in results)
+    lines = [f"step {r['step']}: " + ("OK" if r["ok"] else f"FAILED: {r['error']}") for r in results]
+    emit(args, {"url": storage.display_url, "ok": ok, "steps": results}, "\n".join(lines))
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def cmd_restore(args) -> int:
+    from ftkit.tools.export import export
+
+    storage, step = open_tier(args)
+    m = newest_manifest(storage, step)
+    if args.world_size is not None:
+        return _reshard(args, storage, m)
+    if os.path.exists(args.out) and not args.force:
+        raise UsageError(f"{args.out} already exists; remove it or pass --force")
+    with progress_bar(m.total_raw_bytes, f"restore step {m.step}") as update:
+        export(storage, m, args.out, args.format, overwrite=args.force, progress=update)
+    emit(
+        args,
+        {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes},
+        f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, {human(m.total_raw_bytes)})",
+    )
+    return EXIT_OK
+
+
+def _reshard(args, storage: Storage, m: Manifest) -> int:
+    from ftkit.tools.reshard import reshard
+
+    if args.world_size < 1:
+        raise UsageError("--world-size must be at least 1")
+    if args.format != "torch":
+        raise UsageError("--world-size writes an ftkit checkpoint directory; --format does not apply")
+    dst = Storage(args.out, storage_options=json.loads(args.storage_options) if args.storage_options else None)
+    try:
+        with progress_bar(m.total_raw_bytes, f"reshard step {m.step}") as update:
+            new = reshard(storage, m, dst, args.world_size, progress=update)
+    except AlreadyCommitted:
+        raise UsageError(f"{dst.display_url} already holds step {m.step}; choose another --out") from None
+    emit(
+        args,
+        {"step": m.step, "out": dst.display_url, "world_size": new.world_size, "files": len(new.files)},
+        f"wrote step {m.step} for {new.world_size} rank(s) to {dst.display_url} "
+        f"(from {m.world_size} rank(s), {len(new.files)} file(s))",
+    )
+    return EXIT_OK
+
+
+def cmd_report(args) -> int:
+    from ftkit.tools.report import build, to_html, to_json, to_text
+
+    if not os.path.isdir(os.path.join(args.run_dir, "events")):
+        raise CheckpointNotFoundError(f"{args.run_dir}: no events/ directory (is it an ftkit run directory?)")
+    try:
+        report, events = build(args.run_dir)
+    except ValueError:
+        raise CheckpointNotFoundError(f"{args.run_dir}: the event log is empty") from None
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(to_html(report, events, title=f"ftkit run {os.path.basename(os.path.abspath(args.run_dir))}"))
+    emit(args, to_json(report), to_text(report) + (f"\ntimeline written to {args.html}" if args.html else ""))
+    return EXIT_OK
