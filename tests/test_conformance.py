@@ -1,4 +1,4 @@
-"""One conformance suite for every storage tier: local path, file:// URL, real S3.
+"""One conformance suite for every storage tier: local path, file:// URL, real S3, node RAM.
 
 Each backend must: round-trip a state exactly, detect corruption, hide partial
 steps, apply retention, and serve concurrent readers consistent steps while a
@@ -23,10 +23,14 @@ from ftkit.save.staging import StagingArena
 from ftkit.save.write import write_data
 
 
-@pytest.fixture(params=["local", "file", "s3"])
-def tier(request, tmp_path):
+@pytest.fixture(params=["local", "file", "s3", "ram"])
+def tier(request, tmp_path, monkeypatch):
     """A Tier factory for one backend: tier(keep=..., ...)."""
-    if request.param == "local":
+    if request.param == "ram":  # this run's RAM tier, in a private root of the test's own
+        monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+        monkeypatch.setenv("FTKIT_RUN_ID", "conformance")
+        url, opts = "ram", {}
+    elif request.param == "local":
         url, opts = str(tmp_path / "ckpt"), {}
     elif request.param == "file":
         url, opts = f"file://{tmp_path}/ckpt", {}
@@ -38,6 +42,17 @@ def tier(request, tmp_path):
         return ftkit.Tier(url, storage_options=opts, **kw)
 
     return make
+
+
+def _storage(t: ftkit.Tier):
+    """Where the tier's steps are, to inspect them directly (the RAM tier: this node's directory)."""
+    if t.is_ram:
+        from ftkit.coord.dist import node_id
+        from ftkit.tiers.ram import open_node_dir, run_identity
+        from ftkit.tiers.storage import Storage
+
+        return Storage(open_node_dir(run_identity([]), node_id(0)))
+    return t.open()
 
 
 def _fill(state, step):
@@ -73,7 +88,7 @@ def test_round_trip(tier):
 def test_corruption_is_detected_and_restore_falls_back(tier):
     t = tier(keep=3)
     _saved_steps(t, [1, 2])
-    storage = t.open()
+    storage = _storage(t)
     m = load_manifest(storage, 2)
     rel = f"{step_dir_name(2)}/{next(iter(m.files))}"
     data = bytearray(storage.read_bytes(rel))
@@ -90,7 +105,7 @@ def test_corruption_is_detected_and_restore_falls_back(tier):
 def test_partial_step_is_invisible(tier):
     t = tier(keep=5)
     _saved_steps(t, [1])
-    storage = t.open()
+    storage = _storage(t)
     arena = StagingArena(slots=1)
     src = [("w", torch.full((2048,), 3.0))]
     slot = arena.acquire(Layout.of(src), wait=True)
@@ -98,7 +113,8 @@ def test_partial_step_is_invisible(tier):
     write_data(storage, 3, slot, compress=None)  # data without a commit: a writer died here
     arena.close()
     assert committed_steps(storage) == [1]
-    r = run_cli("ls", t.url, "--json", "--storage-options", json.dumps(dict(t.storage_options)))
+    url = storage.url if t.is_ram else t.url  # the CLI reads the RAM tier by its directory
+    r = run_cli("ls", url, "--json", "--storage-options", json.dumps(dict(t.storage_options)))
     assert [(s["step"], s["status"]) for s in json.loads(r.stdout)["steps"]] == [(1, "committed"), (3, "partial")]
     state = {"w": torch.zeros(2048), "step_value": 0}
     with ftkit.Checkpointer(state, [t], rng=False) as ck:
@@ -108,7 +124,7 @@ def test_partial_step_is_invisible(tier):
 def test_retention_keeps_newest_and_every_mth(tier):
     t = tier(keep=2, keep_every=3)
     _saved_steps(t, range(1, 8))
-    assert committed_steps(t.open()) == [3, 6, 7]
+    assert committed_steps(_storage(t)) == [3, 6, 7]
 
 
 def test_concurrent_readers_see_only_complete_steps(tier):
