@@ -43,9 +43,6 @@ import json
 import logging
 import math
 import os
-import resource
-import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,29 +55,17 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from common import can_drop_caches, drop_caches, median, now, peak_rss_gib, progress, rmtree, timed
 
 import ftkit
 from ftkit.config import Tier
 from ftkit.format.reader import newest_manifest
 
 REPO = Path(__file__).resolve().parent.parent
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 State = dict[str, torch.Tensor]
 
 
 # ------------------------------------------------------------------ helpers
-def now() -> float:
-    return time.perf_counter()
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = now()
-    fn()
-    return now() - t0
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -115,16 +100,6 @@ def settle(seconds: float = 1.0) -> None:
     time.sleep(seconds)
 
 
-def can_drop_caches() -> bool:
-    return os.access(DROP_CACHES, os.W_OK)
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open(DROP_CACHES, "w") as f:
-        f.write("3\n")
-
-
 def fs_description(path: str) -> str:
     try:
         out = subprocess.run(["df", "-T", path], capture_output=True, text=True, check=True).stdout
@@ -132,18 +107,6 @@ def fs_description(path: str) -> str:
         return f"{kind} on {dev}"
     except (OSError, subprocess.CalledProcessError, ValueError):
         return "unknown filesystem"
-
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
-
-
-def progress(msg: str) -> None:
-    print(f"  .. {msg}", file=sys.stderr, flush=True)
-
-
-def rmtree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------ the results

@@ -76,19 +76,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common import DROP_CACHES, median, now
+
 REPO = Path(__file__).resolve().parent.parent
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 TARGET_RAM_VS_DCP = 5.0
 TARGET_REPL_VS_RAW = 0.8
 TARGET_SLOWDOWN = 0.05
-
-
-def now() -> float:
-    return time.perf_counter()  # CLOCK_MONOTONIC: comparable between processes on one machine
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

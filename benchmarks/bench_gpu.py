@@ -42,12 +42,9 @@ import gc
 import json
 import logging
 import os
-import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -55,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import can_drop_caches, drop_caches, median, now, progress, rmtree
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from anywhere, with or without ftkit installed
@@ -65,18 +63,12 @@ FIG: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------ helpers
-def now() -> float:
-    return time.perf_counter()
 
 
 def emit(figure: str, **kw: Any) -> None:
     """Print one figure as a JSON line now, and keep it for the table."""
     FIG[figure] = kw
     print(json.dumps({"figure": figure, **kw}, default=str), flush=True)
-
-
-def progress(msg: str) -> None:
-    print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
 def guarded(figure: str, fn: Callable[[], Any]) -> Any:
@@ -89,10 +81,6 @@ def guarded(figure: str, fn: Callable[[], Any]) -> Any:
         return None
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def fmt_t(s: float | None) -> str:
     if s is None or s != s:
         return "-"
@@ -103,10 +91,6 @@ def fmt_rate(nbytes: int, s: float | None) -> str:
     if not s or s != s:
         return "-"
     return f"{fmt_t(s)} ({nbytes / s / GB:.1f} GB/s)"
-
-
-def rmtree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def free_memory() -> None:
@@ -376,16 +360,6 @@ def torch_save(b: Bench, work: str) -> None:
         os.fsync(f.fileno())
     emit("torch_save_fsync", s=now() - t0)
     os.remove(path)
-
-
-def can_drop_caches() -> bool:
-    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def ram_dir_for(nbytes: int, work: str) -> tuple[str, str]:
