@@ -70,6 +70,30 @@ def test_sample_stream_follows_the_restored_lineage():
     assert "2 batch(es) skipped [(4, 0), (4, 1)]" in errors[0]
 
 
+def test_a_fault_may_cost_the_snapshot_still_in_flight_and_nothing_committed():
+    from ftkit.drill.schedule import Fault
+    from ftkit.drill.verify import check_faults
+    from ftkit.tools.report import Incident, Report
+
+    def verdict(commit_of_6_t: float) -> list[str]:
+        # Node loss at t=10 during step 7 (after its compute); the restart resumed at step 5.
+        events = [
+            {"event": "persist", "attempt": 0, "step": s, "t": t, "ok": True, "committed_by_me": True}
+            for s, t in ((5, 9.0), (6, commit_of_6_t))
+        ]
+        fault = Fault(kind="node", step=7, node=1, injected_t=10.0, injected_step=7, attempt=0)
+        inc = Incident(0, 10.0, "node", "watchdog", 0.1, 2.0, 0.1, 0.0, 2.2, 7, 5, 2, "ram+peer")
+        report = Report(20.0, 18.0, 0.9, 20, 2, incidents=[inc])
+        errors: list[str] = []
+        check_faults([fault], report, events, 1, errors)
+        return errors
+
+    # Step 6 was still replicating when the node died (its commit came after): losing it is allowed.
+    assert verdict(commit_of_6_t=10.5) == []
+    # Step 6 had committed before the fault: resuming at 5 lost a committed step.
+    assert verdict(commit_of_6_t=9.5) == ["node@7 (node 1): 2 step(s) lost (resumed at step 5 of 7; at most 1 allowed)"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_default_drill_passes(tmp_path, ref_cache):

@@ -42,9 +42,12 @@ def check_faults(
                 "steps_lost": inc.steps_lost,
                 "restored_from": inc.restore_source,
             }
-            # A fault inside the persist pipeline may cost the snapshot in flight; a
-            # preemption notice costs nothing: the ranks save the step they stop at.
-            allowed = 0 if f.kind == "term" else max_lost + (f.during != "step")
+            # A fault inside the persist pipeline may cost the snapshot in flight, and so may
+            # any fault that strikes before the last snapshot committed (on a loaded machine
+            # the pipeline can lag a step); a preemption notice costs nothing: the ranks save
+            # the step they stop at.
+            in_flight = f.during != "step" or snapshot_in_flight(events, f)
+            allowed = 0 if f.kind == "term" else max_lost + in_flight
             if inc.steps_lost > allowed:
                 errors.append(
                     f"{f.label()}: {inc.steps_lost} step(s) lost (resumed at step {inc.resumed_from} "
@@ -99,6 +102,29 @@ def check_faults(
                 errors.append(f"{f.label()}: no persist failed while the storage was down")
             if f.outcome["committed_after"] is None and final_step >= (f.injected_step or 0) + 2:
                 errors.append(f"{f.label()}: no step was committed to the durable tier after the fault")
+
+
+def snapshot_in_flight(events: list[dict[str, Any]], fault: Fault) -> bool:
+    """Whether the snapshot of the step before the fault's had not committed on any tier when it struck.
+
+    A fault "during step" strikes after its step's compute, before that step's snapshot:
+    the step before it should be committed by then, unless the pipeline lagged.
+    """
+    if fault.injected_t is None or fault.injected_step is None:
+        return False
+    committed = max(
+        (
+            e["step"]
+            for e in events
+            if e["event"] == "persist"
+            and e.get("ok")
+            and e.get("committed_by_me")
+            and e.get("attempt") == fault.attempt
+            and e["t"] <= fault.injected_t
+        ),
+        default=0,
+    )
+    return committed < fault.injected_step - 1
 
 
 def consumed_stream(events: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
