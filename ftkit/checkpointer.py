@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ftkit.config import Tier
+from ftkit.config import Tier, resolve_tiers
 from ftkit.coord.dist import DistContext
 from ftkit.coord.ending import exit_unless_gone, time_first_gradient
 from ftkit.coord.events import EventLog
@@ -121,7 +121,7 @@ class Checkpointer:
         if not tiers:
             raise ValueError("at least one tier is needed")
         self.state = state
-        self.tiers = [Tier.coerce(t) for t in tiers]
+        self.tiers = resolve_tiers(tiers)  # a "peer" entry becomes the RAM tier's replicas
         self.policy = policy
         self.rng = rng
         self.stats = Stats()
@@ -136,8 +136,8 @@ class Checkpointer:
         # Opening every tier now makes a bad URL or missing backend fail at start (tiers/opened.py).
         opened = open_tiers(self.tiers, self._ctx, run_id, peer_timeout_s)
         self.ram_identity = opened.ram_identity
-        self._storages, self._ram_index, self._replicas = opened.storages, opened.ram_index, opened.replicas
-        self._peers, self._keys = opened.peers, opened.keys
+        self._backends, self._keys = opened.backends, opened.keys
+        self._ram = opened.ram
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
@@ -152,9 +152,7 @@ class Checkpointer:
         self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
         self._in_order = cap.module_buffer_names(state)
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
-        self._pipeline = PersistPipeline(
-            self.tiers, opened, self._bg_ctx, self.stats, self.events.emit, self._arena.release
-        )
+        self._pipeline = PersistPipeline(opened, self._bg_ctx, self.stats, self.events.emit, self._arena.release)
         self.events.emit(
             "start",
             world_size=self._ctx.world_size,
@@ -188,7 +186,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------- snapshots
     def due_tiers(self, step: int) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if not t.is_peer and step % t.every == 0]
+        return [i for i, t in enumerate(self.tiers) if step % t.every == 0]
 
     def snapshot(self, step: int) -> bool:
         """Stage the state for `step`; persist in the background. True if staged."""
@@ -218,7 +216,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         ok = True
         try:
-            self._stage(step, [i for i, t in enumerate(self.tiers) if not t.is_peer])
+            self._stage(step, list(range(len(self.tiers))))
             self.wait()
         except Exception as e:
             ok = False
@@ -250,8 +248,9 @@ class Checkpointer:
             if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
                 for i in due:
                     key = commit_key(i, self._restores, step)
-                    report_skipped(ctx, key, self.tiers[i].is_ram, "snapshot skipped: staging busy")
-                    if self.tiers[i].is_ram or ctx.rank == 0:  # rank 0 deletes a shared tier's reports
+                    node_local = self._backends[i].node_local
+                    report_skipped(ctx, key, node_local, "snapshot skipped: staging busy")
+                    if node_local or ctx.rank == 0:  # rank 0 deletes a shared tier's reports
                         self._keys[i].record((self._restores, step), key)
             return False
         try:
@@ -381,10 +380,7 @@ class Checkpointer:
             self.state,
             self.rng,
             self._ctx,
-            self.tiers,
-            self._storages,
-            self._ram_index,
-            self._peers,
+            self._backends,
             self._arena,
             self.events.emit,
         )

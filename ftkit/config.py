@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ftkit.tiers.redact import redact_url
@@ -20,11 +20,12 @@ class Tier:
     keep_every: additionally keep every step divisible by this, forever.
     compress: "zstd" or None.
     storage_options: passed to fsspec (e.g. s3fs credentials and endpoint).
-    replicas: for the "peer" tier, how many other nodes keep a copy of each
-        rank's RAM-tier data.
+    replicas: for the "ram" tier, how many other nodes keep a copy of each
+        rank's data (default 0), so a lost node's share survives on them.
 
-    Two URLs are special: "ram", the node's shared memory (see ramtier.py),
-    and "peer", which replicates the RAM tier to `replicas` other nodes.
+    One URL is special: "ram", the node's shared memory (tiers/ram.py). A
+    "peer" entry beside it is the older spelling of its `replicas`
+    (``["ram", "peer"]`` is ``[Tier("ram", replicas=1)]``; see `resolve_tiers`).
 
     repr() and str() show the URL without credentials (redact.py); `url`
     itself keeps them, to open the storage.
@@ -36,10 +37,12 @@ class Tier:
     keep_every: int | None = None
     compress: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    replicas: int = 1
+    replicas: int | None = None
 
     def __post_init__(self) -> None:
         shown = redact_url(self.url)
+        if self.replicas is not None and (self.replicas < 0 or (self.replicas and self.url not in ("ram", "peer"))):
+            raise ValueError(f"tier {shown!r}: replicas must be >= 0, and only the 'ram' tier has them")
         if self.every < 1:
             raise ValueError(f"tier {shown!r}: every must be >= 1")
         if self.keep is not None and self.keep < 1:
@@ -71,8 +74,9 @@ class Tier:
         return self.url == "ram"
 
     @property
-    def is_peer(self) -> bool:
-        return self.url == "peer"
+    def copies_elsewhere(self) -> int:
+        """The RAM tier's replicas on other nodes (0 unless set)."""
+        return self.replicas or 0
 
     @property
     def speed_rank(self) -> int:
@@ -80,3 +84,24 @@ class Tier:
         if self.is_ram:
             return -1
         return 0 if "://" not in self.url or self.url.startswith("file://") else 1
+
+
+def resolve_tiers(specs: Sequence[Tier | str | Mapping[str, Any]]) -> list[Tier]:
+    """The tiers of a Checkpointer, with a "peer" entry folded into the "ram" tier's replicas.
+
+    ``["ram", "peer", "disk"]`` (the older spelling, still what ``--tiers`` takes)
+    becomes ``[Tier("ram", replicas=1), Tier("disk")]``: peer replication is a
+    property of the RAM tier, not a tier of its own.
+    """
+    tiers = [Tier.coerce(t) for t in specs]
+    peers = [t for t in tiers if t.url == "peer"]
+    rams = [i for i, t in enumerate(tiers) if t.is_ram]
+    if len(peers) > 1 or len(rams) > 1:
+        raise ValueError('at most one "ram" tier (and one "peer" entry for its replicas)')
+    if peers:
+        if not rams:
+            raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
+        ram = tiers[rams[0]]
+        replicas = next((r for r in (ram.replicas, peers[0].replicas) if r is not None), 1)
+        tiers[rams[0]] = replace(ram, replicas=replicas)
+    return [t for t in tiers if t.url != "peer"]

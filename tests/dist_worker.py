@@ -134,7 +134,7 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------- RAM and peer tiers
 def ram_tiers(disk: str, disk_every: int):
-    return ["ram", ftkit.Tier("peer", replicas=1), ftkit.Tier(disk, every=disk_every, keep=5)]
+    return [ftkit.Tier("ram", replicas=1), ftkit.Tier(disk, every=disk_every, keep=5)]
 
 
 def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: int = 3, disk_every: int = 100) -> str:
@@ -189,7 +189,7 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
     state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
     budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
     with ftkit.Checkpointer(
-        state, ["ram", ftkit.Tier("peer", replicas=1)], policy="skip", rng=False, max_staging_bytes=budget
+        state, [ftkit.Tier("ram", replicas=1)], policy="skip", rng=False, max_staging_bytes=budget
     ) as ck:
         if rank == 1:
             time.sleep(2)  # rank 0's persist of step 1 waits for this rank's report meanwhile
@@ -253,7 +253,7 @@ def ram_rewind_and_redo(rank: int, world: int) -> dict:
     """Snapshot steps 1-3, restore step 1 in the same process, snapshot 2-3 again with
     other values; then a new Checkpointer restores the newest step."""
     state = {"w": torch.zeros(1 << 18)}
-    tiers = [ftkit.Tier("ram", keep=5), ftkit.Tier("peer", replicas=1)]
+    tiers = [ftkit.Tier("ram", keep=5, replicas=1)]
     with ftkit.Checkpointer(state, tiers, rng=False) as ck:
         for step in (1, 2, 3):
             state["w"].fill_(step)

@@ -26,7 +26,7 @@ def main() -> int:
     model = torch.nn.Linear(16, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optim": opt}
-    with ftkit.Checkpointer(state, ["ram", ftkit.Tier("peer", replicas=1), ftkit.Tier(a.ckpt, every=5)]) as ck:
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram", replicas=1), ftkit.Tier(a.ckpt, every=5)]) as ck:
         for step in range(ck.restore() + 1, a.steps + 1):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + dist.get_rank()))
             opt.zero_grad()

@@ -38,7 +38,7 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sampler = ftkit.ResumableDistributedSampler(N_SAMPLES, seed=7)
     state = {"model": model, "optim": opt, "sampler": sampler}
-    tiers = ["ram", ftkit.Tier("peer", replicas=1), ftkit.Tier(args.ckpt, every=1000)]
+    tiers = [ftkit.Tier("ram", replicas=1), ftkit.Tier(args.ckpt, every=1000)]
     with ftkit.Checkpointer(state, tiers, run_dir=args.run_dir) as ck:
         step = ck.restore()
         while step < args.steps:

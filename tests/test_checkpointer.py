@@ -12,6 +12,7 @@ import torch
 from conftest import assert_same_values, make_state, snapshot_values, train_one
 
 import ftkit
+from ftkit.config import Tier
 from ftkit.errors import StateMismatchError
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.reader import committed_steps, load_manifest
@@ -254,3 +255,19 @@ def test_uncompressed_data_file_is_the_staged_image_with_zeroed_gaps(tmp_path):
             assert c.offset % 64 == 0  # each tensor at its aligned staging offset
             used[c.offset : c.offset + c.length] = b"\x01" * c.length
     assert all(byte == 0 for byte, u in zip(data, used) if not u)  # the gaps hold no stale memory
+
+
+def test_peer_replication_is_the_ram_tiers_replicas_and_the_older_spelling_still_works():
+    from ftkit.config import resolve_tiers
+
+    # ["ram", "peer"] (what --tiers takes) is the RAM tier with one replica; no "peer" tier remains.
+    assert resolve_tiers(["ram", "peer", "/d"]) == [Tier("ram", replicas=1), Tier("/d")]
+    assert resolve_tiers(["ram", {"url": "peer", "replicas": 2}]) == [Tier("ram", replicas=2)]
+    assert resolve_tiers([Tier("ram", replicas=3), "/d"])[0].copies_elsewhere == 3
+    assert resolve_tiers(["ram", "/d"])[0].copies_elsewhere == 0
+    with pytest.raises(ValueError, match='add "ram"'):
+        resolve_tiers(["peer", "/d"])
+    with pytest.raises(ValueError, match="only the 'ram' tier"):
+        Tier("/d", replicas=1)
+    with pytest.raises(ValueError, match="at most one"):
+        resolve_tiers(["ram", "ram"])

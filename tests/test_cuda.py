@@ -136,7 +136,7 @@ def test_restore_into_cuda_tensors_is_bitwise_exact(tmp_path, dtype, tier):
     assert any(not torch.equal(want[n], v) for n, v in values(state2).items() if n in want)
     with ftkit.Checkpointer(state2, [url]) as ck2:
         assert ck2.restore() == 2
-        assert ck2.last_restore["source"] == ("ram" if tier == "ram" else ck2._storages[0].display_url)
+        assert ck2.last_restore["source"] == ("ram" if tier == "ram" else ck2._backends[0].display_url)
     assert state2["step"] == 2
     assert_equal(values(state2), want, f"restored from {tier}")
     assert all(p.device.type == DEV and p.dtype == dtype for p in model2.parameters())

@@ -336,7 +336,7 @@ def run(value, steps):
         for step in range(start + 1, steps + 1):
             ck.snapshot(step)
         return {"restored": start, "w": state["w"][0].item(), "ram_run": ck.ram_identity.name,
-                "ram_dir": ck._storages[0].root}
+                "ram_dir": ck._backends[0].storage.root}
 
 os.environ["FTKIT_RAM_DIR"] = scratch
 run(0.0, 1)

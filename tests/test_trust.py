@@ -232,7 +232,7 @@ def test_a_failed_ram_candidate_is_not_dropped(tmp_path, monkeypatch):
             state["w"].fill_(step)
             ck.snapshot(step)
             ck.wait()
-        ram = ck._storages[0].root
+        ram = ck._backends[0].storage.root
     files = {s: next((tmp_path / "shm").rglob(f"{step_dir_name(s)}/*.data")) for s in (1, 2)}
     good2 = files[2].read_bytes()
     files[2].write_bytes(b"\0" * len(good2))  # the transient fault

@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     state = {"model": model, "optim": opt, "sched": sched}
     tiers: list = []
     if args.ram:
-        tiers.append("ram")
-    if args.peer:
-        tiers.append(ftkit.Tier("peer", replicas=args.peer))
+        tiers.append(ftkit.Tier("ram", replicas=args.peer))  # --peer K: K copies on other nodes
     tiers.append(ftkit.Tier(args.ckpt, every=args.every, keep=3))
     with ftkit.Checkpointer(state, tiers, policy="wait", run_dir=args.run_dir, watchdog=not args.no_watchdog) as ck:
         sync = (lambda: average_gradients(model, ck)) if world > 1 else None

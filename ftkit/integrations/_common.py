@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ftkit.config import Tier
+from ftkit.config import Tier, resolve_tiers
 from ftkit.errors import FtkitError, StorageError
 from ftkit.format.reader import committed_steps
 from ftkit.tiers.storage import redact_url
@@ -14,7 +14,7 @@ from ftkit.tiers.storage import redact_url
 def coerce_tiers(tiers: Sequence[Tier | str | dict] | Tier | str) -> list[Tier]:
     if isinstance(tiers, (str, Tier)):
         tiers = [tiers]
-    out = [Tier.coerce(t) for t in tiers]
+    out = resolve_tiers(tiers)
     if not out:
         raise ValueError("at least one tier is needed")
     return out
@@ -25,6 +25,8 @@ def check_tiers_reachable(tiers: Sequence[Tier], who: str) -> dict[str, list[int
     endpoint stops the run at start, not at the first save. Returns committed steps per URL."""
     found: dict[str, list[int]] = {}
     for tier in tiers:
+        if tier.is_ram:  # node-local, bound to the run: the Checkpointer opens it
+            continue
         try:
             found[tier.url] = committed_steps(tier.open())
         except FtkitError as e:

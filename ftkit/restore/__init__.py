@@ -51,7 +51,7 @@ from ftkit.restore.inventory import ram_inventory, shared_listings
 from ftkit.restore.plan import Candidate, order_candidates, ram_candidates
 from ftkit.restore.read import read_ram_candidate, read_shared_candidate
 from ftkit.save import capture as cap
-from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
+from ftkit.tiers.lifecycle import RETIRED_MANIFEST
 
 __all__ = ["RestoreContext", "Superseded", "restore", "retire_superseded"]
 
@@ -92,18 +92,18 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     t_plan = time.perf_counter() - t_start
     if step is not None and not candidates:
         raise CheckpointNotFoundError(
-            f"step {step} is not committed on any tier ({', '.join(s.display_url for s in rc.storages)})"
+            f"step {step} is not committed on any tier ({', '.join(b.display_url for b in rc.backends)})"
         )
     problems: list[str] = []
     for n, cand in enumerate(candidates):
         s, i = cand.step, cand.tier
-        storage = rc.storages[i]
+        backend = rc.backends[i]
         t0 = time.perf_counter()
-        if rc.tiers[i].is_ram:
+        if backend.node_local:
             loaded, vote, origin = read_ram_candidate(rc, cand, f"{key}/{n}", manifests.get(s))
         else:
-            loaded, vote = read_shared_candidate(rc, s, storage)
-            origin = {"source": storage.display_url}
+            loaded, vote = read_shared_candidate(rc, s, backend.storage)
+            origin = {"source": backend.display_url}
         t_read = time.perf_counter() - t0
         votes = ctx.gather(f"{key}/vote/{n}", vote)
         mismatched = [(r, v["mismatch"]) for r, v in enumerate(votes) if v["mismatch"]]
@@ -117,7 +117,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             log.warning(
                 "step %d from %s is unusable, trying the next source: %s%s",
                 s,
-                origin.get("source", storage.display_url),
+                origin.get("source", backend.display_url),
                 err,
                 "" if r == ctx.rank else f" (on rank {r})",
             )
@@ -137,7 +137,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             "read_s": t_read,
             "load_s": t_load,
             "total_s": time.perf_counter() - t_start,
-            "superseded": {rc.storages[i].display_url: v for i, v in superseded.listed.items() if v},
+            "superseded": {rc.backends[i].display_url: v for i, v in superseded.listed.items() if v},
         }
         rc.emit("restore", **{k: v for k, v in report.items() if k != "received"})
         log.info(
@@ -185,35 +185,37 @@ def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> d
     ctx = rc.dist
     step = superseded.step
     out: dict[str, list[int]] = {}
-    for i, tier in enumerate(rc.tiers):
-        storage = rc.storages[i]
-        if storage is None or not (ctx.node_leader(ctx.rank) if tier.is_ram else ctx.rank == 0):
+    for i, backend in enumerate(rc.backends):
+        if not backend.owns(ctx):  # a node's leader for the RAM tier, rank 0 for a shared one
             continue
         try:
             listed = set(superseded.listed.get(i, []))
-            dirs = [d for d in scan(storage) if d.step > step and (tier.is_ram or (d.committed and d.step in listed))]
+            # The RAM tier is this run's cache: every newer step goes. A shared tier: only
+            # the committed ones listed when the restore planned, never one committed since.
+            dirs = [
+                d
+                for d in scan(backend.storage)
+                if d.step > step and (backend.node_local or (d.committed and d.step in listed))
+            ]
         except StorageError as e:
             log.warning(
-                "rank %d: cannot list %s to retire steps newer than %d: %s", ctx.rank, storage.display_url, step, e
+                "rank %d: cannot list %s to retire steps newer than %d: %s", ctx.rank, backend.display_url, step, e
             )
             continue
         for d in dirs:
             try:
-                if tier.is_ram:
-                    delete_step(storage, d.step)
-                else:
-                    retire_step(storage, d.step)
-                out.setdefault(storage.display_url, []).append(d.step)
+                backend.supersede(d.step)
+                out.setdefault(backend.display_url, []).append(d.step)
             except StorageError as e:
-                log.warning("rank %d: could not retire step %d of %s: %s", ctx.rank, d.step, storage.display_url, e)
+                log.warning("rank %d: could not retire step %d of %s: %s", ctx.rank, d.step, backend.display_url, e)
         committed = [d.step for d in dirs if d.committed]
         if committed and step > 0:
             log.warning(
                 "ftkit: restored step %d, so newer step(s) %s of %s are %s: this run continues from step %d",
                 step,
                 committed,
-                storage.display_url,
-                "dropped" if tier.is_ram else f"retired (renamed to {RETIRED_MANIFEST})",
+                backend.display_url,
+                backend.superseded_verb + ("" if backend.node_local else f" (renamed to {RETIRED_MANIFEST})"),
                 step,
             )
     if ctx.distributed:

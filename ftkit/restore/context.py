@@ -7,8 +7,8 @@ from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
+from ftkit.tiers.backend import NodeRamTier, TierBackend
 
 
 @dataclass
@@ -16,14 +16,18 @@ class RestoreContext:
     state: MutableMapping[str, Any]  # the live state, loaded in place
     rng: bool  # restore this rank's RNG state too
     dist: DistContext  # rank, nodes, and the store the ranks agree through
-    tiers: Sequence[Tier]
-    storages: Sequence[Any]  # per tier: a Storage, or None for the "peer" tier
-    ram: int | None  # index of the "ram" tier
-    peers: Any  # the PeerGroup, or None
+    backends: Sequence[TierBackend]  # per tier (tiers/backend.py)
     arena: Any  # the StagingArena: device tensors are read through its pinned memory
     emit: Callable[..., None]  # the event log
 
     @property
+    def ram(self) -> int | None:
+        """The index of the node-RAM tier, if there is one."""
+        return next((i for i, b in enumerate(self.backends) if isinstance(b, NodeRamTier)), None)
+
+    @property
     def can_fetch(self) -> bool:
         """Whether files can move between nodes (a working peer group)."""
-        return self.peers is not None and not self.peers.broken
+        i = self.ram
+        backend = self.backends[i] if i is not None else None
+        return isinstance(backend, NodeRamTier) and backend.can_fetch

@@ -7,8 +7,8 @@ import logging
 from typing import Any
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from ftkit.format.manifest import Manifest, step_dir_name
-from ftkit.format.reader import load_manifest, scan
+from ftkit.format.manifest import Manifest
+from ftkit.format.reader import load_manifest
 from ftkit.restore.context import RestoreContext
 
 log = logging.getLogger("ftkit")
@@ -21,20 +21,18 @@ def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifes
     manifests: dict[int, Manifest] = {}
     if i is None:
         return {}, manifests
-    storage = rc.storages[i]
+    backend = rc.backends[i]
     out: dict[str, Any] = {}
     try:
-        for d in scan(storage):
-            names = [n for n, kind in storage.list_dir(step_dir_name(d.step)) if kind == "file"]
-            have = [n for n in names if n.endswith(".data")]
+        for step, (have, committed) in backend.inventory().items():
             need = None
-            if d.committed:
+            if committed:
                 try:
-                    manifests[d.step] = load_manifest(storage, d.step)
-                    need = sorted(manifests[d.step].files)
+                    manifests[step] = load_manifest(backend.storage, step)
+                    need = sorted(manifests[step].files)
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-                    log.warning("RAM tier manifest of step %d is unusable: %s", d.step, e)
-            out[str(d.step)] = {"have": have, "need": need}
+                    log.warning("RAM tier manifest of step %d is unusable: %s", step, e)
+            out[str(step)] = {"have": have, "need": need}
     except StorageError as e:
         log.warning("cannot list the RAM tier: %s", e)
     return out, manifests
@@ -44,13 +42,11 @@ def shared_listings(rc: RestoreContext) -> tuple[list[tuple[int, list[int]]], li
     """(tier index, committed steps) of every shared tier, fastest first, and the errors
     of those that could not be listed."""
     listings, unreachable = [], []
-    order = sorted(
-        (i for i, t in enumerate(rc.tiers) if not (t.is_ram or t.is_peer)), key=lambda i: rc.tiers[i].speed_rank
-    )
-    for i in order:
+    shared = [i for i, b in enumerate(rc.backends) if not b.node_local]
+    for i in sorted(shared, key=lambda i: rc.backends[i].speed_rank):
         try:
-            listings.append((i, [d.step for d in scan(rc.storages[i]) if d.committed]))
+            listings.append((i, rc.backends[i].committed_steps()))
         except StorageError as e:
-            log.warning("cannot list %s: %s", rc.storages[i].display_url, e)
+            log.warning("cannot list %s: %s", rc.backends[i].display_url, e)
             unreachable.append(str(e))
     return listings, unreachable

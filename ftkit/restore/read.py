@@ -26,6 +26,7 @@ from ftkit.restore.context import RestoreContext
 from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
 from ftkit.save.sharding import RANK_LOCAL, dtensor_region, is_dtensor
+from ftkit.tiers.backend import NodeRamTier
 
 log = logging.getLogger("ftkit")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in as sent
@@ -68,7 +69,9 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     then only reports the error), so no rank waits on one that gave up.
     """
     ctx, step = rc.dist, cand.step
-    storage = rc.storages[cand.tier]
+    backend = rc.backends[cand.tier]
+    assert isinstance(backend, NodeRamTier)
+    storage, peers = backend.storage, backend.peers
     step_dir = step_dir_name(step)
     error: str | None = None
     # The manifest: parsed by the inventory, or from this node, or from the rank named by the plan.
@@ -109,12 +112,12 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     t_fetch = time.perf_counter()
     if plan:
         try:
-            if rc.peers is None or rc.peers.broken:
+            if peers is None or peers.broken:
                 raise StorageError("files are on other nodes but there is no peer group to fetch them")
             if manifest is None:
                 raise CorruptCheckpointError(f"step {step}: no manifest to fetch files by")
             sizes = {(t.src, t.file): manifest.files[_listed(manifest, t.file)]["bytes"] for t in plan}
-            received = rc.peers.run(
+            received = peers.run(
                 plan,
                 lambda f: _read_file(storage, step_dir, f, manifest),
                 lambda f, buf: _write_file(storage, step_dir, f, buf, manifest),

@@ -18,21 +18,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
 from ftkit.errors import AlreadyCommitted
-from ftkit.save.commit import persist
 from ftkit.save.keys import commit_key
-from ftkit.save.node_commit import persist_node_local
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.tiers.opened import OpenedTiers
 from ftkit.tiers.redact import redact_url
-from ftkit.tiers.retention import apply_job_retention
 
 log = logging.getLogger("ftkit")
 
@@ -63,16 +59,14 @@ class PersistJob:
 class PersistPipeline:
     def __init__(
         self,
-        tiers: Sequence[Tier],
         opened: OpenedTiers,
         ctx: DistContext,
         stats: Stats,
         emit: Callable[..., None],
         release: Callable[[Slot], None],
     ):
-        self.tiers, self.storages, self.keys = tiers, opened.storages, opened.keys
+        self.backends, self.keys = opened.backends, opened.keys
         self.ctx = ctx  # the thread's own store connection (DistContext.own_connection)
-        self.peers, self.replicas = opened.peers, opened.replicas
         self.stats, self.emit, self.release = stats, emit, release
         self._jobs: queue.Queue[PersistJob | None] = queue.Queue()
         self._errors: list[BaseException] = []
@@ -118,47 +112,17 @@ class PersistPipeline:
                 self._jobs.task_done()
 
     def _persist(self, job: PersistJob, i: int) -> None:
-        tier, storage = self.tiers[i], self.storages[i]
-        assert storage is not None  # only tiers with storage are ever due (not the "peer" tier)
+        backend = self.backends[i]
+        url = redact_url(backend.tier.url)
         try:
             t0 = time.perf_counter()
-            key = commit_key(i, job.epoch, job.step)
-            if tier.is_ram:
-                committed = persist_node_local(
-                    storage,
-                    job.step,
-                    job.slot,
-                    job.skeleton,
-                    compress=tier.compress,
-                    pieces=job.pieces,
-                    rng=job.rng,
-                    ctx=self.ctx,
-                    key=key,
-                    peers=self.peers,
-                    replicas=self.replicas,
-                    ledger=self.keys[i],
-                    at=(job.epoch, job.step),
-                )
-            else:
-                committed = persist(
-                    storage,
-                    job.step,
-                    job.slot,
-                    job.skeleton,
-                    compress=tier.compress,
-                    pieces=job.pieces,
-                    rng=job.rng,
-                    ctx=self.ctx,
-                    key=key,
-                    ledger=self.keys[i],
-                    at=(job.epoch, job.step),
-                )
+            committed = backend.persist(job, self.ctx, commit_key(i, job.epoch, job.step), self.keys[i])
             self.stats.persisted += 1
-            self.stats.last_committed[redact_url(tier.url)] = job.step
+            self.stats.last_committed[url] = job.step
             self.emit(
                 "persist",
                 step=job.step,
-                tier=redact_url(tier.url),
+                tier=url,
                 ok=True,
                 seconds=time.perf_counter() - t0,
                 committed_by_me=committed is not None,
@@ -167,18 +131,18 @@ class PersistPipeline:
                 log.info(
                     "step %d committed to %s (%.1f MB in %.2fs)",
                     job.step,
-                    storage.display_url,
+                    backend.display_url,
                     committed.stored_bytes / 1e6,
                     time.perf_counter() - t0,
                 )
-            if committed is not None or (tier.is_ram and self.ctx.node_leader(self.ctx.rank)):
-                for step in apply_job_retention(storage, tier.keep, tier.keep_every, protect=job.step):
-                    log.debug("retention removed step %d from %s", step, storage.display_url)
+            if committed is not None or backend.owns(self.ctx):  # the committer, or a node's leader
+                for step in backend.apply_retention(protect=job.step):
+                    log.debug("retention removed step %d from %s", step, backend.display_url)
         except AlreadyCommitted:
-            log.info("step %d already committed to %s; left as it is", job.step, storage.display_url)
+            log.info("step %d already committed to %s; left as it is", job.step, backend.display_url)
         except Exception as e:  # recorded for wait(); training goes on
             self.stats.failed += 1
-            self.emit("persist", step=job.step, tier=redact_url(tier.url), ok=False, error=redact_url(str(e))[:300])
-            log.error("persisting step %d to %s failed: %s", job.step, storage.display_url, redact_url(str(e)))
+            self.emit("persist", step=job.step, tier=url, ok=False, error=redact_url(str(e))[:300])
+            log.error("persisting step %d to %s failed: %s", job.step, backend.display_url, redact_url(str(e)))
             with self._lock:
                 self._errors.append(e)

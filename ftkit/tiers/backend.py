@@ -1,0 +1,166 @@
+"""Every tier behind one interface: where its bytes live, how a step is committed
+to it, and who retains, drops or retires its steps.
+
+Two backends:
+
+* :class:`SharedTier` – an fsspec URL every rank reaches (a local path, S3, any
+  fsspec URL). Every rank writes its share; rank 0 commits the step's manifest
+  (save/commit.py), applies retention and retires superseded steps.
+* :class:`NodeRamTier` – the node's shared memory (tiers/ram.py), bound to one
+  run. Every node commits its own copy (save/node_commit.py); with
+  ``replicas=k`` each rank's data file is also kept on k other nodes, sent over
+  a dedicated gloo group (tiers/peers.py). Its node leader applies retention
+  and drops superseded steps (the RAM tier is a cache of this run, not a record).
+
+Storage (tiers/storage.py) only moves bytes; a backend is the tier's policy.
+
+Order of calls::
+
+    backend = open_backend(tier, ...)           # tiers/opened.py, at Checkpointer start
+    backend.persist(job, ctx, key, ledger)       # every rank, each due snapshot (save/pipeline.py)
+    backend.apply_retention(protect)             # by its owner, after a commit
+    backend.committed_steps() / inventory()      # restore planning (ftkit/restore)
+    backend.supersede(step)                      # by its owner, the first snapshot after a restore
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from ftkit.format.manifest import step_dir_name
+from ftkit.format.reader import scan
+from ftkit.save.commit import Committed, persist
+from ftkit.save.keys import KeyLedger
+from ftkit.save.node_commit import persist_node_local
+from ftkit.tiers.lifecycle import delete_step, retire_step
+from ftkit.tiers.retention import apply_job_retention
+
+if TYPE_CHECKING:
+    from ftkit.config import Tier
+    from ftkit.coord.dist import DistContext
+    from ftkit.tiers.peers import PeerGroup
+    from ftkit.tiers.storage import Storage
+
+
+class TierBackend(ABC):
+    """One tier: its configuration, its storage, and its protocols."""
+
+    node_local: bool  # every node holds its own copy (True) or every rank sees the same bytes
+    superseded_verb: str  # what supersede() does to a step, for messages
+
+    def __init__(self, tier: Tier, storage: Storage):
+        self.tier, self.storage = tier, storage
+
+    @property
+    def display_url(self) -> str:
+        return self.storage.display_url
+
+    @abstractmethod
+    def owns(self, ctx: DistContext) -> bool:
+        """Whether this rank retains, drops and retires steps on this tier (for its node or everyone)."""
+
+    @abstractmethod
+    def new_ledger(self, ctx: DistContext) -> KeyLedger:
+        """The ledger of the store keys this rank's commits leave (save/keys.py)."""
+
+    @abstractmethod
+    def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
+        """Write this rank's share of `job` and take part in the step's commit; return what
+        was committed on the rank that committed, None elsewhere. Every rank calls it."""
+
+    @abstractmethod
+    def supersede(self, step: int) -> None:
+        """Take a step newer than a restored one out of the timeline (restore/__init__.py)."""
+
+    def committed_steps(self) -> list[int]:
+        return [d.step for d in scan(self.storage) if d.committed]
+
+    def delete_step(self, step: int) -> None:
+        delete_step(self.storage, step)
+
+    def apply_retention(self, protect: int) -> list[int]:
+        """Delete the committed steps the tier's keep/keep_every no longer keep; return them."""
+        return apply_job_retention(self.storage, self.tier.keep, self.tier.keep_every, protect=protect)
+
+    def inventory(self) -> dict[int, tuple[list[str], bool]]:
+        """{step: (data files held, committed)} of what this process sees on the tier."""
+        out = {}
+        for d in scan(self.storage):
+            names = [n for n, kind in self.storage.list_dir(step_dir_name(d.step)) if kind == "file"]
+            out[d.step] = ([n for n in names if n.endswith(".data")], d.committed)
+        return out
+
+    @property
+    def speed_rank(self) -> int:
+        return self.tier.speed_rank
+
+
+class SharedTier(TierBackend):
+    node_local = False
+    superseded_verb = "retired"
+
+    def owns(self, ctx: DistContext) -> bool:
+        return ctx.rank == 0
+
+    def new_ledger(self, ctx: DistContext) -> KeyLedger:
+        return KeyLedger.shared(ctx.world_size)
+
+    def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
+        return persist(
+            self.storage,
+            job.step,
+            job.slot,
+            job.skeleton,
+            compress=self.tier.compress,
+            pieces=job.pieces,
+            rng=job.rng,
+            ctx=ctx,
+            key=key,
+            ledger=ledger,
+            at=(job.epoch, job.step),
+        )
+
+    def supersede(self, step: int) -> None:
+        retire_step(self.storage, step)  # the manifest renamed aside; the bytes stay until retention
+
+
+class NodeRamTier(TierBackend):
+    node_local = True
+    superseded_verb = "dropped"
+
+    def __init__(self, tier: Tier, storage: Storage, replicas: int, peers: PeerGroup | None):
+        super().__init__(tier, storage)
+        self.replicas = replicas  # copies of each rank's data on other nodes
+        self.peers = peers  # the dedicated gloo group replicas travel over (None: one process)
+
+    @property
+    def can_fetch(self) -> bool:
+        """Whether files can move between nodes (a working peer group)."""
+        return self.peers is not None and not self.peers.broken
+
+    def owns(self, ctx: DistContext) -> bool:
+        return ctx.node_leader(ctx.rank)
+
+    def new_ledger(self, ctx: DistContext) -> KeyLedger:
+        return KeyLedger.node_local(ctx.rank)
+
+    def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
+        return persist_node_local(
+            self.storage,
+            job.step,
+            job.slot,
+            job.skeleton,
+            compress=self.tier.compress,
+            pieces=job.pieces,
+            rng=job.rng,
+            ctx=ctx,
+            key=key,
+            peers=self.peers,
+            replicas=self.replicas,
+            ledger=ledger,
+            at=(job.epoch, job.step),
+        )
+
+    def supersede(self, step: int) -> None:
+        self.delete_step(step)  # this run's cache: nothing to keep
