@@ -75,3 +75,12 @@ class InvalidJobIdError(FtkitError, ValueError):
 
 class UnsafeRamDirError(FtkitError):
     """A RAM-tier directory is a symlink, not ours, or writable by others."""
+
+
+class AgreementError(FtkitError):
+    """Some ranks reported a failure where all had to succeed (coord/agree.py).
+    `failures`: (rank, error) pairs, in rank order."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str]]):
+        super().__init__(message)
+        self.failures = failures

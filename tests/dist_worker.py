@@ -310,3 +310,27 @@ def sampler_run(rank: int, world: int, ckpt: str, steps: int, n: int = 50, batch
                 if step == steps:
                     break
     return consumed
+
+
+def agreement(rank: int, world: int) -> dict:
+    """coord/agree.py on real ranks: everyone decides, then only rank 0 decides."""
+    from ftkit.coord.agree import agree
+    from ftkit.coord.dist import DistContext
+    from ftkit.errors import AgreementError
+
+    ctx = DistContext.detect(timeout_s=30).scoped("agree-test/")
+    every = agree(ctx, "all", error="disk full" if rank == 1 else None, value=rank * 10)
+    only0 = agree(ctx, "r0", error=f"bad {rank}" if rank else None, decider=0)
+    raised = None
+    if only0 is not None:
+        try:
+            only0.raise_if_failed("step 3 not committed")
+        except AgreementError as e:
+            raised = [str(e), e.failures]
+    return {
+        "values": every.values,
+        "failures": every.failures,
+        "first": every.first_failure(rank),
+        "only0": only0 is not None,
+        "raised": raised,
+    }

@@ -73,3 +73,13 @@ def test_rank0_skipping_a_durable_step_leaves_no_store_keys(tmp_path):
     assert [o["skipped"] for o in out] == [1, 0, 0, 0]
     assert out[0]["committed"] == [1, 2, 4]  # step 3 is on no tier
     assert out[0]["new_keys"] == 0
+
+
+def test_agreement_reports_every_ranks_failure_to_the_deciders_only():
+    out = run_ranks(3, dist_worker.agreement, timeout=60)
+    for rank, o in enumerate(out):
+        assert o["values"] == [0, 10, 20]
+        assert o["failures"] == [(1, "disk full")]
+        assert o["first"] == ("disk full" if rank == 1 else "disk full (on rank 1)")
+        assert o["only0"] == (rank == 0)
+    assert out[0]["raised"] == ["step 3 not committed: rank 1: bad 1; rank 2: bad 2", [(1, "bad 1"), (2, "bad 2")]]

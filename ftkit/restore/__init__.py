@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.coord.agree import agree
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, StorageError
 from ftkit.format.reader import scan
 from ftkit.restore.context import RestoreContext
@@ -105,21 +106,20 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             loaded, vote = read_shared_candidate(rc, s, backend.storage)
             origin = {"source": backend.display_url}
         t_read = time.perf_counter() - t0
-        votes = ctx.gather(f"{key}/vote/{n}", vote)
-        mismatched = [(r, v["mismatch"]) for r, v in enumerate(votes) if v["mismatch"]]
-        if mismatched:
+        votes = agree(ctx, f"{key}/vote/{n}", error=vote["error"], value=vote["mismatch"])
+        assert votes is not None
+        mismatched = [(r, found) for r, found in enumerate(votes.values) if found]
+        if mismatched:  # the live state does not fit: no other candidate will either
             r, found = mismatched[0]
             raise StateMismatchError(cap.describe(found) + ("" if r == ctx.rank else f" (on rank {r})"))
-        failed = [(r, v["error"]) for r, v in enumerate(votes) if v["error"]]
-        if failed:
-            r, err = failed[0]
-            problems.append(err)
+        failed = votes.first_failure(ctx.rank)
+        if failed is not None:
+            problems.append(votes.failures[0][1])
             log.warning(
-                "step %d from %s is unusable, trying the next source: %s%s",
+                "step %d from %s is unusable, trying the next source: %s",
                 s,
                 origin.get("source", backend.display_url),
-                err,
-                "" if r == ctx.rank else f" (on rank {r})",
+                failed,
             )
             continue
         manifest, tensors, rng_value = loaded

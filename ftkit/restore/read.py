@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ftkit.coord.agree import agree
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
 from ftkit.format.reader import check_file_sizes, load_manifest, read_regions, torch_dtype
@@ -125,10 +126,11 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
             )
         except Exception as e:
             moved_error = f"fetching RAM-tier files from peers failed: {e}"
-    moved = ctx.gather(f"{key}/moved", moved_error)  # siblings' received files are in place now
+    moved = agree(ctx, f"{key}/moved", error=moved_error)  # siblings' received files are in place now
+    assert moved is not None
     if plan:
         origin["fetch_s"] = time.perf_counter() - t_fetch
-    error = error or moved_error or next((m for m in moved if m), None)
+    error = error or moved.first_failure(ctx.rank)
     origin["received"] = received
     if error is None and manifest is None:  # (no error means the manifest was read above)
         error = f"step {step}: the RAM tier manifest could not be read"

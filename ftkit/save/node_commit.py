@@ -18,6 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ftkit.coord.agree import agree
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import AlreadyCommitted, CorruptCheckpointError, StorageError
@@ -98,10 +99,11 @@ def _persist_node_local(
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
-    if ctx.rank == 0:  # only rank 0 reads the replication outcomes; the others just report theirs
-        done = ctx.gather(f"{key}/r", rep_error) if ctx.distributed else [rep_error]
+    # Only rank 0 reads the replication outcomes; the others just report theirs.
+    done = agree(ctx, f"{key}/r", error=rep_error, decider=0)
+    if done is not None:
         failures = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
-        failures += [f"rank {r}: {e}" for r, e in enumerate(done) if e]
+        failures += [f"rank {r}: {e}" for r, e in done.failures]
         writes = [{"file": r.file} for r in reports if r.file]  # what to discard if this goes wrong
         try:
             if error is not None:  # still tell the node leaders, who wait for the manifest
@@ -126,7 +128,6 @@ def _persist_node_local(
         if ctx.distributed:
             ctx.store.set(f"{key}/manifest", committed.manifest_json)
         return committed
-    ctx.put(f"{key}/r/{ctx.rank}", rep_error)
     if error is not None:
         raise error
     if ctx.node_leader(ctx.rank):  # write rank 0's manifest into this node's directory

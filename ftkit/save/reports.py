@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.coord.agree import report
 from ftkit.coord.dist import DistContext
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
@@ -125,6 +126,6 @@ def report_skipped(ctx: DistContext, key: str, node_local: bool, reason: str) ->
         ctx.put(f"{key}/{ctx.rank}", {"write": None, "rng": None, "error": reason})
         return
     ctx.store.set(f"{key}/w/{ctx.rank}", NodeReport.encode(None, reason, None, skipped=True))
-    ctx.put(f"{key}/r/{ctx.rank}", None)
+    report(ctx, f"{key}/r")  # no replication outcome to wait for
     if ctx.rank == 0:
         ctx.put(f"{key}/manifest", "")

@@ -1,0 +1,76 @@
+"""Agreement across ranks through the store: every rank reports, one rank (or all)
+decides, and failures come back per rank.
+
+The one primitive behind ftkit's votes (a restore candidate's read, a RAM-tier
+replication, peers' fetches): each rank puts a ballot, its error or None and a
+value, under `key`; the deciders read every ballot in one round trip
+(coord/dist.py `gather`). Nothing is raised mid-flight on any rank: a failure is
+recorded in the ballot and the caller decides at the safe point, with every
+rank's failure in hand (`Outcome.raise_if_failed` raises one AgreementError
+naming them).
+
+Order of calls (every rank, the same `key`)::
+
+    outcome = agree(ctx, key, error=..., value=...)      # None on a rank that only reports
+    outcome.raise_if_failed("step 7 not committed")       # or read outcome.failures / values
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ftkit.coord.dist import DistContext
+from ftkit.errors import AgreementError
+
+
+@dataclass(frozen=True)
+class Outcome:
+    values: list[Any]  # every rank's value, in rank order
+    failures: list[tuple[int, str]]  # (rank, error) of the ranks that failed, in rank order
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def first_failure(self, me: int) -> str | None:
+        """The first failure as a line: the error, with its rank when not `me`'s."""
+        if not self.failures:
+            return None
+        r, err = self.failures[0]
+        return err if r == me else f"{err} (on rank {r})"
+
+    def raise_if_failed(self, what: str) -> None:
+        if self.failures:
+            detail = "; ".join(f"rank {r}: {e}" for r, e in self.failures)
+            raise AgreementError(f"{what}: {detail}", self.failures)
+
+
+def agree(
+    ctx: DistContext, key: str, *, error: str | None = None, value: Any = None, decider: int | None = None
+) -> Outcome | None:
+    """Every rank reports (`error`, `value`) under `key`. With `decider=None` every rank
+    gets the Outcome; with a rank number, only that rank does (the others only
+    report and get None: no rank reads what it does not need)."""
+    if ctx.distributed and decider is not None and ctx.rank != decider:
+        report(ctx, key, error=error, value=value)
+        return None
+    ballots = ctx.gather(key, _ballot(error, value))
+    failures = []
+    for r, b in enumerate(ballots):
+        if not isinstance(b, dict) or set(b) != {"error", "value"}:  # the store is untrusted input
+            failures.append((r, f"a malformed ballot from rank {r}"))
+        elif b["error"] is not None:
+            failures.append((r, str(b["error"])))
+    values = [b.get("value") if isinstance(b, dict) else None for b in ballots]
+    return Outcome(values, failures)
+
+
+def report(ctx: DistContext, key: str, *, error: str | None = None, value: Any = None) -> None:
+    """Only report under `key` (a rank that decides nothing, or one that will not take part:
+    its ballot lets the decider go on without waiting for it)."""
+    ctx.put(f"{key}/{ctx.rank}", _ballot(error, value))
+
+
+def _ballot(error: str | None, value: Any) -> dict[str, Any]:
+    return {"error": None if error is None else str(error), "value": value}
