@@ -35,7 +35,7 @@ small ones, the rest 1-4 units of rows x 1024).
 2. Peer replication: snapshot()->wait() wall time (max over ranks) with tiers
    ["ram"] and ["ram", Tier("peer", replicas=1)]; the difference is what
    replication costs, and bytes replicated / difference its throughput. Also
-   measured directly by timing PeerGroup.run (patched in this process only).
+   measured from the event log (each persist event's replicate record: PeerGroup.run's window).
    Baseline: raw gloo isend/irecv of the same byte counts between the same rank
    pairs, all pairs concurrently, preallocated buffers; and, to separate the
    effect of ftkit's transfer order, the same raw transfers in ftkit's plan order.
@@ -779,43 +779,11 @@ def phase_restore(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------- phase 2
-_RUNS: list[dict[str, float]] = []
-
-
-def _instrument_peer_group() -> None:
-    """Time PeerGroup.run and its read/write callbacks (in this benchmark process only)."""
-    from ftkit.tiers.peers import PeerGroup
-
-    orig = PeerGroup.run
-    if getattr(orig, "_bench", False):
-        return
-
-    def run(self, plan, read, write, sizes, **kw):
-        rec = {"read_s": 0.0, "write_s": 0.0}
-
-        def timed_read(name):
-            t0 = now()
-            try:
-                return read(name)
-            finally:
-                rec["read_s"] += now() - t0
-
-        def timed_write(name, buf):
-            t0 = now()
-            try:
-                write(name, buf)
-            finally:
-                rec["write_s"] += now() - t0
-
-        rec["start"] = now()
-        try:
-            return orig(self, plan, timed_read, timed_write, sizes, **kw)
-        finally:
-            rec["end"] = now()
-            _RUNS.append(rec)
-
-    run._bench = True  # type: ignore[attr-defined]
-    PeerGroup.run = run
+def rank_events(ck, event: str, step: int | None = None) -> list[dict[str, Any]]:
+    """This rank's events of one kind (and step) from a Checkpointer's event log (its run_dir)."""
+    with open(ck.events.path) as f:
+        docs = [json.loads(line) for line in f if line.strip()]
+    return [d for d in docs if d["event"] == event and (step is None or d.get("step") == step)]
 
 
 def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
@@ -825,7 +793,6 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
     from ftkit.save.sharding import plan_pieces
     from ftkit.tiers.peers import replica_targets, replication_plan
 
-    _instrument_peer_group()
     dist = R.dist
     named = list(state.items())
     share = [
@@ -839,7 +806,9 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
     os.environ["FTKIT_JOB_ID"] = "repl-ram"
     ck_a = quiet_checkpointer(state, [ftkit.Tier("ram", keep=1)], rng=False)
     os.environ["FTKIT_JOB_ID"] = "repl-peer"
-    ck_b = quiet_checkpointer(state, [ftkit.Tier("ram", keep=1), ftkit.Tier("peer", replicas=1)], rng=False)
+    # Its event log says when each rank's replication ran and how long it spent reading and storing.
+    events_dir = os.path.join(a.base, f"repl-events-{R.rank}")
+    ck_b = quiet_checkpointer(state, [ftkit.Tier("ram", keep=1, replicas=1)], rng=False, run_dir=events_dir)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
     out_buf = torch.ones(share[R.rank], dtype=torch.uint8)
     in_buf = torch.zeros(share[source[R.rank]], dtype=torch.uint8)
@@ -897,15 +866,14 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
             R.log(f"replication round {i + 1}/{a.rounds}")
             step = i + 2
             ta = snap(ck_a, step)
-            n_before = len(_RUNS)
             tb = snap(ck_b, step)
-            run = _RUNS[-1] if len(_RUNS) > n_before else None
+            run = next((e["replicate"] for e in rank_events(ck_b, "persist", step) if "replicate" in e), None)
             rc = raw_concurrent()
             rp = raw_plan_order()
             rf = raw_concurrent(store_and_check=True)
             per = R.gather({"ta": ta, "tb": tb, "run": run, "rc": rc, "rp": rp, "rf": rf})
             if any(p["run"] is None for p in per):
-                raise AssertionError("a rank did not replicate (PeerGroup.run not called)")
+                raise AssertionError("a rank did not replicate (no replicate record in its persist event)")
             rounds.append(
                 {
                     "ram_only_s": max(p["ta"] for p in per),
@@ -927,6 +895,7 @@ def phase_replication(a: argparse.Namespace, R: Ranks, state) -> dict[str, Any]:
         dist.destroy_process_group(group)
         os.close(floor_fd)
         os.remove(floor_path)
+        shutil.rmtree(events_dir, ignore_errors=True)
     R.barrier()
     if R.rank == 0:
         for job in ("repl-ram", "repl-peer"):
@@ -981,28 +950,6 @@ def build_model(kind: str, a: argparse.Namespace, rank: int):
     return ddp, opt, state, step_fn
 
 
-_JOBS: list[tuple[float, float]] = []
-
-
-def _instrument_persist() -> None:
-    """Wall and thread CPU time of each background persist (in this benchmark process only)."""
-    from ftkit.checkpointer import Checkpointer
-
-    orig = Checkpointer._persist_job
-    if getattr(orig, "_bench", False):
-        return
-
-    def persist_job(self, job):
-        t0, c0 = now(), time.thread_time()
-        try:
-            return orig(self, job)
-        finally:
-            _JOBS.append((now() - t0, time.thread_time() - c0))
-
-    persist_job._bench = True  # type: ignore[attr-defined]
-    Checkpointer._persist_job = persist_job
-
-
 def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     """Three identical DDP models' worth of steps, in alternating blocks of `--steps`:
 
@@ -1016,13 +963,13 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     import ftkit
     from ftkit.save import capture as cap
 
-    _instrument_persist()
-
     base_model, _, _, base_fn = build_model(kind, a, R.rank)
     model, opt, state, step_fn = build_model(kind, a, R.rank)
     params = sum(p.numel() for p in model.parameters())
     os.environ["FTKIT_JOB_ID"] = f"train-{kind}"
-    ck = ftkit.Checkpointer(state, ["ram", ftkit.Tier("peer", replicas=1)], policy="wait")  # defaults
+    # Defaults, plus an event log: each background persist's wall and CPU time come from it.
+    events_dir = os.path.join(a.base, f"train-events-{kind}-{R.rank}")
+    ck = ftkit.Checkpointer(state, [ftkit.Tier("ram", replicas=1)], policy="wait", run_dir=events_dir)
     step = 0
     times: dict[str, list[float]] = {"base": [], "attached": [], "snapshot": [], "every": []}
     stalls: list[float] = []
@@ -1039,7 +986,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
             ck.snapshot(step)
         ck.wait()
         state_bytes = nbytes_of(dict(cap.capture(state, rng=False).tensors))
-        _JOBS.clear()
+        warm_step = step  # the persists timed are those of later steps
         for i in range(a.rounds):
             R.log(f"train {kind}: round {i + 1}/{a.rounds}")
             for block in ("base", "attached", "snapshot", "every"):
@@ -1065,7 +1012,8 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     R.barrier()
     if R.rank == 0:
         shutil.rmtree(os.path.join(a.shm, f"train-{kind}"), ignore_errors=True)
-    jobs = list(_JOBS)
+    jobs = [(e["seconds"], e["cpu_s"]) for e in rank_events(ck, "persist_job") if e["step"] > warm_step]
+    shutil.rmtree(events_dir, ignore_errors=True)
     n_steps = a.rounds * a.steps
     per = R.gather(
         {

@@ -204,17 +204,21 @@ def phase_floor(b: Bench) -> None:
 def staging_only_checkpointer(b: Bench, work: str):
     """ftkit's Checkpointer, whose persist thread only waits for the copy and frees the slot."""
     import ftkit
+    from ftkit.save.pipeline import PersistJob, PersistPipeline
+
+    copy_done: list[float] = []  # when the persist thread saw each snapshot's copy finish
+
+    class StagingOnlyPipeline(PersistPipeline):
+        def persist_job(self, job: PersistJob) -> None:
+            job.slot.ready()
+            copy_done.append(now())
 
     class StagingOnly(ftkit.Checkpointer):
-        def __init__(self, *a: Any, **kw: Any):
-            self.copy_done: list[float] = []  # when the persist thread saw each snapshot's copy finish
-            super().__init__(*a, **kw)
+        pipeline_class = StagingOnlyPipeline
 
-        def _persist_job(self, job) -> None:  # noqa: ANN001 (the Checkpointer's own job type)
-            job.slot.ready()
-            self.copy_done.append(now())
-
-    return StagingOnly(b.state, [os.path.join(work, "never-written")], rng=False, watchdog=False, preemption_signals=())
+    ck = StagingOnly(b.state, [os.path.join(work, "never-written")], rng=False, watchdog=False, preemption_signals=())
+    ck.copy_done = copy_done  # type: ignore[attr-defined]
+    return ck
 
 
 def phase_steps(b: Bench, work: str) -> None:

@@ -99,6 +99,9 @@ class Checkpointer:
     rank's share is durable.
     """
 
+    # The background persister; a subclass may swap it (bench_gpu.py times staging alone so).
+    pipeline_class: type[PersistPipeline] = PersistPipeline
+
     def __init__(
         self,
         state: MutableMapping[str, Any],
@@ -152,7 +155,7 @@ class Checkpointer:
         self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
         self._in_order = cap.module_buffer_names(state)
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
-        self._pipeline = PersistPipeline(opened, self._bg_ctx, self.stats, self.events.emit, self._arena.release)
+        self._pipeline = self.pipeline_class(opened, self._bg_ctx, self.stats, self.events.emit, self._arena.release)
         self.events.emit(
             "start",
             world_size=self._ctx.world_size,

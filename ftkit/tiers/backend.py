@@ -73,6 +73,10 @@ class TierBackend(ABC):
     def supersede(self, step: int) -> None:
         """Take a step newer than a restored one out of the timeline (restore/__init__.py)."""
 
+    def persist_details(self) -> dict[str, Any]:
+        """What the last persist() of this rank did besides writing, for its "persist" event."""
+        return {}
+
     def committed_steps(self) -> list[int]:
         return [d.step for d in scan(self.storage) if d.committed]
 
@@ -146,6 +150,8 @@ class NodeRamTier(TierBackend):
         return KeyLedger.node_local(ctx.rank)
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
+        if self.peers is not None:
+            self.peers.last_run = None
         return persist_node_local(
             self.storage,
             job.step,
@@ -161,6 +167,10 @@ class NodeRamTier(TierBackend):
             ledger=ledger,
             at=(job.epoch, job.step),
         )
+
+    def persist_details(self) -> dict[str, Any]:
+        run = self.peers.last_run if self.peers is not None else None
+        return {"replicate": run} if run else {}
 
     def supersede(self, step: int) -> None:
         self.delete_step(step)  # this run's cache: nothing to keep

@@ -18,6 +18,7 @@ job restarts (the watchdog's business).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -103,6 +104,9 @@ class PeerGroup:
         self.world_size = world_size
         self.broken: str | None = None
         self._buffers: list[torch.Tensor] = []  # receive buffers kept between runs (keep_buffers)
+        # The last successful run: its window on the perf_counter clock (comparable between
+        # processes of one machine) and the time spent in read() and write(), for the event log.
+        self.last_run: dict[str, float] | None = None
 
     def run(
         self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int], keep_buffers: bool = False
@@ -121,15 +125,24 @@ class PeerGroup:
         if self.broken:
             raise PeerTransferError(f"peer group unusable after an earlier failure: {self.broken}")
         received = []
+        record = {"start": time.perf_counter(), "read_s": 0.0, "write_s": 0.0}
         try:
             incoming = [t for t in plan if t.dst == self.rank]
             bufs = [self._buffer(i, sizes[(t.src, t.file)], keep_buffers) for i, t in enumerate(incoming)]
             recvs = [dist.irecv(buf, src=t.src, group=self.group) for t, buf in zip(incoming, bufs)]
-            sends = [dist.isend(read(t.file), dst=t.dst, group=self.group) for t in plan if t.src == self.rank]
+            sends = []
+            for t in plan:
+                if t.src == self.rank:
+                    t0 = time.perf_counter()
+                    data = read(t.file)
+                    record["read_s"] += time.perf_counter() - t0
+                    sends.append(dist.isend(data, dst=t.dst, group=self.group))
             for t, buf, work in zip(incoming, bufs, recvs):
                 if work is not None:  # None only outside the group, which a plan never asks for
                     work.wait()
+                t0 = time.perf_counter()
                 write(t.file, buf)
+                record["write_s"] += time.perf_counter() - t0
                 received.append(t.file)
             for send in sends:
                 if send is not None:
@@ -137,6 +150,8 @@ class PeerGroup:
         except Exception as e:
             self.broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             raise
+        record["end"] = time.perf_counter()
+        self.last_run = record
         return received
 
     def _buffer(self, i: int, size: int, keep: bool) -> torch.Tensor:
