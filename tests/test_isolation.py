@@ -441,11 +441,13 @@ def test_redact_url(url, shown):
 
 # ==================================================== 18: same host, by more than its name
 WATCHDOG = """
-import os, socket, sys, time
+import sys, time
 from datetime import timedelta
 import torch.distributed as dist
 from ftkit.coord.dist import DistContext, host_identity
 from ftkit.coord.events import EventLog
+from ftkit.coord.judge import Beat
+from ftkit.coord.nodelocal import NodeBoard
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig
 
 pid, which = int(sys.argv[1]), sys.argv[2]
@@ -454,8 +456,8 @@ host_id = {"same": host_identity(), "other-boot": f"{host}/{boot[::-1]}/{ns}",
            "other-pidns": f"{host}/{boot}/pid:[1]", "none": None}[which]
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 ctx = DistContext(rank=0, world_size=2, store=store)
-# Rank 1's heartbeat: same host name as ours, its pid the sleeper's; then it falls silent (dead).
-ctx.put("hb/1", {"seq": 1, "step": None, "host": socket.gethostname(), "host_id": host_id, "pid": pid})
+# Rank 1 (on this node) wrote one heartbeat: its pid the sleeper's, its host as given; then silence.
+NodeBoard(ctx.scope + "wd", ctx.node, leader=False).write_beat(1, Beat(1, pid=pid, host_id=host_id))
 wd = Watchdog(ctx, EventLog(sys.argv[3], 0), WatchdogConfig(interval_s=0.1, dead_after_s=1.0))
 wd.start()
 time.sleep(30)

@@ -29,17 +29,17 @@ def _die_once(wd) -> None:
 
 
 def _store_outage(wd, seconds: float) -> None:
-    """Every store call of the heartbeat thread fails for `seconds`."""
+    """The heartbeat thread's store round trip (a node leader's, once per interval) fails for
+    `seconds`; the node-local heartbeats go on, as they would with the store down."""
     until = time.monotonic() + seconds
-    for name in ("_publish", "_read"):
-        real = getattr(wd, name)
+    real = wd._exchange
 
-        def failing(*a, real=real, **k):
-            if time.monotonic() < until:
-                raise ConnectionError("store unreachable (injected)")
-            return real(*a, **k)
+    def failing(*a, **k):
+        if time.monotonic() < until:
+            raise ConnectionError("store unreachable (injected)")
+        return real(*a, **k)
 
-        setattr(wd, name, failing)
+    wd._exchange = failing
 
 
 def snapshot(self, step):

@@ -59,6 +59,22 @@ def host_identity() -> str | None:
 _DEFAULT_RDZV_IDS = ("", "none")
 
 
+def process_gone(pid: Any) -> bool:
+    """A process on this host has exited (or is a zombie waiting for torchrun to reap it).
+
+    Seeing it is faster than `dead_after_s` of silence: torchrun's own restart
+    waits for this rank to stop, and this rank may be stuck in a collective."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def rendezvous_id() -> str | None:
     """The rendezvous (run) id torchrun was given, or None if it is torchrun's default or absent.
 
@@ -78,6 +94,7 @@ class DistContext:
     node: str = field(default_factory=lambda: node_id(0))
     timeout_s: float = 300.0
     nodes: list[str] = field(default_factory=list)  # node of every rank, by rank
+    scope: str = ""  # the store namespace of this context (its keys' prefix below the job's store)
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -98,7 +115,7 @@ class DistContext:
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
         rank = dist.get_rank()
-        ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s)
+        ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s, scope=f"ftkit/{run}/{attempt}/")
         ctx.nodes = ctx.gather("nodes", ctx.node)
         return ctx
 
@@ -111,14 +128,15 @@ class DistContext:
         talks to the store gets its own connection.
         """
         store = self.store.clone() if self.store is not None else None
-        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes))
+        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes), self.scope)
 
     def scoped(self, prefix: str) -> DistContext:
         """The same context with its keys below `prefix` (one Checkpointer's namespace)."""
         import torch.distributed as dist
 
         store = dist.PrefixStore(prefix, self.store) if self.store is not None else None
-        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes))
+        nodes = list(self.nodes)
+        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, nodes, self.scope + prefix)
 
     @property
     def distributed(self) -> bool:

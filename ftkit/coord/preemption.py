@@ -9,7 +9,7 @@ takes that step to every tier (whatever their `every`), waits for the commit,
 and exits with 128 + the signal number. Every rank gets the signal and reaches
 the same step, so a multi-rank commit completes as usual: ranks that see the signal at
 different step ends agree through the store on the last of them
-(Checkpointer._final_step_reached).
+(PreemptionHandler.final_step_reached).
 
 If no step ends within the deadline (a very long step, a hang), a timer ends
 the process anyway, recording that the flush did not happen: the newest
@@ -111,22 +111,23 @@ class PreemptionHandler:
         Never blocks the training loop: ranks hear of the notice at different
         times (by the signal, or a peer's heartbeat), and a rank that waited
         here would hold the others in the next collective. Each rank publishes,
-        at the first step end after it heard, that step + 2: in lock-step
-        training nobody can have finished that step yet. Once every rank has
-        published (a non-blocking check at each step end), the stop is the
-        largest value, and every rank is still short of it.
+        at the first step end after it heard, that step + 2 (in lock-step
+        training nobody can have finished that step yet) by raising one shared
+        maximum, then counts itself in. Once every rank has (a non-blocking
+        check at each step end), the stop is the maximum, and every rank is
+        still short of it. Two keys in all, not one per rank.
         """
         pre = self
         if not ctx.distributed:
             return True
         if pre.first_boundary is None:
             pre.first_boundary = step
-            ctx.put(f"preempt/{ctx.rank}", step + 2)
-        if pre.final_step is None:
-            keys = [f"preempt/{r}" for r in range(ctx.world_size)]
-            if not ctx.store.check(keys):  # one round trip: all present?
-                return False  # someone has not heard yet; the watchdog's heartbeats will tell it
-            pre.final_step = max(ctx.get(k) for k in keys)
+            _raise_to(ctx.store, "preempt/stop", step + 2)  # before counting this rank in
+            ctx.store.add("preempt/ranks", 1)
+        if pre.final_step is None:  # O(1) requests per rank, whatever the world size
+            if int(ctx.store.add("preempt/ranks", 0)) < ctx.world_size:
+                return False  # someone has not heard yet; the watchdog will tell it
+            pre.final_step = int(ctx.store.get("preempt/stop"))
         return step >= pre.final_step
 
     def done(self) -> None:
@@ -142,3 +143,10 @@ class PreemptionHandler:
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous = {}
         self.installed = False
+
+
+def _raise_to(store, key: str, value: int) -> None:
+    """Make the integer at `key` at least `value` (compare-and-set until it holds)."""
+    current = store.compare_set(key, "", str(value))  # creates it if missing; returns what is there
+    while int(current) < value:  # another rank raised it meanwhile: try again from its value
+        current = store.compare_set(key, current, str(value))

@@ -1,109 +1,65 @@
-"""Heartbeats and failure detection: dead, hung and straggling ranks.
+"""Heartbeats and failure detection, hierarchical: dead, hung, failed and straggling ranks
+found in O(1) store requests per node per interval, whatever the world size.
 
-Each rank runs one daemon thread that, every `interval_s`,
+    rank ─local file─▶ node leader ─one key per node─▶ the store ◀─ the next `watch` nodes' leaders
+                 ◀──── verdict relayed ◀──── one verdict key, first judge wins
 
-1. publishes its heartbeat to the c10d store: a counter, the current step and
-   recent step timings (handed over by the training thread through
-   :meth:`Watchdog.progress`), host and pid;
-2. reads every rank's heartbeat and judges them. Every rank judges every other,
-   so detection does not depend on any one rank staying healthy:
+Each rank runs one daemon thread ("ftkit-watchdog") that, every `interval_s`,
+writes its heartbeat (a counter, its step, recent step timings, host and pid) to
+its node's board: a file in the node's private shared memory (coord/nodelocal.py),
+never the global store. Then:
 
-   * failed: its training loop raised, and its Checkpointer said so on the way
-     out (seen within one interval);
-   * dead: its process on this host is gone (seen within one interval), or its
-     heartbeat counter has not moved for `dead_after_s` (a SIGSTOPped process,
-     a lost node);
-   * hung: heartbeats move but its step has not, for longer than
-     `hang_factor` x the median step time, clamped to [`hang_floor_s`,
-     `hang_ceiling_s`], so nobody hand-tunes a timeout per model;
-   * straggler: its busy time per step (up to its first gradient all-reduce under
-     DDP, else the whole step; the median of its last 10 steps) stays above
-     `straggler_factor` x the median of all ranks, and above it by a quarter of a step (`straggler_min_excess_s` at
-     least), for `straggler_checks` checks in a row: reported, and an abort only
-     if `straggler_action="abort"`.
+* the **node leader** (lowest rank of the node) reads its node's heartbeats and
+  judges them (coord/judge.py RankJudge: failed, dead, hung with a self-calibrating
+  bound, straggler); publishes one aggregated heartbeat for the node; and, in the
+  same round trip that reads the verdict key, reads the aggregated heartbeats of
+  the `watch` nodes after its own on the ring (RingJudge: a node whose heartbeat
+  stops is a dead aggregator or a lost node). Two store requests per node per
+  interval: a set and a multi_get.
+* every **other rank** reads its node's board: a verdict relayed by its leader,
+  a preemption, the end of the run; and watches its leader's own heartbeat, so a
+  dead aggregator is found by its own node as well as by its ring watchers.
 
-On a failed, dead or hung rank the thread records the event, kills that process if it
-is on this host (a stopped process would otherwise hold up torchrun's restart;
-"this host" means the same host name, boot id and pid namespace, see
-dist.host_identity: a pid from another container with the same host name names
-an unrelated process here),
-and ends this process (on a straggler abort, background persists first get
-`flush_deadline_s` to finish: the straggler can still contribute its share) with
-`os._exit` (``sys.exit`` in a thread only ends the thread), so
-torchrun's elastic agent restarts the worker group and survivors never sit in a
-collective until its timeout.
+A verdict is posted once to one store key (compare-and-set: the first judge
+wins, later ones join it). Every rank that learns it records it, kills the
+target if it is a process on this host (same host name, boot id and pid
+namespace: dist.host_identity; a stopped process would hold up the restart) and
+ends with `os._exit` (``sys.exit`` in a thread only ends the thread), so
+torchrun restarts the group and no survivor waits in a collective until its
+timeout. A straggler is reported; with `straggler_action="abort"` background
+persists get `flush_deadline_s` first.
 
-False alarms are avoided: time only counts while this rank can read the store
-(an outage freezes every clock), a rank is judged only after its first
-heartbeat, finished ranks say so (and keep watching until every rank has
-finished: a rank that hangs after its peers are done is still caught), and a
-heartbeat thread that died is restarted by the next progress() call on the
-training thread.
+No false kills: a leader that cannot reach the store judges nobody and its
+clocks freeze until it can (its node still sees its local heartbeat); a rank is
+judged only after its first heartbeat (or `startup_grace_s` of silence); finished
+ranks say so and keep watching for dead and failed ranks until every node has
+finished; a heartbeat thread that died is restarted by the next progress().
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import signal
-import socket
 import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-from ftkit.coord.dist import DistContext, host_identity
+from ftkit.coord.dist import DistContext, host_identity, process_gone
 from ftkit.coord.events import EventLog
+from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
+from ftkit.coord.nodelocal import NodeBoard
 
 log = logging.getLogger("ftkit")
 
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
-
-
-@dataclass(frozen=True)
-class WatchdogConfig:
-    interval_s: float = 0.5
-    dead_after_s: float = 3.0
-    hang_factor: float = 10.0
-    hang_floor_s: float = 30.0
-    hang_ceiling_s: float = 1800.0
-    straggler_factor: float = 2.0
-    straggler_min_excess_s: float = 0.05  # and at least a quarter of a step: noise is not a straggler
-    straggler_checks: int = 6
-    straggler_action: str = "log"  # or "abort"
-    flush_deadline_s: float = 10.0
-    startup_grace_s: float = 120.0  # a rank never seen for this long is dead
-
-
-def _process_gone(pid: Any) -> bool:
-    """A process on this host has exited (or is a zombie waiting for torchrun to reap it).
-
-    Seeing it is faster than `dead_after_s` of silence: torchrun's own restart
-    waits for this rank to stop, and this rank may be stuck in a collective."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError, IndexError):
-        return False
-
-
-@dataclass
-class _Seen:
-    seq: int = -1
-    step: int = -1
-    changed: float = 0.0  # monotonic time the counter last moved
-    step_changed: float = 0.0
-    slow_checks: int = 0
-    flagged_straggler: bool = False
-    info: dict | None = None
-    info_failed: bool = False
+VERDICT, PREEMPT, DONE = "wd/verdict", "wd/preempt", "wd/done"
 
 
 class Watchdog:
@@ -116,9 +72,10 @@ class Watchdog:
         preempted: Callable[[], bool] | None = None,
         on_peer_preempted: Callable[[int], None] | None = None,
     ):
+        """`ctx`: a connection of the watchdog's own (DistContext.own_connection)."""
         self.ctx = ctx
         self.events = events
-        self.cfg = config or WatchdogConfig()
+        self.cfg = cfg = config or WatchdogConfig()
         self._flush = flush
         self._preempted = preempted  # did this rank get a preemption signal? (told to peers)
         self._on_peer_preempted = on_peer_preempted
@@ -130,18 +87,50 @@ class Watchdog:
         self._step_started = time.monotonic()
         self._first_grad: float | None = None
         self._seq = 0
-        self._seen = {r: _Seen() for r in range(ctx.world_size) if r != ctx.rank}
         self._host_id = host_identity()  # whose pids we may look up and kill (None: nobody's)
         self._finished = False  # finish() was called: heartbeats say "done"
+        self._all_done = False  # every rank of every node has finished
         self._stop = threading.Event()
         self._outage_since: float | None = None
-        self._started = time.monotonic()
+        self._last_round: float | None = None
+        self._told_preempt = False  # this rank's preemption was posted
+        self._heard_preempt = False  # a peer's preemption was passed on to on_peer_preempted
         self._thread: threading.Thread | None = None
         self.detections: list[dict[str, Any]] = []
+        now = time.monotonic()
+        self._started = now
+        # The hierarchy: this node's ranks and leader, and the nodes this leader watches.
+        order, watched = ring(ctx.nodes, cfg.watch)
+        self.nodes = len(order)
+        self.node_index = order.index(ctx.node)
+        self.node_ranks = [r for r, n in enumerate(ctx.nodes) if n == ctx.node]
+        self.leader_rank = self.node_ranks[0]
+        self.leader = ctx.rank == self.leader_rank
+        self.board = NodeBoard(ctx.scope + "wd", ctx.node, self.leader)
+        self.leader_judge = RankJudge(ctx.rank, [self.leader_rank], cfg, now)  # (non-leaders: their leader)
+        self._local_beats: dict[int, Beat | None] = {}
+        if self.leader:
+            first: dict[str, int] = {}  # each node's lowest rank (one pass: O(world), not O(nodes x world))
+            for r, name in enumerate(ctx.nodes):
+                first.setdefault(name, r)
+            self.watched = watched(ctx.node)
+            self.rank_judge = RankJudge(ctx.rank, self.node_ranks, cfg, now)
+            self.ring_judge = RingJudge(ctx.rank, {n: first[order[n]] for n in self.watched}, cfg, now)
+            self._ring_seen = not self.watched
+            self._counted_done = False
+            # A store that hangs must not hold the leader past the dead bound: its node's
+            # ranks watch its local heartbeat, which this thread writes before each exchange.
+            with contextlib.suppress(Exception):
+                ctx.store.set_timeout(timedelta(seconds=max(cfg.dead_after_s / 2, cfg.interval_s)))
+            for key in (VERDICT, PREEMPT):  # create if missing: read every round with one multi_get
+                ctx.store.compare_set(key, "", "")
+            ctx.store.add(DONE, 0)
 
     # ------------------------------------------------------ training thread
     def start(self) -> None:
         self._publish()
+        if self.leader:  # the node's key exists from the start: watchers need not wait for it
+            self.ctx.put(f"wd/node/{self.node_index}", self._node_beat().to_json())
         self._thread = threading.Thread(target=self._run, name="ftkit-watchdog", daemon=True)
         self._thread.start()
 
@@ -164,174 +153,181 @@ class Watchdog:
             self._first_grad = time.monotonic()
 
     def finish(self) -> None:
-        """This rank's loop is over: say so, and keep judging the others until they say so too.
-
-        A rank that hangs after its peers finished would otherwise go unnoticed:
-        torchrun waits for every worker, and nobody would be watching it. Only
-        dead and failed ranks are judged now (a silent heartbeat, a gone
-        process): a peer may spend a while on its own ending without steps.
-        """
+        """This rank's loop is over: say so, and keep judging (dead and failed only: a peer may
+        spend a while on its own ending without steps) until every node says so too; a rank
+        that hangs after its peers finished is still caught (torchrun would wait forever)."""
         self._finished = True
+        with contextlib.suppress(Exception):
+            self._publish()
         deadline = time.monotonic() + self.cfg.hang_ceiling_s
         while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
-            if all(s.info and s.info.get("done") for s in self._seen.values()):
+            if self._all_done:
                 return
             time.sleep(self.cfg.interval_s / 2)
 
     def stop(self, failed: bool = False) -> None:
-        """Say this rank is done (so peers do not take its silence for death) and stop.
-
-        `failed`: its training loop raised. Peers then end at once rather than
-        wait in a collective for a rank that will never join it.
-        """
+        """Say this rank is done (so nobody takes its silence for death) and stop. `failed`:
+        its loop raised; the verdict is posted at once, so peers end now rather than wait
+        in a collective for a rank that will never join it."""
         if self._stop.is_set() and not failed:
             return
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        try:
-            self.ctx.put(
-                f"hb/{self.ctx.rank}",
-                {
-                    "done": True,
-                    "failed": failed,
-                    "host": socket.gethostname(),
-                    "host_id": self._host_id,
-                    "pid": os.getpid(),
-                },
+        with contextlib.suppress(Exception):
+            self.board.write(
+                f"rank-{self.ctx.rank}.json", {**self._beat(done=True, failed=failed).to_json(), "stopped": True}
             )
-        except Exception:
-            pass
+        if failed:
+            with contextlib.suppress(Exception):
+                self._post(Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank))
+        if self.leader and not failed:
+            with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
+                self.ctx.put(f"wd/node/{self.node_index}", self._node_beat(done=True).to_json())
+        self._clean_board()
 
     # ---------------------------------------------------------- the thread
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.interval_s):
+            self._publish()
             try:
-                self._publish()
-                beats = self._read()
-            except Exception as e:  # store unreachable: freeze the clocks, judge nobody
-                if self._outage_since is None:
-                    self._outage_since = time.monotonic()
-                    log.warning(
-                        "ftkit watchdog: store unreachable (%s); not judging peers until it is back", type(e).__name__
-                    )
-                continue
-            if self._outage_since is not None:
-                gap = time.monotonic() - self._outage_since
-                for s in self._seen.values():
-                    s.changed += gap
-                    s.step_changed += gap
-                self._outage_since = None
-            try:
-                self._judge(beats)
-            except Exception:
-                log.exception("ftkit watchdog: judging heartbeats failed")
+                if self.leader:
+                    self._lead(time.monotonic())
+                else:
+                    self._follow(time.monotonic())
+            except Exception:  # a bug must not silently end failure detection
+                log.exception("ftkit watchdog: a heartbeat round failed")
+
+    def _beat(self, done: bool | None = None, failed: bool = False) -> Beat:
+        busy, intervals = list(self._busy), list(self._intervals)
+        return Beat(
+            self._seq,
+            self._step,
+            statistics.median(busy) if busy else None,
+            statistics.median(intervals) if intervals else None,
+            os.getpid(),
+            self._host_id,
+            self._finished if done is None else done,
+            failed,
+            bool(self._preempted and self._preempted()),
+        )
 
     def _publish(self) -> None:
+        """This rank's heartbeat, to its node's board (no store request)."""
         self._seq += 1
-        busy = list(self._busy)
-        self.ctx.put(
-            f"hb/{self.ctx.rank}",
-            {
-                "seq": self._seq,
-                "step": self._step,
-                "host": socket.gethostname(),
-                "host_id": self._host_id,
-                "pid": os.getpid(),
-                "busy": statistics.median(busy) if busy else None,
-                "interval": statistics.median(self._intervals) if self._intervals else None,
-                "preempt": bool(self._preempted and self._preempted()),
-                **({"done": True} if self._finished else {}),
-            },
-        )
+        beat = self._beat()
+        self.board.write_beat(self.ctx.rank, beat)
+        if beat.preempt and not self._told_preempt:  # rare: straight to the store, once
+            self._told_preempt = True
+            with contextlib.suppress(Exception):
+                self.ctx.store.compare_set(PREEMPT, "", json.dumps({"rank": self.ctx.rank}))
 
-    def _read(self) -> dict[int, dict]:
-        out = {}
-        for r in self._seen:
-            key = f"hb/{r}"
-            if self.ctx.store.check([key]):
-                out[r] = self.ctx.get(key, timeout_s=5)
-        return out
+    def _node_beat(self, done: bool = False) -> NodeBeat:
+        ranks = {r: b for r, b in self._local_beats.items() if b is not None}
+        ranks[self.ctx.rank] = self._beat()
+        return NodeBeat(self._seq, self.ctx.rank, ranks, done)
 
-    def _local(self, beat: dict) -> bool:
+    def _exchange(self) -> tuple[dict[int, NodeBeat | None], Verdict | None, int | None, int]:
+        """The leader's round trip with the store: publish the node's heartbeat; read the
+        watched nodes' heartbeats, the verdict, a preemption and the finished-node count.
+        Two requests (a set and a multi_get) once every watched node has been seen."""
+        ctx = self.ctx
+        node_done = self._finished and all(b is not None and b.done for b in self._local_beats.values())
+        ctx.put(f"wd/node/{self.node_index}", self._node_beat(node_done).to_json())
+        if node_done and not self._counted_done:
+            self._counted_done = True
+            ctx.store.add(DONE, 1)
+        ring_keys = [f"wd/node/{n}" for n in self.watched]
+        if not self._ring_seen:  # until every watched node has published once (a get would wait)
+            self._ring_seen = bool(ctx.store.check(ring_keys))
+        keys = (ring_keys if self._ring_seen else []) + [VERDICT, PREEMPT, DONE]
+        values = ctx.store.multi_get(keys)
+        nodes: dict[int, NodeBeat | None] = {}
+        if self._ring_seen:
+            for n, raw in zip(self.watched, values):
+                nodes[n] = NodeBeat.from_json(decode_json(raw))
+        verdict_raw, preempt_raw, done_raw = values[-3:]
+        verdict = Verdict.from_json(decode_json(verdict_raw))
+        preempt = decode_json(preempt_raw)
+        peer = preempt.get("rank") if isinstance(preempt, dict) and isinstance(preempt.get("rank"), int) else None
+        done = int(done_raw) if done_raw.isdigit() else 0
+        return nodes, verdict, peer, done
+
+    def _caught_up(self, now: float, *judges: RankJudge | RingJudge) -> None:
+        """A judge that could not look for a while (descheduled, stopped) blames nobody for its own pause."""
+        last, self._last_round = self._last_round, now
+        if last is not None and now - last > 2 * self.cfg.interval_s:
+            for judge in judges:
+                judge.freeze(now - last - self.cfg.interval_s)
+
+    def _lead(self, now: float) -> None:
+        self._caught_up(now, self.rank_judge, self.ring_judge)
+        others = [r for r in self.node_ranks if r != self.ctx.rank]
+        self._local_beats = self.board.read_beats(others)
+        try:
+            nodes, verdict, peer, done = self._exchange()
+        except Exception as e:  # the store is unreachable: freeze the clocks, judge nobody
+            if self._outage_since is None:
+                self._outage_since = now
+                log.warning("ftkit watchdog: store unreachable (%s); not judging until it is back", type(e).__name__)
+            return
+        if self._outage_since is not None:
+            gap = now - self._outage_since
+            self.rank_judge.freeze(gap)
+            self.ring_judge.freeze(gap)
+            self._outage_since = None
+        if verdict is not None:
+            self._join(verdict)
+        if peer is not None and not self._heard_preempt:
+            self.board.write("preempt.json", {"rank": peer})
+            self._hear_preempt(peer)
+        if done >= self.nodes and not self._all_done:
+            self.board.write("all-done.json", {"nodes": done})
+            self._all_done = True
+        verdicts = self.ring_judge.observe(now, nodes)
+        sample = [b for b in self._local_beats.values() if b is not None] + self.ring_judge.sample() + [self._beat()]
+        beats = {**self._local_beats, self.ctx.rank: sample[-1]}
+        judged = self.rank_judge.observe(now, beats, sample, self._gone, self._finished)
+        for rank, busy, median in judged.stragglers:
+            self._straggler(rank, busy, median)
+        for v in judged.verdicts + verdicts:
+            if v.why == "its process is gone" and self._said_done(v.target):
+                continue  # it finished and exited after this round's read
+            self._abort(v)
+
+    def _follow(self, now: float) -> None:
+        self._caught_up(now, self.leader_judge)
+        verdict = Verdict.from_json(self.board.read("verdict.json"))
+        if verdict is not None:
+            self._join(verdict)
+        preempt = self.board.read("preempt.json")
+        if isinstance(preempt, dict) and isinstance(preempt.get("rank"), int) and not self._heard_preempt:
+            self._hear_preempt(preempt["rank"])
+        if self.board.read("all-done.json") is not None:
+            self._all_done = True
+        # The leader is this node's aggregator: its own node watches it too.
+        beat = Beat.from_json(self.board.read(f"rank-{self.leader_rank}.json"))
+        sample = [b for b in (beat, self._beat()) if b is not None]
+        judged = self.leader_judge.observe(now, {self.leader_rank: beat}, sample, self._gone, self._finished)
+        for v in judged.verdicts:  # (its stragglers are its leader's own to report)
+            if not (v.why == "its process is gone" and self._said_done(v.target)):
+                self._abort(v)
+
+    def _gone(self, beat: Beat) -> bool:
+        return self._local(beat) and process_gone(beat.pid)
+
+    def _local(self, beat: Beat | None) -> bool:
         """Whether `beat` comes from a process on this host, whose pid we may check and kill."""
-        return self._host_id is not None and beat.get("host_id") == self._host_id
+        return beat is not None and self._host_id is not None and beat.host_id == self._host_id
 
     def _said_done(self, rank: int) -> bool:
-        try:
-            beat = self.ctx.get(f"hb/{rank}", timeout_s=5)
-        except Exception:
-            return False
-        if beat.get("done"):
-            self._seen[rank].info = beat
-        return bool(beat.get("done"))
+        beat = Beat.from_json(self.board.read(f"rank-{rank}.json"))
+        return beat is not None and beat.done and not beat.failed
 
-    def _judge(self, beats: dict[int, dict]) -> None:
-        now = time.monotonic()
-        cfg = self.cfg
-        intervals = [b["interval"] for b in beats.values() if b.get("interval")] + (
-            [statistics.median(self._intervals)] if self._intervals else []
-        )
-        median_step = statistics.median(intervals) if intervals else None
-        hang_bound = min(max(cfg.hang_factor * (median_step or 0), cfg.hang_floor_s), cfg.hang_ceiling_s)
-        busies = {r: b["busy"] for r, b in beats.items() if b.get("busy")}
-        if self._busy:
-            busies[self.ctx.rank] = statistics.median(self._busy)
-        median_busy = statistics.median(busies.values()) if len(busies) >= 2 else None
-        for r, seen in self._seen.items():
-            beat = beats.get(r)
-            if beat is not None and beat.get("done"):
-                if beat.get("failed") and not seen.info_failed:
-                    seen.info_failed = True
-                    self._abort(r, "failed", 0.0, "its training loop raised")
-                verdict = beat.get("aborted")
-                if verdict and verdict["target"] != self.ctx.rank:  # join it: the group restarts anyway
-                    self._abort(verdict["target"], verdict["what"], 0.0, f"rank {r} found it {verdict['what']}")
-                seen.info = beat
-                continue
-            if beat is not None and beat.get("preempt") and self._on_peer_preempted is not None:
-                self._on_peer_preempted(r)
-            if beat is not None and beat["seq"] != seen.seq:
-                first = seen.seq < 0
-                seen.seq, seen.changed, seen.info = beat["seq"], now, beat
-                step = beat["step"] if beat["step"] is not None else -1
-                if first or step != seen.step:
-                    seen.step, seen.step_changed = step, now
-            if seen.seq < 0:
-                if now - self._started > cfg.startup_grace_s:
-                    self._abort(r, "dead", now - self._started, "never sent a heartbeat")
-                continue
-            if seen.info and self._local(seen.info) and _process_gone(seen.info.get("pid")):
-                if self._said_done(r):  # it finished and exited after this round's read
-                    continue
-                self._abort(r, "dead", now - seen.changed, "its process is gone")
-            elif now - seen.changed > cfg.dead_after_s:
-                self._abort(r, "dead", now - seen.changed, f"no heartbeat for {now - seen.changed:.1f}s")
-            elif seen.step >= 0 and now - seen.step_changed > hang_bound and not self._finished:
-                # (only after its first step; and not once this rank is done: a peer may still be
-                # busy with its own ending, e.g. an evaluation, without steps)
-                self._abort(
-                    r,
-                    "hung",
-                    now - seen.step_changed,
-                    f"no step progress for {now - seen.step_changed:.1f}s (bound {hang_bound:.0f}s)",
-                )
-            busy = busies.get(r)
-            min_excess = max(cfg.straggler_min_excess_s, 0.25 * (median_step or 0))
-            if (
-                not self._finished
-                and median_busy
-                and busy
-                and busy > cfg.straggler_factor * median_busy
-                and busy - median_busy > min_excess
-            ):
-                seen.slow_checks += 1
-                if seen.slow_checks >= cfg.straggler_checks and not seen.flagged_straggler:
-                    seen.flagged_straggler = True
-                    self._straggler(r, busy, median_busy)
-            else:
-                seen.slow_checks = 0
-                seen.flagged_straggler = False
+    def _hear_preempt(self, rank: int) -> None:
+        self._heard_preempt = True
+        if self._on_peer_preempted is not None and rank != self.ctx.rank:
+            self._on_peer_preempted(rank)
 
     # -------------------------------------------------------------- actions
     def _straggler(self, rank: int, busy: float, median: float) -> None:
@@ -339,37 +335,63 @@ class Watchdog:
         self.events.emit("straggler", target=rank, busy_s=busy, median_s=median, factor=busy / median, by=self.ctx.rank)
         self.detections.append({"target": rank, "what": "straggler"})
         if self.cfg.straggler_action == "abort":
-            self._abort(rank, "straggler", 0.0, f"{busy / median:.1f}x slower than the median")
+            self._abort(Verdict(rank, "straggler", 0.0, f"{busy / median:.1f}x slower than the median", self.ctx.rank))
 
-    def _abort(self, rank: int, what: str, latency: float, why: str) -> None:
-        info = self._seen[rank].info or {}
-        try:  # first, so peers join this verdict instead of blaming this rank's exit
-            self.ctx.put(f"hb/{self.ctx.rank}", {"done": True, "aborted": {"target": rank, "what": what}})
-        except Exception:
-            pass
+    def _post(self, verdict: Verdict) -> Verdict:
+        """Post `verdict` unless one is posted already; return the one that stands."""
+        won = self.ctx.store.compare_set(VERDICT, "", json.dumps(verdict.to_json()))
+        return Verdict.from_json(decode_json(won)) or verdict
+
+    def _abort(self, verdict: Verdict) -> None:
+        """This rank judged: post the verdict (or join an earlier one) and end."""
+        try:
+            verdict = self._post(verdict)
+        except Exception as e:  # the store is gone: this node still ends, and tells its ranks
+            log.error("ftkit watchdog: could not post the verdict to the store: %s", e)
+        self._join(verdict)
+
+    def _join(self, verdict: Verdict) -> None:
+        """End this rank on `verdict`: relay it to the node, kill a local target, exit."""
+        if self.leader:
+            with contextlib.suppress(Exception):
+                self.board.write("verdict.json", verdict.to_json())
         log.error(
-            "ftkit watchdog (rank %d): rank %d is %s: %s; ending this worker so torchrun restarts the group",
+            "ftkit watchdog (rank %d): rank %d is %s: %s%s; ending this worker so torchrun restarts the group",
             self.ctx.rank,
-            rank,
-            what,
-            why,
+            verdict.target,
+            verdict.what,
+            verdict.why,
+            "" if verdict.by in (self.ctx.rank, -1) else f" (judged by rank {verdict.by})",
         )
-        self.events.emit("detect", target=rank, what=what, latency_s=latency, why=why, step=self._step)
-        self.detections.append({"target": rank, "what": what})
-        if self._local(info) and info.get("pid"):
-            try:  # a stopped or hung process on this host would hold up the restart
-                os.kill(int(info["pid"]), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        # A commit needs every rank's share: with a dead or frozen rank, no
-        # snapshot in flight can finish, and draining would only wait out the
-        # flush deadline before the restart. A straggler is alive: let it drain.
-        if self._flush is not None and what == "straggler":
+        self.events.emit(
+            "detect",
+            target=verdict.target,
+            what=verdict.what,
+            latency_s=verdict.latency_s,
+            why=verdict.why,
+            by=verdict.by,
+            step=self._step,
+        )
+        self.detections.append({"target": verdict.target, "what": verdict.what})
+        beat = self._local_beats.get(verdict.target) if self.leader else self.leader_judge.clocks[self.leader_rank].beat
+        if verdict.target != self.ctx.rank and self._local(beat) and beat is not None and beat.pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # a stopped process holds up the restart
+                os.kill(beat.pid, signal.SIGKILL)
+        # A commit needs every rank's share: with a dead or frozen rank, no snapshot in
+        # flight can finish, and draining would only wait out the flush deadline before
+        # the restart. A straggler is alive: let it drain.
+        if self._flush is not None and verdict.what == "straggler":
             try:
                 self._flush(self.cfg.flush_deadline_s)
             except Exception as e:
                 log.error("ftkit watchdog: flush before abort failed: %s", e)
-        self.events.emit("abort", reason=f"rank {rank} {what}", step=self._step)
+        self.events.emit("abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step)
         self.events.close()
         logging.shutdown()
         os._exit(EXIT_CODE)
+
+    def _clean_board(self) -> None:
+        """The last rank of a node to stop removes the node's board."""
+        docs = [self.board.read(f"rank-{r}.json") for r in self.node_ranks]
+        if all(isinstance(d, dict) and d.get("stopped") for d in docs):
+            self.board.remove()

@@ -229,6 +229,15 @@ def _private_dir(path: str, what: str) -> str:
     return path
 
 
+def private_subdir(*parts: str) -> str:
+    """``<root>/<parts...>``, each level created 0700 and checked like the RAM tier's own
+    (the watchdog's node-local heartbeats live there too, coord/nodelocal.py)."""
+    path = _root()
+    for part in parts:
+        path = _private_dir(os.path.join(path, part), "directory")
+    return path
+
+
 def _root() -> str:
     root = os.path.abspath(ram_root())
     parent = os.path.dirname(root)

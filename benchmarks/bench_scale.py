@@ -1,0 +1,313 @@
+"""Coordination at scale: ftkit's real watchdog code for N simulated ranks against a real TCPStore.
+
+    .venv/bin/python benchmarks/bench_scale.py [--ranks 64 1024 16384] [--per-node 8] [--json out.jsonl]
+
+Each size runs in `--procs` worker processes. Every simulated node has a real
+node board (files in a private tmpfs directory) where its 7 other ranks write
+their heartbeats, and one real `Watchdog` for its leader (coord/watchdog.py,
+only `_join` replaced: it records a verdict instead of ending the process), whose
+store connection counts its requests. Rounds run on a simulated clock, one per
+0.5 s heartbeat interval, all workers in step (a barrier on an uncounted
+connection), so detection latencies are the protocol's own, whatever this
+machine's speed; the CPU each leader spends per round is measured for real, and
+so are the store requests, against the store's capacity for the same request
+mix measured in the same run (4 client processes, as fast as they can).
+
+Faults, one at a time, each healed (and the verdict key cleared) before the next:
+a dead rank (a real process on this host, SIGKILLed: its leader sees it gone), a
+dead aggregator (a node's leader falls silent, as a SIGSTOPped or lost one does:
+found after `dead_after_s`, 3 s), a hung rank (heartbeats go on, its step stops:
+found after its hang bound, 30 s); then `--quiet-s` of nothing. Any
+verdict that is not about the fault in its window counts as false.
+
+Prints a table and one JSON line per size. The baseline is the issue's own
+measurement of the previous design (every rank read every heartbeat: 3N^2
+requests per interval, 990% of this store's capacity at 256 ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+from common import rmtree
+
+INTERVAL = 0.5
+SETTLE = 2  # rounds after a fault heals before its verdict is cleared (its watchers see it back first)
+COUNTED = ("set", "get", "check", "multi_get", "add", "compare_set", "wait", "delete_key")
+
+
+class CountingStore:
+    """A c10d store that counts the requests made through it."""
+
+    def __init__(self, store: Any):
+        self._store, self.requests = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name not in COUNTED:
+            return attr
+
+        def call(*a: Any, **k: Any) -> Any:
+            self.requests += 1
+            return attr(*a, **k)
+
+        return call
+
+
+def capacity_worker(port: int, seconds: float, q: Any) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    name = f"cap/{os.getpid()}"
+    store.set(name, "x" * 600)
+    keys = [name] * 3
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:  # the leaders' mix: a set, then a multi_get
+        store.set(name, "x" * 600)
+        store.multi_get(keys)
+        n += 2
+    q.put(n)
+
+
+def measure_capacity(port: int, clients: int = 4, seconds: float = 2.0) -> float:
+    q: Any = mp.get_context("fork").Queue()
+    procs = [mp.get_context("fork").Process(target=capacity_worker, args=(port, seconds, q)) for _ in range(clients)]
+    for p in procs:
+        p.start()
+    total = sum(q.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return total / seconds
+
+
+def plan_faults(world: int, per: int, quiet_rounds: int) -> list[dict[str, Any]]:
+    """Three faults on nodes spread over the ring, each with a window long enough to be found."""
+    nodes = world // per
+    dead_node, agg_node, hung_node = nodes // 5, (2 * nodes) // 5, (3 * nodes) // 5
+    dead_after = 3.0
+    out, start = [], 10
+    for kind, rank, seconds in (
+        ("dead", dead_node * per + min(3, per - 1), 2 * dead_after),
+        ("aggregator", agg_node * per, 2 * dead_after),
+        ("hung", hung_node * per + min(5, per - 1), 34.0),  # the hang bound is its floor, 30 s
+    ):
+        out.append({"kind": kind, "rank": rank, "start": start, "heal": start + int(seconds / INTERVAL)})
+        start = out[-1]["heal"] + SETTLE + 1
+    out.append({"kind": "quiet", "rank": -1, "start": start, "heal": start + quiet_rounds})
+    return out
+
+
+def node_worker(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str, faults: list, q: Any) -> None:
+    try:
+        q.put(simulate_nodes(idx, procs, world, per, port, ram_dir, faults))
+    except BaseException:
+        import traceback
+
+        q.put({"error": traceback.format_exc()})
+
+
+def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str, faults: list) -> dict:
+    os.environ["FTKIT_RAM_DIR"] = ram_dir
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext, host_identity
+    from ftkit.coord.events import EventLog
+    from ftkit.coord.judge import Beat, WatchdogConfig
+    from ftkit.coord.watchdog import Watchdog
+
+    class SimLeader(Watchdog):
+        """A node leader whose verdicts are recorded, not acted on (the process must live on)."""
+
+        sim_now = 0.0
+
+        def _join(self, verdict):  # noqa: ANN001, ANN202
+            joined.append((self.sim_now, verdict.target, verdict.what, self.ctx.rank))
+
+    joined: list[tuple[float, int, str, int]] = []
+    # The rank that will be killed runs as a real process on this host (a sleeper).
+    pids = {f["rank"]: (f["pid"], host_identity()) for f in faults if f["kind"] == "dead"}
+    raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    prefix = f"scale{world}/"
+    store = CountingStore(dist.PrefixStore(prefix, raw.clone()))
+    names = [f"n{r // per}" for r in range(world)]
+    cfg = WatchdogConfig()
+    mine = list(range(idx, world // per, procs))
+    events = EventLog(None, 0)
+    t_build = time.perf_counter()
+    leaders = [SimLeader(DistContext(n * per, world, store, f"n{n}", 60.0, names, prefix), events, cfg) for n in mine]
+    build_s = time.perf_counter() - t_build
+    origin = time.monotonic()
+    for wd in leaders:  # the simulated clock starts where the judges' did
+        wd.rank_judge.started = wd.ring_judge.started = wd._started = origin
+    seq = {r: 0 for n in mine for r in range(n * per + 1, (n + 1) * per)}
+    step = dict(seq)
+    last_round = max(f["heal"] for f in faults) + 1
+    cpu: list[float] = []
+    per_round: list[int] = []
+    for k in range(last_round):
+        raw.add(f"{prefix}barrier/{k}", 1)  # uncounted: all workers in the same round
+        while int(raw.get(f"{prefix}barrier/{k}") if raw.check([f"{prefix}barrier/{k}"]) else 0) < procs:
+            time.sleep(0.001)
+        active = [f for f in faults if f["start"] <= k < f["heal"]]
+        if idx == 0 and any(f["heal"] + SETTLE == k for f in faults):
+            store._store.set("wd/verdict", "")  # the fault before is healed: clear its verdict (uncounted)
+        raw.add(f"{prefix}barrier2/{k}", 1)
+        while int(raw.get(f"{prefix}barrier2/{k}")) < procs:
+            time.sleep(0.001)
+        now = origin + k * INTERVAL
+        dead = {f["rank"] for f in active if f["kind"] in ("dead", "aggregator")}
+        hung = {f["rank"] for f in active if f["kind"] == "hung"}
+        before = store.requests
+        for wd in leaders:
+            for r in range(wd.ctx.rank + 1, wd.ctx.rank + per):
+                if r in dead:
+                    continue
+                seq[r] += 1
+                if r not in hung:
+                    step[r] += 5
+                pid, host = pids.get(r, (None, None))
+                wd.board.write_beat(r, Beat(seq[r], step[r], 0.05, 0.1, pid=pid, host_id=host))
+            if wd.ctx.rank in dead:
+                continue
+            if wd.ctx.rank not in hung:
+                wd._step = 5 * k
+            wd._busy.append(0.05)
+            wd._intervals.append(0.1)
+            wd._publish()
+            wd.sim_now = k * INTERVAL
+            c0 = time.thread_time()
+            wd._lead(now)
+            cpu.append(time.thread_time() - c0)
+        per_round.append(store.requests - before)
+        for f in faults:  # right after this round: the dead rank's process is killed; at heal, a new one
+            if f["kind"] == "dead" and f["rank"] in seq:
+                if f["start"] == k + 1:
+                    os.kill(f["pid"], signal.SIGKILL)
+                elif f["heal"] == k + 1:
+                    pids.pop(f["rank"], None)
+    return {"idx": idx, "joined": joined, "cpu": cpu, "per_round": per_round, "build_s": build_s, "nodes": len(mine)}
+
+
+def run_size(world: int, per: int, procs: int, port: int, capacity: float, quiet_s: float) -> dict[str, Any]:
+    ram_dir = tempfile.mkdtemp(prefix="ftkit-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.chmod(ram_dir, 0o700)
+    faults = plan_faults(world, per, int(quiet_s / INTERVAL))
+    sleeper = subprocess.Popen(["sleep", "3600"])  # the dead rank's process, killed at its fault
+    faults[0]["pid"] = sleeper.pid
+    ctx = mp.get_context("fork")
+    q: Any = ctx.Queue()
+    t0 = time.perf_counter()
+    ps = [ctx.Process(target=node_worker, args=(i, procs, world, per, port, ram_dir, faults, q)) for i in range(procs)]
+    for p in ps:
+        p.start()
+    outs = [q.get(timeout=1800) for _ in ps]
+    errors = [o["error"] for o in outs if "error" in o]
+    if errors:
+        raise RuntimeError(f"a simulation worker failed:\n{errors[0]}")
+    for p in ps:
+        p.join()
+    wall = time.perf_counter() - t0
+    sleeper.kill()
+    sleeper.wait()
+    rmtree(ram_dir)
+    joined = [j for o in outs for j in o["joined"]]
+    rounds = [sum(x) for x in zip(*(o["per_round"] for o in outs))]
+    steady = rounds[5:]  # after every watched node has been seen (the first rounds also check)
+    nodes = world // per
+    detect: dict[str, float | None] = {}
+    false = []
+    for t, target, what, by in joined:
+        window = [f for f in faults if f["start"] * INTERVAL <= t <= (f["heal"] + SETTLE) * INTERVAL]
+        fault = next((f for f in window if f["rank"] == target), None)
+        if fault is None:
+            false.append({"t": t, "target": target, "what": what, "by": by})
+    for f in faults[:3]:
+        hits = [t for t, target, _, _ in joined if target == f["rank"] and t >= f["start"] * INTERVAL]
+        # From the last sign of health (the round before the fault), so each is the worst case.
+        detect[f["kind"]] = (min(hits) - (f["start"] - 1) * INTERVAL) if hits else None
+    cpu = [c for o in outs for c in o["cpu"]]
+    req = statistics.median(steady)
+    return {
+        "ranks": world,
+        "nodes": nodes,
+        "store_requests_per_interval": req,
+        "store_requests_per_interval_per_node": req / nodes,
+        "store_capacity_rps": round(capacity),
+        "store_busy_fraction": req / INTERVAL / capacity,
+        "coord_cpu_ms_per_interval": statistics.median(cpu) * 1e3,
+        "coord_cpu_ms_per_interval_p99": sorted(cpu)[int(0.99 * (len(cpu) - 1))] * 1e3,
+        "detect_dead_s": detect["dead"],
+        "detect_aggregator_dead_s": detect["aggregator"],
+        "detect_hung_s": detect["hung"],
+        "hang_bound_s": 30.0,
+        "false_verdicts": len(false),
+        "false_examples": false[:3],
+        "quiet_s": quiet_s,
+        "rounds": len(rounds),
+        "wall_s": wall,
+        "commit_ms": None,  # issue 15, not yet built: the node-aggregated commit
+        "commit_store_requests_per_step": None,
+        "restore_plan_s": None,
+        "index_bytes_per_step": None,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 16384])
+    p.add_argument("--per-node", type=int, default=8)
+    p.add_argument("--procs", type=int, default=2, help="worker processes the nodes are spread over")
+    p.add_argument("--quiet-s", type=float, default=120.0, help="simulated seconds with no fault, at the end")
+    p.add_argument("--json", help="append one JSON line per size here")
+    a = p.parse_args()
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    capacity = measure_capacity(server.port)
+    print(f"store capacity, set + multi_get from 4 client processes: {capacity:,.0f} requests/s", flush=True)
+    rows = []
+    for world in a.ranks:
+        print(f"  .. {world} ranks ({world // a.per_node} nodes)", file=sys.stderr, flush=True)
+        row = run_size(world, a.per_node, a.procs, server.port, capacity, a.quiet_s)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print()
+    cols = ("ranks", "nodes", "req/interval", "busy", "cpu ms/node", "dead", "aggr", "hung", "false")
+    print(" ".join(f"{c:>12}" for c in cols))
+
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}s"
+
+    for r in rows:
+        cells = (
+            r["ranks"],
+            r["nodes"],
+            f"{r['store_requests_per_interval']:.0f}",
+            f"{r['store_busy_fraction']:.1%}",
+            f"{r['coord_cpu_ms_per_interval']:.2f}",
+            secs(r["detect_dead_s"]),
+            secs(r["detect_aggregator_dead_s"]),
+            secs(r["detect_hung_s"]),
+            r["false_verdicts"],
+        )
+        print(" ".join(f"{c:>12}" for c in cells))
+    print("previous design (every rank read every heartbeat): 3N^2 requests per interval, e.g. 196,096 at 256 ranks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

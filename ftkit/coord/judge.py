@@ -1,0 +1,324 @@
+"""Judging heartbeats, as pure functions of what one node's leader sees (coord/watchdog.py
+runs them; tests/test_judge.py drives them at 1,024 simulated ranks without processes).
+
+Two judges, so no party reads O(world) heartbeats:
+
+* :class:`RankJudge` – a node leader's judge of the ranks on its node, from their
+  local heartbeats: failed (its loop raised), dead (its process is gone, or its
+  heartbeat stopped for `dead_after_s`), hung (heartbeats move, its step does not,
+  for longer than `hang_factor` x the median step time, clamped to
+  [`hang_floor_s`, `hang_ceiling_s`]), straggler (its busy time per step stays
+  above `straggler_factor` x the median for `straggler_checks` checks). Medians
+  are taken over the node and the nodes it watches (a sample of 3 nodes' ranks),
+  not over the world. Every other rank of a node runs one over its leader alone
+  (the aggregator's death or hang is found by its own node, not only by its ring).
+* :class:`RingJudge` – a leader's judge of the `watch` nodes after its own on the
+  ring of nodes: each publishes one aggregated heartbeat; one that stops moving
+  for `dead_after_s` means its leader (the aggregator) is dead or its node is
+  lost, and the verdict names the leader.
+
+Time only counts while the judge can see (`freeze(gap)` after a store outage),
+a rank is judged only after its first heartbeat (or `startup_grace_s` of
+silence), and done ranks are never hung.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    interval_s: float = 0.5
+    dead_after_s: float = 3.0
+    hang_factor: float = 10.0
+    hang_floor_s: float = 30.0
+    hang_ceiling_s: float = 1800.0
+    straggler_factor: float = 2.0
+    straggler_min_excess_s: float = 0.05  # and at least a quarter of a step: noise is not a straggler
+    straggler_checks: int = 6
+    straggler_action: str = "log"  # or "abort"
+    flush_deadline_s: float = 10.0
+    startup_grace_s: float = 120.0  # a rank (or node) never seen for this long is dead
+    watch: int = 2  # nodes each node's leader watches on the ring
+
+
+def _num(v: Any, lo: float = 0.0, hi: float = 1e9) -> float | None:
+    """A finite number in [lo, hi] from untrusted JSON, else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        return None
+    return float(v)
+
+
+def _int(v: Any, lo: int = -1, hi: int = 2**62) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else None
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One rank's heartbeat, as its leader read it (decoded from untrusted JSON)."""
+
+    seq: int
+    step: int | None = None
+    busy: float | None = None  # median busy time per step (to the first gradient under DDP)
+    interval: float | None = None  # median step time
+    pid: int | None = None
+    host_id: str | None = None
+    done: bool = False
+    failed: bool = False
+    preempt: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
+
+    @staticmethod
+    def from_json(doc: Any) -> Beat | None:
+        """The beat, or None for anything malformed (a bad beat is no beat: silence)."""
+        if not isinstance(doc, dict):
+            return None
+        seq = _int(doc.get("seq"), 0)
+        if seq is None:
+            return None
+        host = doc.get("host_id")
+        return Beat(
+            seq,
+            _int(doc.get("step"), -1),
+            _num(doc.get("busy")),
+            _num(doc.get("interval")),
+            _int(doc.get("pid"), 1, 2**31),
+            host if isinstance(host, str) and len(host) <= 512 else None,
+            doc.get("done") is True,
+            doc.get("failed") is True,
+            doc.get("preempt") is True,
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: int  # the rank judged
+    what: str  # failed, dead, hung, straggler
+    latency_s: float  # how long it had been so when judged
+    why: str
+    by: int = -1  # the rank that judged
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @staticmethod
+    def from_json(doc: Any) -> Verdict | None:
+        if not isinstance(doc, dict) or doc.get("what") not in ("failed", "dead", "hung", "straggler"):
+            return None
+        target, by, latency = _int(doc.get("target"), 0), _int(doc.get("by"), -1), _num(doc.get("latency_s"))
+        why = doc.get("why")
+        if target is None or by is None or latency is None or not isinstance(why, str):
+            return None
+        return Verdict(target, doc["what"], latency, why[:300], by)
+
+
+@dataclass
+class _Clock:
+    seq: int = -1
+    step: int = -1
+    changed: float = 0.0  # when the heartbeat counter last moved
+    step_changed: float = 0.0
+    slow_checks: int = 0
+    flagged: bool = False  # reported as a straggler (until it recovers)
+    beat: Beat | None = None
+
+    def see(self, beat: Beat | None, now: float) -> None:
+        if beat is None or beat.seq == self.seq:
+            return
+        first = self.seq < 0
+        self.seq, self.changed, self.beat = beat.seq, now, beat
+        step = beat.step if beat.step is not None else -1
+        if first or step != self.step:
+            self.step, self.step_changed = step, now
+
+
+@dataclass
+class Judgement:
+    verdicts: list[Verdict] = field(default_factory=list)
+    stragglers: list[tuple[int, float, float]] = field(default_factory=list)  # (rank, busy, median busy)
+
+
+class RankJudge:
+    """A node leader's judge of its node's ranks (module docstring); `me`, the leader, only
+    as a straggler (its death or hang is its node's and its ring watchers' to see)."""
+
+    def __init__(self, me: int, ranks: Iterable[int], cfg: WatchdogConfig, now: float):
+        self.me, self.cfg, self.started = me, cfg, now
+        self.clocks = {r: _Clock() for r in ranks}  # `me` only for the straggler check
+
+    def freeze(self, gap: float) -> None:
+        """Nothing could be seen for `gap` seconds: nobody's clock ran."""
+        for c in self.clocks.values():
+            c.changed += gap
+            c.step_changed += gap
+
+    def hang_bound(self, intervals: list[float]) -> float:
+        cfg = self.cfg
+        median_step = statistics.median(intervals) if intervals else 0.0
+        return min(max(cfg.hang_factor * median_step, cfg.hang_floor_s), cfg.hang_ceiling_s)
+
+    def observe(
+        self,
+        now: float,
+        beats: Mapping[int, Beat | None],
+        sample: Iterable[Beat],
+        gone: Callable[[Beat], bool],
+        finished: bool = False,
+    ) -> Judgement:
+        """Judge the node's ranks from their `beats` (None: none readable). `sample`: the beats
+        the medians are taken over (this node's and its watched nodes'); `gone(beat)`:
+        whether that rank's process has exited (only answerable on its host);
+        `finished`: this rank is done (hung and straggler verdicts stop)."""
+        cfg, out = self.cfg, Judgement()
+        sample = list(sample)
+        intervals = [b.interval for b in sample if b.interval]
+        median_step = statistics.median(intervals) if intervals else None
+        bound = self.hang_bound(intervals)
+        busies = [b.busy for b in sample if b.busy]
+        median_busy = statistics.median(busies) if len(busies) >= 2 else None
+        for r, clock in self.clocks.items():
+            beat = beats.get(r)
+            clock.see(beat, now)
+            seen = clock.beat
+            if r == self.me:  # a leader cannot see itself die or hang, but can see itself lag
+                if seen is not None and not seen.done:
+                    self._check_straggler(r, clock, seen, finished, median_busy, median_step, out)
+                continue
+            if seen is not None and seen.done:
+                if seen.failed:
+                    out.verdicts.append(Verdict(r, "failed", 0.0, "its training loop raised", self.me))
+                continue
+            if clock.seq < 0:
+                if now - self.started > cfg.startup_grace_s:
+                    out.verdicts.append(Verdict(r, "dead", now - self.started, "never sent a heartbeat", self.me))
+                continue
+            assert seen is not None
+            if gone(seen):
+                out.verdicts.append(Verdict(r, "dead", now - clock.changed, "its process is gone", self.me))
+            elif now - clock.changed > cfg.dead_after_s:
+                silent = now - clock.changed
+                out.verdicts.append(Verdict(r, "dead", silent, f"no heartbeat for {silent:.1f}s", self.me))
+            elif clock.step >= 0 and now - clock.step_changed > bound and not finished:
+                still = now - clock.step_changed
+                why = f"no step progress for {still:.1f}s (bound {bound:.0f}s)"
+                out.verdicts.append(Verdict(r, "hung", still, why, self.me))
+            self._check_straggler(r, clock, seen, finished, median_busy, median_step, out)
+        return out
+
+    def _check_straggler(self, r, clock, seen, finished, median_busy, median_step, out: Judgement) -> None:
+        cfg, busy = self.cfg, seen.busy
+        min_excess = max(cfg.straggler_min_excess_s, 0.25 * (median_step or 0))
+        if (
+            not finished
+            and median_busy
+            and busy
+            and busy > cfg.straggler_factor * median_busy
+            and busy - median_busy > min_excess
+        ):
+            clock.slow_checks += 1
+            if clock.slow_checks >= cfg.straggler_checks and not clock.flagged:
+                clock.flagged = True
+                out.stragglers.append((r, busy, median_busy))
+        else:
+            clock.slow_checks, clock.flagged = 0, False
+
+
+@dataclass(frozen=True)
+class NodeBeat:
+    """One node's aggregated heartbeat, published by its leader: one store key per node."""
+
+    seq: int
+    leader: int
+    ranks: dict[int, Beat]  # its ranks' latest beats (what medians and the finish need)
+    done: bool = False  # every rank of the node has finished
+
+    def to_json(self) -> dict[str, Any]:
+        ranks = {str(r): b.to_json() for r, b in self.ranks.items()}
+        return {"seq": self.seq, "leader": self.leader, "ranks": ranks, "done": self.done}
+
+    @staticmethod
+    def from_json(doc: Any, max_ranks: int = 4096) -> NodeBeat | None:
+        if not isinstance(doc, dict) or not isinstance(doc.get("ranks"), dict) or len(doc["ranks"]) > max_ranks:
+            return None
+        seq, leader = _int(doc.get("seq"), 0), _int(doc.get("leader"), 0)
+        if seq is None or leader is None:
+            return None
+        ranks = {}
+        for k, v in doc["ranks"].items():
+            beat = Beat.from_json(v)
+            if beat is not None and k.isdigit():
+                ranks[int(k)] = beat
+        return NodeBeat(seq, leader, ranks, doc.get("done") is True)
+
+
+class RingJudge:
+    """A leader's judge of the nodes it watches on the ring (module docstring)."""
+
+    def __init__(self, me: int, leaders: Mapping[int, int], cfg: WatchdogConfig, now: float):
+        """`leaders`: watched node index -> that node's leader rank."""
+        self.me, self.cfg, self.started = me, cfg, now
+        self.leaders = dict(leaders)
+        self.clocks = {n: _Clock() for n in leaders}
+        self.latest: dict[int, NodeBeat] = {}
+
+    def freeze(self, gap: float) -> None:
+        for c in self.clocks.values():
+            c.changed += gap
+
+    def observe(self, now: float, nodes: Mapping[int, NodeBeat | None]) -> list[Verdict]:
+        out = []
+        for n, clock in self.clocks.items():
+            nb = nodes.get(n)
+            if nb is not None:
+                self.latest[n] = nb
+                if nb.seq != clock.seq:
+                    clock.seq, clock.changed = nb.seq, now
+            latest = self.latest.get(n)
+            if latest is not None and latest.done:
+                continue
+            leader = self.leaders[n]
+            if clock.seq < 0:
+                if now - self.started > self.cfg.startup_grace_s:
+                    why = f"node {n} never published a heartbeat"
+                    out.append(Verdict(leader, "dead", now - self.started, why, self.me))
+                continue
+            if now - clock.changed > self.cfg.dead_after_s:
+                silent = now - clock.changed
+                why = (
+                    f"node {n}'s heartbeat stopped for {silent:.1f}s (its leader, the aggregator, or the node is lost)"
+                )
+                out.append(Verdict(leader, "dead", silent, why, self.me))
+        return out
+
+    def sample(self) -> list[Beat]:
+        """The watched nodes' ranks' latest beats (for the medians)."""
+        return [b for nb in self.latest.values() for b in nb.ranks.values()]
+
+
+def ring(nodes: list[str], watch: int = 2) -> tuple[list[str], Callable[[str], list[int]]]:
+    """The nodes in ring order (first appearance by rank) and, per node, the indexes of
+    the `watch` nodes after it (fewer when there are fewer other nodes)."""
+    order = list(dict.fromkeys(nodes))
+    count = len(order)
+
+    def watched(node: str) -> list[int]:
+        i = order.index(node)
+        return [(i + j) % count for j in range(1, min(watch, count - 1) + 1)]
+
+    return order, watched
+
+
+def decode_json(raw: bytes) -> Any:
+    """A store value as JSON, or None (empty, or not JSON: untrusted input is silence)."""
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None

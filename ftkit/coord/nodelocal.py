@@ -1,0 +1,108 @@
+"""A node's heartbeat board: the ranks of one node tell their leader (and hear from it)
+through small files in the node's private shared memory, never through the global store.
+
+Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link followed)::
+
+    hb/<job>/<attempt>-<scope>/<node>/
+        rank-<r>.json     each rank's latest heartbeat (written whole: a temp file, then rename)
+        verdict.json      the verdict the group ends on (relayed by the leader from the store)
+        preempt.json      a rank was preempted: every rank saves and stops at an agreed step
+        all-done.json     every rank of every node has finished
+
+`<job>` names the running job (the store's address and torchrun's run id), so two jobs
+on one host never share a board. A leader removes its node's board when it stops and
+the boards of the job's earlier attempts when it starts (a crashed attempt leaves one).
+What is read here is untrusted: reads are size-capped, never follow a link, and decode
+through judge.py, where anything malformed is silence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+from ftkit.coord.judge import Beat
+from ftkit.tiers.ram import private_subdir
+
+MAX_BYTES = 64 * 1024  # a beat is ~200 bytes; a verdict a few hundred
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64] or "_"
+
+
+def job_names(scope: str) -> tuple[str, str]:
+    """(job, attempt directory) for this process, from torchrun's environment and `scope`
+    (the store namespace of the Checkpointer, which every rank shares)."""
+    env = os.environ
+    job = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return (
+        hashlib.sha256(job.encode()).hexdigest()[:16],
+        f"{_safe(attempt)}-{hashlib.sha256(scope.encode()).hexdigest()[:12]}",
+    )
+
+
+class NodeBoard:
+    def __init__(self, scope: str, node: str, leader: bool):
+        job, attempt = job_names(scope)
+        if leader:
+            _prune_earlier_attempts(private_subdir("hb", job), attempt)
+        self.path = private_subdir("hb", job, attempt, _safe(node))
+
+    # ------------------------------------------------------------- files
+    def write(self, name: str, doc: Any) -> None:
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(self.path, name))
+
+    def read(self, name: str) -> Any:
+        """The JSON document `name`, or None (missing, a link, too big, not JSON)."""
+        try:
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            data = os.read(fd, MAX_BYTES + 1)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if len(data) > MAX_BYTES:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            return None
+
+    def write_beat(self, rank: int, beat: Beat) -> None:
+        self.write(f"rank-{rank}.json", beat.to_json())
+
+    def read_beats(self, ranks: list[int]) -> dict[int, Beat | None]:
+        return {r: Beat.from_json(self.read(f"rank-{r}.json")) for r in ranks}
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            if not os.path.islink(self.path):
+                shutil.rmtree(self.path)
+
+
+def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:
+    """Remove the boards of this job's earlier attempts (a crashed attempt leaves its files)."""
+    mine = attempt.split("-", 1)[0]
+    with contextlib.suppress(OSError):
+        for name in os.listdir(job_dir):
+            n = name.split("-", 1)[0]
+            path = os.path.join(job_dir, name)
+            if n.isdigit() and mine.isdigit() and int(n) < int(mine) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
