@@ -1,0 +1,30 @@
+"""Coordination at 1,024 ranks: the real watchdog code of 128 simulated node leaders
+against a real TCPStore (benchmarks/bench_scale.py, a small size), asserting what
+must not grow with the world size and that every injected fault is found."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.mark.timeout(300)
+def test_the_watchdog_at_1024_ranks_costs_two_store_requests_per_node_and_finds_every_fault():
+    import torch.distributed as dist
+    from bench_scale import run_size
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    row = run_size(1024, 8, 2, server.port, capacity=1.0, quiet_s=10.0)
+    assert row["nodes"] == 128
+    assert row["store_requests_per_interval"] == 2 * 128  # a set and a multi_get per node; nothing per rank
+    assert row["false_verdicts"] == 0, row["false_examples"]
+    assert row["detect_dead_s"] <= 0.5  # a killed process: its leader sees it gone within an interval
+    # A silent leader: dead_after_s after its watchers last saw its key move (up to an interval
+    # after it was written, as the watchers read in their own rounds).
+    assert 3.0 < row["detect_aggregator_dead_s"] <= 4.0
+    assert 30.0 < row["detect_hung_s"] <= 31.0  # the hang bound (its 30 s floor), within a second
