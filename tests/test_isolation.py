@@ -441,7 +441,7 @@ def test_redact_url(url, shown):
 
 # ==================================================== 18: same host, by more than its name
 WATCHDOG = """
-import sys, time
+import os, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 from ftkit.coord.dist import DistContext, host_identity
@@ -457,7 +457,8 @@ host_id = {"same": host_identity(), "other-boot": f"{host}/{boot[::-1]}/{ns}",
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 ctx = DistContext(rank=0, world_size=2, store=store)
 # Rank 1 (on this node) wrote one heartbeat: its pid the sleeper's, its host as given; then silence.
-NodeBoard(ctx.scope + "wd", ctx.node, leader=False).write_beat(1, Beat(1, pid=pid, host_id=host_id))
+store.set("wd/board", str(os.getpid()))  # this run's board instance, as the ranks agree on one
+NodeBoard(ctx.scope + "wd", ctx.node, False, str(os.getpid())).write_beat(1, Beat(1, pid=pid, host_id=host_id))
 wd = Watchdog(ctx, EventLog(sys.argv[3], 0), WatchdogConfig(interval_s=0.1, dead_after_s=1.0))
 wd.start()
 time.sleep(30)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -173,6 +174,28 @@ class DistContext:
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         self._wait(keys, timeout_s)
         return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def gather_to_root(self, key: str, value: Any, ranks: Sequence[int], timeout_s: float | None = None) -> Any:
+        """`value` of each of `ranks` ({rank: value}) on rank 0 only; None elsewhere. Every
+        rank calls it; only `ranks` send (rank 0's own value needs no message): O(len(ranks))
+        messages, where `gather` costs O(world) on every rank."""
+        if self.rank != 0:
+            if self.rank in ranks:
+                self.put(f"{key}/{self.rank}", value)
+            return None
+        others = [r for r in ranks if r != 0]
+        keys = [f"{key}/{r}" for r in others]
+        if keys:
+            self._wait(keys, timeout_s)
+        got = dict(zip(others, (json.loads(v) for v in self.store.multi_get(keys)))) if keys else {}
+        return {**got, **({0: value} if 0 in ranks else {})}
+
+    def leaders(self) -> list[int]:
+        """The lowest rank of each node, in node order of first appearance."""
+        first: dict[str, int] = {}
+        for r, n in enumerate(self.nodes):
+            first.setdefault(n, r)
+        return list(first.values())
 
     def gather_text(self, key: str, text: str, timeout_s: float | None = None) -> list[str]:
         """gather() for values the caller encodes itself (and may decode only in part)."""

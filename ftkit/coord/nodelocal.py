@@ -36,21 +36,21 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64] or "_"
 
 
-def job_names(scope: str) -> tuple[str, str]:
-    """(job, attempt directory) for this process, from torchrun's environment and `scope`
-    (the store namespace of the Checkpointer, which every rank shares)."""
+def job_names(scope: str, instance: str) -> tuple[str, str]:
+    """(job, attempt directory) for this process, from torchrun's environment, `scope`
+    (the store namespace of the Checkpointer, which every rank shares) and `instance`
+    (a nonce the ranks agreed on through the store: a rerun of the same job at the same
+    address never reads the board, and a stale verdict, of the run before it)."""
     env = os.environ
     job = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return (
-        hashlib.sha256(job.encode()).hexdigest()[:16],
-        f"{_safe(attempt)}-{hashlib.sha256(scope.encode()).hexdigest()[:12]}",
-    )
+    scope_hash = hashlib.sha256(scope.encode()).hexdigest()[:12]
+    return hashlib.sha256(job.encode()).hexdigest()[:16], f"{_safe(attempt)}-{scope_hash}-{_safe(instance)}"
 
 
 class NodeBoard:
-    def __init__(self, scope: str, node: str, leader: bool):
-        job, attempt = job_names(scope)
+    def __init__(self, scope: str, node: str, leader: bool, instance: str = "0"):
+        job, attempt = job_names(scope, instance)
         if leader:
             _prune_earlier_attempts(private_subdir("hb", job), attempt)
         self.path = private_subdir("hb", job, attempt, _safe(node))
@@ -91,6 +91,12 @@ class NodeBoard:
     def read_beats(self, ranks: list[int]) -> dict[int, Beat | None]:
         return {r: Beat.from_json(self.read(f"rank-{r}.json")) for r in ranks}
 
+    def remove_when_all_stopped(self, ranks: list[int]) -> None:
+        """Remove the board once every rank of the node has written its last ("stopped") beat."""
+        docs = [self.read(f"rank-{r}.json") for r in ranks]
+        if all(isinstance(d, dict) and d.get("stopped") for d in docs):
+            self.remove()
+
     def remove(self) -> None:
         with contextlib.suppress(OSError):
             if not os.path.islink(self.path):
@@ -98,11 +104,14 @@ class NodeBoard:
 
 
 def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:
-    """Remove the boards of this job's earlier attempts (a crashed attempt leaves its files)."""
-    mine = attempt.split("-", 1)[0]
+    """Remove the boards of this job's earlier attempts, and of earlier runs of this attempt
+    and scope at the same address (a crashed attempt, an ended run, leave their files)."""
+    mine, scope, _ = (attempt.split("-") + ["", ""])[:3]
     with contextlib.suppress(OSError):
         for name in os.listdir(job_dir):
-            n = name.split("-", 1)[0]
+            n, s, _ = (name.split("-") + ["", ""])[:3]
             path = os.path.join(job_dir, name)
-            if n.isdigit() and mine.isdigit() and int(n) < int(mine) and not os.path.islink(path):
+            older = n.isdigit() and mine.isdigit() and int(n) < int(mine)
+            rerun = n == mine and s == scope and name != attempt
+            if (older or rerun) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)

@@ -46,6 +46,7 @@ import signal
 import statistics
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -57,7 +58,6 @@ from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, Wat
 from ftkit.coord.nodelocal import NodeBoard
 
 log = logging.getLogger("ftkit")
-
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
 VERDICT, PREEMPT, DONE = "wd/verdict", "wd/preempt", "wd/done"
 
@@ -106,7 +106,8 @@ class Watchdog:
         self.node_ranks = [r for r, n in enumerate(ctx.nodes) if n == ctx.node]
         self.leader_rank = self.node_ranks[0]
         self.leader = ctx.rank == self.leader_rank
-        self.board = NodeBoard(ctx.scope + "wd", ctx.node, self.leader)
+        instance = ctx.store.compare_set("wd/board", "", uuid.uuid4().hex).decode()  # first rank's nonce
+        self.board = NodeBoard(ctx.scope + "wd", ctx.node, self.leader, instance)
         self.leader_judge = RankJudge(ctx.rank, [self.leader_rank], cfg, now)  # (non-leaders: their leader)
         self._local_beats: dict[int, Beat | None] = {}
         if self.leader:
@@ -180,15 +181,27 @@ class Watchdog:
             )
         if failed:
             with contextlib.suppress(Exception):
-                self._post(Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank))
+                standing = self._post(Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank))
+                self.board.write("verdict.json", standing.to_json())
         if self.leader and not failed:
             with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
                 self.ctx.put(f"wd/node/{self.node_index}", self._node_beat(done=True).to_json())
-        self._clean_board()
+        self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
 
     # ---------------------------------------------------------- the thread
     def _run(self) -> None:
-        while not self._stop.wait(self.cfg.interval_s):
+        due = time.monotonic()
+        while True:
+            due += self.cfg.interval_s
+            # The node's verdict file every 50 ms (a local read): every rank of the node ends
+            # at once, before torchrun's teardown reaches it.
+            while (left := due - time.monotonic()) > 0:
+                if self._stop.wait(min(left, 0.05)):
+                    return
+                verdict = Verdict.from_json(self.board.read("verdict.json"))
+                if verdict is not None:
+                    self._join(verdict)
+            due = max(due, time.monotonic() - self.cfg.interval_s)  # no burst of rounds after a pause
             self._publish()
             try:
                 if self.leader:
@@ -296,10 +309,7 @@ class Watchdog:
             self._abort(v)
 
     def _follow(self, now: float) -> None:
-        self._caught_up(now, self.leader_judge)
-        verdict = Verdict.from_json(self.board.read("verdict.json"))
-        if verdict is not None:
-            self._join(verdict)
+        self._caught_up(now, self.leader_judge)  # (the relayed verdict: _run reads it every 50 ms)
         preempt = self.board.read("preempt.json")
         if isinstance(preempt, dict) and isinstance(preempt.get("rank"), int) and not self._heard_preempt:
             self._hear_preempt(preempt["rank"])
@@ -352,9 +362,8 @@ class Watchdog:
 
     def _join(self, verdict: Verdict) -> None:
         """End this rank on `verdict`: relay it to the node, kill a local target, exit."""
-        if self.leader:
-            with contextlib.suppress(Exception):
-                self.board.write("verdict.json", verdict.to_json())
+        with contextlib.suppress(Exception):  # the node's other ranks see it within 50 ms
+            self.board.write("verdict.json", verdict.to_json())
         log.error(
             "ftkit watchdog (rank %d): rank %d is %s: %s%s; ending this worker so torchrun restarts the group",
             self.ctx.rank,
@@ -389,9 +398,3 @@ class Watchdog:
         self.events.close()
         logging.shutdown()
         os._exit(EXIT_CODE)
-
-    def _clean_board(self) -> None:
-        """The last rank of a node to stop removes the node's board."""
-        docs = [self.board.read(f"rank-{r}.json") for r in self.node_ranks]
-        if all(isinstance(d, dict) and d.get("stopped") for d in docs):
-            self.board.remove()

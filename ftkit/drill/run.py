@@ -94,7 +94,7 @@ def _check_schedule(faults: list[Fault], tiers: TierPlan | None) -> None:
         if f.kind in OBJECT_STORE_KINDS and tiers.durable != "s3":
             raise ValueError(f"{f.label()}: an S3 outage needs the drill's own S3 server (--tiers ...,s3)")
         if f.during == "replicate" and not tiers.replicas:
-            raise ValueError(f"{f.label()}: no replication without the peer tier")
+            raise ValueError(f"{f.label()}: no replication without RAM-tier replicas (peer)")
 
 
 def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) -> list[str]:

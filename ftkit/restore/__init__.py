@@ -4,7 +4,8 @@ Order of calls (every rank runs `restore` together; the pure planning is
 restore/plan.py, what the tiers hold restore/inventory.py, reading a candidate
 restore/read.py)::
 
-    inventory   each rank lists its node's RAM tier: committed steps, files held
+    inventory   each rank lists its node's RAM tier: committed steps, files held;
+                the node leaders send theirs to rank 0 (one per node)
     candidates  rank 0 merges the inventories and lists the shared tiers, then
                 publishes (step, source) pairs: newest step first; for a step,
                 RAM first (when its files are all on some node), then shared
@@ -77,11 +78,16 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     ctx = rc.dist
     t_start = time.perf_counter()
     inventory, manifests = ram_inventory(rc)
-    inventories = ctx.gather(f"{key}/inv", inventory)
+    # The ranks of a node see one directory: its leader's view stands for all (O(nodes) messages).
+    by_leader = ctx.gather_to_root(f"{key}/inv", inventory, ctx.leaders()) if rc.ram is not None else None
     listing = None
     listings: list[tuple[int, list[int]]] = []
     if ctx.rank == 0:
-        ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch) if rc.ram is not None else {}
+        ram = {}
+        if rc.ram is not None and by_leader is not None:
+            leader_of = {ctx.nodes[r]: r for r in by_leader}
+            inventories = [by_leader[leader_of[n]] for n in ctx.nodes]
+            ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch)
         listings, unreachable = shared_listings(rc)
         listing = {
             "candidates": [c.to_json() for c in order_candidates(step, ram, listings)],
