@@ -140,7 +140,6 @@ class Checkpointer:
         opened = open_tiers(self.tiers, self._ctx, run_id, peer_timeout_s)
         self.ram_identity = opened.ram_identity
         self._backends, self._keys = opened.backends, opened.keys
-        self._ram = opened.ram
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None

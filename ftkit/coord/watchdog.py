@@ -111,12 +111,10 @@ class Watchdog:
         self.leader_judge = RankJudge(ctx.rank, [self.leader_rank], cfg, now)  # (non-leaders: their leader)
         self._local_beats: dict[int, Beat | None] = {}
         if self.leader:
-            first: dict[str, int] = {}  # each node's lowest rank (one pass: O(world), not O(nodes x world))
-            for r, name in enumerate(ctx.nodes):
-                first.setdefault(name, r)
+            first = ctx.leaders()  # each node's lowest rank, in ring order (one pass over the ranks)
             self.watched = watched(ctx.node)
             self.rank_judge = RankJudge(ctx.rank, self.node_ranks, cfg, now)
-            self.ring_judge = RingJudge(ctx.rank, {n: first[order[n]] for n in self.watched}, cfg, now)
+            self.ring_judge = RingJudge(ctx.rank, {n: first[n] for n in self.watched}, cfg, now)
             self._ring_seen = not self.watched
             self._counted_done = False
             # A store that hangs must not hold the leader past the dead bound: its node's

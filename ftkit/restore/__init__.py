@@ -53,7 +53,6 @@ from ftkit.restore.inventory import ram_inventory, shared_listings
 from ftkit.restore.plan import Candidate, order_candidates, ram_candidates
 from ftkit.restore.read import read_ram_candidate, read_shared_candidate
 from ftkit.save import capture as cap
-from ftkit.tiers.lifecycle import RETIRED_MANIFEST
 
 __all__ = ["RestoreContext", "Superseded", "restore", "retire_superseded"]
 
@@ -221,7 +220,7 @@ def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> d
                 step,
                 committed,
                 backend.display_url,
-                backend.superseded_verb + ("" if backend.node_local else f" (renamed to {RETIRED_MANIFEST})"),
+                backend.superseded_verb,
                 step,
             )
     if ctx.distributed:

@@ -143,7 +143,7 @@ class PersistPipeline:
                     committed.stored_bytes / 1e6,
                     time.perf_counter() - t0,
                 )
-            if committed is not None or backend.owns(self.ctx):  # the committer, or a node's leader
+            if backend.owns(self.ctx):  # rank 0 (it committed), or each node's leader on the RAM tier
                 for step in backend.apply_retention(protect=job.step):
                     log.debug("retention removed step %d from %s", step, backend.display_url)
         except AlreadyCommitted:

@@ -33,7 +33,7 @@ from ftkit.format.reader import scan
 from ftkit.save.commit import Committed, persist
 from ftkit.save.keys import KeyLedger
 from ftkit.save.node_commit import persist_node_local
-from ftkit.tiers.lifecycle import delete_step, retire_step
+from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
 from ftkit.tiers.retention import apply_job_retention
 
 if TYPE_CHECKING:
@@ -73,6 +73,11 @@ class TierBackend(ABC):
     def supersede(self, step: int) -> None:
         """Take a step newer than a restored one out of the timeline (restore/__init__.py)."""
 
+    def _commit_args(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> dict[str, Any]:
+        """What both commit protocols take from a persist job, beside the storage and the slot."""
+        at = (job.epoch, job.step)
+        return dict(compress=self.tier.compress, pieces=job.pieces, rng=job.rng, ctx=ctx, key=key, ledger=ledger, at=at)
+
     def persist_details(self) -> dict[str, Any]:
         """What the last persist() of this rank did besides writing, for its "persist" event."""
         return {}
@@ -102,7 +107,7 @@ class TierBackend(ABC):
 
 class SharedTier(TierBackend):
     node_local = False
-    superseded_verb = "retired"
+    superseded_verb = f"retired (renamed to {RETIRED_MANIFEST})"
 
     def owns(self, ctx: DistContext) -> bool:
         return ctx.rank == 0
@@ -111,19 +116,7 @@ class SharedTier(TierBackend):
         return KeyLedger.shared(ctx.world_size)
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
-        return persist(
-            self.storage,
-            job.step,
-            job.slot,
-            job.skeleton,
-            compress=self.tier.compress,
-            pieces=job.pieces,
-            rng=job.rng,
-            ctx=ctx,
-            key=key,
-            ledger=ledger,
-            at=(job.epoch, job.step),
-        )
+        return persist(self.storage, job.step, job.slot, job.skeleton, **self._commit_args(job, ctx, key, ledger))
 
     def supersede(self, step: int) -> None:
         retire_step(self.storage, step)  # the manifest renamed aside; the bytes stay until retention
@@ -152,20 +145,9 @@ class NodeRamTier(TierBackend):
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         if self.peers is not None:
             self.peers.last_run = None
+        args = self._commit_args(job, ctx, key, ledger)
         return persist_node_local(
-            self.storage,
-            job.step,
-            job.slot,
-            job.skeleton,
-            compress=self.tier.compress,
-            pieces=job.pieces,
-            rng=job.rng,
-            ctx=ctx,
-            key=key,
-            peers=self.peers,
-            replicas=self.replicas,
-            ledger=ledger,
-            at=(job.epoch, job.step),
+            self.storage, job.step, job.slot, job.skeleton, peers=self.peers, replicas=self.replicas, **args
         )
 
     def persist_details(self) -> dict[str, Any]:

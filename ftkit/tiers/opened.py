@@ -24,10 +24,6 @@ class OpenedTiers:
     ram_identity: RunIdentity | None  # the run the RAM tier belongs to (tiers/ram.py)
     keys: dict[int, KeyLedger]  # per tier: the store keys its commits left, for a later one to delete
 
-    @property
-    def ram(self) -> NodeRamTier | None:
-        return next((b for b in self.backends if isinstance(b, NodeRamTier)), None)
-
 
 def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer_timeout_s: float) -> OpenedTiers:
     """Open every tier (a bad URL or a missing backend fails here, at start).
