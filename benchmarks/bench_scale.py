@@ -199,6 +199,142 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
     return {"idx": idx, "joined": joined, "cpu": cpu, "per_round": per_round, "build_s": build_s, "nodes": len(mine)}
 
 
+# ------------------------------------------------------------------ commits
+COMMIT_STEPS = 3
+
+
+def commit_worker(idx: int, procs: int, world: int, per: int, port: int, dirs: tuple[str, str], q: Any) -> None:
+    try:
+        q.put(simulate_commits(idx, procs, world, per, port, *dirs))
+    except BaseException:
+        import traceback
+
+        q.put({"error": traceback.format_exc()})
+
+
+def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str, root: str) -> dict:
+    """This worker's nodes commit COMMIT_STEPS steps to a shared tier with the real protocol
+    (save/commit.py): every rank's report is posted to its node's real board, each leader
+    runs `node_share` (collect, write its part) and sets its record, rank 0 (worker 0's
+    first node) runs `commit_step`. A rank's data file is 64 real bytes of one tensor."""
+    os.environ["FTKIT_RAM_DIR"] = ram_dir
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext
+    from ftkit.coord.nodelocal import NodeBoard
+    from ftkit.format import codec
+    from ftkit.format.manifest import step_dir_name
+    from ftkit.save.commit import NodeGroup, _report_name, commit_step, node_share
+    from ftkit.tiers.storage import Storage
+
+    raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    prefix = f"commit{world}/"
+    store = CountingStore(dist.PrefixStore(prefix, raw.clone()))
+    storage = Storage(root)
+    nodes = world // per
+    names = [f"n{r // per}" for r in range(world)]
+    members = {n * per: tuple(range(n * per, (n + 1) * per)) for n in range(nodes)}
+    mine = list(range(idx, nodes, procs))
+    groups, ctxs = {}, {}
+    for n in mine:
+        leader = n * per
+        ctxs[n] = DistContext(leader, world, store, f"n{n}", 120.0, names, prefix)
+        board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
+        groups[n] = NodeGroup(board, members[leader], members)
+    skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
+    payload = bytes(range(64))
+    checksum = codec.checksum(payload)
+    out: dict[str, Any] = {"sets": [], "leader_cpu": [], "requests": [], "commit": []}
+    for step in range(1, COMMIT_STEPS + 1):
+        at, key = (0, step), f"commit/0/0/{step}"
+        step_dir = step_dir_name(step)
+        reports = {}
+        for n in mine:  # what the ranks did before: their data files, their reports on the board
+            for r in members[n * per]:
+                file = f"rank-{r:05d}-bench{step:03d}.data"
+                with open(os.path.join(root, step_dir, file), "wb") as f:
+                    f.write(payload)
+                chunk = {"file": file, "offset": 0, "length": 64, "raw_offset": 0, "raw_length": 64}
+                chunk.update(codec="raw", checksum=checksum)
+                shard = {"offsets": [16 * r], "lengths": [16], "rank": r, "chunks": [chunk]}
+                tensor = {"name": "w", "dtype": "float32", "shape": [16 * world], "kind": "sharded"}
+                write = {"rank": r, "file": file, "nbytes": 64, "tensors": [{**tensor, "shards": [shard]}]}
+                doc = {"write": write, "error": None, "rng": None}
+                if r == n * per:
+                    reports[n] = doc
+                else:
+                    groups[n].board.write(_report_name(at, r), doc)
+        _barrier(raw, f"{prefix}b{step}", procs)
+        before = store.requests
+        root_record = None
+        for n in mine:
+            c0 = time.thread_time()
+            record = node_share(storage, step, reports[n], groups[n], ctxs[n], at)
+            if n == 0:
+                root_record = record
+            else:
+                ctxs[n].put(f"{key}/n/{n * per}", record)
+                out["sets"].append(time.time())
+            out["leader_cpu"].append(time.thread_time() - c0)
+        if root_record is not None:
+            c0, w0 = time.thread_time(), time.time()
+            committed = commit_step(storage, step, root_record, groups[0], ctxs[0], key, skeleton)
+            # Committed when the index was written (the records' deletion follows it).
+            index_written = os.stat(os.path.join(root, step_dir, "manifest.json")).st_mtime
+            done = {"done": index_written, "started": w0, "cpu": time.thread_time() - c0}
+            out["commit"].append({**done, "index_bytes": len(committed.manifest_json)})
+        _barrier(raw, f"{prefix}e{step}", procs)
+        out["requests"].append(store.requests - before)
+    return out
+
+
+def _barrier(raw: Any, key: str, procs: int) -> None:
+    raw.add(key, 1)  # uncounted: the workers of one step start together
+    while int(raw.get(key)) < procs:
+        time.sleep(0.001)
+
+
+def run_commits(world: int, per: int, procs: int, port: int) -> dict[str, Any]:
+    """commit_ms (the last node's record set -> the index written), store requests per step,
+    index bytes, and the CPU of a leader's and of rank 0's share, median over the steps."""
+    from ftkit.format.manifest import step_dir_name
+
+    ram_dir = tempfile.mkdtemp(prefix="ftkit-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    root = tempfile.mkdtemp(prefix="ftkit-scale-tier-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.chmod(ram_dir, 0o700)
+    for step in range(1, COMMIT_STEPS + 1):
+        os.makedirs(os.path.join(root, step_dir_name(step)))
+    ctx = mp.get_context("fork")
+    q: Any = ctx.Queue()
+    args = (procs, world, per, port, (ram_dir, root), q)
+    ps = [ctx.Process(target=commit_worker, args=(i, *args)) for i in range(procs)]
+    for p in ps:
+        p.start()
+    outs = [q.get(timeout=1800) for _ in ps]
+    for p in ps:
+        p.join()
+    rmtree(ram_dir)
+    rmtree(root)
+    errors = [o["error"] for o in outs if "error" in o]
+    if errors:
+        raise RuntimeError(f"a commit worker failed:\n{errors[0]}")
+    commits = [c for o in outs for c in o["commit"]]
+    sets = sorted(t for o in outs for t in o["sets"])
+    per_step = len(sets) // COMMIT_STEPS if sets else 0
+    latencies = []
+    for i, c in enumerate(commits):  # the step's last record set -> its index written
+        last = max([c["started"], *sets[i * per_step : (i + 1) * per_step]]) if per_step else c["started"]
+        latencies.append(c["done"] - last)
+    requests = [sum(x) for x in zip(*(o["requests"] for o in outs))]
+    return {
+        "commit_ms": statistics.median(latencies) * 1e3,
+        "commit_store_requests_per_step": statistics.median(requests),
+        "index_bytes_per_step": statistics.median(c["index_bytes"] for c in commits),
+        "commit_leader_cpu_ms": statistics.median(c for o in outs for c in o["leader_cpu"]) * 1e3,
+        "commit_root_cpu_ms": statistics.median(c["cpu"] for c in commits) * 1e3,
+    }
+
+
 def run_size(world: int, per: int, procs: int, port: int, capacity: float, quiet_s: float) -> dict[str, Any]:
     ram_dir = tempfile.mkdtemp(prefix="ftkit-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.chmod(ram_dir, 0o700)

@@ -41,7 +41,6 @@ from ftkit.save import capture as cap
 from ftkit.save.keys import commit_key
 from ftkit.save.layout import Layout
 from ftkit.save.pipeline import PersistJob, PersistPipeline, Stats
-from ftkit.save.reports import report_skipped
 from ftkit.save.sharding import plan_pieces
 from ftkit.save.staging import Slot, StagingArena
 from ftkit.tiers.opened import open_tiers
@@ -251,8 +250,8 @@ class Checkpointer:
                 for i in due:
                     key = commit_key(i, self._restores, step)
                     node_local = self._backends[i].node_local
-                    report_skipped(ctx, key, node_local, "snapshot skipped: staging busy")
-                    if node_local or ctx.rank == 0:  # rank 0 deletes a shared tier's reports
+                    self._backends[i].report_skipped(ctx, key, (self._restores, step), "snapshot skipped: staging busy")
+                    if node_local or ctx.rank == 0:  # rank 0 deletes a shared tier's records
                         self._keys[i].record((self._restores, step), key)
             return False
         try:

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import edit_manifest, run_cli
 
 import ftkit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
@@ -46,10 +46,7 @@ def _manifest(root, step=2):
 
 
 def _edit_manifest(root, fn):
-    p = _manifest(root)
-    doc = json.loads(p.read_text())
-    fn(doc)
-    p.write_text(json.dumps(doc))
+    edit_manifest(_manifest(root), fn)
 
 
 def _restored_step_and_value(root, numel: int = 4096) -> tuple[int, float]:

@@ -11,7 +11,8 @@ import torch
 from conftest import REPO
 
 import ftkit
-from ftkit.format.manifest import FORMAT_VERSION, manifest_from_json
+from ftkit.format.manifest import FORMAT_VERSION
+from ftkit.format.reader import load_manifest
 
 
 def test_format_md_recipe_reads_a_tensor_without_ftkit(tmp_path):
@@ -40,4 +41,4 @@ def test_manifest_declares_format_and_version_first(tmp_path):
         ck.snapshot(1)
     raw = (tmp_path / "step-000000000001" / "manifest.json").read_bytes()
     assert raw.startswith(b'{"format":"ftkit-checkpoint","format_version":%d' % FORMAT_VERSION)
-    assert b"pickle" not in raw and manifest_from_json(raw, "m").step == 1
+    assert b"pickle" not in raw and load_manifest(ftkit.Tier(str(tmp_path)).open(), 1).step == 1

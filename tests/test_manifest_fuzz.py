@@ -21,12 +21,12 @@ import random
 
 import pytest
 import torch
-from conftest import make_state, run_cli
+from conftest import make_state, manifest_doc, run_cli, write_manifest_doc
 
 import ftkit
 from ftkit.errors import CorruptCheckpointError, FormatError, StorageError
-from ftkit.format.manifest import MANIFEST_NAME, manifest_from_json, step_dir_name
-from ftkit.format.reader import read_tensors, verify
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.reader import load_manifest, read_tensors, verify
 from ftkit.format.validate import ZSTD_MAX_RATIO
 
 ITERATIONS = int(__import__("os").environ.get("FTKIT_FUZZ_ITERATIONS", "150"))
@@ -45,7 +45,7 @@ def _build(root, world_size: int, compress: str | None):
     r = run_cli("restore", str(src), "--out", str(root), "--world-size", str(world_size))
     assert r.returncode == 0, r.stderr
     storage = ftkit.Tier(str(root)).open()
-    original = manifest_from_json((root / step_dir_name(1) / MANIFEST_NAME).read_bytes(), "m")
+    original = load_manifest(storage, 1)
     return storage, original, read_tensors(storage, original)
 
 
@@ -151,8 +151,8 @@ def test_random_mutations_never_crash_and_never_verify_garbage(tmp_path, world_s
     root = tmp_path / "ckpt"
     storage, original, values = _build(root, world_size, compress)
     path = root / step_dir_name(1) / MANIFEST_NAME
-    pristine = path.read_bytes()
-    doc0 = json.loads(pristine)
+    pristine = {f: f.read_bytes() for f in path.parent.glob("*.json")}
+    doc0 = manifest_doc(path)  # index and part as one document: mutations reach every field
     strings = _strings(doc0)
     stored = sum(f.stat().st_size for f in path.parent.glob("*.data"))
     bound = stored * (ZSTD_MAX_RATIO if compress else 1)
@@ -161,11 +161,10 @@ def test_random_mutations_never_crash_and_never_verify_garbage(tmp_path, world_s
     verified_ok = 0
     for i in range(ITERATIONS):
         doc, what = _mutate(doc0, rng, strings)
-        text = json.dumps(doc).replace('"__INF__"', "1e400")
-        path.write_text(text)
+        write_manifest_doc(path, doc, lambda text: text.replace('"__INF__"', "1e400"))  # the part rehashed
         ctx = f"seed {seed} iteration {i}: {what}"
         try:
-            m = manifest_from_json(text.encode(), "m", expect_step=1)
+            m = load_manifest(storage, 1)
         except FormatError:
             m = None
         except Exception as e:  # noqa: BLE001 - the property under test
@@ -191,6 +190,50 @@ def test_random_mutations_never_crash_and_never_verify_garbage(tmp_path, world_s
             if untouched_entries.get(t.name) == t:
                 assert torch.equal(x, values[t.name]), f"{ctx}: {t.name} changed"
         assert allocated <= bound, f"{ctx}: {allocated} bytes allocated for {stored} stored"
-    path.write_bytes(pristine)
+    _restore_files(path, pristine)
     assert run_cli("verify", str(root)).returncode == 0
     assert verified_ok > 10  # the mutations that keep a manifest valid (names, times, writer...) ran through
+
+
+def _restore_files(path, pristine) -> None:
+    for f in path.parent.glob("part-*.json"):
+        f.unlink()
+    for f, data in pristine.items():
+        f.write_bytes(data)
+
+
+def test_random_mutations_of_the_index_and_its_part_as_written(tmp_path):
+    """The version-3 pair as it lies on disk, mutated without rehashing: a changed part
+    fails its checksum, a changed index entry (name, size, checksum, ranks) names no
+    valid part. Nothing crashes; what still loads holds exactly the saved values."""
+    root = tmp_path / "ckpt"
+    storage, original, values = _build(root, 3, None)
+    path = root / step_dir_name(1) / MANIFEST_NAME
+    pristine = {f: f.read_bytes() for f in path.parent.glob("*.json")}
+    index = json.loads(pristine[path])
+    (part_path,) = [f for f in pristine if f != path]
+    pair = {"index": index, "part": json.loads(pristine[part_path])}
+    rng, strings = random.Random(4), _strings(pair)
+    rejected = 0
+    for i in range(max(ITERATIONS // 3, 20)):
+        doc, what = _mutate(pair, rng, strings)
+        ctx = f"iteration {i}: {what}"
+        if not isinstance(doc, dict) or not isinstance(doc.get("index"), dict) or "part" not in doc:
+            continue
+        path.write_text(json.dumps(doc["index"]).replace('"__INF__"', "1e400"))
+        part_path.write_text(json.dumps(doc["part"]).replace('"__INF__"', "1e400"))
+        try:
+            m = load_manifest(storage, 1)
+        except FormatError:
+            m = None
+        except Exception as e:  # noqa: BLE001 - the property under test
+            pytest.fail(f"{ctx}: loading raised {type(e).__name__}: {e}")
+        r = run_cli("verify", str(root))
+        assert r.returncode == (1 if m is None else 0), f"{ctx}: {r.stdout}{r.stderr}"
+        assert "Traceback" not in r.stdout + r.stderr, ctx
+        rejected += m is None
+        if m is not None:
+            got = read_tensors(storage, m)
+            assert all(torch.equal(got[t.name], values[t.name]) for t in original.tensors), ctx
+    _restore_files(path, pristine)
+    assert rejected > 0 and run_cli("verify", str(root)).returncode == 0

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, edit_manifest, manifest_doc, run_cli, write_manifest_doc
 
 import ftkit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
@@ -38,10 +38,7 @@ def _manifest_path(root, step=2):
 
 
 def _edit(root, fn, step=2):
-    p = _manifest_path(root, step)
-    doc = json.loads(p.read_text())
-    fn(doc)
-    p.write_text(json.dumps(doc))
+    edit_manifest(_manifest_path(root, step), fn)
 
 
 def _chunks(doc):
@@ -168,11 +165,14 @@ MALFORMED = {
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_manifests_are_format_errors(two_steps, name):
     p = _manifest_path(two_steps)
-    doc = json.loads(p.read_text())
+    doc = manifest_doc(p)
     MALFORMED[name](doc)
-    text = json.dumps(doc).replace('"__1e400__"', "1e400").replace('"__deep__"', "[" * 5000 + "]" * 5000)
-    text = text.replace('"__300__"', "[" * 300 + "]" * 300)
-    p.write_text(text)
+
+    def inject(text):
+        text = text.replace('"__1e400__"', "1e400").replace('"__deep__"', "[" * 5000 + "]" * 5000)
+        return text.replace('"__300__"', "[" * 300 + "]" * 300)
+
+    write_manifest_doc(p, doc, inject)
     r = run_cli("ls", str(two_steps), "--json")
     assert r.returncode == 0 and "Traceback" not in r.stderr
     assert [s["status"] for s in json.loads(r.stdout)["steps"]] == ["committed", "bad-manifest"]
@@ -193,7 +193,7 @@ def test_a_zstd_chunk_that_does_not_decode_never_reaches_the_live_tensor(tmp_pat
             state["w"].fill_(step)  # constant: compresses, so the chunk is a zstd frame
             ck.snapshot(step)
             ck.wait()
-    doc = json.loads(_manifest_path(root).read_text())
+    doc = manifest_doc(_manifest_path(root))
     c = _chunks(doc)[0]
     assert c["codec"] == "zstd"
     data_path = root / step_dir_name(2) / c["file"]
@@ -202,7 +202,7 @@ def test_a_zstd_chunk_that_does_not_decode_never_reaches_the_live_tensor(tmp_pat
     data[c["offset"] : c["offset"] + c["length"]] = garbage[: c["length"]]
     data_path.write_bytes(bytes(data))
     c["checksum"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(garbage[: c["length"]])
-    _manifest_path(root).write_text(json.dumps(doc))
+    write_manifest_doc(_manifest_path(root), doc)
     r = run_cli("verify", str(root), "--step", "2")
     assert r.returncode == 1 and "does not decode" in r.stdout, r.stdout
     step, w = _restore(root, fill=7.0)

@@ -161,6 +161,11 @@ class DistContext:
         self._wait([key], timeout_s)
         return self.store.get(key)
 
+    def wait_get(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
+        """The bytes at every one of `keys`, once all are set: two round trips for any number."""
+        self._wait(keys, timeout_s)
+        return self.store.multi_get(keys)
+
     def gather(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
         """Every rank's `value` for `key`, in rank order (all ranks call this).
 

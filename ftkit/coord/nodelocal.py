@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from typing import Any
 
 from ftkit.coord.judge import Beat
@@ -49,11 +50,14 @@ def job_names(scope: str, instance: str) -> tuple[str, str]:
 
 
 class NodeBoard:
-    def __init__(self, scope: str, node: str, leader: bool, instance: str = "0"):
+    """One node's board. `kind`: "hb" for the watchdog's, "commit" for the reports the
+    node's ranks send their leader when committing a step to a shared tier (save/commit.py)."""
+
+    def __init__(self, scope: str, node: str, leader: bool, instance: str = "0", kind: str = "hb"):
         job, attempt = job_names(scope, instance)
         if leader:
-            _prune_earlier_attempts(private_subdir("hb", job), attempt)
-        self.path = private_subdir("hb", job, attempt, _safe(node))
+            _prune_earlier_attempts(private_subdir(kind, job), attempt)
+        self.path = private_subdir(kind, job, attempt, _safe(node))
 
     # ------------------------------------------------------------- files
     def write(self, name: str, doc: Any) -> None:
@@ -68,22 +72,43 @@ class NodeBoard:
 
     def read(self, name: str) -> Any:
         """The JSON document `name`, or None (missing, a link, too big, not JSON)."""
-        try:
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            data = os.read(fd, MAX_BYTES + 1)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        if len(data) > MAX_BYTES:
+        data = self.read_bytes(name, MAX_BYTES)
+        if data is None:
             return None
         try:
             return json.loads(data)
         except ValueError:
             return None
+
+    def read_bytes(self, name: str, max_bytes: int) -> bytes | None:
+        """The bytes of `name`, or None (missing, a link, not a regular file, over `max_bytes`)."""
+        try:
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+                return None
+            data = os.read(fd, st.st_size + 1)
+            while len(data) <= st.st_size and (more := os.read(fd, st.st_size + 1 - len(data))):
+                data += more
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return data if len(data) <= max_bytes else None
+
+    def names(self) -> list[str]:
+        try:
+            return os.listdir(self.path)
+        except OSError:
+            return []
+
+    def discard(self, *names: str) -> None:
+        for name in names:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.path, name))
 
     def write_beat(self, rank: int, beat: Beat) -> None:
         self.write(f"rank-{rank}.json", beat.to_json())

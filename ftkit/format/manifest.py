@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT_NAME = "ftkit-checkpoint"
-FORMAT_VERSION = 2  # 2: Python's RNG state as a tensor (FORMAT.md, the skeleton)
+# 2: Python's RNG state as a tensor (FORMAT.md, the skeleton); 3: an index of per-node
+# parts (format/index.py), what shared tiers write. The RAM tier still writes the single
+# document of version 2: every node keeps a whole copy of it.
+FORMAT_VERSION = 3
+SINGLE_DOC_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
 # Data files are plain names inside their step directory: no separators, no "..".
@@ -122,7 +126,8 @@ class Manifest:
     created_at: float = 0.0
     writer: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT_NAME
-    format_version: int = FORMAT_VERSION
+    format_version: int = SINGLE_DOC_VERSION
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)  # version 3: part file -> {"bytes", "checksum"}
 
     @property
     def total_raw_bytes(self) -> int:
@@ -173,7 +178,7 @@ def manifest_json(
     # Identifying fields first, so the first bytes of the file say what it is.
     doc = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": SINGLE_DOC_VERSION,
         "step": step,
         "world_size": world_size,
         "tensors": tensor_docs,

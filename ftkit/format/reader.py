@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,9 @@ import torch
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
 from ftkit.format import codec
+from ftkit.format.index import INDEX_VERSION, assemble, check_part_bytes, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, manifest_from_json, parse_step_dir, step_dir_name
+from ftkit.format.validate import parse_header
 from ftkit.save.sharding import byte_span, overlap
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST
 from ftkit.tiers.storage import Storage
@@ -68,6 +71,8 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def load_manifest(storage: Storage, step: int) -> Manifest:
+    """The validated manifest of `step`: the single document of versions 1-2, or the
+    index of version 3 with its parts (format/index.py), read and assembled."""
     step_dir = step_dir_name(step)
     rel = f"{step_dir}/{MANIFEST_NAME}"
     if storage.is_link(step_dir):
@@ -78,7 +83,34 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
         raise CheckpointNotFoundError(
             f"{storage.where(step_dir)}: no manifest (step {step} is not committed)"
         ) from None
-    return manifest_from_json(data, storage.where(rel), expect_step=step)
+    doc, version = parse_header(data, storage.where(rel))
+    if version < INDEX_VERSION:
+        return manifest_from_json(data, storage.where(rel), expect_step=step)
+    index = parse_index(doc, storage.where(rel), expect_step=step)
+    sizes = storage.list_sizes(step_dir)  # regular files only: a part that is a link is missing
+    for ref in index.parts:
+        if sizes.get(ref.file) != ref.nbytes:
+            found = "is missing" if ref.file not in sizes else f"is {sizes[ref.file]} bytes, not {ref.nbytes}"
+            raise FormatError(f"{storage.where(f'{step_dir}/{ref.file}')}: manifest part {found}")
+
+    def read_part(ref) -> bytes:
+        where = storage.where(f"{step_dir}/{ref.file}")
+        try:
+            part = storage.read_bytes(f"{step_dir}/{ref.file}")
+        except FileNotFoundError:
+            raise FormatError(f"{where}: manifest part is missing") from None
+        try:
+            check_part_bytes(ref, part, where)
+        except CorruptCheckpointError as e:
+            raise FormatError(str(e)) from None
+        return part
+
+    if len(index.parts) <= 2:
+        parts = [read_part(ref) for ref in index.parts]
+    else:  # an object store answers many small reads at once far faster than one by one
+        with ThreadPoolExecutor(min(16, len(index.parts))) as pool:
+            parts = list(pool.map(read_part, index.parts))
+    return assemble(index, parts, storage.where(rel))
 
 
 def newest_manifest(storage: Storage, step: int | None = None) -> Manifest:

@@ -57,7 +57,22 @@ NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cann
 
 # ----------------------------------------------------------------- manifests
 def parse_manifest(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
-    """Parse and validate a manifest; raise FormatError naming `where` on any problem."""
+    """Parse and validate a single-document manifest (versions 1 and 2); raise FormatError
+    naming `where` on any problem. An index (version 3) is read with its parts (reader.py)."""
+    doc, version = parse_header(data, where)
+    if version >= 3:
+        raise FormatError(f"{where}: an index of manifest parts (format version {version}), not a whole manifest")
+    try:
+        m = manifest_from_doc(doc)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    if expect_step is not None and m.step != expect_step:
+        raise FormatError(f"{where}: manifest says step {m.step}, directory says {expect_step}")
+    return m
+
+
+def parse_header(data: bytes | str, where: str) -> tuple[dict[str, Any], int]:
+    """A manifest document and its format version, which this ftkit can read."""
     doc = parse_json(data, where, "manifest")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         v = doc.get("format") if isinstance(doc, dict) else None
@@ -70,13 +85,7 @@ def parse_manifest(data: bytes | str, where: str, expect_step: int | None = None
             f"{where}: manifest format version {version} is newer than this ftkit supports "
             f"({FORMAT_VERSION}); upgrade ftkit to read it"
         )
-    try:
-        m = manifest_from_doc(doc)
-    except FormatError as e:
-        raise FormatError(f"{where}: {e}") from None
-    if expect_step is not None and m.step != expect_step:
-        raise FormatError(f"{where}: manifest says step {m.step}, directory says {expect_step}")
-    return m
+    return doc, version
 
 
 def parse_json(data: bytes | str, where: str, what: str) -> Any:

@@ -28,6 +28,7 @@ from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
 from ftkit.save.sharding import RANK_LOCAL, dtensor_region, is_dtensor
 from ftkit.tiers.backend import NodeRamTier
+from ftkit.tiers.peers import Transfer
 
 log = logging.getLogger("ftkit")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault in as sent
@@ -99,15 +100,14 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
         missing = sorted(needed - present)
     except (FtkitError, OSError, ValueError) as e:  # ValueError: a store message that is not JSON
         error, missing, regions, dtensors, in_place, problems = str(e), [], {}, {}, {}, []
-    requests = ctx.gather(f"{key}/req", {"missing": missing, "error": error, "mismatch": problems})
     origin: dict[str, Any] = {
         "source": "ram+peer" if missing else "ram",
         "files_from_peers": len(missing),
         "received": [],
     }
-    if any(r["mismatch"] for r in requests):  # known everywhere before any live byte is written
+    mismatch, plan = _plan_fetches(ctx, f"{key}/req", cand, {"missing": missing, "mismatch": bool(problems)})
+    if mismatch:  # known everywhere before any live byte is written
         return None, {"error": None, "mismatch": problems}, origin
-    plan = fetch_plan(requests, cand.holders, ctx.nodes)
     moved_error = None
     received: list[str] = []
     t_fetch = time.perf_counter()
@@ -144,6 +144,31 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
         return None, {"error": str(e), "mismatch": []}, origin
     return loaded, {"error": None, "mismatch": []}, origin
+
+
+def _plan_fetches(ctx, key: str, cand: Candidate, request: dict[str, Any]) -> tuple[bool, list[Transfer]]:
+    """(whether some rank's live state does not fit, the transfers of files between nodes).
+    Every rank sends rank 0 what it lacks; rank 0 plans and publishes the plan: O(ranks)
+    messages, where every rank reading every request cost O(ranks^2)."""
+    got = ctx.gather_to_root(key, request, range(ctx.world_size))
+    if ctx.rank == 0:
+        requests = [_request(got[r]) for r in range(ctx.world_size)]
+        plan = fetch_plan(requests, cand.holders, ctx.nodes)
+        mismatch = any(r.get("mismatch") for r in requests)
+        decided = {"mismatch": mismatch, "plan": [[t.src, t.dst, t.file] for t in plan]}
+    else:
+        decided = None
+    decided = ctx.broadcast(f"{key}/plan", decided)
+    return bool(decided["mismatch"]), [Transfer(int(a), int(b), str(f)) for a, b, f in decided["plan"]]
+
+
+def _request(doc: Any) -> dict[str, Any]:
+    """A rank's fetch request as rank 0 reads it from the store (untrusted: anything else is empty)."""
+    if not isinstance(doc, dict):
+        return {}
+    missing = doc.get("missing")
+    files = [f for f in missing if isinstance(f, str)] if isinstance(missing, list) else []
+    return {"missing": files, "mismatch": doc.get("mismatch") is True}
 
 
 def _regions(rc, manifest: Manifest):

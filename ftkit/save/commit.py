@@ -1,129 +1,74 @@
-"""Write a staged snapshot to one tier, two-phase: data first, manifest last.
+"""Commit a step to a shared tier (any fsspec URL) in O(nodes) store requests.
 
-Order of calls for one step on one tier (`persist` does all of it; the RAM tier's
-node-local commit is save/node_commit.py)::
+Order of calls for one step (`persist` does all of it; every rank calls it; the
+RAM tier's node-local commit is save/node_commit.py)::
 
-    every rank:  write_data(storage, step, slot, ...) -> RankWrite  (its data file, durable)
-                 report the RankWrite (or its error) to rank 0 through the store
-    rank 0:      wait for every rank's report, then
-                 commit(storage, step, [RankWrite...]) -> Manifest  (manifest.json: the commit)
+    every rank:    write_share(...)       its data file, durable
+                   post its report (the file it wrote or its error, its RNG state) to
+                   its node's board: a file in the node's shared memory, not the store
+    node leaders:  collect the node's reports; write_part(...): one part file per node
+                   set one record under `key`/n/<leader>: its part, or the node's errors
+    rank 0:        read every node's record (one wait, one multi_get), then
+                   commit_index(...): manifest.json, the index of the parts (the commit)
+                   delete the records
+
+Store requests per step: one set per node, rank 0's wait and multi_get, and one
+delete per node: 2 x nodes + 2, whatever the number of ranks or tensors. Rank 0
+handles one small record per node; the tensor entries stay in the parts.
 
 Data file names carry a random token, so a crashed or concurrent writer can never
 overwrite bytes that a committed manifest points at, and a step that already has
-a manifest is never written again. A failure before the commit removes what this
-writer wrote and leaves every committed step untouched.
+a manifest is never written again. A failure before the commit removes what the
+step's writers wrote and leaves every committed step untouched.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
-from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
-from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, manifest_json, step_dir_name
+from ftkit.coord.nodelocal import NodeBoard
+from ftkit.errors import FormatError, StorageError
+from ftkit.format.index import rank_runs
+from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
+from ftkit.save.manifests import Committed, commit_index, write_part
 from ftkit.save.reports import shared_report
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
-from ftkit.save.write import RankWrite, discard, write_share
+from ftkit.save.write import discard, write_share
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
 
-
-def commit(
-    storage: Storage,
-    step: int,
-    writes: list[RankWrite],
-    skeleton: dict[str, Any],
-    world_size: int = 1,
-    rank_state: dict[str, Any] | None = None,
-) -> Manifest:
-    """Write the manifest that makes `step` exist (atomic on every backend); return it as read back."""
-    done = commit_docs(storage, step, [w.to_json() for w in writes], skeleton, world_size, rank_state or {})
-    assert done.manifest is not None
-    return done.manifest
+MAX_REPORT_BYTES = 256 * 2**20  # one rank's tensor entries: megabytes at most
+_REPORT_RE = re.compile(r"^(\d+)-(\d+)-r(\d+)\.json$")
 
 
 @dataclass(frozen=True)
-class Committed:
-    """What rank 0 gets back from committing a step (persist, persist_node_local)."""
+class NodeGroup:
+    """This rank's node as a shared tier's commit sees it (computed once, at start)."""
 
-    stored_bytes: int
-    manifest_json: bytes
-    manifest: Manifest | None = None  # as validated before it was written
+    board: NodeBoard | None  # where the node's ranks post their reports (None: a world of one)
+    ranks: tuple[int, ...]  # this node's ranks; the first is its leader
+    members: Mapping[int, tuple[int, ...]]  # every node's ranks, by leader (rank 0 checks records against it)
 
+    @staticmethod
+    def of(ctx: DistContext, board: NodeBoard | None) -> NodeGroup:
+        members: dict[str, list[int]] = {}
+        for r, n in enumerate(ctx.nodes):
+            members.setdefault(n, []).append(r)
+        return NodeGroup(board, tuple(members[ctx.node]), {m[0]: tuple(m) for m in members.values()})
 
-def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One tensor entry per tensor, holding the shards every rank wrote of it.
-
-    Works on the writes as reported (RankWrite.to_json() documents)."""
-    merged: dict[str, dict[str, Any]] = {}
-    for w in sorted(writes, key=lambda w: w["rank"]):
-        for t in w["tensors"]:
-            prev = merged.get(t["name"])
-            if prev is None:
-                merged[t["name"]] = {**t, "shards": list(t["shards"])}
-            elif (prev["dtype"], prev["shape"], prev["kind"]) != (t["dtype"], t["shape"], t["kind"]):
-                raise FtkitError(
-                    f"ranks disagree about tensor {t['name']!r}: {prev['dtype']}{prev['shape']} "
-                    f"vs {t['dtype']}{t['shape']}"
-                )
-            else:
-                prev["shards"].extend(t["shards"])
-    return list(merged.values())
-
-
-def commit_docs(
-    storage: Storage,
-    step: int,
-    writes: list[dict[str, Any]],
-    skeleton: dict[str, Any],
-    world_size: int,
-    rank_state: dict[str, Any],
-    present: set[str] | None = None,
-) -> Committed:
-    """commit() from the ranks' reports as they arrived: the manifest is assembled from
-    the JSON documents, never rebuilt as dataclasses, then validated as any reader
-    would validate it (the reports came through the store: untrusted) before it is
-    written. `present`: the data files that must be in the step directory now (all,
-    by default; a node-local tier holds only its node's), checked last, so a step
-    whose data someone removed meanwhile is not committed."""
-    rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
-    if storage.exists(rel):
-        raise AlreadyCommitted(f"{storage.where(rel)} already exists")
-    try:
-        files = {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in writes}
-        tensors = merge_write_docs(writes)
-    except (KeyError, TypeError, AttributeError) as e:  # reports that do not have the reports' shape
-        raise FormatError(f"{storage.where(rel)}: a rank's report is malformed ({type(e).__name__}: {e})") from None
-    data = manifest_json(step, world_size, tensors, skeleton, files, rank_state, time.time(), writer_info())
-    manifest = manifest_from_json(data, storage.where(rel), step)
-    check_files_present(
-        storage, step, {f: info["bytes"] for f, info in files.items() if present is None or f in present}
-    )
-    storage.write_bytes_atomic(rel, data)
-    return Committed(sum(w["nbytes"] for w in writes), data, manifest)
-
-
-def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -> None:
-    """Every file of `expected` ({name: bytes}) is in the step directory at its size."""
-    if not expected:
-        return
-    sizes = storage.list_sizes(step_dir_name(step))
-    for name, nbytes in expected.items():
-        if sizes.get(name) != nbytes:
-            what = "is gone" if name not in sizes else f"is {sizes[name]} bytes, not {nbytes}"
-            raise StorageError(
-                f"step {step} not committed to {storage.display_url}: data file {name} {what} "
-                "(removed or changed by someone else?)"
-            )
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
 
 
 def persist(
@@ -139,57 +84,169 @@ def persist(
     key: str = "",
     ledger: KeyLedger | None = None,
     at: tuple[int, int] = (0, 0),
+    group: NodeGroup | None = None,
 ) -> Committed | None:
-    """Persist one step: every rank writes its data, rank 0 commits after all did.
+    """Persist one step: every rank writes its data, node leaders write the parts, rank 0
+    commits after every node did. Returns what was committed on rank 0, None elsewhere.
 
-    Ranks report to rank 0 through the store (`key`/rank): the file they wrote,
-    or their error. Rank 0 commits only when every rank succeeded within the
-    timeout; otherwise the step stays uncommitted (invisible) and its files are
-    removed. Returns what was committed on rank 0, None elsewhere.
-
-    Rank 0 deletes every report once it has read them. `ledger` (rank 0's) holds
-    the reports of steps rank 0 skipped, which nobody read: they are deleted once
-    this step's reports are all in, since each rank's persist thread takes its
-    steps in order and so has sent those older reports first.
+    Rank 0 commits only when every rank succeeded within the timeout; otherwise the
+    step stays uncommitted (invisible) and its files are removed. `ledger` (rank
+    0's) holds the records of steps rank 0 skipped, which nobody read: they are
+    deleted once this step's records are all in (every leader's persist thread
+    takes its steps in order, so it has sent those first).
     """
     ctx = ctx or DistContext()
+    group = group or NodeGroup.of(ctx, None)
     write, error = write_share(storage, step, slot, pieces, compress, ctx.rank)
     fault_point("persist", step, ctx.rank)  # data written, not yet reported
-    if ctx.distributed:
-        ctx.put(
-            f"{key}/{ctx.rank}",
-            {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng},
-        )
+    report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
+    if ctx.rank != group.leader:
+        assert group.board is not None
+        group.board.write(_report_name(at, ctx.rank), report)
+    else:
+        record = node_share(storage, step, report, group, ctx, at)
+        if ctx.rank == 0:
+            return commit_step(storage, step, record, group, ctx, key, skeleton, ledger, at)
+        ctx.put(f"{key}/n/{ctx.rank}", record)
     if error is not None:
         raise error
-    assert write is not None
-    if ctx.rank != 0:
-        return None
-    writes, rank_state, failures = [write.to_json()], {"0": {"rng": rng}}, []
+    return None
+
+
+def node_share(
+    storage: Storage, step: int, report: dict[str, Any], group: NodeGroup, ctx: DistContext, at: tuple[int, int]
+) -> dict[str, Any]:
+    """A node leader's part of the commit: its node's reports (its own `report` and the
+    others' from the board), then its part file; returns the node's record for rank 0."""
+    reports = {ctx.rank: report, **_collect(group, at, ctx)}
+    return _node_record(storage, step, reports, group.ranks, ctx.world_size)
+
+
+def commit_step(
+    storage: Storage,
+    step: int,
+    record: dict[str, Any],
+    group: NodeGroup,
+    ctx: DistContext,
+    key: str,
+    skeleton: dict[str, Any],
+    ledger: KeyLedger | None = None,
+    at: tuple[int, int] = (0, 0),
+) -> Committed:
+    """Rank 0's part: every other node's record (one wait, one multi_get), then the index."""
+    leaders = [leader for leader in group.members if leader != 0]
+    keys = [f"{key}/n/{leader}" for leader in leaders]
     with older_keys(ledger, at) as older:
+        records = [record]
         try:
-            for r in range(1, ctx.world_size):
-                doc = shared_report(r, ctx.get_raw(f"{key}/{r}"), ctx.world_size)
-                if doc["error"]:
-                    failures.append(f"rank {r}: {doc['error']}")
-                else:
-                    writes.append(doc["write"])
-                    rank_state[str(r)] = {"rng": doc.get("rng")}
+            raws = ctx.wait_get(keys) if keys else []
+            records += [
+                _read_record(leader, raw, group.members[leader], ctx.world_size)
+                for leader, raw in zip(leaders, raws, strict=True)
+            ]
             delete_keys(ctx, older)
+            failures = [e for r in records for e in r["errors"]]
             if failures:
                 raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
-            fault_point("commit", step, 0)  # every share is durable, the manifest not yet written
-            return commit_docs(storage, step, writes, skeleton, ctx.world_size, rank_state)
+            fault_point("commit", step, 0)  # every part is durable, the index not yet written
+            return commit_index(storage, step, ctx.world_size, records, skeleton)
         except BaseException:
-            discard(storage, step, [w["file"] for w in writes])
+            parts = [r["part"]["file"] for r in records if r["part"]]
+            discard(storage, step, [f for r in records for f in r["files"]] + parts)
             raise
         finally:
-            ctx.delete(*(f"{key}/{r}" for r in range(ctx.world_size)))
+            ctx.delete(*keys)
 
 
-def writer_info() -> dict[str, Any]:
-    import torch
+def _report_name(at: tuple[int, int], rank: int) -> str:
+    return f"{at[0]}-{at[1]}-r{rank}.json"
 
-    from ftkit import __version__
 
-    return {"ftkit": __version__, "torch": torch.__version__, "host": socket.gethostname()}
+def _collect(group: NodeGroup, at: tuple[int, int], ctx: DistContext) -> dict[int, dict[str, Any]]:
+    """The leader's wait for the reports of its node's other ranks (polling the board; a
+    missing one after the timeout reads as that rank's error), then removing them and
+    any report of an earlier step nobody collected (a step this leader skipped)."""
+    board = group.board
+    others = [r for r in group.ranks if r != ctx.rank]
+    if board is None or not others:
+        return {}
+    names = {r: _report_name(at, r) for r in others}
+    got: dict[int, dict[str, Any]] = {}
+    deadline, pause = time.monotonic() + ctx.timeout_s, 0.0005
+    while True:
+        for r in others:
+            if r not in got and (raw := board.read_bytes(names[r], MAX_REPORT_BYTES)) is not None:
+                got[r] = shared_report(r, raw, ctx.world_size)
+        if len(got) == len(others) or time.monotonic() > deadline:
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    for r in others:
+        got.setdefault(r, {"error": f"rank {r}: no report within {ctx.timeout_s:.0f}s", "write": None})
+    stale = [n for n in board.names() if (m := _REPORT_RE.match(n)) and (int(m[1]), int(m[2])) < at]
+    board.discard(*names.values(), *stale)
+    return got
+
+
+def _node_record(
+    storage: Storage, step: int, reports: Mapping[int, dict[str, Any]], ranks: Sequence[int], world: int
+) -> dict[str, Any]:
+    """The leader's record of its node for rank 0: the part it wrote, or the node's errors."""
+    writes = [reports[r]["write"] for r in ranks if reports[r].get("write")]
+    files = {w["file"]: w.get("nbytes") for w in writes}
+    errors = [f"rank {r}: {reports[r]['error']}" for r in ranks if reports[r].get("error")]
+    if not errors:
+        try:
+            rank_state = {str(r): {"rng": reports[r].get("rng")} for r in ranks}
+            return {**write_part(storage, step, writes, rank_state, list(ranks), world), "errors": []}
+        except Exception as e:  # a malformed report or a storage failure: the node's error
+            errors = [f"node of rank {ranks[0]}: {e}"]
+    return {"part": None, "files": files, "stored": 0, "errors": errors}
+
+
+def _read_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) -> dict[str, Any]:
+    """A node's record as rank 0 reads it from the store: untrusted. One that does not
+    validate reads as that node's error, and the step is simply not committed."""
+    where = f"the record of the node of rank {leader}"
+    try:
+        doc = parse_json(raw, where, "")
+        if not isinstance(doc, dict):
+            raise FormatError(f"{where} is not an object")
+        errors, files, part = doc.get("errors"), doc.get("files"), doc.get("part")
+        if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
+            raise FormatError(f"{where} has malformed errors")
+        if not isinstance(files, dict):
+            raise FormatError(f"{where} has malformed files")
+        for name in files:
+            check_file_name(name)
+        stored = doc.get("stored")
+        if type(stored) is not int or not 0 <= stored <= MAX_INT:
+            raise FormatError(f"{where} has a bad byte count")
+        if part is None:
+            if not errors:
+                raise FormatError(f"{where} has neither a part nor an error")
+        elif not (
+            isinstance(part, dict)
+            and check_file_name(part.get("file"))
+            and type(part.get("bytes")) is int
+            and 0 < part["bytes"] <= MAX_INT
+            and isinstance(part.get("checksum"), str)
+            and CHECKSUM_RE.match(part["checksum"])
+            and part.get("ranks") == rank_runs(list(ranks))
+        ):
+            raise FormatError(f"{where} names no valid part of its ranks")
+        return {"part": part, "files": files, "stored": stored, "errors": errors}
+    except FormatError as e:
+        return {"part": None, "files": {}, "stored": 0, "errors": [f"unreadable record: {e}"]}
+
+
+def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:
+    """Policy "skip" on a shared tier: this rank will not write the step of `key`; tell its
+    leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
+    report = {"write": None, "error": reason, "rng": None}
+    if ctx.rank != group.leader:
+        assert group.board is not None
+        group.board.write(_report_name(at, ctx.rank), report)
+    elif ctx.rank != 0:
+        errors = [f"rank {ctx.rank}: {reason}"]
+        ctx.put(f"{key}/n/{ctx.rank}", {"part": None, "files": {}, "stored": 0, "errors": errors})

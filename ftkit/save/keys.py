@@ -39,9 +39,9 @@ class KeyLedger:
         return KeyLedger(lambda key: [f"{key}/{n}" for n in (f"w/{rank}", f"r/{rank}", *manifest)])
 
     @staticmethod
-    def shared(world_size: int) -> KeyLedger:
-        """persist's keys of a step rank 0 skipped: every rank's report, which rank 0 would have deleted."""
-        return KeyLedger(lambda key: [f"{key}/{r}" for r in range(world_size)])
+    def shared(leaders: list[int]) -> KeyLedger:
+        """persist's keys of a step rank 0 skipped: every node's record, which rank 0 would have deleted."""
+        return KeyLedger(lambda key: [f"{key}/n/{r}" for r in leaders if r != 0])
 
     def record(self, at: tuple[int, int], key: str) -> None:
         with self._lock:

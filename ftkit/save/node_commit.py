@@ -24,8 +24,8 @@ from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import AlreadyCommitted, CorruptCheckpointError, StorageError
 from ftkit.format import codec
 from ftkit.format.manifest import MANIFEST_NAME, manifest_from_json, step_dir_name
-from ftkit.save.commit import Committed, check_files_present, commit_docs
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
+from ftkit.save.manifests import Committed, check_files_present, commit_docs
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot

@@ -5,7 +5,8 @@ decoding validates them like a manifest (format/validate.py), and one that does
 not validate reads as that rank's error, so every rank sees the same outcome and
 the step is simply not committed.
 
-* shared tiers (save/commit.py): one JSON object per rank, {"write", "error", "rng"};
+* shared tiers (save/commit.py): one JSON object per rank, {"write", "error", "rng"},
+  posted to the rank's node board and read by its leader;
 * the RAM tier (save/node_commit.py): `NodeReport`, two JSON lines.
 """
 
@@ -119,12 +120,10 @@ def decode_report(rank: int, text: str, world_size: int) -> NodeReport:
         return NodeReport(rank, None, 0, f"unreadable report: {e}", None, "[]", False, world_size)
 
 
-def report_skipped(ctx: DistContext, key: str, node_local: bool, reason: str) -> None:
-    """Policy "skip": tell the other ranks at once that this rank will not write the
-    step of `key`, so nobody waits for its share (or, from rank 0, for a manifest)."""
-    if not node_local:
-        ctx.put(f"{key}/{ctx.rank}", {"write": None, "rng": None, "error": reason})
-        return
+def report_skipped(ctx: DistContext, key: str, reason: str) -> None:
+    """Policy "skip" on the RAM tier: tell the other ranks at once that this rank will not
+    write the step of `key`, so nobody waits for its share (or, from rank 0, for a manifest).
+    A shared tier's is save/commit.py's report_skipped_shared."""
     ctx.store.set(f"{key}/w/{ctx.rank}", NodeReport.encode(None, reason, None, skipped=True))
     report(ctx, f"{key}/r")  # no replication outcome to wait for
     if ctx.rank == 0:

@@ -4,8 +4,9 @@ to it, and who retains, drops or retires its steps.
 Two backends:
 
 * :class:`SharedTier` – an fsspec URL every rank reaches (a local path, S3, any
-  fsspec URL). Every rank writes its share; rank 0 commits the step's manifest
-  (save/commit.py), applies retention and retires superseded steps.
+  fsspec URL). Every rank writes its share, each node's leader a part of the
+  manifest, rank 0 the index that commits the step (save/commit.py); rank 0
+  applies retention and retires superseded steps.
 * :class:`NodeRamTier` – the node's shared memory (tiers/ram.py), bound to one
   run. Every node commits its own copy (save/node_commit.py); with
   ``replicas=k`` each rank's data file is also kept on k other nodes, sent over
@@ -30,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from ftkit.format.manifest import step_dir_name
 from ftkit.format.reader import scan
-from ftkit.save.commit import Committed, persist
+from ftkit.save.commit import NodeGroup, persist, report_skipped_shared
 from ftkit.save.keys import KeyLedger
+from ftkit.save.manifests import Committed
 from ftkit.save.node_commit import persist_node_local
+from ftkit.save.reports import report_skipped
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
 from ftkit.tiers.retention import apply_job_retention
 
@@ -68,6 +71,11 @@ class TierBackend(ABC):
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         """Write this rank's share of `job` and take part in the step's commit; return what
         was committed on the rank that committed, None elsewhere. Every rank calls it."""
+
+    @abstractmethod
+    def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
+        """Policy "skip": this rank will not take part in the commit of `key`; tell whoever
+        waits for it (the training thread calls it, while the step's commit may run)."""
 
     @abstractmethod
     def supersede(self, step: int) -> None:
@@ -109,14 +117,22 @@ class SharedTier(TierBackend):
     node_local = False
     superseded_verb = f"retired (renamed to {RETIRED_MANIFEST})"
 
+    def __init__(self, tier: Tier, storage: Storage, group: NodeGroup):
+        super().__init__(tier, storage)
+        self.group = group  # this rank's node and its board: the commit's first level
+
     def owns(self, ctx: DistContext) -> bool:
         return ctx.rank == 0
 
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        return KeyLedger.shared(ctx.world_size)
+        return KeyLedger.shared(list(self.group.members))
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
-        return persist(self.storage, job.step, job.slot, job.skeleton, **self._commit_args(job, ctx, key, ledger))
+        args = self._commit_args(job, ctx, key, ledger)
+        return persist(self.storage, job.step, job.slot, job.skeleton, group=self.group, **args)
+
+    def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
+        report_skipped_shared(ctx, self.group, key, at, reason)
 
     def supersede(self, step: int) -> None:
         retire_step(self.storage, step)  # the manifest renamed aside; the bytes stay until retention
@@ -149,6 +165,9 @@ class NodeRamTier(TierBackend):
         return persist_node_local(
             self.storage, job.step, job.slot, job.skeleton, peers=self.peers, replicas=self.replicas, **args
         )
+
+    def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
+        report_skipped(ctx, key, reason)
 
     def persist_details(self) -> dict[str, Any]:
         run = self.peers.last_run if self.peers is not None else None

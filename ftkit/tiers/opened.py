@@ -4,11 +4,14 @@ bound to its run with its peer group, and the store-key ledger of each tier's co
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
+from ftkit.coord.nodelocal import NodeBoard
+from ftkit.save.commit import NodeGroup
 from ftkit.save.keys import KeyLedger
 from ftkit.tiers.backend import NodeRamTier, SharedTier, TierBackend
 from ftkit.tiers.peers import PeerGroup
@@ -31,9 +34,9 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
     durable = [t.url for t in tiers if not t.is_ram]
     ram_identity = run_identity(durable, run_id) if any(t.is_ram for t in tiers) else None
     backends: list[TierBackend] = []
-    for t in tiers:
+    for i, t in enumerate(tiers):
         if not t.is_ram:
-            backends.append(SharedTier(t, t.open()))
+            backends.append(SharedTier(t, t.open(), NodeGroup.of(ctx, _commit_board(ctx, i))))
             continue
         assert ram_identity is not None
         replicas = t.copies_elsewhere
@@ -47,3 +50,13 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         backends.append(NodeRamTier(t, storage, replicas, peers))
     keys = {i: b.new_ledger(ctx) for i, b in enumerate(backends)}
     return OpenedTiers(backends, ram_identity, keys)
+
+
+def _commit_board(ctx: DistContext, tier: int) -> NodeBoard | None:
+    """The board the ranks of this node post their reports to when committing to shared tier
+    `tier` (save/commit.py); its directory is this run instance's (a nonce agreed through
+    the store), so a rerun at the same address never reads a report of the run before."""
+    if not ctx.distributed:
+        return None
+    instance = ctx.store.compare_set(f"commit/{tier}/board", "", uuid.uuid4().hex).decode()
+    return NodeBoard(f"{ctx.scope}commit/{tier}", ctx.node, ctx.node_leader(ctx.rank), instance, kind="commit")

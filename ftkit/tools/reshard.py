@@ -17,8 +17,8 @@ import torch
 
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import read_tensors
-from ftkit.save.commit import commit
 from ftkit.save.layout import Layout
+from ftkit.save.manifests import commit
 from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
 from ftkit.save.staging import StagingArena
 from ftkit.save.write import discard, write_data

@@ -1,0 +1,265 @@
+"""Format version 3: a step's manifest as a small index plus one part per node.
+
+A shared tier's step at thousands of ranks would otherwise carry one manifest of
+every rank's tensor entries, assembled and rewritten by rank 0 at every step. In
+version 3 each node's leader writes the entries of its node's ranks as a *part*,
+and rank 0 commits the step with an *index* that names the parts (O(nodes)
+bytes)::
+
+    step-000000000120/
+        rank-00000-1f3a9c2e.data      data files, as in version 2
+        part-00000-7c1d09aa.json      tensors, files and RNG state of node 0's ranks
+        part-00008-02be51f3.json      ... of the node whose first rank is 8
+        manifest.json                 the index, written last: the commit
+
+The index carries what is the same for every rank (the skeleton) and, per part,
+its size, checksum and ranks. A reader reads the index, then every part (size and
+checksum checked before it is parsed), and assembles one manifest that it
+validates exactly as a version-2 manifest (format/validate.py): so every
+invariant of FORMAT.md holds across parts too. Parts are untrusted like the
+index: a part may only describe its own ranks' files, shards and RNG state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ftkit.errors import FormatError
+from ftkit.format import codec
+from ftkit.format.manifest import FORMAT_NAME, Manifest
+from ftkit.format.tiling import check_no_shared_bytes
+from ftkit.format.validate import (
+    CHECKSUM_RE,
+    MAX_STEP,
+    MAX_WORLD,
+    _files,
+    _int,
+    _list,
+    check_file_name,
+    check_value,
+    manifest_from_doc,
+    parse_json,
+    tensor_entry,
+)
+
+INDEX_VERSION = 3
+PART_FORMAT = "ftkit-checkpoint-part"
+MAX_PART_BYTES = 2**32  # a part lists one node's tensor entries: megabytes, not gigabytes
+
+
+def part_file_name(first_rank: int) -> str:
+    """A part's file name: its node's first rank and a random token (never reused)."""
+    return f"part-{first_rank:05d}-{uuid.uuid4().hex[:8]}.json"
+
+
+def rank_runs(ranks: list[int]) -> list[list[int]]:
+    """Sorted ranks as [start, stop) runs: a node's ranks are usually one run."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return runs
+
+
+def part_json(
+    step: int,
+    ranks: list[int],
+    files: dict[str, dict[str, Any]],
+    tensors: list[dict[str, Any]],
+    rank_state: dict[str, Any],
+) -> bytes:
+    doc = {
+        "format": PART_FORMAT,
+        "step": step,
+        "ranks": rank_runs(ranks),
+        "files": files,
+        "tensors": tensors,
+        "rank_state": rank_state,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def part_ref(name: str, data: bytes, ranks: list[int]) -> dict[str, Any]:
+    """The index's entry for a part written as `data`."""
+    return {"file": name, "bytes": len(data), "checksum": codec.checksum(data), "ranks": rank_runs(ranks)}
+
+
+def index_json(
+    step: int,
+    world_size: int,
+    parts: list[dict[str, Any]],
+    skeleton: dict[str, Any],
+    created_at: float,
+    writer: dict[str, Any],
+) -> bytes:
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": INDEX_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "parts": parts,
+        "skeleton": skeleton,
+        "created_at": created_at,
+        "writer": writer,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class PartRef:
+    file: str
+    nbytes: int
+    checksum: str
+    ranks: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Index:
+    step: int
+    world_size: int
+    parts: tuple[PartRef, ...]
+    doc: dict[str, Any]  # the index as parsed (skeleton, created_at, writer: validated on assembly)
+
+
+def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
+    """A version-3 index (format and version already checked): its parts are plain file
+    names, with sizes, checksums, and ranks that cover the world exactly once."""
+    try:
+        step = _int(doc.get("step"), "step", 0, MAX_STEP)
+        world = _int(doc.get("world_size"), "world_size", 1, MAX_WORLD)
+        refs, seen, names = [], 0, set()
+        for p in _list(doc.get("parts"), "parts"):
+            if not isinstance(p, dict):
+                raise FormatError("a part entry is not an object")
+            name = check_file_name(p.get("file"))
+            if not name.endswith(".json") or name in names:
+                raise FormatError(f"part {name!r} is not a .json file or is listed twice")
+            names.add(name)
+            nbytes = _int(p.get("bytes"), f"byte count of part {name!r}", 1, MAX_PART_BYTES)
+            checksum = p.get("checksum")
+            if not isinstance(checksum, str) or not CHECKSUM_RE.match(checksum):
+                raise FormatError(f"part {name!r} has no valid checksum")
+            ranks = _ranks(p.get("ranks"), world, f"part {name!r}")
+            seen += len(ranks)
+            refs.append(PartRef(name, nbytes, checksum, ranks))
+        covered = frozenset().union(*(r.ranks for r in refs)) if refs else frozenset()
+        if seen != world or len(covered) != world:  # every rank in exactly one part
+            raise FormatError(f"the parts do not hold every one of the {world} ranks exactly once")
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    if expect_step is not None and step != expect_step:
+        raise FormatError(f"{where}: manifest says step {step}, directory says {expect_step}")
+    return Index(step, world, tuple(refs), doc)
+
+
+def _ranks(runs: Any, world: int, what: str) -> frozenset[int]:
+    out: set[int] = set()
+    for run in _list(runs, f"the ranks of {what}"):
+        if not isinstance(run, list) or len(run) != 2:
+            raise FormatError(f"the ranks of {what} are not [start, stop) pairs")
+        start = _int(run[0], f"a rank of {what}", 0, world - 1)
+        stop = _int(run[1], f"a rank of {what}", start + 1, world)
+        if any(r in out for r in (start, stop - 1)) or len(out) + stop - start > world:
+            raise FormatError(f"the ranks of {what} overlap")
+        out.update(range(start, stop))
+    if not out:
+        raise FormatError(f"{what} holds no rank")
+    return frozenset(out)
+
+
+def check_part_bytes(ref: PartRef, data: bytes, where: str) -> None:
+    if len(data) != ref.nbytes:
+        raise FormatError(f"{where}: part is {len(data)} bytes, the index says {ref.nbytes}")
+    codec.check(memoryview(data), ref.checksum, where)
+
+
+def assemble(index: Index, parts: list[bytes], where: str) -> Manifest:
+    """The step's manifest from its index and its parts' bytes (in the index's order, each
+    already checked by check_part_bytes), validated as a whole like a version-2 manifest."""
+    files: dict[str, dict[str, Any]] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    rank_state: dict[str, Any] = {}
+    for ref, data in zip(index.parts, parts, strict=True):
+        pwhere = f"{where}: part {ref.file}"
+        doc = parse_json(data, pwhere, "part")
+        try:
+            _merge_part(doc, ref, index, files, tensors, rank_state)
+        except FormatError as e:
+            raise FormatError(f"{pwhere}: {e}") from None
+    whole = {**index.doc, "tensors": list(tensors.values()), "files": files, "rank_state": rank_state}
+    try:
+        m = manifest_from_doc(whole)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    refs = {r.file: {"bytes": r.nbytes, "checksum": r.checksum} for r in index.parts}
+    return dataclasses.replace(m, parts=refs)
+
+
+def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict, rank_state: dict) -> None:
+    """Add one part's files, tensor shards and RNG state; a part speaks only for its ranks."""
+    if not isinstance(doc, dict) or doc.get("format") != PART_FORMAT:
+        raise FormatError("not an ftkit manifest part")
+    if doc.get("step") != index.step or _ranks(doc.get("ranks"), index.world_size, "the part") != ref.ranks:
+        raise FormatError("its step or ranks differ from the index's")
+    part_files = doc.get("files")
+    if not isinstance(part_files, dict):
+        raise FormatError("'files' must be an object")
+    for name, info in part_files.items():
+        if name in files:
+            raise FormatError(f"file {str(name)[:80]!r} is listed by two parts")
+        if not isinstance(info, dict) or not _own(info.get("rank", 0), ref):
+            raise FormatError(f"file {str(name)[:80]!r} belongs to a rank of another part")
+        files[name] = info
+    for t in _list(doc.get("tensors"), "tensors"):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise FormatError("a tensor entry is not an object with a name")
+        shards = _list(t.get("shards"), f"the shards of tensor {t['name'][:80]!r}")
+        if any(not isinstance(s, dict) or not _own(s.get("rank", 0), ref) for s in shards):
+            raise FormatError(f"a shard of tensor {t['name'][:80]!r} belongs to a rank of another part")
+        prev = tensors.get(t["name"])
+        if prev is None:
+            tensors[t["name"]] = {**t, "shards": list(shards)}
+        elif any(prev.get(k) != t.get(k) for k in ("dtype", "shape", "kind")):
+            raise FormatError(f"tensor {t['name'][:80]!r} has another dtype, shape or kind than in an earlier part")
+        else:
+            prev["shards"].extend(shards)
+    states = doc.get("rank_state", {})
+    if not isinstance(states, dict):
+        raise FormatError("'rank_state' must be an object")
+    for r, st in states.items():
+        if not (isinstance(r, str) and r.isdigit() and int(r) in ref.ranks):
+            raise FormatError(f"rank_state has an entry for rank {str(r)[:20]!r} of another part")
+        rank_state[r] = st
+
+
+def check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:
+    """What a node's leader checks of the part it is about to write (its ranks' reports came
+    through its node's board: untrusted): everything a reader checks of one part alone.
+    That the parts together tile every tensor is checked when a reader assembles them."""
+    ref = PartRef("", len(data), "", frozenset(ranks))
+    index = Index(step, world_size, (ref,), {})
+    files: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    states: dict[str, Any] = {}
+    try:
+        _merge_part(parse_json(data, where, "part"), ref, index, files, tensors, states)
+        checked = _files(files, world_size)
+        entries = [tensor_entry(t, checked, world_size, whole=False) for t in tensors.values()]
+        check_no_shared_bytes(entries)
+        for r, st in states.items():
+            own = {t.name for t in entries if t.kind == "rank-local" and t.name.startswith(f"_rng/r{r}/")}
+            if not isinstance(st, dict):
+                raise FormatError(f"rank_state of rank {r} is not an object")
+            check_value(st.get("rng"), own, f"rank_state of rank {r}")
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+
+
+def _own(rank: Any, ref: PartRef) -> bool:
+    return type(rank) is int and rank in ref.ranks

@@ -1,0 +1,217 @@
+"""Format version 3: a step's manifest as an index of per-node parts (format/index.py).
+
+A step saved by 4 ranks on 2 nodes is built for real (`ftkit restore --world-size 4
+--out`, then its part split by node the way two node leaders write it), read back
+whole, and then attacked across parts: a part speaking for another node's ranks,
+ranks covered twice or not at all, parts changed, missing, linked, disagreeing.
+Steps in the single-document form of version 2 are still read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+import torch
+import xxhash
+from conftest import make_state, run_cli, snapshot_values
+
+import ftkit
+from ftkit.errors import FormatError
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.reader import load_manifest, read_tensors
+from ftkit.save.manifests import commit_docs, write_part
+
+NODES = ({0, 1}, {2, 3})
+
+
+def _runs(ranks):
+    return [[min(ranks), max(ranks) + 1]]
+
+
+def _split(part: dict, ranks: set[int]) -> dict:
+    """The part one node's leader would have written: only its ranks' files, shards, RNG."""
+    tensors = []
+    for t in part["tensors"]:
+        shards = [s for s in t["shards"] if s["rank"] in ranks]
+        if shards:
+            tensors.append({**t, "shards": shards})
+    return {
+        "format": "ftkit-checkpoint-part",
+        "step": part["step"],
+        "ranks": _runs(ranks),
+        "files": {f: i for f, i in part["files"].items() if i["rank"] in ranks},
+        "tensors": tensors,
+        "rank_state": {r: v for r, v in part["rank_state"].items() if int(r) in ranks},
+    }
+
+
+def _write_parts(step_dir, index: dict, parts: list[dict], ranks=None) -> None:
+    for f in step_dir.glob("part-*.json"):
+        f.unlink()
+    refs = []
+    for i, p in enumerate(parts):
+        data = json.dumps(p).encode()
+        name = f"part-{i:05d}-{uuid.uuid4().hex[:8]}.json"
+        (step_dir / name).write_bytes(data)
+        r = ranks[i] if ranks else p["ranks"]
+        refs.append({"file": name, "bytes": len(data), "checksum": "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)})
+        refs[-1]["ranks"] = r
+    (step_dir / MANIFEST_NAME).write_text(json.dumps({**index, "parts": refs}))
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """(root, index, [part of node 0, part of node 1], saved values) of a 4-rank step."""
+    state = make_state(0, width=32)
+    state["grid"] = torch.arange(600, dtype=torch.int64).reshape(20, 30)
+    state["big"] = torch.randn(512, 1024)  # 2 MiB: split in row blocks over the 4 ranks, so over both parts
+    src = tmp_path / "src"
+    with ftkit.Checkpointer(state, [str(src)]) as ck:
+        ck.snapshot(1)
+    root = tmp_path / "four"
+    assert run_cli("restore", str(src), "--out", str(root), "--world-size", "4").returncode == 0
+    step_dir = root / step_dir_name(1)
+    index = json.loads((step_dir / MANIFEST_NAME).read_text())
+    (ref,) = index["parts"]
+    whole = json.loads((step_dir / ref["file"]).read_text())
+    parts = [_split(whole, n) for n in NODES]
+    _write_parts(step_dir, index, parts)
+    return root, index, parts, snapshot_values(state)
+
+
+def _load(root):
+    return load_manifest(ftkit.Tier(str(root)).open(), 1)
+
+
+def test_a_step_of_two_parts_reads_whole_and_restores(two_nodes):
+    root, index, parts, values = two_nodes
+    m = _load(root)
+    assert m.format_version == 3 and m.world_size == 4 and len(m.parts) == 2
+    assert {f["rank"] for f in m.files.values()} == {0, 1, 2, 3}
+    got = read_tensors(ftkit.Tier(str(root)).open(), m)
+    state = make_state(1, width=32)
+    state["grid"] = torch.zeros(20, 30, dtype=torch.int64)
+    state["big"] = torch.zeros(512, 1024)
+    with ftkit.Checkpointer(state, [str(root)]) as ck:
+        assert ck.restore() == 1
+    for name, v in snapshot_values(state).items():
+        assert torch.equal(v, values[name]), name
+    assert got  # every tensor readable directly too
+    r = run_cli("verify", str(root))
+    assert r.returncode == 0, r.stdout
+
+
+def _refused(root, needle: str) -> None:
+    with pytest.raises(FormatError, match=needle):
+        _load(root)
+    r = run_cli("verify", str(root))
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
+
+
+def test_a_part_may_not_speak_for_another_nodes_ranks(two_nodes):
+    root, index, parts, _ = two_nodes
+    stolen = next(f for f, i in parts[0]["files"].items() if i["rank"] == 0)
+    parts[1]["files"][stolen] = {**parts[0]["files"][stolen]}  # node 1 claims rank 0's file
+    _write_parts(root / step_dir_name(1), index, parts)
+    _refused(root, "another part|listed by two parts")
+
+
+def test_a_shard_of_another_nodes_rank_is_refused(two_nodes):
+    root, index, parts, _ = two_nodes
+    parts[1]["tensors"][0]["shards"][0]["rank"] = 0
+    _write_parts(root / step_dir_name(1), index, parts)
+    _refused(root, "belongs to a rank of another part")
+
+
+@pytest.mark.parametrize(
+    "ranks, needle",
+    [
+        ([[[0, 2]], [[1, 4]]], "overlap|exactly once"),  # rank 1 twice
+        ([[[0, 2]], [[3, 4]]], "exactly once|differ"),  # rank 2 in no part
+        ([[[0, 2]], [[2, 5]]], "out of range"),  # a rank past the world
+    ],
+)
+def test_the_parts_cover_every_rank_exactly_once(two_nodes, ranks, needle):
+    root, index, parts, _ = two_nodes
+    _write_parts(root / step_dir_name(1), index, parts, ranks=ranks)
+    _refused(root, needle)
+
+
+def test_a_changed_missing_or_linked_part_is_refused(two_nodes, tmp_path):
+    root, index, parts, _ = two_nodes
+    step_dir = root / step_dir_name(1)
+    refs = json.loads((step_dir / MANIFEST_NAME).read_text())["parts"]
+    p = step_dir / refs[1]["file"]
+    data = p.read_bytes()
+    p.write_bytes(data.replace(b'"float32"', b'"float64"', 1))  # same size, other bytes
+    _refused(root, "checksum")
+    p.write_bytes(data + b" ")
+    _refused(root, "bytes, not")
+    p.unlink()
+    _refused(root, "missing")
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes(data)
+    os.symlink(outside, p)
+    _refused(root, "missing")
+
+
+def test_parts_that_disagree_about_a_tensor_are_refused(two_nodes):
+    root, index, parts, _ = two_nodes
+    names = {t["name"] for t in parts[1]["tensors"]}
+    other = next(t for t in parts[0]["tensors"] if t["name"] in names)
+    other["dtype"] = "float64" if other["dtype"] != "float64" else "float32"
+    _write_parts(root / step_dir_name(1), index, parts)
+    _refused(root, "another dtype, shape or kind")
+
+
+def test_parts_that_cover_a_tensor_twice_are_refused(two_nodes):
+    root, index, parts, _ = two_nodes
+    t0 = next(t for t in parts[0]["tensors"] if t["name"] == "big")
+    t1 = next(t for t in parts[1]["tensors"] if t["name"] == "big")
+    t1["shards"] = [{**s, "rank": 2} for s in t0["shards"]]  # node 1 repeats node 0's region
+    _write_parts(root / step_dir_name(1), index, parts)
+    _refused(root, "cover|overlap|more than|volume")
+
+
+def test_a_leader_refuses_to_write_a_part_for_another_nodes_rank(two_nodes):
+    root, index, parts, _ = two_nodes
+    storage = ftkit.Tier(str(root)).open()
+    m = _load(root)
+    write = next(f for f, i in m.files.items() if i["rank"] == 2)
+    entries = [
+        {**t, "shards": [s for s in t["shards"] if s["rank"] == 2]} for t in parts[1]["tensors"] if t["shards"]
+    ]
+    report = {"rank": 2, "file": write, "nbytes": m.files[write]["bytes"], "tensors": entries}
+    before = sorted(os.listdir(root / step_dir_name(1)))
+    with pytest.raises(FormatError, match="another part"):
+        write_part(storage, 1, [report], {}, [0, 1], 4)  # node 0's leader given rank 2's report
+    assert sorted(os.listdir(root / step_dir_name(1))) == before  # no part written
+
+
+def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
+    """A step written before version 3 (and the RAM tier's form today) reads and restores."""
+    root, index, parts, values = two_nodes
+    step_dir = root / step_dir_name(1)
+    whole = [
+        {"rank": r, "file": f, "nbytes": i["bytes"], "tensors": _split(parts[r // 2], {r})["tensors"]}
+        for p in parts
+        for f, i in p["files"].items()
+        for r in [i["rank"]]
+    ]
+    rank_state = {k: v for p in parts for k, v in p["rank_state"].items()}
+    for f in step_dir.glob("*.json"):
+        f.unlink()
+    commit_docs(ftkit.Tier(str(root)).open(), 1, whole, index["skeleton"], 4, rank_state)
+    doc = json.loads((step_dir / MANIFEST_NAME).read_text())
+    assert doc["format_version"] == 2 and "tensors" in doc
+    assert _load(root).format_version == 2
+    state = make_state(1, width=32)
+    state["grid"] = torch.zeros(20, 30, dtype=torch.int64)
+    state["big"] = torch.zeros(512, 1024)
+    with ftkit.Checkpointer(state, [str(root)]) as ck:
+        assert ck.restore() == 1
+    for name, v in snapshot_values(state).items():
+        assert torch.equal(v, values[name]), name
