@@ -20,6 +20,14 @@ found after `dead_after_s`, 3 s), a hung rank (heartbeats go on, its step stops:
 found after its hang bound, 30 s); then `--quiet-s` of nothing. Any
 verdict that is not about the fault in its window counts as false.
 
+Then the commit protocol of a shared tier (save/commit.py: `node_share` on every
+simulated leader, `commit_step` on rank 0), three steps: every rank's report on its
+node's real board, a real part file per node and the index, on tmpfs; and restore
+planning (inventories from the node leaders to rank 0, the real planner, the
+candidates published and read). Fields: commit_ms (the step's last node record set
+-> its index written), commit_store_requests_per_step, index_bytes_per_step,
+restore_plan_s (the leaders start -> the candidates published).
+
 Prints a table and one JSON line per size. The baseline is the issue's own
 measurement of the previous design (every rank read every heartbeat: 3N^2
 requests per interval, 990% of this store's capacity at 256 ranks).
@@ -285,7 +293,48 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
             out["commit"].append({**done, "index_bytes": len(committed.manifest_json)})
         _barrier(raw, f"{prefix}e{step}", procs)
         out["requests"].append(store.requests - before)
+    out["restore"] = plan_restore(idx, procs, world, per, raw, store, ctxs, mine)
     return out
+
+
+def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: Any, ctxs: dict, mine: list) -> dict:
+    """Restore planning with the real code (restore/__init__.py's first phase): each node's
+    leader sends its RAM tier's inventory to rank 0 (its 8 files and the 8 it keeps for
+    the node before it; rank 0's also lists the 16,384 files its manifest names, the
+    others a digest), rank 0 plans the candidates and publishes them, and every node's
+    leader reads them (each rank does, once)."""
+    from ftkit.format import codec
+    from ftkit.restore.plan import Candidate, order_candidates, ram_candidates
+
+    prefix = f"commit{world}/"
+    files = [f"rank-{r:05d}-restore.data" for r in range(world)]
+    digest = codec.checksum("\n".join(sorted(files)).encode())
+    nodes, leaders = world // per, set(range(0, world, per))
+    names = [f"n{r // per}" for r in range(world)]
+    _barrier(raw, f"{prefix}r0", procs)
+    before, t0, c0 = store.requests, time.time(), time.thread_time()
+    published = None
+    for n in sorted(mine, reverse=True):  # rank 0 (node 0) last: it waits for the others
+        ctx = ctxs[n]
+        prev = (n - 1) % nodes
+        have = files[n * per : (n + 1) * per] + files[prev * per : (prev + 1) * per]
+        inv = {"7": {"have": have, "need": sorted(files) if n == 0 else None, "digest": digest}}
+        got = ctx.gather_to_root("restore/inv", inv, leaders)
+        if n == 0:
+            leader_of = {names[r]: r for r in got}
+            inventories = [got[leader_of[node]] for node in names]
+            ram = ram_candidates(inventories, names, 0, True)
+            planned = order_candidates(None, ram, [(1, [3, 5])])
+            listing = {"candidates": [c.to_json(holders=False) for c in planned], "unreachable": []}
+            ctx.broadcast("restore/candidates", listing)
+            published = time.time()
+            assert planned[0].step == 7 and len(planned[0].holders) == world
+    root_cpu = time.thread_time() - c0
+    for n in mine:  # every node's leader reads the plan (every rank does, O(1) each)
+        got_listing = ctxs[n].broadcast("restore/candidates") if n != 0 else listing
+        assert Candidate.from_json(got_listing["candidates"][0]).step == 7
+    _barrier(raw, f"{prefix}r1", procs)
+    return {"start": t0, "published": published, "cpu": root_cpu, "requests": store.requests - before}
 
 
 def _barrier(raw: Any, key: str, procs: int) -> None:
@@ -326,7 +375,12 @@ def run_commits(world: int, per: int, procs: int, port: int) -> dict[str, Any]:
         last = max([c["started"], *sets[i * per_step : (i + 1) * per_step]]) if per_step else c["started"]
         latencies.append(c["done"] - last)
     requests = [sum(x) for x in zip(*(o["requests"] for o in outs))]
+    restores = [o["restore"] for o in outs]
+    published = next(r["published"] for r in restores if r["published"] is not None)
     return {
+        "restore_plan_s": published - min(r["start"] for r in restores),
+        "restore_plan_store_requests": sum(r["requests"] for r in restores),
+        "restore_plan_root_cpu_s": next(r["cpu"] for r in restores if r["published"] is not None),
         "commit_ms": statistics.median(latencies) * 1e3,
         "commit_store_requests_per_step": statistics.median(requests),
         "index_bytes_per_step": statistics.median(c["index_bytes"] for c in commits),
@@ -392,10 +446,6 @@ def run_size(world: int, per: int, procs: int, port: int, capacity: float, quiet
         "quiet_s": quiet_s,
         "rounds": len(rounds),
         "wall_s": wall,
-        "commit_ms": None,  # issue 15, not yet built: the node-aggregated commit
-        "commit_store_requests_per_step": None,
-        "restore_plan_s": None,
-        "index_bytes_per_step": None,
     }
 
 
@@ -416,6 +466,8 @@ def main() -> int:
     for world in a.ranks:
         print(f"  .. {world} ranks ({world // a.per_node} nodes)", file=sys.stderr, flush=True)
         row = run_size(world, a.per_node, a.procs, server.port, capacity, a.quiet_s)
+        row.update(run_commits(world, a.per_node, a.procs, server.port))
+        row["commit_store_requests_limit"] = 2 * row["nodes"] + 10  # the issue's target
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.json:
@@ -423,6 +475,7 @@ def main() -> int:
                 f.write(json.dumps(row) + "\n")
     print()
     cols = ("ranks", "nodes", "req/interval", "busy", "cpu ms/node", "dead", "aggr", "hung", "false")
+    cols += ("commit ms", "commit req", "index B", "plan s")
     print(" ".join(f"{c:>12}" for c in cols))
 
     def secs(v: float | None) -> str:
@@ -439,9 +492,14 @@ def main() -> int:
             secs(r["detect_aggregator_dead_s"]),
             secs(r["detect_hung_s"]),
             r["false_verdicts"],
+            f"{r['commit_ms']:.0f}",
+            f"{r['commit_store_requests_per_step']:.0f}",
+            f"{r['index_bytes_per_step']:.0f}",
+            f"{r['restore_plan_s']:.2f}",
         )
         print(" ".join(f"{c:>12}" for c in cells))
-    print("previous design (every rank read every heartbeat): 3N^2 requests per interval, e.g. 196,096 at 256 ranks")
+    print("previous design (every rank read every heartbeat): 3N^2 requests per interval, e.g. 196,096 at 256 ranks;")
+    print("commits: rank 0 read one report per rank, one round trip each, and wrote every rank's entries")
     return 0
 
 

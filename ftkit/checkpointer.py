@@ -249,9 +249,8 @@ class Checkpointer:
             if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
                 for i in due:
                     key = commit_key(i, self._restores, step)
-                    node_local = self._backends[i].node_local
                     self._backends[i].report_skipped(ctx, key, (self._restores, step), "snapshot skipped: staging busy")
-                    if node_local or ctx.rank == 0:  # rank 0 deletes a shared tier's records
+                    if ctx.rank == 0:  # rank 0 deletes a step's records, and those of one it skipped
                         self._keys[i].record((self._restores, step), key)
             return False
         try:

@@ -181,9 +181,7 @@ def test_a_leader_refuses_to_write_a_part_for_another_nodes_rank(two_nodes):
     storage = ftkit.Tier(str(root)).open()
     m = _load(root)
     write = next(f for f, i in m.files.items() if i["rank"] == 2)
-    entries = [
-        {**t, "shards": [s for s in t["shards"] if s["rank"] == 2]} for t in parts[1]["tensors"] if t["shards"]
-    ]
+    entries = [{**t, "shards": [s for s in t["shards"] if s["rank"] == 2]} for t in parts[1]["tensors"] if t["shards"]]
     report = {"rank": 2, "file": write, "nbytes": m.files[write]["bytes"], "tensors": entries}
     before = sorted(os.listdir(root / step_dir_name(1)))
     with pytest.raises(FormatError, match="another part"):

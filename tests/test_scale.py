@@ -28,3 +28,21 @@ def test_the_watchdog_at_1024_ranks_costs_two_store_requests_per_node_and_finds_
     # after it was written, as the watchers read in their own rounds).
     assert 3.0 < row["detect_aggregator_dead_s"] <= 4.0
     assert 30.0 < row["detect_hung_s"] <= 31.0  # the hang bound (its 30 s floor), within a second
+
+
+@pytest.mark.timeout(300)
+def test_a_shared_tier_commit_at_1024_ranks_costs_two_store_requests_per_node():
+    """The real commit protocol of 128 simulated nodes (boards, parts, index on tmpfs) and the
+    real restore planner over their inventories: request counts that follow the nodes."""
+    import torch.distributed as dist
+    from bench_scale import run_commits
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    row = run_commits(1024, 8, 2, server.port)
+    # A record set and deleted per node (rank 0's own is neither), rank 0's wait and multi_get.
+    assert row["commit_store_requests_per_step"] == 2 * 127 + 2 <= 2 * 128 + 10
+    # The index: ~110 bytes per node's part and the skeleton, nothing per rank or tensor.
+    assert 100 * 128 < row["index_bytes_per_step"] < 120 * 128 + 1000
+    # Inventories: a put per leader but rank 0's; rank 0's wait, multi_get and the plan's set;
+    # each other leader reads the plan (a wait and a get). No request per rank of a node.
+    assert row["restore_plan_store_requests"] == 127 + 3 + 2 * 127

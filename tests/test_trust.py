@@ -361,31 +361,39 @@ def _staged(value: float):
 SKELETON = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
 
 
-def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path):
-    """Rank 1's report, as read from the store, names ../../../escaped.data: it is an
-    error report, nothing is written or deleted outside, the step is not committed."""
+def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkeypatch):
+    """Rank 1's report, as its leader reads it from the node's board, names
+    ../../../escaped.data: it is an error report, nothing is written or deleted
+    outside, the step is not committed."""
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
+    from ftkit.coord.nodelocal import NodeBoard, step_message
+    from ftkit.save.commit import NodeGroup
     from ftkit.save.node_commit import persist_node_local
     from ftkit.tiers.storage import Storage
 
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
     store = dist.HashStore()
     ctx = DistContext(0, 2, store, "node0", 10.0, ["node0", "node0"])
+    group = NodeGroup.of(ctx, NodeBoard("k", "node0", True, "test", kind="commit"))
     node = tmp_path / "ram" / "job" / "node0"
     storage = Storage(str(node))
     (tmp_path / "escaped.data").write_text("precious")
-    store.set("k/w/1", json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None}) + "\n[]")
-    store.set("k/r/1", "null")
+    forged = json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None}) + "\n[]"
+    group.board.write_text(step_message((0, 0), "w-r1"), forged)
+    group.board.write(step_message((0, 0), "r-r1"), {"errors": []})
     arena, slot = _staged(1.0)
     try:
         with pytest.raises(ftkit.StorageError, match="unreadable report.*outside its step directory"):
-            persist_node_local(storage, 1, slot, SKELETON, compress=None, pieces=None, rng=None, ctx=ctx, key="k")
+            persist_node_local(
+                storage, 1, slot, SKELETON, compress=None, pieces=None, rng=None, ctx=ctx, key="k", group=group
+            )
     finally:
         arena.release(slot)
         arena.close()
     assert (tmp_path / "escaped.data").read_text() == "precious"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["escaped.data", "ram"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["escaped.data", "ram", "shm"]
     assert not list(tmp_path.rglob("*.data.tmp-*")) and not list((tmp_path / "ram").rglob(MANIFEST_NAME))
     assert store.get("k/manifest") == b'""'  # rank 0 told the node leaders: not committed
 

@@ -202,15 +202,6 @@ class DistContext:
             first.setdefault(n, r)
         return list(first.values())
 
-    def gather_text(self, key: str, text: str, timeout_s: float | None = None) -> list[str]:
-        """gather() for values the caller encodes itself (and may decode only in part)."""
-        if not self.distributed:
-            return [text]
-        self.store.set(f"{key}/{self.rank}", text)
-        keys = [f"{key}/{r}" for r in range(self.world_size)]
-        self._wait(keys, timeout_s)
-        return [v.decode() for v in self.store.multi_get(keys)]
-
     def _wait(self, keys: list[str], timeout_s: float | None) -> None:
         timeout_s = timeout_s or self.timeout_s
         try:

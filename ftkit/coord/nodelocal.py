@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import stat
+import time
 from typing import Any
 
 from ftkit.coord.judge import Beat
@@ -61,7 +62,11 @@ class NodeBoard:
 
     # ------------------------------------------------------------- files
     def write(self, name: str, doc: Any) -> None:
-        data = json.dumps(doc, separators=(",", ":")).encode()
+        self.write_text(name, json.dumps(doc, separators=(",", ":")))
+
+    def write_text(self, name: str, text: str) -> None:
+        """`name` holds `text`, whole: written to a temporary name, then renamed."""
+        data = text.encode()
         tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
@@ -105,10 +110,37 @@ class NodeBoard:
         except OSError:
             return []
 
+    # ------------------------------------------------- a step's messages (commits)
+    def collect(
+        self, names: dict[int, str], timeout_s: float, max_bytes: int, give_up: str | None = None
+    ) -> dict[int, bytes | None]:
+        """Wait for the files `names` ({rank: name}) to appear, polling (0.5 ms, doubling to
+        20 ms) for at most `timeout_s`; their bytes by rank, None for one that never came or
+        is unreadable. `give_up`: a file whose appearance ends the wait at once (a skip)."""
+        got: dict[int, bytes | None] = {}
+        deadline, pause = time.monotonic() + timeout_s, 0.0005
+        while True:
+            for r, name in names.items():
+                if r not in got and (data := self.read_bytes(name, max_bytes)) is not None:
+                    got[r] = data
+            if len(got) == len(names) or time.monotonic() > deadline:
+                break
+            if give_up is not None and os.path.exists(os.path.join(self.path, give_up)):
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        return {r: got.get(r) for r in names}
+
     def discard(self, *names: str) -> None:
         for name in names:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.path, name))
+
+    def prune_before(self, at: tuple[int, int]) -> None:
+        """Remove the messages of steps before `at` ((restore epoch, step)): what a skipped
+        step left, which nobody collected."""
+        stale = [n for n in self.names() if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]
+        self.discard(*stale)
 
     def write_beat(self, rank: int, beat: Beat) -> None:
         self.write(f"rank-{rank}.json", beat.to_json())
@@ -140,3 +172,11 @@ def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:
             rerun = n == mine and s == scope and name != attempt
             if (older or rerun) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def step_message(at: tuple[int, int], what: str) -> str:
+    """The file name of one message of the step at `at` ((restore epoch, step))."""
+    return f"{at[0]}-{at[1]}-{what}.json"
+
+
+_STEP_MSG_RE = re.compile(r"^(\d+)-(\d+)-")

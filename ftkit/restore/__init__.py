@@ -78,9 +78,12 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     t_start = time.perf_counter()
     inventory, manifests = ram_inventory(rc)
     # The ranks of a node see one directory: its leader's view stands for all (O(nodes) messages).
-    by_leader = ctx.gather_to_root(f"{key}/inv", inventory, ctx.leaders()) if rc.ram is not None else None
+    # Only rank 0 sends the files its manifests name; the others a digest of that list.
+    sent = inventory if ctx.rank == 0 else {s: {**e, "need": None} for s, e in inventory.items()}
+    by_leader = ctx.gather_to_root(f"{key}/inv", sent, ctx.leaders()) if rc.ram is not None else None
     listing = None
     listings: list[tuple[int, list[int]]] = []
+    planned: list[Candidate] = []
     if ctx.rank == 0:
         ram = {}
         if rc.ram is not None and by_leader is not None:
@@ -88,12 +91,11 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             inventories = [by_leader[leader_of[n]] for n in ctx.nodes]
             ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch)
         listings, unreachable = shared_listings(rc)
-        listing = {
-            "candidates": [c.to_json() for c in order_candidates(step, ram, listings)],
-            "unreachable": unreachable,
-        }
+        planned = order_candidates(step, ram, listings)
+        # Without holders (O(ranks) each): only rank 0 plans the fetches (restore/read.py).
+        listing = {"candidates": [c.to_json(holders=False) for c in planned], "unreachable": unreachable}
     listing = ctx.broadcast(f"{key}/candidates", listing)
-    candidates = [Candidate.from_json(c) for c in listing["candidates"]]
+    candidates = planned or [Candidate.from_json(c) for c in listing["candidates"]]
     unreachable = listing["unreachable"]
     t_plan = time.perf_counter() - t_start
     if step is not None and not candidates:

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ftkit.format import codec
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import load_manifest
 from ftkit.restore.context import RestoreContext
@@ -15,7 +16,8 @@ log = logging.getLogger("ftkit")
 
 
 def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifest]]:
-    """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...]}},
+    """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...],
+    "digest": ...}} (restore/plan.py, ram_candidates),
     and the manifests parsed on the way (the read of a candidate reuses them)."""
     i = rc.ram
     manifests: dict[int, Manifest] = {}
@@ -25,14 +27,15 @@ def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifes
     out: dict[str, Any] = {}
     try:
         for step, (have, committed) in backend.inventory().items():
-            need = None
+            need = digest = None
             if committed:
                 try:
                     manifests[step] = load_manifest(backend.storage, step)
                     need = sorted(manifests[step].files)
+                    digest = codec.checksum("\n".join(need).encode())
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                     log.warning("RAM tier manifest of step %d is unusable: %s", step, e)
-            out[str(step)] = {"have": have, "need": need}
+            out[str(step)] = {"have": have, "need": need, "digest": digest}
     except StorageError as e:
         log.warning("cannot list the RAM tier: %s", e)
     return out, manifests

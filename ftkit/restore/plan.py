@@ -35,11 +35,11 @@ class Candidate:
     holders: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     manifest_rank: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, holders: bool = True) -> dict[str, Any]:
         return {
             "step": self.step,
             "tier": self.tier,
-            "holders": {f: list(r) for f, r in self.holders.items()},
+            "holders": {f: list(r) for f, r in self.holders.items()} if holders else {},
             "manifest_rank": self.manifest_rank,
         }
 
@@ -54,19 +54,19 @@ class Candidate:
 
 
 def _inventory_entries(inv: Any):
-    """(step, files held, files the manifest needs or None) of one rank's inventory,
-    skipping anything malformed: inventories come through the store."""
+    """(step, files held, files the manifest needs or None, the manifest's digest or None)
+    of one rank's inventory, skipping anything malformed: inventories come through the store."""
     if not isinstance(inv, Mapping):
         return
     for s, info in inv.items():
         if not (isinstance(s, str) and s.isdigit() and isinstance(info, Mapping)):
             continue
-        have, need = info.get("have"), info.get("need")
+        have, need, digest = info.get("have"), info.get("need"), info.get("digest")
         if not isinstance(have, list) or not all(isinstance(f, str) for f in have):
             continue
         if need is not None and (not isinstance(need, list) or not all(isinstance(f, str) for f in need)):
             continue
-        yield int(s), have, need
+        yield int(s), have, need, digest if isinstance(digest, str) else None
 
 
 def ram_candidates(
@@ -76,29 +76,34 @@ def ram_candidates(
     node (when files can be fetched between nodes, `can_fetch`), or on every node.
 
     `inventories[r]` is rank r's view of its node: {"<step>": {"have": [data files],
-    "need": [files the manifest names] or None when the node has no manifest}}."""
-    parsed = [{s: (have, need) for s, have, need in _inventory_entries(inv)} for inv in inventories]
+    "need": [files the manifest names] or None, "digest": of that list, or None when
+    the node has no manifest}}. Only one inventory need carry the list (restore sends
+    rank 0's, the others send the digest: O(nodes) bytes, not O(nodes x ranks)); a step
+    whose manifest no list came with is tried unchecked, and its read proves it."""
+    parsed = [{s: (have, need, digest) for s, have, need, digest in _inventory_entries(inv)} for inv in inventories]
     by_step: dict[int, dict[str, Any]] = {}
     for rank, inv in enumerate(parsed):
-        for s, (have, need) in inv.items():
+        for s, (have, need, digest) in inv.items():
             entry = by_step.setdefault(s, {"holders": {}, "need": None, "manifest_rank": None, "nodes": {}})
             for f in have:
                 entry["holders"].setdefault(f, []).append(rank)
             entry["nodes"].setdefault(nodes[rank], set()).update(have)
             if need is not None and entry["need"] is None:
-                entry["need"], entry["manifest_rank"] = need, rank
+                entry["need"] = need
+            if (need is not None or digest is not None) and entry["manifest_rank"] is None:
+                entry["manifest_rank"] = rank
     all_nodes = set(nodes)
     out = {}
     for s, e in by_step.items():
-        if e["need"] is None:
+        if e["manifest_rank"] is None:
             continue
-        need = set(e["need"])
+        need = set(e["need"]) if e["need"] is not None else set()
         if can_fetch:
             complete = need <= set(e["holders"])
         else:  # no transport between nodes: every node must hold everything
             complete = all(need <= e["nodes"].get(n, set()) for n in all_nodes)
         if complete:  # the manifest goes through the store only when a node lacks it
-            lacking = any(inv.get(s, (None, None))[1] is None for inv in parsed)
+            lacking = any(inv.get(s, (None, None, None))[1:] == (None, None) for inv in parsed)
             out[s] = Candidate(
                 s, ram_tier, {f: tuple(r) for f, r in e["holders"].items()}, e["manifest_rank"] if lacking else None
             )

@@ -25,15 +25,13 @@ step's writers wrote and leaves every committed step untouched.
 from __future__ import annotations
 
 import logging
-import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
-from ftkit.coord.nodelocal import NodeBoard
+from ftkit.coord.nodelocal import NodeBoard, step_message
 from ftkit.errors import FormatError, StorageError
 from ftkit.format.index import rank_runs
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
@@ -48,7 +46,6 @@ from ftkit.tiers.storage import Storage
 log = logging.getLogger(__name__)
 
 MAX_REPORT_BYTES = 256 * 2**20  # one rank's tensor entries: megabytes at most
-_REPORT_RE = re.compile(r"^(\d+)-(\d+)-r(\d+)\.json$")
 
 
 @dataclass(frozen=True)
@@ -159,33 +156,26 @@ def commit_step(
 
 
 def _report_name(at: tuple[int, int], rank: int) -> str:
-    return f"{at[0]}-{at[1]}-r{rank}.json"
+    return step_message(at, f"w-r{rank}")
 
 
 def _collect(group: NodeGroup, at: tuple[int, int], ctx: DistContext) -> dict[int, dict[str, Any]]:
-    """The leader's wait for the reports of its node's other ranks (polling the board; a
-    missing one after the timeout reads as that rank's error), then removing them and
-    any report of an earlier step nobody collected (a step this leader skipped)."""
+    """The leader's wait for the reports of its node's other ranks (a missing one after the
+    timeout reads as that rank's error), then removing them and any message of an earlier
+    step nobody collected (a step this leader skipped)."""
     board = group.board
-    others = [r for r in group.ranks if r != ctx.rank]
+    others = {r: _report_name(at, r) for r in group.ranks if r != ctx.rank}
     if board is None or not others:
         return {}
-    names = {r: _report_name(at, r) for r in others}
-    got: dict[int, dict[str, Any]] = {}
-    deadline, pause = time.monotonic() + ctx.timeout_s, 0.0005
-    while True:
-        for r in others:
-            if r not in got and (raw := board.read_bytes(names[r], MAX_REPORT_BYTES)) is not None:
-                got[r] = shared_report(r, raw, ctx.world_size)
-        if len(got) == len(others) or time.monotonic() > deadline:
-            break
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-    for r in others:
-        got.setdefault(r, {"error": f"rank {r}: no report within {ctx.timeout_s:.0f}s", "write": None})
-    stale = [n for n in board.names() if (m := _REPORT_RE.match(n)) and (int(m[1]), int(m[2])) < at]
-    board.discard(*names.values(), *stale)
-    return got
+    raws = board.collect(others, ctx.timeout_s, MAX_REPORT_BYTES)
+    board.discard(*others.values())
+    board.prune_before(at)
+    return {
+        r: shared_report(r, raw, ctx.world_size)
+        if raw is not None
+        else {"error": f"rank {r}: no report within {ctx.timeout_s:.0f}s", "write": None}
+        for r, raw in raws.items()
+    }
 
 
 def _node_record(

@@ -33,10 +33,12 @@ class KeyLedger:
         self._keys: list[tuple[tuple[int, int], str]] = []
 
     @staticmethod
-    def node_local(rank: int) -> KeyLedger:
-        """persist_node_local's keys of one rank: its reports, and rank 0's manifest."""
-        manifest = ["manifest"] if rank == 0 else []
-        return KeyLedger(lambda key: [f"{key}/{n}" for n in (f"w/{rank}", f"r/{rank}", *manifest)])
+    def node_local(leaders: list[int]) -> KeyLedger:
+        """persist_node_local's keys of a step rank 0 skipped: every node's records, which rank 0
+        would have deleted, and its word on the manifest."""
+        return KeyLedger(
+            lambda key: [f"{key}/w/{r}" for r in leaders] + [f"{key}/r/{r}" for r in leaders if r] + [f"{key}/manifest"]
+        )
 
     @staticmethod
     def shared(leaders: list[int]) -> KeyLedger:
@@ -44,8 +46,14 @@ class KeyLedger:
         return KeyLedger(lambda key: [f"{key}/n/{r}" for r in leaders if r != 0])
 
     def record(self, at: tuple[int, int], key: str) -> None:
+        """Every key a call with `key` leaves (a skipped step's)."""
         with self._lock:
             self._keys += [(at, k) for k in self._names(key)]
+
+    def record_key(self, at: tuple[int, int], key: str) -> None:
+        """One store key, to delete once a later call has moved past it."""
+        with self._lock:
+            self._keys.append((at, key))
 
     @contextlib.contextmanager
     def older_than(self, at: tuple[int, int]) -> Iterator[list[tuple[tuple[int, int], str]]]:

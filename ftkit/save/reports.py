@@ -7,7 +7,8 @@ the step is simply not committed.
 
 * shared tiers (save/commit.py): one JSON object per rank, {"write", "error", "rng"},
   posted to the rank's node board and read by its leader;
-* the RAM tier (save/node_commit.py): `NodeReport`, two JSON lines.
+* the RAM tier (save/node_commit.py): `NodeReport`, two JSON lines, posted to the
+  rank's node board and relayed by its leader in one record for the node.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.coord.agree import report
-from ftkit.coord.dist import DistContext
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
@@ -118,13 +117,3 @@ def decode_report(rank: int, text: str, world_size: int) -> NodeReport:
         return NodeReport.decode(rank, text, world_size)
     except FormatError as e:
         return NodeReport(rank, None, 0, f"unreadable report: {e}", None, "[]", False, world_size)
-
-
-def report_skipped(ctx: DistContext, key: str, reason: str) -> None:
-    """Policy "skip" on the RAM tier: tell the other ranks at once that this rank will not
-    write the step of `key`, so nobody waits for its share (or, from rank 0, for a manifest).
-    A shared tier's is save/commit.py's report_skipped_shared."""
-    ctx.store.set(f"{key}/w/{ctx.rank}", NodeReport.encode(None, reason, None, skipped=True))
-    report(ctx, f"{key}/r")  # no replication outcome to wait for
-    if ctx.rank == 0:
-        ctx.put(f"{key}/manifest", "")

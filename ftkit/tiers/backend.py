@@ -34,9 +34,9 @@ from ftkit.format.reader import scan
 from ftkit.save.commit import NodeGroup, persist, report_skipped_shared
 from ftkit.save.keys import KeyLedger
 from ftkit.save.manifests import Committed
-from ftkit.save.node_commit import persist_node_local
-from ftkit.save.reports import report_skipped
+from ftkit.save.node_commit import persist_node_local, report_skipped_node_local
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
+from ftkit.tiers.peers import ReplicaLayout
 from ftkit.tiers.retention import apply_job_retention
 
 if TYPE_CHECKING:
@@ -142,10 +142,14 @@ class NodeRamTier(TierBackend):
     node_local = True
     superseded_verb = "dropped"
 
-    def __init__(self, tier: Tier, storage: Storage, replicas: int, peers: PeerGroup | None):
+    def __init__(
+        self, tier: Tier, storage: Storage, replicas: int, peers: PeerGroup | None, group: NodeGroup, nodes: list[str]
+    ):
         super().__init__(tier, storage)
         self.replicas = replicas  # copies of each rank's data on other nodes
         self.peers = peers  # the dedicated gloo group replicas travel over (None: one process)
+        self.group = group  # this rank's node and its board: the commit's first level
+        self.layout = ReplicaLayout.of(nodes)  # who sends whom replicas: O(ranks) once, here
 
     @property
     def can_fetch(self) -> bool:
@@ -153,21 +157,29 @@ class NodeRamTier(TierBackend):
         return self.peers is not None and not self.peers.broken
 
     def owns(self, ctx: DistContext) -> bool:
-        return ctx.node_leader(ctx.rank)
+        return ctx.rank == self.group.leader
 
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        return KeyLedger.node_local(ctx.rank)
+        return KeyLedger.node_local(list(self.group.members))
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         if self.peers is not None:
             self.peers.last_run = None
         args = self._commit_args(job, ctx, key, ledger)
         return persist_node_local(
-            self.storage, job.step, job.slot, job.skeleton, peers=self.peers, replicas=self.replicas, **args
+            self.storage,
+            job.step,
+            job.slot,
+            job.skeleton,
+            group=self.group,
+            layout=self.layout,
+            peers=self.peers,
+            replicas=self.replicas,
+            **args,
         )
 
     def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
-        report_skipped(ctx, key, reason)
+        report_skipped_node_local(ctx, self.group, key, at, reason)
 
     def persist_details(self) -> dict[str, Any]:
         run = self.peers.last_run if self.peers is not None else None

@@ -47,14 +47,15 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         if replicas and len(set(ctx.nodes)) < 2:
             log.warning("RAM tier replicas: all ranks are on one node (%s); no replica can survive its loss", ctx.node)
         log.info("ftkit: RAM tier of run %s (from %s) at %s", ram_identity.name, ram_identity.source, storage.root)
-        backends.append(NodeRamTier(t, storage, replicas, peers))
+        group = NodeGroup.of(ctx, _commit_board(ctx, i))
+        backends.append(NodeRamTier(t, storage, replicas, peers, group, list(ctx.nodes)))
     keys = {i: b.new_ledger(ctx) for i, b in enumerate(backends)}
     return OpenedTiers(backends, ram_identity, keys)
 
 
 def _commit_board(ctx: DistContext, tier: int) -> NodeBoard | None:
-    """The board the ranks of this node post their reports to when committing to shared tier
-    `tier` (save/commit.py); its directory is this run instance's (a nonce agreed through
+    """The board the ranks of this node post their reports to when committing to tier `tier`
+    (save/commit.py, save/node_commit.py); its directory is this run instance's (a nonce agreed through
     the store), so a rerun at the same address never reads a report of the run before."""
     if not ctx.distributed:
         return None

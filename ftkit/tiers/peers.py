@@ -45,7 +45,7 @@ def node_order(nodes: Sequence[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class ReplicaLayout:
     """Nodes in order, their ranks, and each rank's node position and local index: O(ranks) once."""
 
     order: tuple[str, ...]
@@ -54,7 +54,7 @@ class _Layout:
     local_index: tuple[int, ...]
 
     @staticmethod
-    def of(nodes: Sequence[str]) -> _Layout:
+    def of(nodes: Sequence[str]) -> ReplicaLayout:
         members: dict[str, list[int]] = {}
         local = []
         for r, n in enumerate(nodes):
@@ -62,7 +62,7 @@ class _Layout:
             local.append(len(group))
             group.append(r)
         order = tuple(members)
-        return _Layout(
+        return ReplicaLayout(
             order, {n: tuple(m) for n, m in members.items()}, {n: i for i, n in enumerate(order)}, tuple(local)
         )
 
@@ -74,15 +74,39 @@ class _Layout:
             out.append(peers[self.local_index[rank] % len(peers)])
         return out
 
+    def source_nodes(self, rank: int, nodes: Sequence[str], k: int) -> list[str]:
+        """The nodes whose ranks send `rank` their replicas: the k before its node."""
+        start, count = self.position[nodes[rank]], len(self.order)
+        return [self.order[(start - j) % count] for j in range(1, min(k, count - 1) + 1)]
+
+    def target_nodes(self, rank: int, nodes: Sequence[str], k: int) -> list[str]:
+        """The nodes `rank` sends its replicas to: the k after its node."""
+        start, count = self.position[nodes[rank]], len(self.order)
+        return [self.order[(start + j) % count] for j in range(1, min(k, count - 1) + 1)]
+
+    def transfers_of(self, rank: int, nodes: Sequence[str], k: int) -> list[Transfer]:
+        """The transfers of `replication_plan` that `rank` sends or receives, in the plan's
+        order (file names left empty: the caller knows them), from O(ranks per node)
+        work: what one rank needs, without the plan of every rank."""
+        mine = self.members[nodes[rank]]
+        out: list[tuple[int, int, int]] = []  # (j, src, dst)
+        for j, node in enumerate(self.source_nodes(rank, nodes, k)):
+            for src in self.members[node]:
+                if mine[self.local_index[src] % len(mine)] == rank:
+                    out.append((j, src, rank))
+        for j, dst in enumerate(self.targets(rank, nodes, k)):
+            out.append((j, rank, dst))
+        return [Transfer(src, dst, "") for _, src, dst in sorted(out)]
+
 
 def replica_targets(rank: int, nodes: Sequence[str], k: int) -> list[int]:
     """The ranks that hold replicas of `rank`'s data: one per other node, k at most."""
-    return _Layout.of(nodes).targets(rank, nodes, k)
+    return ReplicaLayout.of(nodes).targets(rank, nodes, k)
 
 
 def replication_plan(files: Sequence[str | None], nodes: Sequence[str], k: int) -> list[Transfer]:
     """Every rank's file to its replica targets, in one order all ranks agree on."""
-    layout = _Layout.of(nodes)
+    layout = ReplicaLayout.of(nodes)
     targets = [layout.targets(rank, nodes, k) if name is not None else [] for rank, name in enumerate(files)]
     plan = []
     for j in range(k):
