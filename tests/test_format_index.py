@@ -102,6 +102,9 @@ def test_a_step_of_two_parts_reads_whole_and_restores(two_nodes):
     assert got  # every tensor readable directly too
     r = run_cli("verify", str(root))
     assert r.returncode == 0, r.stdout
+    r = run_cli("inspect", str(root), "--json")
+    assert r.returncode == 0 and len(json.loads(r.stdout)["parts"]) == 2, r.stdout
+    assert "manifest in 2 part(s)" in run_cli("inspect", str(root)).stdout
 
 
 def _refused(root, needle: str) -> None:

@@ -86,12 +86,13 @@ def cmd_inspect(args) -> int:
             }
         )
     payload = {**summary(m), "url": storage.display_url, "files": m.files, "writer": m.writer, "tensor_list": tensors}
+    payload["parts"] = m.parts  # version 3: the manifest's part files, {name: {"bytes", "checksum"}}
     lines = [
         f"step {m.step} at {storage.display_url}",
         f"  format v{m.format_version}, world size {m.world_size}, created {when(m.created_at)}, "
         f"written by ftkit {m.writer.get('ftkit', '?')} / torch {m.writer.get('torch', '?')}",
         f"  {len(m.tensors)} tensors, {human(m.total_raw_bytes)} raw, {human(m.total_stored_bytes)} stored "
-        f"in {len(m.files)} file(s)",
+        f"in {len(m.files)} file(s)" + (f"; manifest in {len(m.parts)} part(s)" if m.parts else ""),
         f"  state entries: {', '.join(payload['entries']) or '-'}",
         "",
     ]
