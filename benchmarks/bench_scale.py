@@ -26,7 +26,10 @@ node's real board, a real part file per node and the index, on tmpfs; and restor
 planning (inventories from the node leaders to rank 0, the real planner, the
 candidates published and read). Fields: commit_ms (the step's last node record set
 -> its index written), commit_store_requests_per_step, index_bytes_per_step,
-restore_plan_s (the leaders start -> the candidates published).
+restore_plan_s (the leaders start -> the candidates published). Then the RAM
+tier's commit (save/node_commit.py, no replicas; `simulate_ram_commits`):
+ram_commit_ms, ram_commit_store_requests_per_step, ram_manifest_bytes_per_step
+and the CPU a leader spends checking and writing that manifest.
 
 Prints a table and one JSON line per size. The baseline is the issue's own
 measurement of the previous design (every rank read every heartbeat: 3N^2
@@ -213,7 +216,8 @@ COMMIT_STEPS = 3
 
 def commit_worker(idx: int, procs: int, world: int, per: int, port: int, dirs: tuple[str, str], q: Any) -> None:
     try:
-        q.put(simulate_commits(idx, procs, world, per, port, *dirs))
+        shared = simulate_commits(idx, procs, world, per, port, *dirs)
+        q.put({**shared, "ram": simulate_ram_commits(idx, procs, world, per, port, dirs[0])})
     except BaseException:
         import traceback
 
@@ -337,6 +341,108 @@ def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: An
     return {"start": t0, "published": published, "cpu": root_cpu, "requests": store.requests - before}
 
 
+def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str) -> dict:
+    """This worker's nodes commit COMMIT_STEPS steps to the RAM tier with the real protocol
+    (save/node_commit.py, no replicas): every rank runs `persist_node_local` (non-leaders
+    first: they post to their node's real board and return), then the leaders, then rank 0,
+    which commits. A rank's "data file" is 64 real bytes of one tensor (write_share
+    replaced). Every leader then reads the manifest (store requests counted); only the
+    first leader of each worker also validates and writes it (its CPU measured): at
+    16,384 ranks all of them doing it would take this machine hours."""
+    os.environ["FTKIT_RAM_DIR"] = ram_dir
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext
+    from ftkit.coord.nodelocal import NodeBoard
+    from ftkit.format import codec
+    from ftkit.format.manifest import Chunk, Shard, TensorEntry, step_dir_name
+    from ftkit.save import node_commit
+    from ftkit.save.commit import NodeGroup
+    from ftkit.save.write import RankWrite
+    from ftkit.tiers.storage import Storage
+
+    raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    prefix = f"ram{world}/"
+    store = CountingStore(dist.PrefixStore(prefix, raw.clone()))
+    nodes = world // per
+    names = [f"n{r // per}" for r in range(world)]
+    members = {n * per: tuple(range(n * per, (n + 1) * per)) for n in range(nodes)}
+    mine = list(range(idx, nodes, procs))
+    payload = bytes(range(64))
+    checksum = codec.checksum(payload)
+
+    def write_share(storage, step, slot, pieces, compress, rank):  # noqa: ANN001, ANN202
+        file = f"rank-{rank:05d}-bench{step:03d}.data"
+        storage.write_bytes_atomic(f"{step_dir_name(step)}/{file}", payload)
+        chunk = Chunk(file, 0, 64, 0, 64, "raw", checksum)
+        tensor = TensorEntry("w", "float32", (16 * world,), (Shard((16 * rank,), (16,), (chunk,), rank),), "sharded")
+        return RankWrite(rank, file, 64, (tensor,)), None
+
+    deferred: list = []
+    node_commit.write_share = write_share  # type: ignore[assignment]
+    real_write_manifest = node_commit._write_manifest
+    node_commit._write_manifest = lambda *a: deferred.append(a)  # type: ignore[assignment]
+    storages, groups = {}, {}
+    for n in mine:
+        storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
+        board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
+        groups[n] = NodeGroup(board, members[n * per], members)
+    skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
+    out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "manifest": []}
+    for step in range(1, COMMIT_STEPS + 1):
+        at, key = (0, step), f"commit/0/0/{step}"
+        deferred.clear()
+        _barrier(raw, f"{prefix}b{step}", procs)
+        before = store.requests
+
+        def run(rank: int, n: int, step: int = step, key: str = key, at: tuple[int, int] = at):  # noqa: ANN202
+            ctx = DistContext(rank, world, store, f"n{n}", 120.0, names, prefix)
+            return node_commit.persist_node_local(
+                storages[n],
+                step,
+                None,
+                skeleton,
+                compress=None,
+                pieces=None,
+                rng=None,
+                ctx=ctx,
+                key=key,
+                group=groups[n],
+                at=at,
+            )
+
+        for n in mine:  # the non-leaders post and return
+            for r in members[n * per][1:]:
+                run(r, n)
+        for n in mine:
+            if n != 0:
+                c0 = time.thread_time()
+                run(n * per, n)
+                out["leader_cpu"].append(time.thread_time() - c0)
+        if 0 in mine:
+            c0, w0 = time.thread_time(), time.time()
+            committed = run(0, 0)
+            manifest = os.path.join(storages[0].root, step_dir_name(step), "manifest.json")
+            out["commit"].append(
+                {
+                    "ms": (os.stat(manifest).st_mtime - w0) * 1e3,
+                    "cpu": time.thread_time() - c0,
+                    "manifest_bytes": len(committed.manifest_json),
+                }
+            )
+        _barrier(raw, f"{prefix}m{step}", procs)
+        for i, args in enumerate(deferred):  # every leader reads the manifest; the first also writes it
+            if i == 0:
+                c0 = time.thread_time()
+                real_write_manifest(*args)
+                out["manifest"].append(time.thread_time() - c0)
+            else:
+                args[2].get_raw(f"{args[3]}/manifest")
+        _barrier(raw, f"{prefix}e{step}", procs)
+        out["requests"].append(store.requests - before)
+    return out
+
+
 def _barrier(raw: Any, key: str, procs: int) -> None:
     raw.add(key, 1)  # uncounted: the workers of one step start together
     while int(raw.get(key)) < procs:
@@ -376,8 +482,17 @@ def run_commits(world: int, per: int, procs: int, port: int) -> dict[str, Any]:
         latencies.append(c["done"] - last)
     requests = [sum(x) for x in zip(*(o["requests"] for o in outs))]
     restores = [o["restore"] for o in outs]
+    ram = [o["ram"] for o in outs]
+    ram_commits = [c for r in ram for c in r["commit"]]
+    ram_requests = [sum(x) for x in zip(*(r["requests"] for r in ram))]
     published = next(r["published"] for r in restores if r["published"] is not None)
     return {
+        "ram_commit_ms": statistics.median(c["ms"] for c in ram_commits),
+        "ram_commit_store_requests_per_step": statistics.median(ram_requests),
+        "ram_manifest_bytes_per_step": statistics.median(c["manifest_bytes"] for c in ram_commits),
+        "ram_commit_root_cpu_ms": statistics.median(c["cpu"] for c in ram_commits) * 1e3,
+        "ram_commit_leader_cpu_ms": statistics.median(c for r in ram for c in r["leader_cpu"]) * 1e3,
+        "ram_leader_manifest_cpu_ms": statistics.median(c for r in ram for c in r["manifest"]) * 1e3,
         "restore_plan_s": published - min(r["start"] for r in restores),
         "restore_plan_store_requests": sum(r["requests"] for r in restores),
         "restore_plan_root_cpu_s": next(r["cpu"] for r in restores if r["published"] is not None),
@@ -475,7 +590,7 @@ def main() -> int:
                 f.write(json.dumps(row) + "\n")
     print()
     cols = ("ranks", "nodes", "req/interval", "busy", "cpu ms/node", "dead", "aggr", "hung", "false")
-    cols += ("commit ms", "commit req", "index B", "plan s")
+    cols += ("commit ms", "commit req", "index B", "plan s", "RAM ms", "RAM req", "RAM manif. B")
     print(" ".join(f"{c:>12}" for c in cols))
 
     def secs(v: float | None) -> str:
@@ -496,6 +611,9 @@ def main() -> int:
             f"{r['commit_store_requests_per_step']:.0f}",
             f"{r['index_bytes_per_step']:.0f}",
             f"{r['restore_plan_s']:.2f}",
+            f"{r['ram_commit_ms']:.0f}",
+            f"{r['ram_commit_store_requests_per_step']:.0f}",
+            f"{r['ram_manifest_bytes_per_step']:.0f}",
         )
         print(" ".join(f"{c:>12}" for c in cells))
     print("previous design (every rank read every heartbeat): 3N^2 requests per interval, e.g. 196,096 at 256 ranks;")

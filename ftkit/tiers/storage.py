@@ -179,6 +179,25 @@ class Storage:
             out.append((name, "directory" if e.get("type") == "directory" else "file"))
         return out
 
+    def sizes_of(self, rel: str, names: list[str]) -> dict[str, int]:
+        """{name: bytes} of those of `names` that are regular files directly below `rel`.
+        Locally one lstat each (a commit checks a few files among thousands); elsewhere
+        one listing (an object store lists a thousand entries per request)."""
+        if not self.is_local:
+            listed = self.list_sizes(rel)
+            return {n: listed[n] for n in names if n in listed}
+        out = {}
+        with self._errors("listing", rel):
+            self._no_links_within(rel)
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(self.path(rel), name))
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    out[name] = st.st_size
+        return out
+
     def list_sizes(self, rel: str = "") -> dict[str, int]:
         """{name: bytes} of the regular files directly below `rel` (one listing)."""
         if self.is_local:
