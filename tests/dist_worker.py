@@ -334,3 +334,50 @@ def agreement(rank: int, world: int) -> dict:
         "only0": only0 is not None,
         "raised": raised,
     }
+
+
+def skip_one_step(rank: int, world: int, tier: str, skipper: int) -> dict:
+    """policy "skip" where rank `skipper` finds no free staging slot at step 2 (forced), on
+    two simulated nodes of two ranks: the store's key count after step 1 and at the end,
+    and the steps each node committed."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ftkit.format.reader import committed_steps
+    from ftkit.tiers.ram import node_dir
+
+    state = {"w": torch.zeros(1 << 18)}
+    tiers = [ftkit.Tier(tier, keep=5, **({"replicas": 1} if tier == "ram" else {}))]
+    counts = []
+    with ftkit.Checkpointer(state, tiers, policy="skip", rng=False) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        dist.barrier()
+        counts.append(_get_default_store().num_keys())
+        dist.barrier()
+        if rank == skipper:
+            acquire = ck._arena.acquire
+            ck._arena.acquire = lambda *a, **k: None  # every staging slot busy, for this step
+            ck.snapshot(2)
+            ck._arena.acquire = acquire
+        else:
+            ck.snapshot(2)
+        try:
+            ck.wait()
+        except ftkit.FtkitError:  # step 2 was not committed: the ranks that commit say so
+            pass
+        for step in (3, 4):
+            ck.snapshot(step)
+            ck.wait()
+        skipped = ck.stats.skipped
+    dist.barrier()
+    counts.append(_get_default_store().num_keys())
+    if tier == "ram":
+        node = node_dir(f"node{rank // 2}")
+        committed = sorted(
+            int(d.name[5:])
+            for d in os.scandir(node)
+            if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
+        )
+    else:
+        committed = committed_steps(ftkit.Tier(tier).open())
+    return {"skipped": skipped, "new_keys": counts[1] - counts[0], "committed": committed}

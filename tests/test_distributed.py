@@ -75,6 +75,18 @@ def test_rank0_skipping_a_durable_step_leaves_no_store_keys(tmp_path):
     assert out[0]["new_keys"] == 0
 
 
+@pytest.mark.parametrize("skipper", [1, 2, 3])
+def test_any_rank_skipping_a_shared_tier_step_costs_nobody_a_wait(tmp_path, skipper):
+    """Two nodes of two ranks; a non-leader (1, 3) or a node's leader (2) skips step 2: its
+    leader, or rank 0, hears it at once through the node board or the leader's record;
+    step 2 exists nowhere, the others do, and the store holds no key more at the end."""
+    env = {"FTKIT_RANKS_PER_NODE": "2"}
+    out = run_ranks(4, dist_worker.skip_one_step, str(tmp_path / "disk"), skipper, env=env, timeout=90)
+    assert [o["skipped"] for o in out] == [int(r == skipper) for r in range(4)]
+    assert out[0]["committed"] == [1, 3, 4]
+    assert out[0]["new_keys"] == 0
+
+
 def test_agreement_reports_every_ranks_failure_to_the_deciders_only():
     out = run_ranks(3, dist_worker.agreement, timeout=60)
     for rank, o in enumerate(out):

@@ -79,6 +79,18 @@ def test_rank0_skipping_a_snapshot_costs_the_other_nodes_no_wait(job):
     assert all(o["committed"] == [1, 3] for o in out)  # step 2 exists on no node
 
 
+@pytest.mark.parametrize("skipper", [1, 2, 3])
+def test_any_rank_skipping_a_ram_step_costs_nobody_a_wait(job, skipper):
+    """A non-leader (1, 3) or the leader of node 1 (2) skips step 2. Replicas go both ways
+    between the two nodes: both ends of every transfer must agree that it happens, or a
+    send waits for a receiver that is not there. Step 2 exists on no node, the others on
+    both, and the store holds no key more at the end."""
+    out = run_ranks(4, dist_worker.skip_one_step, "ram", skipper, env=job["env"], timeout=120)
+    assert [o["skipped"] for o in out] == [int(r == skipper) for r in range(4)]
+    assert all(o["committed"] == [1, 3, 4] for o in out), out
+    assert out[0]["new_keys"] <= 2  # the last step's manifest key, deleted by the next commit
+
+
 def test_steps_snapshotted_again_after_an_in_process_restore_are_the_new_ones(job):
     out = run_ranks(4, dist_worker.ram_rewind_and_redo, env=job["env"], timeout=90)
     assert out == [{"step": 3, "value": 30.0, "all_equal": True}] * 4

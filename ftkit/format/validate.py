@@ -201,7 +201,7 @@ def tensor_entry(t: Any, files: dict[str, dict[str, Any]], world: int, whole: bo
     if kind not in KINDS:
         raise FormatError(f"{what} has unknown kind {str(kind)[:40]!r}")
     itemsize = ITEMSIZE[dtype]
-    if _volume(shape) * itemsize > MAX_INT:
+    if math.prod(shape) * itemsize > MAX_INT:
         raise FormatError(f"{what} claims {shape}: more bytes than any checkpoint holds")
     shards = tuple(_shard(s, shape, itemsize, files, world, what) for s in _list(t.get("shards"), f"shards of {what}"))
     if whole:
@@ -236,7 +236,7 @@ def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any],
         raise FormatError(f"the chunks of a shard of {what} are not a list")
     chunks = tuple(_chunk(c, files, what) for c in chunk_docs)
     # The chunks tile the shard's raw bytes exactly: sorted by raw offset, back to back.
-    need = _volume(lengths) * itemsize
+    need = math.prod(lengths) * itemsize
     at = 0
     for c in chunks if len(chunks) < 2 else sorted(chunks, key=lambda c: c.raw_offset):
         if c.raw_offset != at:
@@ -393,10 +393,3 @@ def _dims(v: Any, what: str, ndim: int | None) -> tuple[int, ...]:
     if len(dims) > MAX_NDIM or (ndim is not None and len(dims) != ndim):
         raise FormatError(f"{what} has {len(dims)} dimensions" + ("" if ndim is None else f", not {ndim}"))
     return tuple(_int(x, what, 0, MAX_INT) for x in dims)
-
-
-def _volume(dims) -> int:
-    n = 1
-    for x in dims:
-        n *= x
-    return n
