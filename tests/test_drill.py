@@ -121,7 +121,15 @@ def test_default_drill_passes(tmp_path, ref_cache):
 @pytest.mark.slow
 def test_drill_without_peers_reports_the_loss_and_fails(tmp_path, ref_cache):
     rc, res, out = drill(
-        tmp_path, "--no-peer", "--faults", "node@5:node=1", "--steps", "20", "--step-time", "0.05", cache=ref_cache
+        tmp_path,
+        "--no-peer",
+        "--faults",
+        "node@5:node=1:during=persist",  # node 1 lost while its RAM snapshot of step 5 is written
+        "--steps",
+        "20",
+        "--step-time",
+        "0.05",
+        cache=ref_cache,
     )
     assert rc == 1 and "drill FAILED" in out
     node = res["faults"][0]["outcome"]
@@ -136,11 +144,13 @@ def test_drill_without_peers_reports_the_loss_and_fails(tmp_path, ref_cache):
 @pytest.mark.timeout(900)
 def test_random_schedules_all_pass(tmp_path, ref_cache):
     failures = []
-    # Three seeds whose draws cover every fault kind (kill, crash, hang, node, term) and every
+    # Two seeds whose draws cover every fault kind but node (kill, crash, hang, term) and every
     # phase they are drawn in (step, snapshot, persist, replicate, commit): 2 draws kill/replicate
-    # and hang/commit, 3 node/step and node/persist, 10 crash/snapshot and term/persist. (Seeds
-    # 1, 4, 5 and 7 add only combinations of those; they passed too and cost a minute of CI.)
-    for seed in (2, 3, 10):
+    # and hang/commit, 10 crash/snapshot and term/persist. A node lost during a step is in the
+    # default drill, during replication in test_drill_faults.py, during a persist in
+    # test_drill_without_peers_reports_the_loss_and_fails. (Seeds 1, 3, 4, 5 and 7 add only
+    # combinations of those; they passed too and cost CI time.)
+    for seed in (2, 10):
         # Two ranks on two simulated nodes: every fault kind and phase, at half the restart cost.
         rc, res, out = drill(
             tmp_path / f"seed{seed}",
