@@ -233,10 +233,10 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
-    from ftkit.coord.nodelocal import NodeBoard
+    from ftkit.coord.nodelocal import NodeBoard, step_message
     from ftkit.format import codec
     from ftkit.format.manifest import step_dir_name
-    from ftkit.save.commit import NodeGroup, _report_name, commit_step, node_share
+    from ftkit.save.commit import NodeGroup, commit_step, node_share
     from ftkit.tiers.storage import Storage
 
     raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
@@ -275,7 +275,7 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
                 if r == n * per:
                     reports[n] = doc
                 else:
-                    groups[n].board.write(_report_name(at, r), doc)
+                    groups[n].board.write(step_message(at, f"w-r{r}"), doc)
         _barrier(raw, f"{prefix}b{step}", procs)
         before = store.requests
         root_record = None

@@ -82,6 +82,17 @@ def two_nodes(tmp_path):
     return root, index, parts, snapshot_values(state)
 
 
+def _assert_restores(root, values) -> None:
+    """A fresh state of the same shapes restores step 1 from `root` with the saved values."""
+    state = make_state(1, width=32)
+    state["grid"] = torch.zeros(20, 30, dtype=torch.int64)
+    state["big"] = torch.zeros(512, 1024)
+    with ftkit.Checkpointer(state, [str(root)]) as ck:
+        assert ck.restore() == 1
+    for name, v in snapshot_values(state).items():
+        assert torch.equal(v, values[name]), name
+
+
 def _load(root):
     return load_manifest(ftkit.Tier(str(root)).open(), 1)
 
@@ -92,13 +103,7 @@ def test_a_step_of_two_parts_reads_whole_and_restores(two_nodes):
     assert m.format_version == 3 and m.world_size == 4 and len(m.parts) == 2
     assert {f["rank"] for f in m.files.values()} == {0, 1, 2, 3}
     got = read_tensors(ftkit.Tier(str(root)).open(), m)
-    state = make_state(1, width=32)
-    state["grid"] = torch.zeros(20, 30, dtype=torch.int64)
-    state["big"] = torch.zeros(512, 1024)
-    with ftkit.Checkpointer(state, [str(root)]) as ck:
-        assert ck.restore() == 1
-    for name, v in snapshot_values(state).items():
-        assert torch.equal(v, values[name]), name
+    _assert_restores(root, values)
     assert got  # every tensor readable directly too
     r = run_cli("verify", str(root))
     assert r.returncode == 0, r.stdout
@@ -209,10 +214,4 @@ def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
     doc = json.loads((step_dir / MANIFEST_NAME).read_text())
     assert doc["format_version"] == 2 and "tensors" in doc
     assert _load(root).format_version == 2
-    state = make_state(1, width=32)
-    state["grid"] = torch.zeros(20, 30, dtype=torch.int64)
-    state["big"] = torch.zeros(512, 1024)
-    with ftkit.Checkpointer(state, [str(root)]) as ck:
-        assert ck.restore() == 1
-    for name, v in snapshot_values(state).items():
-        assert torch.equal(v, values[name]), name
+    _assert_restores(root, values)

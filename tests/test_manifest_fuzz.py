@@ -163,12 +163,7 @@ def test_random_mutations_never_crash_and_never_verify_garbage(tmp_path, world_s
         doc, what = _mutate(doc0, rng, strings)
         write_manifest_doc(path, doc, lambda text: text.replace('"__INF__"', "1e400"))  # the part rehashed
         ctx = f"seed {seed} iteration {i}: {what}"
-        try:
-            m = load_manifest(storage, 1)
-        except FormatError:
-            m = None
-        except Exception as e:  # noqa: BLE001 - the property under test
-            pytest.fail(f"{ctx}: parsing raised {type(e).__name__}: {e}")
+        m = _load_or_none(storage, ctx)
         r = run_cli("verify", str(root))
         assert r.returncode in (0, 1) and "Traceback" not in r.stdout + r.stderr, f"{ctx}: {r.stdout}{r.stderr}"
         if m is None:
@@ -193,6 +188,16 @@ def test_random_mutations_never_crash_and_never_verify_garbage(tmp_path, world_s
     _restore_files(path, pristine)
     assert run_cli("verify", str(root)).returncode == 0
     assert verified_ok > 10  # the mutations that keep a manifest valid (names, times, writer...) ran through
+
+
+def _load_or_none(storage, ctx: str):
+    """The step's manifest, None when it is refused; anything but FormatError fails the test."""
+    try:
+        return load_manifest(storage, 1)
+    except FormatError:
+        return None
+    except Exception as e:  # noqa: BLE001 - the property under test
+        pytest.fail(f"{ctx}: loading raised {type(e).__name__}: {e}")
 
 
 def _restore_files(path, pristine) -> None:
@@ -222,12 +227,7 @@ def test_random_mutations_of_the_index_and_its_part_as_written(tmp_path):
             continue
         path.write_text(json.dumps(doc["index"]).replace('"__INF__"', "1e400"))
         part_path.write_text(json.dumps(doc["part"]).replace('"__INF__"', "1e400"))
-        try:
-            m = load_manifest(storage, 1)
-        except FormatError:
-            m = None
-        except Exception as e:  # noqa: BLE001 - the property under test
-            pytest.fail(f"{ctx}: loading raised {type(e).__name__}: {e}")
+        m = _load_or_none(storage, ctx)
         r = run_cli("verify", str(root))
         assert r.returncode == (1 if m is None else 0), f"{ctx}: {r.stdout}{r.stderr}"
         assert "Traceback" not in r.stdout + r.stderr, ctx

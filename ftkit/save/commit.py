@@ -67,6 +67,19 @@ class NodeGroup:
     def leader(self) -> int:
         return self.ranks[0]
 
+    def collect(self, at: tuple[int, int], what: str, me: int, timeout_s: float) -> dict[int, bytes | None]:
+        """The leader's wait for message `what` of the step at `at` from each other rank of its
+        node (None: none came within `timeout_s`), then removing them and whatever an earlier
+        step left that nobody collected (a step this leader skipped)."""
+        names = {r: step_message(at, f"{what}-r{r}") for r in self.ranks if r != me}
+        if not names:
+            return {}
+        assert self.board is not None, "a node of several ranks commits through its board"
+        got = self.board.collect(names, timeout_s, MAX_REPORT_BYTES)
+        self.board.discard(*names.values())
+        self.board.prune_before(at)
+        return got
+
 
 def persist(
     storage: Storage,
@@ -99,7 +112,7 @@ def persist(
     report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
     if ctx.rank != group.leader:
         assert group.board is not None
-        group.board.write(_report_name(at, ctx.rank), report)
+        group.board.write(step_message(at, f"w-r{ctx.rank}"), report)
     else:
         record = node_share(storage, step, report, group, ctx, at)
         if ctx.rank == 0:
@@ -115,7 +128,13 @@ def node_share(
 ) -> dict[str, Any]:
     """A node leader's part of the commit: its node's reports (its own `report` and the
     others' from the board), then its part file; returns the node's record for rank 0."""
-    reports = {ctx.rank: report, **_collect(group, at, ctx)}
+    reports = {
+        r: shared_report(r, raw, ctx.world_size)
+        if raw is not None
+        else {"error": f"rank {r}: no report within {ctx.timeout_s:.0f}s", "write": None}
+        for r, raw in group.collect(at, "w", ctx.rank, ctx.timeout_s).items()
+    }
+    reports[ctx.rank] = report
     return _node_record(storage, step, reports, group.ranks, ctx.world_size)
 
 
@@ -153,29 +172,6 @@ def commit_step(
             raise
         finally:
             ctx.delete(*keys)
-
-
-def _report_name(at: tuple[int, int], rank: int) -> str:
-    return step_message(at, f"w-r{rank}")
-
-
-def _collect(group: NodeGroup, at: tuple[int, int], ctx: DistContext) -> dict[int, dict[str, Any]]:
-    """The leader's wait for the reports of its node's other ranks (a missing one after the
-    timeout reads as that rank's error), then removing them and any message of an earlier
-    step nobody collected (a step this leader skipped)."""
-    board = group.board
-    others = {r: _report_name(at, r) for r in group.ranks if r != ctx.rank}
-    if board is None or not others:
-        return {}
-    raws = board.collect(others, ctx.timeout_s, MAX_REPORT_BYTES)
-    board.discard(*others.values())
-    board.prune_before(at)
-    return {
-        r: shared_report(r, raw, ctx.world_size)
-        if raw is not None
-        else {"error": f"rank {r}: no report within {ctx.timeout_s:.0f}s", "write": None}
-        for r, raw in raws.items()
-    }
 
 
 def _node_record(
@@ -236,7 +232,7 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
     report = {"write": None, "error": reason, "rng": None}
     if ctx.rank != group.leader:
         assert group.board is not None
-        group.board.write(_report_name(at, ctx.rank), report)
+        group.board.write(step_message(at, f"w-r{ctx.rank}"), report)
     elif ctx.rank != 0:
         errors = [f"rank {ctx.rank}: {reason}"]
         ctx.put(f"{key}/n/{ctx.rank}", {"part": None, "files": {}, "stored": 0, "errors": errors})

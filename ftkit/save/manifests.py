@@ -165,7 +165,7 @@ def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -
     """Every file of `expected` ({name: bytes}) is in the step directory at its size."""
     if not expected:
         return
-    sizes = storage.sizes_of(step_dir_name(step), list(expected))
+    sizes = storage.list_sizes(step_dir_name(step), list(expected))
     for name, nbytes in expected.items():
         if sizes.get(name) != nbytes:
             what = "is gone" if name not in sizes else f"is {sizes[name]} bytes, not {nbytes}"

@@ -107,7 +107,7 @@ def persist_node_local(
     if ctx.distributed and not leader:
         _board(group).write(step_message(at, f"r-r{ctx.rank}"), {"errors": errors})
     elif ctx.distributed:
-        for r, raw in _collect_raw(group, at, "r", ctx).items():
+        for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s).items():
             errors += _outcome_errors(r, raw)
         if ctx.rank != 0:
             ctx.put(f"{key}/r/{ctx.rank}", {"errors": errors})
@@ -126,21 +126,9 @@ def _board(group: NodeGroup):
     return group.board
 
 
-def _collect_raw(group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext) -> dict[int, bytes | None]:
-    """The leader's wait for one message of each other rank of its node (None: none came)."""
-    names = {r: step_message(at, f"{what}-r{r}") for r in group.ranks if r != ctx.rank}
-    if not names:
-        return {}
-    board = _board(group)
-    got = board.collect(names, ctx.timeout_s, MAX_REPORT_BYTES)
-    board.discard(*names.values())
-    board.prune_before(at)
-    return got
-
-
 def _collect_texts(group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext) -> dict[int, str]:
     out = {}
-    for r, raw in _collect_raw(group, at, what, ctx).items():
+    for r, raw in group.collect(at, what, ctx.rank, ctx.timeout_s).items():
         text = None
         if raw is not None:
             try:

@@ -179,30 +179,15 @@ class Storage:
             out.append((name, "directory" if e.get("type") == "directory" else "file"))
         return out
 
-    def sizes_of(self, rel: str, names: list[str]) -> dict[str, int]:
-        """{name: bytes} of those of `names` that are regular files directly below `rel`.
-        Locally one lstat each (a commit checks a few files among thousands); elsewhere
-        one listing (an object store lists a thousand entries per request)."""
-        if not self.is_local:
-            listed = self.list_sizes(rel)
-            return {n: listed[n] for n in names if n in listed}
-        out = {}
-        with self._errors("listing", rel):
-            self._no_links_within(rel)
-            for name in names:
-                try:
-                    st = os.lstat(os.path.join(self.path(rel), name))
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    out[name] = st.st_size
-        return out
-
-    def list_sizes(self, rel: str = "") -> dict[str, int]:
-        """{name: bytes} of the regular files directly below `rel` (one listing)."""
+    def list_sizes(self, rel: str = "", names: list[str] | None = None) -> dict[str, int]:
+        """{name: bytes} of the regular files directly below `rel` (one listing), or of `names`
+        only: locally an lstat each (a few among thousands), elsewhere still one listing."""
         if self.is_local:
             with self._errors("listing", rel):
                 self._no_links_within(rel)
+                if names is not None:
+                    stats = ((n, _lstat(os.path.join(self.path(rel), n))) for n in names)
+                    return {n: st.st_size for n, st in stats if st is not None and stat.S_ISREG(st.st_mode)}
                 try:
                     with os.scandir(self.path(rel)) as it:
                         return {
@@ -219,11 +204,12 @@ class Storage:
             except FileNotFoundError:
                 return {}
         base = self.path(rel).rstrip("/")
-        return {
+        listed = {
             e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
             for e in entries
             if e.get("type") != "directory" and e["name"].rstrip("/") != base
         }
+        return listed if names is None else {n: listed[n] for n in names if n in listed}
 
     def modified(self, rel: str) -> float | None:
         """The newest modification time (Unix seconds) of `rel` or of the files directly in it."""
@@ -405,3 +391,10 @@ class Storage:
     def makedirs(self, rel: str) -> None:
         with self._errors("creating", rel):
             self.fs.makedirs(self.path(rel), exist_ok=True)
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
