@@ -461,6 +461,12 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                 + "/".join(fmt_s(x) for x in v["persist_wall_s"])
                 + "; CPU of the persist thread "
                 + "/".join(fmt_s(x) for x in v["persist_cpu_s"])
+                + (
+                    "; of which the RAM tier's commit coordination (not writing or replicating bytes) "
+                    + "/".join(fmt_s(x) for x in v["coord_cpu_s"])
+                    if all(x is not None for x in v.get("coord_cpu_s", [None]))
+                    else ""
+                )
             )
         for name, v in t.items():
             target(
@@ -1013,6 +1019,12 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     if R.rank == 0:
         shutil.rmtree(os.path.join(a.shm, f"train-{kind}"), ignore_errors=True)
     jobs = [(e["seconds"], e["cpu_s"]) for e in rank_events(ck, "persist_job") if e["step"] > warm_step]
+    # The RAM tier's commit coordination: its persist's CPU but writing the file and moving replicas.
+    coord = [
+        e["cpu_s"] - e["write_cpu_s"] - e.get("replicate_cpu_s", 0.0)
+        for e in rank_events(ck, "persist")
+        if e["step"] > warm_step and "write_cpu_s" in e and "cpu_s" in e
+    ]
     shutil.rmtree(events_dir, ignore_errors=True)
     n_steps = a.rounds * a.steps
     per = R.gather(
@@ -1023,6 +1035,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
             "cpu": {k: v / n_steps for k, v in cpu.items()},
             "job_wall": median([j[0] for j in jobs]),
             "job_cpu": median([j[1] for j in jobs]),
+            "coord_cpu": median(coord) if coord else None,
         }
     )
     if any(p["failed"] for p in per):
@@ -1056,6 +1069,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
         "ftkit_p90_s": p90(f),
         "persist_wall_s": [p["job_wall"] for p in per],
         "persist_cpu_s": [p["job_cpu"] for p in per],
+        "coord_cpu_s": [p["coord_cpu"] for p in per],
         "base_all_s": b,
         "attached_all_s": at,
         "ftkit_all_s": f,

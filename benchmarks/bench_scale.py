@@ -28,7 +28,7 @@ candidates published and read). Fields: commit_ms (the step's last node record s
 -> its index written), commit_store_requests_per_step, index_bytes_per_step,
 restore_plan_s (the leaders start -> the candidates published). Then the RAM
 tier's commit (save/node_commit.py, no replicas; `simulate_ram_commits`):
-ram_commit_ms, ram_commit_store_requests_per_step, ram_manifest_bytes_per_step
+ram_commit_ms, ram_commit_store_requests_per_step, ram_index_bytes_per_step
 and the CPU a leader spends checking and writing that manifest.
 
 Prints a table and one JSON line per size. The baseline is the issue's own
@@ -346,9 +346,9 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     (save/node_commit.py, no replicas): every rank runs `persist_node_local` (non-leaders
     first: they post to their node's real board and return), then the leaders, then rank 0,
     which commits. A rank's "data file" is 64 real bytes of one tensor (write_share
-    replaced). Every leader then reads the manifest (store requests counted); only the
-    first leader of each worker also validates and writes it (its CPU measured): at
-    16,384 ranks all of them doing it would take this machine hours."""
+    replaced). Every leader then reads the index (store requests counted); only the
+    first leader of each worker also validates and writes it (its CPU measured), to keep
+    the 16,384-rank run within minutes on this machine."""
     os.environ["FTKIT_RAM_DIR"] = ram_dir
     import torch.distributed as dist
 
@@ -380,8 +380,8 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
 
     deferred: list = []
     node_commit.write_share = write_share  # type: ignore[assignment]
-    real_write_manifest = node_commit._write_manifest
-    node_commit._write_manifest = lambda *a: deferred.append(a)  # type: ignore[assignment]
+    real_write_index = node_commit._write_index
+    node_commit._write_index = lambda *a: deferred.append(a)  # type: ignore[assignment]
     storages, groups = {}, {}
     for n in mine:
         storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
@@ -427,14 +427,14 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
                 {
                     "ms": (os.stat(manifest).st_mtime - w0) * 1e3,
                     "cpu": time.thread_time() - c0,
-                    "manifest_bytes": len(committed.manifest_json),
+                    "index_bytes": len(committed.manifest_json),
                 }
             )
         _barrier(raw, f"{prefix}m{step}", procs)
-        for i, args in enumerate(deferred):  # every leader reads the manifest; the first also writes it
+        for i, args in enumerate(deferred):  # every leader reads the index; the first also writes it
             if i == 0:
                 c0 = time.thread_time()
-                real_write_manifest(*args)
+                real_write_index(*args)
                 out["manifest"].append(time.thread_time() - c0)
             else:
                 args[2].get_raw(f"{args[3]}/manifest")
@@ -489,10 +489,10 @@ def run_commits(world: int, per: int, procs: int, port: int) -> dict[str, Any]:
     return {
         "ram_commit_ms": statistics.median(c["ms"] for c in ram_commits),
         "ram_commit_store_requests_per_step": statistics.median(ram_requests),
-        "ram_manifest_bytes_per_step": statistics.median(c["manifest_bytes"] for c in ram_commits),
+        "ram_index_bytes_per_step": statistics.median(c["index_bytes"] for c in ram_commits),
         "ram_commit_root_cpu_ms": statistics.median(c["cpu"] for c in ram_commits) * 1e3,
         "ram_commit_leader_cpu_ms": statistics.median(c for r in ram for c in r["leader_cpu"]) * 1e3,
-        "ram_leader_manifest_cpu_ms": statistics.median(c for r in ram for c in r["manifest"]) * 1e3,
+        "ram_leader_index_cpu_ms": statistics.median(c for r in ram for c in r["manifest"]) * 1e3,
         "restore_plan_s": published - min(r["start"] for r in restores),
         "restore_plan_store_requests": sum(r["requests"] for r in restores),
         "restore_plan_root_cpu_s": next(r["cpu"] for r in restores if r["published"] is not None),
@@ -613,7 +613,7 @@ def main() -> int:
             f"{r['restore_plan_s']:.2f}",
             f"{r['ram_commit_ms']:.0f}",
             f"{r['ram_commit_store_requests_per_step']:.0f}",
-            f"{r['ram_manifest_bytes_per_step']:.0f}",
+            f"{r['ram_index_bytes_per_step']:.0f}",
         )
         print(" ".join(f"{c:>12}" for c in cells))
     print("previous design (every rank read every heartbeat): 3N^2 requests per interval, e.g. 196,096 at 256 ranks;")

@@ -20,9 +20,9 @@ from conftest import make_state, run_cli, snapshot_values
 
 import ftkit
 from ftkit.errors import FormatError
-from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.manifest import MANIFEST_NAME, manifest_json, step_dir_name
 from ftkit.format.reader import load_manifest, read_tensors
-from ftkit.save.manifests import commit_docs, write_part
+from ftkit.save.manifests import merge_write_docs, write_part
 
 NODES = ({0, 1}, {2, 3})
 
@@ -198,7 +198,7 @@ def test_a_leader_refuses_to_write_a_part_for_another_nodes_rank(two_nodes):
 
 
 def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
-    """A step written before version 3 (and the RAM tier's form today) reads and restores."""
+    """A step written before version 3 (as every tier did, the RAM tier until version 3) reads and restores."""
     root, index, parts, values = two_nodes
     step_dir = root / step_dir_name(1)
     whole = [
@@ -210,7 +210,9 @@ def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
     rank_state = {k: v for p in parts for k, v in p["rank_state"].items()}
     for f in step_dir.glob("*.json"):
         f.unlink()
-    commit_docs(ftkit.Tier(str(root)).open(), 1, whole, index["skeleton"], 4, rank_state)
+    files = {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in whole}
+    data = manifest_json(1, 4, merge_write_docs(whole), index["skeleton"], files, rank_state, 0.0, {})
+    (step_dir / MANIFEST_NAME).write_bytes(data)
     doc = json.loads((step_dir / MANIFEST_NAME).read_text())
     assert doc["format_version"] == 2 and "tensors" in doc
     assert _load(root).format_version == 2

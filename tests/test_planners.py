@@ -80,6 +80,36 @@ def test_a_step_missing_a_file_everywhere_is_no_candidate():
     assert ram_candidates(inv, _nodes(world, per_node), 0, can_fetch=True) == {}
 
 
+@pytest.mark.parametrize("world, per_node", [(4, 2), (1024, 8)])
+def test_nodes_lacking_manifest_parts_are_sent_each_part_by_one_holder(world, per_node):
+    # As the RAM tier commits: each node holds the part of its own ranks and of the node
+    # before it (whose replicas it holds), and the index; with more than two nodes no node
+    # holds every part, so every part goes through the store from one of its holders.
+    nodes = _nodes(world, per_node)
+    count = world // per_node
+    parts = [f"part-{n * per_node:05d}-0000000{n % 10}.json" for n in range(count)]
+    inv = _inventories(world, per_node, {4: set(_files(world))})
+    for r, i in enumerate(inv):
+        n = r // per_node
+        held = {parts[n], parts[(n - 1) % count]}
+        whole = len(held) == count  # two nodes: each holds both parts and reads the step alone
+        i["4"] = {
+            "have": i["4"]["have"] + sorted(held),
+            "need": i["4"]["need"] if whole and r == 0 else None,
+            "digest": "d" if whole else None,
+            "index": None if whole else "xxh3_64:0123456789abcdef",
+        }
+    c = ram_candidates(inv, nodes, 0, can_fetch=True)[4]
+    if count == 2:
+        assert c.manifest_rank is None and c.part_holders == {}  # nothing through the store
+        return
+    assert c.manifest_rank == 0 and sorted(c.part_holders) == parts
+    for name, rank in c.part_holders.items():  # a rank of the part's own node or of the one after it
+        assert parts.index(name) in (rank // per_node, (rank // per_node - 1) % count)
+    assert not any(f.startswith("part-") for f in c.holders)  # data files only: no part is fetched as data
+    assert Candidate.from_json(c.to_json(holders=False)).part_holders == c.part_holders
+
+
 def test_malformed_inventories_from_the_store_are_skipped():
     world, per_node = 4, 2
     nodes = _nodes(world, per_node)

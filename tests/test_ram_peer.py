@@ -34,8 +34,10 @@ def test_worker_restart_restores_from_node_ram(job):
     _save(job)
     node0 = job["node"](0)
     files = sorted(p.name for p in (node0 / "step-000000000003").iterdir())
-    # node0 holds its ranks' data, the replicas of node1's ranks, and the manifest
+    # node0 holds its ranks' data, the replicas of node1's ranks, both nodes' manifest parts
+    # (its own, and node1's, whose files it holds) and the index
     assert "manifest.json" in files
+    assert [f[:10] for f in files if f.startswith("part-")] == ["part-00000", "part-00002"]
     assert sorted(f[:10] for f in files if f.endswith(".data")) == [
         "rank-00000",
         "rank-00001",
@@ -59,6 +61,22 @@ def test_lost_node_restores_from_peer_replicas_not_disk(job):
     got = [o["received"] for o in out]
     assert got[:2] == [[], []] and len(got[2]) == len(got[3]) == 2
     assert sorted(got[2] + got[3]) == sorted(f.name for f in (job["node"](1) / "step-000000000003").glob("*.data"))
+
+
+def test_a_node_lacking_manifest_parts_reads_them_from_the_node_that_has_them(job):
+    # With more than k+1 nodes no node keeps every part of a step (each keeps those of the
+    # ranks whose files it holds): here node1 loses its copy of node0's part of step 3.
+    _save(job)
+    for p in (job["node"](1) / "step-000000000003").glob("part-00000-*.json"):
+        p.unlink()
+    out = _restore(job)
+    assert [o["step"] for o in out] == [3] * 4 and {o["source"] for o in out} == {"ram"}
+    # A part on no node at all: step 3 cannot be read from RAM; nobody waits for the part,
+    # and the step before it is restored (still bitwise equal to its reference).
+    for p in (job["node"](0) / "step-000000000003").glob("part-00000-*.json"):
+        p.unlink()
+    out = _restore(job)
+    assert [o["step"] for o in out] == [2] * 4 and {o["source"] for o in out} == {"ram"}
 
 
 def test_snapshots_every_step_do_not_grow_the_store(job):

@@ -407,9 +407,22 @@ def test_a_report_with_no_tensors_for_its_bytes_is_refused():
         _Report.decode(1, text, 2).tensors()  # a replica target would store 4096 unchecked bytes
 
 
-def test_a_node_leader_validates_the_manifest_it_receives(tmp_path):
-    """Rank 1 leads node1; the manifest it reads from the store is forged (a file outside
-    the directory): it writes no manifest, and says why."""
+def _index_of(name: str, nbytes: int) -> dict:
+    return {"parts": [{"file": name, "bytes": nbytes, "checksum": "xxh3_64:" + "0" * 16, "ranks": [[0, 2]]}]}
+
+
+@pytest.mark.parametrize(
+    "forged, why",
+    [
+        (_index_of("../../evil.json", 1), "outside its step directory"),
+        ({"format_version": 2, "tensors": [], "files": {}, "rank_state": {}}, "format version 2, not 3"),
+        (_index_of("part-00000-0badf00d.json", 9), "does not name this node's part"),
+    ],
+)
+def test_a_node_leader_validates_the_index_it_receives(tmp_path, forged, why):
+    """Rank 1 leads node1; the index it reads from the store is forged (a part outside the
+    directory, a document of another version, an index without this node's part): it
+    writes no manifest, and says why."""
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
@@ -422,20 +435,11 @@ def test_a_node_leader_validates_the_manifest_it_receives(tmp_path):
     node = tmp_path / "node1"
     storage = Storage(str(node))
     store.set("k/w/0", _Report.encode(None, None, None))  # rank 0 "wrote nothing"
-    forged = {
-        "format": "ftkit-checkpoint",
-        "format_version": 2,
-        "step": 1,
-        "world_size": 2,
-        "tensors": [],
-        "skeleton": {"entries": {}},
-        "files": {"../../evil": {"bytes": 1, "rank": 0}},
-        "rank_state": {},
-    }
-    store.set("k/manifest", json.dumps(forged))
+    doc = {"format": "ftkit-checkpoint", "format_version": 3, "step": 1, "world_size": 2, "skeleton": {"entries": {}}}
+    store.set("k/manifest", json.dumps({**doc, **forged}))
     arena, slot = _staged(2.0)
     try:
-        with pytest.raises(ftkit.FormatError, match="outside its step directory"):
+        with pytest.raises(ftkit.FtkitError, match=why):
             persist_node_local(storage, 1, slot, SKELETON, compress=None, pieces=None, rng=None, ctx=ctx, key="k")
     finally:
         arena.release(slot)

@@ -56,6 +56,10 @@ def part_file_name(first_rank: int) -> str:
     return f"part-{first_rank:05d}-{uuid.uuid4().hex[:8]}.json"
 
 
+def is_part_file(name: str) -> bool:
+    return name.startswith("part-") and name.endswith(".json")
+
+
 def rank_runs(ranks: list[int]) -> list[list[int]]:
     """Sorted ranks as [start, stop) runs: a node's ranks are usually one run."""
     runs: list[list[int]] = []

@@ -18,7 +18,7 @@ import torch
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
 from ftkit.format import codec
-from ftkit.format.index import INDEX_VERSION, assemble, check_part_bytes, parse_index
+from ftkit.format.index import INDEX_VERSION, Index, PartRef, assemble, check_part_bytes, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, manifest_from_json, parse_step_dir, step_dir_name
 from ftkit.format.validate import parse_header
 from ftkit.save.sharding import byte_span, overlap
@@ -73,6 +73,19 @@ def committed_steps(storage: Storage) -> list[int]:
 def load_manifest(storage: Storage, step: int) -> Manifest:
     """The validated manifest of `step`: the single document of versions 1-2, or the
     index of version 3 with its parts (format/index.py), read and assembled."""
+    data, index = load_index(storage, step)
+    where = storage.where(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    if index is None:
+        return manifest_from_json(data, where, expect_step=step)
+    missing = missing_parts(storage, step, index)
+    if missing:
+        raise FormatError(f"{storage.where(f'{step_dir_name(step)}/{missing[0]}')}: manifest part {missing[1]}")
+    return assemble(index, read_parts(storage, step, index.parts), where)
+
+
+def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
+    """The bytes of `step`'s manifest.json and, for version 3, its index, validated (None:
+    a single document of versions 1-2, to be validated by manifest_from_json)."""
     step_dir = step_dir_name(step)
     rel = f"{step_dir}/{MANIFEST_NAME}"
     if storage.is_link(step_dir):
@@ -85,32 +98,38 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
         ) from None
     doc, version = parse_header(data, storage.where(rel))
     if version < INDEX_VERSION:
-        return manifest_from_json(data, storage.where(rel), expect_step=step)
-    index = parse_index(doc, storage.where(rel), expect_step=step)
-    sizes = storage.list_sizes(step_dir)  # regular files only: a part that is a link is missing
+        return data, None
+    return data, parse_index(doc, storage.where(rel), expect_step=step)
+
+
+def missing_parts(storage: Storage, step: int, index: Index) -> tuple[str, str] | None:
+    """(file, what is wrong) of the first part of `index` not in the step directory at its size."""
+    sizes = storage.list_sizes(step_dir_name(step))  # regular files only: a part that is a link is missing
     for ref in index.parts:
         if sizes.get(ref.file) != ref.nbytes:
-            found = "is missing" if ref.file not in sizes else f"is {sizes[ref.file]} bytes, not {ref.nbytes}"
-            raise FormatError(f"{storage.where(f'{step_dir}/{ref.file}')}: manifest part {found}")
+            return ref.file, "is missing" if ref.file not in sizes else f"is {sizes[ref.file]} bytes, not {ref.nbytes}"
+    return None
 
-    def read_part(ref) -> bytes:
-        where = storage.where(f"{step_dir}/{ref.file}")
-        try:
-            part = storage.read_bytes(f"{step_dir}/{ref.file}")
-        except FileNotFoundError:
-            raise FormatError(f"{where}: manifest part is missing") from None
-        try:
-            check_part_bytes(ref, part, where)
-        except CorruptCheckpointError as e:
-            raise FormatError(str(e)) from None
-        return part
 
-    if len(index.parts) <= 2:
-        parts = [read_part(ref) for ref in index.parts]
-    else:  # an object store answers many small reads at once far faster than one by one
-        with ThreadPoolExecutor(min(16, len(index.parts))) as pool:
-            parts = list(pool.map(read_part, index.parts))
-    return assemble(index, parts, storage.where(rel))
+def read_parts(storage: Storage, step: int, refs) -> list[bytes]:
+    """The bytes of the parts `refs`, each checked against its size and checksum."""
+    if len(refs) <= 2:
+        return [read_part(storage, step, ref) for ref in refs]
+    with ThreadPoolExecutor(min(16, len(refs))) as pool:  # an object store answers many reads at once
+        return list(pool.map(lambda ref: read_part(storage, step, ref), refs))
+
+
+def read_part(storage: Storage, step: int, ref: PartRef) -> bytes:
+    rel = f"{step_dir_name(step)}/{ref.file}"
+    try:
+        part = storage.read_bytes(rel)
+    except FileNotFoundError:
+        raise FormatError(f"{storage.where(rel)}: manifest part is missing") from None
+    try:
+        check_part_bytes(ref, part, storage.where(rel))
+    except CorruptCheckpointError as e:
+        raise FormatError(str(e)) from None
+    return part
 
 
 def newest_manifest(storage: Storage, step: int | None = None) -> Manifest:

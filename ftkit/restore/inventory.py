@@ -9,7 +9,7 @@ from typing import Any
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ftkit.format import codec
 from ftkit.format.manifest import Manifest
-from ftkit.format.reader import load_manifest
+from ftkit.format.reader import load_index, load_manifest, missing_parts
 from ftkit.restore.context import RestoreContext
 
 log = logging.getLogger("ftkit")
@@ -17,8 +17,10 @@ log = logging.getLogger("ftkit")
 
 def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifest]]:
     """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...],
-    "digest": ...}} (restore/plan.py, ram_candidates),
-    and the manifests parsed on the way (the read of a candidate reuses them)."""
+    "digest": ..., "index": ...}} (restore/plan.py, ram_candidates), and the manifests
+    parsed on the way (the read of a candidate reuses them). A node holds the parts of
+    the manifest that describe its files, not always all: "index" (its checksum) says
+    that it has the index, but not every part, so the step cannot be read here alone."""
     i = rc.ram
     manifests: dict[int, Manifest] = {}
     if i is None:
@@ -27,15 +29,19 @@ def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifes
     out: dict[str, Any] = {}
     try:
         for step, (have, committed) in backend.inventory().items():
-            need = digest = None
+            need = digest = index = None
             if committed:
                 try:
-                    manifests[step] = load_manifest(backend.storage, step)
-                    need = sorted(manifests[step].files)
-                    digest = codec.checksum("\n".join(need).encode())
+                    data, parsed = load_index(backend.storage, step)
+                    if parsed is not None and missing_parts(backend.storage, step, parsed):
+                        index = codec.checksum(data)
+                    else:
+                        manifests[step] = load_manifest(backend.storage, step)
+                        need = sorted(manifests[step].files)
+                        digest = codec.checksum("\n".join(need).encode())
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                     log.warning("RAM tier manifest of step %d is unusable: %s", step, e)
-            out[str(step)] = {"have": have, "need": need, "digest": digest}
+            out[str(step)] = {"have": have, "need": need, "digest": digest, "index": index}
     except StorageError as e:
         log.warning("cannot list the RAM tier: %s", e)
     return out, manifests

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.format.index import is_part_file
 from ftkit.format.manifest import Manifest
 from ftkit.save.sharding import overlap
 from ftkit.tiers.peers import Transfer
@@ -27,13 +28,16 @@ from ftkit.tiers.peers import Transfer
 
 @dataclass(frozen=True)
 class Candidate:
-    """One (step, source) to try. For the RAM tier: which ranks hold each data file,
-    and which rank sends the manifest to the nodes that lack it (None: all have it)."""
+    """One (step, source) to try. For the RAM tier: which ranks hold each data file, which
+    rank sends its manifest (the index, or a whole document) to the nodes that lack it
+    (None: all have it), and which rank sends each manifest part to the nodes that
+    lack parts (a node keeps the parts that describe its own and its replicas' files)."""
 
     step: int
     tier: int
     holders: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     manifest_rank: int | None = None
+    part_holders: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self, holders: bool = True) -> dict[str, Any]:
         return {
@@ -41,6 +45,7 @@ class Candidate:
             "tier": self.tier,
             "holders": {f: list(r) for f, r in self.holders.items()} if holders else {},
             "manifest_rank": self.manifest_rank,
+            "part_holders": dict(self.part_holders),  # O(nodes): one per part
         }
 
     @staticmethod
@@ -50,12 +55,14 @@ class Candidate:
             int(doc["tier"]),
             {str(f): tuple(int(r) for r in rs) for f, rs in doc.get("holders", {}).items()},
             None if doc.get("manifest_rank") is None else int(doc["manifest_rank"]),
+            {str(f): int(r) for f, r in doc.get("part_holders", {}).items()},
         )
 
 
 def _inventory_entries(inv: Any):
-    """(step, files held, files the manifest needs or None, the manifest's digest or None)
-    of one rank's inventory, skipping anything malformed: inventories come through the store."""
+    """(step, files held, files the manifest needs or None, the manifest's digest or None,
+    whether the node has the index but not every part) of one rank's inventory, skipping
+    anything malformed: inventories come through the store."""
     if not isinstance(inv, Mapping):
         return
     for s, info in inv.items():
@@ -66,7 +73,7 @@ def _inventory_entries(inv: Any):
             continue
         if need is not None and (not isinstance(need, list) or not all(isinstance(f, str) for f in need)):
             continue
-        yield int(s), have, need, digest if isinstance(digest, str) else None
+        yield int(s), have, need, digest if isinstance(digest, str) else None, isinstance(info.get("index"), str)
 
 
 def ram_candidates(
@@ -75,37 +82,52 @@ def ram_candidates(
     """RAM-tier steps that can be restored: every file the manifest names is on some
     node (when files can be fetched between nodes, `can_fetch`), or on every node.
 
-    `inventories[r]` is rank r's view of its node: {"<step>": {"have": [data files],
-    "need": [files the manifest names] or None, "digest": of that list, or None when
-    the node has no manifest}}. Only one inventory need carry the list (restore sends
-    rank 0's, the others send the digest: O(nodes) bytes, not O(nodes x ranks)); a step
-    whose manifest no list came with is tried unchecked, and its read proves it."""
-    parsed = [{s: (have, need, digest) for s, have, need, digest in _inventory_entries(inv)} for inv in inventories]
+    `inventories[r]` is rank r's view of its node: {"<step>": {"have": [data files and
+    manifest parts], "need": [files the manifest names] or None, "digest": of that list,
+    or None when the node has no whole manifest, "index": set when it has the index but
+    not every part}}. Only one inventory need carry the list (restore sends rank 0's,
+    the others send the digest: O(nodes) bytes, not O(nodes x ranks)); a step whose
+    manifest no list came with is tried unchecked, and its read proves it. When a node
+    lacks the manifest or some of its parts, the candidate names a holder of each part
+    (a part missing everywhere fails the read, at once)."""
+    parsed = [{s: rest for s, *rest in _inventory_entries(inv)} for inv in inventories]
     by_step: dict[int, dict[str, Any]] = {}
     for rank, inv in enumerate(parsed):
-        for s, (have, need, digest) in inv.items():
-            entry = by_step.setdefault(s, {"holders": {}, "need": None, "manifest_rank": None, "nodes": {}})
+        for s, (have, need, digest, index) in inv.items():
+            entry = by_step.setdefault(
+                s, {"holders": {}, "need": None, "whole": None, "index": None, "nodes": {}, "lacking": False}
+            )
             for f in have:
                 entry["holders"].setdefault(f, []).append(rank)
             entry["nodes"].setdefault(nodes[rank], set()).update(have)
             if need is not None and entry["need"] is None:
                 entry["need"] = need
-            if (need is not None or digest is not None) and entry["manifest_rank"] is None:
-                entry["manifest_rank"] = rank
+            if (need is not None or digest is not None) and entry["whole"] is None:
+                entry["whole"] = rank
+            if index and entry["index"] is None:
+                entry["index"] = rank
+            entry["lacking"] |= need is None and digest is None
     all_nodes = set(nodes)
     out = {}
     for s, e in by_step.items():
-        if e["manifest_rank"] is None:
+        manifest_rank = e["whole"] if e["whole"] is not None else e["index"]
+        if manifest_rank is None:
             continue
         need = set(e["need"]) if e["need"] is not None else set()
         if can_fetch:
             complete = need <= set(e["holders"])
         else:  # no transport between nodes: every node must hold everything
             complete = all(need <= e["nodes"].get(n, set()) for n in all_nodes)
+        # A node of a rank that listed nothing for the step lacks it as well.
+        lacking = e["lacking"] or any(s not in inv for inv in parsed)
         if complete:  # the manifest goes through the store only when a node lacks it
-            lacking = any(inv.get(s, (None, None, None))[1:] == (None, None) for inv in parsed)
+            parts = {f: rs[0] for f, rs in e["holders"].items() if is_part_file(f)} if lacking else {}
             out[s] = Candidate(
-                s, ram_tier, {f: tuple(r) for f, r in e["holders"].items()}, e["manifest_rank"] if lacking else None
+                s,
+                ram_tier,
+                {f: tuple(r) for f, r in e["holders"].items() if not is_part_file(f)},
+                manifest_rank if lacking else None,
+                parts,
             )
     return out
 

@@ -21,8 +21,10 @@ import torch
 
 from ftkit.coord.agree import agree
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
+from ftkit.format.index import INDEX_VERSION, assemble, check_part_bytes, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
-from ftkit.format.reader import check_file_sizes, load_manifest, read_regions, torch_dtype
+from ftkit.format.reader import check_file_sizes, load_index, load_manifest, read_parts, read_regions, torch_dtype
+from ftkit.format.validate import parse_header
 from ftkit.restore.context import RestoreContext
 from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
@@ -76,21 +78,13 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     storage, peers = backend.storage, backend.peers
     step_dir = step_dir_name(step)
     error: str | None = None
-    # The manifest: parsed by the inventory, or from this node, or from the rank named by the plan.
-    if ctx.rank == cand.manifest_rank and ctx.distributed:
-        try:
-            ctx.put(f"{key}/manifest", storage.read_bytes(f"{step_dir}/{MANIFEST_NAME}").decode())
-        except Exception as e:
-            ctx.put(f"{key}/manifest", "")
-            error = str(e)
+    # The manifest: parsed by the inventory, or from this node, or from the ranks named by the
+    # plan (its index or whole document, and the parts this node lacks).
+    if ctx.distributed:
+        error = _send_manifest(storage, step, ctx, key, cand)
     try:
-        if manifest is None and storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
-            manifest = load_manifest(storage, step)
         if manifest is None:
-            doc = ctx.get(f"{key}/manifest")
-            if not doc:
-                raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
-            manifest = manifest_from_json(doc.encode(), f"RAM manifest of step {step}", expect_step=step)
+            manifest = _manifest(storage, step, ctx, key, cand)
         present = set(storage.list_sizes(step_dir))
         check_file_sizes(storage, manifest, present & set(manifest.files))  # peers check theirs before sending
         regions, dtensors, live = _regions(rc, manifest)
@@ -144,6 +138,62 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
         return None, {"error": str(e), "mismatch": []}, origin
     return loaded, {"error": None, "mismatch": []}, origin
+
+
+def _send_manifest(storage, step: int, ctx, key: str, cand: Candidate) -> str | None:
+    """Put into the store what the plan says this rank sends the nodes lacking the manifest:
+    its manifest.json, the parts assigned to it. Returns what failed here, if anything."""
+    step_dir = step_dir_name(step)
+    error = None
+    if ctx.rank == cand.manifest_rank:
+        try:
+            ctx.put(f"{key}/manifest", storage.read_bytes(f"{step_dir}/{MANIFEST_NAME}").decode())
+        except Exception as e:
+            ctx.put(f"{key}/manifest", "")
+            error = str(e)
+    for name, rank in cand.part_holders.items():
+        if rank == ctx.rank:
+            try:
+                data = storage.read_bytes(f"{step_dir}/{name}")
+            except Exception as e:  # the readers' check of its checksum fails, at once
+                data, error = b"", str(e)
+            ctx.store.set(f"{key}/part/{name}", data)
+    return error
+
+
+def _manifest(storage, step: int, ctx, key: str, cand: Candidate) -> Manifest:
+    """This node's manifest of `step`, completed with what other nodes sent: the index (or
+    whole document) when it has none, the parts it lacks. Every part is checked against the
+    index's size and checksum and the whole validated, as load_manifest does."""
+    step_dir = step_dir_name(step)
+    where = f"RAM manifest of step {step}"
+    if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
+        data, index = load_index(storage, step)
+    else:
+        doc = ctx.get(f"{key}/manifest") if ctx.distributed else None
+        if not doc:
+            raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
+        data = doc.encode()
+        header, version = parse_header(data, where)
+        index = parse_index(header, where, expect_step=step) if version >= INDEX_VERSION else None
+    if index is None:
+        return manifest_from_json(data, where, expect_step=step)
+    sizes = storage.list_sizes(step_dir, [ref.file for ref in index.parts])
+    remote = [ref for ref in index.parts if sizes.get(ref.file) != ref.nbytes]
+    lost = [ref.file for ref in remote if ref.file not in cand.part_holders]
+    if lost:  # nobody will send it: do not wait for it
+        raise CorruptCheckpointError(f"step {step}: manifest part {lost[0]} is on no node ({len(lost)} missing)")
+    got = dict(zip((r.file for r in remote), ctx.wait_get([f"{key}/part/{r.file}" for r in remote]), strict=True))
+    local = dict(
+        zip(
+            (r.file for r in index.parts if r.file not in got),
+            read_parts(storage, step, [r for r in index.parts if r.file not in got]),
+            strict=True,
+        )
+    )
+    for ref in remote:
+        check_part_bytes(ref, got[ref.file], f"{where}: part {ref.file} from rank {cand.part_holders[ref.file]}")
+    return assemble(index, [got.get(r.file) or local[r.file] for r in index.parts], where)
 
 
 def _plan_fetches(ctx, key: str, cand: Candidate, request: dict[str, Any]) -> tuple[bool, list[Transfer]]:

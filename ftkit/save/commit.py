@@ -157,7 +157,7 @@ def commit_step(
         try:
             raws = ctx.wait_get(keys) if keys else []
             records += [
-                _read_record(leader, raw, group.members[leader], ctx.world_size)
+                read_node_record(leader, raw, group.members[leader], ctx.world_size)
                 for leader, raw in zip(leaders, raws, strict=True)
             ]
             delete_keys(ctx, older)
@@ -190,9 +190,10 @@ def _node_record(
     return {"part": None, "files": files, "stored": 0, "errors": errors}
 
 
-def _read_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) -> dict[str, Any]:
-    """A node's record as rank 0 reads it from the store: untrusted. One that does not
-    validate reads as that node's error, and the step is simply not committed."""
+def read_node_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) -> dict[str, Any]:
+    """A node's record as rank 0 reads it from the store (both tiers' commits): untrusted.
+    One that does not validate reads as that node's error, and the step is simply not
+    committed. "skipped": whether a rank of the node skipped the step (the RAM tier's)."""
     where = f"the record of the node of rank {leader}"
     try:
         doc = parse_json(raw, where, "")
@@ -221,9 +222,9 @@ def _read_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) -> d
             and part.get("ranks") == rank_runs(list(ranks))
         ):
             raise FormatError(f"{where} names no valid part of its ranks")
-        return {"part": part, "files": files, "stored": stored, "errors": errors}
+        return {"part": part, "files": files, "stored": stored, "errors": errors, "skipped": doc.get("skipped") is True}
     except FormatError as e:
-        return {"part": None, "files": {}, "stored": 0, "errors": [f"unreadable record: {e}"]}
+        return {"part": None, "files": {}, "stored": 0, "errors": [f"unreadable record: {e}"], "skipped": False}
 
 
 def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:

@@ -1,13 +1,9 @@
 """A step's manifest, built from the ranks' reports of what they wrote and written last.
 
-Two forms (FORMAT.md):
-
-* **indexed** (version 3, shared tiers): each node's leader writes a part with its
-  ranks' entries (`write_part`); rank 0 writes the index naming the parts
-  (`commit_index`). Rank 0 handles one small record per node, whatever the
-  number of tensors or ranks;
-* **single document** (version 2, the RAM tier, where every node keeps a whole
-  copy): rank 0 merges every rank's entries (`commit_docs`).
+Format version 3 on every tier (FORMAT.md): each node's leader writes a part with
+its ranks' entries (`write_part`, or `build_part` then `store_part`); rank 0
+writes the index naming the parts (`commit_index`). Rank 0 handles one small
+record per node, whatever the number of tensors or ranks.
 
 Reports are plain JSON documents (RankWrite.to_json()) that came through the
 store or a node's board: untrusted. What is written is validated first, as a
@@ -24,7 +20,7 @@ from typing import Any
 
 from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
 from ftkit.format.index import check_part, index_json, parse_index, part_file_name, part_json, part_ref
-from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, manifest_json, step_dir_name
+from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from ftkit.save.write import RankWrite
 from ftkit.tiers.storage import Storage
 
@@ -98,12 +94,32 @@ def write_part(
 ) -> dict[str, Any]:
     """A node leader's share of the commit: its ranks' entries as one part file, checked
     and durable. Returns the node's record for rank 0: {"part": the index's entry for
-    it, "files": {data file: bytes}, "stored": bytes, "errors": []}."""
-    step_dir = step_dir_name(step)
-    name = part_file_name(min(ranks))
-    files, tensors = _merged(writes, storage.where(step_dir))
+    it, "files": {data file: bytes}, "stored": bytes}."""
+    name, data, files = build_part(storage, step, writes, rank_state, ranks, world_size)
+    return store_part(storage, step, name, data, files, ranks)
+
+
+def build_part(
+    storage: Storage,
+    step: int,
+    writes: list[dict[str, Any]],
+    rank_state: dict[str, Any],
+    ranks: list[int],
+    world_size: int,
+) -> tuple[str, bytes, dict[str, dict[str, Any]]]:
+    """(its file name, its bytes, {data file: info}) of a node's part, checked as a reader
+    checks one part alone."""
+    files, tensors = _merged(writes, storage.where(step_dir_name(step)))
     data = part_json(step, ranks, files, tensors, rank_state)
     check_part(data, step, ranks, world_size, f"the part of ranks {ranks[0]}-{ranks[-1]} of step {step}")
+    return part_file_name(min(ranks)), data, files
+
+
+def store_part(
+    storage: Storage, step: int, name: str, data: bytes, files: dict[str, dict[str, Any]], ranks: list[int]
+) -> dict[str, Any]:
+    """Write a built part once its node's data files are in place; returns write_part's record."""
+    step_dir = step_dir_name(step)
     for f, info in files.items():  # one stat per file of this node, not a listing of every rank's
         try:
             size = storage.size(f"{step_dir}/{f}")
@@ -118,47 +134,28 @@ def write_part(
 
 
 def commit_index(
-    storage: Storage, step: int, world_size: int, records: list[dict[str, Any]], skeleton: dict[str, Any]
+    storage: Storage,
+    step: int,
+    world_size: int,
+    records: list[dict[str, Any]],
+    skeleton: dict[str, Any],
+    local_parts: set[str] | None = None,
 ) -> Committed:
     """Rank 0's share: the index naming every node's part, written last (the commit).
-    `records` are write_part()'s, one per node, validated by the caller's protocol."""
+    `records` are write_part()'s, one per node, validated by the caller's protocol.
+    `local_parts`: the parts that must be in the step directory now (all, by default;
+    a node of the RAM tier holds only its own and its replica sources')."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
     parts = sorted((r["part"] for r in records), key=lambda p: p["ranks"][0][0])
     data = index_json(step, world_size, parts, skeleton, time.time(), writer_info())
     parse_index(json.loads(data), storage.where(rel), step)
-    check_files_present(storage, step, {p["file"]: p["bytes"] for p in parts})
-    storage.write_bytes_atomic(rel, data)
-    return Committed(sum(r["stored"] for r in records), data)
-
-
-def commit_docs(
-    storage: Storage,
-    step: int,
-    writes: list[dict[str, Any]],
-    skeleton: dict[str, Any],
-    world_size: int,
-    rank_state: dict[str, Any],
-    present: set[str] | None = None,
-) -> Committed:
-    """A single-document manifest from the ranks' reports as they arrived: assembled
-    from the JSON documents, never rebuilt as dataclasses, then validated as any
-    reader would validate it before it is written. `present`: the data files that
-    must be in the step directory now (all, by default; a node-local tier holds only
-    its node's), checked last, so a step whose data someone removed meanwhile is not
-    committed."""
-    rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
-    if storage.exists(rel):
-        raise AlreadyCommitted(f"{storage.where(rel)} already exists")
-    files, tensors = _merged(writes, storage.where(rel))
-    data = manifest_json(step, world_size, tensors, skeleton, files, rank_state, time.time(), writer_info())
-    manifest = manifest_from_json(data, storage.where(rel), step)
     check_files_present(
-        storage, step, {f: info["bytes"] for f, info in files.items() if present is None or f in present}
+        storage, step, {p["file"]: p["bytes"] for p in parts if local_parts is None or p["file"] in local_parts}
     )
     storage.write_bytes_atomic(rel, data)
-    return Committed(sum(w["nbytes"] for w in writes), data, manifest)
+    return Committed(sum(r["stored"] for r in records), data)
 
 
 def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -> None:

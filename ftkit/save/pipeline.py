@@ -122,8 +122,9 @@ class PersistPipeline:
         backend = self.backends[i]
         url = redact_url(backend.tier.url)
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             committed = backend.persist(job, self.ctx, commit_key(i, job.epoch, job.step), self.keys[i])
+            cpu_s = time.thread_time() - c0
             self.stats.persisted += 1
             self.stats.last_committed[url] = job.step
             self.emit(
@@ -132,6 +133,7 @@ class PersistPipeline:
                 tier=url,
                 ok=True,
                 seconds=time.perf_counter() - t0,
+                cpu_s=cpu_s,
                 committed_by_me=committed is not None,
                 **backend.persist_details(),
             )

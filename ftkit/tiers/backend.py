@@ -29,6 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
 from ftkit.format.reader import scan
 from ftkit.save.commit import NodeGroup, persist, report_skipped_shared
@@ -101,11 +102,11 @@ class TierBackend(ABC):
         return apply_job_retention(self.storage, self.tier.keep, self.tier.keep_every, protect=protect)
 
     def inventory(self) -> dict[int, tuple[list[str], bool]]:
-        """{step: (data files held, committed)} of what this process sees on the tier."""
+        """{step: (data files and manifest parts held, committed)} of what this process sees on the tier."""
         out = {}
         for d in scan(self.storage):
             names = [n for n, kind in self.storage.list_dir(step_dir_name(d.step)) if kind == "file"]
-            out[d.step] = ([n for n in names if n.endswith(".data")], d.committed)
+            out[d.step] = ([n for n in names if n.endswith(".data") or is_part_file(n)], d.committed)
         return out
 
     @property
@@ -150,6 +151,7 @@ class NodeRamTier(TierBackend):
         self.peers = peers  # the dedicated gloo group replicas travel over (None: one process)
         self.group = group  # this rank's node and its board: the commit's first level
         self.layout = ReplicaLayout.of(nodes)  # who sends whom replicas: O(ranks) once, here
+        self.last_cpu: dict[str, float] = {}  # the last persist's CPU split (persist_details)
 
     @property
     def can_fetch(self) -> bool:
@@ -165,6 +167,7 @@ class NodeRamTier(TierBackend):
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         if self.peers is not None:
             self.peers.last_run = None
+        self.last_cpu = {}
         args = self._commit_args(job, ctx, key, ledger)
         return persist_node_local(
             self.storage,
@@ -175,6 +178,7 @@ class NodeRamTier(TierBackend):
             layout=self.layout,
             peers=self.peers,
             replicas=self.replicas,
+            cpu=self.last_cpu,
             **args,
         )
 
@@ -183,7 +187,10 @@ class NodeRamTier(TierBackend):
 
     def persist_details(self) -> dict[str, Any]:
         run = self.peers.last_run if self.peers is not None else None
-        return {"replicate": run} if run else {}
+        # This thread's CPU seconds writing the data file and moving replicas (the rest of the
+        # persist event's cpu_s is the commit's coordination).
+        cpu = {f"{k}_cpu_s": v for k, v in self.last_cpu.items()}
+        return {**cpu, **({"replicate": run} if run else {})}
 
     def supersede(self, step: int) -> None:
         self.delete_step(step)  # this run's cache: nothing to keep
