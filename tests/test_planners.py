@@ -98,6 +98,7 @@ def test_nodes_lacking_manifest_parts_are_sent_each_part_by_one_holder(world, pe
             "need": i["4"]["need"] if whole and r == 0 else None,
             "digest": "d" if whole else None,
             "index": None if whole else "xxh3_64:0123456789abcdef",
+            "parts": None if whole or r else parts,  # only rank 0 sends the index's list
         }
     c = ram_candidates(inv, nodes, 0, can_fetch=True)[4]
     if count == 2:
@@ -108,6 +109,9 @@ def test_nodes_lacking_manifest_parts_are_sent_each_part_by_one_holder(world, pe
         assert parts.index(name) in (rank // per_node, (rank // per_node - 1) % count)
     assert not any(f.startswith("part-") for f in c.holders)  # data files only: no part is fetched as data
     assert Candidate.from_json(c.to_json(holders=False)).part_holders == c.part_holders
+    for i in inv:  # both nodes that held node 1's part lost it: the step cannot be read from RAM
+        i["4"]["have"] = [f for f in i["4"]["have"] if f != parts[1]]
+    assert ram_candidates(inv, nodes, 0, can_fetch=True) == {}
 
 
 def test_malformed_inventories_from_the_store_are_skipped():

@@ -78,8 +78,8 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     t_start = time.perf_counter()
     inventory, manifests = ram_inventory(rc)
     # The ranks of a node see one directory: its leader's view stands for all (O(nodes) messages).
-    # Only rank 0 sends the files its manifests name; the others a digest of that list.
-    sent = inventory if ctx.rank == 0 else {s: {**e, "need": None} for s, e in inventory.items()}
+    # Only rank 0 sends the files (and parts) its manifests name; the others a digest.
+    sent = inventory if ctx.rank == 0 else {s: {**e, "need": None, "parts": None} for s, e in inventory.items()}
     by_leader = ctx.gather_to_root(f"{key}/inv", sent, ctx.leaders()) if rc.ram is not None else None
     listing = None
     listings: list[tuple[int, list[int]]] = []

@@ -17,10 +17,11 @@ log = logging.getLogger("ftkit")
 
 def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifest]]:
     """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...],
-    "digest": ..., "index": ...}} (restore/plan.py, ram_candidates), and the manifests
+    "digest": ..., "index": ..., "parts": ...}} (restore/plan.py, ram_candidates), and the manifests
     parsed on the way (the read of a candidate reuses them). A node holds the parts of
     the manifest that describe its files, not always all: "index" (its checksum) says
-    that it has the index, but not every part, so the step cannot be read here alone."""
+    that it has the index, but not every part, so the step cannot be read here alone;
+    "parts" lists the parts the index names then."""
     i = rc.ram
     manifests: dict[int, Manifest] = {}
     if i is None:
@@ -29,19 +30,20 @@ def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifes
     out: dict[str, Any] = {}
     try:
         for step, (have, committed) in backend.inventory().items():
-            need = digest = index = None
+            need = digest = index = parts = None
             if committed:
                 try:
                     data, parsed = load_index(backend.storage, step)
                     if parsed is not None and missing_parts(backend.storage, step, parsed):
                         index = codec.checksum(data)
+                        parts = sorted(ref.file for ref in parsed.parts)
                     else:
                         manifests[step] = load_manifest(backend.storage, step)
                         need = sorted(manifests[step].files)
                         digest = codec.checksum("\n".join(need).encode())
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                     log.warning("RAM tier manifest of step %d is unusable: %s", step, e)
-            out[str(step)] = {"have": have, "need": need, "digest": digest, "index": index}
+            out[str(step)] = {"have": have, "need": need, "digest": digest, "index": index, "parts": parts}
     except StorageError as e:
         log.warning("cannot list the RAM tier: %s", e)
     return out, manifests

@@ -73,7 +73,16 @@ def _inventory_entries(inv: Any):
             continue
         if need is not None and (not isinstance(need, list) or not all(isinstance(f, str) for f in need)):
             continue
-        yield int(s), have, need, digest if isinstance(digest, str) else None, isinstance(info.get("index"), str)
+        parts = info.get("parts")
+        if parts is not None and (not isinstance(parts, list) or not all(isinstance(f, str) for f in parts)):
+            continue
+        yield int(s), have, need, digest if isinstance(digest, str) else None, isinstance(info.get("index"), str), parts
+
+
+def _new_entry() -> dict[str, Any]:
+    # holders: file -> ranks; need/parts: the lists one inventory sent; whole/index: the first
+    # rank with the whole manifest / with only its index; lacking: a node has no whole manifest
+    return {"holders": {}, "need": None, "parts": None, "whole": None, "index": None, "nodes": {}, "lacking": False}
 
 
 def ram_candidates(
@@ -85,23 +94,24 @@ def ram_candidates(
     `inventories[r]` is rank r's view of its node: {"<step>": {"have": [data files and
     manifest parts], "need": [files the manifest names] or None, "digest": of that list,
     or None when the node has no whole manifest, "index": set when it has the index but
-    not every part}}. Only one inventory need carry the list (restore sends rank 0's,
-    the others send the digest: O(nodes) bytes, not O(nodes x ranks)); a step whose
-    manifest no list came with is tried unchecked, and its read proves it. When a node
+    not every part, "parts": the parts the index names}}. Only one inventory need carry
+    the lists (restore sends rank 0's, the others send the digest: O(nodes) bytes, not
+    O(nodes x ranks)); a step whose manifest no list came with is tried unchecked, and
+    its read proves it. When a node
     lacks the manifest or some of its parts, the candidate names a holder of each part
     (a part missing everywhere fails the read, at once)."""
     parsed = [{s: rest for s, *rest in _inventory_entries(inv)} for inv in inventories]
     by_step: dict[int, dict[str, Any]] = {}
     for rank, inv in enumerate(parsed):
-        for s, (have, need, digest, index) in inv.items():
-            entry = by_step.setdefault(
-                s, {"holders": {}, "need": None, "whole": None, "index": None, "nodes": {}, "lacking": False}
-            )
+        for s, (have, need, digest, index, parts) in inv.items():
+            entry = by_step.setdefault(s, _new_entry())
             for f in have:
                 entry["holders"].setdefault(f, []).append(rank)
             entry["nodes"].setdefault(nodes[rank], set()).update(have)
             if need is not None and entry["need"] is None:
                 entry["need"] = need
+            if parts is not None and entry["parts"] is None:
+                entry["parts"] = parts
             if (need is not None or digest is not None) and entry["whole"] is None:
                 entry["whole"] = rank
             if index and entry["index"] is None:
@@ -114,6 +124,8 @@ def ram_candidates(
         if manifest_rank is None:
             continue
         need = set(e["need"]) if e["need"] is not None else set()
+        if not set(e["parts"] or ()) <= set(e["holders"]):  # a part of its manifest is on no node
+            continue
         if can_fetch:
             complete = need <= set(e["holders"])
         else:  # no transport between nodes: every node must hold everything
