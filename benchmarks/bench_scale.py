@@ -590,7 +590,7 @@ def main() -> int:
                 f.write(json.dumps(row) + "\n")
     print()
     cols = ("ranks", "nodes", "req/interval", "busy", "cpu ms/node", "dead", "aggr", "hung", "false")
-    cols += ("commit ms", "commit req", "index B", "plan s", "RAM ms", "RAM req", "RAM manif. B")
+    cols += ("commit ms", "commit req", "index B", "plan s", "RAM ms", "RAM req", "RAM index B")
     print(" ".join(f"{c:>12}" for c in cols))
 
     def secs(v: float | None) -> str:
