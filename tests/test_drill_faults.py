@@ -16,7 +16,7 @@ def ref_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_faults_inside_the_persist_pipeline_and_preemption(tmp_path, ref_cache):
+def test_faults_inside_the_persist_pipeline(tmp_path, ref_cache):
     rc, res, out = drill(
         tmp_path,
         "--steps",
@@ -24,8 +24,9 @@ def test_faults_inside_the_persist_pipeline_and_preemption(tmp_path, ref_cache):
         "--step-time",
         "0.05",
         "--faults",
+        # (A SIGTERM is drilled in test_drill_of_a_user_script and the random schedules.)
         "kill@40:rank=1:during=snapshot,hang@46:rank=3:during=persist,"
-        "kill@52:rank=0:during=commit,node@64:node=1:during=replicate,term@70:rank=2,"
+        "kill@52:rank=0:during=commit,node@64:node=1:during=replicate,"
         # Last, with no fault to cut it short: a straggler is flagged after ~5 s of
         # slow steps (the median of its last 10 steps, then 6 checks); its 10 s
         # span about 50 steps at this slowdown.
@@ -43,9 +44,6 @@ def test_faults_inside_the_persist_pipeline_and_preemption(tmp_path, ref_cache):
         o = f[key]["outcome"]
         assert o["steps_lost"] <= 2 and o["resumed_from"] >= f[key]["injected_step"] - 2, (key, o)
     assert "peer" in f["node", "replicate"]["outcome"]["restored_from"]
-    term = f["term", "step"]["outcome"]
-    assert term["detected_by"] == "preemption (SIGTERM)" and term["steps_lost"] == 0  # saved where it stopped
-    assert term["resumed_from"] > f["term", "step"]["injected_step"]  # the agreed step, after the notice
 
 
 @pytest.mark.slow
@@ -147,3 +145,5 @@ def test_drill_of_a_user_script(tmp_path):
     f = by_kind(res)
     assert f["kill"]["outcome"]["steps_lost"] <= 1 and f["crash"]["outcome"]["steps_lost"] <= 1
     assert f["term"]["outcome"]["steps_lost"] == 0 and f["kill"]["outcome"]["restored_from"] == "ram"
+    term = f["term"]["outcome"]  # saved where it stopped: the agreed step, after the notice
+    assert term["detected_by"] == "preemption (SIGTERM)" and term["resumed_from"] > f["term"]["injected_step"]

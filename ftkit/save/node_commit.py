@@ -69,6 +69,7 @@ class NodeShare:
     texts: dict[int, str]
     errors: list[str]
     skipped: bool  # a rank of the node skipped the step (policy "skip")
+    files: list[str] = field(default_factory=list)  # the data files its ranks reported
     written: dict[str, Any] | None = None  # store_part's record of the node's part
     part_text: str = ""
     others: list[str] = field(default_factory=list)  # parts of the replica sources, written here
@@ -92,8 +93,8 @@ class NodeShare:
         }
 
     def own_files(self) -> list[str]:
-        w = self.written
-        return ([*w["files"], w["part"]["file"]] if w else []) + self.others
+        """What this step put in the node's directory that a failed commit removes."""
+        return self.files + ([self.written["part"]["file"]] if self.written else []) + self.others
 
 
 def persist_node_local(
@@ -187,16 +188,17 @@ def node_part(storage: Storage, step: int, texts: dict[int, str], ranks: tuple[i
     reports = [decode_report(r, texts[r], world) for r in ranks]
     errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
     skipped = any(r.skipped for r in reports)
+    files = [r.file for r in reports if r.file is not None]
     if errors:
-        return NodeShare(texts, errors, skipped)
+        return NodeShare(texts, errors, skipped, files)
     try:
         writes = [r.write_doc() for r in reports if r.file]
         rank_state = {str(r.rank): {"rng": r.rng} for r in reports}
-        name, data, files = build_part(storage, step, writes, rank_state, list(ranks), world)
-        written = store_part(storage, step, name, data, files, list(ranks))
+        name, data, entries = build_part(storage, step, writes, rank_state, list(ranks), world)
+        written = store_part(storage, step, name, data, entries, list(ranks))
     except Exception as e:  # a malformed report or a storage failure: the node's error
-        return NodeShare(texts, [f"node of rank {ranks[0]}: {e}"], skipped)
-    return NodeShare(texts, [], skipped, written, data.decode())
+        return NodeShare(texts, [f"node of rank {ranks[0]}: {e}"], skipped, files)
+    return NodeShare(texts, [], skipped, files, written, data.decode())
 
 
 def _board(group: NodeGroup):
