@@ -15,9 +15,10 @@ restore/read.py)::
                 world size changed) and checks shapes, dtypes and keys against
                 the live state from the manifest alone: a mismatch raises
                 before any byte of the live state is touched
-        read    for the RAM source, files its node lacks are sent by a rank
-                whose node holds them, over the peer group; then every needed
-                chunk is read and its checksum verified
+        read    for the RAM source, the manifest parts its node lacks come through
+                the store from one node that holds each, the data files it lacks
+                from a rank whose node holds them, over the peer group; then
+                every needed chunk is read and its checksum verified
         vote    every rank reports ok / error through the store
         load    only when every rank read its part intact, all load in place
 
