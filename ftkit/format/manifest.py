@@ -23,8 +23,7 @@ from typing import Any
 
 FORMAT_NAME = "ftkit-checkpoint"
 # 2: Python's RNG state as a tensor (FORMAT.md, the skeleton); 3: an index of per-node
-# parts (format/index.py), what shared tiers write. The RAM tier still writes the single
-# document of version 2: every node keeps a whole copy of it.
+# parts (format/index.py), what every tier writes (single documents are still read).
 FORMAT_VERSION = 3
 SINGLE_DOC_VERSION = 2
 MANIFEST_NAME = "manifest.json"

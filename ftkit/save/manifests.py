@@ -31,7 +31,6 @@ class Committed:
 
     stored_bytes: int
     manifest_json: bytes
-    manifest: Manifest | None = None  # as validated before it was written (single document only)
 
 
 def commit(
