@@ -9,7 +9,7 @@ which file and tensor are bad.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -73,14 +73,7 @@ def committed_steps(storage: Storage) -> list[int]:
 def load_manifest(storage: Storage, step: int) -> Manifest:
     """The validated manifest of `step`: the single document of versions 1-2, or the
     index of version 3 with its parts (format/index.py), read and assembled."""
-    data, index = load_index(storage, step)
-    where = storage.where(f"{step_dir_name(step)}/{MANIFEST_NAME}")
-    if index is None:
-        return manifest_from_json(data, where, expect_step=step)
-    missing = missing_parts(storage, step, index)
-    if missing:
-        raise FormatError(f"{storage.where(f'{step_dir_name(step)}/{missing[0]}')}: manifest part {missing[1]}")
-    return assemble(index, read_parts(storage, step, index.parts), where)
+    return manifest_from(storage, step, *load_index(storage, step))
 
 
 def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
@@ -96,19 +89,48 @@ def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
         raise CheckpointNotFoundError(
             f"{storage.where(step_dir)}: no manifest (step {step} is not committed)"
         ) from None
-    doc, version = parse_header(data, storage.where(rel))
-    if version < INDEX_VERSION:
-        return data, None
-    return data, parse_index(doc, storage.where(rel), expect_step=step)
+    return data, parse_manifest_header(data, storage.where(rel), step)
 
 
-def missing_parts(storage: Storage, step: int, index: Index) -> tuple[str, str] | None:
-    """(file, what is wrong) of the first part of `index` not in the step directory at its size."""
-    sizes = storage.list_sizes(step_dir_name(step))  # regular files only: a part that is a link is missing
+def parse_manifest_header(data: bytes, where: str, step: int) -> Index | None:
+    """The index of a version-3 manifest.json, validated; None for a single document."""
+    doc, version = parse_header(data, where)
+    return parse_index(doc, where, expect_step=step) if version >= INDEX_VERSION else None
+
+
+def manifest_from(
+    storage: Storage, step: int, data: bytes, index: Index | None, sent: Mapping[str, bytes] | None = None
+) -> Manifest:
+    """The manifest whose manifest.json is `data` (`index`: as parsed from it): a single
+    document validated, or the index's parts assembled, those in `sent` (from other
+    nodes, at a RAM-tier restore) and the rest read from the step directory, every one
+    checked against the index's size and checksum before it is parsed."""
+    where = storage.where(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    if index is None:
+        return manifest_from_json(data, where, expect_step=step)
+    sent = sent or {}
+    local = [ref for ref in index.parts if ref.file not in sent]
+    missing = missing_parts(storage, step, local)
+    if missing:
+        name, why = missing[0]
+        raise FormatError(f"{storage.where(f'{step_dir_name(step)}/{name}')}: manifest part {why}")
+    read = dict(zip((ref.file for ref in local), read_parts(storage, step, local), strict=True))
     for ref in index.parts:
-        if sizes.get(ref.file) != ref.nbytes:
-            return ref.file, "is missing" if ref.file not in sizes else f"is {sizes[ref.file]} bytes, not {ref.nbytes}"
-    return None
+        if ref.file in sent:
+            check_part_bytes(ref, sent[ref.file], f"{where}: part {ref.file} (sent by another node)")
+    return assemble(index, [sent[r.file] if r.file in sent else read[r.file] for r in index.parts], where)
+
+
+def missing_parts(storage: Storage, step: int, refs: Sequence[PartRef]) -> list[tuple[str, str]]:
+    """(file, what is wrong) of each part of `refs` not in the step directory at its size."""
+    if not refs:
+        return []
+    sizes = storage.list_sizes(step_dir_name(step))  # regular files only: a part that is a link is missing
+    return [
+        (ref.file, "is missing" if ref.file not in sizes else f"is {sizes[ref.file]} bytes, not {ref.nbytes}")
+        for ref in refs
+        if sizes.get(ref.file) != ref.nbytes
+    ]
 
 
 def read_parts(storage: Storage, step: int, refs) -> list[bytes]:

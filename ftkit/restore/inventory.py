@@ -9,7 +9,7 @@ from typing import Any
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ftkit.format import codec
 from ftkit.format.manifest import Manifest
-from ftkit.format.reader import load_index, load_manifest, missing_parts
+from ftkit.format.reader import load_index, manifest_from, missing_parts
 from ftkit.restore.context import RestoreContext
 
 log = logging.getLogger("ftkit")
@@ -34,11 +34,11 @@ def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifes
             if committed:
                 try:
                     data, parsed = load_index(backend.storage, step)
-                    if parsed is not None and missing_parts(backend.storage, step, parsed):
+                    if parsed is not None and missing_parts(backend.storage, step, parsed.parts):
                         index = codec.checksum(data)
                         parts = sorted(ref.file for ref in parsed.parts)
                     else:
-                        manifests[step] = load_manifest(backend.storage, step)
+                        manifests[step] = manifest_from(backend.storage, step, data, parsed)
                         need = sorted(manifests[step].files)
                         digest = codec.checksum("\n".join(need).encode())
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:

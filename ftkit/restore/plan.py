@@ -61,8 +61,8 @@ class Candidate:
 
 def _inventory_entries(inv: Any):
     """(step, files held, files the manifest needs or None, the manifest's digest or None,
-    whether the node has the index but not every part) of one rank's inventory, skipping
-    anything malformed: inventories come through the store."""
+    whether the node has the index but not every part, the parts the index names or None)
+    of one rank's inventory, skipping anything malformed: inventories come through the store."""
     if not isinstance(inv, Mapping):
         return
     for s, info in inv.items():
@@ -97,9 +97,9 @@ def ram_candidates(
     not every part, "parts": the parts the index names}}. Only one inventory need carry
     the lists (restore sends rank 0's, the others send the digest: O(nodes) bytes, not
     O(nodes x ranks)); a step whose manifest no list came with is tried unchecked, and
-    its read proves it. When a node
-    lacks the manifest or some of its parts, the candidate names a holder of each part
-    (a part missing everywhere fails the read, at once)."""
+    its read proves it. A step whose index names a part held nowhere is no candidate.
+    When a node lacks the manifest or some of its parts, the candidate names a holder
+    of each part (a part missing everywhere unlisted fails the read at once)."""
     parsed = [{s: rest for s, *rest in _inventory_entries(inv)} for inv in inventories]
     by_step: dict[int, dict[str, Any]] = {}
     for rank, inv in enumerate(parsed):

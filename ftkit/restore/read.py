@@ -21,10 +21,17 @@ import torch
 
 from ftkit.coord.agree import agree
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
-from ftkit.format.index import INDEX_VERSION, assemble, check_part_bytes, parse_index
-from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, step_dir_name
-from ftkit.format.reader import check_file_sizes, load_index, load_manifest, read_parts, read_regions, torch_dtype
-from ftkit.format.validate import parse_header
+from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from ftkit.format.reader import (
+    check_file_sizes,
+    load_index,
+    load_manifest,
+    manifest_from,
+    missing_parts,
+    parse_manifest_header,
+    read_regions,
+    torch_dtype,
+)
 from ftkit.restore.context import RestoreContext
 from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
@@ -163,37 +170,21 @@ def _send_manifest(storage, step: int, ctx, key: str, cand: Candidate) -> str | 
 
 def _manifest(storage, step: int, ctx, key: str, cand: Candidate) -> Manifest:
     """This node's manifest of `step`, completed with what other nodes sent: the index (or
-    whole document) when it has none, the parts it lacks. Every part is checked against the
-    index's size and checksum and the whole validated, as load_manifest does."""
-    step_dir = step_dir_name(step)
-    where = f"RAM manifest of step {step}"
-    if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
+    whole document) when it has none, the parts it lacks (format/reader.py, manifest_from)."""
+    if storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
         data, index = load_index(storage, step)
     else:
         doc = ctx.get(f"{key}/manifest") if ctx.distributed else None
         if not doc:
             raise CorruptCheckpointError(f"step {step}: no rank could provide the RAM tier manifest")
         data = doc.encode()
-        header, version = parse_header(data, where)
-        index = parse_index(header, where, expect_step=step) if version >= INDEX_VERSION else None
-    if index is None:
-        return manifest_from_json(data, where, expect_step=step)
-    sizes = storage.list_sizes(step_dir, [ref.file for ref in index.parts])
-    remote = [ref for ref in index.parts if sizes.get(ref.file) != ref.nbytes]
-    lost = [ref.file for ref in remote if ref.file not in cand.part_holders]
+        index = parse_manifest_header(data, f"RAM manifest of step {step}", step)
+    remote = [name for name, _ in missing_parts(storage, step, index.parts)] if index is not None else []
+    lost = [name for name in remote if name not in cand.part_holders]
     if lost:  # nobody will send it: do not wait for it
         raise CorruptCheckpointError(f"step {step}: manifest part {lost[0]} is on no node ({len(lost)} missing)")
-    got = dict(zip((r.file for r in remote), ctx.wait_get([f"{key}/part/{r.file}" for r in remote]), strict=True))
-    local = dict(
-        zip(
-            (r.file for r in index.parts if r.file not in got),
-            read_parts(storage, step, [r for r in index.parts if r.file not in got]),
-            strict=True,
-        )
-    )
-    for ref in remote:
-        check_part_bytes(ref, got[ref.file], f"{where}: part {ref.file} from rank {cand.part_holders[ref.file]}")
-    return assemble(index, [got.get(r.file) or local[r.file] for r in index.parts], where)
+    sent = dict(zip(remote, ctx.wait_get([f"{key}/part/{name}" for name in remote]), strict=True)) if remote else {}
+    return manifest_from(storage, step, data, index, sent)
 
 
 def _plan_fetches(ctx, key: str, cand: Candidate, request: dict[str, Any]) -> tuple[bool, list[Transfer]]:

@@ -67,6 +67,11 @@ class NodeGroup:
     def leader(self) -> int:
         return self.ranks[0]
 
+    def node_board(self) -> NodeBoard:
+        """The node's board, which every commit of a world of several ranks posts through."""
+        assert self.board is not None, "a node of several ranks commits through its board"
+        return self.board
+
     def collect(self, at: tuple[int, int], what: str, me: int, timeout_s: float) -> dict[int, bytes | None]:
         """The leader's wait for message `what` of the step at `at` from each other rank of its
         node (None: none came within `timeout_s`), then removing them and whatever an earlier
@@ -74,10 +79,10 @@ class NodeGroup:
         names = {r: step_message(at, f"{what}-r{r}") for r in self.ranks if r != me}
         if not names:
             return {}
-        assert self.board is not None, "a node of several ranks commits through its board"
-        got = self.board.collect(names, timeout_s, MAX_REPORT_BYTES)
-        self.board.discard(*names.values())
-        self.board.prune_before(at)
+        board = self.node_board()
+        got = board.collect(names, timeout_s, MAX_REPORT_BYTES)
+        board.discard(*names.values())
+        board.prune_before(at)
         return got
 
 
@@ -111,8 +116,7 @@ def persist(
     fault_point("persist", step, ctx.rank)  # data written, not yet reported
     report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
     if ctx.rank != group.leader:
-        assert group.board is not None
-        group.board.write(step_message(at, f"w-r{ctx.rank}"), report)
+        group.node_board().write(step_message(at, f"w-r{ctx.rank}"), report)
     else:
         record = node_share(storage, step, report, group, ctx, at)
         if ctx.rank == 0:
@@ -232,8 +236,7 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
     leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
     report = {"write": None, "error": reason, "rng": None}
     if ctx.rank != group.leader:
-        assert group.board is not None
-        group.board.write(step_message(at, f"w-r{ctx.rank}"), report)
+        group.node_board().write(step_message(at, f"w-r{ctx.rank}"), report)
     elif ctx.rank != 0:
         errors = [f"rank {ctx.rank}: {reason}"]
         ctx.put(f"{key}/n/{ctx.rank}", {"part": None, "files": {}, "stored": 0, "errors": errors})

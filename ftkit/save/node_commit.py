@@ -8,7 +8,7 @@ shared tier: one part per node and an index (format/index.py)::
                   post its report (`NodeReport`) to its node's board (a file, no store request)
     node leaders: collect the node's reports; write the node's part (checked, beside its
                   data); set the reports and the part as one record, `key`/w/<leader>
-    with replicas:
+    with replicas (save/replicas.py):
       leaders     read the records of the k nodes before theirs (whose ranks send this
                   node their replicas) and of the k after; post the reports on the board
       every rank  sends its file to its targets, stores verified copies of what its
@@ -41,21 +41,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.coord.dist import DistContext
-from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import step_message
-from ftkit.errors import AlreadyCommitted, CorruptCheckpointError, FormatError, StorageError
-from ftkit.format import codec
-from ftkit.format.index import INDEX_VERSION, is_part_file, parse_index
+from ftkit.errors import AlreadyCommitted, FormatError, StorageError
+from ftkit.format.index import INDEX_VERSION, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.format.validate import check_file_name, parse_header, parse_json
-from ftkit.save.commit import MAX_REPORT_BYTES, NodeGroup, read_node_record
+from ftkit.format.validate import parse_header, parse_json
+from ftkit.save.commit import NodeGroup, read_node_record
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
 from ftkit.save.manifests import Committed, build_part, check_files_present, commit_index, store_part
+from ftkit.save.replicas import peer_reports, replicate, store_parts
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import discard, write_share
-from ftkit.tiers.peers import PeerGroup, ReplicaLayout, Transfer
+from ftkit.tiers.peers import PeerGroup, ReplicaLayout
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ def persist_node_local(
     node: NodeShare | None = None
     # 1. Reports: to the node's leader, who writes the node's part and publishes both (one key per node).
     if ctx.distributed and not leader:
-        _board(group).write_text(step_message(at, f"w-r{ctx.rank}"), text)
+        group.node_board().write_text(step_message(at, f"w-r{ctx.rank}"), text)
     else:
         texts = {ctx.rank: text, **(_collect_texts(group, at, "w", ctx) if ctx.distributed else {})}
         node = node_part(storage, step, texts, group.ranks, ctx.world_size)
@@ -149,22 +148,22 @@ def persist_node_local(
     if peers is not None and replicas > 0 and ctx.distributed:
         assert layout is not None
         try:
-            reports, may_send, parts = _peer_reports(group, layout, replicas, ctx, key, at, leader)
+            reports, may_send, parts = peer_reports(group, layout, replicas, ctx, key, at, leader)
             sending = write if may_send and error is None else None
             c0 = time.thread_time()
             try:
-                _replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress)
+                replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress)
             finally:
                 cpu["replicate"] = time.thread_time() - c0
             if node is not None:  # the parts of the ranks whose replicas this node now holds
-                node.others = _store_parts(storage, step, parts)
+                node.others = store_parts(storage, step, parts)
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
     # 3. Outcomes: to the leader, who publishes the node's record.
     errors = [f"rank {ctx.rank}: {rep_error}"] if rep_error else []
     if ctx.distributed and not leader:
-        _board(group).write(step_message(at, f"r-r{ctx.rank}"), {"errors": errors})
+        group.node_board().write(step_message(at, f"r-r{ctx.rank}"), {"errors": errors})
     elif ctx.distributed:
         for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s).items():
             errors += _outcome_errors(r, raw)
@@ -201,11 +200,6 @@ def node_part(storage: Storage, step: int, texts: dict[int, str], ranks: tuple[i
     return NodeShare(texts, [], skipped, files, written, data.decode())
 
 
-def _board(group: NodeGroup):
-    assert group.board is not None, "a distributed RAM tier commits through its node's board"
-    return group.board
-
-
 def _collect_texts(group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext) -> dict[int, str]:
     out = {}
     for r, raw in group.collect(at, what, ctx.rank, ctx.timeout_s).items():
@@ -232,150 +226,6 @@ def _outcome_errors(rank: int, raw: bytes | None) -> list[str]:
     if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
         return [f"rank {rank}: a malformed replication outcome"]
     return errors
-
-
-def _node_doc(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        doc = parse_json(raw, where, "")
-    except FormatError:
-        doc = None
-    return doc if isinstance(doc, dict) else {}
-
-
-def _node_texts(doc: dict[str, Any], ranks: tuple[int, ...], where: str) -> dict[int, str]:
-    """A node's reports as read from the store (untrusted): one text per rank of the node;
-    one missing or malformed reads as an error report."""
-    out = {}
-    for r in ranks:
-        t = doc.get(str(r))
-        out[r] = t if isinstance(t, str) else NodeReport.encode(None, f"no report in {where}", None)
-    return out
-
-
-def _node_part_text(doc: dict[str, Any]) -> tuple[str, str] | None:
-    """(file name, text) of the part in a node's record, if it names one properly (its
-    bytes are checked against the index's checksum by whoever reads them)."""
-    part = doc.get("part")
-    if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-        return None
-    try:
-        name = check_file_name(part.get("file"))
-    except FormatError:
-        return None
-    return (name, part["text"]) if is_part_file(name) else None
-
-
-def _peer_reports(
-    group: NodeGroup, layout: ReplicaLayout, k: int, ctx: DistContext, key: str, at: tuple[int, int], leader: bool
-) -> tuple[dict[int, str], bool, dict[str, str]]:
-    """The reports of the nodes this node exchanges replicas with (the k before it send,
-    the k after it receive), read from the store by the leader and relayed to its ranks
-    through the board; whether this rank may send its own file; and (the leader's) the
-    parts of the nodes that send it replicas, {file: text}. When the leader skipped the
-    step, its ranks read the reports themselves (their sources send them replicas all
-    the same) and send nothing (the leader's record, which their targets read, does not
-    hold their reports)."""
-    name, skip = step_message(at, "peers"), step_message(at, "skip")
-    if not leader:
-        raw = _board(group).collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip)[0]
-        if raw is not None:
-            doc = parse_json(raw, "the peer nodes' reports", "")
-            if not isinstance(doc, dict):
-                raise StorageError("this node's leader relayed malformed peer reports")
-            return {int(r): t for r, t in doc.items() if r.isdigit() and isinstance(t, str)}, True, {}
-        if _board(group).read_bytes(skip, 1024) is None:
-            raise StorageError(f"this node's leader (rank {group.leader}) sent no word on the replicas to exchange")
-    sources = layout.source_nodes(ctx.rank, ctx.nodes, k)
-    nodes = dict.fromkeys(sources + layout.target_nodes(ctx.rank, ctx.nodes, k))
-    leaders = [layout.members[n][0] for n in nodes]
-    raws = ctx.wait_get([f"{key}/w/{s}" for s in leaders]) if leaders else []
-    texts: dict[int, str] = {}
-    parts: dict[str, str] = {}
-    source_leaders = {layout.members[n][0] for n in sources}
-    for s, raw in zip(leaders, raws, strict=True):
-        where = f"the reports of the node of rank {s}"
-        doc = _node_doc(raw, where)
-        texts.update(_node_texts(doc, group.members[s], where))
-        part = _node_part_text(doc) if s in source_leaders else None
-        if part is not None:
-            parts[part[0]] = part[1]
-    if leader:
-        _board(group).write(name, {str(r): t for r, t in texts.items()})
-    return texts, leader, parts
-
-
-def _store_parts(storage: Storage, step: int, parts: dict[str, str]) -> list[str]:
-    """Write the parts of the nodes whose replicas this node holds (a reader checks each
-    against the index's size and checksum before it parses it)."""
-    step_dir = step_dir_name(step)
-    for name, text in parts.items():
-        storage.write_bytes_atomic(f"{step_dir}/{name}", text.encode())
-    return list(parts)
-
-
-def _replicate(
-    storage: Storage,
-    step: int,
-    write,
-    reports: dict[int, str],
-    layout: ReplicaLayout,
-    k: int,
-    ctx: DistContext,
-    peers: PeerGroup,
-    slot: Slot,
-    compress: str | None,
-) -> None:
-    """Send this rank's file (`write`; None: nothing to send) to its replica targets; store
-    verified copies of what its sources send (`reports`: theirs and the targets').
-    Both ends of a transfer decide from the same report: a rank that could not write
-    sends nothing and its targets expect nothing from it; nobody sends to a target
-    that skipped the step (its persist thread never runs it). The step will not be
-    committed then anyway."""
-    import torch
-
-    step_dir = step_dir_name(step)
-    incoming: dict[str, tuple[list[dict[str, Any]], int]] = {}
-    plan: list[Transfer] = []
-    for t in layout.transfers_of(ctx.rank, ctx.nodes, k):
-        if t.src == ctx.rank:
-            if write is not None and not decode_report(t.dst, reports.get(t.dst, ""), ctx.world_size).skipped:
-                plan.append(Transfer(t.src, t.dst, write.file))
-            continue
-        report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size)
-        if report.file is None or report.error:
-            continue
-        incoming[report.file] = (report.tensors(), report.nbytes)  # validated: checked on arrival
-        plan.append(Transfer(t.src, t.dst, report.file))
-    sizes = {(t.src, t.file): (write.nbytes if t.src == ctx.rank else incoming[t.file][1]) for t in plan}
-    own = slot.image() if compress is None else None  # uncompressed, the data file is the slot's image
-
-    def read(name: str):
-        if own is not None:
-            return own
-        buf = torch.empty(write.nbytes, dtype=torch.uint8)
-        with storage.open_read(f"{step_dir}/{name}") as f:
-            if buf.numel():
-                f.readinto(buf.numpy().data)
-        return buf
-
-    def store(name: str, buf) -> None:
-        data = buf.numpy().data
-        tensors, nbytes = incoming[name]
-        if len(data) != nbytes:
-            raise CorruptCheckpointError(f"replica {name} of step {step}: {len(data)} bytes arrived, {nbytes} reported")
-        for t in tensors:
-            for sh in t["shards"]:
-                for c in sh["chunks"]:
-                    codec.check(
-                        data[c["offset"] : c["offset"] + c["length"]],
-                        c["checksum"],
-                        f"replica {name} of step {step} (tensor {t['name']!r})",
-                    )
-        with storage.open_write(f"{step_dir}/{name}", recycle=True) as f:
-            f.write(data)
-
-    fault_point("replicate", step, ctx.rank)
-    peers.run(plan, read, store, sizes, keep_buffers=True)
 
 
 def _commit(
@@ -454,7 +304,7 @@ def report_skipped_node_local(ctx: DistContext, group: NodeGroup, key: str, at: 
     thread says so at once, while the step's commit may run): its leader, or, from a leader,
     rank 0 and the leaders that take its node's replicas, hear it, so nobody waits for it."""
     text = NodeReport.encode(None, reason, None, skipped=True)
-    board = _board(group)
+    board = group.node_board()
     if ctx.rank != group.leader:
         board.write_text(step_message(at, f"w-r{ctx.rank}"), text)
         board.write(step_message(at, f"r-r{ctx.rank}"), {"errors": []})
