@@ -105,10 +105,14 @@ def test_default_drill_passes(tmp_path, ref_cache):
     assert res["bitwise_equal"] and res["same_sample_stream"] and res["final_step"] == 400
     f = by_kind(res)
     assert set(f) == {"kill", "hang", "node", "crash"}
-    for kind, fault in f.items():  # one step recomputed at most: the RAM tier had the step before
+    for kind, fault in f.items():
+        # One step recomputed at most: the RAM tier had the step before. Plus the snapshot still
+        # in flight when the fault struck, if any (a loaded machine's pipeline can lag a step: the
+        # stopped rank's persist thread stops with it, so its share of that step never commits).
         o = fault["outcome"]
-        assert o["reached"] - 1 <= o["resumed_from"] <= o["reached"], (kind, o)
-        assert o["resumed_from"] >= fault["injected_step"] - 1, (kind, o)
+        lag = 1 if o["snapshot_in_flight"] else 0
+        assert o["reached"] - 1 - lag <= o["resumed_from"] <= o["reached"], (kind, o)
+        assert o["resumed_from"] >= fault["injected_step"] - 1 - lag, (kind, o)
     assert f["kill"]["outcome"]["restored_from"] == "ram"
     assert f["hang"]["outcome"]["detected_by"] == "ftkit watchdog (dead)"
     # A crash is seen by whoever is first: a peer's watchdog (the failed rank says so) or torchrun.

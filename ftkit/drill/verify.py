@@ -47,6 +47,7 @@ def check_faults(
             # the pipeline can lag a step); a preemption notice costs nothing: the ranks save
             # the step they stop at.
             in_flight = f.during != "step" or snapshot_in_flight(events, f)
+            f.outcome["snapshot_in_flight"] = in_flight
             allowed = 0 if f.kind == "term" else max_lost + in_flight
             if inc.steps_lost > allowed:
                 errors.append(
