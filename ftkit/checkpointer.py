@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ftkit.config import Tier, resolve_tiers
+from ftkit.coord import boot
 from ftkit.coord.dist import DistContext
 from ftkit.coord.ending import exit_unless_gone, time_first_gradient
 from ftkit.coord.events import EventLog
@@ -159,6 +160,7 @@ class Checkpointer:
             world_size=self._ctx.world_size,
             node=self._ctx.node,
             pid=os.getpid(),
+            boot=boot.marks(),
             tiers=[redact_url(t.url) for t in self.tiers],
             **({"ram_run": self.ram_identity.name} if self.ram_identity else {}),
         )

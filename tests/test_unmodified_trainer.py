@@ -152,7 +152,7 @@ def test_ftkit_run_protects_a_trainer_that_imports_ftkit_only_after_its_group(tm
     ]
     rc, log = _run(tmp_path, cmd, timeout=110)
     assert rc == 0, log[-4000:]
-    assert "-m ftkit.tools.launch" in log  # torchrun was told to start the workers through the launcher
+    assert "ftkit/warm/client.py" in log  # torchrun was told to start the workers warm, through the launcher
     _check_result(tmp_path, 2, log)
     restores = _restores(tmp_path)
     assert sorted(restores) == [0, 2, 3], restores
@@ -303,30 +303,25 @@ def test_launcher_runs_the_script_as_python_would(tmp_path):
 
 def test_ftkit_run_command_line_rewrite():
     from ftkit.tools.supervise import plan
+    from ftkit.warm.zygote import client_path
 
-    p = plan(["--nproc-per-node", "2", "--startup-timeout", "30", "train.py", "--run-dir", "x", "--max-restarts=9"])
-    assert p.startup_timeout_s == 30 and p.run_dir == "ftkit-run" and p.launched
-    # ftkit's own options are taken out; the script's options (same names or not) are the script's
-    assert p.torchrun_args == [
-        "--max-restarts",
-        "3",
-        "--monitor-interval",
-        "0.5",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "ftkit.tools.launch",
-        "train.py",
-        "--run-dir",
-        "x",
-        "--max-restarts=9",
-    ]
-    p = plan(["--run-dir=r", "-m", "pkg.train", "--lr", "1"])
-    assert p.run_dir == "r"
+    defaults = ["--max-restarts", "3", "--monitor-interval", "0.5", "--standalone"]
+    argv = ["--nproc-per-node", "2", "--startup-timeout", "30", "train.py", "--run-dir", "x", "--max-restarts=9"]
+    p = plan(argv)
+    assert p.startup_timeout_s == 30 and p.run_dir == "ftkit-run" and p.launched and p.warm and p.preload == ()
+    # ftkit's own options are taken out; the script's options (same names or not) are the script's.
+    # Warm (the default): torchrun starts the thin client by its path, which has the zygote fork the worker.
+    script = ["train.py", "--run-dir", "x", "--max-restarts=9"]
+    assert p.torchrun_args == [*defaults, "--nproc-per-node", "2", client_path(), *script]
+    p = plan(["--cold", *argv])
+    assert not p.warm and p.torchrun_args == [*defaults, "--nproc-per-node", "2", "-m", "ftkit.tools.launch", *script]
+    p = plan(["--run-dir=r", "--preload", "numpy,json", "-m", "pkg.train", "--lr", "1"])
+    assert p.run_dir == "r" and p.preload == ("numpy", "json")
+    assert p.torchrun_args == [*defaults, client_path(), "--module", "pkg.train", "--lr", "1"]
+    p = plan(["--run-dir=r", "--cold", "-m", "pkg.train", "--lr", "1"])
     assert p.torchrun_args[-6:] == ["-m", "ftkit.tools.launch", "--module", "pkg.train", "--lr", "1"]
     p = plan(["--no-python", "--max-restarts", "1", "./run.sh"])
-    assert not p.launched and p.notes and p.torchrun_args[-1] == "./run.sh"
+    assert not p.launched and not p.warm and p.notes and p.torchrun_args[-1] == "./run.sh"
     assert plan(["--nproc-per-node"]).torchrun_args == ["--nproc-per-node"]  # torchrun reports the error
 
 

@@ -86,8 +86,12 @@ def _wrap(original: Any) -> Any:
     def handler(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
         from torch.distributed import PrefixStore
 
+        from ftkit.coord import boot
+
+        boot.mark("rendezvous")
         prefix = attempt_prefix()
         for store, rank, world_size in original(url, **kwargs):
+            boot.mark("store")
             yield (PrefixStore(prefix, store) if prefix else store), rank, world_size
 
     handler.ftkit_original = original  # type: ignore[attr-defined]

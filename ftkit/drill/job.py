@@ -25,6 +25,7 @@ from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.faults import set_faults
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.warm.zygote import Zygote, client_path
 
 _STORAGE_SWITCH = {
     "enospc": "enospc",
@@ -36,7 +37,12 @@ _STORAGE_SWITCH = {
 
 
 class Job:
-    """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``)."""
+    """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``).
+
+    With a `zygote` (ftkit/warm) torchrun starts each worker as a warm client that has
+    the zygote fork it; the drill's faults go to the forked workers (the pids their
+    ``start`` events name), as they would to cold ones.
+    """
 
     def __init__(
         self,
@@ -46,6 +52,7 @@ class Job:
         ranks_per_node: int,
         restarts: int,
         env: dict[str, str] | None = None,
+        zygote: Zygote | None = None,
     ):
         self.root = root
         self.ranks_per_node = ranks_per_node
@@ -61,7 +68,10 @@ class Job:
             "FTKIT_RUN_DIR": self.run_dir,
             FAULT_POINTS_ENV: self.fault_request,
             "OMP_NUM_THREADS": "1",
+            **(zygote.env() if zygote else {}),
         }
+        if zygote is not None:
+            entry = [client_path(), "--module", *entry[1:]] if entry[0] == "-m" else [client_path(), *entry]
         cmd = [
             sys.executable,
             "-m",

@@ -29,7 +29,9 @@ from ftkit.coord.events import read_events
 from ftkit.drill.job import Injector, Job
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
-from ftkit.tools.report import analyze, to_html
+from ftkit.tools.report import analyze, phases_text, to_html
+from ftkit.warm.zygote import Zygote
+from ftkit.warm.zygote import start as start_zygote
 
 DEFAULT_FAULTS = "kill@70:rank=1,hang@160:rank=2,node@250:node=1,crash@340:rank=3"
 DEFAULT_TIERS = "ram,peer,disk"
@@ -116,7 +118,9 @@ def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) ->
     ]
 
 
-def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, list | None, str | None]:
+def _reference_run(
+    args, tiers: TierPlan, root: str, say, zygote: Zygote | None
+) -> tuple[str | None, list | None, str | None]:
     """The same job without faults (and without the sleep that stands for accelerator time:
     it changes no value). Returns (final state path, consumed stream, error)."""
     # The durable tier's kind changes no value (the reference always writes to a local disk).
@@ -132,7 +136,12 @@ def _reference_run(args, tiers: TierPlan, root: str, say) -> tuple[str | None, l
     final = os.path.join(clean, "final.pt")
     plain = TierPlan(tiers.ram, tiers.replicas, "disk", tiers.spec)
     ref = Job(
-        clean, _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0), args.nproc, args.ranks_per_node, restarts=0
+        clean,
+        _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0),
+        args.nproc,
+        args.ranks_per_node,
+        restarts=0,
+        zygote=zygote,
     )
     rc: int | str
     try:
@@ -183,7 +192,11 @@ def run_drill(args) -> dict[str, Any]:
     s3 = None
     clean_pt, clean_stream = None, None
     job: Job | None = None
+    zygote = None
     try:
+        if not args.cold:
+            # One zygote for both runs: every worker of every attempt is forked with torch imported.
+            zygote = start_zygote(preload=() if script else ("ftkit.drill.reference",))
         if tiers and tiers.durable == "s3":
             from ftkit.drill.s3server import S3Server
 
@@ -191,7 +204,7 @@ def run_drill(args) -> dict[str, Any]:
             say(f"drill: S3 server (SeaweedFS) at {s3.endpoint_url}")
         if not script:
             assert tiers is not None  # the reference trainer always has a tier plan
-            clean_pt, clean_stream, err = _reference_run(args, tiers, root, say)
+            clean_pt, clean_stream, err = _reference_run(args, tiers, root, say, zygote)
             if err:
                 errors.append(err)
         final_pt = os.path.join(faulted, "final.pt")
@@ -202,7 +215,7 @@ def run_drill(args) -> dict[str, Any]:
             assert tiers is not None
             url, durable_root = tiers.durable_url(faulted, s3)
             entry = _entry(args, tiers, url, final_pt, args.step_time)
-        job = Job(faulted, entry, args.nproc, rpn, restarts, env=s3.env() if s3 else None)
+        job = Job(faulted, entry, args.nproc, rpn, restarts, env=s3.env() if s3 else None, zygote=zygote)
         injector = Injector(job, durable_root, s3)
         try:
             for f in faults:
@@ -230,6 +243,8 @@ def run_drill(args) -> dict[str, Any]:
         finally:
             job.kill()
     finally:
+        if zygote is not None:
+            zygote.stop()
         if s3 is not None:
             s3.stop()
     events = read_events(job.run_dir) if job else []
@@ -298,6 +313,8 @@ def print_summary(result: dict[str, Any]) -> None:
                 f"recompute {o['recompute_s']:.1f}s); resumed at step {o['resumed_from']} of "
                 f"{o['reached']}, {o['steps_lost']} step(s) recomputed"
             )
+            if o.get("phases"):
+                print(f"  {'':<28} {phases_text(o['phases'])} s")
         else:
             print(f"  {label:<28} NOT RECOVERED")
     md, mr = result["mean_detect_s"], result["mean_recovery_s"]
@@ -359,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps a fault between steps may cost (default 1; one more inside the persist pipeline)",
     )
     p.add_argument("--reference-cache", help="reuse fault-free runs kept in this directory")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="start every worker as a new interpreter (no zygote; how restarts cost before warm starts)",
+    )
     p.add_argument("--quiet", action="store_true")
     return p
 

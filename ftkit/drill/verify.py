@@ -41,6 +41,7 @@ def check_faults(
                 "reached": inc.last_step,
                 "steps_lost": inc.steps_lost,
                 "restored_from": inc.restore_source,
+                "phases": inc.phases,
             }
             # A fault inside the persist pipeline may cost the snapshot in flight, and so may
             # any fault that strikes before the last snapshot committed (on a loaded machine

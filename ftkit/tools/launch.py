@@ -28,16 +28,21 @@ import sys
 import threading
 import time
 
+from ftkit.coord import boot
 from ftkit.coord.rendezvous import install
 
 STARTUP_DIR_ENV = "FTKIT_STARTUP_DIR"
+LAUNCHER_PID_ENV = "FTKIT_LAUNCHER_PID"  # a warm worker's client: the process torchrun started (ftkit/warm)
 PHASES = ("started", "group", "heartbeat", "single")  # in order; the last two count as started up
 WATCHDOG_THREAD = "ftkit-watchdog"  # the name ftkit/coord/watchdog.py gives its heartbeat thread
 
 
 def _write_phase(directory: str, phase: str) -> None:
-    """Atomically replace this worker's status file (the watch never reads half a file)."""
-    pid = os.getpid()
+    """Atomically replace this worker's status file (the watch never reads half a file).
+
+    It is named after the process torchrun started: this one, or a warm worker's client.
+    """
+    pid = int(os.environ.get(LAUNCHER_PID_ENV) or os.getpid())
     doc = {
         "pid": pid,
         "phase": phase,
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     install()
     start_reporting()
+    boot.mark("launch")
     target, args = argv[0], argv[1:]
     if module:
         sys.argv = [target, *args]  # run_module puts the module's file in argv[0]

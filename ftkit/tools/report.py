@@ -12,6 +12,21 @@ phases, from the events of both attempts:
     restore    -> the last rank's "restore" event
     recompute  -> the new attempt reaches the step the old one had reached
 
+and, from the boot milestones in the new attempt's ``start`` events (ftkit/coord/boot.py),
+``phases``: where the time from the first sign to the resumed step went. Each boundary is
+the moment the last rank passed it (so the phases add up to that span), and a phase whose
+milestone a launcher did not see is counted in the next one:
+
+    teardown         torchrun sees the failure, stops the group, its agents meet again, and
+                     the new processes begin
+    process start    a warm worker's client starts and the zygote forks it (ftkit/warm)
+    imports          -> ftkit's launcher runs the script (a cold worker imports torch here)
+    set-up           -> the script calls init_process_group (its own imports and set-up)
+    rendezvous       -> the rendezvous store is connected
+    group and model  -> the Checkpointer starts (the process group, the model, the optimizer)
+    restore          -> the last rank's restore
+    first step       -> the step the old attempt had reached
+
 Goodput is the wall time not spent in incidents, over the wall time.
 """
 
@@ -40,6 +55,7 @@ class Incident:
     resumed_from: int
     steps_lost: int
     restore_source: str | None
+    phases: dict[str, float] = field(default_factory=dict)  # the breakdown above, seconds
 
 
 @dataclass
@@ -99,6 +115,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         redone = [e["t"] for e in new if e["event"] == "step" and e["step"] >= last_step]
         recompute_end = min(redone, default=restore_t)
         base = detect_t if detect_t is not None else fault_t
+        phases = _phases(base, new, restore_t, max(recompute_end, restore_t))
         incidents.append(
             Incident(
                 attempt=prev,
@@ -114,6 +131,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
                 resumed_from=resumed,
                 steps_lost=max(0, last_step - resumed),
                 restore_source=", ".join(sorted({str(e.get("source")) for e in restores})) if restores else None,
+                phases=phases,
             )
         )
     wall = max(t1 - t0, 1e-9)
@@ -138,6 +156,43 @@ def analyze(events: list[dict[str, Any]]) -> Report:
     )
 
 
+# The boot milestone (or event) that ends each phase, in order.
+PHASES = (
+    ("teardown", "process"),
+    ("process start", "forked"),
+    ("imports", "launch"),
+    ("set-up", "rendezvous"),
+    ("rendezvous", "store"),
+    ("group and model", "start"),
+    ("restore", "restore"),
+    ("first step", "resumed"),
+)
+
+
+def _phases(base: float, new: list[dict[str, Any]], restore_t: float, resumed_t: float) -> dict[str, float]:
+    """Seconds per phase of one restart, from its new attempt's start events (empty without them)."""
+    starts = [e for e in new if e["event"] == "start"]
+    if not starts:
+        return {}
+    boots = [e.get("boot") or {} for e in starts]
+    ends: dict[str, float] = {"start": max(e["t"] for e in starts), "restore": restore_t, "resumed": resumed_t}
+    for milestone in ("process", "forked", "launch", "rendezvous", "store"):
+        stamps = [float(t) for b in boots if isinstance(t := b.get(milestone), int | float)]
+        if len(stamps) == len(boots):  # every rank saw it
+            ends[milestone] = max(stamps)
+    out, at = {}, base
+    for name, milestone in PHASES:
+        if milestone in ends:
+            end = max(at, ends[milestone])
+            out[name] = end - at
+            at = end
+    return out
+
+
+def phases_text(phases: dict[str, float]) -> str:
+    return ", ".join(f"{name} {s:.2f}" for name, s in phases.items())
+
+
 def to_json(report: Report) -> dict[str, Any]:
     return asdict(report)
 
@@ -157,6 +212,8 @@ def to_text(report: Report) -> str:
             f"recompute {i.recompute_s:.1f}s; total {i.total_s:.1f}s; resumed from step "
             f"{i.resumed_from} of {i.last_step} ({i.steps_lost} step(s) lost)"
         )
+        if i.phases:
+            lines.append(f"  from {'detection' if i.detect_s is not None else 'the fault'}: {phases_text(i.phases)} s")
     for s in report.stragglers:
         lines.append(f"straggler: rank {s['rank']} at {s['t']:.1f}s, {s['factor']}x the median busy time")
     return "\n".join(lines)

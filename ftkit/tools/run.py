@@ -17,8 +17,10 @@ import tempfile
 from ftkit.errors import UsageError
 from ftkit.tools.cliutil import EXIT_OK, EXIT_USAGE
 from ftkit.tools.supervise import StartupWatch, plan, startup_env
+from ftkit.warm.zygote import start as start_zygote
 
-RUN_HELP = """usage: ftkit run [--run-dir DIR] [--startup-timeout S] [torchrun options] script.py [script args]
+RUN_HELP = """usage: ftkit run [--run-dir DIR] [--startup-timeout S] [--cold] [--preload MODULES]
+                 [torchrun options] script.py [script args]
 
 torchrun (python -m torch.distributed.run) with fault-tolerance defaults, for
 trainers as they are:
@@ -32,6 +34,12 @@ trainers as they are:
     restarts: each attempt gets its own namespace in torchrun's store, so no
     worker reads a dead attempt's rendezvous keys. The script needs no change,
     and need not import ftkit before creating its process group;
+  * warm starts: a per-node zygote imports torch (and torch._dynamo, ftkit, and
+    the comma-separated --preload MODULES) once, and every worker of every
+    attempt is forked from it: a restart pays no interpreter start and no
+    imports (torchrun starts a thin client per worker that stands in for it:
+    signals pass through, its exit code is the worker's). --cold starts every
+    worker as a new interpreter instead;
   * a startup watch: a worker that has not sent its first ftkit heartbeat (its
     Checkpointer's watchdog) --startup-timeout seconds (default 600) after it
     started gets this node's workers of its group ended, so torchrun restarts
@@ -60,6 +68,10 @@ def cmd_run(argv: list[str]) -> int:
     if p.launched and p.startup_timeout_s > 0:
         watch_dir = tempfile.mkdtemp(prefix="ftkit-run-")
         env.update(startup_env(watch_dir))
+    zygote = None
+    if p.launched and p.warm:
+        zygote = start_zygote(env=env, preload=p.preload)
+        env.update(zygote.env())
     cmd = [sys.executable, "-m", "torch.distributed.run", *p.torchrun_args]
     print(f"ftkit run: {' '.join(cmd[1:])}  (events in {p.run_dir})", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env)
@@ -77,5 +89,7 @@ def cmd_run(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, previous)
         if watch is not None:
             watch.stop()
+        if zygote is not None:
+            zygote.stop()
         if watch_dir:
             shutil.rmtree(watch_dir, ignore_errors=True)

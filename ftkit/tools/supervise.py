@@ -74,6 +74,8 @@ class Plan:
     run_dir: str = "ftkit-run"
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     launched: bool = True  # workers start through ftkit.tools.launch
+    warm: bool = True  # ... forked from a zygote (ftkit/warm), torchrun starting their thin clients
+    preload: tuple[str, ...] = ()  # modules the zygote imports besides torch and ftkit
     notes: list[str] = field(default_factory=list)
 
 
@@ -91,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p = get_args_parser()
     p.add_argument("--run-dir", action=_Record, default="ftkit-run")
     p.add_argument("--startup-timeout", action=_Record, type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    p.add_argument("--cold", action=_Flag, default=False)
+    p.add_argument("--preload", action=_Record, default="")
 
     def fail(message: str = "", *_a: Any) -> NoReturn:
         raise _Unparsable(message)
@@ -101,12 +105,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _strip(tokens: list[str], typed: list[str]) -> list[str]:
-    """`tokens` without the options typed as `typed` (and their values)."""
+class _Flag(argparse.Action):
+    """A flag of ftkit's (no value), remembered as typed like _Record's options."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        namespace.ftkit_flags.append(option_string)
+
+
+def _strip(tokens: list[str], typed: list[str], flags: tuple[str, ...] = ()) -> list[str]:
+    """`tokens` without the options typed as `typed` (and their values) and the `flags` (no value)."""
     out, skip = [], False
     for t in tokens:
         if skip:
             skip = False
+        elif t in flags:
+            pass
         elif t in typed:
             skip = True
         elif any(t.startswith(o + "=") for o in typed):
@@ -118,18 +135,19 @@ def _strip(tokens: list[str], typed: list[str]) -> list[str]:
 
 def plan(argv: list[str]) -> Plan:
     """Split `ftkit run` arguments into ftkit's and torchrun's, and rewrite the latter."""
-    ns = argparse.Namespace(ftkit_tokens=[])
+    ns = argparse.Namespace(ftkit_tokens=[], ftkit_flags=[])
     try:
         ns = _parser().parse_args(argv, namespace=ns)
     except _Unparsable:
         # torchrun will say what is wrong; without a script there is nothing to rewrite
         return Plan(list(argv), launched=False)
     script_at = len(argv) - len(ns.training_script_args) - 1
-    options = _strip(argv[:script_at], ns.ftkit_tokens)
+    options = _strip(argv[:script_at], ns.ftkit_tokens, tuple(ns.ftkit_flags))
     script = [ns.training_script, *ns.training_script_args]
     if ns.startup_timeout < 0:
         raise UsageError("--startup-timeout must be 0 (off) or a number of seconds")
-    out = Plan([], ns.run_dir, ns.startup_timeout)
+    preload = tuple(m for m in ns.preload.split(",") if m)
+    out = Plan([], ns.run_dir, ns.startup_timeout, warm=not ns.cold, preload=preload)
     names = {o.split("=", 1)[0].replace("_", "-") for o in options if o.startswith("--")}
     defaults = []
     if "--max-restarts" not in names:
@@ -145,7 +163,14 @@ def plan(argv: list[str]) -> Plan:
             "restarts are safe only if the script imports ftkit before init_process_group, "
             "and the startup watch is off"
         )
+        out.warm = False
         out.torchrun_args = [*defaults, *options, *script]
+    elif out.warm:  # torchrun runs `python -u .../ftkit/warm/client.py [--module] SCRIPT ARGS`
+        from ftkit.warm.zygote import client_path
+
+        module = ["--module"] if ns.module else []
+        plain = [o for o in options if o not in ("-m", "--module")]
+        out.torchrun_args = [*defaults, *plain, client_path(), *module, *script]
     elif ns.module:  # torchrun runs `python -m ftkit.tools.launch --module MODULE ARGS`
         out.torchrun_args = [*defaults, *options, "ftkit.tools.launch", "--module", *script]
     else:  # torchrun runs `python -m ftkit.tools.launch SCRIPT ARGS`

@@ -1,0 +1,66 @@
+"""When this worker process reached each milestone of its start, for the recovery breakdown.
+
+A restart's time goes to torchrun's teardown, starting processes, importing
+torch, the script's own set-up, the rendezvous, building the process group and
+model, the restore and the first step. The launchers and the rendezvous
+handler stamp the milestones they see here (wall-clock seconds, as the event
+log uses); the Checkpointer writes them into its ``start`` event, and
+``ftkit report`` lines the ranks' stamps up into the phases of each incident
+(ftkit/tools/report.py).
+
+Milestones, in order (any may be missing: a script not started by an ftkit
+launcher has no ``forked``/``launch``; one that imports ftkit after its group
+has no ``rendezvous``):
+
+    process     the process torchrun started began (the warm client's start, else the
+                OS's create time of this process)
+    forked      a warm start: the zygote forked this worker (ftkit/warm/zygote.py)
+    launch      ftkit's launcher is about to run the script (imports done)
+    rendezvous  init_process_group's env:// rendezvous began
+    store       the rendezvous store is connected; the process group is built next
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PROCESS_T_ENV = "FTKIT_PROCESS_T"  # set by ftkit/warm/client.py: the start of the process torchrun started
+MILESTONES = ("process", "forked", "launch", "rendezvous", "store")
+
+_marks: dict[str, float] = {}
+
+
+def mark(milestone: str, t: float | None = None) -> None:
+    """Stamp `milestone` now (or at `t`); the first stamp of each milestone stands."""
+    _marks.setdefault(milestone, time.time() if t is None else t)
+
+
+def reset() -> None:
+    """Forget every stamp (a forked worker must not inherit its zygote's)."""
+    _marks.clear()
+
+
+def marks() -> dict[str, float]:
+    """This process's milestones so far, with ``process`` filled in from the environment or the OS."""
+    out = dict(_marks)
+    if "process" not in out:
+        t = _process_start()
+        if t is not None:
+            out["process"] = t
+    return {k: out[k] for k in MILESTONES if k in out}
+
+
+def _process_start() -> float | None:
+    raw = os.environ.get(PROCESS_T_ENV)
+    if raw:
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # no psutil data for this process: leave the milestone out
+        return None

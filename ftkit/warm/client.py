@@ -1,0 +1,134 @@
+"""The thin worker torchrun starts for a warm start: ``python -u .../ftkit/warm/client.py [--module] TARGET ARGS``.
+
+Standard library only, and run by its path (not ``-m ftkit...``, which would
+import ftkit and with it torch): it starts in ~40 ms. It asks this node's
+zygote (``$FTKIT_ZYGOTE``, ftkit/warm/zygote.py) to fork a worker that runs
+TARGET with this process's arguments, environment, working directory and
+standard streams (passed as file descriptors), then stands in for it towards
+torchrun:
+
+* signals torchrun (or a terminal) sends here are passed on to the worker
+  (SIGTERM for a preemption or a group teardown, SIGINT, ...);
+* the worker's end is this process's end: the same exit code, or death by the
+  same signal, so torchrun's agent sees a SIGKILLed worker as a SIGKILL;
+* if this process is killed, the zygote sees the connection close and
+  SIGKILLs the worker (which may be SIGSTOPped and unable to act itself).
+
+Without a zygote (no ``$FTKIT_ZYGOTE``, or it does not answer) the worker starts
+cold: this process becomes ``python -m ftkit.tools.launch`` in place (exec).
+
+The wire format (shared with the zygote): each message is a 4-byte big-endian
+length and a JSON object; the request carries the three standard streams as
+SCM_RIGHTS file descriptors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import NoReturn
+
+ZYGOTE_ENV = "FTKIT_ZYGOTE"  # the zygote's socket path
+PROCESS_T_ENV = "FTKIT_PROCESS_T"  # (ftkit/coord/boot.py reads it: when this process started)
+LAUNCHER_PID_ENV = "FTKIT_LAUNCHER_PID"  # the pid torchrun knows the worker by
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+MAX_MESSAGE = 4 << 20  # an environment is a few kB; anything this large is not ours
+
+
+def send_message(sock: socket.socket, doc: dict, fds: list[int] | None = None) -> None:
+    body = json.dumps(doc).encode()
+    data = struct.pack(">I", len(body)) + body
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+    return buf
+
+
+def recv_message(sock: socket.socket) -> dict:
+    (size,) = struct.unpack(">I", recv_exact(sock, 4))
+    if size > MAX_MESSAGE:
+        raise ValueError(f"message of {size} bytes")
+    doc = json.loads(recv_exact(sock, size))
+    if not isinstance(doc, dict):
+        raise ValueError("message is not an object")
+    return doc
+
+
+def _cold(argv: list[str]) -> NoReturn:
+    """Become the cold launcher, in this same process (torchrun keeps its pid)."""
+    os.execv(sys.executable, [sys.executable, "-u", "-m", "ftkit.tools.launch", *argv])
+
+
+def _die_like(status: dict) -> NoReturn:
+    sig = status.get("signal")
+    if isinstance(sig, int) and sig > 0:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        time.sleep(1)  # a stopped-and-continued or ignored signal: fall through to an exit code
+        os._exit(128 + sig)
+    code = status.get("exit")
+    os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+
+
+def main(argv: list[str]) -> None:
+    started = time.time()
+    path = os.environ.get(ZYGOTE_ENV)
+    if not argv:
+        print("usage: client.py [--module] TARGET [ARGS...]", file=sys.stderr)
+        os._exit(2)
+    if not path:
+        _cold(argv)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        env = {**os.environ, PROCESS_T_ENV: repr(started), LAUNCHER_PID_ENV: str(os.getpid())}
+        send_message(sock, {"argv": argv, "env": env, "cwd": os.getcwd()}, [0, 1, 2])
+        reply = recv_message(sock)
+    except (OSError, EOFError, ValueError) as e:
+        print(f"ftkit: warm start unavailable ({path}: {e}); starting the worker cold", file=sys.stderr, flush=True)
+        sock.close()
+        _cold(argv)
+    if "error" in reply:
+        print(f"ftkit: warm start refused ({reply['error']}); starting the worker cold", file=sys.stderr, flush=True)
+        sock.close()
+        _cold(argv)
+    worker = int(reply["pid"])
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.kill(worker, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        status = recv_message(sock)  # blocks until the worker ends (signals are forwarded meanwhile)
+    except (OSError, EOFError, ValueError) as e:
+        # The zygote is gone: the worker's end cannot be learnt, so end it rather than leave it behind.
+        print(f"ftkit: lost the zygote ({e}); ending worker {worker}", file=sys.stderr, flush=True)
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os._exit(1)
+    _die_like(status)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,338 @@
+"""The per-node zygote: torch imported once, a worker forked from it per request.
+
+Order of calls: the starter (``ftkit run``, the drill) calls :func:`start`, which
+binds the listening socket itself (so clients can connect at once and wait in
+the backlog while the zygote imports) and starts ``python -m ftkit.warm.zygote``
+with it; torchrun then starts its workers as ftkit/warm/client.py, each of which
+sends its request; :func:`serve` forks one worker per request; the forked child
+leaves the serving loop and runs the script through ``ftkit.tools.launch``
+(:func:`main`); finally the starter calls :meth:`Zygote.stop`.
+
+The zygote is single-threaded (a selector loop), never initialises CUDA and never
+runs a tensor operation, so forking it is as safe as PyTorch's own fork-started
+DataLoader workers. It imports torch, ``torch._dynamo`` (the first
+``optimizer.step()`` imports it: ~2.4 s of CPU here), ftkit and any modules the
+user names (``ftkit run --preload transformers``). Its memory (~300 MB here) is
+shared copy-on-write with its workers.
+
+A forked worker gets the client's arguments, environment, working directory and
+standard streams, a fresh session (its own process group, as torchrun gives a
+cold worker), fresh ``random``/``numpy`` seeds, and no signal handler of the
+zygote's. The zygote reaps it and sends its end to the client; a client whose
+connection closes (torchrun SIGKILLed it) gets its worker's process group
+SIGKILLed. Only processes of the zygote's own user may connect (SO_PEERCRED).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ftkit.warm import client as wire
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "ftkit", "ftkit.tools.launch")
+REQUEST_TIMEOUT_S = 5.0  # a client sends its request as soon as it connects
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a forked worker runs: ftkit.tools.launch with the client's arguments."""
+
+    argv: list[str]
+
+
+class Zygote:
+    """A running zygote, as its starter holds it."""
+
+    def __init__(self, proc: subprocess.Popen, directory: str):
+        self.proc = proc
+        self.directory = directory
+        self.socket_path = os.path.join(directory, "zygote.sock")
+
+    def env(self) -> dict[str, str]:
+        """What the workers' environment needs so their clients find this zygote."""
+        return {wire.ZYGOTE_ENV: self.socket_path}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the zygote and every worker it still has; remove its directory. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()  # it SIGKILLs its workers' groups, then exits
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self.socket_path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.directory)
+
+
+def client_path() -> str:
+    """The thin client's file, for torchrun's command line (it runs by path: no ftkit import)."""
+    return os.path.abspath(wire.__file__)
+
+
+def start(env: dict[str, str] | None = None, preload: tuple[str, ...] = (), stderr: Any = None) -> Zygote:
+    """Start a zygote with `env` (the workers' environment, less torchrun's per-worker variables)."""
+    directory = tempfile.mkdtemp(prefix="ftkit-zygote-")  # 0700: only this user can reach the socket
+    path = os.path.join(directory, "zygote.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(512)
+        cmd = [sys.executable, "-m", "ftkit.warm.zygote", "--fd", str(listener.fileno())]
+        if preload:
+            cmd += ["--preload", ",".join(preload)]
+        proc = subprocess.Popen(
+            cmd,
+            env=env if env is not None else dict(os.environ),
+            pass_fds=[listener.fileno()],
+            stdin=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,  # a terminal's Ctrl-C reaches workers through their clients, once
+        )
+    finally:
+        listener.close()  # the zygote holds it now; if it dies, waiting clients see the socket close
+    return Zygote(proc, directory)
+
+
+# ------------------------------------------------------------------ the server side
+def _preload(modules: tuple[str, ...]) -> None:
+    t0 = time.perf_counter()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a missing optional module costs its workers the import, nothing else
+            _say(f"cannot preload {name}: {type(e).__name__}: {e}")
+    _say(f"preloaded {', '.join(modules)} in {time.perf_counter() - t0:.2f}s", quiet=True)
+
+
+def _say(message: str, quiet: bool = False) -> None:
+    # print, not logging: a worker forked from here must find logging as a fresh interpreter has it
+    if not quiet or os.environ.get("FTKIT_ZYGOTE_VERBOSE"):
+        print(f"ftkit zygote: {message}", file=sys.stderr, flush=True)
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    conn.settimeout(REQUEST_TIMEOUT_S)
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    try:
+        if len(data) < 4:
+            data += wire.recv_exact(conn, 4 - len(data))
+        (size,) = struct.unpack(">I", data[:4])
+        if size > wire.MAX_MESSAGE:
+            raise ValueError(f"request of {size} bytes")
+        body = data[4:]
+        if len(body) < size:
+            body += wire.recv_exact(conn, size - len(body))
+        doc = json.loads(body)
+        if (
+            not isinstance(doc, dict)
+            or not isinstance(doc.get("argv"), list)
+            or not all(isinstance(a, str) for a in doc["argv"])
+            or not isinstance(doc.get("env"), dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc["env"].items())
+            or not isinstance(doc.get("cwd"), str)
+            or len(fds) != 3
+        ):
+            raise ValueError("malformed request")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    conn.settimeout(None)
+    return doc, fds
+
+
+def _same_user(conn: socket.socket) -> bool:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+def _status(raw: int) -> dict:
+    if os.WIFSIGNALED(raw):
+        return {"signal": os.WTERMSIG(raw)}
+    return {"exit": os.waitstatus_to_exitcode(raw) if os.WIFEXITED(raw) else 1}
+
+
+def _become_worker(request: dict, fds: list[int], close: list[Any]) -> Task:
+    """In the forked child: shed the zygote, take on the client's process state."""
+    from ftkit.coord import boot
+
+    forked_t = time.time()
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for thing in close:
+        with contextlib.suppress(OSError):
+            if isinstance(thing, int):
+                os.close(thing)
+            else:
+                thing.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    _reseed()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        if torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
+    boot.reset()
+    boot.mark("forked", forked_t)
+    return Task(list(request["argv"]))
+
+
+def _reseed() -> None:
+    """Each worker its own seeds, as a freshly started interpreter would have."""
+    import random
+
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+def serve(listener: socket.socket) -> Task | None:
+    """Fork a worker per request until SIGTERM. Returns only in a forked child (its task)."""
+    me = os.getpid()
+    stopping = False
+
+    def on_term(_sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    by_pid: dict[int, socket.socket | None] = {}  # None: its client is gone
+    by_conn: dict[socket.socket, int] = {}
+
+    def reap() -> None:
+        while by_pid:
+            try:
+                pid, raw = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = by_pid.pop(pid, None)
+            if conn is not None:
+                by_conn.pop(conn, None)
+                with contextlib.suppress(OSError):
+                    sel.unregister(conn)
+                with contextlib.suppress(OSError):
+                    wire.send_message(conn, _status(raw))
+                conn.close()
+
+    try:
+        while not stopping:
+            for key, _ in sel.select(timeout=1.0):
+                if key.fileobj is listener:
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError:
+                        continue
+                    try:
+                        if not _same_user(conn):
+                            wire.send_message(conn, {"error": "not the zygote's user"})
+                            conn.close()
+                            continue
+                        request, fds = _read_request(conn)
+                    except (OSError, EOFError, ValueError) as e:
+                        _say(f"a bad request: {e}")
+                        conn.close()
+                        continue
+                    pid = os.fork()
+                    if pid == 0:
+                        sel.close()
+                        return _become_worker(request, fds, [listener, conn, *by_conn, wake_r, wake_w])
+                    for fd in fds:
+                        os.close(fd)
+                    try:
+                        wire.send_message(conn, {"pid": pid})
+                    except OSError:  # the client is gone already: so must the worker be
+                        _kill_group(pid)
+                    by_pid[pid] = conn
+                    by_conn[conn] = pid
+                    sel.register(conn, selectors.EVENT_READ)
+                elif key.fileobj is wake_r:
+                    with contextlib.suppress(OSError):
+                        while os.read(wake_r, 512):
+                            pass
+                else:  # a client spoke or closed: it has nothing to say, so it is gone
+                    conn = key.fileobj  # type: ignore[assignment]
+                    gone = True
+                    with contextlib.suppress(OSError):
+                        gone = conn.recv(1) == b""
+                    if gone:
+                        sel.unregister(conn)
+                        pid = by_conn.pop(conn)
+                        _kill_group(pid)  # reaped below; nobody left to tell
+                        by_pid[pid] = None
+            reap()
+    finally:
+        if os.getpid() == me:
+            for pid in list(by_pid):
+                _kill_group(pid)
+            deadline = time.monotonic() + 5
+            while by_pid and time.monotonic() < deadline:
+                reap()
+                time.sleep(0.01)
+    return None
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):  # its group (set up right after the fork), else the process
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ftkit.warm.zygote")
+    p.add_argument("--fd", type=int, required=True, help="the listening Unix socket, bound by the starter")
+    p.add_argument("--preload", default="", help="more modules to import, comma-separated")
+    args = p.parse_args(argv)
+    listener = socket.socket(fileno=args.fd)
+    extra = tuple(m for m in args.preload.split(",") if m)
+    _preload(DEFAULT_PRELOAD + extra)
+    task = serve(listener)
+    if task is None:
+        return
+    from ftkit.tools.launch import main as launch
+
+    launch(task.argv)  # the script's SystemExit, exceptions and exit are the worker's own
+
+
+if __name__ == "__main__":
+    main()
