@@ -333,10 +333,11 @@ class Checkpointer:
                 stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed, "skipped": self.stats.skipped},
             )
             self.events.close()
-            self._pipeline.close()
+            ended = self._pipeline.close(timeout=0.0 if failed else None)
             for h in self._hooks:
                 h.remove()
-            self._arena.close()
+            if ended:  # (else a persist may still read the staging buffers: the exiting process frees them)
+                self._arena.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -93,9 +93,15 @@ class PersistPipeline:
         while self._jobs.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.05)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the thread after the queued jobs; wait for it at most `timeout` (None: until it ends).
+
+        True if it has ended. A failed rank does not wait (timeout 0): its in-flight commit
+        needs peers that are stopping too, and the thread is a daemon.
+        """
         self._jobs.put(None)
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:

@@ -77,7 +77,8 @@ def _cold(argv: list[str]) -> NoReturn:
 def _die_like(status: dict) -> NoReturn:
     sig = status.get("signal")
     if isinstance(sig, int) and sig > 0:
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two cannot be handled, so need no reset)
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         time.sleep(1)  # a stopped-and-continued or ignored signal: fall through to an exit code
         os._exit(128 + sig)
