@@ -15,6 +15,7 @@ from ftkit.errors import (  # noqa: E402
     InvalidJobIdError,
     PeerTimeout,
     PeerTransferError,
+    RecoveryRequested,
     RunIdentityError,
     StateMismatchError,
     StorageError,
@@ -22,6 +23,7 @@ from ftkit.errors import (  # noqa: E402
     UnsafeRamDirError,
     UsageError,
 )
+from ftkit.inprocess import Generation, RecoveryFailed, run_in_process  # noqa: E402
 from ftkit.integrations.sampler import ResumableDistributedSampler  # noqa: E402
 
 # torchrun restarts of a plain init_process_group("gloo"/"nccl") read no stale
@@ -32,6 +34,10 @@ __all__ = [
     "Checkpointer",
     "Stats",
     "Tier",
+    "run_in_process",
+    "Generation",
+    "RecoveryFailed",
+    "RecoveryRequested",
     "ResumableDistributedSampler",
     "FtkitError",
     "CaptureError",

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 from ftkit.config import Tier, resolve_tiers
-from ftkit.coord import boot
+from ftkit.coord import boot, generation
 from ftkit.coord.dist import DistContext
 from ftkit.coord.ending import exit_unless_gone, time_first_gradient
 from ftkit.coord.events import EventLog
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.preemption import PreemptionHandler
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig
-from ftkit.errors import FtkitError
+from ftkit.errors import FtkitError, RecoveryRequested
 from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
 from ftkit.save import capture as cap
@@ -201,6 +201,9 @@ class Checkpointer:
             self._watchdog.progress(step)
         self.events.emit("step", step=step)
         fault_point("step", step, self._ctx.rank)
+        wanted = generation.requested()
+        if wanted is not None:  # under run_in_process: a peer failed; the group re-forms (ftkit/inprocess.py)
+            raise RecoveryRequested(f"rank {wanted.target} {wanted.what}: recovering in process")
         if (
             self._preemption is not None
             and self._preemption.requested is not None
@@ -351,6 +354,7 @@ class Checkpointer:
             and self._exit_after_failure_s is not None
             and self._ctx.distributed
             and "TORCHELASTIC_RUN_ID" in os.environ
+            and not generation.active()  # (run_in_process recovers instead; it has its own bound)
         ):
             exit_unless_gone(self._exit_after_failure_s, exc)
         try:

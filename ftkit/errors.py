@@ -84,3 +84,7 @@ class AgreementError(FtkitError):
     def __init__(self, message: str, failures: list[tuple[int, str]]):
         super().__init__(message)
         self.failures = failures
+
+
+class RecoveryRequested(FtkitError):
+    """Under ftkit.run_in_process: another rank failed; this generation ends and the group re-forms."""

@@ -18,6 +18,13 @@ has no ``rendezvous``):
     launch      ftkit's launcher is about to run the script (imports done)
     rendezvous  init_process_group's env:// rendezvous began
     store       the rendezvous store is connected; the process group is built next
+
+and, for a generation started by an in-process recovery (ftkit/inprocess.py) in the
+same process, instead of those:
+
+    failed      the failure reached the recovery wrapper on this rank (its loop unwound)
+    torn_down   this rank's process group of the failed generation is destroyed
+    regrouped   every rank arrived and the new generation's group is built
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import os
 import time
 
 PROCESS_T_ENV = "FTKIT_PROCESS_T"  # set by ftkit/warm/client.py: the start of the process torchrun started
-MILESTONES = ("process", "forked", "launch", "rendezvous", "store")
+MILESTONES = ("process", "forked", "launch", "rendezvous", "store", "failed", "torn_down", "regrouped")
 
 _marks: dict[str, float] = {}
 
@@ -44,7 +51,7 @@ def reset() -> None:
 def marks() -> dict[str, float]:
     """This process's milestones so far, with ``process`` filled in from the environment or the OS."""
     out = dict(_marks)
-    if "process" not in out:
+    if "process" not in out and "failed" not in out:  # (an in-process generation started no process)
         t = _process_start()
         if t is not None:
             out["process"] = t

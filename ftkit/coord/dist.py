@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftkit.errors import PeerTimeout
+from ftkit.coord import generation
+from ftkit.errors import PeerTimeout, RecoveryRequested
 
 
 def node_id(rank: int) -> str:
@@ -58,6 +60,7 @@ def host_identity() -> str | None:
 
 # torchrun's --rdzv-id when none is given (every such job gets the same one).
 _DEFAULT_RDZV_IDS = ("", "none")
+WAIT_SLICE_S = 0.25  # under run_in_process: how often a wait looks for a recovery request
 
 
 def process_gone(pid: Any) -> bool:
@@ -112,7 +115,8 @@ class DistContext:
 
         # Keys are namespaced per torchrun attempt so a restarted group never reads
         # what the previous attempt left in a store that outlives it.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # (and per in-process recovery: coord/generation.py)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + generation.suffix()
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
         rank = dist.get_rank()
@@ -205,13 +209,33 @@ class DistContext:
     def _wait(self, keys: list[str], timeout_s: float | None) -> None:
         timeout_s = timeout_s or self.timeout_s
         try:
-            self.store.wait(keys, timedelta(seconds=timeout_s))
+            if generation.active():
+                self._wait_or_recover(keys, timeout_s)
+            else:
+                self.store.wait(keys, timedelta(seconds=timeout_s))
+        except RecoveryRequested:
+            raise
         except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
             missing = [k for k in keys if not self._has(k)] or keys
             raise PeerTimeout(
                 f"rank {self.rank}: no answer for {', '.join(map(repr, missing))} within "
                 f"{timeout_s:.0f}s ({type(e).__name__})"
             ) from None
+
+    def _wait_or_recover(self, keys: list[str], timeout_s: float) -> None:
+        """Under run_in_process, wait in slices: a rank that failed will never set its key, and
+        the recovery its verdict requested must not wait out the timeout here."""
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=max(0.001, min(WAIT_SLICE_S, end - time.monotonic()))))
+                return
+            except Exception:
+                wanted = generation.requested()
+                if wanted is not None:
+                    raise RecoveryRequested(f"rank {wanted.target} {wanted.what}: recovering in process") from None
+                if time.monotonic() >= end:
+                    raise
 
     def _has(self, key: str) -> bool:
         try:

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from ftkit.coord import generation
 from ftkit.tiers.redact import redact_url
 
 log = logging.getLogger("ftkit")
@@ -45,8 +46,16 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:
             return
+        gen = generation.current()  # an in-process recovery's generation, omitted while 0
         line = json.dumps(
-            {"t": time.time(), "rank": self.rank, "attempt": self.attempt, "event": event, **_redacted(fields)},
+            {
+                "t": time.time(),
+                "rank": self.rank,
+                "attempt": self.attempt,
+                **({"gen": gen} if gen else {}),
+                "event": event,
+                **_redacted(fields),
+            },
             default=lambda v: redact_url(str(v)),
         )
         with self._lock:

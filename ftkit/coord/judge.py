@@ -46,6 +46,7 @@ class WatchdogConfig:
     flush_deadline_s: float = 10.0
     startup_grace_s: float = 120.0  # a rank (or node) never seen for this long is dead
     watch: int = 2  # nodes each node's leader watches on the ring
+    recovery_timeout_s: float = 30.0  # under run_in_process: a verdict not followed by a recovery ends the worker
 
 
 def _num(v: Any, lo: float = 0.0, hi: float = 1e9) -> float | None:

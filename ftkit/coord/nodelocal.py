@@ -28,6 +28,7 @@ import stat
 import time
 from typing import Any
 
+from ftkit.coord import generation
 from ftkit.coord.judge import Beat
 from ftkit.tiers.ram import private_subdir
 
@@ -45,7 +46,7 @@ def job_names(scope: str, instance: str) -> tuple[str, str]:
     address never reads the board, and a stale verdict, of the run before it)."""
     env = os.environ
     job = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") + generation.suffix()
     scope_hash = hashlib.sha256(scope.encode()).hexdigest()[:12]
     return hashlib.sha256(job.encode()).hexdigest()[:16], f"{_safe(attempt)}-{scope_hash}-{_safe(instance)}"
 
@@ -169,10 +170,17 @@ def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:
         for name in os.listdir(job_dir):
             n, s, _ = (name.split("-") + ["", ""])[:3]
             path = os.path.join(job_dir, name)
-            older = n.isdigit() and mine.isdigit() and int(n) < int(mine)
+            theirs, ours = _attempt_order(n), _attempt_order(mine)
+            older = theirs is not None and ours is not None and theirs < ours
             rerun = n == mine and s == scope and name != attempt
             if (older or rerun) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _attempt_order(name: str) -> tuple[int, int] | None:
+    """(torchrun attempt, in-process generation) from "3" or "3.g2" (coord/generation.py)."""
+    m = re.fullmatch(r"(\d+)(?:\.g(\d+))?", name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def step_message(at: tuple[int, int], what: str) -> str:

@@ -52,6 +52,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ftkit.coord import generation
 from ftkit.coord.dist import DistContext, host_identity, process_gone
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
@@ -59,6 +60,7 @@ from ftkit.coord.nodelocal import NodeBoard
 
 log = logging.getLogger("ftkit")
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
+IN_PROCESS_VERDICTS = ("failed", "straggler")  # the ranks judged are alive: run_in_process recovers in place
 VERDICT, PREEMPT, DONE = "wd/verdict", "wd/preempt", "wd/done"
 
 
@@ -338,6 +340,38 @@ class Watchdog:
             self._on_peer_preempted(rank)
 
     # -------------------------------------------------------------- actions
+    def _recover_in_process(self, verdict: Verdict) -> bool:
+        """Under ftkit.run_in_process, a failed rank (alive: its loop raised) or a straggler is
+        recovered from without ending any process: the request is recorded for the training
+        loop (its next snapshot() raises it; a collective blocked on the failed rank fails when
+        that rank tears its group down) and this watchdog stops. A dead or hung rank cannot take
+        part: torchrun restarts the group as before. If no recovery starts within
+        `recovery_timeout_s`, this worker ends after all (torchrun's restart is the fallback)."""
+        if not generation.active() or verdict.what not in IN_PROCESS_VERDICTS:
+            return False
+        if generation.request(verdict):
+            self.events.emit("abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step, in_process=True)
+            gen = generation.current()
+            timer = threading.Timer(self.cfg.recovery_timeout_s, self._no_recovery, args=(gen,))
+            timer.daemon = True
+            timer.start()
+        self._stop.set()
+        return True
+
+    def _no_recovery(self, gen: int) -> None:
+        if generation.current() != gen or not generation.active():
+            return
+        log.error(
+            "ftkit watchdog (rank %d): no in-process recovery began within %.0fs of the verdict; ending this "
+            "worker so torchrun restarts the group",
+            self.ctx.rank,
+            self.cfg.recovery_timeout_s,
+        )
+        self.events.emit("abort", reason="in-process recovery did not begin", step=self._step)
+        self.events.close()
+        logging.shutdown()
+        os._exit(EXIT_CODE)
+
     def _straggler(self, rank: int, busy: float, median: float) -> None:
         log.warning("ftkit watchdog: rank %d is a straggler: %.3fs per step busy vs median %.3fs", rank, busy, median)
         self.events.emit("straggler", target=rank, busy_s=busy, median_s=median, factor=busy / median, by=self.ctx.rank)
@@ -380,6 +414,8 @@ class Watchdog:
             step=self._step,
         )
         self.detections.append({"target": verdict.target, "what": verdict.what})
+        if self._recover_in_process(verdict):
+            return
         beat = self._local_beats.get(verdict.target) if self.leader else self.leader_judge.clocks[self.leader_rank].beat
         if verdict.target != self.ctx.rank and self._local(beat) and beat is not None and beat.pid:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # a stopped process holds up the restart

@@ -25,6 +25,7 @@ from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.faults import set_faults
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.tools.report import epoch
 from ftkit.warm.zygote import Zygote, client_path
 
 _STORAGE_SWITCH = {
@@ -100,11 +101,12 @@ class Job:
     def events(self) -> list[dict[str, Any]]:
         return read_events(self.run_dir)
 
-    def attempt(self) -> int:
-        return max((e["attempt"] for e in self.events() if e["event"] == "start"), default=0)
+    def attempt(self) -> tuple[int, int]:
+        """The newest (torchrun attempt, in-process generation) that has started."""
+        return max((epoch(e) for e in self.events() if e["event"] == "start"), default=(0, 0))
 
-    def pids(self, attempt: int) -> dict[int, int]:
-        return {e["rank"]: e["pid"] for e in self.events() if e["event"] == "start" and e["attempt"] == attempt}
+    def pids(self, attempt: tuple[int, int]) -> dict[int, int]:
+        return {e["rank"]: e["pid"] for e in self.events() if e["event"] == "start" and epoch(e) == attempt}
 
     def note(self, **fields: Any) -> None:
         """A drill event in the job's log, beside the ranks' own (rank -1)."""
@@ -112,8 +114,9 @@ class Job:
         with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as f:
             f.write(json.dumps({"t": time.time(), "rank": -1, "event": "fault", **fields}) + "\n")
 
-    def wait_restarted(self, attempt: int, timeout: float = 300) -> bool:
-        """Wait until torchrun's next attempt has started training (False if it never does)."""
+    def wait_restarted(self, attempt: tuple[int, int], timeout: float = 300) -> bool:
+        """Wait until the next attempt (or in-process generation) has started training (False if
+        it never does)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end and self.proc.poll() is None:
             if self.attempt() > attempt:
@@ -199,14 +202,20 @@ class Injector:
         rank = (f.node or 0) * job.ranks_per_node if f.kind == "node" else (f.rank or 0)
         rec = job.freeze_at(f.during, f.step, rank, action="crash" if f.kind == "crash" else "stop")
         pid = rec["pid"]
-        f.attempt, f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
+        (f.attempt, f.gen), f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
         target = (
             f"node{f.node}" if f.kind == "node" else f.kind if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS else rank
         )
         # `restarts`: the report takes only these as the cause (and start) of a restart; a storage
         # fault or a slow rank earlier in the same attempt is not one.
         job.note(
-            kind=f.kind, step=f.injected_step, during=f.during, attempt=attempt, target=target, restarts=f.restarts
+            kind=f.kind,
+            step=f.injected_step,
+            during=f.during,
+            attempt=attempt[0],
+            **({"gen": attempt[1]} if attempt[1] else {}),
+            target=target,
+            restarts=f.restarts,
         )
         if f.kind == "kill":
             _signal(pid, signal.SIGKILL)

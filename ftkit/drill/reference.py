@@ -120,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--final-out", help="write the final model+optimizer state here (torch file, rank 0)")
     p.add_argument("--pg-timeout", type=float, default=1800.0, help="process group timeout, seconds")
     p.add_argument("--no-watchdog", action="store_true", help="run without ftkit's heartbeat watchdog")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="recover from a rank's exception in process (ftkit.run_in_process) instead of through torchrun",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # One thread: bitwise reproducible across runs. (Not use_deterministic_algorithms:
@@ -128,13 +133,33 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
-    if world > 1:
+    if world > 1 and args.in_process:  # it creates (and re-creates) the process group itself
+        rank = int(os.environ["RANK"])
+        final = ftkit.run_in_process(lambda _gen: train(args, world, rank), group_timeout_s=args.pg_timeout)
+    elif world > 1:
         import torch.distributed as dist
 
         from ftkit.coord.dist import init_process_group
 
         init_process_group("gloo", timeout_s=args.pg_timeout)
         rank = dist.get_rank()
+        final = train(args, world, rank)
+    else:
+        final = train(args, world, rank)
+    if final is None:
+        return 1
+    if args.final_out and rank == 0:
+        torch.save(final, args.final_out)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def train(args, world: int, rank: int) -> dict | None:
+    """Build, restore and train to the last step; the final model and optimizer state (None: a bad loss).
+
+    Everything that depends on the process group is built here, so an in-process
+    recovery (--in-process) can call it again on the re-formed group."""
     model, opt, sched = build(args.seed)
     state = {"model": model, "optim": opt, "sched": sched}
     tiers: list = []
@@ -161,17 +186,13 @@ def main(argv: list[str] | None = None) -> int:
             compute = time.perf_counter() - t0
             if not math.isfinite(loss):
                 print(f"loss is {loss} at step {step}", file=sys.stderr)
-                return 1
+                return None
             ck.snapshot(step)
             if rank == 0:
                 print(f"step {step} loss {loss:.4f}", flush=True)
             if args.step_time:
                 time.sleep(args.step_time)
-    if args.final_out and rank == 0:
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, args.final_out)
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    return 0
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
 if __name__ == "__main__":

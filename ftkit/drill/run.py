@@ -115,6 +115,7 @@ def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) ->
         str(step_time),
         "--final-out",
         final_out,
+        *(["--in-process"] if not args.no_in_process else []),
     ]
 
 
@@ -221,7 +222,8 @@ def run_drill(args) -> dict[str, Any]:
             for f in faults:
                 attempt = job.attempt()
                 injector.inject(f)
-                say(f"  injected {f.label()} at step {f.injected_step} (attempt {attempt})")
+                gen = f", generation {attempt[1]}" if attempt[1] else ""
+                say(f"  injected {f.label()} at step {f.injected_step} (attempt {attempt[0]}{gen})")
                 if f.restarts and not job.wait_restarted(attempt):
                     if f.kind == "term" and job.proc.poll() == 0:
                         # The run reached its last step before the agreed stop: nothing to resume.
@@ -380,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cold",
         action="store_true",
         help="start every worker as a new interpreter (no zygote; how restarts cost before warm starts)",
+    )
+    p.add_argument(
+        "--no-in-process",
+        action="store_true",
+        help="the built-in trainer recovers from a crash through torchrun, not in process",
     )
     p.add_argument("--quiet", action="store_true")
     return p

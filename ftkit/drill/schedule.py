@@ -54,6 +54,7 @@ class Fault:
     injected_t: float | None = None
     injected_step: int | None = None
     attempt: int | None = None
+    gen: int | None = None  # the in-process generation of `attempt` it struck
     outcome: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
-from ftkit.tools.report import Report
+from ftkit.tools.report import Report, epoch
 
 
 def check_faults(
     faults: list[Fault], report: Report | None, events: list[dict[str, Any]], max_lost: int, errors: list[str]
 ) -> None:
     """Fill each fault's outcome; append a line to `errors` for each one not survived."""
-    incidents = {i.attempt: i for i in (report.incidents if report else [])}
+    incidents = {(i.attempt, i.gen): i for i in (report.incidents if report else [])}
     stragglers = report.stragglers if report else []
     final_step = report.final_step if report else 0
     for n, f in enumerate(faults):
@@ -26,7 +26,7 @@ def check_faults(
         if f.restarts and f.outcome.get("finished_before_stop"):
             continue
         if f.restarts:
-            inc = incidents.get(f.attempt) if f.attempt is not None else None
+            inc = incidents.get((f.attempt, f.gen or 0)) if f.attempt is not None else None
             if inc is None:
                 errors.append(f"{f.label()}: no recovery followed")
                 continue
@@ -41,6 +41,7 @@ def check_faults(
                 "reached": inc.last_step,
                 "steps_lost": inc.steps_lost,
                 "restored_from": inc.restore_source,
+                "in_process": inc.in_process,
                 "phases": inc.phases,
             }
             # A fault inside the persist pipeline may cost the snapshot in flight, and so may
@@ -121,7 +122,7 @@ def snapshot_in_flight(events: list[dict[str, Any]], fault: Fault) -> bool:
             if e["event"] == "persist"
             and e.get("ok")
             and e.get("committed_by_me")
-            and e.get("attempt") == fault.attempt
+            and epoch(e) == (fault.attempt, fault.gen or 0)
             and e["t"] <= fault.injected_t
         ),
         default=0,
@@ -135,9 +136,9 @@ def consumed_stream(events: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
     An attempt that restored step R continues from R: of the attempt before it,
     only the batches up to R count (later ones were recomputed or lost).
     """
-    attempts = sorted({e.get("attempt", 0) for e in events if e["event"] == "batch"})
+    attempts = sorted({epoch(e) for e in events if e["event"] == "batch"})  # attempts and generations
     resumed = {
-        a: max((e.get("step") or 0 for e in events if e["event"] == "restore" and e.get("attempt") == a), default=0)
+        a: max((e.get("step") or 0 for e in events if e["event"] == "restore" and epoch(e) == a), default=0)
         for a in attempts
     }
     out = []
@@ -146,7 +147,7 @@ def consumed_stream(events: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
         out += [
             (e["step"], e["rank"], e["digest"])
             for e in events
-            if e["event"] == "batch" and e.get("attempt", 0) == a and e["step"] <= cutoff
+            if e["event"] == "batch" and epoch(e) == a and e["step"] <= cutoff
         ]
     return sorted(out)
 

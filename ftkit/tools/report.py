@@ -2,8 +2,9 @@
 
     ftkit report RUN_DIR [--json] [--html FILE]
 
-An incident is one restart of the worker group (torchrun attempt n -> n+1). Its
-phases, from the events of both attempts:
+An incident is one restart of the worker group: torchrun attempt n -> n+1, or an
+in-process recovery, generation g -> g+1 of the same attempt (events carry ``gen``
+when it is not 0). Its phases, from the events of both:
 
     detect     fault (a drill's "fault" event, else the last step before it) -> the first sign:
                a watchdog "detect", or a "preempt" (a preemption notice that was saved,
@@ -24,6 +25,13 @@ milestone a launcher did not see is counted in the next one:
     set-up           -> the script calls init_process_group (its own imports and set-up)
     rendezvous       -> the rendezvous store is connected
     group and model  -> the Checkpointer starts (the process group, the model, the optimizer)
+
+and for an in-process recovery (ftkit/inprocess.py: no process starts, the group re-forms)
+
+    unwind           -> the failure reached every rank's recovery wrapper
+    group teardown   -> every rank destroyed the failed generation's process group
+    regroup          -> every rank arrived and the new group is built
+    group and model, restore, first step as above
     restore          -> the last rank's restore
     first step       -> the step the old attempt had reached
 
@@ -38,6 +46,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ftkit.coord.events import read_events
+
+
+def epoch(e: dict[str, Any]) -> tuple[int, int]:
+    """(torchrun attempt, in-process generation) of an event: they order the job's lifetimes."""
+    return e.get("attempt", 0), e.get("gen", 0)
 
 
 @dataclass
@@ -56,6 +69,8 @@ class Incident:
     steps_lost: int
     restore_source: str | None
     phases: dict[str, float] = field(default_factory=dict)  # the breakdown above, seconds
+    gen: int = 0  # the generation of `attempt` that failed
+    in_process: bool = False  # recovered without a torchrun restart (same attempt, next generation)
 
 
 @dataclass
@@ -76,18 +91,16 @@ def analyze(events: list[dict[str, Any]]) -> Report:
     if not events:
         raise ValueError("no events")
     t0, t1 = events[0]["t"], events[-1]["t"]
-    by_attempt: dict[int, list[dict[str, Any]]] = {}
+    by_attempt: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
-        by_attempt.setdefault(e.get("attempt", 0), []).append(e)
+        by_attempt.setdefault(epoch(e), []).append(e)
     attempts = sorted(by_attempt)
     incidents = []
     for prev, nxt in zip(attempts, attempts[1:]):
         old, new = by_attempt[prev], by_attempt[nxt]
         steps_old = [e for e in old if e["event"] == "step"]
         last_step = max((e["step"] for e in steps_old), default=0)
-        faults = [
-            e for e in events if e["event"] == "fault" and e.get("attempt", prev) == prev and e.get("restarts", True)
-        ]
+        faults = [e for e in events if e["event"] == "fault" and epoch(e) == prev and e.get("restarts", True)]
         fault_t = min((e["t"] for e in faults), default=max((e["t"] for e in steps_old), default=old[0]["t"]))
         cause = faults[0].get("kind", "fault") if faults else "worker failure"
         detects = [e for e in old if e["event"] == "detect" and e["t"] >= fault_t - 1]
@@ -118,7 +131,9 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         phases = _phases(base, new, restore_t, max(recompute_end, restore_t))
         incidents.append(
             Incident(
-                attempt=prev,
+                attempt=prev[0],
+                gen=prev[1],
+                in_process=nxt[0] == prev[0],
                 fault_t=fault_t,
                 cause=cause,
                 detected_by=detected_by,
@@ -163,6 +178,9 @@ PHASES = (
     ("imports", "launch"),
     ("set-up", "rendezvous"),
     ("rendezvous", "store"),
+    ("unwind", "failed"),
+    ("group teardown", "torn_down"),
+    ("regroup", "regrouped"),
     ("group and model", "start"),
     ("restore", "restore"),
     ("first step", "resumed"),
@@ -176,7 +194,7 @@ def _phases(base: float, new: list[dict[str, Any]], restore_t: float, resumed_t:
         return {}
     boots = [e.get("boot") or {} for e in starts]
     ends: dict[str, float] = {"start": max(e["t"] for e in starts), "restore": restore_t, "resumed": resumed_t}
-    for milestone in ("process", "forked", "launch", "rendezvous", "store"):
+    for milestone in ("process", "forked", "launch", "rendezvous", "store", "failed", "torn_down", "regrouped"):
         stamps = [float(t) for b in boots if isinstance(t := b.get(milestone), int | float)]
         if len(stamps) == len(boots):  # every rank saw it
             ends[milestone] = max(stamps)
@@ -206,8 +224,10 @@ def to_text(report: Report) -> str:
     ]
     for n, i in enumerate(report.incidents, 1):
         det = f"detect {i.detect_s:.1f}s, " if i.detect_s is not None else ""
+        where = f"attempt {i.attempt}" + (f" generation {i.gen}" if i.gen else "")
+        how = "recovered in process" if i.in_process else "restarted"
         lines.append(
-            f"incident {n}: {i.cause} in attempt {i.attempt}, detected by {i.detected_by}: "
+            f"incident {n}: {i.cause} in {where}, detected by {i.detected_by}, {how}: "
             f"{det}restart {i.restart_s:.1f}s, restore {i.restore_s:.1f}s from {i.restore_source}, "
             f"recompute {i.recompute_s:.1f}s; total {i.total_s:.1f}s; resumed from step "
             f"{i.resumed_from} of {i.last_step} ({i.steps_lost} step(s) lost)"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -326,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     listener = socket.socket(fileno=args.fd)
     extra = tuple(m for m in args.preload.split(",") if m)
     _preload(DEFAULT_PRELOAD + extra)
+    # The imports are never garbage: keep them out of every collection (in the workers too), and
+    # out of the pages a collection would touch, which copy-on-write would then copy.
+    gc.freeze()
     task = serve(listener)
     if task is None:
         return

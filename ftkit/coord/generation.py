@@ -1,0 +1,69 @@
+"""This process's generation: how many in-process recoveries it has been through.
+
+torchrun numbers its attempts (``TORCHELASTIC_RESTART_COUNT``); an in-process
+recovery (ftkit/inprocess.py) re-forms the process group without a new attempt,
+so everything namespaced per attempt is namespaced per (attempt, generation):
+the Checkpointer's store keys (coord/dist.py), the node boards (coord/nodelocal.py),
+the event log's ``gen`` field (coord/events.py). Generation 0 adds nothing, so
+a job that never recovers in process looks exactly as before.
+
+The state is process-wide on purpose: the watchdog thread reads whether a
+wrapper is active (a verdict then requests a recovery instead of ending the
+process) and the training loop's next ``snapshot()`` raises the request.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_generation = 0
+_active = False
+_requested: Any = None  # the verdict that asked for a recovery of the current generation
+
+
+def current() -> int:
+    return _generation
+
+
+def suffix() -> str:
+    """What namespaces add for this generation ("" for generation 0)."""
+    return "" if _generation == 0 else f".g{_generation}"
+
+
+def advance() -> int:
+    """Start the next generation (a recovery re-formed the group); forget the request."""
+    global _generation, _requested
+    with _lock:
+        _generation += 1
+        _requested = None
+        return _generation
+
+
+def set_active(active: bool) -> None:
+    """An in-process recovery wrapper runs the training loop (or no longer does)."""
+    global _active, _requested
+    with _lock:
+        _active = active
+        if not active:
+            _requested = None
+
+
+def active() -> bool:
+    return _active
+
+
+def request(verdict: Any) -> bool:
+    """A verdict asks this generation to recover; True if it is the first request."""
+    global _requested
+    with _lock:
+        first = _requested is None
+        if first:
+            _requested = verdict
+        return first
+
+
+def requested() -> Any:
+    """The verdict that asked for a recovery of the current generation, or None."""
+    return _requested

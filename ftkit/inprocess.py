@@ -1,0 +1,242 @@
+"""In-process recovery: a rank's exception costs a re-formed group, not a torchrun restart.
+
+    def train(gen: ftkit.Generation) -> None:
+        model = DDP(build_model())                  # everything that holds the process group
+        optimizer = torch.optim.AdamW(model.parameters())
+        with ftkit.Checkpointer({"model": model, "optimizer": optimizer}, tiers) as ck:
+            for step in range(ck.restore() + 1, steps + 1):
+                ...
+                ck.snapshot(step)
+
+    ftkit.run_in_process(train)                     # under torchrun / ftkit run
+
+Order of calls: :func:`run_in_process` creates the default process group if there
+is none (``init_process_group(backend)``, env://), marks the process as recovering in
+process (coord/generation.py) and calls ``fn(Generation(...))``. When ``fn`` raises
+an ``Exception`` on any rank:
+
+1. that rank's Checkpointer closes as failed and posts the verdict (its watchdog);
+   every other rank's watchdog records it as a request instead of ending the
+   process, and their next ``snapshot()`` raises :class:`~ftkit.errors.RecoveryRequested`;
+2. each rank, once ``fn`` has unwound, destroys its process group and shuts down the
+   group's connections. On gloo this is what unblocks the others: a collective
+   waiting on a live peer is not interrupted by ``abort()``, ``shutdown()`` or
+   ``_abort_process_group`` (measured on torch 2.13: they return at once and the
+   collective waits on); it fails at once with "Connection closed by peer" when that
+   peer's connections close, so the teardown cascades through the ranks in
+   milliseconds. Destroying the group closes them only if nothing else holds it, and
+   a ``DistributedDataParallel`` built on it keeps it alive in C++ for good (measured:
+   even a DDP that was only constructed, then deleted and collected). So the
+   wrapper creates each generation's group itself, notes the sockets its creation
+   opened (``/proc/self/fd`` before and after, less the store's connection), and
+   shuts those down (``shutdown(SHUT_RDWR)``: the peers see the end of the stream;
+   the leaked group keeps its dead descriptors);
+3. the generation advances; the ranks meet on the store the first group was built
+   on (a counter under ``ftkit-gen/<n>``, bounded by ``recovery_timeout_s``) and
+   build a new default group under that namespace, same ranks, same backend;
+4. ``fn`` runs again: it rebuilds its model wrapper, optimizer and Checkpointer, and
+   ``restore()`` loads the newest committed step from node RAM.
+
+Nothing of a surviving rank exits, and its pid and imports stay. A rank that is
+dead or hung (no Python left to run) cannot take part: those verdicts end the
+workers as before and torchrun restarts the group (warm, ftkit/warm). So do a
+recovery that does not come together within ``recovery_timeout_s`` (a second fault
+while the group re-forms: a rank that never arrives), more than ``max_recoveries``
+recoveries, and ``KeyboardInterrupt``/``SystemExit``, which are never caught.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from ftkit.coord import boot, generation
+from ftkit.coord.faultpoints import fault_point
+from ftkit.errors import FtkitError, one_line
+
+log = logging.getLogger("ftkit")
+
+T = TypeVar("T")
+EXIT_CODE = 75  # as the watchdog's: torchrun restarts the group
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What ``fn`` is told at each call: which generation this is, and why the last one ended."""
+
+    number: int  # 0 on the first call, then one more per in-process recovery
+    reason: str | None = None  # the failure that ended the previous generation (one line)
+
+
+class RecoveryFailed(FtkitError):
+    """The ranks did not come together for the next generation in time."""
+
+
+def run_in_process(
+    fn: Callable[[Generation], T],
+    *,
+    backend: str = "gloo",
+    max_recoveries: int = 8,
+    recovery_timeout_s: float = 30.0,
+    group_timeout_s: float = 1800.0,
+) -> T:
+    """Run ``fn`` and recover in process from its exceptions on any rank; return what it returns.
+
+    `backend` and `group_timeout_s` are the process group's (collectives' timeout);
+    `recovery_timeout_s` bounds how long a rank waits for the others to re-form the
+    group, after which it ends so torchrun restarts the job. See the module's docstring.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    sockets: set[tuple[int, int]] = set()  # (fd, inode) of this generation's group's connections
+    if not dist.is_initialized():
+        before = _sockets()
+        dist.init_process_group(backend, timeout=timedelta(seconds=group_timeout_s))
+        sockets = _group_sockets(before)
+    else:
+        # Its connections are closed only by destroying it: a DDP built on it would hold it open.
+        log.info("ftkit: run_in_process uses the existing process group; let it create the group instead")
+    if dist.get_world_size() == 1:  # nothing to re-form: a failure is the failure
+        return fn(Generation(0))
+    base = _get_default_store()  # the first group's store: each generation's group is built under it
+    # What exists now (torch's modules, the user's imports) is never garbage worth a collection:
+    # freezing it makes the collection in each teardown take milliseconds, not 0.4 s.
+    gc.freeze()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reason: str | None = None
+    recoveries = 0
+    generation.set_active(True)
+    try:
+        while True:
+            try:
+                return fn(Generation(generation.current(), reason))
+            except Exception as e:
+                if recoveries >= max_recoveries:
+                    log.error("ftkit: %d in-process recoveries already; giving up on this one", recoveries)
+                    raise
+                reason = one_line(e)
+                failed_t = time.time()
+                log.warning("ftkit: rank %d, generation %d ended: %s; recovering in process", rank, gen(), reason)
+                del e  # the traceback holds the frames that hold the group (DDP, the Checkpointer)
+            recoveries += 1
+            _tear_down(sockets)
+            torn_t = time.time()
+            number = generation.advance()
+            fault_point("recover", number, rank)  # a drill's second fault, while the group re-forms
+            try:
+                _meet(base, number, world, recovery_timeout_s)
+                store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
+                before = _sockets()
+                dist.init_process_group(
+                    backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=group_timeout_s)
+                )
+                sockets = _group_sockets(before)
+            except Exception as e:
+                _give_up(rank, number, e)
+            boot.reset()
+            boot.mark("failed", failed_t)
+            boot.mark("torn_down", torn_t)
+            boot.mark("regrouped")
+    finally:
+        generation.set_active(False)
+
+
+def gen() -> int:
+    return generation.current()
+
+
+def _tear_down(sockets: set[tuple[int, int]]) -> None:
+    """Destroy every process group of this generation and cut its connections, so peers blocked
+    on this rank fail now."""
+    import torch.distributed as dist
+
+    _cut(sockets)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # already broken: what matters is that its connections close
+            log.warning("ftkit: destroying the failed generation's process group: %s", one_line(e))
+    gc.collect()  # what the failure left unreachable (cheap: gc.freeze() took the imports out)
+
+
+def _sockets() -> set[tuple[int, int]]:
+    """This process's open sockets as (fd, inode); empty where /proc is not there."""
+    out: set[tuple[int, int]] = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add((int(name), int(target[8:-1])))
+    return out
+
+
+def _group_sockets(before: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The connections a group's creation opened, less any to the rendezvous store.
+
+    Not its listening socket: gloo's listener thread aborts the process if accept() fails.
+    """
+    store_port = int(os.environ.get("MASTER_PORT", "0") or 0)
+    out: set[tuple[int, int]] = set()
+    for fd, inode in _sockets() - before:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                peer = s.getpeername() if s.type == socket.SOCK_STREAM else None
+        except OSError:  # not connected (a listener), or gone
+            continue
+        if isinstance(peer, tuple) and len(peer) >= 2 and peer[1] != store_port:
+            out.add((fd, inode))
+    return out
+
+
+def _cut(sockets: set[tuple[int, int]]) -> None:
+    """Shut down each socket still open as the same socket (the fd may have been reused)."""
+    for fd, inode in sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{inode}]":
+                continue
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            continue
+
+
+def _meet(store: Any, number: int, world: int, timeout_s: float) -> None:
+    """Wait until every rank has arrived at generation `number` (or raise RecoveryFailed)."""
+    key = f"ftkit-gen/{number}/arrived"
+    store.add(key, 1)
+    end = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        arrived = int(store.add(key, 0))
+        if arrived >= world:
+            return
+        if time.monotonic() > end:
+            raise RecoveryFailed(f"{arrived} of {world} ranks arrived for generation {number} within {timeout_s:g}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _give_up(rank: int, number: int, e: BaseException) -> None:
+    log.error(
+        "ftkit: rank %d could not re-form the group for generation %d (%s); ending this worker so torchrun "
+        "restarts the group",
+        rank,
+        number,
+        one_line(e),
+    )
+    logging.shutdown()
+    os._exit(EXIT_CODE)

@@ -1,0 +1,71 @@
+"""A DDP or FSDP2 trainer recovering in process (ftkit.run_in_process), run under torchrun (gloo, CPU).
+
+    torchrun --nproc-per-node 2 tests/inprocess_trainer.py --parallel ddp|fsdp --steps 12 --out DIR \
+        [--crash RANK:STEP]
+
+Every step snapshots to the node's RAM tier. --crash makes RANK raise at STEP of the
+first generation of torchrun's first attempt; the job then goes on in process. Rank 0 writes the final full
+model and optimizer tensors to DIR/final.pt; every rank appends one JSON line per
+call of the training function (pid, generation, the step restored) to DIR/calls.jsonl.
+With two ranks every all-reduce and reduce-scatter is one addition of two values,
+the same in any order, so the final state equals a fault-free run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import ftkit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_worker import build, full_state  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--parallel", default="ddp")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--out", required=True)
+    p.add_argument("--crash", default="", help="RANK:STEP")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    crash = tuple(int(v) for v in args.crash.split(":")) if args.crash else None
+
+    def train(gen: ftkit.Generation) -> dict:
+        rank = dist.get_rank()
+        model, opt = build(args.parallel, seed=1)  # everything that holds the group, built again
+        with ftkit.Checkpointer({"model": model, "optim": opt}, [ftkit.Tier("ram")]) as ck:
+            start = ck.restore()
+            with open(os.path.join(args.out, "calls.jsonl"), "a") as f:
+                f.write(
+                    json.dumps(
+                        {"rank": rank, "pid": os.getpid(), "gen": gen.number, "restored": start, "reason": gen.reason}
+                    )
+                    + "\n"
+                )
+            for step in range(start + 1, args.steps + 1):
+                g = torch.Generator().manual_seed(step * 100 + rank)
+                loss = model(torch.randn(8, 16, generator=g)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if crash == (rank, step) and gen.number == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+                    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+                ck.snapshot(step)
+        return full_state(model, opt)
+
+    final = ftkit.run_in_process(train, recovery_timeout_s=10)
+    if dist.get_rank() == 0:
+        torch.save(final, os.path.join(args.out, "final.pt"))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""In-process recovery (ftkit.run_in_process) under real torchrun, gloo on CPU.
+
+A rank's exception re-forms the group without a torchrun restart: the surviving
+ranks' processes (pids) stay, the generation advances, the state comes back from
+node RAM, and the final state equals a fault-free run's bit for bit. A second
+fault while the group re-forms ends in a clean torchrun restart, never a hang.
+The default drill (tests/test_drill.py) recovers its crash this way too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+from ftkit.coord.events import read_events
+from ftkit.coord.faultpoints import FAULT_POINTS_ENV
+
+TRAINER = os.path.join(REPO, "tests", "inprocess_trainer.py")
+
+
+def torchrun(out, *args, env=None, restarts=0, timeout=120):
+    os.makedirs(out, exist_ok=True)
+    full_env = {
+        **os.environ,
+        "FTKIT_RAM_DIR": str(out / "shm"),
+        "FTKIT_JOB_ID": "inproc",
+        "FTKIT_RUN_DIR": str(out / "run"),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.1",
+        TRAINER,
+        "--out",
+        str(out),
+        *args,
+    ]
+    r = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    return r, calls
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel):
+    r, _ = torchrun(tmp_path / "clean", "--parallel", parallel)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r, calls = torchrun(tmp_path / "faulted", "--parallel", parallel, "--crash", "1:6")
+    assert r.returncode == 0, r.stderr[-3000:]
+    by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
+    assert sorted(c["gen"] for c in calls) == [0, 0, 1, 1]  # one recovery, no torchrun restart
+    # the same processes went on: every rank's pid is the one it had
+    assert {r: c["pid"] for r, c in by_gen[0].items()} == {r: c["pid"] for r, c in by_gen[1].items()}
+    assert all(c["restored"] == 0 for c in by_gen[0].values())
+    assert all(c["restored"] == 5 for c in by_gen[1].values())  # step 6 never committed: rank 1 failed first
+    assert "injected failure on rank 1" in by_gen[1][1]["reason"]
+    assert "Connection closed by peer" in by_gen[1][0]["reason"]  # rank 0 was waiting for it in an all-reduce
+    events = read_events(str(tmp_path / "faulted" / "run"))
+    assert {e.get("attempt") for e in events} == {0} and {e.get("gen", 0) for e in events} == {0, 1}
+    restores = [e for e in events if e["event"] == "restore" and e.get("gen") == 1]
+    assert len(restores) == 2 and all(e["step"] == 5 and e["source"] == "ram" for e in restores)
+    clean = torch.load(tmp_path / "clean" / "final.pt")
+    faulted = torch.load(tmp_path / "faulted" / "final.pt")
+    assert equal(clean, faulted)
+    # ftkit report sees an in-process incident and its breakdown
+    rep = subprocess.run(
+        [sys.executable, "-m", "ftkit", "report", str(tmp_path / "faulted" / "run"), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    (inc,) = json.loads(rep.stdout)["incidents"]
+    assert inc["in_process"] and inc["attempt"] == 0 and inc["gen"] == 0 and inc["resumed_from"] == 5
+    assert list(inc["phases"]) == ["unwind", "group teardown", "regroup", "group and model", "restore", "first step"]
+
+
+@pytest.mark.timeout(240)
+def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_path):
+    out = tmp_path / "twice"
+    os.makedirs(out)
+    request = out / "fault-request"  # rank 0 raises inside the recovery, before the group re-forms
+    request.write_text(json.dumps({"phase": "recover", "step": 1, "rank": 0, "action": "crash"}))
+    r, calls = torchrun(out, "--crash", "1:6", env={FAULT_POINTS_ENV: str(request)}, restarts=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = read_events(str(out / "run"))
+    starts = sorted((e["attempt"], e.get("gen", 0), e["rank"]) for e in events if e["event"] == "start")
+    assert starts == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]  # generation 1 never formed: torchrun restarted
+    assert all(c["restored"] == 5 for c in calls if c["gen"] == 0 and c["restored"])  # attempt 1 from node RAM
+    assert (out / "final.pt").exists()
