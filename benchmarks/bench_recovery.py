@@ -6,7 +6,9 @@ Runs the reference trainer (tiny GPT, data parallel over gloo, RAM tier every
 step) six ways and prints:
 
 * heartbeat overhead: median step time with ftkit's watchdog vs without it
-  (same job, snapshots on in both; target < 1%);
+  (same job, snapshots on in both; target < 1%), and the same for the trainer
+  run inside ``ftkit.run_in_process`` (in-process recovery's fault-free cost), each
+  the median over --rounds runs, alternated;
 * SIGKILL of one rank: time to restart and to the first resumed step, by phase
   (`ftkit report`), against the process-group timeout survivors would otherwise
   sit in (target: first resumed step < 15 s);
@@ -88,10 +90,10 @@ def step_times(evs, rank: int = 0) -> list[float]:
     return [b["t"] - a["t"] for a, b in zip(steps, steps[1:])][5:]  # skip warm-up
 
 
-def clean_run(nproc: int, steps: int, watchdog: bool) -> float:
+def clean_run(nproc: int, steps: int, extra: list[str], zygote: warm.Zygote | None) -> float:
     root = tempfile.mkdtemp(prefix="ftkit-bench-rec-")
     try:
-        proc = launch(root, nproc, steps, [] if watchdog else ["--no-watchdog"])
+        proc = launch(root, nproc, steps, extra, zygote)
         if proc.wait(timeout=600) != 0:
             raise RuntimeError("clean run failed")
         return statistics.median(step_times(events(root)))
@@ -130,12 +132,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3, help="fault-free runs of each kind, alternated")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    with_wd = clean_run(args.nproc, args.steps, True)
-    without = clean_run(args.nproc, args.steps, False)
     zygote = warm.start(preload=("ftkit.drill.reference",))
     try:
+        kinds = {"watchdog": [], "no watchdog": ["--no-watchdog"], "in process": ["--in-process"]}
+        clean: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(args.rounds):
+            for kind, extra in kinds.items():
+                clean[kind].append(clean_run(args.nproc, args.steps, extra, zygote))
+        with_wd, without, inproc = (statistics.median(clean[k]) for k in kinds)
         runs = {
             (name, how): fault_run(args.nproc, args.steps, sig, zygote if how == "warm" else None)
             for name, sig in (("SIGKILL", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP))
@@ -145,10 +152,17 @@ def main() -> int:
         zygote.stop()
     kill, hang = runs["SIGKILL", "warm"], runs["SIGSTOP", "warm"]
     overhead = with_wd / without - 1
+    wrapper = inproc / with_wd - 1
     print(f"reference job: {args.nproc} ranks under torchrun, gloo, RAM tier every step, {args.steps} steps")
     print(
         f"heartbeat overhead: median step {with_wd * 1e3:.1f} ms with the watchdog, {without * 1e3:.1f} ms "
         f"without: {overhead:+.1%}  (target < 1%)"
+    )
+    print(
+        f"in-process wrapper: median step {inproc * 1e3:.1f} ms inside run_in_process, {with_wd * 1e3:.1f} ms "
+        f"without: {wrapper:+.1%}  (target within 1%; runs: "
+        + "; ".join(f"{k} {', '.join(f'{v * 1e3:.1f}' for v in vals)} ms" for k, vals in clean.items())
+        + ")"
     )
     for (name, how), r in runs.items():
         det = f"{r['detect_s']:.2f}s" if r["detect_s"] is not None else "by torchrun (process exit)"
@@ -175,6 +189,8 @@ def main() -> int:
                 {
                     "step_with_watchdog_s": with_wd,
                     "step_without_watchdog_s": without,
+                    "step_in_process_s": inproc,
+                    "clean_runs_s": clean,
                     **{f"{name.lower()}_{how}": r for (name, how), r in runs.items()},
                 },
                 f,

@@ -161,7 +161,12 @@ def _tear_down(sockets: set[tuple[int, int]]) -> None:
     _cut(sockets)
     if dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            if dist.get_backend() != "gloo":
+                # NCCL's abort does end a collective in flight (its communicators are aborted);
+                # it aborts every group, the default one too. Not run here: no GPU in CI.
+                dist.distributed_c10d._abort_process_group()  # (and forgets them all)
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception as e:  # already broken: what matters is that its connections close
             log.warning("ftkit: destroying the failed generation's process group: %s", one_line(e))
     gc.collect()  # what the failure left unreachable (cheap: gc.freeze() took the imports out)
