@@ -129,6 +129,8 @@ def test_default_drill_passes(tmp_path, ref_cache):
                 "teardown",
                 "process start",
                 "imports",
+                "set-up",
+                "rendezvous",
                 "group and model",
                 "restore",
                 "first step",
