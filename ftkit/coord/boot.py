@@ -65,9 +65,15 @@ def _process_start() -> float | None:
             return float(raw)
         except ValueError:
             pass
+    # The process's age, from the kernel's clock since boot, taken from now: psutil's
+    # create_time() adds the boot time in whole seconds and drifts from time.time() on
+    # a VM by seconds, which would put a process's start before the failure it followed.
     try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # no psutil data for this process: leave the milestone out
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):  # not Linux: leave the milestone out
         return None
+    return time.time() - max(0.0, age)
