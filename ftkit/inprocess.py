@@ -50,7 +50,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,12 +115,18 @@ def run_in_process(
     rank, world = dist.get_rank(), dist.get_world_size()
     reason: str | None = None
     recoveries = 0
+    terms = _Terminations()
+    terms.install()
     generation.set_active(True)
     try:
         while True:
             try:
                 return fn(Generation(generation.current(), reason))
             except Exception as e:
+                if terms.signum is not None:  # torchrun is ending the group (a peer died), or a preemption
+                    log.warning("ftkit: rank %d failed after a termination signal; not recovering", rank)
+                    terms.die()
+                    raise  # (the script's own handler chose not to end the process)
                 if recoveries >= max_recoveries:
                     log.error("ftkit: %d in-process recoveries already; giving up on this one", recoveries)
                     raise
@@ -132,7 +140,7 @@ def run_in_process(
             number = generation.advance()
             fault_point("recover", number, rank)  # a drill's second fault, while the group re-forms
             try:
-                _meet(base, number, world, recovery_timeout_s)
+                _meet(base, number, world, recovery_timeout_s, terms)
                 store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
                 before = _sockets()
                 dist.init_process_group(
@@ -147,6 +155,48 @@ def run_in_process(
             boot.mark("regrouped")
     finally:
         generation.set_active(False)
+        terms.uninstall()
+
+
+class _Terminations:
+    """SIGTERM while the wrapper runs: torchrun ending the group (a peer's process died) or a
+    preemption. Under a Checkpointer its preemption handler runs first and calls this one (it
+    chains to the handler it replaced): only recorded, the Checkpointer saves and stops. With
+    no Checkpointer above it (building the model, recovering) it means what it always means:
+    the process ends now. Either way no recovery is attempted after one."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self.on_signal)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed and signal.getsignal(signal.SIGTERM) == self.on_signal:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+        self._installed = False
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        if signal.getsignal(signum) == self.on_signal:  # nobody above: the signal's own meaning
+            self.die()
+
+    def die(self) -> None:
+        signum = self.signum or signal.SIGTERM
+        previous = self._previous
+        self.uninstall()
+        if callable(previous):  # the handler the script had: its choice
+            previous(signum, None)
+            return
+        logging.shutdown()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # (delivered at once; this is not reached)
+        os._exit(128 + signum)
 
 
 def gen() -> int:
@@ -219,13 +269,15 @@ def _cut(sockets: set[tuple[int, int]]) -> None:
             continue
 
 
-def _meet(store: Any, number: int, world: int, timeout_s: float) -> None:
+def _meet(store: Any, number: int, world: int, timeout_s: float, terms: _Terminations) -> None:
     """Wait until every rank has arrived at generation `number` (or raise RecoveryFailed)."""
     key = f"ftkit-gen/{number}/arrived"
     store.add(key, 1)
     end = time.monotonic() + timeout_s
     delay = 0.001
     while True:
+        if terms.signum is not None:  # (the handler ends the process; this is for a script's own handler)
+            raise RecoveryFailed(f"signal {terms.signum} while waiting for generation {number}")
         arrived = int(store.add(key, 0))
         if arrived >= world:
             return
