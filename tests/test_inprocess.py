@@ -70,7 +70,8 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel):
     assert all(c["restored"] == 0 for c in by_gen[0].values())
     assert all(c["restored"] == 5 for c in by_gen[1].values())  # step 6 never committed: rank 1 failed first
     assert "injected failure on rank 1" in by_gen[1][1]["reason"]
-    assert "Connection closed by peer" in by_gen[1][0]["reason"]  # rank 0 was waiting for it in an all-reduce
+    # rank 0 was waiting for it in a collective (its connections were shut), or heard the verdict first
+    assert any(why in by_gen[1][0]["reason"] for why in ("Connection closed by peer", "RecoveryRequested: rank 1"))
     events = read_events(str(tmp_path / "faulted" / "run"))
     assert {e.get("attempt") for e in events} == {0} and {e.get("gen", 0) for e in events} == {0, 1}
     restores = [e for e in events if e["event"] == "restore" and e.get("gen") == 1]
