@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from ftkit.checkpointer import Checkpointer, Stats  # noqa: E402
 from ftkit.config import Tier  # noqa: E402
+from ftkit.coord import boot as _boot  # noqa: E402
 from ftkit.coord.rendezvous import install as _install_rendezvous  # noqa: E402
 from ftkit.errors import (  # noqa: E402
     AlreadyCommitted,
@@ -29,6 +30,10 @@ from ftkit.integrations.sampler import ResumableDistributedSampler  # noqa: E402
 # torchrun restarts of a plain init_process_group("gloo"/"nccl") read no stale
 # rendezvous keys once ftkit is imported (see ftkit/coord/rendezvous.py).
 _install_rendezvous()
+
+# The imports are done (torch's among them): in a worker started without ftkit's launcher,
+# the closest thing to its "launch" milestone (ftkit/coord/boot.py; the first stamp stands).
+_boot.mark("launch")
 
 __all__ = [
     "Checkpointer",

@@ -15,7 +15,8 @@ has no ``rendezvous``):
     process     the process torchrun started began (the warm client's start, else the
                 OS's create time of this process)
     forked      a warm start: the zygote forked this worker (ftkit/warm/zygote.py)
-    launch      ftkit's launcher is about to run the script (imports done)
+    launch      the imports are done: ftkit's launcher is about to run the script, or (a
+                script started without it) ``import ftkit`` has finished
     rendezvous  init_process_group's env:// rendezvous began
     store       the rendezvous store is connected; the process group is built next
 
