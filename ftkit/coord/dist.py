@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ def host_identity() -> str | None:
 
 # torchrun's --rdzv-id when none is given (every such job gets the same one).
 _DEFAULT_RDZV_IDS = ("", "none")
-WAIT_SLICE_S = 0.25  # under run_in_process: how often a wait looks for a recovery request
+WAIT_POLL_MAX_S = 0.05  # under run_in_process: the training thread's store waits poll at most this far apart
 
 
 def process_gone(pid: Any) -> bool:
@@ -99,6 +100,7 @@ class DistContext:
     timeout_s: float = 300.0
     nodes: list[str] = field(default_factory=list)  # node of every rank, by rank
     scope: str = ""  # the store namespace of this context (its keys' prefix below the job's store)
+    generation: int = field(default_factory=generation.current)  # the in-process generation it serves
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -133,7 +135,9 @@ class DistContext:
         talks to the store gets its own connection.
         """
         store = self.store.clone() if self.store is not None else None
-        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes), self.scope)
+        return DistContext(
+            self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes), self.scope, self.generation
+        )
 
     def scoped(self, prefix: str) -> DistContext:
         """The same context with its keys below `prefix` (one Checkpointer's namespace)."""
@@ -141,7 +145,9 @@ class DistContext:
 
         store = dist.PrefixStore(prefix, self.store) if self.store is not None else None
         nodes = list(self.nodes)
-        return DistContext(self.rank, self.world_size, store, self.node, self.timeout_s, nodes, self.scope + prefix)
+        return DistContext(
+            self.rank, self.world_size, store, self.node, self.timeout_s, nodes, self.scope + prefix, self.generation
+        )
 
     @property
     def distributed(self) -> bool:
@@ -223,19 +229,34 @@ class DistContext:
             ) from None
 
     def _wait_or_recover(self, keys: list[str], timeout_s: float) -> None:
-        """Under run_in_process, wait in slices: a rank that failed will never set its key, and
-        the recovery its verdict requested must not wait out the timeout here."""
+        """Under run_in_process a wait ends early when a recovery is requested or its generation
+        is over: a rank that failed will never set its key. The training thread polls (it must
+        reach the recovery at once); a background thread (a persist's commit) waits in slices of
+        a second, so a failed generation's threads end soon after it. (c10d logs every wait
+        that times out: slices, not short waits, and only where the wait is long anyway.)"""
+        main = threading.current_thread() is threading.main_thread()
         end = time.monotonic() + timeout_s
+        delay = 0.001
         while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=max(0.001, min(WAIT_SLICE_S, end - time.monotonic()))))
+            if main:
+                done = bool(self.store.check(keys))
+            else:
+                try:
+                    self.store.wait(keys, timedelta(seconds=max(0.001, min(1.0, end - time.monotonic()))))
+                    done = True
+                except Exception:
+                    done = False
+            if done:
                 return
-            except Exception:
-                wanted = generation.requested()
-                if wanted is not None:
-                    raise RecoveryRequested(f"rank {wanted.target} {wanted.what}: recovering in process") from None
-                if time.monotonic() >= end:
-                    raise
+            wanted = generation.requested()
+            if wanted is not None or generation.current() != self.generation:
+                why = f"rank {wanted.target} {wanted.what}" if wanted is not None else "a newer generation"
+                raise RecoveryRequested(f"{why}: recovering in process")
+            if time.monotonic() >= end:
+                raise TimeoutError(f"{len(keys)} key(s) not set within {timeout_s:.0f}s")
+            if main:
+                time.sleep(delay)
+                delay = min(delay * 2, WAIT_POLL_MAX_S)
 
     def _has(self, key: str) -> bool:
         try:
