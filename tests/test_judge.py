@@ -36,6 +36,7 @@ class Cluster:
         self.silent: set[int] = set()  # ranks whose heartbeat stopped
         self.stuck: set[int] = set()  # ranks whose step stopped (heartbeats go on)
         self.gone: set[int] = set()  # ranks whose process exited
+        self.stopped: set[int] = set()  # ranks whose process is stopped (SIGSTOP): silent too
         self.unpublished: set[int] = set()  # nodes whose aggregate no longer reaches the store
         self.busy = dict.fromkeys(range(WORLD), 0.05)
         self.node_beats: dict[int, NodeBeat] = {}
@@ -48,21 +49,21 @@ class Cluster:
     def round(self, store_up: bool = True) -> None:
         self.t += CFG.interval_s
         for r in range(WORLD):
-            if r not in self.silent and r not in self.gone:
+            if r not in self.silent and r not in self.gone and r not in self.stopped:
                 self.seq[r] += 1
                 if r not in self.stuck:
                     self.step[r] += 5
         beats = {r: self.beat(r) for r in range(WORLD)}
         for n in range(NODES):
             leader = n * PER
-            if leader in self.silent or leader in self.gone:
+            if leader in self.silent or leader in self.gone or leader in self.stopped:
                 continue
             if store_up and n not in self.unpublished:
                 ranks = range(n * PER, (n + 1) * PER)
                 self.node_beats[n] = NodeBeat(self.seq[leader], leader, {r: beats[r] for r in ranks})
         for n in range(NODES):
             leader = n * PER
-            if leader in self.silent or leader in self.gone:
+            if leader in self.silent or leader in self.gone or leader in self.stopped:
                 continue
             if not store_up:  # the leader judges nobody while it cannot reach the store
                 continue
@@ -70,16 +71,22 @@ class Cluster:
             self.verdicts += ring_j.observe(self.t, {m: self.node_beats.get(m) for m in self.watched[n]})
             local = {r: beats[r] for r in range(n * PER, (n + 1) * PER)}
             sample = list(local.values()) + ring_j.sample()
-            judged = rank_j.observe(self.t, local, sample, lambda b: b.pid - 1000 in self.gone)
+            judged = rank_j.observe(self.t, local, sample, self.is_gone, stopped=self.is_stopped)
             self.verdicts += judged.verdicts
             self.stragglers += judged.stragglers
         for r, judge in self.leader_judges.items():
-            if r in self.silent or r in self.gone:
+            if r in self.silent or r in self.gone or r in self.stopped:
                 continue
             leader = r // PER * PER
             sample = [beats[leader], beats[r]]
-            judged = judge.observe(self.t, {leader: beats[leader]}, sample, lambda b: b.pid - 1000 in self.gone)
+            judged = judge.observe(self.t, {leader: beats[leader]}, sample, self.is_gone, stopped=self.is_stopped)
             self.verdicts += judged.verdicts
+
+    def is_gone(self, b: Beat) -> bool:
+        return b.pid - 1000 in self.gone  # type: ignore[operator]
+
+    def is_stopped(self, b: Beat) -> bool:
+        return b.pid - 1000 in self.stopped  # type: ignore[operator]
 
     def run(self, seconds: float, **kw) -> None:
         for _ in range(int(seconds / CFG.interval_s)):
@@ -121,6 +128,26 @@ def test_a_gone_process_is_dead_at_the_next_round(cluster):
     cluster.gone.add(300)
     cluster.round()
     assert [(v.target, v.what, v.why) for v in cluster.verdicts] == [(300, "dead", "its process is gone")]
+
+
+@pytest.mark.parametrize("rank", [513, 512])  # a rank, and a leader (its own node's ranks see it)
+def test_a_stopped_process_is_dead_once_silent_for_its_shorter_bound(cluster, rank):
+    # SIGSTOP, job control, a debugger: the process state says it cannot progress (a hang that
+    # leaves the process running is the hung or dead bound's, as before)
+    cluster.stopped.add(rank)
+    cluster.run(CFG.stopped_after_s + CFG.interval_s)
+    assert {(v.target, v.what) for v in cluster.verdicts} == {(rank, "dead")}
+    assert all("its process is stopped" in v.why for v in cluster.verdicts)
+    assert CFG.stopped_after_s < cluster.first(rank).latency_s <= CFG.stopped_after_s + CFG.interval_s
+
+
+def test_a_process_stopped_and_continued_within_its_bound_is_not_judged(cluster):
+    for _ in range(4):  # stopped for 1 s, running for 0.5 s, over and over (a throttled rank)
+        cluster.stopped.add(513)
+        cluster.run(CFG.stopped_after_s)
+        cluster.stopped.discard(513)
+        cluster.run(CFG.interval_s)
+    assert cluster.verdicts == []
 
 
 @pytest.mark.parametrize("rank", [513, 512])  # a rank, and a leader (its own node sees it hang)

@@ -4,7 +4,8 @@ runs them; tests/test_judge.py drives them at 1,024 simulated ranks without proc
 Two judges, so no party reads O(world) heartbeats:
 
 * :class:`RankJudge` – a node leader's judge of the ranks on its node, from their
-  local heartbeats: failed (its loop raised), dead (its process is gone, or its
+  local heartbeats: failed (its loop raised), dead (its process is gone; or it is
+  stopped, SIGSTOP or a debugger, and silent for `stopped_after_s`; or its
   heartbeat stopped for `dead_after_s`), hung (heartbeats move, its step does not,
   for longer than `hang_factor` x the median step time, clamped to
   [`hang_floor_s`, `hang_ceiling_s`]), straggler (its busy time per step stays
@@ -36,6 +37,7 @@ from typing import Any
 class WatchdogConfig:
     interval_s: float = 0.5
     dead_after_s: float = 3.0
+    stopped_after_s: float = 1.0  # a rank on this host whose process is stopped (state T) and silent this long is dead
     hang_factor: float = 10.0
     hang_floor_s: float = 30.0
     hang_ceiling_s: float = 1800.0
@@ -173,11 +175,13 @@ class RankJudge:
         sample: Iterable[Beat],
         gone: Callable[[Beat], bool],
         finished: bool = False,
+        stopped: Callable[[Beat], bool] | None = None,
     ) -> Judgement:
         """Judge the node's ranks from their `beats` (None: none readable). `sample`: the beats
         the medians are taken over (this node's and its watched nodes'); `gone(beat)`:
-        whether that rank's process has exited (only answerable on its host);
-        `finished`: this rank is done (hung and straggler verdicts stop)."""
+        whether that rank's process has exited, `stopped(beat)`: whether it is stopped (both
+        only answerable on its host); `finished`: this rank is done (hung and straggler
+        verdicts stop)."""
         cfg, out = self.cfg, Judgement()
         sample = list(sample)
         intervals = [b.interval for b in sample if b.interval]
@@ -204,6 +208,10 @@ class RankJudge:
             assert seen is not None
             if gone(seen):
                 out.verdicts.append(Verdict(r, "dead", now - clock.changed, "its process is gone", self.me))
+            elif stopped is not None and now - clock.changed > cfg.stopped_after_s and stopped(seen):
+                silent = now - clock.changed
+                why = f"its process is stopped, no heartbeat for {silent:.1f}s"
+                out.verdicts.append(Verdict(r, "dead", silent, why, self.me))
             elif now - clock.changed > cfg.dead_after_s:
                 silent = now - clock.changed
                 out.verdicts.append(Verdict(r, "dead", silent, f"no heartbeat for {silent:.1f}s", self.me))

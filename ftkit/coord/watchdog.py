@@ -53,7 +53,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftkit.coord import generation
-from ftkit.coord.dist import DistContext, host_identity, process_gone
+from ftkit.coord.dist import DistContext, host_identity, process_gone, process_stopped
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.nodelocal import NodeBoard
@@ -300,7 +300,7 @@ class Watchdog:
         verdicts = self.ring_judge.observe(now, nodes)
         sample = [b for b in self._local_beats.values() if b is not None] + self.ring_judge.sample() + [self._beat()]
         beats = {**self._local_beats, self.ctx.rank: sample[-1]}
-        judged = self.rank_judge.observe(now, beats, sample, self._gone, self._finished)
+        judged = self.rank_judge.observe(now, beats, sample, self._gone, self._finished, self._stopped)
         for rank, busy, median in judged.stragglers:
             self._straggler(rank, busy, median)
         for v in judged.verdicts + verdicts:
@@ -318,13 +318,18 @@ class Watchdog:
         # The leader is this node's aggregator: its own node watches it too.
         beat = Beat.from_json(self.board.read(f"rank-{self.leader_rank}.json"))
         sample = [b for b in (beat, self._beat()) if b is not None]
-        judged = self.leader_judge.observe(now, {self.leader_rank: beat}, sample, self._gone, self._finished)
+        judged = self.leader_judge.observe(
+            now, {self.leader_rank: beat}, sample, self._gone, self._finished, self._stopped
+        )
         for v in judged.verdicts:  # (its stragglers are its leader's own to report)
             if not (v.why == "its process is gone" and self._said_done(v.target)):
                 self._abort(v)
 
     def _gone(self, beat: Beat) -> bool:
         return self._local(beat) and process_gone(beat.pid)
+
+    def _stopped(self, beat: Beat) -> bool:
+        return self._local(beat) and process_stopped(beat.pid)
 
     def _local(self, beat: Beat | None) -> bool:
         """Whether `beat` comes from a process on this host, whose pid we may check and kill."""
