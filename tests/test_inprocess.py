@@ -68,14 +68,17 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel):
     # the same processes went on: every rank's pid is the one it had
     assert {r: c["pid"] for r, c in by_gen[0].items()} == {r: c["pid"] for r, c in by_gen[1].items()}
     assert all(c["restored"] == 0 for c in by_gen[0].values())
-    assert all(c["restored"] == 5 for c in by_gen[1].values())  # step 6 never committed: rank 1 failed first
+    # Step 6 never committed (rank 1 failed before its snapshot); step 5 did, unless its commit was
+    # still in flight when the ranks regrouped (the snapshot in flight may be lost, never more)
+    restored = {c["restored"] for c in by_gen[1].values()}
+    assert restored in ({5}, {4})
     assert "injected failure on rank 1" in by_gen[1][1]["reason"]
     # rank 0 was waiting for it in a collective (its connections were shut), or heard the verdict first
     assert any(why in by_gen[1][0]["reason"] for why in ("Connection closed by peer", "RecoveryRequested: rank 1"))
     events = read_events(str(tmp_path / "faulted" / "run"))
     assert {e.get("attempt") for e in events} == {0} and {e.get("gen", 0) for e in events} == {0, 1}
     restores = [e for e in events if e["event"] == "restore" and e.get("gen") == 1]
-    assert len(restores) == 2 and all(e["step"] == 5 and e["source"] == "ram" for e in restores)
+    assert len(restores) == 2 and all(e["step"] in restored and e["source"] == "ram" for e in restores)
     clean = torch.load(tmp_path / "clean" / "final.pt")
     faulted = torch.load(tmp_path / "faulted" / "final.pt")
     assert equal(clean, faulted)
@@ -87,7 +90,7 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel):
         cwd=REPO,
     )
     (inc,) = json.loads(rep.stdout)["incidents"]
-    assert inc["in_process"] and inc["attempt"] == 0 and inc["gen"] == 0 and inc["resumed_from"] == 5
+    assert inc["in_process"] and inc["attempt"] == 0 and inc["gen"] == 0 and {inc["resumed_from"]} == restored
     assert list(inc["phases"]) == ["unwind", "group teardown", "regroup", "group and model", "restore", "first step"]
 
 
@@ -102,5 +105,6 @@ def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_
     events = read_events(str(out / "run"))
     starts = sorted((e["attempt"], e.get("gen", 0), e["rank"]) for e in events if e["event"] == "start")
     assert starts == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]  # generation 1 never formed: torchrun restarted
-    assert all(c["restored"] == 5 for c in calls if c["gen"] == 0 and c["restored"])  # attempt 1 from node RAM
+    # attempt 1 from node RAM: step 5, or 4 if step 5's commit was in flight when the processes ended
+    assert {c["restored"] for c in calls if c["gen"] == 0 and c["restored"]} in ({5}, {4})
     assert (out / "final.pt").exists()
