@@ -35,7 +35,7 @@ from ftkit.coord.events import EventLog
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.preemption import PreemptionHandler
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig
-from ftkit.errors import FtkitError, RecoveryRequested
+from ftkit.errors import FtkitError
 from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
 from ftkit.save import capture as cap
@@ -201,9 +201,7 @@ class Checkpointer:
             self._watchdog.progress(step)
         self.events.emit("step", step=step)
         fault_point("step", step, self._ctx.rank)
-        wanted = generation.requested()
-        if wanted is not None:  # under run_in_process: a peer failed; the group re-forms (ftkit/inprocess.py)
-            raise RecoveryRequested(f"rank {wanted.target} {wanted.what}: recovering in process")
+        generation.raise_if_requested()  # under run_in_process: a peer failed, the group re-forms
         if (
             self._preemption is not None
             and self._preemption.requested is not None

@@ -61,12 +61,12 @@ from typing import Any, TypeVar
 
 from ftkit.coord import boot, generation
 from ftkit.coord.faultpoints import fault_point
+from ftkit.coord.watchdog import EXIT_CODE  # (torchrun restarts the group)
 from ftkit.errors import FtkitError, one_line
 
 log = logging.getLogger("ftkit")
 
 T = TypeVar("T")
-EXIT_CODE = 75  # as the watchdog's: torchrun restarts the group
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,10 @@ def run_in_process(
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
+    timeout = timedelta(seconds=group_timeout_s)
     sockets: set[tuple[int, int]] = set()  # (fd, inode) of this generation's group's connections
     if not dist.is_initialized():
-        before = _sockets()
-        dist.init_process_group(backend, timeout=timedelta(seconds=group_timeout_s))
-        sockets = _group_sockets(before)
+        sockets = _init_group(backend, timeout=timeout)
     else:
         # Its connections are closed only by destroying it: a DDP built on it would hold it open.
         log.info("ftkit: run_in_process uses the existing process group; let it create the group instead")
@@ -132,8 +131,10 @@ def run_in_process(
                     raise
                 reason = one_line(e)
                 failed_t = time.time()
-                log.warning("ftkit: rank %d, generation %d ended: %s; recovering in process", rank, gen(), reason)
-                del e  # the traceback holds the frames that hold the group (DDP, the Checkpointer)
+                log.warning(
+                    "ftkit: rank %d, generation %d ended: %s; recovering in process", rank, generation.current(), reason
+                )
+            # (out of the except clause: the traceback, and the frames holding the group, are gone)
             recoveries += 1
             _tear_down(sockets)
             torn_t = time.time()
@@ -142,11 +143,7 @@ def run_in_process(
             try:
                 _meet(base, number, world, recovery_timeout_s, terms)
                 store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
-                before = _sockets()
-                dist.init_process_group(
-                    backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=group_timeout_s)
-                )
-                sockets = _group_sockets(before)
+                sockets = _init_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
             except Exception as e:
                 _give_up(rank, number, e)
             boot.reset()
@@ -199,8 +196,13 @@ class _Terminations:
         os._exit(128 + signum)
 
 
-def gen() -> int:
-    return generation.current()
+def _init_group(backend: str, **kwargs: Any) -> set[tuple[int, int]]:
+    """init_process_group; returns the connections its creation opened (see _group_sockets)."""
+    import torch.distributed as dist
+
+    before = _sockets()
+    dist.init_process_group(backend, **kwargs)
+    return _group_sockets(before)
 
 
 def _tear_down(sockets: set[tuple[int, int]]) -> None:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import os
 import time
 
-PROCESS_T_ENV = "FTKIT_PROCESS_T"  # set by ftkit/warm/client.py: the start of the process torchrun started
+from ftkit.warm.client import PROCESS_T_ENV  # the start of the process torchrun started
+
 MILESTONES = ("process", "forked", "launch", "rendezvous", "store", "failed", "torn_down", "regrouped")
 
 _marks: dict[str, float] = {}

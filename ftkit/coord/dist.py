@@ -260,10 +260,9 @@ class DistContext:
                     done = False
             if done:
                 return
-            wanted = generation.requested()
-            if wanted is not None or generation.current() != self.generation:
-                why = f"rank {wanted.target} {wanted.what}" if wanted is not None else "a newer generation"
-                raise RecoveryRequested(f"{why}: recovering in process")
+            generation.raise_if_requested()
+            if generation.current() != self.generation:
+                raise RecoveryRequested("a newer generation: recovering in process")
             if time.monotonic() >= end:
                 raise TimeoutError(f"{len(keys)} key(s) not set within {timeout_s:.0f}s")
             if main:

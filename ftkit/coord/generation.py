@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ftkit.errors import RecoveryRequested
+
 _lock = threading.Lock()
 _generation = 0
 _active = False
@@ -67,3 +69,10 @@ def request(verdict: Any) -> bool:
 def requested() -> Any:
     """The verdict that asked for a recovery of the current generation, or None."""
     return _requested
+
+
+def raise_if_requested() -> None:
+    """Raise RecoveryRequested if a verdict asked this generation to recover."""
+    wanted = _requested
+    if wanted is not None:
+        raise RecoveryRequested(f"rank {wanted.target} {wanted.what}: recovering in process")

@@ -30,9 +30,9 @@ import time
 
 from ftkit.coord import boot
 from ftkit.coord.rendezvous import install
+from ftkit.warm.client import LAUNCHER_PID_ENV  # a warm worker's client: the process torchrun started
 
 STARTUP_DIR_ENV = "FTKIT_STARTUP_DIR"
-LAUNCHER_PID_ENV = "FTKIT_LAUNCHER_PID"  # a warm worker's client: the process torchrun started (ftkit/warm)
 PHASES = ("started", "group", "heartbeat", "single")  # in order; the last two count as started up
 WATCHDOG_THREAD = "ftkit-watchdog"  # the name ftkit/coord/watchdog.py gives its heartbeat thread
 
