@@ -83,6 +83,32 @@ def run_cli(
     return subprocess.CompletedProcess(["ftkit", *args], code, out.getvalue(), err.getvalue())
 
 
+@pytest.fixture(scope="session")
+def zygote():
+    """One warm-start zygote (ftkit/warm) per test worker, as `ftkit run` keeps one per node.
+
+    The torchrun tests hand it to torchrun_target(): torchrun (the real launcher and
+    elastic agent) starts thin clients and every worker of every attempt is forked
+    with torch imported, instead of a new interpreter importing it again (seconds per
+    worker on this 2-core machine). Tests of cold starts and plain torchrun stay cold.
+    """
+    from ftkit.warm import zygote as warm
+
+    z = warm.start(preload=("torch.distributed.fsdp", "ftkit.drill.reference"))
+    yield z
+    z.stop()
+
+
+def torchrun_target(zygote, target: list[str]) -> list[str]:
+    """torchrun's SCRIPT ARGS (or -m MODULE ARGS), rewritten to start through `zygote`'s thin
+    client, as `ftkit run` rewrites them; the job's environment needs zygote.env() too."""
+    from ftkit.warm.zygote import client_path
+
+    if target[0] in ("-m", "--module"):
+        return [client_path(), "--module", *target[1:]]
+    return [client_path(), *target]
+
+
 @pytest.fixture
 def gated_fs():
     """A memory filesystem (protocol gated://) whose file writes block until the gate opens."""

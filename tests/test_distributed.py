@@ -12,7 +12,7 @@ import sys
 
 import dist_worker
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, torchrun_target
 from ranks import run_ranks
 
 import ftkit
@@ -21,9 +21,10 @@ from ftkit.format.reader import committed_steps, scan
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun(zygote, nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    target = torchrun_target(zygote, [WORKER, *args])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **zygote.env()}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -55,9 +56,11 @@ def test_save_on_4_restore_on_4_2_3(tmp_path, parallel):
     assert r.returncode == 2 and "already holds step 3" in r.stderr
 
 
-def test_step_one_rank_never_finished_is_invisible(tmp_path):
+def test_step_one_rank_never_finished_is_invisible(tmp_path, zygote):
     ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")
-    r = torchrun(4, "--mode", "save", "--ckpt", ckpt, "--ref", ref, "--die", "2:2", "--commit-timeout", "10", "--sync")
+    r = torchrun(
+        zygote, 4, "--mode", "save", "--ckpt", ckpt, "--ref", ref, "--die", "2:2", "--commit-timeout", "10", "--sync"
+    )
     assert r.returncode != 0 and "DYING rank=2 step=2" in r.stdout
     storage = ftkit.Tier(ckpt).open()
     assert committed_steps(storage) == [1]

@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, torchrun_target
 
 STEPS = 100
 
@@ -32,7 +32,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(tmp_path, node: str, is_host: bool, port: int) -> subprocess.Popen:
+def _agent(tmp_path, zygote, node: str, is_host: bool, port: int) -> subprocess.Popen:
     env = {
         **os.environ,
         "FTKIT_RAM_DIR": str(tmp_path / "shm"),
@@ -40,6 +40,7 @@ def _agent(tmp_path, node: str, is_host: bool, port: int) -> subprocess.Popen:
         "FTKIT_NODE_ID": node,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+        **zygote.env(),
     }
     # Short rendezvous timeouts: a dead agent is dropped after ~5 s of missed keep-alives (with 2
     # attempts a live but busy agent was dropped too; see the README), and a round closes 3 s
@@ -60,17 +61,22 @@ def _agent(tmp_path, node: str, is_host: bool, port: int) -> subprocess.Popen:
         f"--rdzv-conf={conf}",
         "--max-restarts=2",
         "--monitor-interval=0.1",
-        os.path.join(REPO, "tests", "elastic_job.py"),
-        "--ckpt",
-        str(tmp_path / "ckpt"),
-        "--steps",
-        str(STEPS),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--step-time",
-        "0.05",
-        "--final-out",
-        str(tmp_path / "final.pt"),
+        *torchrun_target(
+            zygote,
+            [
+                os.path.join(REPO, "tests", "elastic_job.py"),
+                "--ckpt",
+                str(tmp_path / "ckpt"),
+                "--steps",
+                str(STEPS),
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--step-time",
+                "0.05",
+                "--final-out",
+                str(tmp_path / "final.pt"),
+            ],
+        ),
     ]
     log = open(tmp_path / f"agent-{node}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -120,10 +126,10 @@ def _replay(lineage: list[tuple[int, list[list[int]]]]) -> dict[str, torch.Tenso
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_lost_node_shrinks_the_job_and_it_goes_on_from_ram_with_nothing_lost(tmp_path):
+def test_lost_node_shrinks_the_job_and_it_goes_on_from_ram_with_nothing_lost(tmp_path, zygote):
     port = _free_port()
-    a = _agent(tmp_path, "a", True, port)  # hosts the rendezvous store: it must outlive node b
-    b = _agent(tmp_path, "b", False, port)
+    a = _agent(tmp_path, zygote, "a", True, port)  # hosts the rendezvous store: it must outlive node b
+    b = _agent(tmp_path, zygote, "b", False, port)
     try:
         deadline = time.monotonic() + 120
         while not any(

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, torchrun_target
 
 from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
@@ -24,7 +24,7 @@ from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 TRAINER = os.path.join(REPO, "tests", "inprocess_trainer.py")
 
 
-def torchrun(out, *args, env=None, restarts=0, timeout=120):
+def torchrun(zygote, out, *args, env=None, restarts=0, timeout=120):
     os.makedirs(out, exist_ok=True)
     full_env = {
         **os.environ,
@@ -32,6 +32,7 @@ def torchrun(out, *args, env=None, restarts=0, timeout=120):
         "FTKIT_JOB_ID": "inproc",
         "FTKIT_RUN_DIR": str(out / "run"),
         "OMP_NUM_THREADS": "1",
+        **zygote.env(),
         **(env or {}),
     }
     cmd = [
@@ -42,10 +43,7 @@ def torchrun(out, *args, env=None, restarts=0, timeout=120):
         "--nproc-per-node=2",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.1",
-        TRAINER,
-        "--out",
-        str(out),
-        *args,
+        *torchrun_target(zygote, [TRAINER, "--out", str(out), *args]),
     ]
     r = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
@@ -58,10 +56,10 @@ def equal(a: dict, b: dict) -> bool:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel):
-    r, _ = torchrun(tmp_path / "clean", "--parallel", parallel)
+def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel, zygote):
+    r, _ = torchrun(zygote, tmp_path / "clean", "--parallel", parallel)
     assert r.returncode == 0, r.stderr[-3000:]
-    r, calls = torchrun(tmp_path / "faulted", "--parallel", parallel, "--crash", "1:6")
+    r, calls = torchrun(zygote, tmp_path / "faulted", "--parallel", parallel, "--crash", "1:6")
     assert r.returncode == 0, r.stderr[-3000:]
     by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
     assert sorted(c["gen"] for c in calls) == [0, 0, 1, 1]  # one recovery, no torchrun restart
@@ -95,12 +93,12 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel):
 
 
 @pytest.mark.timeout(240)
-def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_path):
+def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_path, zygote):
     out = tmp_path / "twice"
     os.makedirs(out)
     request = out / "fault-request"  # rank 0 raises inside the recovery, before the group re-forms
     request.write_text(json.dumps({"phase": "recover", "step": 1, "rank": 0, "action": "crash"}))
-    r, calls = torchrun(out, "--crash", "1:6", env={FAULT_POINTS_ENV: str(request)}, restarts=1)
+    r, calls = torchrun(zygote, out, "--crash", "1:6", env={FAULT_POINTS_ENV: str(request)}, restarts=1)
     assert r.returncode == 0, r.stderr[-3000:]
     events = read_events(str(out / "run"))
     starts = sorted((e["attempt"], e.get("gen", 0), e["rank"]) for e in events if e["event"] == "start")

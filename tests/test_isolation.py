@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, torchrun_target
 
 import ftkit
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
@@ -170,7 +170,7 @@ def test_a_directory_recording_another_identity_is_refused(clean_env, tmp_path):
     assert _ram_steps(clean_env / name) == ["step-000000000001"]
 
 
-def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path):
+def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path, zygote):
     """No FTKIT_JOB_ID: a restarted worker derives the same identity as the first attempt."""
     run_dir = tmp_path / "run"
     cmd = [
@@ -181,28 +181,18 @@ def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path):
         "--nproc-per-node=2",
         "--max-restarts=1",
         "--monitor-interval=0.1",
-        "-m",
-        "ftkit.drill.reference",
-        "--ckpt",
-        str(tmp_path / "ckpt"),
-        "--every",
-        "1000",
-        "--steps",
-        "16",
-        "--ram",
-        "--step-time",
-        "0.1",
-        "--run-dir",
-        str(run_dir),
-        "--pg-timeout",
-        "60",
+        *torchrun_target(
+            zygote,
+            ["-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt"), "--every", "1000", "--steps", "16"]
+            + ["--ram", "--step-time", "0.1", "--run-dir", str(run_dir), "--pg-timeout", "60"],
+        ),
     ]
     with open(tmp_path / "torchrun.log", "w") as log:
         proc = subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_env(FTKIT_RAM_DIR=str(tmp_path / "shm")),
+            env=_env(FTKIT_RAM_DIR=str(tmp_path / "shm"), **zygote.env()),
             cwd=REPO,
             start_new_session=True,
         )

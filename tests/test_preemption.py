@@ -52,8 +52,10 @@ def test_sigterm_saves_to_the_durable_tier_and_a_new_run_resumes_exactly(tmp_pat
     assert all(torch.equal(a["model"][k], v) for k, v in b["model"].items())
 
 
-def test_sigterm_to_torchrun_flushes_every_rank(tmp_path):
-    job = Job(tmp_path, steps=200, extra=("--ram", "--every", "1000", "--step-time", "0.05"), max_restarts=0)
+def test_sigterm_to_torchrun_flushes_every_rank(tmp_path, zygote):
+    job = Job(
+        tmp_path, zygote=zygote, steps=200, extra=("--ram", "--every", "1000", "--step-time", "0.05"), max_restarts=0
+    )
     try:
         job.wait_for_step(8)
         job.proc.send_signal(signal.SIGTERM)  # to the agent, as a scheduler would

@@ -35,6 +35,7 @@ if mode == "report":
         "env": os.environ.get("WARM_TEST_VALUE"), "random": random.random(),
         "stdin": sys.stdin.readline().strip(), "boot": boot.marks(),
         "launcher": os.environ.get("FTKIT_LAUNCHER_PID"),
+        "extra": __import__("warm_extra").VALUE if os.environ.get("PYTHONPATH") else None,
     }
     with open(out, "w") as f:
         json.dump(doc, f)
@@ -96,18 +97,27 @@ def wait_for(path, timeout=30.0):
     raise AssertionError(f"{path} never appeared")
 
 
-def alive(pid: int) -> bool:
+def state(pid: int) -> str:
+    """Its state letter in /proc (R, S, T, Z...); "" once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return ""
+
+
+def alive(pid: int) -> bool:
+    return state(pid) not in ("", "Z")
 
 
 def test_a_warm_worker_runs_the_script_as_a_cold_one_would(zyg, script, tmp_path):
     outs = [tmp_path / f"out{i}.json" for i in range(2)]
+    # A directory only the clients' PYTHONPATH names (the zygote started without it)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "warm_extra.py").write_text("VALUE = 'from PYTHONPATH'\n")
+    env = {"PYTHONPATH": str(tmp_path / "lib")}
     procs = [
-        client(zyg, script, o, env={"WARM_TEST_VALUE": f"v{i}", "WARM_TEST_EXIT": str(3 + i)}, cwd=tmp_path)
+        client(zyg, script, o, env={**env, "WARM_TEST_VALUE": f"v{i}", "WARM_TEST_EXIT": str(3 + i)}, cwd=tmp_path)
         for i, o in enumerate(outs)
     ]
     results = [p.communicate(input=f"line {i}\n", timeout=60) for i, p in enumerate(procs)]
@@ -117,7 +127,7 @@ def test_a_warm_worker_runs_the_script_as_a_cold_one_would(zyg, script, tmp_path
         assert p.returncode == 3 + i, stderr
         assert doc["argv"] == [str(script), str(outs[i])] and doc["name"] == "__main__"
         assert doc["path0"] == str(script.parent) and doc["cwd"] == str(tmp_path)
-        assert doc["env"] == f"v{i}" and doc["stdin"] == f"line {i}"
+        assert doc["env"] == f"v{i}" and doc["stdin"] == f"line {i}" and doc["extra"] == "from PYTHONPATH"
         assert "to stdout" in stdout and "to stderr" in stderr and "cold" not in stderr
         # ... but it was forked from the zygote, with torch imported, in a session of its own
         assert doc["preloaded"] and doc["ppid"] == zyg.proc.pid and doc["pgid"] == doc["pid"]
@@ -139,6 +149,16 @@ def test_signals_pass_through_and_deaths_pass_back(zyg, script, tmp_path):
     worker = int(wait_for(str(out) + ".pid"))
     os.kill(worker, signal.SIGKILL)
     assert p.wait(timeout=30) == -signal.SIGKILL
+    # a stopped worker cannot act on torchrun's SIGTERM (torchrun would wait 30 s, then SIGKILL):
+    # its client ends it at once, and dies of the SIGKILL (the worker would sleep 60 s if continued)
+    out = tmp_path / "stopped"
+    p = client(zyg, script, out, "wait-for-term")
+    worker = int(wait_for(str(out) + ".pid"))
+    os.kill(worker, signal.SIGSTOP)
+    while state(worker) != "T":
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == -signal.SIGKILL and not out.exists()
     # a SIGKILLed client (torchrun's last resort): the zygote kills its worker, even a stopped one
     out = tmp_path / "orphan"
     p = client(zyg, script, out, "sleep")

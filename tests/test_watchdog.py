@@ -19,10 +19,10 @@ STEPS = 30
 
 
 @pytest.fixture(scope="module")
-def reference_final(tmp_path_factory):
+def reference_final(tmp_path_factory, zygote):
     """The final state of the same job without any fault."""
     root = tmp_path_factory.mktemp("clean")
-    job = Job(root, steps=STEPS, extra=("--ram",))
+    job = Job(root, zygote=zygote, steps=STEPS, extra=("--ram",))
     try:
         assert job.wait() == 0, job.output()
     finally:
@@ -40,8 +40,8 @@ def _assert_same_final(job: Job, reference) -> None:
             assert torch.equal(got["optim"]["state"][pid][k], v), (pid, k)
 
 
-def test_sigkill_of_one_rank_restarts_and_finishes_exactly(tmp_path, reference_final):
-    job = Job(tmp_path, steps=STEPS, extra=("--ram", "--step-time", "0.05"))
+def test_sigkill_of_one_rank_restarts_and_finishes_exactly(tmp_path, reference_final, zygote):
+    job = Job(tmp_path, zygote=zygote, steps=STEPS, extra=("--ram", "--step-time", "0.05"))
     try:
         job.wait_for_step(10, rank=2)
         killed_at = job.signal(2, signal.SIGKILL)
@@ -65,8 +65,8 @@ def test_sigkill_of_one_rank_restarts_and_finishes_exactly(tmp_path, reference_f
     assert "goodput" in to_html(report, events)
 
 
-def test_sigstop_of_one_rank_is_detected_as_dead_and_restarted(tmp_path, reference_final):
-    job = Job(tmp_path, steps=STEPS, extra=("--ram", "--step-time", "0.05"))
+def test_sigstop_of_one_rank_is_detected_as_dead_and_restarted(tmp_path, reference_final, zygote):
+    job = Job(tmp_path, zygote=zygote, steps=STEPS, extra=("--ram", "--step-time", "0.05"))
     try:
         job.wait_for_step(10, rank=1)
         job.signal(1, signal.SIGSTOP)  # alive to the OS, silent to everyone else
@@ -84,9 +84,10 @@ def test_sigstop_of_one_rank_is_detected_as_dead_and_restarted(tmp_path, referen
     assert inc.detected_by.startswith("ftkit watchdog") and inc.detect_s is not None
 
 
-def test_slow_rank_is_reported_as_straggler_without_restart(tmp_path):
+def test_slow_rank_is_reported_as_straggler_without_restart(tmp_path, zygote):
     job = Job(
         tmp_path,
+        zygote=zygote,
         steps=40,
         extra=("--ram", "--step-time", "0.1", "--slow-rank", "3", "--slow-factor", "3"),
         max_restarts=0,
@@ -102,8 +103,8 @@ def test_slow_rank_is_reported_as_straggler_without_restart(tmp_path):
     assert analyze(events).stragglers[0]["rank"] == 3
 
 
-def test_heartbeat_thread_death_and_store_outage_kill_nobody(tmp_path):
-    job = Job(tmp_path, steps=40, extra=("--step-time", "0.1"), max_restarts=0, module="wd_worker")
+def test_heartbeat_thread_death_and_store_outage_kill_nobody(tmp_path, zygote):
+    job = Job(tmp_path, zygote=zygote, steps=40, extra=("--step-time", "0.1"), max_restarts=0, module="wd_worker")
     try:
         assert job.wait() == 0, job.output()
     finally:

@@ -9,11 +9,12 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO
+from conftest import REPO, torchrun_target
 
 
 class Job:
-    """`torchrun -m ftkit.drill.reference` in the background, with its run dir and RAM dir under `root`."""
+    """`torchrun -m ftkit.drill.reference` in the background, with its run dir and RAM dir under `root`;
+    its workers forked from `zygote` when one is given (conftest.zygote)."""
 
     def __init__(
         self,
@@ -23,6 +24,7 @@ class Job:
         extra: tuple[str, ...] = (),
         max_restarts: int = 2,
         module: str = "ftkit.drill.reference",
+        zygote=None,
     ):
         self.root = root
         self.run_dir = root / "run"
@@ -33,7 +35,9 @@ class Job:
             "FTKIT_JOB_ID": "job",
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+            **(zygote.env() if zygote else {}),
         }
+        target = ["-m", module]
         cmd = [
             sys.executable,
             "-m",
@@ -42,8 +46,7 @@ class Job:
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.1",
-            "-m",
-            module,
+            *(torchrun_target(zygote, target) if zygote else target),
             "--ckpt",
             str(root / "ckpt"),
             "--steps",

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     target, args = argv[0], argv[1:]
     if module:
         sys.argv = [target, *args]  # run_module puts the module's file in argv[0]
+        sys.path[0] = os.getcwd()  # as `python -m` has it (a warm worker's is the zygote's directory)
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         sys.argv = [target, *args]

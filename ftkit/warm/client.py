@@ -37,6 +37,7 @@ ZYGOTE_ENV = "FTKIT_ZYGOTE"  # the zygote's socket path
 PROCESS_T_ENV = "FTKIT_PROCESS_T"  # (ftkit/coord/boot.py reads it: when this process started)
 LAUNCHER_PID_ENV = "FTKIT_LAUNCHER_PID"  # the pid torchrun knows the worker by
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what torchrun ends a group with
 MAX_MESSAGE = 4 << 20  # an environment is a few kB; anything this large is not ours
 
 
@@ -67,6 +68,14 @@ def recv_message(sock: socket.socket) -> dict:
     if not isinstance(doc, dict):
         raise ValueError("message is not an object")
     return doc
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _cold(argv: list[str]) -> NoReturn:
@@ -113,6 +122,10 @@ def main(argv: list[str]) -> None:
     def forward(signum: int, _frame: object) -> None:
         try:
             os.kill(worker, signum)
+            if signum in ENDING and _stopped(worker):
+                # A stopped worker (SIGSTOP, a debugger) cannot act on it: torchrun would wait out its
+                # shutdown timeout (30 s on every restart) before its SIGKILL. End it now instead.
+                os.killpg(worker, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

@@ -193,6 +193,7 @@ def _become_worker(request: dict, fds: list[int], close: list[Any]) -> Task:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    _follow_pythonpath(os.environ.get("PYTHONPATH", ""))
     _reseed()
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and "torch" in sys.modules:
@@ -202,6 +203,17 @@ def _become_worker(request: dict, fds: list[int], close: list[Any]) -> Task:
     boot.reset()
     boot.mark("forked", forked_t)
     return Task(list(request["argv"]))
+
+
+def _follow_pythonpath(value: str) -> None:
+    """The client's PYTHONPATH on sys.path, where a cold interpreter would have put it.
+
+    The zygote's sys.path came from its own environment; a job (or a test) may name
+    other directories, and a cold worker would import from them ahead of site-packages.
+    """
+    entries = [os.path.abspath(e) for e in value.split(os.pathsep) if e]
+    for i, entry in enumerate(e for e in entries if e not in sys.path):
+        sys.path.insert(1 + i, entry)
 
 
 def _reseed() -> None:
