@@ -6,6 +6,7 @@ from ftkit.checkpointer import Checkpointer, Stats  # noqa: E402
 from ftkit.config import Tier  # noqa: E402
 from ftkit.coord import boot as _boot  # noqa: E402
 from ftkit.coord.rendezvous import install as _install_rendezvous  # noqa: E402
+from ftkit.coord.watchdog import WatchdogConfig  # noqa: E402
 from ftkit.errors import (  # noqa: E402
     AlreadyCommitted,
     CaptureError,
@@ -39,6 +40,7 @@ __all__ = [
     "Checkpointer",
     "Stats",
     "Tier",
+    "WatchdogConfig",
     "run_in_process",
     "Generation",
     "RecoveryFailed",

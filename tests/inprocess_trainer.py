@@ -1,10 +1,12 @@
 """A DDP or FSDP2 trainer recovering in process (ftkit.run_in_process), run under torchrun (gloo, CPU).
 
     torchrun --nproc-per-node 2 tests/inprocess_trainer.py --parallel ddp|fsdp --steps 12 --out DIR \
-        [--crash RANK:STEP]
+        [--crash RANK:STEP] [--slow RANK:STEP:SECONDS]
 
 Every step snapshots to the node's RAM tier. --crash makes RANK raise at STEP of the
-first generation of torchrun's first attempt; the job then goes on in process. Rank 0 writes the final full
+first generation of torchrun's first attempt; the job then goes on in process. --slow makes
+RANK a straggler from STEP on in that generation (SECONDS more of compute a step) and has
+the watchdog abort stragglers, so its verdict, not an exception, starts the recovery. Rank 0 writes the final full
 model and optimizer tensors to DIR/final.pt; every rank appends one JSON line per
 call of the training function (pid, generation, the step restored) to DIR/calls.jsonl.
 With two ranks every all-reduce and reduce-scatter is one addition of two values,
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,14 +36,18 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--out", required=True)
     p.add_argument("--crash", default="", help="RANK:STEP")
+    p.add_argument("--slow", default="", help="RANK:STEP:SECONDS")
     args = p.parse_args()
     torch.set_num_threads(1)
     crash = tuple(int(v) for v in args.crash.split(":")) if args.crash else None
+    slow_rank, slow_from, slow_s = (float(v) for v in args.slow.split(":")) if args.slow else (-1, 0, 0.0)
+    watchdog = ftkit.WatchdogConfig(straggler_action="abort") if args.slow else True
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
 
     def train(gen: ftkit.Generation) -> dict:
         rank = dist.get_rank()
         model, opt = build(args.parallel, seed=1)  # everything that holds the group, built again
-        with ftkit.Checkpointer({"model": model, "optim": opt}, [ftkit.Tier("ram")]) as ck:
+        with ftkit.Checkpointer({"model": model, "optim": opt}, [ftkit.Tier("ram")], watchdog=watchdog) as ck:
             start = ck.restore()
             with open(os.path.join(args.out, "calls.jsonl"), "a") as f:
                 f.write(
@@ -51,11 +58,13 @@ def main() -> int:
                 )
             for step in range(start + 1, args.steps + 1):
                 g = torch.Generator().manual_seed(step * 100 + rank)
+                if (rank, gen.number) == (slow_rank, 0) and step >= slow_from and first_attempt:
+                    time.sleep(slow_s)  # a slow rank's compute (before its first gradient)
                 loss = model(torch.randn(8, 16, generator=g)).square().mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                if crash == (rank, step) and gen.number == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+                if crash == (rank, step) and gen.number == 0 and first_attempt:
                     raise RuntimeError(f"injected failure on rank {rank} at step {step}")
                 ck.snapshot(step)
         return full_state(model, opt)

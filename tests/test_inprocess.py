@@ -106,3 +106,28 @@ def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_
     # attempt 1 from node RAM: step 5, or 4 if step 5's commit was in flight when the processes ended
     assert {c["restored"] for c in calls if c["gen"] == 0 and c["restored"]} in ({5}, {4})
     assert (out / "final.pt").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_straggler_abort_is_recovered_in_process(tmp_path, zygote):
+    # Rank 1 is 0.15 s slower a step from step 4 of generation 0, and stragglers are aborted: the
+    # verdict (not an exception) re-forms the group in process, and generation 1 runs at full speed.
+    r, _ = torchrun(zygote, tmp_path / "clean", "--steps", "60")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r, calls = torchrun(zygote, tmp_path / "faulted", "--steps", "60", "--slow", "1:4:0.15")
+    assert r.returncode == 0, r.stderr[-3000:]
+    by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
+    assert sorted(c["gen"] for c in calls) == [0, 0, 1, 1]  # one recovery, no torchrun restart
+    assert {r: c["pid"] for r, c in by_gen[0].items()} == {r: c["pid"] for r, c in by_gen[1].items()}
+    # the verdict reached a rank at its next snapshot, or its peer's teardown ended its collective first
+    assert any("rank 1 straggler" in c["reason"] for c in by_gen[1].values())
+    restored = {c["restored"] for c in by_gen[1].values()}
+    assert len(restored) == 1 and restored.pop() >= 4
+    events = read_events(str(tmp_path / "faulted" / "run"))
+    assert {e["target"] for e in events if e["event"] == "straggler"} == {1}
+    aborts = [e for e in events if e["event"] == "abort"]
+    assert aborts and all(e.get("in_process") for e in aborts)
+    assert {e.get("attempt") for e in events} == {0}
+    clean = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
+    faulted = torch.load(tmp_path / "faulted" / "final.pt", weights_only=True)
+    assert equal(clean, faulted)

@@ -195,6 +195,19 @@ def test_a_straggler_is_reported_once_by_its_leader(cluster, rank):
     assert cluster.verdicts == []
 
 
+def test_one_slow_rank_of_two_is_a_straggler():
+    # The median is the other ranks': with itself in it, one slow rank of two (a 2-rank job, or
+    # a node of 2 judging itself alone) could never be twice the median.
+    judge = RankJudge(0, [0, 1], CFG, 0.0)
+    stragglers = []
+    for i in range(1, 30):
+        beats = {0: Beat(i, i, 0.05, 0.3, pid=1, host_id="h"), 1: Beat(i, i, 0.25, 0.3, pid=2, host_id="h")}
+        judged = judge.observe(i * CFG.interval_s, beats, beats.values(), lambda b: False)
+        assert judged.verdicts == []
+        stragglers += judged.stragglers
+    assert stragglers == [(1, 0.25, 0.05)]
+
+
 def test_malformed_beats_are_silence_not_crashes():
     assert Beat.from_json({"seq": "1"}) is None and Beat.from_json([1]) is None
     assert Beat.from_json({"seq": 3, "busy": float("nan"), "pid": -4}) == Beat(3)

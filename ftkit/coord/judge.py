@@ -9,7 +9,7 @@ Two judges, so no party reads O(world) heartbeats:
   heartbeat stopped for `dead_after_s`), hung (heartbeats move, its step does not,
   for longer than `hang_factor` x the median step time, clamped to
   [`hang_floor_s`, `hang_ceiling_s`]), straggler (its busy time per step stays
-  above `straggler_factor` x the median for `straggler_checks` checks). Medians
+  above `straggler_factor` x the other ranks' median for `straggler_checks` checks). Medians
   are taken over the node and the nodes it watches (a sample of 3 nodes' ranks),
   not over the world. Every other rank of a node runs one over its leader alone
   (the aggregator's death or hang is found by its own node, not only by its ring).
@@ -25,6 +25,7 @@ silence), and done ranks are never hung.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
@@ -187,15 +188,14 @@ class RankJudge:
         intervals = [b.interval for b in sample if b.interval]
         median_step = statistics.median(intervals) if intervals else None
         bound = self.hang_bound(intervals)
-        busies = [b.busy for b in sample if b.busy]
-        median_busy = statistics.median(busies) if len(busies) >= 2 else None
+        busies = sorted(b.busy for b in sample if b.busy)
         for r, clock in self.clocks.items():
             beat = beats.get(r)
             clock.see(beat, now)
             seen = clock.beat
             if r == self.me:  # a leader cannot see itself die or hang, but can see itself lag
                 if seen is not None and not seen.done:
-                    self._check_straggler(r, clock, seen, finished, median_busy, median_step, out)
+                    self._check_straggler(r, clock, seen, finished, busies, median_step, out)
                 continue
             if seen is not None and seen.done:
                 if seen.failed:
@@ -219,11 +219,14 @@ class RankJudge:
                 still = now - clock.step_changed
                 why = f"no step progress for {still:.1f}s (bound {bound:.0f}s)"
                 out.verdicts.append(Verdict(r, "hung", still, why, self.me))
-            self._check_straggler(r, clock, seen, finished, median_busy, median_step, out)
+            self._check_straggler(r, clock, seen, finished, busies, median_step, out)
         return out
 
-    def _check_straggler(self, r, clock, seen, finished, median_busy, median_step, out: Judgement) -> None:
+    def _check_straggler(self, r, clock, seen, finished, busies: list[float], median_step, out: Judgement) -> None:
+        """A straggler's busy time stays above `straggler_factor` x the median of the *other*
+        ranks' (with itself in the median, one slow rank of two could never be twice it)."""
         cfg, busy = self.cfg, seen.busy
+        median_busy = _median_without(busies, busy)
         min_excess = max(cfg.straggler_min_excess_s, 0.25 * (median_step or 0))
         if (
             not finished
@@ -238,6 +241,13 @@ class RankJudge:
                 out.stragglers.append((r, busy, median_busy))
         else:
             clock.slow_checks, clock.flagged = 0, False
+
+
+def _median_without(ordered: list[float], value: float | None) -> float | None:
+    """The median of `ordered` (sorted) less one occurrence of `value`; None if nothing is left."""
+    i = bisect.bisect_left(ordered, value) if value else len(ordered)
+    others = ordered[:i] + ordered[i + 1 :] if i < len(ordered) and ordered[i] == value else ordered
+    return statistics.median(others) if others else None
 
 
 @dataclass(frozen=True)
