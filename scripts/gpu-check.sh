@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path, checked on a GPU in one go (about 4-5 minutes, at most 7.5):
-#   tests/test_cuda.py and tests/test_staging_paths.py, then benchmarks/bench_gpu.py
+#   tests/test_cuda.py, tests/test_staging_paths.py and in-process recovery on CUDA (2 ranks, gloo on
+#   one GPU; NCCL where there are two), then benchmarks/bench_gpu.py
 #   at 1 GiB and 8 GiB, then a short summary. Without a CUDA device it says so and exits 0.
 #
 #   scripts/gpu-check.sh --prepare   # on a machine with a package registry: put the wheels a GPU
@@ -104,9 +105,9 @@ T0=$(date +%s)
 } 2>&1 | tee "$OUTDIR/env.txt"
 
 status=0
-echo "== tests (tests/test_cuda.py, tests/test_staging_paths.py)"
-timeout 120 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_cuda.py tests/test_staging_paths.py \
-  2>&1 | tee "$OUTDIR/tests.log"
+echo "== tests (tests/test_cuda.py, tests/test_staging_paths.py, in-process recovery on CUDA)"
+timeout 180 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_cuda.py tests/test_staging_paths.py \
+  "tests/test_inprocess.py::test_in_process_recovery_on_cuda_keeps_the_context" 2>&1 | tee "$OUTDIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" = 0 ] || status=1
 

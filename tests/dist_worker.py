@@ -23,9 +23,10 @@ from torch import nn
 import ftkit
 
 
-def build(parallel: str, seed: int):
+def build(parallel: str, seed: int, device: str = "cpu"):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 1024), nn.ReLU(), nn.Linear(1024, 7))
+    model = model.to(device)
     if parallel == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:

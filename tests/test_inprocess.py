@@ -131,3 +131,32 @@ def test_a_straggler_abort_is_recovered_in_process(tmp_path, zygote):
     clean = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
     faulted = torch.load(tmp_path / "faulted" / "final.pt", weights_only=True)
     assert equal(clean, faulted)
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "backend,gpus",
+    [("gloo", 1), ("nccl", 2)],
+    ids=["cuda-gloo", "cuda-nccl"],  # NCCL cannot put two ranks on one GPU
+)
+def test_in_process_recovery_on_cuda_keeps_the_context(tmp_path, zygote, backend, gpus):
+    if GPUS < gpus:
+        pytest.skip(f"needs {gpus} CUDA device(s), this machine has {GPUS} (scripts/gpu-check.sh runs it)")
+    cuda = ("--device", "cuda", "--backend", backend)
+    r, _ = torchrun(zygote, tmp_path / "clean", *cuda)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r, calls = torchrun(zygote, tmp_path / "faulted", *cuda, "--crash", "1:6")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(c["gen"] for c in calls) == [0, 0, 1, 1]  # one recovery, no torchrun restart
+    by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
+    for rank in (0, 1):
+        # the same process, and the same CUDA tensor at the same address: the context was kept
+        assert by_gen[0][rank]["pid"] == by_gen[1][rank]["pid"]
+        assert by_gen[0][rank]["anchor"] == by_gen[1][rank]["anchor"] and by_gen[1][rank]["anchor"][1] == [0, 1, 2, 3]
+    assert {c["restored"] for c in by_gen[1].values()} in ({5}, {4})
+    clean = torch.load(tmp_path / "clean" / "final.pt", map_location="cpu", weights_only=True)
+    faulted = torch.load(tmp_path / "faulted" / "final.pt", map_location="cpu", weights_only=True)
+    assert equal(clean, faulted)

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 
 import torch
-from conftest import REPO
+from conftest import REPO, torchrun_target
 from torchrun_job import Job, stop_everything
 
 import ftkit
 from ftkit.format.reader import committed_steps
 
 
-def _trainer(ckpt, final, steps=60, extra=()):
+def _trainer(zygote, ckpt, final, steps=60, extra=()):
+    """The reference trainer as one process, forked warm from `zygote` through its thin client
+    (signals and the exit code pass through it as they would from the process itself)."""
     return [
         sys.executable,
-        "-m",
-        "ftkit.drill.reference",
+        "-u",
+        *torchrun_target(zygote, ["-m", "ftkit.drill.reference"]),
         "--ckpt",
         str(ckpt),
         "--steps",
@@ -33,9 +36,12 @@ def _trainer(ckpt, final, steps=60, extra=()):
     ]
 
 
-def test_sigterm_saves_to_the_durable_tier_and_a_new_run_resumes_exactly(tmp_path):
+def test_sigterm_saves_to_the_durable_tier_and_a_new_run_resumes_exactly(tmp_path, zygote):
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen(_trainer(ckpt, tmp_path / "a.pt"), stdout=subprocess.PIPE, text=True, cwd=REPO)
+    env = {**os.environ, **zygote.env()}
+    proc = subprocess.Popen(
+        _trainer(zygote, ckpt, tmp_path / "a.pt"), stdout=subprocess.PIPE, text=True, cwd=REPO, env=env
+    )
     for line in proc.stdout:
         if line.startswith("step 12 "):
             proc.send_signal(signal.SIGTERM)
@@ -44,9 +50,13 @@ def test_sigterm_saves_to_the_durable_tier_and_a_new_run_resumes_exactly(tmp_pat
     steps = committed_steps(ftkit.Tier(str(ckpt)).open())
     assert len(steps) == 1 and 12 <= steps[0] <= 14  # nothing was due (every=1000): the flush made it
     # A new job resumes from it and ends where an uninterrupted run ends.
-    r = subprocess.run(_trainer(ckpt, tmp_path / "resumed.pt"), capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run(
+        _trainer(zygote, ckpt, tmp_path / "resumed.pt"), capture_output=True, text=True, cwd=REPO, env=env
+    )
     assert r.returncode == 0 and f"resumed from step {steps[0]}" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run(_trainer(tmp_path / "clean", tmp_path / "clean.pt"), capture_output=True, cwd=REPO)
+    r = subprocess.run(
+        _trainer(zygote, tmp_path / "clean", tmp_path / "clean.pt"), capture_output=True, cwd=REPO, env=env
+    )
     assert r.returncode == 0
     a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "clean.pt")
     assert all(torch.equal(a["model"][k], v) for k, v in b["model"].items())
