@@ -1,15 +1,20 @@
 """In-process recovery's fault-free cost: step time inside ``ftkit.run_in_process`` vs outside, paired.
 
-    .venv/bin/python benchmarks/bench_wrapper.py [--nproc 2] [--pairs 24] [--steps 40] [--json FILE]
+    .venv/bin/python benchmarks/bench_wrapper.py [--nproc 2] [--pairs 2000] [--steps 1] [--json FILE]
 
-One torchrun job (gloo, CPU). Every rank alternates blocks of --steps steps of the
-reference trainer (tiny GPT, gradients averaged in rank order, a RAM-tier snapshot
-every step, the watchdog on) outside the wrapper and inside it, in the same
-processes and process group, so what drifts between separate jobs on a shared
-machine (±10% here from one job to the next) cancels within a pair. Half the pairs
-run outside first, half inside first. It prints each block's median step time, the
+One torchrun job (gloo, CPU), one Checkpointer. Every rank alternates blocks of
+--steps steps of the reference trainer (tiny GPT, gradients averaged in rank
+order, a RAM-tier snapshot every step, the watchdog on) outside the wrapper and
+inside it, in the same processes, group and Checkpointer, so what drifts on a
+shared machine (±10% here from one job to the next, and more from one second to
+the next) cancels within a pair of steps 40 ms apart. Half the pairs run outside
+first, half inside first. (Blocks of 10 or 40 steps gave per-pair ratios spread over
+±20-40% and intervals of ±2-4%; single steps spread wider but pair closer in time,
+and 1,000 pairs gave ±1.2%.) It prints the median step time each way, the
 median of the pairs' ratios and a bootstrap 95% interval for it: the noise bound
-the issue asks the figure to carry (target: within 1%).
+the issue asks the figure to carry (target: within 1%). The wrapper's own set-up
+(group checks, gc.freeze, a signal handler) happens once per call and is not in
+the steps; what it adds to a step is what is measured.
 """
 
 from __future__ import annotations
@@ -41,31 +46,30 @@ def worker(args: argparse.Namespace) -> None:
     model, opt, sched = build(1234)
     state = {"model": model, "optim": opt, "sched": sched}
     step = 0
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram")]) as ck:
 
-    def block(_gen: ftkit.Generation | None = None) -> float:
-        """--steps steps under a Checkpointer; their median step time (snapshot call included)."""
-        nonlocal step
-        times = []
-        dist.barrier()  # the ranks start each block together
-        with ftkit.Checkpointer(state, [ftkit.Tier("ram")]) as ck:
+        def block(_gen: ftkit.Generation | None = None) -> float:
+            """--steps steps; their mean step time (the snapshot call included)."""
+            nonlocal step
+            dist.barrier()  # the ranks start each block together
+            t0 = time.perf_counter()
             for _ in range(args.steps):
                 step += 1
-                t0 = time.perf_counter()
-                train_step(model, opt, sched, step, 1234, rank, sync=lambda ck=ck: average_gradients(model, ck))
+                train_step(model, opt, sched, step, 1234, rank, sync=lambda: average_gradients(model, ck))
                 ck.snapshot(step)
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            return (time.perf_counter() - t0) / args.steps
 
-    block()  # warm-up: allocations, the first snapshot's set-up
-    rows = []
-    for i in range(args.pairs):
-        if i % 2 == 0:
-            outside = block()
-            inside = ftkit.run_in_process(block)
-        else:
-            inside = ftkit.run_in_process(block)
-            outside = block()
-        rows.append({"outside_s": outside, "inside_s": inside})
+        for _ in range(3):
+            block()  # warm-up: allocations, the first snapshots' set-up
+        rows = []
+        for i in range(args.pairs):
+            if i % 2 == 0:
+                outside = block()
+                inside = ftkit.run_in_process(block)
+            else:
+                inside = ftkit.run_in_process(block)
+                outside = block()
+            rows.append({"outside_s": outside, "inside_s": inside})
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f)
@@ -81,8 +85,8 @@ def bootstrap(ratios: list[float], rounds: int = 4000) -> tuple[float, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--pairs", type=int, default=24)
-    p.add_argument("--steps", type=int, default=40, help="steps per block")
+    p.add_argument("--pairs", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=1, help="steps per block")
     p.add_argument("--json", help="append the result here as one JSON line")
     p.add_argument("--out", help=argparse.SUPPRESS)  # (a worker's: where rank 0 writes its blocks)
     args = p.parse_args()

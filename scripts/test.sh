@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (or reuse) .venv, lint and type-check, then run the whole test suite. Extra args go to pytest.
 # Two workers, one test file each at a time (--dist loadfile): the drills, split over two
-# files (test_drill.py, test_drill_faults.py, 5-7 minutes each here), and the rest of the
+# files (test_drill.py, test_drill_faults.py, about 3 minutes each here), and the rest of the
 # suite share them; most of a drill is waiting (step sleeps, detection bounds, restarts),
 # so two jobs share the 2 cores without missing a bound. The 15 slowest tests are listed.
 set -euo pipefail
