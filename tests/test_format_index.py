@@ -217,3 +217,38 @@ def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
     assert doc["format_version"] == 2 and "tensors" in doc
     assert _load(root).format_version == 2
     _assert_restores(root, values)
+
+
+def test_a_leaders_part_check_remembers_layouts_and_still_refuses_what_differs(two_nodes, monkeypatch):
+    # A leader checks its node's part at every step; from one step to the next only the step,
+    # the data files' tokens and the checksums change. The same layout is checked once; a part
+    # that differs anywhere else (a shard naming a file the part does not list, a malformed
+    # checksum) is checked in full and refused, whatever was checked before.
+    from ftkit.format import index as fmt
+
+    _root, _index, parts, _ = two_nodes
+    part = parts[0]
+
+    def text(step: int, token: str, checksum: str = "", shard_token: str = "") -> bytes:
+        doc = json.dumps({k: part[k] for k in ("files", "tensors", "rank_state")})
+        for name in part["files"]:
+            old = name.split("-")[-1].split(".")[0]
+            doc = doc.replace(f'"{name}"', f'"{name.replace(old, token)}"', 1)  # the files' key
+            doc = doc.replace(old, shard_token or token)  # and every shard's reference
+        if checksum:
+            doc = doc.replace('"xxh3_64:', f'"{checksum}', 1)
+        d = json.loads(doc)
+        return fmt.part_json(step, [0, 1], d["files"], d["tensors"], d["rank_state"])
+
+    full_checks = []
+    real = fmt._check_part
+    monkeypatch.setattr(fmt, "_check_part", lambda *a: full_checks.append(a[1]) or real(*a))
+    monkeypatch.setattr(fmt, "_checked_layouts", fmt._CheckedLayouts())
+    fmt.check_part(text(7, "aaaaaaaa"), 7, [0, 1], 4, "step 7")
+    fmt.check_part(text(8, "bbbbbbbb"), 8, [0, 1], 4, "step 8")  # same layout: not parsed again
+    assert full_checks == [7]
+    with pytest.raises(FormatError, match="step 9"):  # shards name a file the part does not list
+        fmt.check_part(text(9, "cccccccc", shard_token="dddddddd"), 9, [0, 1], 4, "step 9")
+    with pytest.raises(FormatError, match="step 10"):  # a checksum of another form
+        fmt.check_part(text(10, "eeeeeeee", checksum="XXH3_64:"), 10, [0, 1], 4, "step 10")
+    assert full_checks == [7, 9, 10]
