@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, torchrun_target
+from conftest import REPO, run_cli, torchrun_target
 
 from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
@@ -54,12 +54,33 @@ def equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# Steps per run: DDP's fault-free run is shared with the straggler test, which needs ~20 slow
+# steps before its verdict; FSDP2's steps cost more.
+STEPS = {"ddp": 60, "fsdp": 12}
+
+
+@pytest.fixture(scope="module")
+def clean_final(tmp_path_factory, zygote):
+    """The final state of a fault-free run, by (parallel, steps); each run once per module."""
+    finals: dict[tuple[str, int], dict] = {}
+
+    def get(parallel: str, steps: int, *extra: str) -> dict:
+        key = (parallel, steps, *extra)
+        if key not in finals:
+            out = tmp_path_factory.mktemp(f"clean-{parallel}-{steps}")
+            r, _ = torchrun(zygote, out, "--parallel", parallel, "--steps", str(steps), *extra)
+            assert r.returncode == 0, r.stderr[-3000:]
+            finals[key] = torch.load(out / "final.pt", map_location="cpu", weights_only=True)
+        return finals[key]
+
+    return get
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel, zygote):
-    r, _ = torchrun(zygote, tmp_path / "clean", "--parallel", parallel)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r, calls = torchrun(zygote, tmp_path / "faulted", "--parallel", parallel, "--crash", "1:6")
+def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel, zygote, clean_final):
+    steps = ("--steps", str(STEPS[parallel]))
+    r, calls = torchrun(zygote, tmp_path / "faulted", "--parallel", parallel, *steps, "--crash", "1:6")
     assert r.returncode == 0, r.stderr[-3000:]
     by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
     assert sorted(c["gen"] for c in calls) == [0, 0, 1, 1]  # one recovery, no torchrun restart
@@ -77,16 +98,10 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel, zy
     assert {e.get("attempt") for e in events} == {0} and {e.get("gen", 0) for e in events} == {0, 1}
     restores = [e for e in events if e["event"] == "restore" and e.get("gen") == 1]
     assert len(restores) == 2 and all(e["step"] in restored and e["source"] == "ram" for e in restores)
-    clean = torch.load(tmp_path / "clean" / "final.pt")
-    faulted = torch.load(tmp_path / "faulted" / "final.pt")
-    assert equal(clean, faulted)
+    faulted = torch.load(tmp_path / "faulted" / "final.pt", weights_only=True)
+    assert equal(clean_final(parallel, STEPS[parallel]), faulted)
     # ftkit report sees an in-process incident and its breakdown
-    rep = subprocess.run(
-        [sys.executable, "-m", "ftkit", "report", str(tmp_path / "faulted" / "run"), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    rep = run_cli("report", str(tmp_path / "faulted" / "run"), "--json")
     (inc,) = json.loads(rep.stdout)["incidents"]
     assert inc["in_process"] and inc["attempt"] == 0 and inc["gen"] == 0 and {inc["resumed_from"]} == restored
     assert list(inc["phases"]) == ["unwind", "group teardown", "regroup", "group and model", "restore", "first step"]
@@ -109,12 +124,10 @@ def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_
 
 
 @pytest.mark.timeout(240)
-def test_a_straggler_abort_is_recovered_in_process(tmp_path, zygote):
+def test_a_straggler_abort_is_recovered_in_process(tmp_path, zygote, clean_final):
     # Rank 1 is 0.15 s slower a step from step 4 of generation 0, and stragglers are aborted: the
     # verdict (not an exception) re-forms the group in process, and generation 1 runs at full speed.
-    r, _ = torchrun(zygote, tmp_path / "clean", "--steps", "60")
-    assert r.returncode == 0, r.stderr[-3000:]
-    r, calls = torchrun(zygote, tmp_path / "faulted", "--steps", "60", "--slow", "1:4:0.15")
+    r, calls = torchrun(zygote, tmp_path / "faulted", "--steps", str(STEPS["ddp"]), "--slow", "1:4:0.15")
     assert r.returncode == 0, r.stderr[-3000:]
     by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
     assert sorted(c["gen"] for c in calls) == [0, 0, 1, 1]  # one recovery, no torchrun restart
@@ -128,9 +141,8 @@ def test_a_straggler_abort_is_recovered_in_process(tmp_path, zygote):
     aborts = [e for e in events if e["event"] == "abort"]
     assert aborts and all(e.get("in_process") for e in aborts)
     assert {e.get("attempt") for e in events} == {0}
-    clean = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
     faulted = torch.load(tmp_path / "faulted" / "final.pt", weights_only=True)
-    assert equal(clean, faulted)
+    assert equal(clean_final("ddp", STEPS["ddp"]), faulted)
 
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
