@@ -87,7 +87,7 @@ def run_cli(
 def zygote():
     """One warm-start zygote (ftkit/warm) per test worker, as `ftkit run` keeps one per node.
 
-    The torchrun tests hand it to torchrun_target(): torchrun (the real launcher and
+    The torchrun tests hand it to warm_target(): torchrun (the real launcher and
     elastic agent) starts thin clients and every worker of every attempt is forked
     with torch imported, instead of a new interpreter importing it again (seconds per
     worker on this 2-core machine). Tests of cold starts and plain torchrun stay cold.
@@ -99,8 +99,8 @@ def zygote():
     z.stop()
 
 
-def torchrun_target(zygote, target: list[str]) -> list[str]:
-    """torchrun's SCRIPT ARGS (or -m MODULE ARGS), rewritten to start through `zygote`'s thin
+def warm_target(zygote, target: list[str]) -> list[str]:
+    """SCRIPT ARGS (or -m MODULE ARGS), rewritten to start through `zygote`'s thin
     client, as `ftkit run` rewrites them; the job's environment needs zygote.env() too."""
     from ftkit.warm.zygote import client_path
 

@@ -12,7 +12,7 @@ import sys
 
 import dist_worker
 import pytest
-from conftest import REPO, run_cli, torchrun_target
+from conftest import REPO, run_cli, warm_target
 from ranks import run_ranks
 
 import ftkit
@@ -22,7 +22,7 @@ WORKER = os.path.join(REPO, "tests", "dist_worker.py")
 
 
 def torchrun(zygote, nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    target = torchrun_target(zygote, [WORKER, *args])
+    target = warm_target(zygote, [WORKER, *args])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **zygote.env()}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

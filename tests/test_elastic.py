@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import REPO, torchrun_target
+from conftest import REPO, warm_target
 
 STEPS = 100
 
@@ -61,7 +61,7 @@ def _agent(tmp_path, zygote, node: str, is_host: bool, port: int) -> subprocess.
         f"--rdzv-conf={conf}",
         "--max-restarts=2",
         "--monitor-interval=0.1",
-        *torchrun_target(
+        *warm_target(
             zygote,
             [
                 os.path.join(REPO, "tests", "elastic_job.py"),

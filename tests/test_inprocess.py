@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run_cli, torchrun_target
+from conftest import REPO, run_cli, warm_target
 
 from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
@@ -43,7 +43,7 @@ def torchrun(zygote, out, *args, env=None, restarts=0, timeout=120):
         "--nproc-per-node=2",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.1",
-        *torchrun_target(zygote, [TRAINER, "--out", str(out), *args]),
+        *warm_target(zygote, [TRAINER, "--out", str(out), *args]),
     ]
     r = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]

@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, torchrun_target
+from conftest import REPO, warm_target
 
 import ftkit
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
@@ -181,7 +181,7 @@ def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path, z
         "--nproc-per-node=2",
         "--max-restarts=1",
         "--monitor-interval=0.1",
-        *torchrun_target(
+        *warm_target(
             zygote,
             ["-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt"), "--every", "1000", "--steps", "16"]
             + ["--ram", "--step-time", "0.1", "--run-dir", str(run_dir), "--pg-timeout", "60"],

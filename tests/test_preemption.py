@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import REPO, torchrun_target
+from conftest import REPO, warm_target
 from torchrun_job import Job, stop_everything
 
 import ftkit
@@ -21,7 +21,7 @@ def _trainer(zygote, ckpt, final, steps=60, extra=()):
     return [
         sys.executable,
         "-u",
-        *torchrun_target(zygote, ["-m", "ftkit.drill.reference"]),
+        *warm_target(zygote, ["-m", "ftkit.drill.reference"]),
         "--ckpt",
         str(ckpt),
         "--steps",

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, torchrun_target
+from conftest import REPO, warm_target
 
 
 class Job:
@@ -46,7 +46,7 @@ class Job:
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.1",
-            *(torchrun_target(zygote, target) if zygote else target),
+            *(warm_target(zygote, target) if zygote else target),
             "--ckpt",
             str(root / "ckpt"),
             "--steps",

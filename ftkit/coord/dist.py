@@ -80,18 +80,6 @@ def process_gone(pid: Any) -> bool:
         return False
 
 
-def process_stopped(pid: Any) -> bool:
-    """A process on this host is stopped (SIGSTOP, job control, a debugger): it makes no progress
-    until someone continues it, so with its heartbeat silent it is as good as dead."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 def rendezvous_id() -> str | None:
     """The rendezvous (run) id torchrun was given, or None if it is torchrun's default or absent.
 

@@ -53,10 +53,11 @@ from datetime import timedelta
 from typing import Any
 
 from ftkit.coord import generation
-from ftkit.coord.dist import DistContext, host_identity, process_gone, process_stopped
+from ftkit.coord.dist import DistContext, host_identity, process_gone
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.nodelocal import NodeBoard
+from ftkit.warm.client import process_stopped  # (the warm client asks the same of its worker)
 
 log = logging.getLogger("ftkit")
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)

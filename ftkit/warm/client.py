@@ -31,7 +31,7 @@ import socket
 import struct
 import sys
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 ZYGOTE_ENV = "FTKIT_ZYGOTE"  # the zygote's socket path
 PROCESS_T_ENV = "FTKIT_PROCESS_T"  # (ftkit/coord/boot.py reads it: when this process started)
@@ -70,11 +70,15 @@ def recv_message(sock: socket.socket) -> dict:
     return doc
 
 
-def _stopped(pid: int) -> bool:
+def process_stopped(pid: Any) -> bool:
+    """A process on this host is stopped (SIGSTOP, job control, a debugger): it makes no progress
+    until someone continues it (the watchdog's judge and this client both ask)."""
+    if not pid:
+        return False
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{int(pid)}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
+    except (OSError, ValueError, IndexError):
         return False
 
 
@@ -122,7 +126,7 @@ def main(argv: list[str]) -> None:
     def forward(signum: int, _frame: object) -> None:
         try:
             os.kill(worker, signum)
-            if signum in ENDING and _stopped(worker):
+            if signum in ENDING and process_stopped(worker):
                 # A stopped worker (SIGSTOP, a debugger) cannot act on it: torchrun would wait out its
                 # shutdown timeout (30 s on every restart) before its SIGKILL. End it now instead.
                 os.killpg(worker, signal.SIGKILL)
