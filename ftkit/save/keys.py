@@ -33,11 +33,14 @@ class KeyLedger:
         self._keys: list[tuple[tuple[int, int], str]] = []
 
     @staticmethod
-    def node_local(leaders: list[int]) -> KeyLedger:
-        """persist_node_local's keys of a step rank 0 skipped: every node's records, which rank 0
-        would have deleted, and its word on the manifest."""
+    def node_local(leaders: list[int], exchange: bool) -> KeyLedger:
+        """persist_node_local's keys of a step rank 0 skipped: every node's records (the reports
+        exchanged for replicas, `exchange`, and the records for rank 0), which rank 0 would have
+        deleted, and its word on the manifest."""
         return KeyLedger(
-            lambda key: [f"{key}/w/{r}" for r in leaders] + [f"{key}/r/{r}" for r in leaders if r] + [f"{key}/manifest"]
+            lambda key: [f"{key}/w/{r}" for r in leaders if exchange]
+            + [f"{key}/r/{r}" for r in leaders if r]
+            + [f"{key}/manifest"]
         )
 
     @staticmethod

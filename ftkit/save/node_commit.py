@@ -6,10 +6,9 @@ shared tier: one part per node and an index (format/index.py)::
 
     every rank:   write_share(...): its data file, in its node's directory
                   post its report (`NodeReport`) to its node's board (a file, no store request)
-    node leaders: collect the node's reports; write the node's part (checked, beside its
-                  data); set the reports and the part as one record, `key`/w/<leader>
+    node leaders: collect the node's reports; write the node's part (checked, beside its data)
     with replicas (save/replicas.py):
-      leaders     read the records of the k nodes before theirs (whose ranks send this
+      leaders     set the reports and the part as one record, `key`/w/<leader>; read the records of the k nodes before theirs (whose ranks send this
                   node their replicas) and of the k after; post the reports on the board
       every rank  sends its file to its targets, stores verified copies of what its
                   sources send (tiers/peers.py), posts its outcome to the board
@@ -24,8 +23,9 @@ shared tier: one part per node and an index (format/index.py)::
                   place, write it
 
 A non-leader rank makes no store request; a leader makes a constant number (its
-two records, the k before and after it, the index); rank 0 two for every node's
-records. Rank 0 handles O(nodes) bytes, a leader its node's entries, those of k
+record for rank 0 and the index; with replicas also its reports and the records of
+the k nodes before and after it); rank 0 one delete for every node's record (two
+with replicas). Per step: 4 x nodes requests without replicas, 7 x nodes with. Rank 0 handles O(nodes) bytes, a leader its node's entries, those of k
 other nodes and the index (O(nodes) bytes, ~110 per node). A node holds the parts
 of the ranks whose files it holds, not every part: at restore, parts a node lacks
 come through the store from a node that has them (restore/read.py).
@@ -134,6 +134,7 @@ def persist_node_local(
     cpu["write"] = time.thread_time() - c0
     text = NodeReport.encode(write, str(error) if error else None, rng)
     leader = ctx.rank == group.leader
+    exchange = replicas > 0 and peers is not None and ctx.distributed  # nodes swap reports for replicas
     node: NodeShare | None = None
     # 1. Reports: to the node's leader, who writes the node's part and publishes both (one key per node).
     if ctx.distributed and not leader:
@@ -141,12 +142,12 @@ def persist_node_local(
     else:
         texts = {ctx.rank: text, **(_collect_texts(group, at, "w", ctx) if ctx.distributed else {})}
         node = node_part(storage, step, texts, group.ranks, ctx.world_size)
-        if ctx.distributed:
+        if exchange:
             ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps(node.exchanged()))
     # 2. Replicas: each rank sends its file to its targets and stores what its sources send.
     rep_error = None
-    if peers is not None and replicas > 0 and ctx.distributed:
-        assert layout is not None
+    if exchange:
+        assert layout is not None and peers is not None
         try:
             reports, may_send, parts = peer_reports(group, layout, replicas, ctx, key, at, leader)
             sending = write if may_send and error is None else None
@@ -173,7 +174,7 @@ def persist_node_local(
     if ctx.rank == 0:
         assert node is not None
         with older_keys(ledger, at) as older:
-            return _commit(storage, step, skeleton, ctx, key, group, node, errors, older, ledger, at)
+            return _commit(storage, step, skeleton, ctx, key, group, node, errors, older, ledger, at, exchange)
     if error is not None:
         raise error
     if node is not None:  # write rank 0's index into this node's directory
@@ -240,6 +241,7 @@ def _commit(
     older: list,
     ledger: KeyLedger | None,
     at: tuple[int, int],
+    exchange: bool,
 ) -> Committed:
     """Rank 0: every node's record, the index, and the word to the leaders."""
     leaders = [leader for leader in group.members if leader != 0]
@@ -268,7 +270,7 @@ def _commit(
             _record_manifest(ledger, at, key)
         raise
     finally:
-        ctx.delete(*keys, *(f"{key}/w/{leader}" for leader in group.members))
+        ctx.delete(*keys, *(f"{key}/w/{leader}" for leader in group.members if exchange))
     if ctx.distributed:
         ctx.store.set(f"{key}/manifest", committed.manifest_json)
         _record_manifest(ledger, at, key)
@@ -299,10 +301,13 @@ def _write_index(storage: Storage, step: int, ctx: DistContext, key: str, node: 
     storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
 
 
-def report_skipped_node_local(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:
+def report_skipped_node_local(
+    ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str, exchange: bool
+) -> None:
     """Policy "skip" on the RAM tier: this rank will not write the step of `key` (the training
     thread says so at once, while the step's commit may run): its leader, or, from a leader,
-    rank 0 and the leaders that take its node's replicas, hear it, so nobody waits for it."""
+    rank 0 and (`exchange`: the tier keeps replicas) the leaders that take its node's replicas,
+    hear it, so nobody waits for it."""
     text = NodeReport.encode(None, reason, None, skipped=True)
     board = group.node_board()
     if ctx.rank != group.leader:
@@ -310,7 +315,8 @@ def report_skipped_node_local(ctx: DistContext, group: NodeGroup, key: str, at: 
         board.write(step_message(at, f"r-r{ctx.rank}"), {"errors": []})
         return
     board.write(step_message(at, "skip"), {"reason": reason})  # its ranks: no replicas this step
-    ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps({str(ctx.rank): text}))
+    if exchange:
+        ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps({str(ctx.rank): text}))
     if ctx.rank == 0:
         ctx.put(f"{key}/manifest", "")  # the leaders wait for no index
     else:

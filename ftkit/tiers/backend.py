@@ -162,7 +162,7 @@ class NodeRamTier(TierBackend):
         return ctx.rank == self.group.leader
 
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        return KeyLedger.node_local(list(self.group.members))
+        return KeyLedger.node_local(list(self.group.members), self._exchanges(ctx))
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         if self.peers is not None:
@@ -183,7 +183,11 @@ class NodeRamTier(TierBackend):
         )
 
     def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
-        report_skipped_node_local(ctx, self.group, key, at, reason)
+        report_skipped_node_local(ctx, self.group, key, at, reason, self._exchanges(ctx))
+
+    def _exchanges(self, ctx: DistContext) -> bool:
+        """Whether the nodes exchange reports through the store for replicas (persist_node_local's rule)."""
+        return self.replicas > 0 and self.peers is not None and ctx.distributed
 
     def persist_details(self) -> dict[str, Any]:
         run = self.peers.last_run if self.peers is not None else None
