@@ -27,6 +27,7 @@ from ftkit.errors import (  # noqa: E402
 )
 from ftkit.inprocess import Generation, RecoveryFailed, run_in_process  # noqa: E402
 from ftkit.integrations.sampler import ResumableDistributedSampler  # noqa: E402
+from ftkit.save.capture import RankLocal  # noqa: E402
 
 # torchrun restarts of a plain init_process_group("gloo"/"nccl") read no stale
 # rendezvous keys once ftkit is imported (see ftkit/coord/rendezvous.py).
@@ -46,6 +47,7 @@ __all__ = [
     "RecoveryFailed",
     "RecoveryRequested",
     "ResumableDistributedSampler",
+    "RankLocal",
     "FtkitError",
     "CaptureError",
     "CheckpointNotFoundError",

@@ -269,7 +269,9 @@ class Checkpointer:
             "snapshot", step=step, stall_s=self.stats.last_stall_s, bytes=slot.layout.total_bytes if slot.layout else 0
         )
         self._pipeline.submit(
-            PersistJob(slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces}, captured.rng, self._restores)
+            PersistJob(
+                slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces}, captured.rank_state, self._restores
+            )
         )
         return True
 

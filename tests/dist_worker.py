@@ -42,6 +42,18 @@ def build(parallel: str, seed: int, device: str = "cpu"):
     return model, opt
 
 
+def own(rank: int) -> dict:
+    """A rank's own state (ftkit.RankLocal): different on every rank, tensors and plain values."""
+    return {"rank": rank, "seen": torch.arange(3) + 10 * rank, "note": f"rank {rank}"}
+
+
+def check_own(mine: dict, rank: int, saved_world: int) -> None:
+    """Rank r restored its own entry; a rank the checkpoint had none for kept its live one."""
+    want = own(rank) if rank < saved_world else {"rank": -1, "seen": torch.zeros(3, dtype=torch.long), "note": ""}
+    if mine["rank"] != want["rank"] or not torch.equal(mine["seen"], want["seen"]) or mine["note"] != want["note"]:
+        raise AssertionError(f"rank {rank}: rank-local state {mine} is not {want}")
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -67,7 +79,7 @@ def save(
 ) -> str:
     """Train and snapshot; `sync` waits for each step's commit on every rank."""
     model, opt = build(parallel, seed=1)
-    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}}
+    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}, "own": ftkit.RankLocal(own(rank))}
     with ftkit.Checkpointer(state, [ftkit.Tier(ckpt, keep=5)], commit_timeout_s=commit_timeout) as ck:
         for step in range(1, steps + 1):
             g = torch.Generator().manual_seed(step * 100 + rank)
@@ -90,11 +102,13 @@ def save(
     return f"SAVED rank={rank} world={world}"
 
 
-def restore(rank: int, world: int, parallel: str, ckpt: str, ref: str) -> str:
+def restore(rank: int, world: int, parallel: str, ckpt: str, ref: str, saved_world: int = 4) -> str:
     model, opt = build(parallel, seed=1000 + rank)
-    state = {"model": model, "optim": opt, "meta": {}}
+    mine = {"rank": -1, "seen": torch.zeros(3, dtype=torch.long), "note": ""}
+    state = {"model": model, "optim": opt, "meta": {}, "own": ftkit.RankLocal(mine)}
     with ftkit.Checkpointer(state, [ftkit.Tier(ckpt, keep=5)]) as ck:
         step = ck.restore()
+    check_own(mine, rank, saved_world)
     got = full_state(model, opt)
     expect = torch.load(ref, weights_only=True)
     bad = [k for k in expect if k not in got or not torch.equal(expect[k], got[k])]
@@ -141,7 +155,7 @@ def ram_tiers(disk: str, disk_every: int):
 def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: int = 3, disk_every: int = 100) -> str:
     """Snapshot every step to RAM (+ a peer replica) and disk every `disk_every`; refs per step."""
     model, opt = build(parallel, seed=1)
-    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}}
+    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}, "own": ftkit.RankLocal(own(rank))}
     with ftkit.Checkpointer(state, ram_tiers(disk, disk_every)) as ck:
         for step in range(1, steps + 1):
             g = torch.Generator().manual_seed(step * 100 + rank)
@@ -274,10 +288,12 @@ def ram_rewind_and_redo(rank: int, world: int) -> dict:
 def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk_every: int = 100):
     """Restore; compare with the reference of the restored step; report the source."""
     model, opt = build(parallel, seed=1000 + rank)
-    state = {"model": model, "optim": opt, "meta": {}}
+    mine = {"rank": -1, "seen": torch.zeros(3, dtype=torch.long), "note": ""}
+    state = {"model": model, "optim": opt, "meta": {}, "own": ftkit.RankLocal(mine)}
     with ftkit.Checkpointer(state, ram_tiers(disk, disk_every)) as ck:
         step = ck.restore()
         info = dict(ck.last_restore)
+    check_own(mine, rank, 4)
     got = full_state(model, opt)
     expect = torch.load(f"{refs}/ref-{step}.pt", weights_only=True)
     bad = [k for k in expect if not torch.equal(expect[k], got[k])]

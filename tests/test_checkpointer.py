@@ -271,3 +271,34 @@ def test_peer_replication_is_the_ram_tiers_replicas_and_the_older_spelling_still
         Tier("/d", replicas=1)
     with pytest.raises(ValueError, match="at most one"):
         resolve_tiers(["ram", "ram"])
+
+
+def test_rank_local_entries_come_back_to_their_rank_and_refuse_what_cannot_be_restored(tmp_path):
+    """ftkit.RankLocal: a stateful object and a plain mapping, tensors inside, restored in place;
+    the shared skeleton does not hold them; wrapping a value with no state protocol is refused."""
+
+    class Position:
+        def __init__(self):
+            self.batches, self.order = 0, torch.zeros(4, dtype=torch.long)
+
+        def state_dict(self):
+            return {"batches": self.batches, "order": self.order}
+
+        def load_state_dict(self, sd):
+            self.batches = sd["batches"]
+            self.order.copy_(sd["order"])
+
+    pos, counters = Position(), {"seen": 0}
+    state = {"w": torch.zeros(3), "pos": ftkit.RankLocal(pos), "counters": ftkit.RankLocal(counters)}
+    with ftkit.Checkpointer(state, [str(tmp_path)], watchdog=False) as ck:
+        pos.batches, pos.order, counters["seen"] = 7, torch.tensor([3, 1, 0, 2]), 28
+        ck.snapshot(1)
+        ck.wait()
+        pos.batches, counters["seen"], counters["extra"] = 9, 36, 1
+        pos.order.zero_()
+        assert ck.restore() == 1
+    assert pos.batches == 7 and pos.order.tolist() == [3, 1, 0, 2] and counters == {"seen": 28}
+    manifest = load_manifest(Tier(str(tmp_path)).open(), 1)
+    assert set(manifest.skeleton["entries"]) == {"w"} and set(manifest.rank_state["0"]["local"]) == {"pos", "counters"}
+    with pytest.raises(TypeError, match="RankLocal wraps"):
+        ftkit.RankLocal(3)

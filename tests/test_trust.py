@@ -159,6 +159,10 @@ MALFORMED = {
     "checksum not hex": lambda d: _chunks(d)[0].update(checksum="xxh3_64:zz"),
     "tensor not an object": lambda d: d["tensors"].append(3),
     "rank_state a list": lambda d: d.update(rank_state=[]),
+    "rank-local state naming a shared tensor": lambda d: d["rank_state"].update(
+        {"0": {"rng": None, "local": {"x": {"kind": "stateful", "value": {"$tensor": "w"}}}}}
+    ),
+    "rank-local state not an object": lambda d: d["rank_state"].update({"0": {"rng": None, "local": [1]}}),
 }
 
 
@@ -387,7 +391,7 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     try:
         with pytest.raises(ftkit.StorageError, match="unreadable report.*outside its step directory"):
             persist_node_local(
-                storage, 1, slot, SKELETON, compress=None, pieces=None, rng=None, ctx=ctx, key="k", group=group
+                storage, 1, slot, SKELETON, compress=None, pieces=None, rank_state=None, ctx=ctx, key="k", group=group
             )
     finally:
         arena.release(slot)
@@ -440,7 +444,9 @@ def test_a_node_leader_validates_the_index_it_receives(tmp_path, forged, why):
     arena, slot = _staged(2.0)
     try:
         with pytest.raises(ftkit.FtkitError, match=why):
-            persist_node_local(storage, 1, slot, SKELETON, compress=None, pieces=None, rng=None, ctx=ctx, key="k")
+            persist_node_local(
+                storage, 1, slot, SKELETON, compress=None, pieces=None, rank_state=None, ctx=ctx, key="k"
+            )
     finally:
         arena.release(slot)
         arena.close()

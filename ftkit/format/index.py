@@ -42,7 +42,7 @@ from ftkit.format.validate import (
     _int,
     _list,
     check_file_name,
-    check_value,
+    check_rank_state,
     manifest_from_doc,
     parse_json,
     tensor_entry,
@@ -313,7 +313,7 @@ def _check_part(data: bytes, step: int, ranks: list[int], world_size: int, where
             own = {t.name for t in entries if t.kind == "rank-local" and t.name.startswith(f"_rng/r{r}/")}
             if not isinstance(st, dict):
                 raise FormatError(f"rank_state of rank {r} is not an object")
-            check_value(st.get("rng"), own, f"rank_state of rank {r}")
+            check_rank_state(st, own, f"rank_state of rank {r}")
     except FormatError as e:
         raise FormatError(f"{where}: {e}") from None
 

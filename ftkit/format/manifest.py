@@ -121,7 +121,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     skeleton: dict[str, Any]
     files: dict[str, dict[str, Any]]  # file name -> {"bytes": n, "rank": r}
-    rank_state: dict[str, Any] = field(default_factory=dict)  # str(rank) -> {"rng": ...}
+    rank_state: dict[str, Any] = field(default_factory=dict)  # str(rank) -> {"rng": ..., "local": {...}}
     created_at: float = 0.0
     writer: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT_NAME

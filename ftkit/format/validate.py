@@ -143,7 +143,7 @@ def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
         if not r.isdigit() or int(r) >= world or not isinstance(st, dict):
             raise FormatError(f"rank_state has a bad entry for rank {r[:20]!r}")
         own = {t.name for t in tensors if t.kind == "rank-local" and t.name.startswith(f"_rng/r{r}/")}
-        check_value(st.get("rng"), own, f"rank_state of rank {r}", numpy_ok=numpy_ok)
+        check_rank_state(st, own, f"rank_state of rank {r}", numpy_ok)
     created = doc.get("created_at", 0.0)
     if type(created) not in (int, float):
         raise FormatError("'created_at' must be a number")
@@ -318,6 +318,21 @@ def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> None:
 
 
 # ------------------------------------------------------------------ skeleton
+def check_rank_state(state: dict[str, Any], own: set[str], where: str, numpy_ok: set[str] | None = None) -> None:
+    """One rank's own state: its RNG ("rng") and its RankLocal entries ("local", an object of
+    skeleton entries of kind "stateful"), naming only that rank's own tensors (`own`)."""
+    check_value(state.get("rng"), own, where, numpy_ok=numpy_ok)
+    local = state.get("local")
+    if local is None:
+        return
+    if not isinstance(local, dict):
+        raise FormatError(f"{where}: 'local' must be an object")
+    for key, entry in local.items():
+        if not isinstance(entry, dict) or entry.get("kind") != "stateful" or "value" not in entry:
+            raise FormatError(f"{where}: local entry {key[:80]!r} is not {{'kind': 'stateful', 'value': ...}}")
+        check_value(entry["value"], own, f"{where}, local entry {key[:80]!r}", numpy_ok=numpy_ok)
+
+
 def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy_ok: set[str] | None = None) -> None:
     """A skeleton value: JSON with well-formed tags, naming only tensors in `tensors`
     (and, for $ndarray, in `numpy_ok`). The state's skeleton names shared tensors

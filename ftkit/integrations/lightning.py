@@ -22,8 +22,23 @@ start (``on_fit_start``, after the strategy has built the optimizers):
   progress. Loading it marks the loops as restarting, exactly as Lightning's own
   ``ckpt_path=`` resume does, so ``current_epoch``, ``global_step``, the batch index
   and the logging step continue where they were;
-* ``ftkit_lightning``: the RNG state (Python, numpy, torch, CUDA) at the snapshot,
-  and the RNG state just before the current epoch's dataloader iterator was made.
+* ``ftkit_lightning``: the world size and the position of a
+  :class:`~ftkit.ResumableDistributedSampler` in the training dataloader, if there is one;
+* ``ftkit_lightning_rank`` (a :class:`~ftkit.RankLocal` entry, saved for each rank): this
+  rank's RNG state (Python, numpy, torch, CUDA) at the snapshot, and its RNG state just
+  before the current epoch's dataloader iterator was made.
+
+Several processes (``strategy="ddp"``, FSDP, under Lightning's launcher or torchrun): every
+rank snapshots its share and restores its own RNG; the data position resumes in one of
+two ways. With Lightning's own ``DistributedSampler`` (the default), a restart on the same
+number of ranks re-makes each rank's epoch iterator and skips what it had consumed, as
+below: exact. A restart on another number of ranks cannot continue that stream (each rank's
+shard depends on the world size); it warns and starts the interrupted epoch's remaining
+batches from the new shards. For an exact stream across world sizes, give the training
+``DataLoader`` a :class:`~ftkit.ResumableDistributedSampler` and
+``Trainer(use_distributed_sampler=False)``: the callback advances it after every batch,
+saves its global position, and on resume the loader yields exactly the samples the
+interrupted run had not consumed, split over the new ranks.
 
 Lightning itself does not move a plain ``DataLoader`` to the middle of an epoch on
 resume (it warns that the loader is not resumable and starts the iterator over). This
@@ -33,7 +48,7 @@ seeds), fetches and drops the batches the snapshot had already consumed, then se
 RNG to the snapshot's state. With ``deterministic=True`` the resumed run then computes
 bit for bit what the uninterrupted run computes.
 
-Limits (checked or documented, never silent): one process (``world_size`` 1); a
+Limits (checked or documented, never silent): a
 ``training_step`` that takes ``dataloader_iter`` is resumed without the fast-forward
 (with a warning); ``persistent_workers=True`` keeps worker RNG state that no checkpoint
 holds; hooks that draw random numbers between the epoch start and the epoch's first
@@ -65,13 +80,15 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError
 from ftkit.integrations._common import Adapter, check_every, check_tiers_reachable, coerce_tiers
-from ftkit.save.capture import rng_state, set_rng_state
+from ftkit.integrations.sampler import ResumableDistributedSampler
+from ftkit.save.capture import RankLocal, rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.lightning")
 
 __all__ = ["FtkitCallback"]
 
-_ENTRY = "ftkit_lightning"
+_ENTRY = "ftkit_lightning"  # the job's: world size, the resumable sampler's position
+_RANK_ENTRY = "ftkit_lightning_rank"  # each rank's: its RNG states
 
 
 class FtkitCallback(Callback):
@@ -109,15 +126,13 @@ class FtkitCallback(Callback):
         self._last_step = -1
         self._epoch_rng: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None  # what on_train_start still has to do after a restore
+        self._job: dict[str, Any] | None = None  # the restored job entry (world size, sampler position)
+        self._sampler: ResumableDistributedSampler | None = None  # the training loader's, if it has one
 
     # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if trainer.world_size > 1:
-            raise FtkitError(
-                f"FtkitCallback supports one training process; this Trainer has world_size {trainer.world_size}"
-            )
         check_tiers_reachable(self.tiers, "FtkitCallback")
 
     def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -135,8 +150,16 @@ class FtkitCallback(Callback):
         if dm is not None:
             state["datamodule"] = Adapter(dm.state_dict, lambda sd: dm.load_state_dict(sd) if sd else None)
         state["loops"] = Adapter(trainer.fit_loop.state_dict, self._load_loops(trainer))
-        state[_ENTRY] = Adapter(self._own_state, self._load_own_state)
+        state[_ENTRY] = Adapter(lambda: self._job_state(trainer), self._load_job_state)
+        state[_RANK_ENTRY] = RankLocal(Adapter(self._own_state, self._load_own_state))
         return state
+
+    def _job_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        sampler = self._sampler
+        return {"world_size": trainer.world_size, "sampler": sampler.state_dict() if sampler is not None else None}
+
+    def _load_job_state(self, saved: dict[str, Any]) -> None:
+        self._job = dict(saved)
 
     def _callback_states(self, trainer: pl.Trainer) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -177,6 +200,8 @@ class FtkitCallback(Callback):
         self._close_quietly()
         self._last_step = -1
         self._pending = None
+        self._job = None
+        self._sampler = None
         self.restored_step = 0
         self.checkpointer = Checkpointer(
             self._state(trainer, pl_module), self.tiers, policy=self.policy, rng=False, **self.checkpointer_kwargs
@@ -210,14 +235,33 @@ class FtkitCallback(Callback):
             self._epoch_rng = rng_state() if self.rng else None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sampler = _resumable_sampler(trainer)
         pending, self._pending = self._pending, None
-        if not self.restored_step or pending is None:
+        job, self._job = self._job or {}, None
+        if not self.restored_step:
             return
+        if self._sampler is not None:
+            saved = job.get("sampler")
+            if saved is None:
+                raise FtkitError(
+                    "the snapshot holds no ResumableDistributedSampler position but the training loader has that "
+                    "sampler: the snapshot was taken with another one"
+                )
+            self._sampler.load_state_dict(saved)  # the job's position: the same on every rank
+        elif job.get("world_size", trainer.world_size) != trainer.world_size:
+            log.warning(
+                "ftkit: resumed on %d ranks from a snapshot of %d: the sampler's shards differ, so the interrupted "
+                "epoch's sample stream does not continue exactly (use ftkit.ResumableDistributedSampler and "
+                "Trainer(use_distributed_sampler=False) for that)",
+                trainer.world_size,
+                job["world_size"],
+            )
         fit_loop = trainer.fit_loop
         fetcher = fit_loop._data_fetcher
         progress = fit_loop.epoch_loop.batch_progress
         consumed = progress.current.ready
-        if consumed >= trainer.num_training_batches or progress.is_last_batch:
+        pending = pending or {}  # empty on a rank the snapshot has no state for (the world grew)
+        if progress.is_last_batch or (self._sampler is None and consumed >= trainer.num_training_batches):
             consumed = 0  # the snapshot ended an epoch: the next one starts from a fresh iterator
             # and the RNG state as it was when the original run made that iterator
             epoch_rng = pending.get("rng")
@@ -231,15 +275,48 @@ class FtkitCallback(Callback):
                 "ftkit: training_step takes dataloader_iter; the data position of the interrupted epoch is not restored"
             )
             return
+        skip = consumed
+        if self._sampler is None:  # Lightning sets the epoch only after this hook: the iterator needs it now
+            _set_sampler_epoch(fit_loop, trainer.current_epoch)
+        else:  # its iterator starts at the restored position: skip nothing
+            skip = 0
+            if consumed:
+                self._fit_epoch_length(trainer, done=consumed)
+            else:  # the interrupted epoch had ended: it ends at once, the next starts where the sampler is
+                fit_loop.max_batches = progress.current.ready
         if self.rng and epoch_rng is not None:
             set_rng_state(epoch_rng)
         iter(fetcher)  # a fresh iterator for this epoch: same sampler permutation, same worker seeds
-        _drop_batches(fetcher, consumed)
+        _drop_batches(fetcher, skip)
+        if self._sampler is not None and consumed and fetcher.length is not None:
+            # The epoch loop counts the restored batches into `fetched`: the epoch's length counts them too.
+            fetcher.length = int(fit_loop.max_batches)
         if consumed and self.rng and pending.get("rng") is not None:
             # Back to the snapshot's RNG state. (With nothing dropped the iterator's lazy first
             # draws are still to come, from the state just set, as in the original run.)
             set_rng_state(pending["rng"])
-        log.info("ftkit: dataloader moved past the %d batch(es) this epoch had consumed", consumed)
+        if self._sampler is not None:
+            log.info(
+                "ftkit: the sampler resumes at epoch %d, position %d of the global stream, on %d rank(s)",
+                self._sampler.epoch,
+                self._sampler.position,
+                self._sampler.num_replicas,
+            )
+        else:
+            log.info("ftkit: dataloader moved past the %d batch(es) this epoch had consumed", consumed)
+
+    def _fit_epoch_length(self, trainer: pl.Trainer, done: int | None = None) -> None:
+        """With a ResumableDistributedSampler an epoch's length is what the sampler has left
+        (after a resume on another world size, or a last round carried into the next epoch):
+        make the epoch loop's batch count agree, `done` batches already counted."""
+        fit_loop = trainer.fit_loop
+        loaders = fit_loop._combined_loader
+        if loaders is None or trainer.limit_train_batches != 1.0:  # a user limit: Lightning's count stands
+            return
+        left: list[int | float] = [len(dl) for dl in loaders.flattened]
+        loaders.limits = left
+        ready = fit_loop.epoch_loop.batch_progress.current.ready if done is None else done
+        fit_loop.max_batches = ready + max(left)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning makes a new iterator for this epoch right after this hook, under the same
@@ -247,11 +324,17 @@ class FtkitCallback(Callback):
         loop = trainer.fit_loop
         if trainer.current_epoch > 0 and not getattr(loop, "is_resuming", False) and not loop.epoch_loop.restarting:
             self._epoch_rng = rng_state() if self.rng else None
+            if self._sampler is not None:
+                self._fit_epoch_length(trainer, done=0)
 
     # ---------------------------------------------------------------- snapshot
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._sampler is not None:  # before this step's snapshot: the position after its batch
+            from lightning.pytorch.utilities.data import extract_batch_size
+
+            self._sampler.advance(extract_batch_size(batch))
         step = trainer.global_step
         if step <= 0 or step == self._last_step or step % self.every_n_steps:
             return
@@ -301,3 +384,34 @@ def _drop_batches(fetcher: Any, n: int) -> None:
             except StopIteration:
                 fetcher.done = True
                 return
+
+
+def _set_sampler_epoch(fit_loop: Any, epoch: int) -> None:
+    """What Lightning's fit loop does at each epoch's start (a DistributedSampler's shuffle is
+    seeded with its epoch), for the iterator this callback re-makes before that."""
+    loaders = fit_loop._combined_loader
+    for dl in loaders.flattened if loaders is not None else []:
+        for s in (getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
+            set_epoch = getattr(s, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+
+
+def _resumable_sampler(trainer: pl.Trainer) -> ResumableDistributedSampler | None:
+    """The training loader's ResumableDistributedSampler, if it has one (it must be the only loader)."""
+    loaders = trainer.fit_loop._combined_loader
+    found = []
+    for dl in loaders.flattened if loaders is not None else []:
+        for s in (getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
+            inner = getattr(s, "dataset", None)  # Lightning's DistributedSamplerWrapper holds the user's
+            if isinstance(getattr(inner, "_sampler", None), ResumableDistributedSampler):
+                raise FtkitError(
+                    "Lightning wrapped the ResumableDistributedSampler in a DistributedSampler: "
+                    "give the Trainer use_distributed_sampler=False"
+                )
+            if isinstance(s, ResumableDistributedSampler):
+                found.append(s)
+                break
+    if len(found) > 1:
+        raise FtkitError("FtkitCallback follows one ResumableDistributedSampler; the training loaders have several")
+    return found[0] if found else None

@@ -130,9 +130,9 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
                 failed,
             )
             continue
-        manifest, tensors, rng_value = loaded
+        manifest, tensors, (rng_value, local_value) = loaded
         t1 = time.perf_counter()
-        cap.load(rc.state, manifest.skeleton, tensors, rng_value)
+        cap.load(rc.state, manifest.skeleton, tensors, rng_value, local_value)
         t_load = time.perf_counter() - t1
         superseded = Superseded(s, {i: [x for x in steps if x > s] for i, steps in listings})
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -215,7 +215,7 @@ def _request(doc: Any) -> dict[str, Any]:
 def _regions(rc, manifest: Manifest):
     """The region of each saved tensor this rank needs, the live DTensors among them, and the live tensors."""
     _init_sharded_optimizers(rc.state)
-    live = dict(cap.capture(rc.state, rng=False).tensors)
+    live = dict(cap.capture(rc.state, rng=False, rng_path=f"{cap.RNG_KEY}/r{rc.dist.rank}").tensors)
     rank_prefix = f"{cap.RNG_KEY}/r{rc.dist.rank}/"
     regions, dtensors = {}, {}
     for entry in manifest.tensors:
@@ -261,8 +261,9 @@ def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
             local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
     rng_value = None
+    own = manifest.rank_state.get(str(rc.dist.rank), {})
     if rc.rng:
-        rng_value = manifest.rank_state.get(str(rc.dist.rank), {}).get("rng")
+        rng_value = own.get("rng")
         if rng_value is None:
             log.info(
                 "step %d holds no RNG state for rank %d (saved with %d ranks); RNG left as is",
@@ -279,7 +280,15 @@ def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
                 raise CorruptCheckpointError(
                     f"step {step}: the RNG state of rank {rc.dist.rank} is unusable: {'; '.join(problems)}"
                 )
-    return manifest, tensors, rng_value
+    local_value = own.get("local")
+    if local_value is None and any(isinstance(v, cap.RankLocal) for v in rc.state.values()):
+        log.info(
+            "step %d holds no rank-local state for rank %d (saved with %d ranks); those entries left as they are",
+            step,
+            rc.dist.rank,
+            manifest.world_size,
+        )
+    return manifest, tensors, (rng_value, local_value)
 
 
 def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:

@@ -34,9 +34,52 @@ _MARKERS = ("$tensor", "$tuple", "$items", "$float", "$ndarray")
 
 @dataclass
 class CapturedState:
-    skeleton: dict[str, Any]  # {"entries": {name: {"kind": ..., "value": ...}}}
+    skeleton: dict[str, Any]  # {"entries": {name: {"kind": ..., "value": ...}}}: the shared entries
     tensors: list[tuple[str, torch.Tensor]]  # (name, live tensor), in capture order
     rng: Any = None  # this process's encoded RNG state, when captured
+    local: dict[str, Any] | None = None  # the RankLocal entries, encoded like the skeleton's
+
+    @property
+    def rank_state(self) -> dict[str, Any]:
+        """What this rank saves of its own (a manifest's ``rank_state["<rank>"]``)."""
+        out: dict[str, Any] = {"rng": self.rng}
+        if self.local:
+            out["local"] = self.local
+        return out
+
+
+class RankLocal:
+    """A state entry whose value differs per rank: saved for each rank, restored to the same rank.
+
+    Everything else in a Checkpointer's state is taken to be the same on every rank and
+    is saved once (rank 0's non-tensor values). Wrap what is not: a rank's own data
+    iterator position, a per-rank generator, a per-rank counter::
+
+        state = {"model": model, "loader": ftkit.RankLocal(my_stateful_loader)}
+
+    `value` is an object with ``state_dict()``/``load_state_dict()``, or a mutable
+    mapping whose items are replaced on restore. A restore on a rank the checkpoint
+    has no state for (the world grew) leaves the live value as it is and logs it, as
+    for the RNG state.
+    """
+
+    def __init__(self, value: Any):
+        if not _is_stateful(value) and not isinstance(value, MutableMapping):
+            raise TypeError(
+                f"RankLocal wraps an object with state_dict()/load_state_dict() or a mutable mapping, "
+                f"not a {type(value).__name__}"
+            )
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value.state_dict() if _is_stateful(self.value) else dict(self.value)
+
+    def load_state_dict(self, state: Any) -> None:
+        if _is_stateful(self.value):
+            self.value.load_state_dict(state)
+        else:
+            self.value.clear()
+            self.value.update(state)
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -154,17 +197,20 @@ def capture(state: Mapping[str, Any], *, rng: bool = True, rng_path: str = f"{RN
     """
     enc = _Encoder()
     entries: dict[str, Any] = {}
+    local: dict[str, Any] = {}
     for key, obj in state.items():
         if not isinstance(key, str) or not key or key == RNG_KEY or "/" in key:
             raise CaptureError(f"state key {key!r} must be a non-empty string without '/' (and not {RNG_KEY!r})")
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, RankLocal):  # named below this rank's own prefix: a rank-local tensor
+            local[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), f"{rng_path}/local/{key}")}
+        elif isinstance(obj, torch.Tensor):
             entries[key] = {"kind": "tensor", "value": enc.encode(obj, key)}
         elif _is_stateful(obj):
             entries[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), key)}
         else:
             entries[key] = {"kind": "value", "value": enc.encode(obj, key)}
     rng_value = enc.encode(rng_state(), rng_path) if rng else None
-    return CapturedState({"entries": entries}, enc.tensors, rng_value)
+    return CapturedState({"entries": entries}, enc.tensors, rng_value, local or None)
 
 
 def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -284,11 +330,11 @@ def check(state: Mapping[str, Any], skeleton: Mapping[str, Any], tensors: Mappin
     """
     entries = skeleton["entries"]
     problems: list[str] = []
-    missing = [k for k in state if k not in entries]
+    missing = [k for k in state if k not in entries and not isinstance(state[k], RankLocal)]
     if missing:
         problems.append(f"not in checkpoint: {', '.join(missing)}")
     for key, entry in entries.items():
-        if key not in state:
+        if key not in state or isinstance(state[key], RankLocal):
             problems.append(f"{key}: in checkpoint but not in the live state")
             continue
         live = state[key]
@@ -316,8 +362,10 @@ def load(
     skeleton: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
     rng_value: Any = None,
+    local_value: Mapping[str, Any] | None = None,
 ) -> None:
-    """Load decoded values into the live `state` in place (after `check` found nothing)."""
+    """Load decoded values into the live `state` in place (after `check` found nothing);
+    then this rank's RankLocal entries (`local_value`, from its rank_state) and RNG state."""
     for key, entry in skeleton["entries"].items():
         value = decode(entry["value"], tensors)
         if entry["kind"] == "stateful":
@@ -330,6 +378,12 @@ def load(
                 state[key].copy_(value)
         else:
             state[key] = value
+    for key, obj in state.items():
+        if isinstance(obj, RankLocal) and local_value is not None and key in local_value:
+            try:
+                obj.load_state_dict(decode(local_value[key]["value"], tensors))
+            except Exception as e:  # a user object's own validation; keep its words
+                raise StateMismatchError(f"{key}: load_state_dict refused this rank's state: {one_line(e, 300)}") from e
     if rng_value is not None:
         set_rng_state(decode(rng_value, tensors))
 
@@ -339,12 +393,13 @@ def apply(
     skeleton: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
     rng_value: Any = None,
+    local_value: Mapping[str, Any] | None = None,
 ) -> None:
     """check() then load(): a mismatch raises before anything in `state` changes."""
     problems = check(state, skeleton, tensors)
     if problems:
         raise StateMismatchError(describe(problems))
-    load(state, skeleton, tensors, rng_value)
+    load(state, skeleton, tensors, rng_value, local_value)
 
 
 def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str]:

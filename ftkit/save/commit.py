@@ -94,7 +94,7 @@ def persist(
     *,
     compress: str | None,
     pieces: Mapping[str, Piece] | None = None,
-    rng: Any = None,
+    rank_state: dict[str, Any] | None = None,
     ctx: DistContext | None = None,
     key: str = "",
     ledger: KeyLedger | None = None,
@@ -114,7 +114,11 @@ def persist(
     group = group or NodeGroup.of(ctx, None)
     write, error = write_share(storage, step, slot, pieces, compress, ctx.rank)
     fault_point("persist", step, ctx.rank)  # data written, not yet reported
-    report = {"write": write.to_json() if write else None, "error": str(error) if error else None, "rng": rng}
+    report: dict[str, Any] = {
+        "write": write.to_json() if write else None,
+        "error": str(error) if error else None,
+        "rank_state": rank_state or {},
+    }
     if ctx.rank != group.leader:
         group.node_board().write(step_message(at, f"w-r{ctx.rank}"), report)
     else:
@@ -187,7 +191,7 @@ def _node_record(
     errors = [f"rank {r}: {reports[r]['error']}" for r in ranks if reports[r].get("error")]
     if not errors:
         try:
-            rank_state = {str(r): {"rng": reports[r].get("rng")} for r in ranks}
+            rank_state = {str(r): reports[r].get("rank_state", {}) for r in ranks}
             return {**write_part(storage, step, writes, rank_state, list(ranks), world), "errors": []}
         except Exception as e:  # a malformed report or a storage failure: the node's error
             errors = [f"node of rank {ranks[0]}: {e}"]
@@ -234,7 +238,7 @@ def read_node_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) 
 def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:
     """Policy "skip" on a shared tier: this rank will not write the step of `key`; tell its
     leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
-    report = {"write": None, "error": reason, "rng": None}
+    report: dict[str, Any] = {"write": None, "error": reason, "rank_state": {}}
     if ctx.rank != group.leader:
         group.node_board().write(step_message(at, f"w-r{ctx.rank}"), report)
     elif ctx.rank != 0:

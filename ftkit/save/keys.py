@@ -38,9 +38,11 @@ class KeyLedger:
         exchanged for replicas, `exchange`, and the records for rank 0), which rank 0 would have
         deleted, and its word on the manifest."""
         return KeyLedger(
-            lambda key: [f"{key}/w/{r}" for r in leaders if exchange]
-            + [f"{key}/r/{r}" for r in leaders if r]
-            + [f"{key}/manifest"]
+            lambda key: (
+                [f"{key}/w/{r}" for r in leaders if exchange]
+                + [f"{key}/r/{r}" for r in leaders if r]
+                + [f"{key}/manifest"]
+            )
         )
 
     @staticmethod

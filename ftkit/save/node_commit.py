@@ -8,8 +8,9 @@ shared tier: one part per node and an index (format/index.py)::
                   post its report (`NodeReport`) to its node's board (a file, no store request)
     node leaders: collect the node's reports; write the node's part (checked, beside its data)
     with replicas (save/replicas.py):
-      leaders     set the reports and the part as one record, `key`/w/<leader>; read the records of the k nodes before theirs (whose ranks send this
-                  node their replicas) and of the k after; post the reports on the board
+      leaders     set the reports and the part as one record, `key`/w/<leader>; read the
+                  records of the k nodes before theirs (whose ranks send this node their
+                  replicas) and of the k after; post the reports on the board
       every rank  sends its file to its targets, stores verified copies of what its
                   sources send (tiers/peers.py), posts its outcome to the board
       leaders     write the parts of the k nodes before theirs: a node keeps the parts of
@@ -25,10 +26,11 @@ shared tier: one part per node and an index (format/index.py)::
 A non-leader rank makes no store request; a leader makes a constant number (its
 record for rank 0 and the index; with replicas also its reports and the records of
 the k nodes before and after it); rank 0 one delete for every node's record (two
-with replicas). Per step: 4 x nodes requests without replicas, 7 x nodes with. Rank 0 handles O(nodes) bytes, a leader its node's entries, those of k
-other nodes and the index (O(nodes) bytes, ~110 per node). A node holds the parts
-of the ranks whose files it holds, not every part: at restore, parts a node lacks
-come through the store from a node that has them (restore/read.py).
+with replicas). Per step: 4 x nodes requests without replicas, 7 x nodes with.
+Rank 0 handles O(nodes) bytes, a leader its node's entries, those of k other nodes
+and the index (O(nodes) bytes, ~110 per node). A node holds the parts of the ranks
+whose files it holds, not every part: at restore, parts a node lacks come through the
+store from a node that has them (restore/read.py).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def persist_node_local(
     *,
     compress: str | None,
     pieces: Mapping[str, Piece] | None,
-    rng: Any,
+    rank_state: dict[str, Any] | None,
     ctx: DistContext,
     key: str,
     group: NodeGroup | None = None,
@@ -132,7 +134,7 @@ def persist_node_local(
     except AlreadyCommitted as e:  # this node has the step, another may not: still take part below
         write, error = None, e
     cpu["write"] = time.thread_time() - c0
-    text = NodeReport.encode(write, str(error) if error else None, rng)
+    text = NodeReport.encode(write, str(error) if error else None, rank_state)
     leader = ctx.rank == group.leader
     exchange = replicas > 0 and peers is not None and ctx.distributed  # nodes swap reports for replicas
     node: NodeShare | None = None
@@ -193,7 +195,7 @@ def node_part(storage: Storage, step: int, texts: dict[int, str], ranks: tuple[i
         return NodeShare(texts, errors, skipped, files)
     try:
         writes = [r.write_doc() for r in reports if r.file]
-        rank_state = {str(r.rank): {"rng": r.rng} for r in reports}
+        rank_state = {str(r.rank): r.rank_state for r in reports}
         name, data, entries = build_part(storage, step, writes, rank_state, list(ranks), world)
         written = store_part(storage, step, name, data, entries, list(ranks))
     except Exception as e:  # a malformed report or a storage failure: the node's error

@@ -52,7 +52,7 @@ class PersistJob:
     skeleton: dict[str, Any]
     tiers: list[int]
     pieces: dict[str, Piece]
-    rng: Any
+    rank_state: dict[str, Any]  # this rank's own state: its RNG, its RankLocal entries
     epoch: int  # restore() calls before it was staged: commits after a restore use new store keys
 
 

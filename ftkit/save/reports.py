@@ -5,7 +5,7 @@ decoding validates them like a manifest (format/validate.py), and one that does
 not validate reads as that rank's error, so every rank sees the same outcome and
 the step is simply not committed.
 
-* shared tiers (save/commit.py): one JSON object per rank, {"write", "error", "rng"},
+* shared tiers (save/commit.py): one JSON object per rank, {"write", "error", "rank_state"},
   posted to the rank's node board and read by its leader;
 * the RAM tier (save/node_commit.py): `NodeReport`, two JSON lines, posted to the
   rank's node board and relayed by its leader in one record for the node.
@@ -54,18 +54,18 @@ class NodeReport:
     file: str | None
     nbytes: int
     error: str | None
-    rng: Any
+    rank_state: Any  # the rank's own state (its manifest rank_state entry): checked with the part
     tensors_json: str
     skipped: bool = False  # sent by the training thread (policy "skip"), not by a persist thread
     world_size: int = 1
 
     @staticmethod
-    def encode(write: RankWrite | None, error: str | None, rng: Any, skipped: bool = False) -> str:
+    def encode(write: RankWrite | None, error: str | None, rank_state: Any, skipped: bool = False) -> str:
         head = {
             "file": write.file if write else None,
             "nbytes": write.nbytes if write else 0,
             "error": error,
-            "rng": rng,
+            "rank_state": rank_state or {},
             "skipped": skipped,
         }
         tensors = [tensor_entry_doc(t) for t in write.tensors] if write else []
@@ -88,7 +88,14 @@ class NodeReport:
         if type(nbytes) is not int or not 0 <= nbytes <= MAX_INT:
             raise FormatError(f"{where} has a bad byte count")
         return NodeReport(
-            rank, file, nbytes, h["error"], h.get("rng"), tensors or "[]", h.get("skipped") is True, world_size
+            rank,
+            file,
+            nbytes,
+            h["error"],
+            h.get("rank_state", {}),
+            tensors or "[]",
+            h.get("skipped") is True,
+            world_size,
         )
 
     def tensors(self, validate: bool = True) -> list[dict[str, Any]]:
@@ -116,4 +123,4 @@ def decode_report(rank: int, text: str, world_size: int) -> NodeReport:
     try:
         return NodeReport.decode(rank, text, world_size)
     except FormatError as e:
-        return NodeReport(rank, None, 0, f"unreadable report: {e}", None, "[]", False, world_size)
+        return NodeReport(rank, None, 0, f"unreadable report: {e}", {}, "[]", False, world_size)

@@ -85,7 +85,15 @@ class TierBackend(ABC):
     def _commit_args(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> dict[str, Any]:
         """What both commit protocols take from a persist job, beside the storage and the slot."""
         at = (job.epoch, job.step)
-        return dict(compress=self.tier.compress, pieces=job.pieces, rng=job.rng, ctx=ctx, key=key, ledger=ledger, at=at)
+        return dict(
+            compress=self.tier.compress,
+            pieces=job.pieces,
+            rank_state=job.rank_state,
+            ctx=ctx,
+            key=key,
+            ledger=ledger,
+            at=at,
+        )
 
     def persist_details(self) -> dict[str, Any]:
         """What the last persist() of this rank did besides writing, for its "persist" event."""

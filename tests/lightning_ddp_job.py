@@ -1,0 +1,133 @@
+"""A Lightning DDP fit under torchrun, for tests/test_integrations_multiprocess.py.
+
+Every rank appends what each training step consumed to OUT/trace-r<rank>-a<attempt>.jsonl
+(the global step before it, the epoch, the dataset indices of its batch), line by line so a
+SIGKILL keeps what was written. Rank 0 writes the restored step and, at the end, the final
+weights and optimizer state to OUT/final-a<attempt>.pt. --kill-at K: in the first attempt,
+rank 1 SIGKILLs itself after the snapshot of global step K is in (no finally, no flush).
+
+    torchrun --nproc-per-node 2 tests/lightning_ddp_job.py --ckpt DIR --out DIR [--resumable] [--kill-at K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import ftkit
+from ftkit.integrations.lightning import FtkitCallback
+
+SAMPLES, BATCH, EPOCHS = 48, 4, 3
+
+
+class Indexed(Dataset):
+    """Fixed random features and targets; each sample carries its index, so the trace says which it was."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(123)
+        self.x, self.y = torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g)
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+class Net(pl.LightningModule):
+    """Dropout (each rank's RNG), AdamW (state), a per-step scheduler (state)."""
+
+    def __init__(self, resumable: bool):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+        )
+        self.resumable = resumable
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return (self.net(x) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        ds = Indexed()
+        if self.resumable:  # one global stream whatever the world size (use_distributed_sampler=False)
+            return DataLoader(ds, batch_size=BATCH, sampler=ftkit.ResumableDistributedSampler(ds, seed=7))
+        return DataLoader(ds, batch_size=BATCH, shuffle=True)  # Lightning puts a DistributedSampler in
+
+
+class Trace(pl.Callback):
+    def __init__(self, path: str, kill_at: int | None, ftcb: FtkitCallback):
+        self.path, self.kill_at, self.ftcb = path, kill_at, ftcb
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        rec = {"step": trainer.global_step, "epoch": trainer.current_epoch, "idx": batch[2].tolist()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.kill_at is not None and trainer.global_step == self.kill_at and trainer.global_rank == 1:
+            self.ftcb.checkpointer.wait()  # this rank's share of step K is in: K is the newest step
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--resumable", action="store_true")
+    p.add_argument("--kill-at", type=int)
+    args = p.parse_args()
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    world = int(os.environ["WORLD_SIZE"])
+    pl.seed_everything(0, verbose=False)
+    ftcb = FtkitCallback([args.ckpt], every_n_steps=1)
+    kill_at = args.kill_at if attempt == 0 else None
+    trace = Trace(os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl"), kill_at, ftcb)
+    trainer = pl.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        deterministic=True,
+        use_distributed_sampler=not args.resumable,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[ftcb, trace],
+    )
+    model = Net(args.resumable)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on num_workers etc.
+        trainer.fit(model)
+    if rank == 0:
+        opt = trainer.optimizers[0].state_dict()["state"]
+        final = {f"model/{k}": v for k, v in model.state_dict().items()}
+        final |= {f"optim/{i}/{k}": torch.as_tensor(v) for i, st in opt.items() for k, v in st.items()}
+        torch.save(
+            {
+                "final": final,
+                "restored": ftcb.restored_step,
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+            },
+            os.path.join(args.out, f"final-w{world}-a{attempt}.pt"),
+        )
+
+
+if __name__ == "__main__":
+    main()

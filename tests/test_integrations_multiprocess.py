@@ -1,0 +1,159 @@
+"""The trainer integrations with several processes: Lightning DDP under torchrun.
+
+Real Lightning, real torchrun (its elastic agent restarts the job after a SIGKILL),
+real gloo ranks, real ftkit tiers. Each run writes what every step of every rank
+consumed (tests/lightning_ddp_job.py); a killed and resumed run is compared with an
+uninterrupted one: the sample stream step by step, and the final weights and optimizer
+state bit for bit (DDP's gloo all-reduce of two ranks sums in a fixed order).
+Workers fork from a zygote with Lightning imported, as `ftkit run --preload` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, warm_target
+
+import ftkit
+
+JOB = os.path.join(REPO, "tests", "lightning_ddp_job.py")
+SAMPLES, BATCH = 48, 4  # lightning_ddp_job.py's
+
+
+@pytest.fixture(scope="module")
+def lightning_zygote():
+    from ftkit.warm import zygote as warm
+
+    z = warm.start(preload=("lightning.pytorch",))
+    yield z
+    z.stop()
+
+
+def launch(zygote, tmp, name: str, ckpt, nproc: int, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
+    out = tmp / name
+    out.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.1",
+        *warm_target(zygote, [JOB, "--ckpt", str(ckpt), "--out", str(out), *args]),
+    ]
+    env = {**os.environ, **zygote.env(), "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
+
+
+def traces(out, world: int, attempt: int) -> list[list[dict]]:
+    """Each rank's steps of one attempt, in order."""
+    ranks = []
+    for r in range(world):
+        with open(out / f"trace-w{world}-r{r}-a{attempt}.jsonl") as f:
+            ranks.append([json.loads(line) for line in f])
+    return ranks
+
+
+def final(out, world: int, attempt: int) -> dict:
+    return torch.load(out / f"final-w{world}-a{attempt}.pt")
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"differ: {differ}"
+
+
+def check(r: subprocess.CompletedProcess, ok: bool = True) -> None:
+    assert (r.returncode == 0) == ok, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(lightning_zygote, tmp_path_factory):
+    """Uninterrupted 2-rank runs, one per sampler, and the run each test starts from."""
+    tmp = tmp_path_factory.mktemp("lightning-ddp")
+    cache: dict[str, object] = {}
+
+    def get(name: str, *args: str):
+        if name not in cache:
+            r = launch(lightning_zygote, tmp, name, tmp / f"{name}-ckpt", 2, *args)
+            check(r)
+            cache[name] = tmp / name
+        return cache[name]
+
+    return tmp, get
+
+
+def test_lightning_ddp_sigkill_then_torchrun_restart_equals_uninterrupted_run(runs, lightning_zygote):
+    """Lightning's own DistributedSampler, 2 ranks: rank 1 is SIGKILLed after step 7's
+    snapshot; torchrun restarts both; each rank re-makes its epoch iterator and skips what
+    it had consumed. Same batches per rank per step, bitwise equal weights and optimizer."""
+    tmp, reference = runs
+    ref = reference("reference")
+    r = launch(lightning_zygote, tmp, "killed", tmp / "killed-ckpt", 2, "--kill-at", "7", restarts=1)
+    check(r)
+    out = tmp / "killed"
+    done = final(out, 2, 1)
+    assert done["restored"] == 7 and done["step"] == 18 and done["epoch"] == 3
+    before, after, whole = traces(out, 2, 0), traces(out, 2, 1), traces(ref, 2, 0)
+    for rank in range(2):
+        resumed = [s for s in before[rank] if s["step"] < 7] + after[rank]
+        assert resumed == whole[rank], f"rank {rank} consumed another stream"
+    assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
+
+
+def stream(total: int, seed: int = 7) -> list[int]:
+    """The global sample stream of ResumableDistributedSampler: epoch e's permutation, then e+1's..."""
+    out: list[int] = []
+    s = ftkit.ResumableDistributedSampler(SAMPLES, num_replicas=1, rank=0, seed=seed)
+    while len(out) < total:
+        out += list(iter(s))
+        s.advance(len(s))
+    return out[:total]
+
+
+def consumed(ranks: list[list[dict]], until: int | None = None) -> list[list[int]]:
+    """The samples the job consumed at each step (all ranks together)."""
+    steps: dict[int, list[int]] = {}
+    for rank in ranks:
+        for s in rank:
+            if until is None or s["step"] < until:
+                steps.setdefault(s["step"], []).extend(s["idx"])
+    return [steps[k] for k in sorted(steps)]
+
+
+def test_lightning_resumable_sampler_continues_the_global_stream_from_2_ranks_to_3(runs, lightning_zygote):
+    """ftkit.ResumableDistributedSampler with use_distributed_sampler=False: 2 ranks killed
+    after step 7's snapshot (torchrun gives up), then the job comes back on 3 ranks. The samples
+    consumed, step after step, are the one global stream cut in slices: nothing skipped,
+    nothing repeated, the epoch's tail split over 3 ranks and carried into the next epoch.
+    The same resume on 2 ranks ends bitwise equal to the uninterrupted run."""
+    tmp, reference = runs
+    ref = reference("reference-resumable", "--resumable")
+    ckpt = tmp / "two-ckpt"
+    check(launch(lightning_zygote, tmp, "killed-resumable", ckpt, 2, "--resumable", "--kill-at", "7"), ok=False)
+    shutil.copytree(ckpt, tmp / "three-ckpt")
+    check(launch(lightning_zygote, tmp, "two", ckpt, 2, "--resumable"))
+    check(launch(lightning_zygote, tmp, "three", tmp / "three-ckpt", 3, "--resumable"))
+    # On 2 ranks: the uninterrupted run, bit for bit.
+    assert final(tmp / "two", 2, 0)["restored"] == 7
+    assert_bitwise_equal(final(tmp / "two", 2, 0)["final"], final(ref, 2, 0)["final"])
+    # On 3 ranks. Step 7 ended epoch 1's first batch: 40 of its 48 samples are left, 14 a rank:
+    # batches of 4, 4, 4 and 2, the last round running 2 samples into epoch 2. Epoch 2 then has
+    # 46 left: 16 a rank, 4 full batches (and 2 more carried into epoch 3, which never runs).
+    three = final(tmp / "three", 3, 0)
+    assert three["restored"] == 7
+    steps = consumed(traces(tmp / "killed-resumable", 2, 0), until=7) + consumed(traces(tmp / "three", 3, 0))
+    assert [len(s) for s in steps] == [8] * 7 + [12, 12, 12, 6] + [12] * 4
+    want = stream(sum(len(s) for s in steps))
+    at = 0
+    for k, got in enumerate(steps):
+        assert sorted(got) == sorted(want[at : at + len(got)]), f"step {k} consumed other samples"
+        at += len(got)
+    assert three["step"] == 15 and three["epoch"] == 3
