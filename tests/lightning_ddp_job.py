@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -22,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import ftkit
+from ftkit.format.reader import committed_steps
 from ftkit.integrations.lightning import FtkitCallback
 
 SAMPLES, BATCH, EPOCHS = 48, 4, 3
@@ -78,7 +80,10 @@ class Trace(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.kill_at is not None and trainer.global_step == self.kill_at and trainer.global_rank == 1:
-            self.ftcb.checkpointer.wait()  # this rank's share of step K is in: K is the newest step
+            self.ftcb.checkpointer.wait()  # this rank's share of step K is in; rank 0 commits it:
+            deadline = time.monotonic() + 60  # K is then the newest step (the test knows which)
+            while self.kill_at not in committed_steps(self.ftcb.tiers[0].open()) and time.monotonic() < deadline:
+                time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,11 +1,13 @@
-"""The trainer integrations with several processes: Lightning DDP under torchrun.
+"""The trainer integrations with several processes: Lightning and the Hugging Face
+Trainer with DDP under torchrun.
 
-Real Lightning, real torchrun (its elastic agent restarts the job after a SIGKILL),
-real gloo ranks, real ftkit tiers. Each run writes what every step of every rank
-consumed (tests/lightning_ddp_job.py); a killed and resumed run is compared with an
-uninterrupted one: the sample stream step by step, and the final weights and optimizer
-state bit for bit (DDP's gloo all-reduce of two ranks sums in a fixed order).
-Workers fork from a zygote with Lightning imported, as `ftkit run --preload` does.
+Real Lightning and transformers, real torchrun (its elastic agent restarts the job after
+a SIGKILL), real gloo ranks, real ftkit tiers. Each run writes what every step of every
+rank consumed (tests/lightning_ddp_job.py, tests/huggingface_ddp_job.py); a killed and
+resumed run is compared with an uninterrupted one: the sample stream step by step, and
+the final weights and optimizer state bit for bit (DDP's gloo all-reduce of two ranks
+sums in a fixed order). Workers fork from a zygote with both frameworks imported, as
+`ftkit run --preload` does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from conftest import REPO, warm_target
 import ftkit
 
 JOB = os.path.join(REPO, "tests", "lightning_ddp_job.py")
+HF_JOB = os.path.join(REPO, "tests", "huggingface_ddp_job.py")
 SAMPLES, BATCH = 48, 4  # lightning_ddp_job.py's
 
 
@@ -30,12 +33,14 @@ SAMPLES, BATCH = 48, 4  # lightning_ddp_job.py's
 def lightning_zygote():
     from ftkit.warm import zygote as warm
 
-    z = warm.start(preload=("lightning.pytorch",))
+    z = warm.start(preload=("lightning.pytorch", "transformers.trainer", "transformers.models.gpt2"))
     yield z
     z.stop()
 
 
-def launch(zygote, tmp, name: str, ckpt, nproc: int, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
+def launch(
+    zygote, tmp, name: str, ckpt, nproc: int, *args: str, restarts: int = 0, job: str = JOB
+) -> subprocess.CompletedProcess:
     out = tmp / name
     out.mkdir(exist_ok=True)
     cmd = [
@@ -45,7 +50,7 @@ def launch(zygote, tmp, name: str, ckpt, nproc: int, *args: str, restarts: int =
         f"--nproc-per-node={nproc}",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.1",
-        *warm_target(zygote, [JOB, "--ckpt", str(ckpt), "--out", str(out), *args]),
+        *warm_target(zygote, [job, "--ckpt", str(ckpt), "--out", str(out), *args]),
     ]
     env = {**os.environ, **zygote.env(), "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
@@ -157,3 +162,21 @@ def test_lightning_resumable_sampler_continues_the_global_stream_from_2_ranks_to
         assert sorted(got) == sorted(want[at : at + len(got)]), f"step {k} consumed other samples"
         at += len(got)
     assert three["step"] == 15 and three["epoch"] == 3
+
+
+def test_huggingface_trainer_ddp_sigkill_then_torchrun_restart_equals_uninterrupted_run(lightning_zygote, tmp_path):
+    """transformers.Trainer, DDP over gloo, 2 ranks: rank 1 is SIGKILLed after step 7's snapshot;
+    torchrun restarts both; every rank restores its own RNG and resumes through its own resume
+    directory. The same batches per rank per step, bitwise equal weights and optimizer state."""
+    r = launch(lightning_zygote, tmp_path, "reference", tmp_path / "ref-ckpt", 2, job=HF_JOB)
+    check(r)
+    r = launch(lightning_zygote, tmp_path, "killed", tmp_path / "ckpt", 2, "--kill-at", "7", restarts=1, job=HF_JOB)
+    check(r)
+    ref, out = tmp_path / "reference", tmp_path / "killed"
+    done = final(out, 2, 1)
+    assert done["restored"] == 7 and done["step"] == final(ref, 2, 0)["step"] == 18
+    before, after, whole = traces(out, 2, 0), traces(out, 2, 1), traces(ref, 2, 0)
+    for rank in range(2):
+        resumed = [s for s in before[rank] if s["step"] < 7] + after[rank]
+        assert resumed == whole[rank], f"rank {rank} trained on other batches"
+    assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])

@@ -33,8 +33,16 @@ If the tiers already hold snapshots and ``train()`` was not given
 ``resume_from_checkpoint()``, ``on_train_begin`` raises instead of starting over (which
 would let retention delete the run's snapshots); ``ignore_existing=True`` starts over.
 
-Limits, checked at ``Trainer`` construction: one process (``world_size`` 1), no
-DeepSpeed or FSDP (they keep their own sharded state). A collator that draws random
+Several processes (torchrun, DDP through accelerate): every rank calls
+``resume_from_checkpoint()`` (the restore is collective), gets a resume directory of its
+own (``<resume_dir>-r<rank>``), and restores its own RNG state (a
+:class:`~ftkit.RankLocal` entry); the Trainer's sharded data loader skips the same batches
+on every rank as in its own resume, which is exact when the number of ranks is the same.
+On another number of ranks the Trainer's epoch and skip arithmetic (steps per epoch) is
+not the interrupted run's: the callback warns that the sample stream is not continued.
+
+Limits, checked at ``Trainer`` construction: no DeepSpeed or FSDP (they keep their own
+sharded state). A collator that draws random
 numbers (MLM masking) makes the first resumed batch differ, as it does with the
 Trainer's own resume. ``transformers.Trainer`` has no exception hook: a failed
 ``train()`` leaves the last snapshots flushing in the background; call
@@ -66,7 +74,7 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
-from ftkit.save.capture import rng_state, set_rng_state
+from ftkit.save.capture import RankLocal, rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.huggingface")
 
@@ -119,8 +127,9 @@ class FtkitCallback(TrainerCallback):
 
     # ----------------------------------------------------------------- state
     @staticmethod
-    def _entries(model, optimizer, scheduler, trainer_state) -> dict[str, Any]:
-        """The same keys for snapshot and restore; `None` parts become stashes."""
+    def _entries(model, optimizer, scheduler, trainer_state, world_size: int = 1) -> dict[str, Any]:
+        """The same keys for snapshot and restore; `None` parts become stashes. "rng" is each
+        rank's own; "world" the number of ranks that took the snapshot."""
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         scaler = getattr(optimizer, "scaler", None)
         return {
@@ -133,13 +142,14 @@ class FtkitCallback(TrainerCallback):
                 if trainer_state is not None
                 else Stash(str)
             ),
-            "rng": Adapter(rng_state, lambda v: None) if trainer_state is not None else Stash(dict),
+            "rng": RankLocal(Adapter(rng_state, lambda v: None) if trainer_state is not None else Stash(dict)),
+            "world": Adapter(lambda: {"world_size": world_size}, lambda v: None)
+            if trainer_state is not None
+            else Stash(dict),
         }
 
     # ---------------------------------------------------------------- set-up
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        if args.world_size > 1:
-            raise FtkitError(f"FtkitCallback supports one training process; world_size is {args.world_size}")
         if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
             raise FtkitError("FtkitCallback does not support DeepSpeed or FSDP (their state is sharded)")
         check_tiers_reachable(self.tiers, "FtkitCallback")
@@ -157,25 +167,37 @@ class FtkitCallback(TrainerCallback):
                 "resume_from_checkpoint(): pass this callback to the Trainer first (Trainer(..., callbacks=[ftkit_cb]))"
             )
         entries = self._entries(self._model, None, None, None)
+        rng = entries["rng"].value
         with Checkpointer(entries, self.tiers, rng=False, **self.checkpointer_kwargs) as ck:
             step = ck.restore()
         if step == 0:
             self._resume = None
             return None
         self._resume = {"step": step, **{k: v.take() for k, v in entries.items() if isinstance(v, Stash)}}
+        self._resume["rng"] = rng.take() if rng.has_value else None  # None: a rank the snapshot did not have
+        saved_world = (self._resume.get("world") or {}).get("world_size", 1)
+        world, rank = self._args.world_size, self._args.process_index
+        if saved_world != world:
+            log.warning(
+                "ftkit: resuming step %d on %d ranks from a snapshot of %d: the Trainer's epoch and batch skipping "
+                "count steps per epoch on this world size, so the sample stream is not the interrupted one",
+                step,
+                world,
+                saved_world,
+            )
         path = self.resume_dir or os.path.join(self._args.output_dir, "ftkit-resume")
+        if world > 1:  # every rank writes and reads its own
+            path = f"{path}-r{rank}"
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.makedirs(path)
         with open(os.path.join(path, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(self._resume["trainer_state"])
-        # Trainer.train() insists on a weights file; these are the weights just restored.
-        if hasattr(self._model, "save_pretrained"):
-            self._model.save_pretrained(path)  # type: ignore[operator]  # a transformers model
-        else:
-            from safetensors.torch import save_model
+        # Trainer.train() insists on a weights file; these are the weights just restored. (Not
+        # save_pretrained: under torch.distributed it writes on rank 0 only.)
+        from safetensors.torch import save_model
 
-            save_model(self._model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_model(self._model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         self._resume_path = path
         log.info("ftkit: step %d restored; resume directory %s", step, path)
         return path
@@ -206,7 +228,7 @@ class FtkitCallback(TrainerCallback):
                     "pass FtkitCallback(..., ignore_existing=True) to start over"
                 )
         self.checkpointer = Checkpointer(
-            self._entries(model, optimizer, lr_scheduler, state),
+            self._entries(model, optimizer, lr_scheduler, state, args.world_size),
             self.tiers,
             policy=self.policy,
             rng=False,

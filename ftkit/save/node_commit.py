@@ -26,7 +26,7 @@ shared tier: one part per node and an index (format/index.py)::
 A non-leader rank makes no store request; a leader makes a constant number (its
 record for rank 0 and the index; with replicas also its reports and the records of
 the k nodes before and after it); rank 0 one delete for every node's record (two
-with replicas). Per step: 4 x nodes requests without replicas, 7 x nodes with.
+with replicas). Per step: 4 x nodes requests without replicas, 8 x nodes with.
 Rank 0 handles O(nodes) bytes, a leader its node's entries, those of k other nodes
 and the index (O(nodes) bytes, ~110 per node). A node holds the parts of the ranks
 whose files it holds, not every part: at restore, parts a node lacks come through the

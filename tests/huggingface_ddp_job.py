@@ -1,0 +1,121 @@
+"""A Hugging Face Trainer under torchrun (DDP over gloo), for tests/test_integrations_multiprocess.py.
+
+A tiny GPT-2 from a local config trains 3 epochs. Every rank appends, line by line, the
+global step and a digest of the batch of each step it trains to
+OUT/trace-w<world>-r<rank>-a<attempt>.jsonl; rank 0 writes the restored step and the final
+weights and optimizer state to OUT/final-w<world>-a<attempt>.pt. --kill-at K: in the first
+attempt, rank 1 SIGKILLs itself once the snapshot of step K is in.
+
+    torchrun --nproc-per-node 2 tests/huggingface_ddp_job.py --ckpt DIR --out DIR [--kill-at K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+import warnings
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.utils import logging as hf_logging
+
+from ftkit.format.reader import committed_steps
+from ftkit.integrations.huggingface import FtkitCallback
+
+EPOCHS = 3
+
+
+class Tokens(torch.utils.data.Dataset):
+    """48 fixed random sequences of 16 tokens; labels = input_ids (causal LM)."""
+
+    def __init__(self, n: int = 48, length: int = 16, vocab: int = 64):
+        g = torch.Generator().manual_seed(123)
+        self.data = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+class Trace(TrainerCallback):
+    """Each training forward's (global step, batch digest), written as it happens."""
+
+    def __init__(self, model, path: str, kill_at: int | None, ftcb: FtkitCallback, rank: int):
+        self.path, self.kill_at, self.ftcb, self.rank = path, kill_at, ftcb, rank
+        self.state = None
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        if module.training and self.state is not None:
+            digest = hashlib.sha1(kwargs["input_ids"].numpy().tobytes()).hexdigest()[:12]
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": self.state.global_step, "batch": digest}) + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.state = state
+
+    def on_step_begin(self, args, state, control, **kwargs):  # after FtkitCallback's snapshot of the step before
+        if self.kill_at is not None and state.global_step == self.kill_at and self.rank == 1:
+            wait_committed(self.ftcb, self.kill_at)
+            os.kill(os.getpid(), signal.SIGKILL)  # no finally, no flush: a crash
+
+
+def wait_committed(ftcb: FtkitCallback, step: int) -> None:
+    """Until rank 0 has committed `step` (so the test knows which step is newest)."""
+    ftcb.checkpointer.wait()
+    deadline = time.monotonic() + 60
+    while step not in committed_steps(ftcb.tiers[0].open()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--kill-at", type=int)
+    args = p.parse_args()
+    hf_logging.set_verbosity_error()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.out, "hf"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        per_device_train_batch_size=4,
+        num_train_epochs=EPOCHS,
+        learning_rate=1e-3,
+        warmup_steps=3,
+        logging_steps=5,
+        seed=0,
+        disable_tqdm=True,
+        ddp_backend="gloo",
+    )
+    ftcb = FtkitCallback([args.ckpt], every_n_steps=1)
+    kill_at = args.kill_at if attempt == 0 else None
+    trace = Trace(model, os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl"), kill_at, ftcb, rank)
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[ftcb, trace])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(resume_from_checkpoint=ftcb.resume_from_checkpoint())
+    if rank == 0:
+        final = {f"model/{k}": v for k, v in trainer.model.state_dict().items()}
+        opt = trainer.optimizer.state_dict()["state"]
+        final |= {f"optim/{i}/{k}": torch.as_tensor(v) for i, st in opt.items() for k, v in st.items()}
+        torch.save(
+            {"final": final, "restored": ftcb.restored_step, "step": trainer.state.global_step},
+            os.path.join(args.out, f"final-w{world}-a{attempt}.pt"),
+        )
+
+
+if __name__ == "__main__":
+    main()
