@@ -73,10 +73,8 @@ def main():
     ftkit_cb = FtkitCallback([a.ckpt], every_n_steps=5)
     callbacks = [ftkit_cb] + ([CrashAt(a.crash_at)] if a.crash_at else [])
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
-    try:
+    with ftkit_cb:  # the Trainer has no exception hook: this flushes what was staged (and reports a failure)
         trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())  # None: a fresh start
-    finally:
-        ftkit_cb.close()  # the Trainer has no exception hook: flush what was staged
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest()
     print(
         f"resumed from step {ftkit_cb.restored_step}; final step {trainer.state.global_step}, "

@@ -104,7 +104,7 @@ def main() -> None:
     kill_at = args.kill_at if attempt == 0 else None
     trace = Trace(model, os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl"), kill_at, ftcb, rank)
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[ftcb, trace])
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), ftcb:
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=ftcb.resume_from_checkpoint())
     if rank == 0:

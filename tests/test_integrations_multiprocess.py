@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, warm_target
+from drillkit import by_kind, drill
 
 import ftkit
 
@@ -180,3 +181,36 @@ def test_huggingface_trainer_ddp_sigkill_then_torchrun_restart_equals_uninterrup
         resumed = [s for s in before[rank] if s["step"] < 7] + after[rank]
         assert resumed == whole[rank], f"rank {rank} trained on other batches"
     assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script,preload",
+    [
+        ("lightning_ddp.py", "lightning.pytorch"),
+        ("huggingface_ddp.py", "transformers.trainer,transformers.models.gpt2"),
+    ],
+)
+def test_drill_of_the_trainer_example_scripts(tmp_path, script, preload):
+    """`ftkit drill --script` on examples/: 2 ranks under torchrun, killed, stopped (the
+    watchdog's case), an exception in the trainer's loop, and a preemption notice. Every
+    fault is recovered from within a step (none for the notice: the agreed step is saved),
+    the run finishes, and its newest durable step verifies."""
+    ckpt = tmp_path / "ckpt"
+    # The notice reaches the other rank through the store about a heartbeat later (~10 steps of
+    # 0.05 s here): the agreed stop lands before step 60.
+    faults = "kill@10:rank=1,hang@20:rank=0,crash@30:rank=1,term@36:rank=0"
+    rc, res, out = drill(
+        tmp_path,
+        *("--script", os.path.join(REPO, "examples", script), "--preload", preload),
+        *("--nproc", "2", "--steps", "60", "--faults", faults, "--", "--ckpt", str(ckpt), "--steps", "60"),
+    )
+    assert rc == 0 and res["passed"], out[-4000:]
+    assert list(res["checkpoints"].values()) == [60]  # the final step, verified
+    f = by_kind(res)
+    for kind in ("kill", "hang", "crash"):
+        assert f[kind]["outcome"]["steps_lost"] <= 1, (kind, f[kind]["outcome"])
+    assert f["kill"]["outcome"]["restored_from"] == "ram"
+    assert f["hang"]["outcome"]["detected_by"].startswith("ftkit watchdog")
+    term = f["term"]["outcome"]
+    assert term["detected_by"] == "preemption (SIGTERM)" and term["steps_lost"] == 0

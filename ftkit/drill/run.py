@@ -197,7 +197,8 @@ def run_drill(args) -> dict[str, Any]:
     try:
         if not args.cold:
             # One zygote for both runs: every worker of every attempt is forked with torch imported.
-            zygote = start_zygote(preload=() if script else ("ftkit.drill.reference",))
+            preload = tuple(m for m in args.preload.split(",") if m)
+            zygote = start_zygote(preload=preload if script else ("ftkit.drill.reference", *preload))
         if tiers and tiers.durable == "s3":
             from ftkit.drill.s3server import S3Server
 
@@ -382,6 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cold",
         action="store_true",
         help="start every worker as a new interpreter (no zygote; how restarts cost before warm starts)",
+    )
+    p.add_argument(
+        "--preload",
+        default="",
+        metavar="MODULES",
+        help="more modules the zygote imports before forking workers, comma-separated "
+        "(as `ftkit run --preload`; e.g. lightning.pytorch for a Lightning script)",
     )
     p.add_argument(
         "--no-in-process",

@@ -46,7 +46,9 @@ sharded state). A collator that draws random
 numbers (MLM masking) makes the first resumed batch differ, as it does with the
 Trainer's own resume. ``transformers.Trainer`` has no exception hook: a failed
 ``train()`` leaves the last snapshots flushing in the background; call
-``ftkit_cb.close()`` in a ``finally`` (it is also called at interpreter exit).
+``ftkit_cb.close()`` in a ``finally``, or better run ``train()`` inside ``with ftkit_cb:``,
+which also tells the other ranks at once that this one failed (as the Checkpointer's own
+``with`` block does) instead of leaving them in a collective until their timeout.
 """
 
 from __future__ import annotations
@@ -269,6 +271,17 @@ class FtkitCallback(TrainerCallback):
         self.checkpointer.snapshot(step)
 
     # ----------------------------------------------------------------- close
+    def __enter__(self) -> FtkitCallback:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Close; when ``train()`` raised, as the Checkpointer's own ``with`` block ends on an
+        exception (peers hear of the failure at once; under torchrun a worker whose teardown
+        then blocks on a dead peer is ended, so the agent restarts the group)."""
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.__exit__(exc_type, exc, tb)
+
     def close(self) -> None:
         """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
         ck, self.checkpointer = self.checkpointer, None

@@ -235,6 +235,8 @@ class FtkitCallback(Callback):
             self._epoch_rng = rng_state() if self.rng else None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size > 1:
+            _leave_sigterm_to_ftkit(trainer)
         self._sampler = _resumable_sampler(trainer)
         pending, self._pending = self._pending, None
         job, self._job = self._job or {}, None
@@ -351,7 +353,14 @@ class FtkitCallback(Callback):
             self._close_quietly()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close_quietly()
+        # As the Checkpointer's own `with` block ends on an exception: its peers hear of the
+        # failure at once (they would otherwise wait in the next collective), nothing waits for
+        # a commit that needs every rank, and under torchrun the process is ended if Lightning's
+        # teardown then blocks on a dead peer, so the agent can restart the group. A preemption's
+        # SystemExit is an ending on purpose.
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.__exit__(type(exception), exception, exception.__traceback__)
 
     def close(self) -> None:
         """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
@@ -384,6 +393,27 @@ def _drop_batches(fetcher: Any, n: int) -> None:
             except StopIteration:
                 fetcher.done = True
                 return
+
+
+def _leave_sigterm_to_ftkit(trainer: pl.Trainer) -> None:
+    """Take Lightning's SIGTERM notifier out of the SIGTERM handler it installs at fit start.
+
+    With several ranks it calls ``dist.broadcast`` from inside the signal handler, wherever
+    the main thread was interrupted (in another collective, or on a rank its peers are not
+    waiting for): the ranks deadlock, and the preemption deadline ends the job without a
+    final save. ftkit's handler, which Lightning's chains to, does the preemption instead:
+    ranks agree on a step through the store, save it to every tier, and exit with 128 + the
+    signal, so the scheduler or torchrun restarts the job from it. Other handlers stay."""
+    import signal
+
+    connector = getattr(trainer, "_signal_connector", None)
+    handler = signal.getsignal(signal.SIGTERM)
+    handlers = getattr(handler, "signal_handlers", None)
+    notifier = getattr(connector, "_sigterm_notifier_fn", None)
+    if notifier is None or not isinstance(handlers, list) or notifier not in handlers:
+        return
+    handlers.remove(notifier)
+    log.debug("ftkit: Lightning's SIGTERM notifier removed; ftkit handles preemption")
 
 
 def _set_sampler_epoch(fit_loop: Any, epoch: int) -> None:
