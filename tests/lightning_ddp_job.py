@@ -6,7 +6,10 @@ SIGKILL keeps what was written. Rank 0 writes the restored step and, at the end,
 weights and optimizer state to OUT/final-a<attempt>.pt. --kill-at K: in the first attempt,
 rank 1 SIGKILLs itself after the snapshot of global step K is in (no finally, no flush).
 
-    torchrun --nproc-per-node 2 tests/lightning_ddp_job.py --ckpt DIR --out DIR [--resumable] [--kill-at K]
+    torchrun --nproc-per-node 2 tests/lightning_ddp_job.py --ckpt DIR --out DIR [--resumable] [--fsdp] [--kill-at K]
+
+--fsdp: FSDP2 through Lightning's ModelParallelStrategy (fully_shard in configure_model) on
+gloo: parameters and optimizer state are DTensors, saved and restored as each rank's shards.
 """
 
 from __future__ import annotations
@@ -46,12 +49,23 @@ class Indexed(Dataset):
 class Net(pl.LightningModule):
     """Dropout (each rank's RNG), AdamW (state), a per-step scheduler (state)."""
 
-    def __init__(self, resumable: bool):
+    def __init__(self, resumable: bool, fsdp: bool = False):
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
         )
         self.resumable = resumable
+        self.fsdp = fsdp
+
+    def configure_model(self):
+        if not self.fsdp:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -93,6 +107,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--resumable", action="store_true")
     p.add_argument("--kill-at", type=int)
+    p.add_argument("--fsdp", action="store_true")
     args = p.parse_args()
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     world = int(os.environ["WORLD_SIZE"])
@@ -104,7 +119,7 @@ def main() -> None:
         max_epochs=EPOCHS,
         accelerator="cpu",
         devices=world,
-        strategy="ddp",
+        strategy=_strategy(args.fsdp, world),
         deterministic=True,
         use_distributed_sampler=not args.resumable,
         enable_progress_bar=False,
@@ -115,14 +130,14 @@ def main() -> None:
         limit_val_batches=0,
         callbacks=[ftcb, trace],
     )
-    model = Net(args.resumable)
+    model = Net(args.resumable, args.fsdp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on num_workers etc.
         trainer.fit(model)
+    opt = trainer.optimizers[0].state_dict()["state"]
+    final = {f"model/{k}": _full(v) for k, v in model.state_dict().items()}  # (every rank: a collective)
+    final |= {f"optim/{i}/{k}": _full(torch.as_tensor(v)) for i, st in opt.items() for k, v in st.items()}
     if rank == 0:
-        opt = trainer.optimizers[0].state_dict()["state"]
-        final = {f"model/{k}": v for k, v in model.state_dict().items()}
-        final |= {f"optim/{i}/{k}": torch.as_tensor(v) for i, st in opt.items() for k, v in st.items()}
         torch.save(
             {
                 "final": final,
@@ -132,6 +147,20 @@ def main() -> None:
             },
             os.path.join(args.out, f"final-w{world}-a{attempt}.pt"),
         )
+
+
+def _strategy(fsdp: bool, world: int):
+    if not fsdp:
+        return "ddp"
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from conftest import REPO, warm_target
 from drillkit import by_kind, drill
 
 import ftkit
+from ftkit.format.reader import newest_manifest
 
 JOB = os.path.join(REPO, "tests", "lightning_ddp_job.py")
 HF_JOB = os.path.join(REPO, "tests", "huggingface_ddp_job.py")
@@ -82,7 +83,7 @@ def check(r: subprocess.CompletedProcess, ok: bool = True) -> None:
 
 @pytest.fixture(scope="module")
 def runs(lightning_zygote, tmp_path_factory):
-    """Uninterrupted 2-rank runs, one per sampler, and the run each test starts from."""
+    """Uninterrupted 2-rank runs, one per configuration, run on first use."""
     tmp = tmp_path_factory.mktemp("lightning-ddp")
     cache: dict[str, object] = {}
 
@@ -96,15 +97,20 @@ def runs(lightning_zygote, tmp_path_factory):
     return tmp, get
 
 
-def test_lightning_ddp_sigkill_then_torchrun_restart_equals_uninterrupted_run(runs, lightning_zygote):
-    """Lightning's own DistributedSampler, 2 ranks: rank 1 is SIGKILLed after step 7's
-    snapshot; torchrun restarts both; each rank re-makes its epoch iterator and skips what
-    it had consumed. Same batches per rank per step, bitwise equal weights and optimizer."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_lightning_sigkill_then_torchrun_restart_equals_uninterrupted_run(runs, lightning_zygote, parallel):
+    """Lightning's own DistributedSampler, 2 ranks, DDP or FSDP2 (ModelParallelStrategy,
+    fully_shard in configure_model: parameters and optimizer state are DTensors, saved as
+    each rank's shards): rank 1 is SIGKILLed after step 7's snapshot; torchrun restarts
+    both; each rank re-makes its epoch iterator and skips what it had consumed. Same
+    batches per rank per step, bitwise equal weights and optimizer (gathered whole)."""
     tmp, reference = runs
-    ref = reference("reference")
-    r = launch(lightning_zygote, tmp, "killed", tmp / "killed-ckpt", 2, "--kill-at", "7", restarts=1)
+    flags = ("--fsdp",) if parallel == "fsdp" else ()
+    ref = reference(f"reference-{parallel}", *flags)
+    name = f"killed-{parallel}"
+    r = launch(lightning_zygote, tmp, name, tmp / f"{name}-ckpt", 2, *flags, "--kill-at", "7", restarts=1)
     check(r)
-    out = tmp / "killed"
+    out = tmp / name
     done = final(out, 2, 1)
     assert done["restored"] == 7 and done["step"] == 18 and done["epoch"] == 3
     before, after, whole = traces(out, 2, 0), traces(out, 2, 1), traces(ref, 2, 0)
@@ -112,6 +118,9 @@ def test_lightning_ddp_sigkill_then_torchrun_restart_equals_uninterrupted_run(ru
         resumed = [s for s in before[rank] if s["step"] < 7] + after[rank]
         assert resumed == whole[rank], f"rank {rank} consumed another stream"
     assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
+    manifest = newest_manifest(ftkit.Tier(str(tmp / f"{name}-ckpt")).open())
+    kind = manifest.tensor("model/net.0.weight").kind
+    assert kind == ("sharded" if parallel == "fsdp" else "replicated")
 
 
 def stream(total: int, seed: int = 7) -> list[int]:
