@@ -312,8 +312,10 @@ class Checkpointer:
 
         `failed` (the training loop raised): peers hear it at once through the
         watchdog, instead of waiting in a collective for this rank until their
-        timeouts, and background persists are not waited for: a commit needs
-        every rank, and the others are about to stop too.
+        timeouts, and with several ranks background persists are not waited for: a
+        commit needs every rank, and the others are about to stop too. A world of
+        one still flushes them (its commits need nobody): the snapshots taken before
+        the failure land.
         """
         if self._closed:
             return
@@ -322,6 +324,8 @@ class Checkpointer:
             if failed:
                 if self._watchdog is not None:
                     self._watchdog.stop(failed=True)
+                if not self._ctx.distributed:
+                    self.wait()
             else:
                 self.wait()
                 if self._watchdog is not None:
