@@ -4,8 +4,6 @@
 # so pip never pulls a multi-GB CUDA build as a dependency: from PyTorch's CPU
 # index when it can be reached, else from wherever pip is configured to look
 # (PyPI's Linux wheel is the CUDA build; a local wheel directory may hold +cpu).
-# --no-compile: pip would byte-compile every module of torch, transformers and lightning
-# (tens of thousands of files) at install; Python compiles the few hundred a run imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,20 +22,20 @@ if [ ! -f "$stamp" ]; then
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       echo "setup: installing torch (CUDA build)" >&2
-      "$VENV/bin/python" -m pip install -q --no-compile "torch>=2.4" >&2
+      "$VENV/bin/python" -m pip install -q "torch>=2.4" >&2
     else
       cpu_index=https://download.pytorch.org/whl/cpu
       if "$VENV/bin/python" -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" 2>/dev/null; then
         echo "setup: installing torch==2.13.0 (CPU build, from $cpu_index)" >&2
-        "$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0" --extra-index-url "$cpu_index" >&2
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0" --extra-index-url "$cpu_index" >&2
       else
         echo "setup: installing torch==2.13.0 ($cpu_index unreachable: pip's configured sources)" >&2
-        "$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0" >&2
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
       fi
     fi
   fi
   echo "setup: installing ftkit[$EXTRAS]" >&2
-  "$VENV/bin/python" -m pip install -q --no-compile -e ".[$EXTRAS]" >&2
+  "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" >&2
   rm -f "$VENV"/.ftkit-setup-*
   touch "$stamp"
 fi
