@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -147,18 +146,11 @@ def test_lightning_resumable_sampler_continues_the_global_stream_from_2_ranks_to
     """ftkit.ResumableDistributedSampler with use_distributed_sampler=False: 2 ranks killed
     after step 7's snapshot (torchrun gives up), then the job comes back on 3 ranks. The samples
     consumed, step after step, are the one global stream cut in slices: nothing skipped,
-    nothing repeated, the epoch's tail split over 3 ranks and carried into the next epoch.
-    The same resume on 2 ranks ends bitwise equal to the uninterrupted run."""
-    tmp, reference = runs
-    ref = reference("reference-resumable", "--resumable")
-    ckpt = tmp / "two-ckpt"
+    nothing repeated, the epoch's tail split over 3 ranks and carried into the next epoch."""
+    tmp, _ = runs
+    ckpt = tmp / "three-ckpt"
     check(launch(lightning_zygote, tmp, "killed-resumable", ckpt, 2, "--resumable", "--kill-at", "7"), ok=False)
-    shutil.copytree(ckpt, tmp / "three-ckpt")
-    check(launch(lightning_zygote, tmp, "two", ckpt, 2, "--resumable"))
-    check(launch(lightning_zygote, tmp, "three", tmp / "three-ckpt", 3, "--resumable"))
-    # On 2 ranks: the uninterrupted run, bit for bit.
-    assert final(tmp / "two", 2, 0)["restored"] == 7
-    assert_bitwise_equal(final(tmp / "two", 2, 0)["final"], final(ref, 2, 0)["final"])
+    check(launch(lightning_zygote, tmp, "three", ckpt, 3, "--resumable"))
     # On 3 ranks. Step 7 ended epoch 1's first batch: 40 of its 48 samples are left, 14 a rank:
     # batches of 4, 4, 4 and 2, the last round running 2 samples into epoch 2. Epoch 2 then has
     # 46 left: 16 a rank, 4 full batches (and 2 more carried into epoch 3, which never runs).
@@ -192,23 +184,32 @@ def test_huggingface_trainer_ddp_sigkill_then_torchrun_restart_equals_uninterrup
     assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
 
 
+# The notice reaches the other rank through the store about a heartbeat later (~10 steps of
+# 0.05 s here): the agreed stop lands before the run's end. The HF drill leaves out the kill
+# (its SIGKILL test above) and the hang (the same watchdog path as Lightning's): CI time.
+DRILLS = {
+    "lightning": (
+        "lightning_ddp.py",
+        "lightning.pytorch",
+        "kill@10:rank=1,hang@20:rank=0,crash@30:rank=1,term@36:rank=0",
+    ),
+    "huggingface": (
+        "huggingface_ddp.py",
+        "transformers.trainer,transformers.models.gpt2",
+        "crash@10:rank=1,term@20:rank=0",
+    ),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "script,preload",
-    [
-        ("lightning_ddp.py", "lightning.pytorch"),
-        ("huggingface_ddp.py", "transformers.trainer,transformers.models.gpt2"),
-    ],
-)
-def test_drill_of_the_trainer_example_scripts(tmp_path, script, preload):
+@pytest.mark.parametrize("trainer", sorted(DRILLS))
+def test_drill_of_the_trainer_example_scripts(tmp_path, trainer):
     """`ftkit drill --script` on examples/: 2 ranks under torchrun, killed, stopped (the
     watchdog's case), an exception in the trainer's loop, and a preemption notice. Every
     fault is recovered from within a step (none for the notice: the agreed step is saved),
     the run finishes, and its newest durable step verifies."""
+    script, preload, faults = DRILLS[trainer]
     ckpt = tmp_path / "ckpt"
-    # The notice reaches the other rank through the store about a heartbeat later (~10 steps of
-    # 0.05 s here): the agreed stop lands before step 60.
-    faults = "kill@10:rank=1,hang@20:rank=0,crash@30:rank=1,term@36:rank=0"
     rc, res, out = drill(
         tmp_path,
         *("--script", os.path.join(REPO, "examples", script), "--preload", preload),
@@ -217,9 +218,12 @@ def test_drill_of_the_trainer_example_scripts(tmp_path, script, preload):
     assert rc == 0 and res["passed"], out[-4000:]
     assert list(res["checkpoints"].values()) == [60]  # the final step, verified
     f = by_kind(res)
+    assert set(f) == {fault.split("@")[0] for fault in faults.split(",")}
     for kind in ("kill", "hang", "crash"):
-        assert f[kind]["outcome"]["steps_lost"] <= 1, (kind, f[kind]["outcome"])
-    assert f["kill"]["outcome"]["restored_from"] == "ram"
-    assert f["hang"]["outcome"]["detected_by"].startswith("ftkit watchdog")
+        if kind in f:
+            assert f[kind]["outcome"]["steps_lost"] <= 1, (kind, f[kind]["outcome"])
+            assert f[kind]["outcome"]["restored_from"] == "ram"
+    if "hang" in f:
+        assert f["hang"]["outcome"]["detected_by"].startswith("ftkit watchdog")
     term = f["term"]["outcome"]
     assert term["detected_by"] == "preemption (SIGTERM)" and term["steps_lost"] == 0
