@@ -1,6 +1,6 @@
 """Hugging Face Trainer + ftkit, several processes (DDP over gloo): run it, kill it, drill it.
 
-    ftkit run --nproc-per-node 2 examples/huggingface_ddp.py --ckpt /tmp/ftkit-hf-ddp
+    ftkit run --preload transformers.trainer --nproc-per-node 2 examples/huggingface_ddp.py --ckpt /tmp/ftkit-hf-ddp
     ftkit drill --script examples/huggingface_ddp.py --preload transformers.trainer --nproc 2 --steps 60 \\
         --faults "kill@15:rank=1,hang@30:rank=0,crash@45:rank=1" -- --ckpt /tmp/ftkit-hf-ddp
 

@@ -1,7 +1,7 @@
 """Lightning DDP + ftkit, several processes: run it, kill it, drill it.
 
-    ftkit run --nproc-per-node 2 examples/lightning_ddp.py --ckpt /tmp/ftkit-pl-ddp
-    ftkit drill --script examples/lightning_ddp.py --nproc 2 --steps 60 \\
+    ftkit run --preload lightning.pytorch --nproc-per-node 2 examples/lightning_ddp.py --ckpt /tmp/ftkit-pl-ddp
+    ftkit drill --script examples/lightning_ddp.py --preload lightning.pytorch --nproc 2 --steps 60 \\
         --faults "kill@15:rank=1,hang@30:rank=0,crash@45:rank=1" -- --ckpt /tmp/ftkit-pl-ddp
 
 Every rank snapshots its share to node RAM (a copy on the next node) every step and to
