@@ -268,10 +268,9 @@ class Checkpointer:
         self.events.emit(
             "snapshot", step=step, stall_s=self.stats.last_stall_s, bytes=slot.layout.total_bytes if slot.layout else 0
         )
+        by_name = {p.name: p for p, _ in pieces}
         self._pipeline.submit(
-            PersistJob(
-                slot, step, captured.skeleton, due, {p.name: p for p, _ in pieces}, captured.rank_state, self._restores
-            )
+            PersistJob(slot, step, captured.skeleton, due, by_name, captured.rank_state, self._restores)
         )
         return True
 
@@ -312,10 +311,8 @@ class Checkpointer:
 
         `failed` (the training loop raised): peers hear it at once through the
         watchdog, instead of waiting in a collective for this rank until their
-        timeouts, and with several ranks background persists are not waited for: a
-        commit needs every rank, and the others are about to stop too. A world of
-        one still flushes them (its commits need nobody): the snapshots taken before
-        the failure land.
+        timeouts, and with several ranks background persists are not waited for (a
+        commit needs every rank, and the others are about to stop too).
         """
         if self._closed:
             return

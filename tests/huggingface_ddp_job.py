@@ -20,27 +20,14 @@ import time
 import warnings
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from hfkit import Tokens, make_model
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 from ftkit.format.reader import committed_steps
 from ftkit.integrations.huggingface import FtkitCallback
 
 EPOCHS = 3
-
-
-class Tokens(torch.utils.data.Dataset):
-    """48 fixed random sequences of 16 tokens; labels = input_ids (causal LM)."""
-
-    def __init__(self, n: int = 48, length: int = 16, vocab: int = 64):
-        g = torch.Generator().manual_seed(123)
-        self.data = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
 class Trace(TrainerCallback):
@@ -83,8 +70,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    model = make_model()
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "hf"),
         use_cpu=True,
@@ -103,7 +89,7 @@ def main() -> None:
     ftcb = FtkitCallback([args.ckpt], every_n_steps=1)
     kill_at = args.kill_at if attempt == 0 else None
     trace = Trace(model, os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl"), kill_at, ftcb, rank)
-    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[ftcb, trace])
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(48), callbacks=[ftcb, trace])
     with warnings.catch_warnings(), ftcb:
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=ftcb.resume_from_checkpoint())

@@ -29,7 +29,8 @@ if any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate
         "transformers/accelerate are not installed: pip install -e '.[test]' (the 'huggingface' extra)", pytrace=False
     )
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from hfkit import Tokens, make_model  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import ftkit  # noqa: E402
@@ -39,26 +40,6 @@ from ftkit.integrations.huggingface import FtkitCallback  # noqa: E402
 HERE = os.path.abspath(__file__)
 STEPS_PER_EPOCH = 10  # 40 sequences, batch size 4
 EPOCHS = 3
-
-
-class Tokens(torch.utils.data.Dataset):
-    """40 fixed random sequences of 16 tokens; labels = input_ids (causal LM)."""
-
-    def __init__(self, n: int = 40, length: int = 16, vocab: int = 64):
-        g = torch.Generator().manual_seed(123)
-        self.data = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.data[i], "labels": self.data[i]}
-
-
-def make_model(n_embd: int = 32) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=1, n_embd=n_embd, n_head=2, vocab_size=64, n_positions=32)  # dropout 0.1: RNG
-    return GPT2LMHeadModel(cfg)
 
 
 class Trace(TrainerCallback):

@@ -80,6 +80,13 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError
 from ftkit.integrations._common import Adapter, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.integrations._lightning_loop import (
+    drop_batches,
+    fit_epoch_length,
+    leave_sigterm_to_ftkit,
+    resumable_sampler,
+    set_sampler_epoch,
+)
 from ftkit.integrations.sampler import ResumableDistributedSampler
 from ftkit.save.capture import RankLocal, rng_state, set_rng_state
 
@@ -236,8 +243,8 @@ class FtkitCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1:
-            _leave_sigterm_to_ftkit(trainer)
-        self._sampler = _resumable_sampler(trainer)
+            leave_sigterm_to_ftkit(trainer)
+        self._sampler = resumable_sampler(trainer)
         pending, self._pending = self._pending, None
         job, self._job = self._job or {}, None
         if not self.restored_step:
@@ -279,17 +286,17 @@ class FtkitCallback(Callback):
             return
         skip = consumed
         if self._sampler is None:  # Lightning sets the epoch only after this hook: the iterator needs it now
-            _set_sampler_epoch(fit_loop, trainer.current_epoch)
+            set_sampler_epoch(fit_loop, trainer.current_epoch)
         else:  # its iterator starts at the restored position: skip nothing
             skip = 0
             if consumed:
-                self._fit_epoch_length(trainer, done=consumed)
+                fit_epoch_length(trainer, done=consumed)
             else:  # the interrupted epoch had ended: it ends at once, the next starts where the sampler is
                 fit_loop.max_batches = progress.current.ready
         if self.rng and epoch_rng is not None:
             set_rng_state(epoch_rng)
         iter(fetcher)  # a fresh iterator for this epoch: same sampler permutation, same worker seeds
-        _drop_batches(fetcher, skip)
+        drop_batches(fetcher, skip)
         if self._sampler is not None and consumed and fetcher.length is not None:
             # The epoch loop counts the restored batches into `fetched`: the epoch's length counts them too.
             fetcher.length = int(fit_loop.max_batches)
@@ -307,19 +314,6 @@ class FtkitCallback(Callback):
         else:
             log.info("ftkit: dataloader moved past the %d batch(es) this epoch had consumed", consumed)
 
-    def _fit_epoch_length(self, trainer: pl.Trainer, done: int | None = None) -> None:
-        """With a ResumableDistributedSampler an epoch's length is what the sampler has left
-        (after a resume on another world size, or a last round carried into the next epoch):
-        make the epoch loop's batch count agree, `done` batches already counted."""
-        fit_loop = trainer.fit_loop
-        loaders = fit_loop._combined_loader
-        if loaders is None or trainer.limit_train_batches != 1.0:  # a user limit: Lightning's count stands
-            return
-        left: list[int | float] = [len(dl) for dl in loaders.flattened]
-        loaders.limits = left
-        ready = fit_loop.epoch_loop.batch_progress.current.ready if done is None else done
-        fit_loop.max_batches = ready + max(left)
-
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning makes a new iterator for this epoch right after this hook, under the same
         # condition it uses in _TrainingEpochLoop.on_run_start.
@@ -327,7 +321,7 @@ class FtkitCallback(Callback):
         if trainer.current_epoch > 0 and not getattr(loop, "is_resuming", False) and not loop.epoch_loop.restarting:
             self._epoch_rng = rng_state() if self.rng else None
             if self._sampler is not None:
-                self._fit_epoch_length(trainer, done=0)
+                fit_epoch_length(trainer, done=0)
 
     # ---------------------------------------------------------------- snapshot
     def on_train_batch_end(
@@ -373,75 +367,3 @@ class FtkitCallback(Callback):
             self.close()
         except Exception:
             log.exception("ftkit: error while closing the checkpointer")
-
-
-def _drop_batches(fetcher: Any, n: int) -> None:
-    """Consume `n` batches from the fetcher's iterator without counting them as fetched:
-    the epoch loop adds the restored batch count to `fetcher.fetched` itself."""
-    it = fetcher.iterator
-    buffered = getattr(fetcher, "batches", None)  # _PrefetchDataFetcher when the length is unknown
-    for _ in range(n):
-        if buffered:
-            buffered.pop(0)
-            try:
-                buffered.append(next(it))
-            except StopIteration:
-                fetcher.done = not buffered
-        else:
-            try:
-                next(it)
-            except StopIteration:
-                fetcher.done = True
-                return
-
-
-def _leave_sigterm_to_ftkit(trainer: pl.Trainer) -> None:
-    """Take Lightning's SIGTERM notifier out of the SIGTERM handler it installs at fit start.
-
-    With several ranks it calls ``dist.broadcast`` from inside the signal handler, wherever
-    the main thread was interrupted (in another collective, or on a rank its peers are not
-    waiting for): the ranks deadlock, and the preemption deadline ends the job without a
-    final save. ftkit's handler, which Lightning's chains to, does the preemption instead:
-    ranks agree on a step through the store, save it to every tier, and exit with 128 + the
-    signal, so the scheduler or torchrun restarts the job from it. Other handlers stay."""
-    import signal
-
-    connector = getattr(trainer, "_signal_connector", None)
-    handler = signal.getsignal(signal.SIGTERM)
-    handlers = getattr(handler, "signal_handlers", None)
-    notifier = getattr(connector, "_sigterm_notifier_fn", None)
-    if notifier is None or not isinstance(handlers, list) or notifier not in handlers:
-        return
-    handlers.remove(notifier)
-    log.debug("ftkit: Lightning's SIGTERM notifier removed; ftkit handles preemption")
-
-
-def _set_sampler_epoch(fit_loop: Any, epoch: int) -> None:
-    """What Lightning's fit loop does at each epoch's start (a DistributedSampler's shuffle is
-    seeded with its epoch), for the iterator this callback re-makes before that."""
-    loaders = fit_loop._combined_loader
-    for dl in loaders.flattened if loaders is not None else []:
-        for s in (getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
-            set_epoch = getattr(s, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-
-
-def _resumable_sampler(trainer: pl.Trainer) -> ResumableDistributedSampler | None:
-    """The training loader's ResumableDistributedSampler, if it has one (it must be the only loader)."""
-    loaders = trainer.fit_loop._combined_loader
-    found = []
-    for dl in loaders.flattened if loaders is not None else []:
-        for s in (getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
-            inner = getattr(s, "dataset", None)  # Lightning's DistributedSamplerWrapper holds the user's
-            if isinstance(getattr(inner, "_sampler", None), ResumableDistributedSampler):
-                raise FtkitError(
-                    "Lightning wrapped the ResumableDistributedSampler in a DistributedSampler: "
-                    "give the Trainer use_distributed_sampler=False"
-                )
-            if isinstance(s, ResumableDistributedSampler):
-                found.append(s)
-                break
-    if len(found) > 1:
-        raise FtkitError("FtkitCallback follows one ResumableDistributedSampler; the training loaders have several")
-    return found[0] if found else None
