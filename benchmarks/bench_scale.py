@@ -28,8 +28,9 @@ candidates published and read). Fields: commit_ms (the step's last node record s
 -> its index written), commit_store_requests_per_step, index_bytes_per_step,
 restore_plan_s (the leaders start -> the candidates published). Then the RAM
 tier's commit (save/node_commit.py, no replicas; `simulate_ram_commits`):
-ram_commit_ms, ram_commit_store_requests_per_step, ram_index_bytes_per_step
-and the CPU a leader spends checking and writing that manifest.
+ram_commit_ms, ram_commit_store_requests_per_step, ram_index_bytes_per_step,
+the CPU of a leader's share and of its retention by rank 0's news (coord/news.py),
+and the most steps a node without the index held (keep=2: 2).
 
 Prints a table and one JSON line per size. The baseline is the issue's own
 measurement of the previous design (every rank read every heartbeat: 3N^2
@@ -345,25 +346,29 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     """This worker's nodes commit COMMIT_STEPS steps to the RAM tier with the real protocol
     (save/node_commit.py, no replicas): every rank runs `persist_node_local` (non-leaders
     first: they post to their node's real board and return), then the leaders, then rank 0,
-    which commits. A rank's "data file" is 64 real bytes of one tensor (write_share
-    replaced). Every leader then reads the index (store requests counted); only the
-    first leader of each worker also validates and writes it (its CPU measured), to keep
-    the 16,384-rank run within minutes on this machine."""
+    which commits and publishes the commit news (coord/news.py). A rank's "data file" is
+    64 real bytes of one tensor (write_share replaced). Every leader then hears the news
+    (a read not counted: in a job it rides the heartbeat's multi_get, whose requests the
+    watchdog part of this bench counts) and applies its retention (its CPU measured)."""
     os.environ["FTKIT_RAM_DIR"] = ram_dir
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
+    from ftkit.coord.news import NEWS_KEY, CommitNews, Settled, publish
     from ftkit.coord.nodelocal import NodeBoard
     from ftkit.format import codec
     from ftkit.format.manifest import Chunk, Shard, TensorEntry, step_dir_name
+    from ftkit.format.reader import scan
     from ftkit.save import node_commit
     from ftkit.save.commit import NodeGroup
     from ftkit.save.write import RankWrite
+    from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
     from ftkit.tiers.storage import Storage
 
     raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
     prefix = f"ram{world}/"
     store = CountingStore(dist.PrefixStore(prefix, raw.clone()))
+    uncounted = dist.PrefixStore(prefix, raw.clone())
     nodes = world // per
     names = [f"n{r // per}" for r in range(world)]
     members = {n * per: tuple(range(n * per, (n + 1) * per)) for n in range(nodes)}
@@ -378,20 +383,17 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         tensor = TensorEntry("w", "float32", (16 * world,), (Shard((16 * rank,), (16,), (chunk,), rank),), "sharded")
         return RankWrite(rank, file, 64, (tensor,)), None
 
-    deferred: list = []
     node_commit.write_share = write_share  # type: ignore[assignment]
-    real_write_index = node_commit._write_index
-    node_commit._write_index = lambda *a: deferred.append(a)  # type: ignore[assignment]
-    storages, groups = {}, {}
+    storages, groups, news = {}, {}, {}
     for n in mine:
         storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
         groups[n] = NodeGroup(board, members[n * per], members)
+        news[n] = CommitNews()
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
-    out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "manifest": []}
+    out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "retention": [], "held": []}
     for step in range(1, COMMIT_STEPS + 1):
         at, key = (0, step), f"commit/0/0/{step}"
-        deferred.clear()
         _barrier(raw, f"{prefix}b{step}", procs)
         before = store.requests
 
@@ -423,21 +425,22 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
             c0, w0 = time.thread_time(), time.time()
             committed = run(0, 0)
             manifest = os.path.join(storages[0].root, step_dir_name(step), "manifest.json")
+            ms = (os.stat(manifest).st_mtime - w0) * 1e3
+            apply_job_retention(storages[0], 2, None, protect=step)  # as the job's (tiers/backend.py)
+            publish(store, Settled(0, step, frozenset(d.step for d in scan(storages[0]) if d.committed)))
             out["commit"].append(
-                {
-                    "ms": (os.stat(manifest).st_mtime - w0) * 1e3,
-                    "cpu": time.thread_time() - c0,
-                    "index_bytes": len(committed.manifest_json),
-                }
+                {"ms": ms, "cpu": time.thread_time() - c0, "index_bytes": len(committed.manifest_json)}
             )
         _barrier(raw, f"{prefix}m{step}", procs)
-        for i, args in enumerate(deferred):  # every leader reads the index; the first also writes it
-            if i == 0:
+        for n in mine:  # every other leader hears the news (with its heartbeat) and keeps or drops
+            if n != 0:
                 c0 = time.thread_time()
-                real_write_index(*args)
-                out["manifest"].append(time.thread_time() - c0)
-            else:
-                args[2].get_raw(f"{args[3]}/manifest")
+                news[n].heard(uncounted.get(NEWS_KEY))
+                heard = news[n].of_epoch(0)
+                assert heard is not None
+                apply_heard_retention(storages[n], heard.settled, heard.kept)
+                out["retention"].append(time.thread_time() - c0)
+                out["held"].append(len(os.listdir(storages[n].root)))
         _barrier(raw, f"{prefix}e{step}", procs)
         out["requests"].append(store.requests - before)
     return out
@@ -492,7 +495,8 @@ def run_commits(world: int, per: int, procs: int, port: int) -> dict[str, Any]:
         "ram_index_bytes_per_step": statistics.median(c["index_bytes"] for c in ram_commits),
         "ram_commit_root_cpu_ms": statistics.median(c["cpu"] for c in ram_commits) * 1e3,
         "ram_commit_leader_cpu_ms": statistics.median(c for r in ram for c in r["leader_cpu"]) * 1e3,
-        "ram_leader_index_cpu_ms": statistics.median(c for r in ram for c in r["manifest"]) * 1e3,
+        "ram_leader_retention_cpu_ms": statistics.median(c for r in ram for c in r["retention"]) * 1e3,
+        "ram_leader_steps_held": max(h for r in ram for h in r["held"]),
         "restore_plan_s": published - min(r["start"] for r in restores),
         "restore_plan_store_requests": sum(r["requests"] for r in restores),
         "restore_plan_root_cpu_s": next(r["cpu"] for r in restores if r["published"] is not None),

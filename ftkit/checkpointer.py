@@ -183,6 +183,7 @@ class Checkpointer:
                 flush=self._pipeline.drain,
                 preempted=(lambda: pre.requested is not None) if pre else None,
                 on_peer_preempted=(lambda r: pre.request(signal.SIGTERM, by_rank=r)) if pre else None,
+                news=opened.ram_news,
             )
             time_first_gradient(state, self._watchdog)
             self._watchdog.start()

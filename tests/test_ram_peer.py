@@ -8,6 +8,8 @@ import dist_worker
 import pytest
 from ranks import run_ranks
 
+import ftkit
+
 
 @pytest.fixture
 def job(tmp_path):
@@ -273,3 +275,102 @@ def test_a_longer_spare_is_cut_to_what_was_written(tmp_path):
     with storage.open_write("step-000000000001/next.data", recycle=True) as f:  # none left: a new file as before
         f.write(b"more")
     assert storage.read_bytes("step-000000000001/next.data") == b"more"
+
+
+def test_only_the_nodes_holding_rank_0s_data_keep_the_index_and_the_rest_follow_its_news(job, tmp_path):
+    """4 nodes of one rank, one replica each: the index (the commit) is written on rank 0's
+    node and on node 1, which holds rank 0's replica; nodes 2 and 3 hand in their records and
+    read nothing back, and drop the steps rank 0's retention let go (keep=2) by the news their
+    heartbeats carry (coord/news.py). A restore from RAM still reads the newest step bitwise:
+    nodes 2 and 3 get the index through the store."""
+    env = {**job["env"], "FTKIT_RANKS_PER_NODE": "1"}
+    run_ranks(4, dist_worker.ram_save, "ddp", job["disk"], job["refs"], 6, 100, env=env)
+
+    def steps(n: int, with_index: bool) -> list[int]:
+        d = job["node"](n)
+        return sorted(int(p.name[5:]) for p in d.glob("step-*") if not with_index or (p / "manifest.json").is_file())
+
+    assert steps(0, True) == steps(1, True) == [5, 6]
+    for n in (2, 3):
+        assert steps(n, True) == []
+        held = steps(n, False)
+        # Retention by the news: what rank 0 keeps, plus at most UNHEARD_LIMIT steps not yet heard of.
+        assert held[-1] == 6 and held[0] >= 3 and len(held) <= 4, (n, held)
+    out = run_ranks(4, dist_worker.ram_restore, "ddp", job["disk"], job["refs"], 100, env=env)
+    # (bitwise equal to the reference, ram_restore checks; each node fetched the files it lacks)
+    assert [o["step"] for o in out] == [6] * 4 and {o["source"] for o in out} == {"ram+peer"}
+
+
+def _node_tier(tmp_path, rank: int = 2):
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext
+    from ftkit.tiers.backend import NodeRamTier
+    from ftkit.tiers.storage import Storage
+
+    nodes = ["node0", "node1", "node2", "node3"]
+    ctx = DistContext(rank, 4, dist.HashStore(), nodes[rank], 10.0, nodes)
+    storage = Storage(str(tmp_path / nodes[rank]))
+    return NodeRamTier(ftkit.Tier("ram", keep=2), storage, 0, None, None, nodes), ctx, storage  # type: ignore[arg-type]
+
+
+def _steps_held(storage) -> list[int]:
+    from ftkit.format.reader import scan
+
+    return [d.step for d in scan(storage)]
+
+
+def test_a_node_without_the_index_drops_only_what_rank_0s_news_settled_and_did_not_keep(tmp_path):
+    from types import SimpleNamespace
+
+    from ftkit.coord.news import NEWS_KEY, Settled
+
+    tier, ctx, storage = _node_tier(tmp_path)
+    for s in range(1, 4):
+        storage.write_bytes_atomic(f"step-{s:012d}/rank-00002-x.data", b"x")
+    job = SimpleNamespace(epoch=1, step=3)
+    assert tier.retain(ctx, job) == [] and _steps_held(storage) == [1, 2, 3]  # no news: nothing goes
+    tier.news.heard(Settled(0, 3, frozenset({3})).to_json())  # another epoch's (before a restore)
+    assert tier.retain(ctx, job) == [] and _steps_held(storage) == [1, 2, 3]
+    tier.news.heard(Settled(1, 2, frozenset({1})).to_json())  # step 2 failed, 1 committed, 3 in flight
+    assert tier.retain(ctx, job) == [2] and _steps_held(storage) == [1, 3]
+    tier.news.heard(Settled(1, 1, frozenset({1})).to_json())  # older news of the epoch changes nothing
+    assert tier.news.of_epoch(1).settled == 2
+    # Snapshots outpace the heartbeats: more than UNHEARD_LIMIT steps unheard of -> it asks the store.
+    for s in (4, 5):
+        storage.write_bytes_atomic(f"step-{s:012d}/rank-00002-x.data", b"x")
+    ctx.store.set(NEWS_KEY, Settled(1, 4, frozenset({3, 4})).to_json())
+    assert tier.retain(ctx, SimpleNamespace(epoch=1, step=5)) == [1] and _steps_held(storage) == [3, 4, 5]
+    # The node of rank 0 follows its index instead, and tells the others what it keeps.
+    tier0, ctx0, storage0 = _node_tier(tmp_path, rank=0)
+    storage0.write_bytes_atomic("step-000000000007/manifest.json", b"{}")
+    tier0.retain(ctx0, SimpleNamespace(epoch=1, step=7))
+    assert Settled.parse(ctx0.store.get(NEWS_KEY)) == Settled(1, 7, frozenset({7}))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'{"epoch": 1, "settled": 5}',
+        b'{"epoch": -1, "settled": 5, "kept": []}',
+        b'{"epoch": true, "settled": 5, "kept": []}',
+        b'{"epoch": 1, "settled": 5, "kept": [6]}',
+        b'{"epoch": 1, "settled": 5, "kept": ["4"]}',
+        b'{"epoch": 1, "settled": "5", "kept": [4]}',
+    ],
+)
+def test_malformed_commit_news_is_ignored_and_nothing_is_dropped(tmp_path, raw):
+    """The news comes through the store: anything malformed is no news, and no news keeps."""
+    from types import SimpleNamespace
+
+    from ftkit.coord.news import Settled
+
+    assert Settled.parse(raw) is None
+    tier, ctx, storage = _node_tier(tmp_path)
+    for s in (1, 2):
+        storage.write_bytes_atomic(f"step-{s:012d}/rank-00002-x.data", b"x")
+    tier.news.heard(raw)
+    assert tier.retain(ctx, SimpleNamespace(epoch=1, step=2)) == [] and _steps_held(storage) == [1, 2]

@@ -399,7 +399,7 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     assert (tmp_path / "escaped.data").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["escaped.data", "ram", "shm"]
     assert not list(tmp_path.rglob("*.data.tmp-*")) and not list((tmp_path / "ram").rglob(MANIFEST_NAME))
-    assert store.get("k/manifest") == b'""'  # rank 0 told the node leaders: not committed
+    assert not store.check(["k/manifest"])  # one node, no replicas: nobody else waits for an index
 
 
 def test_a_report_with_no_tensors_for_its_bytes_is_refused():
@@ -424,30 +424,24 @@ def _index_of(name: str, nbytes: int) -> dict:
     ],
 )
 def test_a_node_leader_validates_the_index_it_receives(tmp_path, forged, why):
-    """Rank 1 leads node1; the index it reads from the store is forged (a part outside the
-    directory, a document of another version, an index without this node's part): it
-    writes no manifest, and says why."""
+    """Rank 1 leads node1, which holds rank 0's replicas, so it keeps the index too
+    (node_commit.holds_index); the index it reads from the store is forged (a part
+    outside the directory, a document of another version, an index without this node's
+    part): it writes no manifest, and says why."""
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
-    from ftkit.save.node_commit import persist_node_local
-    from ftkit.save.reports import NodeReport as _Report
+    from ftkit.save.node_commit import NodeShare, _write_index
     from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()
     ctx = DistContext(1, 2, store, "node1", 10.0, ["node0", "node1"])
     node = tmp_path / "node1"
     storage = Storage(str(node))
-    store.set("k/w/0", _Report.encode(None, None, None))  # rank 0 "wrote nothing"
     doc = {"format": "ftkit-checkpoint", "format_version": 3, "step": 1, "world_size": 2, "skeleton": {"entries": {}}}
     store.set("k/manifest", json.dumps({**doc, **forged}))
-    arena, slot = _staged(2.0)
-    try:
-        with pytest.raises(ftkit.FtkitError, match=why):
-            persist_node_local(
-                storage, 1, slot, SKELETON, compress=None, pieces=None, rank_state=None, ctx=ctx, key="k"
-            )
-    finally:
-        arena.release(slot)
-        arena.close()
+    part = {"file": "part-00001-0badf00d.json", "bytes": 9, "checksum": "xxh3_64:" + "1" * 16}
+    share = NodeShare({}, [], False, written={"part": part, "files": {}})
+    with pytest.raises(ftkit.FtkitError, match=why):
+        _write_index(storage, 1, ctx, "k", share)
     assert not list(node.rglob(MANIFEST_NAME))

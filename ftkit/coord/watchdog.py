@@ -15,7 +15,8 @@ never the global store. Then:
   same round trip that reads the verdict key, reads the aggregated heartbeats of
   the `watch` nodes after its own on the ring (RingJudge: a node whose heartbeat
   stops is a dead aggregator or a lost node). Two store requests per node per
-  interval: a set and a multi_get.
+  interval: a set and a multi_get (which also carries the RAM tier's commit news,
+  coord/news.py, so its leaders need no request of their own to hear it).
 * every **other rank** reads its node's board: a verdict relayed by its leader,
   a preemption, the end of the run; and watches its leader's own heartbeat, so a
   dead aggregator is found by its own node as well as by its ring watchers.
@@ -56,6 +57,7 @@ from ftkit.coord import generation
 from ftkit.coord.dist import DistContext, host_identity, process_gone
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
+from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
 from ftkit.warm.client import process_stopped  # (the warm client asks the same of its worker)
 
@@ -74,14 +76,17 @@ class Watchdog:
         flush: Callable[[float], None] | None = None,
         preempted: Callable[[], bool] | None = None,
         on_peer_preempted: Callable[[int], None] | None = None,
+        news: CommitNews | None = None,
     ):
-        """`ctx`: a connection of the watchdog's own (DistContext.own_connection)."""
+        """`ctx`: a connection of the watchdog's own (DistContext.own_connection). `news`: where
+        a leader puts the RAM tier's commit news it reads with every heartbeat (coord/news.py)."""
         self.ctx = ctx
         self.events = events
         self.cfg = cfg = config or WatchdogConfig()
         self._flush = flush
         self._preempted = preempted  # did this rank get a preemption signal? (told to peers)
         self._on_peer_preempted = on_peer_preempted
+        self._news = news
         self._step: int | None = None  # None until the first step ends: no hang clock before it
         # The busy time a straggler verdict uses: the median of the last 10 steps turns once
         # 6 of them are slow (with 20 it took 11: ~7 s for a rank at a tenth of its speed here).
@@ -124,7 +129,7 @@ class Watchdog:
             # ranks watch its local heartbeat, which this thread writes before each exchange.
             with contextlib.suppress(Exception):
                 ctx.store.set_timeout(timedelta(seconds=max(cfg.dead_after_s / 2, cfg.interval_s)))
-            for key in (VERDICT, PREEMPT):  # create if missing: read every round with one multi_get
+            for key in (VERDICT, PREEMPT, NEWS_KEY):  # create if missing: read every round with one multi_get
                 ctx.store.compare_set(key, "", "")
             ctx.store.add(DONE, 0)
 
@@ -255,7 +260,12 @@ class Watchdog:
         if not self._ring_seen:  # until every watched node has published once (a get would wait)
             self._ring_seen = bool(ctx.store.check(ring_keys))
         keys = (ring_keys if self._ring_seen else []) + [VERDICT, PREEMPT, DONE]
-        values = ctx.store.multi_get(keys)
+        if self._news is not None:  # the RAM tier's commit news rides along: no request of its own
+            keys.append(NEWS_KEY)
+            *values, news = ctx.store.multi_get(keys)
+            self._news.heard(news)
+        else:
+            values = ctx.store.multi_get(keys)
         nodes: dict[int, NodeBeat | None] = {}
         if self._ring_seen:
             for n, raw in zip(self.watched, values):

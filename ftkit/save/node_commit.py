@@ -18,19 +18,25 @@ shared tier: one part per node and an index (format/index.py)::
     node leaders: collect the outcomes; set the node's record for rank 0, `key`/r/<leader>:
                   its part's name, size and checksum, or the node's errors (a few hundred bytes)
     rank 0:       read every node's record (one wait, one multi_get), write the index
-                  (manifest.json, the commit), set it under `key`/manifest (or "" when the
-                  step is not committed), delete the step's records
-    node leaders: read the index, check it names their part and their files are in
-                  place, write it
+                  (manifest.json, the commit), delete the step's records; with replicas,
+                  set the index under `key`/manifest (or "" when the step is not committed)
+    the leaders of the k nodes that hold rank 0's node's replicas: read the index, check
+                  it names their part and their files are in place, write it
+    rank 0, after retention (tiers/backend.py): the commit news (coord/news.py), which
+                  the other leaders hear with their heartbeats and keep or drop steps by
 
-A non-leader rank makes no store request; a leader makes a constant number (its
-record for rank 0 and the index; with replicas also its reports and the records of
-the k nodes before and after it); rank 0 one delete for every node's record (two
-with replicas). Per step: 4 x nodes requests without replicas, 8 x nodes with.
-Rank 0 handles O(nodes) bytes, a leader its node's entries, those of k other nodes
-and the index (O(nodes) bytes, ~110 per node). A node holds the parts of the ranks
-whose files it holds, not every part: at restore, parts a node lacks come through the
-store from a node that has them (restore/read.py).
+The index lives where rank 0's data lives (its node and the nodes holding its replicas):
+losing all of them loses rank 0's share of the step, so the step anyway. The other
+leaders read nothing back: at restore, a node without the index gets it through the
+store from a node that has it (restore/read.py), as it gets the parts it lacks.
+
+A non-leader rank makes no store request; a leader one (its record for rank 0; with
+replicas also its reports and the records of the k nodes before and after it, and on
+the k index holders the index); rank 0 one delete for every node's record (two with
+replicas) and the news. Per step: 2 x nodes + 1 requests without replicas, 6 x nodes
++ 2k + 2 with. Rank 0 handles O(nodes) bytes, a leader its node's entries and those
+of k other nodes. A node holds the parts of the ranks whose files it holds, not every
+part: at restore, parts a node lacks come through the store from a node that has them.
 """
 
 from __future__ import annotations
@@ -123,7 +129,7 @@ def persist_node_local(
     the rest of the call is the commit's coordination.
 
     `ledger` (rank 0's): the manifest keys of earlier steps, and every key of a step
-    rank 0 skipped; deleted once this step's records are all in (every leader reads
+    rank 0 skipped; deleted once this step's records are all in (every index holder reads
     the index of a step before it sends its records of the next).
     """
     group = group or NodeGroup.of(ctx, None)
@@ -179,9 +185,17 @@ def persist_node_local(
             return _commit(storage, step, skeleton, ctx, key, group, node, errors, older, ledger, at, exchange)
     if error is not None:
         raise error
-    if node is not None:  # write rank 0's index into this node's directory
+    if node is not None and exchange and holds_index(ctx, layout, replicas):  # rank 0's replicas: its index too
         _write_index(storage, step, ctx, key, node)
     return None
+
+
+def holds_index(ctx: DistContext, layout: ReplicaLayout | None, replicas: int) -> bool:
+    """Whether this rank's node keeps the RAM tier's index: rank 0's node, and the nodes
+    that hold its replicas (`layout`, `replicas`: the tier's, when it exchanges them)."""
+    if not ctx.distributed or ctx.node == ctx.nodes[0]:
+        return True
+    return layout is not None and replicas > 0 and ctx.node in layout.target_nodes(0, ctx.nodes, replicas)
 
 
 def node_part(storage: Storage, step: int, texts: dict[int, str], ranks: tuple[int, ...], world: int) -> NodeShare:
@@ -267,25 +281,25 @@ def _commit(
         committed = commit_index(storage, step, ctx.world_size, records, skeleton, local_parts=local)
     except BaseException:
         discard(storage, step, node.own_files())
-        if ctx.distributed:
+        if exchange:  # the index holders wait for no index
             ctx.put(f"{key}/manifest", "")
             _record_manifest(ledger, at, key)
         raise
     finally:
         ctx.delete(*keys, *(f"{key}/w/{leader}" for leader in group.members if exchange))
-    if ctx.distributed:
+    if exchange:  # to the nodes that hold rank 0's replicas (holds_index)
         ctx.store.set(f"{key}/manifest", committed.manifest_json)
         _record_manifest(ledger, at, key)
     return committed
 
 
 def _record_manifest(ledger: KeyLedger | None, at: tuple[int, int], key: str) -> None:
-    if ledger is not None:  # deleted after the next step's records: every leader has read it then
+    if ledger is not None:  # deleted after the next step's records: every index holder has read it then
         ledger.record_key(at, f"{key}/manifest")
 
 
 def _write_index(storage: Storage, step: int, ctx: DistContext, key: str, node: NodeShare) -> None:
-    """A node leader writes rank 0's index into its node's directory, once it has checked
+    """An index holder's leader writes rank 0's index into its node's directory, once it has checked
     that the index names this node's part as written and its files are in place."""
     data = ctx.get_raw(f"{key}/manifest")
     if data in (b"", b'""'):  # rank 0's "not committed" (put as JSON "")
@@ -319,8 +333,8 @@ def report_skipped_node_local(
     board.write(step_message(at, "skip"), {"reason": reason})  # its ranks: no replicas this step
     if exchange:
         ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps({str(ctx.rank): text}))
-    if ctx.rank == 0:
-        ctx.put(f"{key}/manifest", "")  # the leaders wait for no index
+    if ctx.rank == 0 and exchange:
+        ctx.put(f"{key}/manifest", "")  # the index holders wait for no index
     else:
         skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
         ctx.put(f"{key}/r/{ctx.rank}", skipped.record([]))

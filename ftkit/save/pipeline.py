@@ -152,7 +152,7 @@ class PersistPipeline:
                     time.perf_counter() - t0,
                 )
             if backend.owns(self.ctx):  # rank 0 (it committed), or each node's leader on the RAM tier
-                for step in backend.apply_retention(protect=job.step):
+                for step in backend.retain(self.ctx, job):
                     log.debug("retention removed step %d from %s", step, backend.display_url)
         except AlreadyCommitted:
             log.info("step %d already committed to %s; left as it is", job.step, backend.display_url)

@@ -11,7 +11,8 @@ Two backends:
   run. Every node commits its own copy (save/node_commit.py); with
   ``replicas=k`` each rank's data file is also kept on k other nodes, sent over
   a dedicated gloo group (tiers/peers.py). Its node leader applies retention
-  and drops superseded steps (the RAM tier is a cache of this run, not a record).
+  and drops superseded steps (the RAM tier is a cache of this run, not a record);
+  a node without the index keeps or drops steps by rank 0's news (coord/news.py).
 
 Storage (tiers/storage.py) only moves bytes; a backend is the tier's policy.
 
@@ -19,26 +20,30 @@ Order of calls::
 
     backend = open_backend(tier, ...)           # tiers/opened.py, at Checkpointer start
     backend.persist(job, ctx, key, ledger)       # every rank, each due snapshot (save/pipeline.py)
-    backend.apply_retention(protect)             # by its owner, after a commit
+    backend.retain(ctx, job)                     # by its owner, after its persist succeeded
     backend.committed_steps() / inventory()      # restore planning (ftkit/restore)
     backend.supersede(step)                      # by its owner, the first snapshot after a restore
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+from ftkit.coord.news import UNHEARD_LIMIT, CommitNews, Settled, publish
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
 from ftkit.format.reader import scan
 from ftkit.save.commit import NodeGroup, persist, report_skipped_shared
 from ftkit.save.keys import KeyLedger
 from ftkit.save.manifests import Committed
-from ftkit.save.node_commit import persist_node_local, report_skipped_node_local
+from ftkit.save.node_commit import holds_index, persist_node_local, report_skipped_node_local
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
 from ftkit.tiers.peers import ReplicaLayout
-from ftkit.tiers.retention import apply_job_retention
+from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
+
+log = logging.getLogger("ftkit")
 
 if TYPE_CHECKING:
     from ftkit.config import Tier
@@ -109,6 +114,10 @@ class TierBackend(ABC):
         """Delete the committed steps the tier's keep/keep_every no longer keep; return them."""
         return apply_job_retention(self.storage, self.tier.keep, self.tier.keep_every, protect=protect)
 
+    def retain(self, ctx: DistContext, job: Any) -> list[int]:
+        """Retention after this rank's persist of `job` succeeded (its owner calls it); the steps removed."""
+        return self.apply_retention(protect=job.step)
+
     def inventory(self) -> dict[int, tuple[list[str], bool]]:
         """{step: (data files and manifest parts held, committed)} of what this process sees on the tier."""
         out = {}
@@ -160,6 +169,7 @@ class NodeRamTier(TierBackend):
         self.group = group  # this rank's node and its board: the commit's first level
         self.layout = ReplicaLayout.of(nodes)  # who sends whom replicas: O(ranks) once, here
         self.last_cpu: dict[str, float] = {}  # the last persist's CPU split (persist_details)
+        self.news = CommitNews()  # rank 0's word on which steps it keeps (the watchdog feeds it)
 
     @property
     def can_fetch(self) -> bool:
@@ -177,18 +187,52 @@ class NodeRamTier(TierBackend):
             self.peers.last_run = None
         self.last_cpu = {}
         args = self._commit_args(job, ctx, key, ledger)
-        return persist_node_local(
-            self.storage,
-            job.step,
-            job.slot,
-            job.skeleton,
-            group=self.group,
-            layout=self.layout,
-            peers=self.peers,
-            replicas=self.replicas,
-            cpu=self.last_cpu,
-            **args,
-        )
+        try:
+            return persist_node_local(
+                self.storage,
+                job.step,
+                job.slot,
+                job.skeleton,
+                group=self.group,
+                layout=self.layout,
+                peers=self.peers,
+                replicas=self.replicas,
+                cpu=self.last_cpu,
+                **args,
+            )
+        except Exception:
+            if ctx.rank == 0 and ctx.distributed:  # the step is settled: not committed
+                self._tell(ctx, job)
+            raise
+
+    def retain(self, ctx: DistContext, job: Any) -> list[int]:
+        """A node with the index (node_commit.holds_index) follows it; rank 0 then tells the
+        others what it keeps (coord/news.py). A node without the index drops only what the
+        news of this epoch says is settled and not kept, and asks for news itself when it
+        holds more than UNHEARD_LIMIT steps it has heard nothing of."""
+        if holds_index(ctx, self.layout if self._exchanges(ctx) else None, self.replicas):
+            removed = self.apply_retention(protect=job.step)
+            if ctx.rank == 0 and ctx.distributed:
+                self._tell(ctx, job)
+            return removed
+        removed, unheard = self._apply_news(job.epoch)
+        if unheard > UNHEARD_LIMIT:  # snapshots outpace heartbeats: one request, not RAM without bound
+            self.news.ask(ctx.store)
+            removed += self._apply_news(job.epoch)[0]
+        return removed
+
+    def _apply_news(self, epoch: int) -> tuple[list[int], int]:
+        news = self.news.of_epoch(epoch)
+        if news is None:
+            return apply_heard_retention(self.storage, None, frozenset())
+        return apply_heard_retention(self.storage, news.settled, news.kept)
+
+    def _tell(self, ctx: DistContext, job: Any) -> None:
+        """Rank 0: every step up to `job.step` is decided; these are the committed ones it keeps."""
+        try:
+            publish(ctx.store, Settled(job.epoch, job.step, frozenset(self.committed_steps())))
+        except Exception as e:  # the others keep what they have: no loss, only RAM held longer
+            log.warning("ftkit: could not publish the RAM tier's commit news of step %d: %s", job.step, e)
 
     def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
         report_skipped_node_local(ctx, self.group, key, at, reason, self._exchanges(ctx))

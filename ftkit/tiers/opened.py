@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
+from ftkit.coord.news import CommitNews
 from ftkit.coord.nodelocal import NodeBoard
 from ftkit.save.commit import NodeGroup
 from ftkit.save.keys import KeyLedger
@@ -26,6 +27,11 @@ class OpenedTiers:
     backends: list[TierBackend]  # per tier, in the Checkpointer's order
     ram_identity: RunIdentity | None  # the run the RAM tier belongs to (tiers/ram.py)
     keys: dict[int, KeyLedger]  # per tier: the store keys its commits left, for a later one to delete
+
+    @property
+    def ram_news(self) -> CommitNews | None:
+        """The RAM tier's commit news, for the watchdog to feed (coord/news.py); None without one."""
+        return next((b.news for b in self.backends if isinstance(b, NodeRamTier)), None)
 
 
 def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer_timeout_s: float) -> OpenedTiers:

@@ -161,3 +161,19 @@ def apply_job_retention(
 
 _warned: set[str] = set()
 _uploads_checked: dict[str, float] = {}  # tier URL -> monotonic time of the last look
+
+
+def apply_heard_retention(storage: Storage, settled: int | None, kept: frozenset[int]) -> tuple[list[int], int]:
+    """Retention on a RAM-tier node that holds no index (coord/news.py): drop every step
+    directory up to `settled` that is not in `kept` (failed, or let go by rank 0's
+    retention), keep the rest. `settled` None: nothing heard, nothing dropped. Returns
+    (the steps removed, how many directories are newer than `settled`: not heard of)."""
+    dirs = [d for d in scan(storage) if d.status not in ("link", "bad")]
+    if settled is None:
+        return [], len(dirs)
+    removed = []
+    for d in dirs:
+        if d.step <= settled and d.step not in kept:
+            delete_step(storage, d.step)
+            removed.append(d.step)
+    return removed, sum(d.step > settled for d in dirs)

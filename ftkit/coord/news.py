@@ -1,0 +1,106 @@
+"""Commit news: which RAM-tier steps rank 0 keeps, heard by every node's leader at no
+store request of its own.
+
+The RAM tier's index (the commit) is written on rank 0's node and the nodes that hold
+its replicas only (save/node_commit.py): the other leaders hand in their node's record
+and read nothing back. They still must know which of their step directories to keep
+and which to drop (a step that failed, a step retention let go), and they must never
+drop a step rank 0 keeps. So after each step's outcome rank 0 sets one key, the news:
+
+    {"epoch": <the restore epoch>, "settled": <newest step decided>, "kept": [committed steps kept]}
+
+and every node's watchdog leader reads it in the multi_get it makes every heartbeat
+interval anyway (coord/watchdog.py). A leader drops a directory only when news of its
+own epoch says the step is settled and not kept; what it has not heard of, it keeps.
+When snapshots come faster than heartbeats, so that a leader holds more than
+`UNHEARD_LIMIT` steps it has heard nothing of, it reads the key itself (one request):
+that bounds a node's RAM at one step more than before, without a request per step.
+
+The value comes through the store: it is parsed as untrusted input, and anything
+malformed is ignored (keeping, never deleting, is the safe side).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("ftkit")
+
+NEWS_KEY = "commit/ram-news"  # below the Checkpointer's store scope
+UNHEARD_LIMIT = 2  # steps a leader holds unheard of before it asks itself
+MAX_KEPT = 100_000  # a longer list is not news but garbage
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Rank 0's word on one epoch's RAM steps: every step up to `settled` is decided,
+    and `kept` are those still committed."""
+
+    epoch: int
+    settled: int
+    kept: frozenset[int]
+
+    def to_json(self) -> str:
+        return json.dumps({"epoch": self.epoch, "settled": self.settled, "kept": sorted(self.kept)})
+
+    @staticmethod
+    def parse(raw: bytes | str) -> Settled | None:
+        """The news in `raw`, or None when it is empty or malformed."""
+        try:
+            doc: Any = json.loads(raw) if raw else None
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(doc, dict):
+            return None
+        epoch: Any = doc.get("epoch")
+        settled: Any = doc.get("settled")
+        kept: Any = doc.get("kept")
+        if not (_is_int(epoch) and _is_int(settled) and isinstance(kept, list) and len(kept) <= MAX_KEPT):
+            return None
+        if not all(_is_int(s) and s <= settled for s in kept):
+            return None
+        return Settled(epoch, settled, frozenset(kept))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+class CommitNews:
+    """The newest news this process heard; fed by the watchdog's heartbeat read (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: Settled | None = None
+
+    def heard(self, raw: bytes | str) -> None:
+        news = Settled.parse(raw)
+        if news is None:
+            return
+        with self._lock:
+            old = self._latest
+            # Within an epoch news only moves forward; a new epoch replaces the old one's.
+            if old is None or news.epoch > old.epoch or (news.epoch == old.epoch and news.settled >= old.settled):
+                self._latest = news
+
+    def of_epoch(self, epoch: int) -> Settled | None:
+        with self._lock:
+            news = self._latest
+        return news if news is not None and news.epoch == epoch else None
+
+    def ask(self, store: Any) -> None:
+        """Read the key now (one request; a missing key is no news)."""
+        try:
+            if store.check([NEWS_KEY]):
+                self.heard(store.get(NEWS_KEY))
+        except Exception as e:  # the store is away: no news, nothing deleted
+            log.debug("ftkit: could not read the RAM commit news: %s", e)
+
+
+def publish(store: Any, news: Settled) -> None:
+    """Rank 0, after a RAM step's outcome (committed and retained, or failed)."""
+    store.set(NEWS_KEY, news.to_json())
