@@ -136,6 +136,7 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
     from ftkit.coord.dist import DistContext, host_identity
     from ftkit.coord.events import EventLog
     from ftkit.coord.judge import Beat, WatchdogConfig
+    from ftkit.coord.news import CommitNews
     from ftkit.coord.watchdog import Watchdog
 
     class SimLeader(Watchdog):
@@ -157,7 +158,11 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
     mine = list(range(idx, world // per, procs))
     events = EventLog(None, 0)
     t_build = time.perf_counter()
-    leaders = [SimLeader(DistContext(n * per, world, store, f"n{n}", 60.0, names, prefix), events, cfg) for n in mine]
+    # Each leader also reads the RAM tier's commit news with its heartbeat, as in a job (coord/news.py).
+    leaders = [
+        SimLeader(DistContext(n * per, world, store, f"n{n}", 60.0, names, prefix), events, cfg, news=CommitNews())
+        for n in mine
+    ]
     build_s = time.perf_counter() - t_build
     origin = time.monotonic()
     for wd in leaders:  # the simulated clock starts where the judges' did

@@ -50,7 +50,6 @@ from ftkit.tiers.redact import redact_url
 log = logging.getLogger("ftkit")
 
 POLICIES = ("skip", "wait")
-_instances = 0
 
 
 class Checkpointer:
@@ -128,9 +127,9 @@ class Checkpointer:
         self.policy = policy
         self.rng = rng
         self.stats = Stats()
-        global _instances
-        _instances += 1  # every rank creates its Checkpointers in the same order
-        self._ctx = DistContext.detect(timeout_s=commit_timeout_s).scoped(f"ck{_instances}/")
+        # Every rank creates its Checkpointers in the same order (counted per generation: a
+        # replacement that joins one counts from 1, as the survivors do in it).
+        self._ctx = DistContext.detect(timeout_s=commit_timeout_s).scoped(f"ck{generation.next_instance()}/")
         self._bg_ctx = self._ctx.own_connection()  # the persist thread's (see DistContext.own_connection)
         self._restores = 0  # restore() calls so far: namespaces their store keys
         self.last_restore: dict[str, Any] = {}

@@ -38,8 +38,16 @@ an ``Exception`` on any rank:
    ``restore()`` loads the newest committed step from node RAM.
 
 Nothing of a surviving rank exits, and its pid and imports stay. A rank that is
-dead or hung (no Python left to run) cannot take part: those verdicts end the
-workers as before and torchrun restarts the group (warm, ftkit/warm). So do a
+dead or hung (no Python left to run) cannot take part itself. Under ``ftkit run
+--replace-dead N`` it is replaced instead: the judge on its host kills it if it is
+still there, its warm client (ftkit/warm/client.py) asks the zygote for a new
+worker rather than ending, and the survivors recover in process as from an
+exception. The new worker (``$FTKIT_REJOIN``) does not create the first group: it
+waits for the survivors' next generation (``ftkit-gen/latest``, set as each rank
+advances, with fewer arrivals than the world), meets them there, and ``fn`` runs
+in it (its ``restore()`` reads node RAM like theirs). Otherwise, and for a lost
+node (no client left to replace its ranks), those verdicts end the workers as
+before and torchrun restarts the group (warm, ftkit/warm). So do a
 recovery that does not come together within ``recovery_timeout_s`` (a second fault
 while the group re-forms: a rank that never arrives), more than ``max_recoveries``
 recoveries, and ``KeyboardInterrupt``/``SystemExit``, which are never caught.
@@ -47,6 +55,7 @@ recoveries, and ``KeyboardInterrupt``/``SystemExit``, which are never caught.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -63,6 +72,9 @@ from ftkit.coord import boot, generation
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.watchdog import EXIT_CODE  # (torchrun restarts the group)
 from ftkit.errors import FtkitError, one_line
+from ftkit.warm.client import REJOIN_ENV, REPLACEABLE_ENV
+
+LATEST_KEY = "ftkit-gen/latest"  # the generation the ranks advanced to last (a replacement joins it)
 
 log = logging.getLogger("ftkit")
 
@@ -100,23 +112,29 @@ def run_in_process(
 
     timeout = timedelta(seconds=group_timeout_s)
     sockets: set[tuple[int, int]] = set()  # (fd, inode) of this generation's group's connections
-    if not dist.is_initialized():
+    reason: str | None = None
+    rejoining = bool(os.environ.get(REJOIN_ENV)) and not dist.is_initialized()
+    if rejoining:  # a replacement for a killed worker: the survivors' next generation is ours
+        base, sockets = _rejoin(backend, timeout, recovery_timeout_s)
+        reason = f"replaced rank {dist.get_rank()}'s killed process"
+    elif not dist.is_initialized():
         sockets = _init_group(backend, timeout=timeout)
     else:
         # Its connections are closed only by destroying it: a DDP built on it would hold it open.
         log.info("ftkit: run_in_process uses the existing process group; let it create the group instead")
     if dist.get_world_size() == 1:  # nothing to re-form: a failure is the failure
         return fn(Generation(0))
-    base = _get_default_store()  # the first group's store: each generation's group is built under it
+    if not rejoining:  # each generation's group is built under the store the first group was made on
+        base = _namespace(_get_default_store())
     # What exists now (torch's modules, the user's imports) is never garbage worth a collection:
     # freezing it makes the collection in each teardown take milliseconds, not 0.4 s.
     gc.freeze()
     rank, world = dist.get_rank(), dist.get_world_size()
-    reason: str | None = None
     recoveries = 0
     terms = _Terminations()
     terms.install()
     generation.set_active(True)
+    mark = _Replaceable()
     try:
         while True:
             try:
@@ -141,6 +159,7 @@ def run_in_process(
             number = generation.advance()
             fault_point("recover", number, rank)  # a drill's second fault, while the group re-forms
             try:
+                base.set(LATEST_KEY, str(number))  # (a replacement of a killed rank looks for it)
                 _meet(base, number, world, recovery_timeout_s, terms)
                 store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
                 sockets = _init_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -151,8 +170,75 @@ def run_in_process(
             boot.mark("torn_down", torn_t)
             boot.mark("regrouped")
     finally:
+        mark.clear()
         generation.set_active(False)
         terms.uninstall()
+
+
+class _Replaceable:
+    """The file that tells this worker's warm client (``$FTKIT_REPLACEABLE``) that, killed now,
+    it is replaced rather than reported: the survivors recover in process meanwhile."""
+
+    def __init__(self) -> None:
+        self.path = os.environ.get(REPLACEABLE_ENV)
+        if self.path:
+            try:
+                with open(self.path, "w"):
+                    pass
+            except OSError as e:
+                log.warning("ftkit: cannot mark this worker replaceable (%s): a kill restarts the group", e)
+                self.path = None
+
+    def clear(self) -> None:
+        if self.path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+def _rejoin(backend: str, timeout: timedelta, wait_s: float) -> tuple[Any, set[tuple[int, int]]]:
+    """A replacement worker: the job's store as the first group saw it, the survivors' next
+    generation found and met, and that generation's group; (the store, its connections).
+
+    The group of the first generation is not created again (its keys in the store are
+    stale: its other members are gone from it)."""
+    import torch.distributed as dist
+
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    base = _namespace(store)
+    number = _next_generation(base, world, wait_s)
+    generation.join(number)
+    _meet(base, number, world, wait_s, _Terminations())
+    group_store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
+    sockets = _init_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
+    boot.mark("regrouped")
+    log.warning("ftkit: rank %d's replacement joined generation %d", rank, number)
+    return base, sockets
+
+
+def _namespace(store: Any) -> Any:
+    """The wrapper's keys (generation counters, each generation's group): a namespace of the job's
+    store itself, below whatever prefixes torch added, so a replacement that never made the first
+    group (ftkit/warm/client.py) finds the same keys through its own connection."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return dist.PrefixStore("ftkit-inprocess", store)
+
+
+def _next_generation(store: Any, world: int, wait_s: float) -> int:
+    """The generation the survivors are forming: the newest one fewer than `world` ranks arrived at."""
+    end = time.monotonic() + wait_s
+    delay = 0.005
+    while True:
+        if store.check([LATEST_KEY]):
+            number = int(store.get(LATEST_KEY))
+            if int(store.add(f"ftkit-gen/{number}/arrived", 0)) < world:
+                return number
+        if time.monotonic() > end:
+            raise RecoveryFailed(f"no generation of the survivors to join within {wait_s:g}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 class _Terminations:

@@ -108,6 +108,29 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel, zy
 
 
 @pytest.mark.timeout(240)
+def test_a_killed_rank_is_replaced_and_the_survivors_keep_their_processes(tmp_path, zygote, clean_final):
+    """ftkit run --replace-dead: rank 1 is SIGKILLed at step 6; its warm client asks the zygote for a
+    new worker instead of ending, so torchrun (no restarts allowed here) never sees a death; rank 0
+    recovers in process, and the new rank 1 joins its next generation and restores from RAM."""
+    steps = ("--steps", str(STEPS["ddp"]))
+    env = {"FTKIT_REPLACE_DEAD": "1"}
+    r, calls = torchrun(zygote, tmp_path / "faulted", *steps, "--kill", "1:6", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "starting replacement 1 of 1" in r.stderr
+    by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
+    assert sorted(c["gen"] for c in calls) == [0, 0, 1, 1]  # one recovery, no torchrun restart
+    assert by_gen[1][0]["pid"] == by_gen[0][0]["pid"]  # the survivor kept its process
+    assert by_gen[1][1]["pid"] != by_gen[0][1]["pid"]  # the killed rank is a new one
+    assert "replaced rank 1" in by_gen[1][1]["reason"]
+    restored = {c["restored"] for c in by_gen[1].values()}
+    assert restored in ({5}, {4})
+    events = read_events(str(tmp_path / "faulted" / "run"))
+    assert {e.get("attempt") for e in events} == {0}
+    faulted = torch.load(tmp_path / "faulted" / "final.pt", weights_only=True)
+    assert equal(clean_final("ddp", STEPS["ddp"]), faulted)
+
+
+@pytest.mark.timeout(240)
 def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_path, zygote):
     out = tmp_path / "twice"
     os.makedirs(out)

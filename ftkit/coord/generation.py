@@ -23,6 +23,7 @@ _lock = threading.Lock()
 _generation = 0
 _active = False
 _requested: Any = None  # the verdict that asked for a recovery of the current generation
+_instances: dict[int, int] = {}  # Checkpointers created so far, by generation
 
 
 def current() -> int:
@@ -41,6 +42,22 @@ def advance() -> int:
         _generation += 1
         _requested = None
         return _generation
+
+
+def join(number: int) -> None:
+    """A replacement for a killed worker starts in the survivors' generation `number` (inprocess.py)."""
+    global _generation, _requested
+    with _lock:
+        _generation = number
+        _requested = None
+
+
+def next_instance() -> int:
+    """The number of the next Checkpointer of this generation, from 1: the survivors and a
+    replacement that joins them count the same (its store keys must be theirs)."""
+    with _lock:
+        _instances[_generation] = _instances.get(_generation, 0) + 1
+        return _instances[_generation]
 
 
 def set_active(active: bool) -> None:

@@ -109,6 +109,9 @@ class Verdict:
     latency_s: float  # how long it had been so when judged
     why: str
     by: int = -1  # the rank that judged
+    # The judge is on the target's host and the target is (or will be) a process gone: a warm
+    # client can replace it (ftkit run --replace-dead) while the others recover in process.
+    local: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -121,7 +124,7 @@ class Verdict:
         why = doc.get("why")
         if target is None or by is None or latency is None or not isinstance(why, str):
             return None
-        return Verdict(target, doc["what"], latency, why[:300], by)
+        return Verdict(target, doc["what"], latency, why[:300], by, doc.get("local") is True)
 
 
 @dataclass
@@ -207,18 +210,18 @@ class RankJudge:
                 continue
             assert seen is not None
             if gone(seen):
-                out.verdicts.append(Verdict(r, "dead", now - clock.changed, "its process is gone", self.me))
+                out.verdicts.append(Verdict(r, "dead", now - clock.changed, "its process is gone", self.me, True))
             elif stopped is not None and now - clock.changed > cfg.stopped_after_s and stopped(seen):
                 silent = now - clock.changed
                 why = f"its process is stopped, no heartbeat for {silent:.1f}s"
-                out.verdicts.append(Verdict(r, "dead", silent, why, self.me))
+                out.verdicts.append(Verdict(r, "dead", silent, why, self.me, True))
             elif now - clock.changed > cfg.dead_after_s:
                 silent = now - clock.changed
                 out.verdicts.append(Verdict(r, "dead", silent, f"no heartbeat for {silent:.1f}s", self.me))
             elif clock.step >= 0 and now - clock.step_changed > bound and not finished:
                 still = now - clock.step_changed
                 why = f"no step progress for {still:.1f}s (bound {bound:.0f}s)"
-                out.verdicts.append(Verdict(r, "hung", still, why, self.me))
+                out.verdicts.append(Verdict(r, "hung", still, why, self.me))  # (the watchdog says if local)
             self._check_straggler(r, clock, seen, finished, busies, median_step, out)
         return out
 

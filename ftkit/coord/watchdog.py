@@ -40,6 +40,7 @@ finished; a heartbeat thread that died is restarted by the next progress().
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -59,11 +60,24 @@ from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
-from ftkit.warm.client import process_stopped  # (the warm client asks the same of its worker)
+from ftkit.warm.client import REPLACE_ENV, process_stopped  # (the warm client asks the same of its worker)
 
 log = logging.getLogger("ftkit")
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
 IN_PROCESS_VERDICTS = ("failed", "straggler")  # the ranks judged are alive: run_in_process recovers in place
+
+
+def replaceable(verdict: Verdict, me: int) -> bool:
+    """A dead or hung rank judged on its own host, in a job whose warm clients replace killed
+    workers (``ftkit run --replace-dead``, ftkit/warm/client.py): the others recover in process."""
+    return (
+        verdict.what in ("dead", "hung")
+        and verdict.local
+        and verdict.target != me
+        and int(os.environ.get(REPLACE_ENV, "0") or 0) > 0
+    )
+
+
 VERDICT, PREEMPT, DONE = "wd/verdict", "wd/preempt", "wd/done"
 
 
@@ -342,6 +356,18 @@ class Watchdog:
     def _stopped(self, beat: Beat) -> bool:
         return self._local(beat) and process_stopped(beat.pid)
 
+    def _beat_of(self, rank: int) -> Beat | None:
+        """The last heartbeat this rank saw of `rank` (a leader: its node's; another rank: its leader's)."""
+        if self.leader:
+            return self._local_beats.get(rank)
+        return self.leader_judge.clocks[self.leader_rank].beat if rank == self.leader_rank else None
+
+    def _kill_if_local(self, rank: int) -> None:
+        beat = self._beat_of(rank)
+        if rank != self.ctx.rank and self._local(beat) and beat is not None and beat.pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(beat.pid, signal.SIGKILL)
+
     def _local(self, beat: Beat | None) -> bool:
         """Whether `beat` comes from a process on this host, whose pid we may check and kill."""
         return beat is not None and self._host_id is not None and beat.host_id == self._host_id
@@ -361,10 +387,16 @@ class Watchdog:
         recovered from without ending any process: the request is recorded for the training
         loop (its next snapshot() raises it; a collective blocked on the failed rank fails when
         that rank tears its group down) and this watchdog stops. A dead or hung rank cannot take
-        part: torchrun restarts the group as before. If no recovery starts within
-        `recovery_timeout_s`, this worker ends after all (torchrun's restart is the fallback)."""
-        if not generation.active() or verdict.what not in IN_PROCESS_VERDICTS:
+        part: torchrun restarts the group as before, unless its warm client replaces it
+        (`replaceable`): then the judge on its host kills it if it is still there and the others
+        recover in process. If no recovery starts within `recovery_timeout_s`, this worker ends
+        after all (torchrun's restart is the fallback)."""
+        if not generation.active():
             return False
+        if verdict.what not in IN_PROCESS_VERDICTS and not replaceable(verdict, self.ctx.rank):
+            return False
+        if verdict.what in ("dead", "hung"):
+            self._kill_if_local(verdict.target)
         if generation.request(verdict):
             self.events.emit("abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step, in_process=True)
             gen = generation.current()
@@ -402,6 +434,8 @@ class Watchdog:
 
     def _abort(self, verdict: Verdict) -> None:
         """This rank judged: post the verdict (or join an earlier one) and end."""
+        if verdict.what == "hung" and verdict.target != self.ctx.rank:  # can this judge end it?
+            verdict = dataclasses.replace(verdict, local=self._local(self._beat_of(verdict.target)))
         try:
             verdict = self._post(verdict)
         except Exception as e:  # the store is gone: this node still ends, and tells its ranks
@@ -432,10 +466,7 @@ class Watchdog:
         self.detections.append({"target": verdict.target, "what": verdict.what})
         if self._recover_in_process(verdict):
             return
-        beat = self._local_beats.get(verdict.target) if self.leader else self.leader_judge.clocks[self.leader_rank].beat
-        if verdict.target != self.ctx.rank and self._local(beat) and beat is not None and beat.pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # a stopped process holds up the restart
-                os.kill(beat.pid, signal.SIGKILL)
+        self._kill_if_local(verdict.target)  # a stopped process holds up the restart
         # A commit needs every rank's share: with a dead or frozen rank, no snapshot in
         # flight can finish, and draining would only wait out the flush deadline before
         # the restart. A straggler is alive: let it drain.

@@ -17,6 +17,15 @@ torchrun:
 Without a zygote (no ``$FTKIT_ZYGOTE``, or it does not answer) the worker starts
 cold: this process becomes ``python -m ftkit.tools.launch`` in place (exec).
 
+**Replacing a killed worker** (``$FTKIT_REPLACE_DEAD`` = N > 0, set by ``ftkit run
+--replace-dead N``): when the worker dies by SIGKILL (an OOM kill, a drill's kill, the
+watchdog ending a hung rank) while it was recovering in process (ftkit.run_in_process
+keeps the file ``$FTKIT_REPLACEABLE`` while it runs), and no ending signal came from
+torchrun, this client asks the zygote for a new worker instead of ending, at most N
+times: torchrun's agent never sees a death, so the other ranks keep their processes
+and re-form the group in process; the new worker (``$FTKIT_REJOIN`` set) joins their
+next generation (ftkit/inprocess.py) and restores from node RAM.
+
 The wire format (shared with the zygote): each message is a 4-byte big-endian
 length and a JSON object; the request carries the three standard streams as
 SCM_RIGHTS file descriptors.
@@ -24,6 +33,7 @@ SCM_RIGHTS file descriptors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,6 +49,9 @@ LAUNCHER_PID_ENV = "FTKIT_LAUNCHER_PID"  # the pid torchrun knows the worker by
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what torchrun ends a group with
 MAX_MESSAGE = 4 << 20  # an environment is a few kB; anything this large is not ours
+REPLACE_ENV = "FTKIT_REPLACE_DEAD"  # how many times a killed worker may be replaced (0: never)
+REPLACEABLE_ENV = "FTKIT_REPLACEABLE"  # a path: exists while the worker recovers in process
+REJOIN_ENV = "FTKIT_REJOIN"  # on a replacement: which replacement it is (joins the next generation)
 
 
 def send_message(sock: socket.socket, doc: dict, fds: list[int] | None = None) -> None:
@@ -99,6 +112,26 @@ def _die_like(status: dict) -> NoReturn:
     os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
 
 
+def _request(path: str, argv: list[str], env: dict[str, str]) -> tuple[socket.socket, int]:
+    """Ask the zygote for a worker; (the connection its end comes back on, its pid)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        send_message(sock, {"argv": argv, "env": env, "cwd": os.getcwd()}, [0, 1, 2])
+        reply = recv_message(sock)
+        if "error" in reply:
+            raise ValueError(f"refused: {reply['error']}")
+        return sock, int(reply["pid"])
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _replaceable(status: dict, ending: bool, replaced: int, allowed: int, mark: str) -> bool:
+    """Whether a worker that ended with `status` is replaced rather than passed on to torchrun."""
+    return status.get("signal") == signal.SIGKILL and not ending and replaced < allowed and os.path.exists(mark)
+
+
 def main(argv: list[str]) -> None:
     started = time.time()
     path = os.environ.get(ZYGOTE_ENV)
@@ -107,23 +140,24 @@ def main(argv: list[str]) -> None:
         os._exit(2)
     if not path:
         _cold(argv)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**os.environ, PROCESS_T_ENV: repr(started), LAUNCHER_PID_ENV: str(os.getpid())}
     try:
-        sock.connect(path)
-        env = {**os.environ, PROCESS_T_ENV: repr(started), LAUNCHER_PID_ENV: str(os.getpid())}
-        send_message(sock, {"argv": argv, "env": env, "cwd": os.getcwd()}, [0, 1, 2])
-        reply = recv_message(sock)
+        allowed = max(0, int(os.environ.get(REPLACE_ENV, "0") or 0))
+    except ValueError:
+        allowed = 0
+    mark = os.path.join(os.path.dirname(path), f"replaceable-{os.getpid()}")
+    if allowed:
+        env[REPLACEABLE_ENV] = mark
+    try:
+        sock, worker = _request(path, argv, env)
     except (OSError, EOFError, ValueError) as e:
         print(f"ftkit: warm start unavailable ({path}: {e}); starting the worker cold", file=sys.stderr, flush=True)
-        sock.close()
         _cold(argv)
-    if "error" in reply:
-        print(f"ftkit: warm start refused ({reply['error']}); starting the worker cold", file=sys.stderr, flush=True)
-        sock.close()
-        _cold(argv)
-    worker = int(reply["pid"])
+    ending = False
 
     def forward(signum: int, _frame: object) -> None:
+        nonlocal ending
+        ending = ending or signum in ENDING
         try:
             os.kill(worker, signum)
             if signum in ENDING and process_stopped(worker):
@@ -135,17 +169,30 @@ def main(argv: list[str]) -> None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    try:
-        status = recv_message(sock)  # blocks until the worker ends (signals are forwarded meanwhile)
-    except (OSError, EOFError, ValueError) as e:
-        # The zygote is gone: the worker's end cannot be learnt, so end it rather than leave it behind.
-        print(f"ftkit: lost the zygote ({e}); ending worker {worker}", file=sys.stderr, flush=True)
+    replaced = 0
+    while True:
         try:
-            os.kill(worker, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os._exit(1)
-    _die_like(status)
+            status = recv_message(sock)  # blocks until the worker ends (signals are forwarded meanwhile)
+        except (OSError, EOFError, ValueError) as e:
+            # The zygote is gone: the worker's end cannot be learnt, so end it rather than leave it behind.
+            print(f"ftkit: lost the zygote ({e}); ending worker {worker}", file=sys.stderr, flush=True)
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os._exit(1)
+        sock.close()
+        if not _replaceable(status, ending, replaced, allowed, mark):
+            _die_like(status)
+        replaced += 1
+        with contextlib.suppress(OSError):
+            os.unlink(mark)
+        print(f"ftkit: worker {worker} was killed; starting replacement {replaced} of {allowed}", file=sys.stderr)
+        try:
+            sock, worker = _request(path, argv, {**env, REJOIN_ENV: str(replaced), PROCESS_T_ENV: repr(time.time())})
+        except (OSError, EOFError, ValueError) as e:
+            print(f"ftkit: no replacement ({e}); ending as the worker did", file=sys.stderr, flush=True)
+            _die_like(status)
 
 
 if __name__ == "__main__":
