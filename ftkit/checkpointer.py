@@ -46,6 +46,7 @@ from ftkit.save.sharding import plan_pieces
 from ftkit.save.staging import Slot, StagingArena
 from ftkit.tiers.opened import open_tiers
 from ftkit.tiers.redact import redact_url
+from ftkit.warm.client import LAUNCHER_PID_ENV
 
 log = logging.getLogger("ftkit")
 
@@ -159,6 +160,7 @@ class Checkpointer:
             world_size=self._ctx.world_size,
             node=self._ctx.node,
             pid=os.getpid(),
+            launcher=int(os.environ.get(LAUNCHER_PID_ENV) or os.getpid()),  # the process torchrun started
             boot=boot.marks(),
             tiers=[redact_url(t.url) for t in self.tiers],
             **({"ram_run": self.ram_identity.name} if self.ram_identity else {}),

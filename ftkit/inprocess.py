@@ -217,13 +217,14 @@ def _rejoin(backend: str, timeout: timedelta, wait_s: float) -> tuple[Any, set[t
 
 def _namespace(store: Any) -> Any:
     """The wrapper's keys (generation counters, each generation's group): a namespace of the job's
-    store itself, below whatever prefixes torch added, so a replacement that never made the first
-    group (ftkit/warm/client.py) finds the same keys through its own connection."""
+    store itself, below whatever prefixes torch or ftkit's launcher added, so a replacement that
+    never made the first group (ftkit/warm/client.py) finds the same keys through its own
+    connection; one per torchrun attempt, whose processes count generations from 0 again."""
     import torch.distributed as dist
 
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return dist.PrefixStore("ftkit-inprocess", store)
+    return dist.PrefixStore(f"ftkit-inprocess/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _next_generation(store: Any, world: int, wait_s: float) -> int:

@@ -1,11 +1,13 @@
 """A DDP or FSDP2 trainer recovering in process (ftkit.run_in_process), run under torchrun (gloo, CPU).
 
     torchrun --nproc-per-node 2 tests/inprocess_trainer.py --parallel ddp|fsdp --steps 12 --out DIR \
-        [--crash RANK:STEP] [--kill RANK:STEP] [--slow RANK:STEP:SECONDS] [--device cuda --backend gloo|nccl]
+        [--crash RANK:STEP] [--kill RANK:STEP] [--stop RANK:STEP] [--slow RANK:STEP:SECONDS]
+        [--device cuda --backend gloo|nccl]
 
 Every step snapshots to the node's RAM tier. --crash makes RANK raise at STEP of the
 first generation of torchrun's first attempt; the job then goes on in process. --kill makes
-RANK SIGKILL itself there instead (under FTKIT_REPLACE_DEAD its warm client replaces it). --slow makes
+RANK SIGKILL itself there instead (under FTKIT_REPLACE_DEAD its warm client replaces it), --stop
+SIGSTOP itself (a hang: the watchdog kills it, then it is replaced). --slow makes
 RANK a straggler from STEP on in that generation (SECONDS more of compute a step) and has
 the watchdog abort stragglers, so its verdict, not an exception, starts the recovery.
 --device cuda trains on the GPU (DDP; rank r on GPU r mod the count); each call also
@@ -41,6 +43,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--crash", default="", help="RANK:STEP")
     p.add_argument("--kill", default="", help="RANK:STEP")
+    p.add_argument("--stop", default="", help="RANK:STEP")
     p.add_argument("--slow", default="", help="RANK:STEP:SECONDS")
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="gloo")
@@ -48,6 +51,7 @@ def main() -> int:
     torch.set_num_threads(1)
     crash = tuple(int(v) for v in args.crash.split(":")) if args.crash else None
     kill = tuple(int(v) for v in args.kill.split(":")) if args.kill else None
+    stop = tuple(int(v) for v in args.stop.split(":")) if args.stop else None
     slow_rank, slow_from, slow_s = (float(v) for v in args.slow.split(":")) if args.slow else (-1, 0, 0.0)
     watchdog = ftkit.WatchdogConfig(straggler_action="abort") if args.slow else True
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
@@ -89,6 +93,8 @@ def main() -> int:
                     raise RuntimeError(f"injected failure on rank {rank} at step {step}")
                 if kill == (rank, step) and gen.number == 0 and first_attempt:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if stop == (rank, step) and gen.number == 0 and first_attempt:
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 ck.snapshot(step)
         return full_state(model, opt)
 

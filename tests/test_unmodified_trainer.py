@@ -310,8 +310,8 @@ def test_ftkit_run_command_line_rewrite():
     assert p.torchrun_args == [*defaults, "--nproc-per-node", "2", client_path(), *script]
     p = plan(["--cold", *argv])
     assert not p.warm and p.torchrun_args == [*defaults, "--nproc-per-node", "2", "-m", "ftkit.tools.launch", *script]
-    p = plan(["--run-dir=r", "--preload", "numpy,json", "-m", "pkg.train", "--lr", "1"])
-    assert p.run_dir == "r" and p.preload == ("numpy", "json")
+    p = plan(["--run-dir=r", "--preload", "numpy,json", "--replace-dead", "2", "-m", "pkg.train", "--lr", "1"])
+    assert p.run_dir == "r" and p.preload == ("numpy", "json") and p.replace_dead == 2
     assert p.torchrun_args == [*defaults, client_path(), "--module", "pkg.train", "--lr", "1"]
     p = plan(["--run-dir=r", "--cold", "-m", "pkg.train", "--lr", "1"])
     assert p.torchrun_args[-6:] == ["-m", "ftkit.tools.launch", "--module", "pkg.train", "--lr", "1"]

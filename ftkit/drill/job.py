@@ -108,6 +108,11 @@ class Job:
     def pids(self, attempt: tuple[int, int]) -> dict[int, int]:
         return {e["rank"]: e["pid"] for e in self.events() if e["event"] == "start" and epoch(e) == attempt}
 
+    def launchers(self, attempt: tuple[int, int]) -> dict[int, int]:
+        """The processes torchrun started for the ranks (a warm worker's client; else the worker)."""
+        starts = [e for e in self.events() if e["event"] == "start" and epoch(e) == attempt]
+        return {e["rank"]: e.get("launcher", e["pid"]) for e in starts}
+
     def note(self, **fields: Any) -> None:
         """A drill event in the job's log, beside the ranks' own (rank -1)."""
         os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
@@ -227,8 +232,12 @@ class Injector:
             _signal(pid, signal.SIGTERM)  # delivered when it runs again
             _signal(pid, signal.SIGCONT)
         elif f.kind == "node":
+            launchers = job.launchers(attempt)
             for r, p in job.pids(attempt).items():
                 if r // job.ranks_per_node == f.node:
+                    # A lost node loses its torchrun agent's children too: a warm worker's client
+                    # (which would otherwise replace it, ftkit run --replace-dead) dies with it.
+                    _signal(launchers.get(r, p), signal.SIGKILL)
                     _signal(p, signal.SIGKILL)
             shutil.rmtree(os.path.join(job.ram_dir, "drill", f"node{f.node}"), ignore_errors=True)
         elif f.kind == "slow":

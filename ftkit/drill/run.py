@@ -30,6 +30,7 @@ from ftkit.drill.job import Injector, Job
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
 from ftkit.tools.report import analyze, phases_text, to_html
+from ftkit.warm.client import REPLACE_ENV
 from ftkit.warm.zygote import Zygote
 from ftkit.warm.zygote import start as start_zygote
 
@@ -217,7 +218,10 @@ def run_drill(args) -> dict[str, Any]:
             assert tiers is not None
             url, durable_root = tiers.durable_url(faulted, s3)
             entry = _entry(args, tiers, url, final_pt, args.step_time)
-        job = Job(faulted, entry, args.nproc, rpn, restarts, env=s3.env() if s3 else None, zygote=zygote)
+        env = s3.env() if s3 else {}
+        if zygote is not None and not args.no_replace:  # a killed worker of an in-process loop is replaced
+            env[REPLACE_ENV] = str(sum(f.kind in ("kill", "hang") for f in faults) + 1)
+        job = Job(faulted, entry, args.nproc, rpn, restarts, env=env, zygote=zygote)
         injector = Injector(job, durable_root, s3)
         try:
             for f in faults:
@@ -395,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-in-process",
         action="store_true",
         help="the built-in trainer recovers from a crash through torchrun, not in process",
+    )
+    p.add_argument(
+        "--no-replace",
+        action="store_true",
+        help="a killed or hung rank restarts the group through torchrun (warm), instead of being "
+        "replaced while the others recover in process (as ftkit run --replace-dead)",
     )
     p.add_argument("--quiet", action="store_true")
     return p

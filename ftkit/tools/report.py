@@ -114,6 +114,8 @@ def analyze(events: list[dict[str, Any]]) -> Report:
             detected_by, detects = "torchrun agent (process exit)", preempts
         elif detects:
             detected_by = f"ftkit watchdog ({detects[0]['what']})"
+        elif nxt[0] == prev[0]:  # in process, before any verdict: a collective with the dead rank failed
+            detected_by = "a collective with the lost rank (its connections closed)"
         else:
             detected_by = "torchrun agent (process exit)"
         detect_t = min((e["t"] for e in detects), default=None)

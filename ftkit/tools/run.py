@@ -17,10 +17,11 @@ import tempfile
 from ftkit.errors import UsageError
 from ftkit.tools.cliutil import EXIT_OK, EXIT_USAGE
 from ftkit.tools.supervise import StartupWatch, plan, startup_env
+from ftkit.warm.client import REPLACE_ENV
 from ftkit.warm.zygote import start as start_zygote
 
 RUN_HELP = """usage: ftkit run [--run-dir DIR] [--startup-timeout S] [--cold] [--preload MODULES]
-                 [torchrun options] script.py [script args]
+                 [--replace-dead N] [torchrun options] script.py [script args]
 
 torchrun (python -m torch.distributed.run) with fault-tolerance defaults, for
 trainers as they are:
@@ -40,6 +41,12 @@ trainers as they are:
     imports (torchrun starts a thin client per worker that stands in for it:
     signals pass through, its exit code is the worker's). --cold starts every
     worker as a new interpreter instead;
+  * --replace-dead N (warm starts): a worker killed while its training loop
+    runs in ftkit.run_in_process (SIGKILL, an OOM kill, the watchdog ending a
+    hung rank) is replaced by a new one forked from the zygote, up to N times
+    per worker, instead of torchrun restarting the group: the other ranks keep
+    their processes and re-form the group in process, and the new worker joins
+    them and restores from node RAM;
   * a startup watch: a worker that has not sent its first ftkit heartbeat (its
     Checkpointer's watchdog) --startup-timeout seconds (default 600) after it
     started gets this node's workers of its group ended, so torchrun restarts
@@ -72,6 +79,12 @@ def cmd_run(argv: list[str]) -> int:
     if p.launched and p.warm:
         zygote = start_zygote(env=env, preload=p.preload)
         env.update(zygote.env())
+        if p.replace_dead:
+            env[REPLACE_ENV] = str(p.replace_dead)
+    elif p.replace_dead:
+        print(
+            "ftkit run: --replace-dead needs warm starts (no --cold, --no-python or --run-path); off", file=sys.stderr
+        )
     cmd = [sys.executable, "-m", "torch.distributed.run", *p.torchrun_args]
     print(f"ftkit run: {' '.join(cmd[1:])}  (events in {p.run_dir})", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env)

@@ -76,6 +76,7 @@ class Plan:
     launched: bool = True  # workers start through ftkit.tools.launch
     warm: bool = True  # ... forked from a zygote (ftkit/warm), torchrun starting their thin clients
     preload: tuple[str, ...] = ()  # modules the zygote imports besides torch and ftkit
+    replace_dead: int = 0  # times a warm client may replace its killed worker (ftkit/warm/client.py)
     notes: list[str] = field(default_factory=list)
 
 
@@ -95,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", action=_Record, type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     p.add_argument("--cold", action=_Flag, default=False)
     p.add_argument("--preload", action=_Record, default="")
+    p.add_argument("--replace-dead", action=_Record, type=int, default=0)
 
     def fail(message: str = "", *_a: Any) -> NoReturn:
         raise _Unparsable(message)
@@ -147,7 +149,9 @@ def plan(argv: list[str]) -> Plan:
     if ns.startup_timeout < 0:
         raise UsageError("--startup-timeout must be 0 (off) or a number of seconds")
     preload = tuple(m for m in ns.preload.split(",") if m)
-    out = Plan([], ns.run_dir, ns.startup_timeout, warm=not ns.cold, preload=preload)
+    if ns.replace_dead < 0:
+        raise UsageError("--replace-dead must be 0 (off) or a number of replacements per worker")
+    out = Plan([], ns.run_dir, ns.startup_timeout, warm=not ns.cold, preload=preload, replace_dead=ns.replace_dead)
     names = {o.split("=", 1)[0].replace("_", "-") for o in options if o.startswith("--")}
     defaults = []
     if "--max-restarts" not in names:
