@@ -124,9 +124,13 @@ def test_default_drill_passes(tmp_path, ref_cache):
         lag = 1 if o["snapshot_in_flight"] else 0
         assert o["reached"] - 1 - lag <= o["resumed_from"] <= o["reached"], (kind, o)
         assert o["resumed_from"] >= fault["injected_step"] - 1 - lag, (kind, o)
-        # Where the recovery went: the crash in process (no process exited), the rest through
-        # torchrun with every worker forked warm (none imported torch again)
-        if kind == "crash":
+        # Where the recovery went: the crash in process (no process exited); the killed and the hung
+        # rank replaced by their warm clients while the others recovered in process; the lost node
+        # (its clients gone with it) through torchrun, every worker forked warm (none imported torch again)
+        if kind in ("kill", "hang"):
+            assert o["in_process"] and "regroup" in o["phases"], (kind, o)
+            assert list(o["phases"])[-3:] == ["group and model", "restore", "first step"], (kind, o)
+        elif kind == "crash":
             assert o["in_process"] and list(o["phases"]) == [
                 "unwind",
                 "group teardown",

@@ -108,15 +108,17 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel, zy
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", ["--kill", "--stop"])
-def test_a_killed_rank_is_replaced_and_the_survivors_keep_their_processes(tmp_path, zygote, clean_final, fault):
+@pytest.mark.parametrize("parallel, fault", [("ddp", "--kill"), ("ddp", "--stop"), ("fsdp", "--kill")])
+def test_a_killed_rank_is_replaced_and_the_survivors_keep_their_processes(
+    tmp_path, zygote, clean_final, parallel, fault
+):
     """ftkit run --replace-dead: rank 1 is SIGKILLed at step 6 (or SIGSTOPped: its node's judge sees it
     stopped and kills it); its warm client asks the zygote for a new worker instead of ending, so
     torchrun (no restarts allowed here) never sees a death; rank 0 recovers in process, and the new
     rank 1 joins its next generation and restores from RAM."""
-    steps = ("--steps", str(STEPS["ddp"]))
+    steps = ("--steps", str(STEPS[parallel]))
     env = {"FTKIT_REPLACE_DEAD": "1"}
-    r, calls = torchrun(zygote, tmp_path / "faulted", *steps, fault, "1:6", env=env)
+    r, calls = torchrun(zygote, tmp_path / "faulted", "--parallel", parallel, *steps, fault, "1:6", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "starting replacement 1 of 1" in r.stderr
     by_gen = {g: {c["rank"]: c for c in calls if c["gen"] == g} for g in (0, 1)}
@@ -129,7 +131,7 @@ def test_a_killed_rank_is_replaced_and_the_survivors_keep_their_processes(tmp_pa
     events = read_events(str(tmp_path / "faulted" / "run"))
     assert {e.get("attempt") for e in events} == {0}
     faulted = torch.load(tmp_path / "faulted" / "final.pt", weights_only=True)
-    assert equal(clean_final("ddp", STEPS["ddp"]), faulted)
+    assert equal(clean_final(parallel, STEPS[parallel]), faulted)
 
 
 @pytest.mark.timeout(240)
