@@ -131,7 +131,7 @@ def fault_run(nproc: int, steps: int, sig: int, zygote: warm.Zygote | None, repl
         first_resumed = min(e["t"] for e in evs if e["event"] == "step" and epoch(e) > (0, 0))
         return {
             "detect_s": inc.detect_s,
-            "detected_by": inc.detected_by,
+            "detected_by": inc.detected_by,  # (no verdict: torchrun, or in process a failed collective)
             "restart_s": inc.restart_s,
             "restore_s": inc.restore_s,
             "first_resumed_step_s": first_resumed - t_fault,
@@ -181,7 +181,7 @@ def main() -> int:
         + ")"
     )
     for (name, how), r in runs.items():
-        det = f"{r['detect_s']:.2f}s" if r["detect_s"] is not None else "by torchrun (process exit)"
+        det = f"{r['detect_s']:.2f}s" if r["detect_s"] is not None else f"by {r['detected_by']}"
         print(
             f"{name}, {how}: detected {det}; restart {r['restart_s']:.2f}s, restore {r['restore_s']:.2f}s from "
             f"{r['restore_source']}; first resumed step {r['first_resumed_step_s']:.2f}s after the fault; "
