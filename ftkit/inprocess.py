@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from ftkit.coord import boot, generation
 from ftkit.coord.faultpoints import fault_point
@@ -115,7 +115,10 @@ def run_in_process(
     reason: str | None = None
     rejoining = bool(os.environ.get(REJOIN_ENV)) and not dist.is_initialized()
     if rejoining:  # a replacement for a killed worker: the survivors' next generation is ours
-        base, sockets = _rejoin(backend, timeout, recovery_timeout_s)
+        try:
+            base, sockets = _rejoin(backend, timeout, recovery_timeout_s)
+        except Exception as e:  # nobody to join (the survivors gave up): torchrun restarts the group
+            _give_up(int(os.environ.get("RANK", "-1")), generation.current(), e)
         reason = f"replaced rank {dist.get_rank()}'s killed process"
     elif not dist.is_initialized():
         sockets = _init_group(backend, timeout=timeout)
@@ -376,7 +379,7 @@ def _meet(store: Any, number: int, world: int, timeout_s: float, terms: _Termina
         delay = min(delay * 2, 0.05)
 
 
-def _give_up(rank: int, number: int, e: BaseException) -> None:
+def _give_up(rank: int, number: int, e: BaseException) -> NoReturn:
     log.error(
         "ftkit: rank %d could not re-form the group for generation %d (%s); ending this worker so torchrun "
         "restarts the group",

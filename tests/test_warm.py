@@ -198,3 +198,22 @@ def test_without_a_zygote_the_worker_starts_cold(script, tmp_path):
     assert p.returncode == 4 and "starting the worker cold" in stderr
     assert doc["pid"] == p.pid and doc["ppid"] == os.getpid() and "forked" not in doc["boot"]
     assert doc["stdin"] == "cold"
+
+
+def test_a_worker_is_replaced_only_when_killed_inside_an_in_process_loop_and_not_ending(tmp_path):
+    """The client's rule (ftkit run --replace-dead): SIGKILL, the loop's mark present, no ending
+    signal from torchrun, replacements left. Anything else is passed on to torchrun as before."""
+    import signal as sig
+
+    from ftkit.warm.client import _replaceable
+
+    mark = tmp_path / "replaceable-1"
+    mark.touch()
+    killed = {"signal": int(sig.SIGKILL)}
+    assert _replaceable(killed, False, 0, 1, str(mark))
+    assert not _replaceable(killed, True, 0, 1, str(mark))  # torchrun is ending the group
+    assert not _replaceable(killed, False, 1, 1, str(mark))  # no replacement left
+    assert not _replaceable({"signal": int(sig.SIGTERM)}, False, 0, 1, str(mark))
+    assert not _replaceable({"exit": 75}, False, 0, 1, str(mark))  # gave up: torchrun restarts
+    mark.unlink()
+    assert not _replaceable(killed, False, 0, 1, str(mark))  # not inside run_in_process
