@@ -243,7 +243,7 @@ def test_a_leaders_part_check_remembers_layouts_and_still_refuses_what_differs(t
     full_checks = []
     real = fmt._check_part
     monkeypatch.setattr(fmt, "_check_part", lambda *a: full_checks.append(a[1]) or real(*a))
-    monkeypatch.setattr(fmt, "_checked_layouts", fmt._CheckedLayouts())
+    monkeypatch.setattr(fmt, "_checked_parts", fmt.LayoutMemo())
     fmt.check_part(text(7, "aaaaaaaa"), 7, [0, 1], 4, "step 7")
     fmt.check_part(text(8, "bbbbbbbb"), 8, [0, 1], 4, "step 8")  # same layout: not parsed again
     assert full_checks == [7]

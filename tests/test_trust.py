@@ -445,3 +445,34 @@ def test_a_node_leader_validates_the_index_it_receives(tmp_path, forged, why):
     with pytest.raises(ftkit.FtkitError, match=why):
         _write_index(storage, 1, ctx, "k", share)
     assert not list(node.rglob(MANIFEST_NAME))
+
+
+def test_a_report_of_a_layout_checked_before_is_not_parsed_again_but_a_forged_one_is_refused(monkeypatch):
+    """Every rank validates the reports it receives at every step; a report of the layout of one
+    it validated before (only the checksums and its file's token differ) passes at once. A chunk
+    naming another file, or a checksum of another form, makes another layout: checked, refused."""
+    from ftkit.errors import FormatError
+    from ftkit.format import validate
+    from ftkit.format.manifest import Chunk, Shard, TensorEntry
+    from ftkit.save import reports
+    from ftkit.save.reports import NodeReport as _Report
+    from ftkit.save.write import RankWrite
+
+    def text(token: str, checksum: str, chunk_token: str | None = None) -> str:
+        file, chunk_file = f"rank-00001-{token}.data", f"rank-00001-{chunk_token or token}.data"
+        chunk = Chunk(chunk_file, 0, 64, 0, 64, "raw", checksum)
+        tensor = TensorEntry("w", "float32", (32,), (Shard((16,), (16,), (chunk,), 1),), "sharded")
+        return _Report.encode(RankWrite(1, file, 64, (tensor,)), None, None)
+
+    full = []
+    real = validate.report_tensors
+    monkeypatch.setattr(reports, "report_tensors", lambda *a: full.append(a[1]) or real(*a))
+    monkeypatch.setattr(reports, "_checked_reports", reports.LayoutMemo())
+    _Report.decode(1, text("aaaaaaaa", "xxh3_64:" + "1" * 16), 2).tensors()
+    _Report.decode(1, text("bbbbbbbb", "xxh3_64:" + "2" * 16), 2).tensors()  # same layout
+    assert full == ["rank-00001-aaaaaaaa.data"]
+    with pytest.raises(FormatError, match="rank 1's report"):  # a chunk in a file it does not report
+        _Report.decode(1, text("cccccccc", "xxh3_64:" + "3" * 16, chunk_token="dddddddd"), 2).tensors()
+    with pytest.raises(FormatError, match="rank 1's report"):  # a checksum of another form
+        _Report.decode(1, text("eeeeeeee", "XXH3_64:" + "4" * 16), 2).tensors()
+    assert len(full) == 3

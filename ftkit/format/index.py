@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -244,58 +245,65 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
         rank_state[r] = st
 
 
-class _CheckedLayouts:
-    """The layouts of the parts this process checked (a leader checks its node's part every
-    step, and from one step to the next only the step, the data files' random tokens and the
-    checksums change: re-checking the same layout was a third of a leader's commit CPU).
+class LayoutMemo:
+    """Layouts this process checked: documents that, from one step to the next, differ only in
+    their checksums and their data files' random tokens (a leader checks its node's part, and
+    every rank the reports it receives, at every step: re-checking the same layout was a third
+    of a leader's commit CPU).
 
-    A layout is the part's bytes with those masked: the step where part_json puts it (only
-    the expected one), each well-formed checksum, each data file's token (numbered in order
-    of first appearance, so which names are equal is kept). check_part's verdict depends on
-    them only through their form and their equalities, which the masking keeps; anything
-    else that differs gives another layout, checked in full. Bounded: the last 16 layouts.
+    A layout is the bytes with those masked: each well-formed checksum, each data file's token
+    (numbered in order of first appearance, so which names are equal is kept). A check whose
+    verdict depends on them only through their form and their equalities (check_part,
+    validate.report_tensors) gives the same verdict for every document of one layout; anything
+    else that differs gives another layout, checked in full. Bounded: the last `limit` layouts.
     """
 
     CHECKSUM = re.compile(rb'"xxh3_64:[0-9a-f]{16}"')
     DATA_TOKEN = re.compile(rb'(?<="rank-\d{5}-)[0-9a-f]{8}(?=\.data")')
-    LIMIT = 16
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
         self._seen: dict[bytes, None] = {}
+        self._lock = threading.Lock()  # (every Checkpointer's persist thread checks)
 
-    def key(self, data: bytes, step: int, ranks: list[int], world_size: int) -> bytes | None:
-        head = b'{"format":"%s","step":%d,' % (PART_FORMAT.encode(), step)
-        if not data.startswith(head):
-            return None
-        masked = self.CHECKSUM.sub(b'"C"', data[len(head) :])  # (no Python call per match: C speed)
+    def key(self, data: bytes, meta: object) -> bytes:
+        masked = self.CHECKSUM.sub(b'"C"', data)  # (no Python call per match: C speed)
         for i, token in enumerate(dict.fromkeys(self.DATA_TOKEN.findall(masked))):  # a few: a node's files
             masked = masked.replace(b"-" + token + b".data", b"-#%d.data" % i)
-        meta = repr((sorted(ranks), world_size)).encode()
-        return hashlib.blake2b(meta + b"\0" + masked, digest_size=20).digest()
+        return hashlib.blake2b(repr(meta).encode() + b"\0" + masked, digest_size=20).digest()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._seen
 
     def add(self, key: bytes) -> None:
-        self._seen[key] = None
-        while len(self._seen) > self.LIMIT:
-            del self._seen[next(iter(self._seen))]
+        with self._lock:
+            self._seen[key] = None
+            while len(self._seen) > self.limit:
+                del self._seen[next(iter(self._seen))]
 
 
-_checked_layouts = _CheckedLayouts()
+_checked_parts = LayoutMemo()
+
+
+def _part_layout(data: bytes, step: int, ranks: list[int], world_size: int) -> bytes | None:
+    """A part's layout key: its step masked too (only where part_json puts it, the expected one)."""
+    head = b'{"format":"%s","step":%d,' % (PART_FORMAT.encode(), step)
+    if not data.startswith(head):
+        return None
+    return _checked_parts.key(data[len(head) :], (sorted(ranks), world_size))
 
 
 def check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:
     """What a node's leader checks of the part it is about to write (its ranks' reports came
     through its node's board: untrusted): everything a reader checks of one part alone.
     That the parts together tile every tensor is checked when a reader assembles them.
-    A part of a layout checked before passes at once (see _CheckedLayouts)."""
-    layout = _checked_layouts.key(data, step, ranks, world_size)
-    if layout is not None and layout in _checked_layouts:
+    A part of a layout checked before passes at once (see LayoutMemo)."""
+    layout = _part_layout(data, step, ranks, world_size)
+    if layout is not None and layout in _checked_parts:
         return
     _check_part(data, step, ranks, world_size, where)
     if layout is not None:
-        _checked_layouts.add(layout)
+        _checked_parts.add(layout)
 
 
 def _check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:

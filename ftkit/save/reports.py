@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.errors import FormatError
+from ftkit.format.index import LayoutMemo
 from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
 from ftkit.save.write import RankWrite
+
+_checked_reports = LayoutMemo(limit=64)  # (a rank validates its node's reports and its replica sources')
 
 
 def shared_report(rank: int, raw: bytes, world_size: int) -> dict[str, Any]:
@@ -107,9 +110,17 @@ class NodeReport:
                 raise FormatError(f"rank {self.rank}'s report lists tensors but no file")
             return []
         if validate:
-            entries = report_tensors(docs, self.file, self.nbytes, self.world_size, f"rank {self.rank}'s report")
-            if not entries and self.nbytes:
-                raise FormatError(f"rank {self.rank}'s report lists no tensor for its {self.nbytes}-byte file")
+            # A rank reports the same layout at every step but for its checksums and its file's
+            # token: validated once per layout (format/index.py LayoutMemo). The file leads the
+            # masked bytes, so a chunk naming another file is another layout.
+            meta = (self.nbytes, self.world_size)
+            layout = _checked_reports.key(f"{json.dumps(self.file)}\n{self.tensors_json}".encode(), meta)
+            if layout not in _checked_reports:
+                where = f"rank {self.rank}'s report"
+                entries = report_tensors(docs, self.file, self.nbytes, self.world_size, where)
+                if not entries and self.nbytes:
+                    raise FormatError(f"rank {self.rank}'s report lists no tensor for its {self.nbytes}-byte file")
+                _checked_reports.add(layout)
         return docs
 
     def write_doc(self) -> dict[str, Any]:
