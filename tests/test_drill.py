@@ -151,6 +151,9 @@ def test_default_drill_passes(tmp_path, ref_cache):
                 "first step",
             ]
     assert f["kill"]["outcome"]["restored_from"] == "ram"
+    # the survivors saw it first through a collective that raised, or rank 1's node judged it gone
+    kill_seen = f["kill"]["outcome"]["detected_by"]
+    assert kill_seen.startswith("a collective with the lost rank") or kill_seen == "ftkit watchdog (dead)", kill_seen
     assert f["hang"]["outcome"]["detected_by"] == "ftkit watchdog (dead)"
     # A crash is seen by whoever is first: a peer's watchdog (the failed rank says so) or torchrun.
     assert f["crash"]["outcome"]["detected_by"] in ("ftkit watchdog (failed)", "torchrun agent (process exit)")

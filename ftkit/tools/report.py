@@ -87,6 +87,13 @@ class Report:
     persist_failures: int = 0
 
 
+def _a_survivors_own(detect: dict[str, Any], faults: list[dict[str, Any]]) -> bool:
+    """A "failed" verdict about another rank than the drilled fault's target: a survivor's loop
+    raised because of the fault (its collective with the dead rank), not the fault itself."""
+    target = faults[0].get("target") if faults else None
+    return detect.get("what") == "failed" and isinstance(target, int) and detect.get("target") != target
+
+
 def analyze(events: list[dict[str, Any]]) -> Report:
     if not events:
         raise ValueError("no events")
@@ -112,6 +119,9 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         elif preempts and (not detects or preempts[0]["t"] < detects[0]["t"]):
             # torchrun saw a worker exit first and sent SIGTERM to the rest of the group.
             detected_by, detects = "torchrun agent (process exit)", preempts
+        elif detects and _a_survivors_own(detects[0], faults):
+            # A rank whose collective with the lost one raised said so first (in process, replaced).
+            detected_by = f"a collective with the lost rank (rank {detects[0]['target']} raised)"
         elif detects:
             detected_by = f"ftkit watchdog ({detects[0]['what']})"
         elif nxt[0] == prev[0]:  # in process, before any verdict: a collective with the dead rank failed
