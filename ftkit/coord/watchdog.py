@@ -60,7 +60,7 @@ from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
-from ftkit.warm.client import REPLACE_ENV, process_stopped  # (the warm client asks the same of its worker)
+from ftkit.warm.client import process_stopped, replacements_allowed  # (the warm client asks the same of its worker)
 
 log = logging.getLogger("ftkit")
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
@@ -70,12 +70,7 @@ IN_PROCESS_VERDICTS = ("failed", "straggler")  # the ranks judged are alive: run
 def replaceable(verdict: Verdict, me: int) -> bool:
     """A dead or hung rank judged on its own host, in a job whose warm clients replace killed
     workers (``ftkit run --replace-dead``, ftkit/warm/client.py): the others recover in process."""
-    return (
-        verdict.what in ("dead", "hung")
-        and verdict.local
-        and verdict.target != me
-        and int(os.environ.get(REPLACE_ENV, "0") or 0) > 0
-    )
+    return verdict.what in ("dead", "hung") and verdict.local and verdict.target != me and replacements_allowed() > 0
 
 
 VERDICT, PREEMPT, DONE = "wd/verdict", "wd/preempt", "wd/done"
@@ -143,7 +138,8 @@ class Watchdog:
             # ranks watch its local heartbeat, which this thread writes before each exchange.
             with contextlib.suppress(Exception):
                 ctx.store.set_timeout(timedelta(seconds=max(cfg.dead_after_s / 2, cfg.interval_s)))
-            for key in (VERDICT, PREEMPT, NEWS_KEY):  # create if missing: read every round with one multi_get
+            # Create if missing: read every round with one multi_get (the news only with a RAM tier).
+            for key in (VERDICT, PREEMPT, *([NEWS_KEY] if news is not None else [])):
                 ctx.store.compare_set(key, "", "")
             ctx.store.add(DONE, 0)
 

@@ -127,6 +127,14 @@ def _request(path: str, argv: list[str], env: dict[str, str]) -> tuple[socket.so
         raise
 
 
+def replacements_allowed() -> int:
+    """How many times a killed worker may be replaced (``$FTKIT_REPLACE_DEAD``; 0 when unset or not a number)."""
+    try:
+        return max(0, int(os.environ.get(REPLACE_ENV, "0") or 0))
+    except ValueError:
+        return 0
+
+
 def _replaceable(status: dict, ending: bool, replaced: int, allowed: int, mark: str) -> bool:
     """Whether a worker that ended with `status` is replaced rather than passed on to torchrun."""
     return status.get("signal") == signal.SIGKILL and not ending and replaced < allowed and os.path.exists(mark)
@@ -141,10 +149,7 @@ def main(argv: list[str]) -> None:
     if not path:
         _cold(argv)
     env = {**os.environ, PROCESS_T_ENV: repr(started), LAUNCHER_PID_ENV: str(os.getpid())}
-    try:
-        allowed = max(0, int(os.environ.get(REPLACE_ENV, "0") or 0))
-    except ValueError:
-        allowed = 0
+    allowed = replacements_allowed()
     mark = os.path.join(os.path.dirname(path), f"replaceable-{os.getpid()}")
     if allowed:
         env[REPLACEABLE_ENV] = mark
