@@ -82,6 +82,10 @@ class Checkpointer:
         start. (): signals left alone. A handler installed before is called
         after ftkit's records the signal, and put back on close. See preemption.py.
     preemption_deadline_s: exit anyway if no step ends this long after the signal.
+    requeue_signals: preemption signals after whose final save rank 0 asks the
+        scheduler to run the job again (SLURM: `scontrol requeue`, for a job
+        submitted with `--signal=USR1@90` pass [signal.SIGUSR1]); added to the
+        preemption signals and handled from the start. See coord/requeue.py.
     watchdog: under torch.distributed, run the heartbeat watchdog (True, or a
         WatchdogConfig); it ends this worker when another rank is dead or hung,
         so torchrun restarts the group (see watchdog.py).
@@ -116,6 +120,7 @@ class Checkpointer:
         watchdog: bool | WatchdogConfig = True,
         preemption_signals: Sequence[int] | None = None,
         preemption_deadline_s: float = 60.0,
+        requeue_signals: Sequence[int] = (),
         exit_after_failure_s: float | None = 1.0,
         run_id: str | None = None,
     ):
@@ -166,11 +171,18 @@ class Checkpointer:
             **({"ram_run": self.ram_identity.name} if self.ram_identity else {}),
         )
         signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
-        self._preemption = PreemptionHandler(signals, preemption_deadline_s, self.events.emit) if signals else None
+        self._preemption = (
+            PreemptionHandler(signals, preemption_deadline_s, self.events.emit, requeue_signals)
+            if signals or requeue_signals
+            else None
+        )
         # Take over the signals now only where they are wanted from the start (preemption.py);
         # otherwise the first snapshot() does, so a restore-only Checkpointer never does.
         if self._preemption is not None and (
-            preemption_signals is not None or self._ctx.distributed or "TORCHELASTIC_RUN_ID" in os.environ
+            preemption_signals is not None
+            or requeue_signals
+            or self._ctx.distributed
+            or "TORCHELASTIC_RUN_ID" in os.environ
         ):
             self._preemption.install()
         self._watchdog: Watchdog | None = None
@@ -182,8 +194,8 @@ class Checkpointer:
                 self.events,
                 config,
                 flush=self._pipeline.drain,
-                preempted=(lambda: pre.requested is not None) if pre else None,
-                on_peer_preempted=(lambda r: pre.request(signal.SIGTERM, by_rank=r)) if pre else None,
+                preempted=(lambda: pre.requested) if pre else None,
+                on_peer_preempted=(lambda rank, signum: pre.request(signum, by_rank=rank)) if pre else None,
                 news=opened.ram_news,
             )
             time_first_gradient(state, self._watchdog)
@@ -231,6 +243,8 @@ class Checkpointer:
         self._stopping_on_purpose = True
         self.events.emit("preempt_flush", step=step, ok=ok, seconds=time.perf_counter() - t0)
         log.warning("ftkit: step %d %s; exiting", step, "saved to every tier" if ok else "NOT saved")
+        if self._preemption.requeue_due(self._ctx.rank):  # once the step is committed (or failed)
+            self._preemption.requeue()
         raise SystemExit(128 + sig)
 
     def _stage(self, step: int, due: list[int]) -> bool:

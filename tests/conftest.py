@@ -14,6 +14,26 @@ from s3fixture import s3_server, s3_url  # noqa: F401  (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The files that take longest (minutes of drills and torchrun restarts), longest first.
+# scripts/test.sh runs two workers, one file at a time each, in collection order
+# (--no-loadscope-reorder): these start at once and the short files fill in around them,
+# instead of a drill starting last and running alone at the end (a minute of the CI run).
+SLOW_FILES = (
+    "test_drill_faults.py",
+    "test_drill.py",
+    "test_integrations_multiprocess.py",
+    "test_unmodified_trainer.py",
+    "test_watchdog.py",
+    "test_inprocess.py",
+    "test_isolation.py",
+    "test_ram_peer.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # (stable: the rest keep their order)
+
 
 def make_state(seed: int = 0, width: int = 16):
     """A small model + optimizer + scheduler after one real step, and a plain value."""

@@ -10,6 +10,11 @@ rank 1 SIGKILLs itself after the snapshot of global step K is in (no finally, no
 
 --fsdp: FSDP2 through Lightning's ModelParallelStrategy (fully_shard in configure_model) on
 gloo: parameters and optimizer state are DTensors, saved and restored as each rank's shards.
+
+Started by srun instead (SLURM_NTASKS, SLURM_PROCID, ... set; no torchrun), Lightning runs it
+in its SLURM environment and the attempt is SLURM_RESTART_COUNT. --signal-at K: in the first
+attempt, rank 1 sends itself SIGUSR1 (SLURM's warning before the time limit) after step K;
+--step-sleep S: each step takes S seconds more (the other rank hears of it meanwhile).
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ class Net(pl.LightningModule):
 
 
 class Trace(pl.Callback):
-    def __init__(self, path: str, kill_at: int | None, ftcb: FtkitCallback):
+    def __init__(self, path: str, kill_at: int | None, ftcb: FtkitCallback, signal_at: int | None, sleep: float):
         self.path, self.kill_at, self.ftcb = path, kill_at, ftcb
+        self.signal_at, self.sleep = signal_at, sleep
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         rec = {"step": trainer.global_step, "epoch": trainer.current_epoch, "idx": batch[2].tolist()}
@@ -93,6 +99,9 @@ class Trace(pl.Callback):
             f.write(json.dumps(rec) + "\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(self.sleep)
+        if self.signal_at is not None and trainer.global_step == self.signal_at and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
         if self.kill_at is not None and trainer.global_step == self.kill_at and trainer.global_rank == 1:
             self.ftcb.checkpointer.wait()  # this rank's share of step K is in; rank 0 commits it:
             deadline = time.monotonic() + 60  # K is then the newest step (the test knows which)
@@ -108,13 +117,18 @@ def main() -> None:
     p.add_argument("--resumable", action="store_true")
     p.add_argument("--kill-at", type=int)
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--signal-at", type=int)
+    p.add_argument("--step-sleep", type=float, default=0.0)
     args = p.parse_args()
-    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    world = int(os.environ["WORLD_SIZE"])
+    env = os.environ
+    rank = int(env["RANK"] if "RANK" in env else env["SLURM_PROCID"])
+    world = int(env["WORLD_SIZE"] if "WORLD_SIZE" in env else env["SLURM_NTASKS"])
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", env.get("SLURM_RESTART_COUNT", "0")))
     pl.seed_everything(0, verbose=False)
     ftcb = FtkitCallback([args.ckpt], every_n_steps=1)
-    kill_at = args.kill_at if attempt == 0 else None
-    trace = Trace(os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl"), kill_at, ftcb)
+    kill_at, signal_at = (args.kill_at, args.signal_at) if attempt == 0 else (None, None)
+    trace_path = os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl")
+    trace = Trace(trace_path, kill_at, ftcb, signal_at, args.step_sleep)
     trainer = pl.Trainer(
         max_epochs=EPOCHS,
         accelerator="cpu",

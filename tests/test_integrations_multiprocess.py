@@ -23,7 +23,7 @@ from conftest import REPO, warm_target
 from drillkit import by_kind, drill
 
 import ftkit
-from ftkit.format.reader import newest_manifest
+from ftkit.format.reader import committed_steps, newest_manifest
 
 JOB = os.path.join(REPO, "tests", "lightning_ddp_job.py")
 HF_JOB = os.path.join(REPO, "tests", "huggingface_ddp_job.py")
@@ -164,6 +164,93 @@ def test_lightning_resumable_sampler_continues_the_global_stream_from_2_ranks_to
         assert sorted(got) == sorted(want[at : at + len(got)]), f"step {k} consumed other samples"
         at += len(got)
     assert three["step"] == 15 and three["epoch"] == 3
+
+
+def srun(tmp, name: str, ckpt, ntasks: int, bin_dir, *args: str, restart: int = 0) -> list[tuple[int, str]]:
+    """Start the Lightning job as `srun --ntasks N` would on one node: N processes with SLURM's
+    variables (Lightning then runs in its SLURM environment, auto-requeue on), no torchrun.
+    `bin_dir` goes first on PATH (it holds the test's scontrol). (exit code, output) per rank."""
+    import socket
+
+    out = tmp / name
+    out.mkdir(exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "RANK", "WORLD_"))}
+    base |= {
+        "PYTHONPATH": REPO,
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "ftkit-requeue",
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NTASKS_PER_NODE": str(ntasks),
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_RESTART_COUNT": str(restart),
+    }
+    cmd = [sys.executable, JOB, "--ckpt", str(ckpt), "--out", str(out), *args]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(ntasks)
+    ]
+    results = []
+    for p in procs:
+        try:
+            said, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append((p.returncode, said))
+    return results
+
+
+def test_lightning_under_slurm_saves_requeues_and_resumes_on_the_requeue_signal(runs, tmp_path):
+    """Lightning DDP started as SLURM starts it (2 tasks, SLURM's variables, auto-requeue):
+    rank 1 alone gets SIGUSR1 (SLURM's warning before the time limit) after step 5. Both ranks
+    save the step they agree on and exit 128 + SIGUSR1; rank 0, having heard the signal from
+    rank 1's notice, calls `scontrol requeue 4242` once (a script standing in for SLURM's, on
+    PATH). The requeued run (SLURM_RESTART_COUNT=1) resumes from that step and ends bitwise
+    equal to an uninterrupted run; Lightning's own handler (a save inside the signal handler,
+    then its own requeue) never ran."""
+    import signal
+
+    tmp, reference = runs
+    ref = reference("reference-ddp")
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol-calls"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "rank=$SLURM_PROCID $*" >> {calls}\n')
+    scontrol.chmod(0o755)
+    ckpt = tmp_path / "ckpt"
+    first = srun(tmp_path, "slurm", ckpt, 2, bin_dir, "--signal-at", "5", "--step-sleep", "0.1")
+    assert [rc for rc, _ in first] == [128 + signal.SIGUSR1] * 2, first[0][1][-3000:] + first[1][1][-3000:]
+    assert calls.read_text().splitlines() == ["rank=0 requeue 4242"]
+    saved = max(committed_steps(ftkit.Tier(str(ckpt)).open()))
+    assert 5 < saved < 18  # an agreed step after the signal, before the run's end
+    assert not any(n.startswith("hpc_ckpt") for n in os.listdir(REPO))  # Lightning's own save did not run
+    again = srun(tmp_path, "slurm", ckpt, 2, bin_dir, restart=1)
+    assert [rc for rc, _ in again] == [0, 0], again[0][1][-3000:]
+    out = tmp_path / "slurm"
+    done = final(out, 2, 1)
+    assert done["restored"] == saved and done["step"] == 18 and done["epoch"] == 3
+    before, after, whole = traces(out, 2, 0), traces(out, 2, 1), traces(ref, 2, 0)
+    for rank in range(2):
+        assert [s for s in before[rank] if s["step"] < saved] + after[rank] == whole[rank]
+    assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
+    assert calls.read_text().splitlines() == ["rank=0 requeue 4242"]  # the finished run requeued nothing
 
 
 def test_huggingface_trainer_ddp_sigkill_then_torchrun_restart_equals_uninterrupted_run(lightning_zygote, tmp_path):

@@ -32,6 +32,13 @@ save, which is what ftkit replaces, and "ignore" has nothing to call. Whatever
 the previous handler does then (return, raise) happens as it would without
 ftkit. On close the previous handler is put back, unless another one was
 installed over ftkit's meanwhile (that one stays: it may chain to ftkit's).
+
+Requeue (`requeue_signals`, coord/requeue.py): on one of these signals (SLURM's
+``--signal=USR1@90`` before the time limit), rank 0 asks the scheduler to run the
+job again once the final save is done, then every rank exits as above. A rank
+that heard of the preemption from a peer acts on the peer's signal: the notice
+the watchdog passes on names it, so rank 0 requeues even if only another node
+got the signal.
 """
 
 from __future__ import annotations
@@ -43,12 +50,36 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ftkit.coord.requeue import requeue as scheduler_requeue
+
 log = logging.getLogger("ftkit")
 
 
+def preemption_notice(rank: int, signum: int) -> dict[str, int]:
+    """What a preempted rank tells the others (through the store and its node's board)."""
+    return {"rank": rank, "signal": int(signum)}
+
+
+def parse_preemption_notice(doc: Any) -> tuple[int, int] | None:
+    """(rank, signal) of a notice read back, or None when it is not one (untrusted input:
+    a signal that is not a valid one on this host reads as SIGTERM)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("rank"), int) or isinstance(doc["rank"], bool):
+        return None
+    signum = doc.get("signal")
+    valid = {int(s) for s in signal.valid_signals()}
+    return doc["rank"], signum if isinstance(signum, int) and signum in valid else int(signal.SIGTERM)
+
+
 class PreemptionHandler:
-    def __init__(self, signals: Sequence[int], deadline_s: float, emit: Callable[..., Any]):
-        self.signals = tuple(signals)
+    def __init__(
+        self,
+        signals: Sequence[int],
+        deadline_s: float,
+        emit: Callable[..., Any],
+        requeue_signals: Sequence[int] = (),
+    ):
+        self.requeue_signals = tuple(int(s) for s in requeue_signals)
+        self.signals = tuple(dict.fromkeys([*signals, *self.requeue_signals]))  # a requeue signal is one too
         self.deadline_s = deadline_s
         self.emit = emit
         self.requested: int | None = None
@@ -134,6 +165,18 @@ class PreemptionHandler:
         """The final save is committed (or failed): stop the deadline timer."""
         if self._timer is not None:
             self._timer.cancel()
+
+    def requeue_due(self, rank: int) -> bool:
+        """Whether this rank asks the scheduler to run the job again after the final save:
+        rank 0, when the signal (its own or a peer's) is a requeue signal."""
+        return rank == 0 and self.requested is not None and self.requested in self.requeue_signals
+
+    def requeue(self) -> bool:
+        """Ask the scheduler to requeue the job (coord/requeue.py); logged and recorded either way."""
+        ok, said = scheduler_requeue()
+        (log.warning if ok else log.error)("ftkit: %s", said)
+        self.emit("requeue", ok=ok, detail=said)
+        return ok
 
     def uninstall(self) -> None:
         self.done()

@@ -60,6 +60,7 @@ from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
+from ftkit.coord.preemption import parse_preemption_notice, preemption_notice
 from ftkit.warm.client import process_stopped, replacements_allowed  # (the warm client asks the same of its worker)
 
 log = logging.getLogger("ftkit")
@@ -83,8 +84,8 @@ class Watchdog:
         events: EventLog,
         config: WatchdogConfig | None = None,
         flush: Callable[[float], None] | None = None,
-        preempted: Callable[[], bool] | None = None,
-        on_peer_preempted: Callable[[int], None] | None = None,
+        preempted: Callable[[], int | None] | None = None,
+        on_peer_preempted: Callable[[int, int], None] | None = None,
         news: CommitNews | None = None,
     ):
         """`ctx`: a connection of the watchdog's own (DistContext.own_connection). `news`: where
@@ -93,7 +94,7 @@ class Watchdog:
         self.events = events
         self.cfg = cfg = config or WatchdogConfig()
         self._flush = flush
-        self._preempted = preempted  # did this rank get a preemption signal? (told to peers)
+        self._preempted = preempted  # the preemption signal this rank got, if any (told to peers)
         self._on_peer_preempted = on_peer_preempted
         self._news = news
         self._step: int | None = None  # None until the first step ends: no hang clock before it
@@ -238,7 +239,7 @@ class Watchdog:
             self._host_id,
             self._finished if done is None else done,
             failed,
-            bool(self._preempted and self._preempted()),
+            bool(self._preempted and self._preempted() is not None),
         )
 
     def _publish(self) -> None:
@@ -248,15 +249,17 @@ class Watchdog:
         self.board.write_beat(self.ctx.rank, beat)
         if beat.preempt and not self._told_preempt:  # rare: straight to the store, once
             self._told_preempt = True
+            signum = self._preempted() if self._preempted is not None else None
             with contextlib.suppress(Exception):
-                self.ctx.store.compare_set(PREEMPT, "", json.dumps({"rank": self.ctx.rank}))
+                notice = preemption_notice(self.ctx.rank, signum or signal.SIGTERM)
+                self.ctx.store.compare_set(PREEMPT, "", json.dumps(notice))
 
     def _node_beat(self, done: bool = False) -> NodeBeat:
         ranks = {r: b for r, b in self._local_beats.items() if b is not None}
         ranks[self.ctx.rank] = self._beat()
         return NodeBeat(self._seq, self.ctx.rank, ranks, done)
 
-    def _exchange(self) -> tuple[dict[int, NodeBeat | None], Verdict | None, int | None, int]:
+    def _exchange(self) -> tuple[dict[int, NodeBeat | None], Verdict | None, tuple[int, int] | None, int]:
         """The leader's round trip with the store: publish the node's heartbeat; read the
         watched nodes' heartbeats, the verdict, a preemption and the finished-node count.
         Two requests (a set and a multi_get) once every watched node has been seen."""
@@ -282,8 +285,7 @@ class Watchdog:
                 nodes[n] = NodeBeat.from_json(decode_json(raw))
         verdict_raw, preempt_raw, done_raw = values[-3:]
         verdict = Verdict.from_json(decode_json(verdict_raw))
-        preempt = decode_json(preempt_raw)
-        peer = preempt.get("rank") if isinstance(preempt, dict) and isinstance(preempt.get("rank"), int) else None
+        peer = parse_preemption_notice(decode_json(preempt_raw))
         done = int(done_raw) if done_raw.isdigit() else 0
         return nodes, verdict, peer, done
 
@@ -313,8 +315,8 @@ class Watchdog:
         if verdict is not None:
             self._join(verdict)
         if peer is not None and not self._heard_preempt:
-            self.board.write("preempt.json", {"rank": peer})
-            self._hear_preempt(peer)
+            self.board.write("preempt.json", preemption_notice(*peer))
+            self._hear_preempt(*peer)
         if done >= self.nodes and not self._all_done:
             self.board.write("all-done.json", {"nodes": done})
             self._all_done = True
@@ -331,9 +333,9 @@ class Watchdog:
 
     def _follow(self, now: float) -> None:
         self._caught_up(now, self.leader_judge)  # (the relayed verdict: _run reads it every 50 ms)
-        preempt = self.board.read("preempt.json")
-        if isinstance(preempt, dict) and isinstance(preempt.get("rank"), int) and not self._heard_preempt:
-            self._hear_preempt(preempt["rank"])
+        preempt = parse_preemption_notice(self.board.read("preempt.json"))
+        if preempt is not None and not self._heard_preempt:
+            self._hear_preempt(*preempt)
         if self.board.read("all-done.json") is not None:
             self._all_done = True
         # The leader is this node's aggregator: its own node watches it too.
@@ -372,10 +374,10 @@ class Watchdog:
         beat = Beat.from_json(self.board.read(f"rank-{rank}.json"))
         return beat is not None and beat.done and not beat.failed
 
-    def _hear_preempt(self, rank: int) -> None:
+    def _hear_preempt(self, rank: int, signum: int) -> None:
         self._heard_preempt = True
         if self._on_peer_preempted is not None and rank != self.ctx.rank:
-            self._on_peer_preempted(rank)
+            self._on_peer_preempted(rank, signum)
 
     # -------------------------------------------------------------- actions
     def _recover_in_process(self, verdict: Verdict) -> bool:

@@ -43,7 +43,7 @@ class TinyGPT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok(x) + self.pos[: x.shape[1]]
-        mask: torch.Tensor = self.mask  # type: ignore[assignment]  # a registered buffer
+        mask: torch.Tensor = self.mask  # a registered buffer
         h = self.blocks(h, mask=mask[: x.shape[1], : x.shape[1]], is_causal=True)
         return self.head(self.norm(h))
 

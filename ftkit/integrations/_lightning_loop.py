@@ -55,6 +55,25 @@ def leave_sigterm_to_ftkit(trainer: Any) -> None:
     log.debug("ftkit: Lightning's SIGTERM notifier removed; ftkit handles preemption")
 
 
+def slurm_requeue_signal(trainer: Any) -> int | None:
+    """The signal Lightning's SLURM environment requeues the job on (``SLURMEnvironment(
+    auto_requeue=True)``, the default when the job runs under SLURM: SIGUSR1 unless
+    ``requeue_signal`` says otherwise), or None when the job is not requeued on a signal.
+
+    Lightning's own handler for it saves a checkpoint from inside the signal handler
+    (collectives, under DDP, wherever the main thread was interrupted) and then requeues;
+    ftkit takes the signal instead (its handler is installed first, so Lightning installs
+    none): ranks agree on a step, save it to every tier, and rank 0 requeues."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    if env is None:
+        env = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    if not isinstance(env, SLURMEnvironment) or not env.auto_requeue or env.requeue_signal is None:
+        return None
+    return int(env.requeue_signal)
+
+
 def _samplers(fit_loop: Any) -> Iterator[tuple[Any, Any]]:
     """(loader, sampler) for the sampler and the batch sampler's sampler of each training loader."""
     loaders = fit_loop._combined_loader

@@ -68,8 +68,8 @@ try:  # the unified package first, then the standalone one
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]
-        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+        import pytorch_lightning as pl
+        from pytorch_lightning.callbacks import Callback
     except ImportError:
         raise ImportError(
             "ftkit.integrations.lightning needs PyTorch Lightning: "
@@ -86,6 +86,7 @@ from ftkit.integrations._lightning_loop import (
     leave_sigterm_to_ftkit,
     resumable_sampler,
     set_sampler_epoch,
+    slurm_requeue_signal,
 )
 from ftkit.integrations.sampler import ResumableDistributedSampler
 from ftkit.save.capture import RankLocal, rng_state, set_rng_state
@@ -153,7 +154,7 @@ class FtkitCallback(Callback):
         state["callbacks"] = Adapter(
             lambda: self._callback_states(trainer), lambda sd: self._load_callback_states(trainer, sd)
         )
-        dm = trainer.datamodule  # type: ignore[attr-defined]  # (Lightning sets it on the trainer at fit)
+        dm = trainer.datamodule  # (Lightning sets it on the trainer at fit)
         if dm is not None:
             state["datamodule"] = Adapter(dm.state_dict, lambda sd: dm.load_state_dict(sd) if sd else None)
         state["loops"] = Adapter(trainer.fit_loop.state_dict, self._load_loops(trainer))
@@ -170,7 +171,7 @@ class FtkitCallback(Callback):
 
     def _callback_states(self, trainer: pl.Trainer) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # (a Trainer property Lightning adds)
+        for cb in trainer.callbacks:  # (a Trainer property Lightning adds)
             if cb is self:
                 continue
             sd = cb.state_dict()
@@ -179,7 +180,7 @@ class FtkitCallback(Callback):
         return out
 
     def _load_callback_states(self, trainer: pl.Trainer, saved: dict[str, Any]) -> None:
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # (a Trainer property Lightning adds)
+        for cb in trainer.callbacks:  # (a Trainer property Lightning adds)
             if cb is not self and str(cb.state_key) in saved:
                 cb.load_state_dict(saved[str(cb.state_key)])
 
@@ -210,8 +211,15 @@ class FtkitCallback(Callback):
         self._job = None
         self._sampler = None
         self.restored_step = 0
+        kwargs = dict(self.checkpointer_kwargs)
+        requeue_on = slurm_requeue_signal(trainer)
+        if requeue_on is not None and "requeue_signals" not in kwargs:  # SLURM auto-requeue: ftkit's to do
+            kwargs["requeue_signals"] = (requeue_on,)
+            log.info(
+                "ftkit: SLURM auto-requeue: on signal %d the agreed step is saved, then the job requeued", requeue_on
+            )
         self.checkpointer = Checkpointer(
-            self._state(trainer, pl_module), self.tiers, policy=self.policy, rng=False, **self.checkpointer_kwargs
+            self._state(trainer, pl_module), self.tiers, policy=self.policy, rng=False, **kwargs
         )
         if self.restore and trainer.ckpt_path:
             log.warning(

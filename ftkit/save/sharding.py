@@ -109,7 +109,7 @@ def _plan_pieces(
         if is_dtensor(t):
             offsets, lengths, primary = dtensor_region(t)
             if primary:
-                mine.append((Piece(name, SHARDED, shape, offsets, lengths), t.to_local()))  # type: ignore[attr-defined]
+                mine.append((Piece(name, SHARDED, shape, offsets, lengths), t.to_local()))
             continue
         if name.startswith(rng_prefix):
             mine.append((Piece(name, RANK_LOCAL, shape, (0,) * len(shape), shape), t))

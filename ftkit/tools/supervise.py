@@ -101,9 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     def fail(message: str = "", *_a: Any) -> NoReturn:
         raise _Unparsable(message)
 
-    p.error = fail  # type: ignore[method-assign]  # torchrun reports its own usage errors
-    p.exit = lambda status=0, message=None: fail(message or "")  # type: ignore[method-assign]
-    p.print_help = lambda file=None: None  # type: ignore[method-assign]
+    p.error = fail  # torchrun reports its own usage errors
+    p.exit = lambda status=0, message=None: fail(message or "")
+    p.print_help = lambda file=None: None
     return p
 
 

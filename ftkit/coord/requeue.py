@@ -1,0 +1,56 @@
+"""Requeue: after a preemption's final save, ask the scheduler to run the job again.
+
+SLURM warns a job before its time limit with a signal of the user's choice
+(``sbatch --signal=USR1@90``); ``scontrol requeue <job>`` then puts the same job
+back in the queue, and its next run (``SLURM_RESTART_COUNT`` counts them) restores
+the step saved. ftkit requeues once per job, from rank 0, after every rank's final
+save is committed (or has failed: the newest earlier snapshot is then the one the
+next run restores, which is still better than a job that ends for good).
+
+The job id is read from the environment SLURM sets (``SLURM_ARRAY_JOB_ID`` and
+``SLURM_ARRAY_TASK_ID`` for an array task, else ``SLURM_JOB_ID``) and checked to
+be an id before it reaches a command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+log = logging.getLogger("ftkit")
+
+_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")
+
+
+def slurm_job_id(env: Mapping[str, str] = os.environ) -> str | None:
+    """The id `scontrol requeue` takes for this job (``<array job>_<task>`` for an array
+    task), or None outside SLURM or when the variables do not hold an id."""
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array_job}_{task}" if array_job and task else env.get("SLURM_JOB_ID")
+    return job if job and _JOB_ID.fullmatch(job) else None
+
+
+def requeue(timeout_s: float = 30.0) -> tuple[bool, str]:
+    """Ask SLURM to requeue this job: (done, what happened, in one line for the log)."""
+    job = slurm_job_id()
+    if job is None:
+        return False, "not requeued: no SLURM job id in the environment (SLURM_JOB_ID)"
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return False, f"job {job} not requeued: scontrol is not on PATH"
+    try:
+        r = subprocess.run(
+            [scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"job {job} not requeued: scontrol requeue: {e}"
+    if r.returncode != 0:
+        said = (r.stderr or r.stdout).strip().splitlines()
+        return False, f"job {job} not requeued: scontrol requeue exited {r.returncode}" + (
+            f": {said[-1]}" if said else ""
+        )
+    return True, f"job {job} requeued"
