@@ -1,7 +1,7 @@
 """A Hugging Face Trainer under torchrun (DDP over gloo), for tests/test_integrations_multiprocess.py.
 
 A tiny GPT-2 from a local config trains 3 epochs. Every rank appends, line by line, the
-global step and a digest of the batch of each step it trains to
+global step, a digest of the batch and its rows' dataset indices of each step it trains to
 OUT/trace-w<world>-r<rank>-a<attempt>.jsonl; rank 0 writes the restored step and the final
 weights and optimizer state to OUT/final-w<world>-a<attempt>.pt. --kill-at K: in the first
 attempt, rank 1 SIGKILLs itself once the snapshot of step K is in.
@@ -33,16 +33,19 @@ EPOCHS = 3
 class Trace(TrainerCallback):
     """Each training forward's (global step, batch digest), written as it happens."""
 
-    def __init__(self, model, path: str, kill_at: int | None, ftcb: FtkitCallback, rank: int):
+    def __init__(self, model, path: str, kill_at: int | None, ftcb: FtkitCallback, rank: int, data: Tokens):
         self.path, self.kill_at, self.ftcb, self.rank = path, kill_at, ftcb, rank
+        self.index = {row.numpy().tobytes(): i for i, row in enumerate(data.data)}  # a row's dataset index
         self.state = None
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
         if module.training and self.state is not None:
-            digest = hashlib.sha1(kwargs["input_ids"].numpy().tobytes()).hexdigest()[:12]
+            ids = kwargs["input_ids"]
+            digest = hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:12]
+            idx = [self.index.get(row.numpy().tobytes()) for row in ids]
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": self.state.global_step, "batch": digest}) + "\n")
+                f.write(json.dumps({"step": self.state.global_step, "batch": digest, "idx": idx}) + "\n")
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.state = state
@@ -88,8 +91,9 @@ def main() -> None:
     )
     ftcb = FtkitCallback([args.ckpt], every_n_steps=1)
     kill_at = args.kill_at if attempt == 0 else None
-    trace = Trace(model, os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl"), kill_at, ftcb, rank)
-    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(48), callbacks=[ftcb, trace])
+    data = Tokens(48)
+    trace = Trace(model, os.path.join(args.out, f"trace-w{world}-r{rank}-a{attempt}.jsonl"), kill_at, ftcb, rank, data)
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[ftcb, trace])
     with warnings.catch_warnings(), ftcb:
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=ftcb.resume_from_checkpoint())

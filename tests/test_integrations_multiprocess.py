@@ -166,10 +166,12 @@ def test_lightning_resumable_sampler_continues_the_global_stream_from_2_ranks_to
     assert three["step"] == 15 and three["epoch"] == 3
 
 
-def srun(tmp, name: str, ckpt, ntasks: int, bin_dir, *args: str, restart: int = 0) -> list[tuple[int, str]]:
+def srun(zygote, tmp, name: str, ckpt, ntasks: int, bin_dir, *args: str, restart: int = 0) -> list[tuple[int, str]]:
     """Start the Lightning job as `srun --ntasks N` would on one node: N processes with SLURM's
-    variables (Lightning then runs in its SLURM environment, auto-requeue on), no torchrun.
-    `bin_dir` goes first on PATH (it holds the test's scontrol). (exit code, output) per rank."""
+    variables (Lightning then runs in its SLURM environment, auto-requeue on), no torchrun;
+    each forked warm from `zygote` through its thin client (the environment, a signal to the
+    worker and its exit code pass through). `bin_dir` goes first on PATH (it holds the test's
+    scontrol). (exit code, output) per rank."""
     import socket
 
     out = tmp / name
@@ -179,6 +181,7 @@ def srun(tmp, name: str, ckpt, ntasks: int, bin_dir, *args: str, restart: int = 
         port = s.getsockname()[1]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "RANK", "WORLD_"))}
     base |= {
+        **zygote.env(),
         "PYTHONPATH": REPO,
         "OMP_NUM_THREADS": "1",
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -193,7 +196,7 @@ def srun(tmp, name: str, ckpt, ntasks: int, bin_dir, *args: str, restart: int = 
         "SLURM_NODELIST": "127.0.0.1",
         "SLURM_RESTART_COUNT": str(restart),
     }
-    cmd = [sys.executable, JOB, "--ckpt", str(ckpt), "--out", str(out), *args]
+    cmd = [sys.executable, *warm_target(zygote, [JOB, "--ckpt", str(ckpt), "--out", str(out), *args])]
     procs = [
         subprocess.Popen(
             cmd,
@@ -217,7 +220,7 @@ def srun(tmp, name: str, ckpt, ntasks: int, bin_dir, *args: str, restart: int = 
     return results
 
 
-def test_lightning_under_slurm_saves_requeues_and_resumes_on_the_requeue_signal(runs, tmp_path):
+def test_lightning_under_slurm_saves_requeues_and_resumes_on_the_requeue_signal(runs, lightning_zygote, tmp_path):
     """Lightning DDP started as SLURM starts it (2 tasks, SLURM's variables, auto-requeue):
     rank 1 alone gets SIGUSR1 (SLURM's warning before the time limit) after step 5. Both ranks
     save the step they agree on and exit 128 + SIGUSR1; rank 0, having heard the signal from
@@ -235,13 +238,13 @@ def test_lightning_under_slurm_saves_requeues_and_resumes_on_the_requeue_signal(
     scontrol.write_text(f'#!/bin/sh\necho "rank=$SLURM_PROCID $*" >> {calls}\n')
     scontrol.chmod(0o755)
     ckpt = tmp_path / "ckpt"
-    first = srun(tmp_path, "slurm", ckpt, 2, bin_dir, "--signal-at", "5", "--step-sleep", "0.1")
+    first = srun(lightning_zygote, tmp_path, "slurm", ckpt, 2, bin_dir, "--signal-at", "5", "--step-sleep", "0.05")
     assert [rc for rc, _ in first] == [128 + signal.SIGUSR1] * 2, first[0][1][-3000:] + first[1][1][-3000:]
     assert calls.read_text().splitlines() == ["rank=0 requeue 4242"]
     saved = max(committed_steps(ftkit.Tier(str(ckpt)).open()))
     assert 5 < saved < 18  # an agreed step after the signal, before the run's end
     assert not any(n.startswith("hpc_ckpt") for n in os.listdir(REPO))  # Lightning's own save did not run
-    again = srun(tmp_path, "slurm", ckpt, 2, bin_dir, restart=1)
+    again = srun(lightning_zygote, tmp_path, "slurm", ckpt, 2, bin_dir, restart=1)
     assert [rc for rc, _ in again] == [0, 0], again[0][1][-3000:]
     out = tmp_path / "slurm"
     done = final(out, 2, 1)
@@ -269,6 +272,39 @@ def test_huggingface_trainer_ddp_sigkill_then_torchrun_restart_equals_uninterrup
         resumed = [s for s in before[rank] if s["step"] < 7] + after[rank]
         assert resumed == whole[rank], f"rank {rank} trained on other batches"
     assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
+
+
+def hf_stream(total: int, seed: int = 0) -> list[int]:
+    """The HF Trainer's global sample stream: accelerate's seedable sampler draws epoch t's
+    permutation with seed + t; the job reads epoch 0's, then epoch 1's, ..."""
+    from accelerate.data_loader import SeedableRandomSampler
+
+    sampler, out, epoch = SeedableRandomSampler(range(SAMPLES), data_seed=seed), [], 0
+    while len(out) < total:
+        sampler.set_epoch(epoch)
+        out += list(iter(sampler))
+        epoch += 1
+    return out[:total]
+
+
+def test_huggingface_trainer_continues_the_global_stream_from_2_ranks_to_3(lightning_zygote, tmp_path):
+    """transformers.Trainer on 2 ranks, killed after step 9's snapshot (mid-epoch: 6 steps an
+    epoch there); the job comes back on 3 ranks, where the Trainer's own resume would count
+    4 steps an epoch and start elsewhere. The samples consumed, step after step, are the one
+    global stream cut in slices of 8 then 12: nothing skipped, nothing repeated. The run ends
+    where the Trainer's step count on 3 ranks says (3 epochs x 4 steps)."""
+    ckpt = tmp_path / "ckpt"
+    check(launch(lightning_zygote, tmp_path, "two", ckpt, 2, "--kill-at", "9", job=HF_JOB), ok=False)
+    check(launch(lightning_zygote, tmp_path, "three", ckpt, 3, job=HF_JOB))
+    three = final(tmp_path / "three", 3, 0)
+    assert three["restored"] == 9 and three["step"] == 12
+    steps = consumed(traces(tmp_path / "two", 2, 0), until=9) + consumed(traces(tmp_path / "three", 3, 0))
+    assert [len(s) for s in steps] == [8] * 9 + [12] * 3
+    want = hf_stream(sum(len(s) for s in steps))
+    at = 0
+    for k, got in enumerate(steps):
+        assert sorted(got) == sorted(want[at : at + len(got)]), f"step {k} consumed other samples"
+        at += len(got)
 
 
 # The notice reaches the other rank through the store about a heartbeat later (~10 steps of

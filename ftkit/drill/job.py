@@ -89,6 +89,12 @@ class Job:
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
 
+    def release(self, pid: int) -> None:
+        """Let the rank frozen at a fault point run on (faultpoints.py: the marker, then SIGCONT)."""
+        with open(self.fault_request + ".released", "w"):
+            pass
+        _signal(pid, signal.SIGCONT)
+
     def kill(self) -> None:
         for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker ignores everything but these
             try:
@@ -137,7 +143,7 @@ class Job:
         the job ends or the timeout passes first.
         """
         reached = self.fault_request + ".reached"
-        for stale in (reached, self.fault_request):
+        for stale in (reached, self.fault_request, self.fault_request + ".released"):
             if os.path.exists(stale):
                 os.remove(stale)
         tmp = self.fault_request + ".tmp"
@@ -181,6 +187,15 @@ def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
         if state in ("T", "t"):
             return
         time.sleep(0.005)
+
+
+def _start_time(pid: int) -> str | None:
+    """When `pid`'s process started (clock ticks since boot, /proc/PID/stat field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -230,7 +245,7 @@ class Injector:
             pass  # the fault point raised in the training loop
         elif f.kind == "term":
             _signal(pid, signal.SIGTERM)  # delivered when it runs again
-            _signal(pid, signal.SIGCONT)
+            job.release(pid)
         elif f.kind == "node":
             launchers = job.launchers(attempt)
             for r, p in job.pids(attempt).items():
@@ -241,17 +256,17 @@ class Injector:
                     _signal(p, signal.SIGKILL)
             shutil.rmtree(os.path.join(job.ram_dir, "drill", f"node{f.node}"), ignore_errors=True)
         elif f.kind == "slow":
-            _signal(pid, signal.SIGCONT)
+            job.release(pid)
             self._background(_throttle, pid, f.factor, f.seconds)
         elif f.kind in STORAGE_KINDS:
             key = _STORAGE_SWITCH[f.kind]
             self._switch_storage(key, f.factor if f.kind == "latency" else True)
-            _signal(pid, signal.SIGCONT)
+            job.release(pid)
             self._background(self._clear_storage_fault, key, f.seconds)
         elif f.kind in OBJECT_STORE_KINDS:
             assert self.s3 is not None
             self.s3.stop_process(kill=True)  # instant: the rank must not stay frozen long
-            _signal(pid, signal.SIGCONT)
+            job.release(pid)
             self._background(_restart_s3, self.s3, f.seconds)
 
     def _switch_storage(self, key: str, value: Any) -> None:
@@ -284,10 +299,12 @@ def _restart_s3(server: Any, seconds: float) -> None:
 
 
 def _throttle(pid: int, factor: float, seconds: float) -> None:
-    """Run `pid` at 1/factor speed: stopped for (1 - 1/factor) of every 100 ms."""
+    """Run `pid` at 1/factor speed: stopped for (1 - 1/factor) of every 100 ms; until its
+    process ends (a later fault, a restart), never a new process that got its pid."""
     end = time.monotonic() + seconds
+    born = _start_time(pid)
     try:
-        while time.monotonic() < end:
+        while time.monotonic() < end and born is not None and _start_time(pid) == born:
             os.kill(pid, signal.SIGSTOP)
             time.sleep(0.1 * (1 - 1 / factor))
             os.kill(pid, signal.SIGCONT)

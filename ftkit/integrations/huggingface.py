@@ -39,7 +39,13 @@ own (``<resume_dir>-r<rank>``), and restores its own RNG state (a
 :class:`~ftkit.RankLocal` entry); the Trainer's sharded data loader skips the same batches
 on every rank as in its own resume, which is exact when the number of ranks is the same.
 On another number of ranks the Trainer's epoch and skip arithmetic (steps per epoch) is
-not the interrupted run's: the callback warns that the sample stream is not continued.
+not the interrupted run's; the snapshot records the job's place in the one global sample
+stream, and the callback makes the Trainer's loader serve each epoch the Trainer runs as
+the window of that stream that continues it (_hf_stream.py): every sample once, in order.
+The run's length stays the Trainer's (``max_steps``, or ``num_train_epochs`` x the new
+world's steps per epoch); on fewer ranks the callback stops it where the planned epochs
+of the stream end. A sampler accelerate cannot reproduce (``use_seedable_sampler=False``,
+a custom one) leaves the Trainer's own arithmetic, with a warning.
 
 Limits, checked at ``Trainer`` construction: no DeepSpeed or FSDP (they keep their own
 sharded state). A collator that draws random
@@ -76,6 +82,7 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.integrations._hf_stream import Layout, StreamPosition, continue_stream, stream_ended, trainer_layout
 from ftkit.save.capture import RankLocal, rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.huggingface")
@@ -126,12 +133,20 @@ class FtkitCallback(TrainerCallback):
         self._rng_due: Any = None  # RNG state to set at the first on_step_begin after a resume
         self._last_step = -1
         self._atexit = False
+        self._layout: Layout | None = None  # how the Trainer reads the sample stream (_hf_stream.py)
+        self._stop_at: int | None = None  # the step at which a continued stream's planned epochs end
 
     # ----------------------------------------------------------------- state
-    @staticmethod
-    def _entries(model, optimizer, scheduler, trainer_state, world_size: int = 1) -> dict[str, Any]:
+    def _entries(self, model, optimizer, scheduler, trainer_state, world_size: int = 1) -> dict[str, Any]:
         """The same keys for snapshot and restore; `None` parts become stashes. "rng" is each
-        rank's own; "world" the number of ranks that took the snapshot."""
+        rank's own; "world" the number of ranks that took the snapshot and the job's position
+        in the sample stream (_hf_stream.py), the same on every rank."""
+
+        def job() -> dict[str, Any]:
+            layout = self._layout
+            at = layout.position(trainer_state.global_step).to_json() if layout is not None else None
+            return {"world_size": world_size, "stream": at}
+
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         scaler = getattr(optimizer, "scaler", None)
         return {
@@ -145,9 +160,7 @@ class FtkitCallback(TrainerCallback):
                 else Stash(str)
             ),
             "rng": RankLocal(Adapter(rng_state, lambda v: None) if trainer_state is not None else Stash(dict)),
-            "world": Adapter(lambda: {"world_size": world_size}, lambda v: None)
-            if trainer_state is not None
-            else Stash(dict),
+            "world": Adapter(job, lambda v: None) if trainer_state is not None else Stash(dict),
         }
 
     # ---------------------------------------------------------------- set-up
@@ -177,16 +190,7 @@ class FtkitCallback(TrainerCallback):
             return None
         self._resume = {"step": step, **{k: v.take() for k, v in entries.items() if isinstance(v, Stash)}}
         self._resume["rng"] = rng.take() if rng.has_value else None  # None: a rank the snapshot did not have
-        saved_world = (self._resume.get("world") or {}).get("world_size", 1)
         world, rank = self._args.world_size, self._args.process_index
-        if saved_world != world:
-            log.warning(
-                "ftkit: resuming step %d on %d ranks from a snapshot of %d: the Trainer's epoch and batch skipping "
-                "count steps per epoch on this world size, so the sample stream is not the interrupted one",
-                step,
-                world,
-                saved_world,
-            )
         path = self.resume_dir or os.path.join(self._args.output_dir, "ftkit-resume")
         if world > 1:  # every rank writes and reads its own
             path = f"{path}-r{rank}"
@@ -218,6 +222,7 @@ class FtkitCallback(TrainerCallback):
                     "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())"
                 )
             self._load_training_objects(optimizer, lr_scheduler, resume)
+            self._continue_stream(args, state, resume, kwargs.get("train_dataloader"))
             self._rng_due = resume["rng"]
             self.restored_step = self._last_step = resume["step"]
         elif state.global_step == 0 and not self.ignore_existing:
@@ -229,6 +234,9 @@ class FtkitCallback(TrainerCallback):
                     "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
                     "pass FtkitCallback(..., ignore_existing=True) to start over"
                 )
+        if resume is None:  # a fresh start: the Trainer reads the stream from its beginning
+            found = trainer_layout(args, kwargs.get("train_dataloader"))
+            self._layout, self._stop_at = (found[0] if found else None), None
         self.checkpointer = Checkpointer(
             self._entries(model, optimizer, lr_scheduler, state, args.world_size),
             self.tiers,
@@ -239,6 +247,42 @@ class FtkitCallback(TrainerCallback):
         if not self._atexit:  # no exception hook in the Trainer: flush at exit at the latest
             atexit.register(_close_at_exit, weakref.ref(self))
             self._atexit = True
+
+    def _continue_stream(self, args, state, resume: dict[str, Any], loader) -> None:
+        """Make the Trainer's loader go on from the snapshot's place in the sample stream, on
+        whatever number of ranks (_hf_stream.py); or say why it cannot."""
+        job = resume.get("world") or {}
+        saved_world, saved = job.get("world_size", 1), StreamPosition.from_json(job.get("stream"))
+        found = trainer_layout(args, loader)
+        self._layout, self._stop_at = (found[0] if found else None), None
+        if found is None or saved is None or saved.per_epoch != found[0].per_epoch:
+            if saved_world != args.world_size:
+                log.warning(
+                    "ftkit: resuming step %d on %d ranks from a snapshot of %d without the position in the sample "
+                    "stream (%s): the Trainer's epoch and batch skipping count steps per epoch on this world size, so "
+                    "the stream is not the interrupted one",
+                    resume["step"],
+                    args.world_size,
+                    saved_world,
+                    "the data loader's order is not reproducible"
+                    if found is None
+                    else "the snapshot has none"
+                    if saved is None
+                    else "the dataset's length changed",
+                )
+            return
+        layout, outer, sampler = found
+        epochs = args.num_train_epochs if args.max_steps <= 0 else None
+        self._layout, self._stop_at = continue_stream(saved, layout, outer, sampler, state.global_step, epochs)
+        if saved_world != args.world_size:
+            log.info(
+                "ftkit: step %d of a %d-rank run continues on %d ranks at sample %d of the stream%s",
+                resume["step"],
+                saved_world,
+                args.world_size,
+                saved.samples,
+                f"; the planned epochs end at step {self._stop_at}" if self._stop_at is not None else "",
+            )
 
     def _load_training_objects(self, optimizer, lr_scheduler, resume: dict[str, Any]) -> None:
         try:
@@ -257,6 +301,10 @@ class FtkitCallback(TrainerCallback):
             rng, self._rng_due = self._rng_due, None
             set_rng_state(rng)
         self._maybe_snapshot(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if stream_ended(self._stop_at, state.global_step):  # a continued stream's planned epochs are done
+            control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         try:

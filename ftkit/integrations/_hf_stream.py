@@ -1,0 +1,170 @@
+"""The Hugging Face Trainer's sample stream, continued exactly on another number of ranks.
+
+The stream. With accelerate's seedable sampler (the Trainer's default) every rank draws
+the same permutation of the dataset for epoch ``t`` (seeded with ``seed + t``); the global
+batch sampler cuts it into batches of ``per_device_train_batch_size``, and rank ``r`` of
+``W`` trains batches ``r, r + W, ...``. So the job as a whole reads one stream: epoch 0's
+permutation, then epoch 1's, ..., and a step consumes the next ``W x grad_accum`` batches
+of it whatever ``W`` is. A position in it is a count of samples (`StreamPosition`).
+
+Why the Trainer alone cannot resume it on another ``W``: it derives the epoch and the
+batches to skip from ``global_step`` and the steps per epoch *of the new world*
+(``global_step // steps_per_epoch``, ``global_step % steps_per_epoch``), which on another
+``W`` is another place in the stream.
+
+What is done instead (`continue_stream`): the Trainer's arithmetic is left as it is, and
+the sampler inside its data loader is swapped for `ContinuedSampler`, which serves each
+epoch the Trainer runs as a window of the true stream: the first epoch's window starts so
+that the batches the Trainer skips are the ones just before the saved position, and the
+first batch it trains is the first one the interrupted run had not trained. Each later
+epoch's window follows the one before it: every sample of every permutation is trained
+once, in order (but for the Trainer's own padding at an epoch's end when its batches do
+not divide by ``W``, which an uninterrupted run has too). When the run is defined by
+epochs (``num_train_epochs``, no ``max_steps``), the stream ends where the planned epochs
+end, and the callback stops the Trainer there (`stream_ended`): the same samples in all as
+an uninterrupted run, in fewer or more steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import SequentialSampler
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a run is in the stream: `samples` consumed from the start of epoch 0;
+    `per_epoch`, the samples one epoch's pass consumes (the dataset's length, or its
+    whole batches with ``drop_last``)."""
+
+    samples: int
+    per_epoch: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"samples": self.samples, "per_epoch": self.per_epoch}
+
+    @staticmethod
+    def from_json(doc: Any) -> StreamPosition | None:
+        if not isinstance(doc, dict):
+            return None
+        s, p = doc.get("samples"), doc.get("per_epoch")
+        if type(s) is not int or type(p) is not int or s < 0 or p <= 0:
+            return None
+        return StreamPosition(s, p)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the running Trainer reads the stream: `world` ranks, `batch` samples per rank and
+    batch, `accum` batches per step, `steps_per_epoch` as the Trainer counts them; `start`
+    and `first_epoch`: the window of the Trainer's epoch `first_epoch` starts at sample
+    `start` of the stream (0, 0 for a run that did not continue another world's)."""
+
+    world: int
+    batch: int
+    accum: int
+    steps_per_epoch: int
+    per_epoch: int
+    start: int = 0
+    first_epoch: int = 0
+
+    def position(self, global_step: int) -> StreamPosition:
+        """The stream position after `global_step` steps of this run."""
+        epoch, step = divmod(global_step, self.steps_per_epoch)
+        done = min(step * self.accum * self.world * self.batch, self.per_epoch)
+        return StreamPosition(self.start + (epoch - self.first_epoch) * self.per_epoch + done, self.per_epoch)
+
+
+def trainer_layout(args: Any, loader: Any) -> tuple[Layout, Any, Any] | None:
+    """The layout of the Trainer's training loader (`args`: its TrainingArguments), with the
+    batch sampler whose `sampler` is the stream's, and that sampler; None when the loader's
+    order cannot be reproduced (a sampler other than accelerate's seedable one or a
+    sequential one, an iterable dataset, batches split or dispatched by accelerate)."""
+    from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler
+
+    outer = getattr(loader, "batch_sampler", None)
+    world = 1
+    if isinstance(outer, BatchSamplerShard):
+        if outer.split_batches:
+            return None
+        world, outer = outer.num_processes, outer.batch_sampler
+    sampler = getattr(outer, "sampler", None)
+    if outer is None or not isinstance(sampler, (SeedableRandomSampler, SequentialSampler, ContinuedSampler)):
+        return None
+    if isinstance(sampler, SeedableRandomSampler) and sampler.replacement:
+        return None
+    n = len(sampler.inner) if isinstance(sampler, ContinuedSampler) else len(sampler)
+    batch, accum = outer.batch_size, args.gradient_accumulation_steps
+    per_epoch = (n // batch) * batch if outer.drop_last else n
+    steps = max(math.ceil(len(loader) / accum), 1)  # as Trainer.set_initial_training_values counts
+    return Layout(world, batch, accum, steps, per_epoch), outer, sampler
+
+
+class ContinuedSampler:
+    """Stands in for the sampler of the Trainer's batch sampler: the Trainer's epoch ``e``
+    (from `set_epoch`, which the Trainer calls before each epoch but the resumed one, whose
+    default is `first_epoch`) yields the stream's samples ``start + (e - first_epoch) *
+    per_epoch`` onwards, ``len(inner)`` of them, nothing past `end`."""
+
+    def __init__(self, inner: Any, layout: Layout, end: int | None):
+        self.inner = inner  # the Trainer's own sampler: its permutation of epoch t is the stream's
+        self.layout = layout
+        self.end = end
+        self.epoch = layout.first_epoch
+        self._cached: tuple[int, list[int]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[int]:
+        lay = self.layout
+        first = lay.start + (self.epoch - lay.first_epoch) * lay.per_epoch
+        for at in range(first, first + len(self.inner)):
+            if self.end is not None and at >= self.end:
+                return
+            yield self._sample(max(at, 0))  # (before the stream's start: skipped batches)
+
+    def _sample(self, at: int) -> int:
+        epoch, offset = divmod(at, self.layout.per_epoch)
+        if self._cached is None or self._cached[0] != epoch:
+            if hasattr(self.inner, "set_epoch"):
+                self.inner.set_epoch(epoch)  # accelerate's seedable sampler: seed + epoch
+            self._cached = (epoch, list(iter(self.inner)))
+        return self._cached[1][offset]
+
+
+def continue_stream(
+    saved: StreamPosition, layout: Layout, outer: Any, sampler: Any, global_step: int, epochs: float | None
+) -> tuple[Layout, int | None]:
+    """Make the Trainer's loader continue the stream at `saved` from `global_step` (the
+    resumed step): returns the layout now in force and the step at which the planned
+    `epochs` end (None: the run is defined by steps). Nothing is swapped when the Trainer's
+    own resume already lands on `saved` (the same world, a run that never changed it)."""
+    inner = sampler.inner if isinstance(sampler, ContinuedSampler) else sampler
+    fresh = Layout(layout.world, layout.batch, layout.accum, layout.steps_per_epoch, layout.per_epoch)
+    epoch, step = divmod(global_step, layout.steps_per_epoch)
+    skipped = min(step * layout.accum * layout.world * layout.batch, layout.per_epoch)  # what the Trainer skips
+    if fresh.position(global_step) == saved:  # the Trainer's own skip is exact, and so is its end
+        outer.sampler = inner
+        return fresh, None
+    start = saved.samples - skipped  # the batches the Trainer skips are the ones just before `saved`
+    now = dataclasses.replace(fresh, start=start, first_epoch=epoch)
+    end = math.ceil(epochs * saved.per_epoch) if epochs is not None else None
+    outer.sampler = ContinuedSampler(inner, now, end)
+    if end is None:
+        return now, None
+    per_step = layout.world * layout.accum * layout.batch
+    return now, global_step + max(math.ceil((end - saved.samples) / per_step), 0)
+
+
+def stream_ended(stop_at: int | None, global_step: int) -> bool:
+    """Whether the run has reached the step at which its planned epochs of the stream end."""
+    return stop_at is not None and global_step >= stop_at
