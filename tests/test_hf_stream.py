@@ -33,22 +33,23 @@ def stream(total: int) -> list[int]:
     return out[:total]
 
 
-def layout(world: int) -> Layout:
+def layout(world: int, accum: int = 1) -> Layout:
     per_rank = -(-N // B // world)  # the Trainer's loader length on each rank (accelerate pads to whole rounds)
-    return Layout(world, B, 1, per_rank, N)
+    return Layout(world, B, accum, -(-per_rank // accum), N)
 
 
 def trained_after_resume(outer: BatchSampler, lay: Layout, step: int, steps: int) -> list[int]:
     """What a Trainer of `lay` trains in `steps` steps resumed at `step`: it sets its epoch,
     skips the per-rank batches its arithmetic says were done, and reads round by round."""
     epoch, done = divmod(step, lay.steps_per_epoch)
+    per_step = lay.world * lay.accum  # global batches a step trains
     out: list[int] = []
     while steps > 0:
         if isinstance(outer.sampler, ContinuedSampler):
             outer.sampler.set_epoch(epoch)
-        batches = list(outer)[done * lay.world :]
-        take = min(steps, len(batches) // lay.world)
-        out += [i for b in batches[: take * lay.world] for i in b]
+        batches = list(outer)[done * per_step :]
+        take = min(steps, len(batches) // per_step)
+        out += [i for b in batches[: take * per_step] for i in b]
         steps -= take
         epoch, done = epoch + 1, 0
     return out
@@ -62,14 +63,16 @@ def test_a_fresh_run_counts_its_place_in_the_stream_by_its_own_steps():
     assert two.position(12) == StreamPosition(96, N)
 
 
-@pytest.mark.parametrize(("saved_world", "step", "world"), [(2, 9, 3), (3, 5, 2), (2, 7, 1), (3, 4, 2)])
-def test_the_trainer_trains_on_from_the_saved_sample_on_another_world(saved_world, step, world):
-    saved = layout(saved_world).position(step)
-    lay = layout(world)
+@pytest.mark.parametrize(
+    ("saved_world", "step", "world", "accum"), [(2, 9, 3, 1), (3, 5, 2, 1), (2, 7, 1, 1), (3, 4, 2, 1), (2, 4, 3, 2)]
+)
+def test_the_trainer_trains_on_from_the_saved_sample_on_another_world(saved_world, step, world, accum):
+    saved = layout(saved_world, accum).position(step)
+    lay = layout(world, accum)
     outer = BatchSampler(SeedableRandomSampler(range(N), data_seed=0), B, False)
     now, stop_at = continue_stream(saved, lay, outer, outer.sampler, step, epochs=3)
     assert now.position(step) == saved
-    per_step = world * B
+    per_step = world * B * accum
     assert stop_at == step + -(-(3 * N - saved.samples) // per_step)
     steps = min(stop_at - step, 3)
     got = trained_after_resume(outer, lay, step, steps)
