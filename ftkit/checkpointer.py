@@ -33,7 +33,7 @@ from ftkit.coord.dist import DistContext
 from ftkit.coord.ending import exit_unless_gone, time_first_gradient
 from ftkit.coord.events import EventLog
 from ftkit.coord.faultpoints import fault_point
-from ftkit.coord.preemption import PreemptionHandler
+from ftkit.coord.preemption import PreemptionHandler, signal_name
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig
 from ftkit.errors import FtkitError
 from ftkit.restore import RestoreContext, Superseded, retire_superseded
@@ -84,7 +84,7 @@ class Checkpointer:
     preemption_deadline_s: exit anyway if no step ends this long after the signal.
     requeue_signals: preemption signals after whose final save rank 0 asks the
         scheduler to run the job again (SLURM: `scontrol requeue`, for a job
-        submitted with `--signal=USR1@90` pass [signal.SIGUSR1]); added to the
+        submitted with `--signal=USR1@120` pass [signal.SIGUSR1]); added to the
         preemption signals and handled from the start. See coord/requeue.py.
     watchdog: under torch.distributed, run the heartbeat watchdog (True, or a
         WatchdogConfig); it ends this worker when another rank is dead or hung,
@@ -172,7 +172,7 @@ class Checkpointer:
         )
         signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
         self._preemption = (
-            PreemptionHandler(signals, preemption_deadline_s, self.events.emit, requeue_signals)
+            PreemptionHandler(signals, preemption_deadline_s, self.events.emit, requeue_signals, self._ctx.rank)
             if signals or requeue_signals
             else None
         )
@@ -238,13 +238,12 @@ class Checkpointer:
             self.wait()
         except Exception as e:
             ok = False
-            log.error("ftkit: the final save after %s failed: %s", signal.Signals(sig).name, redact_url(str(e)))
+            log.error("ftkit: the final save after %s failed: %s", signal_name(sig), redact_url(str(e)))
         self._preemption.done()
         self._stopping_on_purpose = True
         self.events.emit("preempt_flush", step=step, ok=ok, seconds=time.perf_counter() - t0)
         log.warning("ftkit: step %d %s; exiting", step, "saved to every tier" if ok else "NOT saved")
-        if self._preemption.requeue_due(self._ctx.rank):  # once the step is committed (or failed)
-            self._preemption.requeue()
+        self._preemption.after_final_save(self._ctx)  # requeue the job, if the signal asks for it
         raise SystemExit(128 + sig)
 
     def _stage(self, step: int, due: list[int]) -> bool:

@@ -16,7 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The files that take longest (minutes of drills and torchrun restarts), longest first.
 # scripts/test.sh runs two workers, one file at a time each, in collection order
-# (--no-loadscope-reorder): these start at once and the short files fill in around them,
+# (--no-loadscope-reorder): the first two start at once, the next as a worker frees, and the
+# short files fill in around them,
 # instead of a drill starting last and running alone at the end (a minute of the CI run).
 SLOW_FILES = (
     "test_drill_faults.py",

@@ -61,17 +61,34 @@ def test_a_notice_carries_the_signal_and_a_forged_one_is_read_safely():
 
 
 def test_only_rank_0_requeues_and_only_on_a_requeue_signal():
-    h = PreemptionHandler([signal.SIGTERM], 60, lambda *a, **k: None, requeue_signals=[signal.SIGUSR1])
-    assert h.signals == (signal.SIGTERM, signal.SIGUSR1)
-    h.request(signal.SIGUSR1, by_rank=5)  # heard from a peer: its signal counts
-    try:
-        assert h.requeue_due(0) and not h.requeue_due(1)
-    finally:
-        h.done()
-    h = PreemptionHandler([signal.SIGTERM], 60, lambda *a, **k: None, requeue_signals=[signal.SIGUSR1])
+    def handler(rank: int) -> PreemptionHandler:
+        return PreemptionHandler([signal.SIGTERM], 60, lambda *a, **k: None, [signal.SIGUSR1], rank)
+
+    assert handler(0).signals == (signal.SIGTERM, signal.SIGUSR1)
+    for rank, due in ((0, True), (1, False)):
+        h = handler(rank)
+        h.request(signal.SIGUSR1, by_rank=5)  # heard from a peer: its signal counts
+        try:
+            assert h.requeue_wanted() and h.requeue_due() == due
+        finally:
+            h.done()
+    h = handler(0)
     h.request(signal.SIGTERM)
     try:
-        assert not h.requeue_due(0)  # torchrun's or the scheduler's ending: no requeue
+        assert not h.requeue_due()  # torchrun's or the scheduler's ending: no requeue
+    finally:
+        h.done()
+
+
+def test_a_signal_without_a_name_is_named_and_requested_once():
+    rt = signal.SIGRTMIN + 6
+    events = []
+    h = PreemptionHandler([signal.SIGTERM], 60, lambda *a, **k: events.append((a, k)))
+    h.request(rt, by_rank=3)
+    h.request(signal.SIGTERM)  # the first notice stands
+    try:
+        assert h.requested == rt and len(events) == 1
+        assert events[0][1]["signal"] == f"signal {int(rt)}"
     finally:
         h.done()
 
@@ -103,3 +120,27 @@ def test_the_requeue_signal_saves_the_step_requeues_and_exits(tmp_path, scontrol
     assert torch.equal(fresh.weight, model.weight)
     logged = "".join(p.read_text() for p in events.rglob("*.jsonl"))
     assert '"requeue"' in logged and "job 4242 requeued" in logged
+
+
+def test_no_step_within_the_deadline_still_requeues_before_exiting(tmp_path, scontrol, monkeypatch):
+    """The signal arrives but no step ends (a long step, a hang): at the deadline the process
+    exits without a final save, and rank 0 still asks for the requeue (the next run restores
+    the newest step saved before)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    script = (
+        "import os, signal, time, torch, ftkit\n"
+        f"ck = ftkit.Checkpointer({{'w': torch.zeros(2)}}, [{str(tmp_path / 'ckpt')!r}],\n"
+        "                       requeue_signals=[signal.SIGUSR1], preemption_deadline_s=0.5)\n"
+        "ck.snapshot(1)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(30)  # a step that never ends\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 128 + signal.SIGUSR1, r.stderr[-2000:]
+    assert scontrol() == ["requeue 4242"]
+    assert "no step ended within the" in r.stderr and "job 4242 requeued" in r.stderr

@@ -30,9 +30,8 @@ def fault_point(phase: str, step: int, rank: int) -> None:
 
     * action "stop": the reached file gets this process's pid and the process
       stops itself with SIGSTOP; the drill injects its fault (SIGKILL, a node
-      loss, a storage outage...) while the rank is frozen mid-phase, and when the
-      fault lets the rank live on writes FILE.released and sends SIGCONT (a
-      SIGCONT without it stops the rank again);
+      loss, a storage outage...) while the rank is frozen mid-phase, and sends
+      SIGCONT when the fault lets the rank live on;
     * action "crash": InjectedCrash is raised here.
 
     Without the environment variable this is one dictionary lookup.
@@ -58,9 +57,4 @@ def fault_point(phase: str, step: int, rank: int) -> None:
     os.replace(tmp, reached)
     if req.get("action") == "crash":
         raise InjectedCrash(f"drill: injected crash on rank {rank} at step {step} ({phase})")
-    # Frozen until the drill lets it go (it writes FILE.released, then sends SIGCONT): a SIGCONT
-    # from anyone else (a stray signal to a reused pid) stops it again, before this phase can
-    # finish and undo the fault the drill is injecting (a node loss must find the step unsaved).
-    released = path + ".released"
-    while not os.path.exists(released):
-        os.kill(os.getpid(), signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)

@@ -34,23 +34,30 @@ ftkit. On close the previous handler is put back, unless another one was
 installed over ftkit's meanwhile (that one stays: it may chain to ftkit's).
 
 Requeue (`requeue_signals`, coord/requeue.py): on one of these signals (SLURM's
-``--signal=USR1@90`` before the time limit), rank 0 asks the scheduler to run the
-job again once the final save is done, then every rank exits as above. A rank
-that heard of the preemption from a peer acts on the peer's signal: the notice
-the watchdog passes on names it, so rank 0 requeues even if only another node
-got the signal.
+``--signal=USR1@120`` before the time limit), rank 0 asks the scheduler to run the
+job again once the final save is done (the others wait until it has), then every
+rank exits as above; if no step ends within the deadline, rank 0 still requeues
+before exiting. A rank that heard of the preemption from a peer acts on the peer's
+signal: the notice the watchdog passes on names it, so rank 0 requeues even if only
+another node got the signal. The signal's lead time should cover the deadline plus
+the requeue (up to 30 s): 120 s with the default 60 s deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 from ftkit.coord.requeue import requeue as scheduler_requeue
+
+REQUEUED_KEY = "preempt/requeued"  # set by rank 0 once it has asked the scheduler to requeue
+REQUEUE_WAIT_S = 45.0  # how long the other ranks wait for it before exiting anyway
 
 log = logging.getLogger("ftkit")
 
@@ -67,7 +74,15 @@ def parse_preemption_notice(doc: Any) -> tuple[int, int] | None:
         return None
     signum = doc.get("signal")
     valid = {int(s) for s in signal.valid_signals()}
-    return doc["rank"], signum if isinstance(signum, int) and signum in valid else int(signal.SIGTERM)
+    return doc["rank"], signum if type(signum) is int and signum in valid else int(signal.SIGTERM)
+
+
+def signal_name(signum: int) -> str:
+    """SIGTERM, SIGUSR1, ...; "signal 40" for one without a name (a realtime signal)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class PreemptionHandler:
@@ -77,7 +92,9 @@ class PreemptionHandler:
         deadline_s: float,
         emit: Callable[..., Any],
         requeue_signals: Sequence[int] = (),
+        rank: int = 0,
     ):
+        self.rank = rank
         self.requeue_signals = tuple(int(s) for s in requeue_signals)
         self.signals = tuple(dict.fromkeys([*signals, *self.requeue_signals]))  # a requeue signal is one too
         self.deadline_s = deadline_s
@@ -89,6 +106,10 @@ class PreemptionHandler:
         self._timer: threading.Timer | None = None
         self.installed = False
         self._tried = False
+        # request() runs in the signal handler (main thread) and from the watchdog's thread (a
+        # peer's notice): one of them takes the notice. Reentrant: a second signal may interrupt
+        # the handler on the main thread.
+        self._lock = threading.RLock()
 
     def install(self) -> bool:
         """Take over the signals (once; Python allows it on the main thread only). True if installed."""
@@ -116,24 +137,31 @@ class PreemptionHandler:
         (a scheduler may signal only one node's processes); every rank must take
         part in the agreement, or the final save cannot commit.
         """
-        if self.requested is not None:
-            return
-        self.requested = signum
-        name = signal.Signals(signum).name
+        with self._lock:
+            if self.requested is not None:
+                return
+            self.requested = signum
+        name = signal_name(signum)
         why = f"{name} received" if by_rank is None else f"rank {by_rank} got {name}"
         log.warning("ftkit: %s: saving the state at the end of this step (deadline %.0fs)", why, self.deadline_s)
         self.emit(
             "preempt", signal=name, deadline_s=self.deadline_s, **({} if by_rank is None else {"by_rank": by_rank})
         )
-        self._timer = threading.Timer(self.deadline_s, self._out_of_time)
-        self._timer.daemon = True
-        self._timer.start()
+        timer = threading.Timer(self.deadline_s, self._out_of_time)
+        timer.daemon = True
+        with self._lock:
+            if self._timer is not None:  # (never two deadlines)
+                self._timer.cancel()
+            self._timer = timer
+        timer.start()
 
     def _out_of_time(self) -> None:
         log.error(
             "ftkit: no step ended within the %.0fs preemption deadline; exiting without a final save", self.deadline_s
         )
         self.emit("preempt_timeout")
+        if self.requeue_due():  # the newest step saved before is the one the next run restores
+            self.requeue(timeout_s=10.0)
         os._exit(128 + (self.requested or signal.SIGTERM))
 
     def final_step_reached(self, ctx, step: int) -> bool:
@@ -166,14 +194,33 @@ class PreemptionHandler:
         if self._timer is not None:
             self._timer.cancel()
 
-    def requeue_due(self, rank: int) -> bool:
-        """Whether this rank asks the scheduler to run the job again after the final save:
-        rank 0, when the signal (its own or a peer's) is a requeue signal."""
-        return rank == 0 and self.requested is not None and self.requested in self.requeue_signals
+    def requeue_wanted(self) -> bool:
+        """Whether the signal (this rank's or a peer's) asks for the job to run again."""
+        return self.requested is not None and self.requested in self.requeue_signals
 
-    def requeue(self) -> bool:
+    def requeue_due(self) -> bool:
+        """Whether this rank asks the scheduler to run the job again after the final save:
+        rank 0, when the signal is a requeue signal."""
+        return self.rank == 0 and self.requeue_wanted()
+
+    def after_final_save(self, ctx) -> None:
+        """Requeue from rank 0 once the final save is committed (or failed). With several
+        ranks the others wait for it (at most REQUEUE_WAIT_S): a rank exiting first could end
+        the job step (srun's --kill-on-bad-exit) before rank 0 has asked."""
+        if not self.requeue_wanted():
+            return
+        if self.rank == 0:
+            self.requeue()
+            if ctx.distributed:
+                with contextlib.suppress(Exception):
+                    ctx.store.set(REQUEUED_KEY, "1")
+        elif ctx.distributed:
+            with contextlib.suppress(Exception):
+                ctx.store.wait([REQUEUED_KEY], timedelta(seconds=REQUEUE_WAIT_S))
+
+    def requeue(self, timeout_s: float = 30.0) -> bool:
         """Ask the scheduler to requeue the job (coord/requeue.py); logged and recorded either way."""
-        ok, said = scheduler_requeue()
+        ok, said = scheduler_requeue(timeout_s)
         (log.warning if ok else log.error)("ftkit: %s", said)
         self.emit("requeue", ok=ok, detail=said)
         return ok

@@ -1,7 +1,7 @@
 """Requeue: after a preemption's final save, ask the scheduler to run the job again.
 
 SLURM warns a job before its time limit with a signal of the user's choice
-(``sbatch --signal=USR1@90``); ``scontrol requeue <job>`` then puts the same job
+(``sbatch --signal=USR1@120``); ``scontrol requeue <job>`` then puts the same job
 back in the queue, and its next run (``SLURM_RESTART_COUNT`` counts them) restores
 the step saved. ftkit requeues once per job, from rank 0, after every rank's final
 save is committed (or has failed: the newest earlier snapshot is then the one the
@@ -40,7 +40,7 @@ def requeue(timeout_s: float = 30.0) -> tuple[bool, str]:
     if job is None:
         return False, "not requeued: no SLURM job id in the environment (SLURM_JOB_ID)"
     scontrol = shutil.which("scontrol")
-    if scontrol is None:
+    if scontrol is None or not os.path.isabs(scontrol):  # (not from a relative PATH entry)
         return False, f"job {job} not requeued: scontrol is not on PATH"
     try:
         r = subprocess.run(

@@ -90,9 +90,7 @@ class Job:
         )
 
     def release(self, pid: int) -> None:
-        """Let the rank frozen at a fault point run on (faultpoints.py: the marker, then SIGCONT)."""
-        with open(self.fault_request + ".released", "w"):
-            pass
+        """Let the rank frozen at a fault point run on."""
         _signal(pid, signal.SIGCONT)
 
     def kill(self) -> None:
@@ -143,7 +141,7 @@ class Job:
         the job ends or the timeout passes first.
         """
         reached = self.fault_request + ".reached"
-        for stale in (reached, self.fault_request, self.fault_request + ".released"):
+        for stale in (reached, self.fault_request):
             if os.path.exists(stale):
                 os.remove(stale)
         tmp = self.fault_request + ".tmp"

@@ -21,8 +21,11 @@ epoch's window follows the one before it: every sample of every permutation is t
 once, in order (but for the Trainer's own padding at an epoch's end when its batches do
 not divide by ``W``, which an uninterrupted run has too). When the run is defined by
 epochs (``num_train_epochs``, no ``max_steps``), the stream ends where the planned epochs
-end, and the callback stops the Trainer there (`stream_ended`): the same samples in all as
-an uninterrupted run, in fewer or more steps.
+end, and the callback stops the Trainer there (`stream_ended`) if it gets that far first
+(on fewer ranks than before; on more, the Trainer's own step count ends the run earlier).
+The windows are cut as epochs are: when a window's batches do not divide by the ranks,
+accelerate pads its last round with the window's first batches (or drops it, with
+``drop_last``), as it does at every epoch's end of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -85,8 +88,10 @@ def trainer_layout(args: Any, loader: Any) -> tuple[Layout, Any, Any] | None:
     batch sampler whose `sampler` is the stream's, and that sampler; None when the loader's
     order cannot be reproduced (a sampler other than accelerate's seedable one or a
     sequential one, an iterable dataset, batches split or dispatched by accelerate)."""
-    from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, SeedableRandomSampler
 
+    if type(loader) is DataLoaderDispatcher:  # (isinstance would not do: its __class__ says DataLoader)
+        return None  # rank 0 reads every rank's batches and sends them: another layout
     outer = getattr(loader, "batch_sampler", None)
     world = 1
     if isinstance(outer, BatchSamplerShard):

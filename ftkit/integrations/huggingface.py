@@ -63,6 +63,7 @@ import atexit
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import weakref
@@ -135,6 +136,7 @@ class FtkitCallback(TrainerCallback):
         self._atexit = False
         self._layout: Layout | None = None  # how the Trainer reads the sample stream (_hf_stream.py)
         self._stop_at: int | None = None  # the step at which a continued stream's planned epochs end
+        self._end: int | None = None  # where the planned epochs of a continued stream end, in samples
 
     # ----------------------------------------------------------------- state
     def _entries(self, model, optimizer, scheduler, trainer_state, world_size: int = 1) -> dict[str, Any]:
@@ -143,9 +145,13 @@ class FtkitCallback(TrainerCallback):
         in the sample stream (_hf_stream.py), the same on every rank."""
 
         def job() -> dict[str, Any]:
-            layout = self._layout
-            at = layout.position(trainer_state.global_step).to_json() if layout is not None else None
-            return {"world_size": world_size, "stream": at}
+            layout, end = self._layout, self._end
+            if layout is None:
+                return {"world_size": world_size, "stream": None}
+            at = layout.position(trainer_state.global_step)
+            if end is not None and at.samples > end:  # a last step padded past the end of the stream
+                at = StreamPosition(end, at.per_epoch)
+            return {"world_size": world_size, "stream": at.to_json()}
 
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         scaler = getattr(optimizer, "scaler", None)
@@ -236,7 +242,7 @@ class FtkitCallback(TrainerCallback):
                 )
         if resume is None:  # a fresh start: the Trainer reads the stream from its beginning
             found = trainer_layout(args, kwargs.get("train_dataloader"))
-            self._layout, self._stop_at = (found[0] if found else None), None
+            self._layout, self._stop_at, self._end = (found[0] if found else None), None, None
         self.checkpointer = Checkpointer(
             self._entries(model, optimizer, lr_scheduler, state, args.world_size),
             self.tiers,
@@ -251,29 +257,40 @@ class FtkitCallback(TrainerCallback):
     def _continue_stream(self, args, state, resume: dict[str, Any], loader) -> None:
         """Make the Trainer's loader go on from the snapshot's place in the sample stream, on
         whatever number of ranks (_hf_stream.py); or say why it cannot."""
-        job = resume.get("world") or {}
+        job = resume.get("world")
+        job = job if isinstance(job, dict) else {}  # (read back from the snapshot: untrusted)
         saved_world, saved = job.get("world_size", 1), StreamPosition.from_json(job.get("stream"))
         found = trainer_layout(args, loader)
-        self._layout, self._stop_at = (found[0] if found else None), None
-        if found is None or saved is None or saved.per_epoch != found[0].per_epoch:
-            if saved_world != args.world_size:
+        self._layout, self._stop_at, self._end = (found[0] if found else None), None, None
+        why = (
+            "ignore_data_skip is set: the Trainer starts the epoch over"
+            if args.ignore_data_skip
+            else "the data loader's order is not reproducible"
+            if found is None
+            else "the snapshot has none"
+            if saved is None
+            else "the dataset's length changed"
+            if saved.per_epoch != found[0].per_epoch
+            else None
+        )
+        if why is not None:
+            if saved_world != args.world_size or (saved is not None and not args.ignore_data_skip):
                 log.warning(
-                    "ftkit: resuming step %d on %d ranks from a snapshot of %d without the position in the sample "
-                    "stream (%s): the Trainer's epoch and batch skipping count steps per epoch on this world size, so "
-                    "the stream is not the interrupted one",
+                    "ftkit: resuming step %d (a %s-rank snapshot, %d ranks now) without its place in the sample "
+                    "stream (%s): the Trainer's own epoch and batch skipping decide where the data resumes",
                     resume["step"],
-                    args.world_size,
                     saved_world,
-                    "the data loader's order is not reproducible"
-                    if found is None
-                    else "the snapshot has none"
-                    if saved is None
-                    else "the dataset's length changed",
+                    args.world_size,
+                    why,
                 )
+            if args.ignore_data_skip:
+                self._layout = None  # the epoch starts over: positions it would record would not be the stream's
             return
+        assert found is not None and saved is not None
         layout, outer, sampler = found
         epochs = args.num_train_epochs if args.max_steps <= 0 else None
         self._layout, self._stop_at = continue_stream(saved, layout, outer, sampler, state.global_step, epochs)
+        self._end = math.ceil(epochs * saved.per_epoch) if epochs is not None else None
         if saved_world != args.world_size:
             log.info(
                 "ftkit: step %d of a %d-rank run continues on %d ranks at sample %d of the stream%s",
