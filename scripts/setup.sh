@@ -18,24 +18,31 @@ fi
 
 # Reinstall only when the project's requirements changed since the last setup.
 stamp="$VENV/.ftkit-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-$EXTRAS"
+# pip compiles every module it installs on one core; compileall below does the same on all
+# of them (the bytecode is needed: the tests' forkservers run python -B and would otherwise
+# compile torch from source at every start).
+pip_install() { "$VENV/bin/python" -m pip install -q --no-compile "$@"; }
 if [ ! -f "$stamp" ]; then
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       echo "setup: installing torch (CUDA build)" >&2
-      "$VENV/bin/python" -m pip install -q "torch>=2.4" >&2
+      pip_install "torch>=2.4" >&2
     else
       cpu_index=https://download.pytorch.org/whl/cpu
       if "$VENV/bin/python" -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" 2>/dev/null; then
         echo "setup: installing torch==2.13.0 (CPU build, from $cpu_index)" >&2
-        "$VENV/bin/python" -m pip install -q "torch==2.13.0" --extra-index-url "$cpu_index" >&2
+        pip_install "torch==2.13.0" --extra-index-url "$cpu_index" >&2
       else
         echo "setup: installing torch==2.13.0 ($cpu_index unreachable: pip's configured sources)" >&2
-        "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+        pip_install "torch==2.13.0" >&2
       fi
     fi
   fi
   echo "setup: installing ftkit[$EXTRAS]" >&2
-  "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" >&2
+  pip_install -e ".[$EXTRAS]" >&2
+  echo "setup: compiling the installed modules" >&2
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$VENV/bin/python" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true  # (a few packages ship test files that do not compile; pip skips them too)
   rm -f "$VENV"/.ftkit-setup-*
   touch "$stamp"
 fi
