@@ -89,10 +89,6 @@ class Job:
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
 
-    def release(self, pid: int) -> None:
-        """Let the rank frozen at a fault point run on."""
-        _signal(pid, signal.SIGCONT)
-
     def kill(self) -> None:
         for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker ignores everything but these
             try:
@@ -243,7 +239,7 @@ class Injector:
             pass  # the fault point raised in the training loop
         elif f.kind == "term":
             _signal(pid, signal.SIGTERM)  # delivered when it runs again
-            job.release(pid)
+            _signal(pid, signal.SIGCONT)
         elif f.kind == "node":
             launchers = job.launchers(attempt)
             for r, p in job.pids(attempt).items():
@@ -254,17 +250,17 @@ class Injector:
                     _signal(p, signal.SIGKILL)
             shutil.rmtree(os.path.join(job.ram_dir, "drill", f"node{f.node}"), ignore_errors=True)
         elif f.kind == "slow":
-            job.release(pid)
+            _signal(pid, signal.SIGCONT)
             self._background(_throttle, pid, f.factor, f.seconds)
         elif f.kind in STORAGE_KINDS:
             key = _STORAGE_SWITCH[f.kind]
             self._switch_storage(key, f.factor if f.kind == "latency" else True)
-            job.release(pid)
+            _signal(pid, signal.SIGCONT)
             self._background(self._clear_storage_fault, key, f.seconds)
         elif f.kind in OBJECT_STORE_KINDS:
             assert self.s3 is not None
             self.s3.stop_process(kill=True)  # instant: the rank must not stay frozen long
-            job.release(pid)
+            _signal(pid, signal.SIGCONT)
             self._background(_restart_s3, self.s3, f.seconds)
 
     def _switch_storage(self, key: str, value: Any) -> None:

@@ -154,20 +154,24 @@ def continue_stream(
     `epochs` end (None: the run is defined by steps). Nothing is swapped when the Trainer's
     own resume already lands on `saved` (the same world, a run that never changed it)."""
     inner = sampler.inner if isinstance(sampler, ContinuedSampler) else sampler
-    fresh = Layout(layout.world, layout.batch, layout.accum, layout.steps_per_epoch, layout.per_epoch)
-    epoch, step = divmod(global_step, layout.steps_per_epoch)
-    skipped = min(step * layout.accum * layout.world * layout.batch, layout.per_epoch)  # what the Trainer skips
+    fresh = dataclasses.replace(layout, start=0, first_epoch=0)
     if fresh.position(global_step) == saved:  # the Trainer's own skip is exact, and so is its end
         outer.sampler = inner
         return fresh, None
-    start = saved.samples - skipped  # the batches the Trainer skips are the ones just before `saved`
-    now = dataclasses.replace(fresh, start=start, first_epoch=epoch)
-    end = math.ceil(epochs * saved.per_epoch) if epochs is not None else None
+    epoch, step = divmod(global_step, layout.steps_per_epoch)
+    skipped = min(step * layout.accum * layout.world * layout.batch, layout.per_epoch)  # what the Trainer skips
+    now = dataclasses.replace(fresh, start=saved.samples - skipped, first_epoch=epoch)  # skips what precedes `saved`
+    end = planned_end(epochs, saved)
     outer.sampler = ContinuedSampler(inner, now, end)
     if end is None:
         return now, None
     per_step = layout.world * layout.accum * layout.batch
     return now, global_step + max(math.ceil((end - saved.samples) / per_step), 0)
+
+
+def planned_end(epochs: float | None, saved: StreamPosition) -> int | None:
+    """Where the planned `epochs` end in the stream, in samples (None: the run is defined by steps)."""
+    return math.ceil(epochs * saved.per_epoch) if epochs is not None else None
 
 
 def stream_ended(stop_at: int | None, global_step: int) -> bool:

@@ -63,7 +63,6 @@ import atexit
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import weakref
@@ -83,7 +82,14 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
-from ftkit.integrations._hf_stream import Layout, StreamPosition, continue_stream, stream_ended, trainer_layout
+from ftkit.integrations._hf_stream import (
+    Layout,
+    StreamPosition,
+    continue_stream,
+    planned_end,
+    stream_ended,
+    trainer_layout,
+)
 from ftkit.save.capture import RankLocal, rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.huggingface")
@@ -228,7 +234,6 @@ class FtkitCallback(TrainerCallback):
                     "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())"
                 )
             self._load_training_objects(optimizer, lr_scheduler, resume)
-            self._continue_stream(args, state, resume, kwargs.get("train_dataloader"))
             self._rng_due = resume["rng"]
             self.restored_step = self._last_step = resume["step"]
         elif state.global_step == 0 and not self.ignore_existing:
@@ -240,9 +245,7 @@ class FtkitCallback(TrainerCallback):
                     "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
                     "pass FtkitCallback(..., ignore_existing=True) to start over"
                 )
-        if resume is None:  # a fresh start: the Trainer reads the stream from its beginning
-            found = trainer_layout(args, kwargs.get("train_dataloader"))
-            self._layout, self._stop_at, self._end = (found[0] if found else None), None, None
+        self._follow_stream(args, state, resume, kwargs.get("train_dataloader"))
         self.checkpointer = Checkpointer(
             self._entries(model, optimizer, lr_scheduler, state, args.world_size),
             self.tiers,
@@ -254,25 +257,18 @@ class FtkitCallback(TrainerCallback):
             atexit.register(_close_at_exit, weakref.ref(self))
             self._atexit = True
 
-    def _continue_stream(self, args, state, resume: dict[str, Any], loader) -> None:
-        """Make the Trainer's loader go on from the snapshot's place in the sample stream, on
-        whatever number of ranks (_hf_stream.py); or say why it cannot."""
+    def _follow_stream(self, args, state, resume: dict[str, Any] | None, loader) -> None:
+        """How the Trainer's loader reads the sample stream (_hf_stream.py): from its beginning
+        on a fresh start; after a resume, from the snapshot's place in it, on whatever number
+        of ranks, or (saying why) where the Trainer's own arithmetic puts it."""
+        found = trainer_layout(args, loader)
+        self._layout, self._stop_at, self._end = (found[0] if found else None), None, None
+        if resume is None:
+            return
         job = resume.get("world")
         job = job if isinstance(job, dict) else {}  # (read back from the snapshot: untrusted)
         saved_world, saved = job.get("world_size", 1), StreamPosition.from_json(job.get("stream"))
-        found = trainer_layout(args, loader)
-        self._layout, self._stop_at, self._end = (found[0] if found else None), None, None
-        why = (
-            "ignore_data_skip is set: the Trainer starts the epoch over"
-            if args.ignore_data_skip
-            else "the data loader's order is not reproducible"
-            if found is None
-            else "the snapshot has none"
-            if saved is None
-            else "the dataset's length changed"
-            if saved.per_epoch != found[0].per_epoch
-            else None
-        )
+        why = _why_not_continued(args, found, saved)
         if why is not None:
             if saved_world != args.world_size or (saved is not None and not args.ignore_data_skip):
                 log.warning(
@@ -290,7 +286,7 @@ class FtkitCallback(TrainerCallback):
         layout, outer, sampler = found
         epochs = args.num_train_epochs if args.max_steps <= 0 else None
         self._layout, self._stop_at = continue_stream(saved, layout, outer, sampler, state.global_step, epochs)
-        self._end = math.ceil(epochs * saved.per_epoch) if epochs is not None else None
+        self._end = planned_end(epochs, saved)
         if saved_world != args.world_size:
             log.info(
                 "ftkit: step %d of a %d-rank run continues on %d ranks at sample %d of the stream%s",
@@ -363,6 +359,19 @@ class FtkitCallback(TrainerCallback):
         path, self._resume_path = self._resume_path, None
         if path and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _why_not_continued(args: Any, found: Any, saved: StreamPosition | None) -> str | None:
+    """Why a resume cannot continue the snapshot's place in the stream, or None when it can."""
+    if args.ignore_data_skip:
+        return "ignore_data_skip is set: the Trainer starts the epoch over"
+    if found is None:
+        return "the data loader's order is not reproducible"
+    if saved is None:
+        return "the snapshot has none"
+    if saved.per_epoch != found[0].per_epoch:
+        return "the dataset's length changed"
+    return None
 
 
 def _close_at_exit(ref: weakref.ref[FtkitCallback]) -> None:
