@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer under torchrun (DDP over gloo), for tests/test_integrations_multiprocess.py.
+"""A Hugging Face Trainer under torchrun (DDP or FSDP2 over gloo), for tests/test_integrations_multiprocess.py.
 
 A tiny GPT-2 from a local config trains 3 epochs. Every rank appends, line by line, the
 global step, a digest of the batch and its rows' dataset indices of each step it trains to
@@ -6,7 +6,12 @@ OUT/trace-w<world>-r<rank>-a<attempt>.jsonl; rank 0 writes the restored step and
 weights and optimizer state to OUT/final-w<world>-a<attempt>.pt. --kill-at K: in the first
 attempt, rank 1 SIGKILLs itself once the snapshot of step K is in.
 
-    torchrun --nproc-per-node 2 tests/huggingface_ddp_job.py --ckpt DIR --out DIR [--kill-at K]
+--fsdp: FSDP2 through accelerate's plugin (``fsdp_config={"version": 2}``, each GPT-2 block
+and the whole model sharded). accelerate turns FSDP on only for accelerator devices and
+trains a CPU job under DDP; `_fsdp_on_cpu` lifts that one gate, so its real FSDP2 path
+(``fully_shard``, DTensor parameters and optimizer state, its FSDP resume) runs over gloo.
+
+    torchrun --nproc-per-node 2 tests/huggingface_ddp_job.py --ckpt DIR --out DIR [--kill-at K] [--fsdp TYPE]
 """
 
 from __future__ import annotations
@@ -64,12 +69,51 @@ def wait_committed(ftcb: FtkitCallback, step: int) -> None:
         time.sleep(0.02)
 
 
+def _fsdp_on_cpu() -> None:
+    """Let accelerate set up FSDP for a CPU (gloo) job, as it does for a GPU one."""
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
+    init = accelerate.state.AcceleratorState.__init__
+
+    def patched(self, *a, fsdp_plugin=None, **kw):
+        init(self, *a, fsdp_plugin=fsdp_plugin, **kw)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            accelerate.state.PartialState._shared_state["distributed_type"] = (
+                self.distributed_type
+            )  # as accelerate does
+
+    accelerate.state.AcceleratorState.__init__ = patched
+
+
+def full_state(trainer) -> dict[str, torch.Tensor]:
+    """The final weights and optimizer state, whole (collective under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer.optimizer, options=opts)
+    final = {f"model/{k}": v for k, v in model_sd.items()}
+    final |= {f"optim/{n}/{k}": torch.as_tensor(v) for n, st in optim_sd["state"].items() for k, v in st.items()}
+    return final
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--kill-at", type=int)
+    p.add_argument("--fsdp", choices=["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
     args = p.parse_args()
+    if args.fsdp:
+        _fsdp_on_cpu()
+    fsdp = {}
+    if args.fsdp:
+        fsdp = {
+            "fsdp": True,
+            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": args.fsdp},
+        }
     hf_logging.set_verbosity_error()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -88,6 +132,7 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
         ddp_backend="gloo",
+        **fsdp,
     )
     ftcb = FtkitCallback([args.ckpt], every_n_steps=1)
     kill_at = args.kill_at if attempt == 0 else None
@@ -97,12 +142,11 @@ def main() -> None:
     with warnings.catch_warnings(), ftcb:
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=ftcb.resume_from_checkpoint())
+    final = full_state(trainer)
+    sharded = type(next(trainer.model.parameters())).__name__ == "DTensor"
     if rank == 0:
-        final = {f"model/{k}": v for k, v in trainer.model.state_dict().items()}
-        opt = trainer.optimizer.state_dict()["state"]
-        final |= {f"optim/{i}/{k}": torch.as_tensor(v) for i, st in opt.items() for k, v in st.items()}
         torch.save(
-            {"final": final, "restored": ftcb.restored_step, "step": trainer.state.global_step},
+            {"final": final, "sharded": sharded, "restored": ftcb.restored_step, "step": trainer.state.global_step},
             os.path.join(args.out, f"final-w{world}-a{attempt}.pt"),
         )
 

@@ -83,6 +83,7 @@ def make_trainer(
     kill: bool = False,
     n_embd: int = 32,
     tiers=None,
+    **extra_args,
 ):
     model = make_model(n_embd)
     args = TrainingArguments(
@@ -98,6 +99,7 @@ def make_trainer(
         logging_steps=5,
         seed=0,
         disable_tqdm=True,
+        **extra_args,
     )
     trace = Trace(model)
     ftcb = FtkitCallback(tiers or [ckpt], every_n_steps=every) if (ckpt or tiers) else None
@@ -221,6 +223,21 @@ def test_snapshot_of_a_different_model_fails_restore_naming_keys(tmp_path):
     assert "model/transformer.h.0.attn.c_attn.weight" in msg
     assert_bitwise_equal(dict(trainer.model.state_dict()), before)  # untouched
     assert not os.path.exists(os.path.join(out, "ftkit-resume"))
+
+
+def test_fsdp1_is_refused_and_fsdp2_is_taken(tmp_path):
+    """FSDP1 keeps its state in flat shards the callback cannot restore: refused (at Trainer
+    construction, on_init_end). FSDP2 and no FSDP are taken. (A one-process CPU Trainer
+    with FSDP cannot be built at all; the multi-process tests run the FSDP2 path.)"""
+    from ftkit.integrations._hf_fsdp import check_fsdp_args
+
+    def args(**kw):
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+    with pytest.raises(ftkit.FtkitError, match=r"FSDP2 only \(fsdp_config=\{'version': 2\}\)"):
+        check_fsdp_args(args(fsdp=True, fsdp_config={"version": 1}))
+    check_fsdp_args(args(fsdp=True, fsdp_config={"version": 2}))
+    check_fsdp_args(args())
 
 
 def test_unreachable_tier_fails_when_the_trainer_is_built(tmp_path):

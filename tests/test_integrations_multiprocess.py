@@ -1,5 +1,5 @@
 """The trainer integrations with several processes: Lightning and the Hugging Face
-Trainer with DDP under torchrun.
+Trainer with DDP and FSDP2 under torchrun.
 
 Real Lightning and transformers, real torchrun (its elastic agent restarts the job after
 a SIGKILL), real gloo ranks, real ftkit tiers. Each run writes what every step of every
@@ -257,22 +257,40 @@ def test_lightning_under_slurm_saves_requeues_and_resumes_on_the_requeue_signal(
     assert calls.read_text().splitlines() == ["rank=0 requeue 4242"]  # the finished run requeued nothing
 
 
-def test_huggingface_trainer_ddp_sigkill_then_torchrun_restart_equals_uninterrupted_run(lightning_zygote, tmp_path):
-    """transformers.Trainer, DDP over gloo, 2 ranks: rank 1 is SIGKILLed after step 7's snapshot;
-    torchrun restarts both; every rank restores its own RNG and resumes through its own resume
-    directory. The same batches per rank per step, bitwise equal weights and optimizer state."""
-    r = launch(lightning_zygote, tmp_path, "reference", tmp_path / "ref-ckpt", 2, job=HF_JOB)
-    check(r)
-    r = launch(lightning_zygote, tmp_path, "killed", tmp_path / "ckpt", 2, "--kill-at", "7", restarts=1, job=HF_JOB)
-    check(r)
-    ref, out = tmp_path / "reference", tmp_path / "killed"
+@pytest.fixture(scope="module")
+def hf_reference(lightning_zygote, tmp_path_factory):
+    """The uninterrupted 2-rank HF run (DDP). FSDP2 over two gloo ranks trains to the same bits
+    (its reduce-scatter of two ranks sums in the same order as DDP's all-reduce), so the FSDP2
+    runs are compared with it too."""
+    tmp = tmp_path_factory.mktemp("hf-reference")
+    check(launch(lightning_zygote, tmp, "reference", tmp / "ckpt", 2, job=HF_JOB))
+    return tmp / "reference"
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [[], ["--fsdp", "SHARDED_STATE_DICT"]],
+    ids=["ddp", "fsdp2"],
+)
+def test_huggingface_trainer_sigkill_then_torchrun_restart_equals_uninterrupted_run(
+    lightning_zygote, hf_reference, tmp_path, parallel
+):
+    """transformers.Trainer, 2 ranks over gloo, DDP or FSDP2 (accelerate's plugin; its snapshots
+    hold each rank's shards): rank 1 is SIGKILLed after step 7's snapshot; torchrun restarts both;
+    every rank restores its own RNG and, under FSDP2, its shards of the model and optimizer.
+    The same batches per rank per step, bitwise equal weights and optimizer state."""
+    args = ["--kill-at", "7", *parallel]
+    check(launch(lightning_zygote, tmp_path, "killed", tmp_path / "ckpt", 2, *args, restarts=1, job=HF_JOB))
+    ref, out = hf_reference, tmp_path / "killed"
     done = final(out, 2, 1)
+    assert done["sharded"] == bool(parallel)  # FSDP2 really ran: DTensor parameters
     assert done["restored"] == 7 and done["step"] == final(ref, 2, 0)["step"] == 18
     before, after, whole = traces(out, 2, 0), traces(out, 2, 1), traces(ref, 2, 0)
     for rank in range(2):
         resumed = [s for s in before[rank] if s["step"] < 7] + after[rank]
         assert resumed == whole[rank], f"rank {rank} trained on other batches"
     assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
+    assert not (out / "hf" / "ftkit-resume").exists()  # the shared FSDP resume directory is gone
 
 
 def hf_stream(total: int, seed: int = 0) -> list[int]:
@@ -288,16 +306,19 @@ def hf_stream(total: int, seed: int = 0) -> list[int]:
     return out[:total]
 
 
-def test_huggingface_trainer_continues_the_global_stream_from_2_ranks_to_3(lightning_zygote, tmp_path):
-    """transformers.Trainer on 2 ranks, killed after step 9's snapshot (mid-epoch: 6 steps an
-    epoch there); the job comes back on 3 ranks, where the Trainer's own resume would count
-    4 steps an epoch and start elsewhere. The samples consumed, step after step, are the one
-    global stream cut in slices of 8 then 12: nothing skipped, nothing repeated. The run ends
-    where the Trainer's step count on 3 ranks says (3 epochs x 4 steps)."""
+@pytest.mark.parametrize("parallel", [[], ["--fsdp", "FULL_STATE_DICT"]], ids=["ddp", "fsdp2"])
+def test_huggingface_trainer_continues_the_global_stream_from_2_ranks_to_3(lightning_zygote, tmp_path, parallel):
+    """transformers.Trainer on 2 ranks (DDP, or FSDP2 with the Trainer's full state-dict
+    type), killed after step 9's snapshot (mid-epoch: 6 steps an epoch there); the job comes
+    back on 3 ranks, where the Trainer's own resume would count 4 steps an epoch and start
+    elsewhere (and FSDP2 shards every tensor 3 ways). The samples consumed, step after step,
+    are the one global stream cut in slices of 8 then 12: nothing skipped, nothing repeated.
+    The run ends where the Trainer's step count on 3 ranks says (3 epochs x 4 steps)."""
     ckpt = tmp_path / "ckpt"
-    check(launch(lightning_zygote, tmp_path, "two", ckpt, 2, "--kill-at", "9", job=HF_JOB), ok=False)
-    check(launch(lightning_zygote, tmp_path, "three", ckpt, 3, job=HF_JOB))
+    check(launch(lightning_zygote, tmp_path, "two", ckpt, 2, "--kill-at", "9", *parallel, job=HF_JOB), ok=False)
+    check(launch(lightning_zygote, tmp_path, "three", ckpt, 3, *parallel, job=HF_JOB))
     three = final(tmp_path / "three", 3, 0)
+    assert three["sharded"] == bool(parallel)
     assert three["restored"] == 9 and three["step"] == 12
     steps = consumed(traces(tmp_path / "two", 2, 0), until=9) + consumed(traces(tmp_path / "three", 3, 0))
     assert [len(s) for s in steps] == [8] * 9 + [12] * 3

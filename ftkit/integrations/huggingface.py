@@ -47,8 +47,13 @@ world's steps per epoch); on fewer ranks the callback stops it where the planned
 of the stream end. A sampler accelerate cannot reproduce (``use_seedable_sampler=False``,
 a custom one) leaves the Trainer's own arithmetic, with a warning.
 
-Limits, checked at ``Trainer`` construction: no DeepSpeed or FSDP (they keep their own
-sharded state). A collator that draws random
+FSDP2 (accelerate's plugin, ``fsdp_config={"version": 2}``): the Trainer loads the weights
+itself after sharding, from its own FSDP files, so ``resume_from_checkpoint()`` writes the
+restored weights in that layout into one resume directory all ranks see (_hf_fsdp.py), and
+``on_train_begin`` restores the same step into the live sharded model and optimizer.
+
+Limits, checked at ``Trainer`` construction: no DeepSpeed, FSDP1 or XLA's FSDP (they keep
+their own flat shards). A collator that draws random
 numbers (MLM masking) makes the first resumed batch differ, as it does with the
 Trainer's own resume. ``transformers.Trainer`` has no exception hook: a failed
 ``train()`` leaves the last snapshots flushing in the background; call
@@ -82,6 +87,7 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.integrations._hf_fsdp import check_fsdp_args, fsdp_plugin, write_handoff
 from ftkit.integrations._hf_stream import (
     Layout,
     StreamPosition,
@@ -143,6 +149,7 @@ class FtkitCallback(TrainerCallback):
         self._layout: Layout | None = None  # how the Trainer reads the sample stream (_hf_stream.py)
         self._stop_at: int | None = None  # the step at which a continued stream's planned epochs end
         self._end: int | None = None  # where the planned epochs of a continued stream end, in samples
+        self._fsdp = False  # the Trainer trains under FSDP2 (set by resume_from_checkpoint)
 
     # ----------------------------------------------------------------- state
     def _entries(self, model, optimizer, scheduler, trainer_state, world_size: int = 1) -> dict[str, Any]:
@@ -177,8 +184,7 @@ class FtkitCallback(TrainerCallback):
 
     # ---------------------------------------------------------------- set-up
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-            raise FtkitError("FtkitCallback does not support DeepSpeed or FSDP (their state is sharded)")
+        check_fsdp_args(args)
         check_tiers_reachable(self.tiers, "FtkitCallback")
         self._model = model
         self._args = args
@@ -204,18 +210,31 @@ class FtkitCallback(TrainerCallback):
         self._resume["rng"] = rng.take() if rng.has_value else None  # None: a rank the snapshot did not have
         world, rank = self._args.world_size, self._args.process_index
         path = self.resume_dir or os.path.join(self._args.output_dir, "ftkit-resume")
-        if world > 1:  # every rank writes and reads its own
-            path = f"{path}-r{rank}"
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.makedirs(path)
-        with open(os.path.join(path, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-            f.write(self._resume["trainer_state"])
-        # Trainer.train() insists on a weights file; these are the weights just restored. (Not
-        # save_pretrained: under torch.distributed it writes on rank 0 only.)
-        from safetensors.torch import save_model
+        trainer_state = self._resume["trainer_state"]
 
-        save_model(self._model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        def write_trainer_state(where: str) -> None:
+            with open(os.path.join(where, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+                f.write(trainer_state)
+
+        plugin = fsdp_plugin()
+        self._fsdp = plugin is not None
+        if self._fsdp:
+            # The optimizer goes into the live sharded one at on_train_begin (a second restore,
+            # of this step): the full copy loaded here is dropped.
+            self._resume["optimizer"] = self._resume["scheduler"] = self._resume["scaler"] = None
+            write_handoff(self._model, path, plugin, write_trainer_state)  # one directory, all ranks
+        else:
+            if world > 1:  # every rank writes and reads its own
+                path = f"{path}-r{rank}"
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            os.makedirs(path)
+            write_trainer_state(path)
+            # Trainer.train() insists on a weights file; these are the weights just restored. (Not
+            # save_pretrained: under torch.distributed it writes on rank 0 only.)
+            from safetensors.torch import save_model
+
+            save_model(self._model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         self._resume_path = path
         log.info("ftkit: step %d restored; resume directory %s", step, path)
         return path
@@ -225,7 +244,8 @@ class FtkitCallback(TrainerCallback):
         self._last_step = -1
         self.restored_step = 0
         resume, self._resume = self._resume, None
-        self._remove_resume_dir()
+        if not self._fsdp:
+            self._remove_resume_dir()  # (under FSDP, after the restore below: other ranks may still read it)
         if resume is not None:
             if state.global_step != resume["step"]:
                 raise FtkitError(
@@ -233,7 +253,8 @@ class FtkitCallback(TrainerCallback):
                     f"{state.global_step}: pass the directory to train(): "
                     "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())"
                 )
-            self._load_training_objects(optimizer, lr_scheduler, resume)
+            if not self._fsdp:
+                self._load_training_objects(optimizer, lr_scheduler, resume)
             self._rng_due = resume["rng"]
             self.restored_step = self._last_step = resume["step"]
         elif state.global_step == 0 and not self.ignore_existing:
@@ -253,6 +274,8 @@ class FtkitCallback(TrainerCallback):
             rng=False,
             **self.checkpointer_kwargs,
         )
+        if resume is not None and self._fsdp:
+            self._restore_sharded(resume["step"], args)
         if not self._atexit:  # no exception hook in the Trainer: flush at exit at the latest
             atexit.register(_close_at_exit, weakref.ref(self))
             self._atexit = True
@@ -296,6 +319,20 @@ class FtkitCallback(TrainerCallback):
                 saved.samples,
                 f"; the planned epochs end at step {self._stop_at}" if self._stop_at is not None else "",
             )
+
+    def _restore_sharded(self, step: int, args) -> None:
+        """Under FSDP2: the same step again, into the live sharded model and optimizer (each rank
+        reads its own shards; the scheduler and scaler come with it). The model's weights are
+        already the step's (the Trainer loaded them from the resume directory); the optimizer's
+        state exists only now. The restore's vote means every rank is past the Trainer's load,
+        so rank 0 can remove the shared resume directory after it."""
+        assert self.checkpointer is not None
+        got = self.checkpointer.restore(step)
+        if got != step:
+            raise FtkitError(f"ftkit restored step {step} for the Trainer, then step {got} into the sharded state")
+        if args.process_index == 0:
+            self._remove_resume_dir()
+        self._resume_path = None
 
     def _load_training_objects(self, optimizer, lr_scheduler, resume: dict[str, Any]) -> None:
         try:

@@ -1,0 +1,102 @@
+"""The Hugging Face Trainer under FSDP2: the weights handed to its own FSDP resume.
+
+Under FSDP the Trainer loads the model itself, after accelerate has sharded it
+(``Trainer._load_from_checkpoint`` -> accelerate's ``load_fsdp_model``), from files
+in the resume directory in its own FSDP layout; nothing a callback can do skips
+that load. So the resume directory holds the weights ftkit just restored, in the
+layout the plugin's ``state_dict_type`` reads:
+
+* ``SHARDED_STATE_DICT``: a ``torch.distributed.checkpoint`` directory
+  ``pytorch_model_fsdp_0``, written by all ranks together (each tensor once,
+  spread over the ranks), from which each rank reads only its own shard;
+* ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin``, written by rank 0, the only
+  rank that reads it (accelerate broadcasts from rank 0 under FSDP2).
+
+Both are the Trainer's formats, read only by the Trainer, and the directory is
+removed once training has begun; ftkit's own format is unchanged. The directory is
+one for all ranks, as the Trainer's own FSDP checkpoints are: every rank must see
+it (`write_handoff` checks, and says so when one does not). The optimizer is not
+in it: the callback restores it into the live sharded optimizer (huggingface.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftkit.errors import FtkitError
+
+FSDP_MODEL_NAME = "pytorch_model_fsdp"  # accelerate.utils.constants.FSDP_MODEL_NAME
+
+
+def fsdp_plugin() -> Any:
+    """The accelerate FSDP plugin the Trainer trains with, or None.
+
+    None also where FSDP was asked for but accelerate runs the job as DDP (it turns
+    FSDP on only for accelerator devices; on CPU the Trainer trains under DDP)."""
+    from accelerate.state import AcceleratorState
+
+    # Read, not constructed: AcceleratorState() would set accelerate up if nothing has yet.
+    return AcceleratorState._shared_state.get("fsdp_plugin")
+
+
+def check_fsdp_args(args: Any) -> None:
+    """Refuse what the callback cannot restore: DeepSpeed, FSDP1, XLA's FSDP."""
+    if getattr(args, "deepspeed", None):
+        raise FtkitError("FtkitCallback does not support DeepSpeed (its engine keeps its own sharded state)")
+    if not getattr(args, "fsdp", None):
+        return
+    plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
+    if plugin_args.get("fsdp_version") != 2:
+        raise FtkitError(
+            "FtkitCallback supports FSDP2 only (fsdp_config={'version': 2}); "
+            "FSDP1 and XLA's FSDP keep their state in their own flat shards"
+        )
+
+
+def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_state: Callable[[str], None]) -> None:
+    """Write the resume directory `path` for an FSDP run; every rank calls it, in this order:
+    rank 0 empties `path` and writes the Trainer state (`write_trainer_state(path)`); the
+    weights are written (see the module docstring); every rank checks it sees them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import StateDictType
+
+    rank = dist.get_rank()
+    if rank == 0:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+        write_trainer_state(path)
+    dist.barrier()
+    weights = get_model_state_dict(model)  # the names accelerate's load asks for (the model is not sharded yet)
+    if plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": weights}, checkpoint_id=os.path.join(path, f"{FSDP_MODEL_NAME}_0"))
+        marker = os.path.join(path, f"{FSDP_MODEL_NAME}_0", ".metadata")
+    elif plugin.state_dict_type == StateDictType.FULL_STATE_DICT:
+        marker = os.path.join(path, f"{FSDP_MODEL_NAME}.bin")
+        if rank == 0:
+            torch.save(weights, marker)
+    else:
+        raise FtkitError(f"FtkitCallback: FSDP state_dict_type {plugin.state_dict_type.name} is not supported")
+    dist.barrier()
+    seen = torch.tensor([1 if os.path.exists(marker) else 0], device=_collective_device())
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    if not seen.item():
+        raise FtkitError(
+            f"FtkitCallback: the FSDP resume directory {path} is not seen by every rank; under FSDP "
+            "the Trainer reads its weights from one directory: pass FtkitCallback(resume_dir=...) "
+            "on a filesystem all nodes share"
+        )
+
+
+def _collective_device() -> torch.device:
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
