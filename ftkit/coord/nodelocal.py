@@ -26,9 +26,11 @@ import re
 import shutil
 import stat
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from ftkit.coord import generation
+from ftkit.coord.bell import Bell, bell_name, ring
 from ftkit.coord.judge import Beat
 from ftkit.tiers.ram import private_subdir
 
@@ -60,13 +62,15 @@ class NodeBoard:
         if leader:
             _prune_earlier_attempts(private_subdir(kind, job), attempt)
         self.path = private_subdir(kind, job, attempt, _safe(node))
+        self._bells: dict[int, Bell | None] = {}  # this process's doorbells here, by rank (coord/bell.py)
 
     # ------------------------------------------------------------- files
-    def write(self, name: str, doc: Any) -> None:
-        self.write_text(name, json.dumps(doc, separators=(",", ":")))
+    def write(self, name: str, doc: Any, wake: Iterable[int] = ()) -> None:
+        self.write_text(name, json.dumps(doc, separators=(",", ":")), wake)
 
-    def write_text(self, name: str, text: str) -> None:
-        """`name` holds `text`, whole: written to a temporary name, then renamed."""
+    def write_text(self, name: str, text: str, wake: Iterable[int] = ()) -> None:
+        """`name` holds `text`, whole: written to a temporary name, then renamed; then the
+        doorbells of the ranks `wake` (those that wait for it) ring."""
         data = text.encode()
         tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -75,6 +79,8 @@ class NodeBoard:
         finally:
             os.close(fd)
         os.replace(tmp, os.path.join(self.path, name))
+        for r in wake:
+            ring(os.path.join(self.path, bell_name(r)))
 
     def read(self, name: str) -> Any:
         """The JSON document `name`, or None (missing, a link, too big, not JSON)."""
@@ -113,25 +119,36 @@ class NodeBoard:
 
     # ------------------------------------------------- a step's messages (commits)
     def collect(
-        self, names: dict[int, str], timeout_s: float, max_bytes: int, give_up: str | None = None
+        self, names: dict[int, str], timeout_s: float, max_bytes: int, give_up: str | None = None, me: int = -1
     ) -> dict[int, bytes | None]:
-        """Wait for the files `names` ({rank: name}) to appear, polling (every 0.2 ms, backing
-        off to 2 ms: a commit waits on the board several times per step) for at most
-        `timeout_s`; their bytes by rank, None for one that never came or is unreadable.
-        `give_up`: a file whose appearance ends the wait at once (a skip)."""
+        """Wait for the files `names` ({rank: name}) to appear, for at most `timeout_s`;
+        their bytes by rank, None for one that never came or is unreadable. `give_up`: a
+        file whose appearance ends the wait at once (a skip). `me`: the waiting rank, whose
+        doorbell the writers ring (coord/bell.py); without one (or where no pipe can be
+        made) the board is polled, every 0.2 ms backing off to 2 ms."""
+        bell = self._bell(me) if me >= 0 else None
         got: dict[int, bytes | None] = {}
         deadline, pause = time.monotonic() + timeout_s, 0.0002
         while True:
             for r, name in names.items():
                 if r not in got and (data := self.read_bytes(name, max_bytes)) is not None:
                     got[r] = data
-            if len(got) == len(names) or time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if len(got) == len(names) or left < 0:
                 break
             if give_up is not None and os.path.exists(os.path.join(self.path, give_up)):
                 break
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.002)
+            if bell is not None:
+                bell.wait(left)
+            else:
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.002)
         return {r: got.get(r) for r in names}
+
+    def _bell(self, rank: int) -> Bell | None:
+        if rank not in self._bells:
+            self._bells[rank] = Bell.listen(os.path.join(self.path, bell_name(rank)))
+        return self._bells[rank]
 
     def discard(self, *names: str) -> None:
         for name in names:

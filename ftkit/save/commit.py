@@ -72,6 +72,18 @@ class NodeGroup:
         assert self.board is not None, "a node of several ranks commits through its board"
         return self.board
 
+    def to_leader(self, at: tuple[int, int], what: str, me: int, message: str | dict[str, Any]) -> None:
+        """Post this rank's message `what` of the step at `at` for its leader (`collect`)."""
+        name = step_message(at, f"{what}-r{me}")
+        if isinstance(message, str):
+            self.node_board().write_text(name, message, wake=(self.leader,))
+        else:
+            self.node_board().write(name, message, wake=(self.leader,))
+
+    def to_ranks(self, name: str, doc: Any, me: int) -> None:
+        """Post `doc` as `name` for the node's other ranks (the leader's word to them)."""
+        self.node_board().write(name, doc, wake=[r for r in self.ranks if r != me])
+
     def collect(self, at: tuple[int, int], what: str, me: int, timeout_s: float) -> dict[int, bytes | None]:
         """The leader's wait for message `what` of the step at `at` from each other rank of its
         node (None: none came within `timeout_s`), then removing them and whatever an earlier
@@ -80,7 +92,7 @@ class NodeGroup:
         if not names:
             return {}
         board = self.node_board()
-        got = board.collect(names, timeout_s, MAX_REPORT_BYTES)
+        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me=me)
         board.discard(*names.values())
         board.prune_before(at)
         return got
@@ -120,7 +132,7 @@ def persist(
         "rank_state": rank_state or {},
     }
     if ctx.rank != group.leader:
-        group.node_board().write(step_message(at, f"w-r{ctx.rank}"), report)
+        group.to_leader(at, "w", ctx.rank, report)
     else:
         record = node_share(storage, step, report, group, ctx, at)
         if ctx.rank == 0:
@@ -240,7 +252,7 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
     leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
     report: dict[str, Any] = {"write": None, "error": reason, "rank_state": {}}
     if ctx.rank != group.leader:
-        group.node_board().write(step_message(at, f"w-r{ctx.rank}"), report)
+        group.to_leader(at, "w", ctx.rank, report)
     elif ctx.rank != 0:
         errors = [f"rank {ctx.rank}: {reason}"]
         ctx.put(f"{key}/n/{ctx.rank}", {"part": None, "files": {}, "stored": 0, "errors": errors})

@@ -146,7 +146,7 @@ def persist_node_local(
     node: NodeShare | None = None
     # 1. Reports: to the node's leader, who writes the node's part and publishes both (one key per node).
     if ctx.distributed and not leader:
-        group.node_board().write_text(step_message(at, f"w-r{ctx.rank}"), text)
+        group.to_leader(at, "w", ctx.rank, text)
     else:
         texts = {ctx.rank: text, **(_collect_texts(group, at, "w", ctx) if ctx.distributed else {})}
         node = node_part(storage, step, texts, group.ranks, ctx.world_size)
@@ -172,7 +172,7 @@ def persist_node_local(
     # 3. Outcomes: to the leader, who publishes the node's record.
     errors = [f"rank {ctx.rank}: {rep_error}"] if rep_error else []
     if ctx.distributed and not leader:
-        group.node_board().write(step_message(at, f"r-r{ctx.rank}"), {"errors": errors})
+        group.to_leader(at, "r", ctx.rank, {"errors": errors})
     elif ctx.distributed:
         for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s).items():
             errors += _outcome_errors(r, raw)
@@ -325,12 +325,11 @@ def report_skipped_node_local(
     rank 0 and (`exchange`: the tier keeps replicas) the leaders that take its node's replicas,
     hear it, so nobody waits for it."""
     text = NodeReport.encode(None, reason, None, skipped=True)
-    board = group.node_board()
     if ctx.rank != group.leader:
-        board.write_text(step_message(at, f"w-r{ctx.rank}"), text)
-        board.write(step_message(at, f"r-r{ctx.rank}"), {"errors": []})
+        group.to_leader(at, "w", ctx.rank, text)
+        group.to_leader(at, "r", ctx.rank, {"errors": []})
         return
-    board.write(step_message(at, "skip"), {"reason": reason})  # its ranks: no replicas this step
+    group.to_ranks(step_message(at, "skip"), {"reason": reason}, ctx.rank)  # its ranks: no replicas this step
     if exchange:
         ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps({str(ctx.rank): text}))
     if ctx.rank == 0 and exchange:

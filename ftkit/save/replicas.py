@@ -72,7 +72,7 @@ def peer_reports(
     hold their reports)."""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
     if not leader:
-        raw = group.node_board().collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip)[0]
+        raw = group.node_board().collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
         if raw is not None:
             doc = parse_json(raw, "the peer nodes' reports", "")
             if not isinstance(doc, dict):
@@ -95,7 +95,7 @@ def peer_reports(
         if part is not None:
             parts[part[0]] = part[1]
     if leader:
-        group.node_board().write(name, {str(r): t for r, t in texts.items()})
+        group.to_ranks(name, {str(r): t for r, t in texts.items()}, ctx.rank)
     return texts, leader, parts
 
 
