@@ -252,3 +252,67 @@ def test_a_leaders_part_check_remembers_layouts_and_still_refuses_what_differs(t
     with pytest.raises(FormatError, match="step 10"):  # a checksum of another form
         fmt.check_part(text(10, "eeeeeeee", checksum="XXH3_64:"), 10, [0, 1], 4, "step 10")
     assert full_checks == [7, 9, 10]
+
+
+def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, tmp_path, monkeypatch):
+    # A leader builds the first part of its ranks' layouts in full and later ones by filling a
+    # template with each step's file tokens and checksums (save/part_template.py): the bytes
+    # are those of the full build, at every step; a report of another layout is built in full.
+    import random
+
+    from ftkit.save import part_template
+    from ftkit.save.manifests import build_part
+    from ftkit.save.reports import decode_report
+
+    _root, _index, parts, _ = two_nodes
+    part = parts[0]
+    storage = ftkit.Tier(str(tmp_path / "leader")).open()
+    built = []
+    real_build = part_template.build_part
+    monkeypatch.setattr(part_template, "build_part", lambda *a: built.append(a[1]) or real_build(*a))
+    monkeypatch.setattr(part_template, "_templates", part_template._Templates())
+    rng = random.Random(0)
+
+    def reports(step: int, rows: int | None = None, own: dict | None = None) -> list:
+        out = []
+        for r in (0, 1):
+            (old,) = [f for f, i in part["files"].items() if i["rank"] == r]
+            new = old.rsplit("-", 1)[0] + f"-{rng.getrandbits(32):08x}.data"
+            tensors = []
+            for t in part["tensors"]:
+                shards = [s for s in t["shards"] if s["rank"] == r]
+                for s in shards:
+                    for c in s["chunks"]:
+                        c["file"], c["checksum"] = new, f"xxh3_64:{rng.getrandbits(64):016x}"
+                if shards:
+                    tensors.append({**t, "shards": shards})
+            if rows is not None:
+                tensors[0] = {**tensors[0], "shape": [rows, *tensors[0]["shape"][1:]]}
+            head = {
+                "file": new,
+                "nbytes": part["files"][old]["bytes"],
+                "error": None,
+                "rank_state": own if own is not None and r == 0 else part["rank_state"].get(str(r), {}),
+                "skipped": False,
+            }
+            part["files"][new] = part["files"].pop(old)
+            out.append(decode_report(r, json.dumps(head) + "\n" + json.dumps(tensors), 4))
+        return out
+
+    def check(step: int, got: list) -> None:
+        name, data, files = part_template.node_part_bytes(storage, step, got, [0, 1], 4)
+        writes = [r.write_doc() for r in got]
+        rank_state = {str(r.rank): r.rank_state for r in got}
+        _, want, want_files = build_part(storage, step, writes, rank_state, [0, 1], 4)
+        assert data == want and files == want_files and name.startswith("part-00000-")
+
+    for step in (7, 8, 9):
+        check(step, reports(step))
+    assert built == [7]  # steps 8 and 9 came from the template
+    own = json.loads(json.dumps(part["rank_state"]["0"]).replace('"gauss": null', '"gauss": 0.25'))
+    assert own != part["rank_state"]["0"]
+    check(10, reports(10, own=own))  # the ranks' own state changed (Python's RNG): built in full
+    check(11, reports(11, own=own))
+    assert built == [7, 10]
+    with pytest.raises(FormatError):  # a shape its shards do not fit: refused, not filled in
+        part_template.node_part_bytes(storage, 12, reports(12, rows=3), [0, 1], 4)

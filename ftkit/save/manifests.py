@@ -74,7 +74,9 @@ def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def _merged(writes: list[dict[str, Any]], where: str) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+def files_and_tensors(
+    writes: list[dict[str, Any]], where: str
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """(files, tensor entries) of the ranks' writes."""
     try:
         files = {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in writes}
@@ -108,7 +110,7 @@ def build_part(
 ) -> tuple[str, bytes, dict[str, dict[str, Any]]]:
     """(its file name, its bytes, {data file: info}) of a node's part, checked as a reader
     checks one part alone."""
-    files, tensors = _merged(writes, storage.where(step_dir_name(step)))
+    files, tensors = files_and_tensors(writes, storage.where(step_dir_name(step)))
     data = part_json(step, ranks, files, tensors, rank_state)
     check_part(data, step, ranks, world_size, f"the part of ranks {ranks[0]}-{ranks[-1]} of step {step}")
     return part_file_name(min(ranks)), data, files

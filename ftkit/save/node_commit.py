@@ -56,7 +56,8 @@ from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.validate import parse_header, parse_json
 from ftkit.save.commit import NodeGroup, read_node_record
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
-from ftkit.save.manifests import Committed, build_part, check_files_present, commit_index, store_part
+from ftkit.save.manifests import Committed, check_files_present, commit_index, store_part
+from ftkit.save.part_template import node_part_bytes
 from ftkit.save.replicas import peer_reports, replicate, store_parts
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.sharding import Piece
@@ -208,9 +209,7 @@ def node_part(storage: Storage, step: int, texts: dict[int, str], ranks: tuple[i
     if errors:
         return NodeShare(texts, errors, skipped, files)
     try:
-        writes = [r.write_doc() for r in reports if r.file]
-        rank_state = {str(r.rank): r.rank_state for r in reports}
-        name, data, entries = build_part(storage, step, writes, rank_state, list(ranks), world)
+        name, data, entries = node_part_bytes(storage, step, reports, ranks, world)
         written = store_part(storage, step, name, data, entries, list(ranks))
     except Exception as e:  # a malformed report or a storage failure: the node's error
         return NodeShare(texts, [f"node of rank {ranks[0]}: {e}"], skipped, files)

@@ -14,6 +14,7 @@ the step is simply not committed.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,10 @@ from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
 from ftkit.save.write import RankWrite
 
-_checked_reports = LayoutMemo(limit=64)  # (a rank validates its node's reports and its replica sources')
+_checked_reports = LayoutMemo(limit=64)
+_CHUNK_SUM = re.compile(
+    r'"checksum": ?"(xxh3_64:[0-9a-f]{16})"'
+)  # (a rank validates its node's reports and its replica sources')
 
 
 def shared_report(rank: int, raw: bytes, world_size: int) -> dict[str, Any]:
@@ -104,24 +108,34 @@ class NodeReport:
     def tensors(self, validate: bool = True) -> list[dict[str, Any]]:
         """The reported tensor entries, validated against this report's file
         (validate.report_tensors) unless the caller validates what it builds of them."""
+        if validate and self.file is not None:
+            self.checked_layout()
         docs = parse_json(self.tensors_json, f"rank {self.rank}'s report", "tensor list")
-        if self.file is None:
-            if docs:
-                raise FormatError(f"rank {self.rank}'s report lists tensors but no file")
-            return []
-        if validate:
-            # A rank reports the same layout at every step but for its checksums and its file's
-            # token: validated once per layout (format/index.py LayoutMemo). The file leads the
-            # masked bytes, so a chunk naming another file is another layout.
-            meta = (self.nbytes, self.world_size)
-            layout = _checked_reports.key(f"{json.dumps(self.file)}\n{self.tensors_json}".encode(), meta)
-            if layout not in _checked_reports:
-                where = f"rank {self.rank}'s report"
-                entries = report_tensors(docs, self.file, self.nbytes, self.world_size, where)
-                if not entries and self.nbytes:
-                    raise FormatError(f"rank {self.rank}'s report lists no tensor for its {self.nbytes}-byte file")
-                _checked_reports.add(layout)
+        if self.file is None and docs:
+            raise FormatError(f"rank {self.rank}'s report lists tensors but no file")
         return docs
+
+    def checked_layout(self) -> bytes:
+        """This report's layout (format/index.py LayoutMemo), its tensors validated the first
+        time it is seen. A rank reports the same layout at every step but for its checksums
+        and its file's token. The file leads the masked bytes, so a chunk naming another file
+        is another layout."""
+        assert self.file is not None
+        meta = (self.nbytes, self.world_size)
+        layout = _checked_reports.key(f"{json.dumps(self.file)}\n{self.tensors_json}".encode(), meta)
+        if layout not in _checked_reports:
+            where = f"rank {self.rank}'s report"
+            docs = parse_json(self.tensors_json, where, "tensor list")
+            entries = report_tensors(docs, self.file, self.nbytes, self.world_size, where)
+            if not entries and self.nbytes:
+                raise FormatError(f"rank {self.rank}'s report lists no tensor for its {self.nbytes}-byte file")
+            _checked_reports.add(layout)
+        return layout
+
+    def checksums(self) -> list[str]:
+        """Its chunks' checksums, in the order of its tensor entries (part_template.py; only
+        for a report whose layout is known, where the text's order is the entries' order)."""
+        return _CHUNK_SUM.findall(self.tensors_json)
 
     def write_doc(self) -> dict[str, Any]:
         """For rank 0's commit, which validates the whole manifest it assembles."""

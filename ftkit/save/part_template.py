@@ -1,0 +1,164 @@
+"""A node leader's part of a RAM-tier step, filled into a template when its ranks report
+the layouts they reported before.
+
+From one step to the next a rank's report differs only in its data file's name (a new
+token) and its chunks' checksums (format/index.py LayoutMemo; uncompressed chunks keep
+their sizes). The part its leader writes then differs only there and in its step. Building
+it in full (parsing the reports, merging their tensors, encoding, checking the result)
+was about a third of a leader's commit CPU. So the first part of a set of layouts is built
+and checked in full (`build_part`), and a template is made of the same build run with
+markers in place of each rank's file and checksums; a later part of the same layouts is
+the template filled with that step's values: byte for byte what the full build gives
+(tests/test_part_template.py), and of a layout already checked (same verdict).
+
+Order of calls: `node_part_bytes(storage, step, reports, ranks, world)` per step; it
+looks the template up by the reports' layout keys (NodeReport.checked_layout) and the
+ranks' own state, and falls back to the full build (making the template) when there is
+none or a report's values do not fit it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ftkit.format.index import PART_FORMAT, part_file_name, part_json
+from ftkit.save.manifests import build_part, files_and_tensors
+from ftkit.save.reports import NodeReport
+from ftkit.tiers.storage import Storage
+
+_SUM_FORM = re.compile(r"xxh3_64:[0-9a-f]{16}")
+_MARK = re.compile(r"@@ftkit-(file|sum)-(\d+)-(\d+)@@")
+
+
+def _file_mark(i: int) -> str:
+    return f"@@ftkit-file-{i}-0@@"
+
+
+def _sum_mark(i: int, k: int) -> str:
+    return f"@@ftkit-sum-{i}-{k}@@"
+
+
+def _head(step: int) -> str:
+    return f'{{"format":"{PART_FORMAT}","step":{step},'
+
+
+@dataclass(frozen=True)
+class PartTemplate:
+    """A part's text after its head, cut where a rank's file name or a checksum goes."""
+
+    segments: tuple[str, ...]  # len(slots) + 1 literal pieces
+    slots: tuple[tuple[int, int], ...]  # (report index, -1 for its file name or k for its k-th checksum)
+    counts: tuple[int, ...]  # checksums per report
+
+    @staticmethod
+    def of(writes: Sequence[dict[str, Any]], rank_state: dict[str, Any], ranks: Sequence[int]) -> PartTemplate | None:
+        """The template of the part `build_part` makes of `writes` (write docs, in rank order);
+        None when they do not have the shape it relies on (every chunk in its rank's file,
+        with a checksum of the usual form) or a marker would be ambiguous."""
+        marked, counts = [], []
+        for i, w in enumerate(writes):
+            tensors: list[dict[str, Any]] = []
+            k = 0
+            for t in w["tensors"]:
+                shards = []
+                for s in t["shards"]:
+                    chunks = []
+                    for c in s["chunks"]:
+                        checksum = c.get("checksum")
+                        if c.get("file") != w["file"] or not (
+                            isinstance(checksum, str) and _SUM_FORM.fullmatch(checksum)
+                        ):
+                            return None
+                        chunks.append({**c, "file": _file_mark(i), "checksum": _sum_mark(i, k)})
+                        k += 1
+                    shards.append({**s, "chunks": chunks})
+                tensors.append({**t, "shards": shards})
+            marked.append({**w, "file": _file_mark(i), "tensors": tensors})
+            counts.append(k)
+        files, merged = files_and_tensors(marked, "a part template")
+        text = part_json(0, list(ranks), files, merged, rank_state).decode()
+        head = _head(0)
+        if not text.startswith(head):
+            return None
+        pieces = _MARK.split(text[len(head) :])
+        segments, slots = pieces[0::4], []
+        for kind, report, nth in zip(pieces[1::4], pieces[2::4], pieces[3::4], strict=True):
+            slots.append((int(report), -1 if kind == "file" else int(nth)))
+        # Each checksum exactly once, each file once per chunk and once in "files": no marker
+        # came from elsewhere (a tensor named like one) and none went missing.
+        expected = sorted(
+            [(i, k) for i, n in enumerate(counts) for k in range(n)] + [(i, -1) for i in range(len(writes))]
+        )
+        files_in_chunks = [(i, -1) for i, n in enumerate(counts) for _ in range(n)]
+        if sorted(slots) != sorted(expected + files_in_chunks):
+            return None
+        return PartTemplate(tuple(segments), tuple(slots), tuple(counts))
+
+    def fill(self, step: int, files: Sequence[str], sums: Sequence[Sequence[str]]) -> bytes | None:
+        """The part of `step` whose ranks wrote `files` with chunks checksummed `sums`
+        (each rank's, in report order); None when they do not fit."""
+        if len(files) != len(self.counts) or any(len(s) != n for s, n in zip(sums, self.counts, strict=True)):
+            return None
+        if any(json.dumps(f)[1:-1] != f for f in files):  # goes in as is: nothing to escape
+            return None
+        out = [_head(step)]
+        for segment, (i, k) in zip(self.segments, self.slots, strict=False):
+            out.append(segment)
+            out.append(files[i] if k < 0 else sums[i][k])
+        out.append(self.segments[-1])
+        return "".join(out).encode()
+
+
+class _Templates:
+    """The last few templates by layout (every Checkpointer's persist thread uses them)."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self._by_key: OrderedDict[Any, PartTemplate] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> PartTemplate | None:
+        with self._lock:
+            return self._by_key.get(key)
+
+    def put(self, key: Any, template: PartTemplate) -> None:
+        with self._lock:
+            self._by_key[key] = template
+            while len(self._by_key) > self.limit:
+                self._by_key.popitem(last=False)
+
+
+_templates = _Templates()
+
+
+def node_part_bytes(
+    storage: Storage, step: int, reports: Sequence[NodeReport], ranks: Sequence[int], world: int
+) -> tuple[str, bytes, dict[str, dict[str, Any]]]:
+    """(file name, bytes, {data file: info}) of the part of a node whose ranks sent `reports`
+    (decoded, none an error): filled into a template when one fits, else built in full."""
+    written = [(r, r.file) for r in reports if r.file is not None]
+    rank_state = {str(r.rank): r.rank_state for r in reports}
+    try:
+        own: str | None = json.dumps(rank_state, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):  # not JSON: the full build says what is wrong
+        own = None
+    key = (tuple(ranks), world, tuple((r.rank, r.checked_layout()) for r, _ in written), own)
+    template = _templates.get(key) if own is not None else None
+    if template is not None:
+        data = template.fill(step, [f for _, f in written], [r.checksums() for r, _ in written])
+        if data is not None:
+            files: dict[str, dict[str, Any]] = {f: {"bytes": r.nbytes, "rank": r.rank} for r, f in written}
+            return part_file_name(min(ranks)), data, files
+    writes = [r.write_doc() for r, _ in written]
+    name, data, files = build_part(storage, step, writes, rank_state, list(ranks), world)
+    if own is not None:
+        made = PartTemplate.of(writes, rank_state, ranks)
+        if made is not None:
+            _templates.put(key, made)
+    return name, data, files
