@@ -142,9 +142,7 @@ def test_empty_directory_and_wrong_path(tmp_path):
 
 
 def test_unknown_protocol():
-    _one_line_error(
-        run_cli("ls", "nosuchproto://bucket/x", in_process=False), 2, "unknown storage protocol 'nosuchproto'"
-    )
+    _one_line_error(run_cli("ls", "nosuchproto://bucket/x"), 2, "unknown storage protocol 'nosuchproto'")
     with pytest.raises(ftkit.StorageError, match="unknown storage protocol"):
         ftkit.Checkpointer({"w": torch.zeros(2)}, ["nosuchproto://bucket/x"])
 
@@ -159,7 +157,7 @@ def test_unreachable_s3_endpoint_is_a_clear_error_without_credentials():
     opts = json.dumps(
         {"key": "AKIDEXAMPLE", "secret": secret, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
     )
-    r = run_cli("ls", "s3://bucket/prefix", "--storage-options", opts, in_process=False)
+    r = run_cli("ls", "s3://bucket/prefix", "--storage-options", opts)
     _one_line_error(r, 1, "s3://bucket/prefix", "Could not connect")
     assert secret not in r.stderr + r.stdout
     env = {

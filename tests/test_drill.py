@@ -41,11 +41,11 @@ def test_schedule_language_rejects_bad_faults():
     schedules = [[f.kind for f in random_faults(seed, 40, 4, 2, count=3)] for seed in range(50)]
     assert any("term" in kinds for kinds in schedules)
     assert all("term" not in kinds[:-1] for kinds in schedules)  # its agreed stop may outrun a later fault
-    r = run_cli("drill", "--faults", "boom@3", in_process=False)
+    r = run_cli("drill", "--faults", "boom@3")
     assert r.returncode == 2 and r.stderr.startswith("ftkit: error: bad fault")
-    r = run_cli("drill", "--faults", "s3-outage@5", in_process=False)
+    r = run_cli("drill", "--faults", "s3-outage@5")
     assert r.returncode == 2 and "needs the drill's own S3 server" in r.stderr
-    r = run_cli("drill", "--script", "no/such/train.py", in_process=False)
+    r = run_cli("drill", "--script", "no/such/train.py")
     assert r.returncode == 2 and "no such script" in r.stderr
 
 

@@ -321,12 +321,7 @@ def test_ftkit_run_command_line_rewrite():
 
 
 def test_ftkit_run_rejects_a_negative_startup_timeout():
-    out = subprocess.run(
-        [sys.executable, "-m", "ftkit", "run", "--startup-timeout", "-1", "train.py"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    out = run_cli("run", "--startup-timeout", "-1", "train.py")
     assert out.returncode == 2 and "startup-timeout" in out.stderr and "Traceback" not in out.stderr
 
 
