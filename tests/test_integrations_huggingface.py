@@ -270,3 +270,35 @@ def _child(out: str, ckpt: str, kill_at: int, every: int) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+
+
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_the_fsdp_resume_directory_holds_the_weights_in_the_trainers_layout(tmp_path, kind):
+    """What accelerate's FSDP load reads (one process here): a DCP directory under "model"
+    for the sharded type, a weights-only file for the full one; and the Trainer's state."""
+    import types
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import StateDictType
+
+    from ftkit.integrations._hf_fsdp import write_handoff
+
+    model = make_model()
+    fresh = type(model)(model.config)  # other weights
+    torch.nn.init.zeros_(fresh.transformer.wte.weight)
+    plugin = types.SimpleNamespace(state_dict_type=StateDictType[kind])
+    path = str(tmp_path / "resume")
+    os.makedirs(path)
+    (tmp_path / "resume" / "stale").write_text("from an earlier resume")
+    write_handoff(model, path, plugin, lambda where: open(os.path.join(where, "trainer_state.json"), "w").write("{}"))
+    assert sorted(os.listdir(path)) == sorted(
+        ["trainer_state.json", "pytorch_model_fsdp_0" if kind == "SHARDED_STATE_DICT" else "pytorch_model_fsdp.bin"]
+    )
+    if kind == "SHARDED_STATE_DICT":
+        loaded = {"model": fresh.state_dict()}
+        dcp.load(loaded, checkpoint_id=os.path.join(path, "pytorch_model_fsdp_0"))
+        fresh.load_state_dict(loaded["model"])
+    else:
+        fresh.load_state_dict(torch.load(os.path.join(path, "pytorch_model_fsdp.bin"), weights_only=True))
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

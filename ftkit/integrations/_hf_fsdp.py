@@ -66,13 +66,15 @@ def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import StateDictType
 
-    rank = dist.get_rank()
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    barrier = dist.barrier if distributed else (lambda: None)
     if rank == 0:
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.makedirs(path)
         write_trainer_state(path)
-    dist.barrier()
+    barrier()
     weights = get_model_state_dict(model)  # the names accelerate's load asks for (the model is not sharded yet)
     if plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT:
         import torch.distributed.checkpoint as dcp
@@ -85,9 +87,10 @@ def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_
             torch.save(weights, marker)
     else:
         raise FtkitError(f"FtkitCallback: FSDP state_dict_type {plugin.state_dict_type.name} is not supported")
-    dist.barrier()
-    seen = torch.tensor([1 if os.path.exists(marker) else 0], device=_collective_device())
-    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    barrier()
+    seen = torch.tensor([1 if os.path.exists(marker) else 0], device=_collective_device() if distributed else "cpu")
+    if distributed:
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
     if not seen.item():
         raise FtkitError(
             f"FtkitCallback: the FSDP resume directory {path} is not seen by every rank; under FSDP "
