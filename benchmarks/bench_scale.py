@@ -4,9 +4,9 @@
 
 Each size runs in `--procs` worker processes. Every simulated node has a real
 node board (files in a private tmpfs directory) where its 7 other ranks write
-their heartbeats, and one real `Watchdog` for its leader (coord/watchdog.py,
-only `_join` replaced: it records a verdict instead of ending the process), whose
-store connection counts its requests. Rounds run on a simulated clock, one per
+their heartbeats, and one real `Watchdog` for its leader (coord/watchdog.py, only
+its verdict actions' `join` replaced: it records a verdict instead of ending the
+process), whose store connection counts its requests. Rounds run on a simulated clock, one per
 0.5 s heartbeat interval, all workers in step (a barrier on an uncounted
 connection), so detection latencies are the protocol's own, whatever this
 machine's speed; the CPU each leader spends per round is measured for real, and
@@ -144,7 +144,11 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
 
         sim_now = 0.0
 
-        def _join(self, verdict):  # noqa: ANN001, ANN202
+        def __init__(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            self.act.join = self._record  # type: ignore[method-assign]  # (abort() posts, then joins)
+
+        def _record(self, verdict):  # noqa: ANN001, ANN202
             joined.append((self.sim_now, verdict.target, verdict.what, self.ctx.rank))
 
     joined: list[tuple[float, int, str, int]] = []

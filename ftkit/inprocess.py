@@ -70,7 +70,7 @@ from typing import Any, NoReturn, TypeVar
 
 from ftkit.coord import boot, generation
 from ftkit.coord.faultpoints import fault_point
-from ftkit.coord.watchdog import EXIT_CODE  # (torchrun restarts the group)
+from ftkit.coord.verdict_actions import EXIT_CODE  # (torchrun restarts the group)
 from ftkit.errors import FtkitError, one_line
 from ftkit.warm.client import REJOIN_ENV, REPLACEABLE_ENV
 

@@ -22,7 +22,7 @@ never the global store. Then:
   dead aggregator is found by its own node as well as by its ring watchers.
 
 A verdict is posted once to one store key (compare-and-set: the first judge
-wins, later ones join it). Every rank that learns it records it, kills the
+wins, later ones join it; coord/verdict_actions.py). Every rank that learns it records it, kills the
 target if it is a process on this host (same host name, boot id and pid
 namespace: dist.host_identity; a stopped process would hold up the restart) and
 ends with `os._exit` (``sys.exit`` in a thread only ends the thread), so
@@ -40,7 +40,6 @@ finished; a heartbeat thread that died is restarted by the next progress().
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -52,29 +51,18 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
-from ftkit.coord import generation
 from ftkit.coord.dist import DistContext, host_identity, process_gone
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
 from ftkit.coord.preemption import parse_preemption_notice, preemption_notice
-from ftkit.warm.client import process_stopped, replacements_allowed  # (the warm client asks the same of its worker)
+from ftkit.coord.verdict_actions import VERDICT, VerdictActions
+from ftkit.warm.client import process_stopped  # (the warm client asks the same of its worker)
 
 log = logging.getLogger("ftkit")
-EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
-IN_PROCESS_VERDICTS = ("failed", "straggler")  # the ranks judged are alive: run_in_process recovers in place
-
-
-def replaceable(verdict: Verdict, me: int) -> bool:
-    """A dead or hung rank judged on its own host, in a job whose warm clients replace killed
-    workers (``ftkit run --replace-dead``, ftkit/warm/client.py): the others recover in process."""
-    return verdict.what in ("dead", "hung") and verdict.local and verdict.target != me and replacements_allowed() > 0
-
-
-VERDICT, PREEMPT, DONE = "wd/verdict", "wd/preempt", "wd/done"
+PREEMPT, DONE = "wd/preempt", "wd/done"
 
 
 class Watchdog:
@@ -114,7 +102,6 @@ class Watchdog:
         self._told_preempt = False  # this rank's preemption was posted
         self._heard_preempt = False  # a peer's preemption was passed on to on_peer_preempted
         self._thread: threading.Thread | None = None
-        self.detections: list[dict[str, Any]] = []
         now = time.monotonic()
         self._started = now
         # The hierarchy: this node's ranks and leader, and the nodes this leader watches.
@@ -126,6 +113,17 @@ class Watchdog:
         self.leader = ctx.rank == self.leader_rank
         instance = ctx.store.compare_set("wd/board", "", uuid.uuid4().hex).decode()  # first rank's nonce
         self.board = NodeBoard(ctx.scope + "wd", ctx.node, self.leader, instance)
+        self.act = VerdictActions(
+            ctx,
+            events,
+            self.board,
+            cfg,
+            beat_of=self._beat_of,
+            local=self._local,
+            step=lambda: self._step,
+            stop=self._stop,
+            flush=flush,
+        )
         self.leader_judge = RankJudge(ctx.rank, [self.leader_rank], cfg, now)  # (non-leaders: their leader)
         self._local_beats: dict[int, Beat | None] = {}
         if self.leader:
@@ -198,7 +196,9 @@ class Watchdog:
             )
         if failed:
             with contextlib.suppress(Exception):
-                standing = self._post(Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank))
+                standing = self.act.post(
+                    Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank)
+                )
                 self.board.write("verdict.json", standing.to_json())
         if self.leader and not failed:
             with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
@@ -217,7 +217,7 @@ class Watchdog:
                     return
                 verdict = Verdict.from_json(self.board.read("verdict.json"))
                 if verdict is not None:
-                    self._join(verdict)
+                    self.act.join(verdict)
             due = max(due, time.monotonic() - self.cfg.interval_s)  # no burst of rounds after a pause
             self._publish()
             try:
@@ -313,7 +313,7 @@ class Watchdog:
             self.ring_judge.freeze(gap)
             self._outage_since = None
         if verdict is not None:
-            self._join(verdict)
+            self.act.join(verdict)
         if peer is not None and not self._heard_preempt:
             self.board.write("preempt.json", preemption_notice(*peer))
             self._hear_preempt(*peer)
@@ -325,11 +325,11 @@ class Watchdog:
         beats = {**self._local_beats, self.ctx.rank: sample[-1]}
         judged = self.rank_judge.observe(now, beats, sample, self._gone, self._finished, self._stopped)
         for rank, busy, median in judged.stragglers:
-            self._straggler(rank, busy, median)
+            self.act.straggler(rank, busy, median)
         for v in judged.verdicts + verdicts:
             if v.why == "its process is gone" and self._said_done(v.target):
                 continue  # it finished and exited after this round's read
-            self._abort(v)
+            self.act.abort(v)
 
     def _follow(self, now: float) -> None:
         self._caught_up(now, self.leader_judge)  # (the relayed verdict: _run reads it every 50 ms)
@@ -346,7 +346,7 @@ class Watchdog:
         )
         for v in judged.verdicts:  # (its stragglers are its leader's own to report)
             if not (v.why == "its process is gone" and self._said_done(v.target)):
-                self._abort(v)
+                self.act.abort(v)
 
     def _gone(self, beat: Beat) -> bool:
         return self._local(beat) and process_gone(beat.pid)
@@ -360,12 +360,6 @@ class Watchdog:
             return self._local_beats.get(rank)
         return self.leader_judge.clocks[self.leader_rank].beat if rank == self.leader_rank else None
 
-    def _kill_if_local(self, rank: int) -> None:
-        beat = self._beat_of(rank)
-        if rank != self.ctx.rank and self._local(beat) and beat is not None and beat.pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(beat.pid, signal.SIGKILL)
-
     def _local(self, beat: Beat | None) -> bool:
         """Whether `beat` comes from a process on this host, whose pid we may check and kill."""
         return beat is not None and self._host_id is not None and beat.host_id == self._host_id
@@ -378,102 +372,3 @@ class Watchdog:
         self._heard_preempt = True
         if self._on_peer_preempted is not None and rank != self.ctx.rank:
             self._on_peer_preempted(rank, signum)
-
-    # -------------------------------------------------------------- actions
-    def _recover_in_process(self, verdict: Verdict) -> bool:
-        """Under ftkit.run_in_process, a failed rank (alive: its loop raised) or a straggler is
-        recovered from without ending any process: the request is recorded for the training
-        loop (its next snapshot() raises it; a collective blocked on the failed rank fails when
-        that rank tears its group down) and this watchdog stops. A dead or hung rank cannot take
-        part: torchrun restarts the group as before, unless its warm client replaces it
-        (`replaceable`): then the judge on its host kills it if it is still there and the others
-        recover in process. If no recovery starts within `recovery_timeout_s`, this worker ends
-        after all (torchrun's restart is the fallback)."""
-        if not generation.active():
-            return False
-        if verdict.what not in IN_PROCESS_VERDICTS and not replaceable(verdict, self.ctx.rank):
-            return False
-        if verdict.what in ("dead", "hung"):
-            self._kill_if_local(verdict.target)
-        if generation.request(verdict):
-            self.events.emit("abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step, in_process=True)
-            gen = generation.current()
-            timer = threading.Timer(self.cfg.recovery_timeout_s, self._no_recovery, args=(gen,))
-            timer.daemon = True
-            timer.start()
-        self._stop.set()
-        return True
-
-    def _no_recovery(self, gen: int) -> None:
-        if generation.current() != gen or not generation.active():
-            return
-        log.error(
-            "ftkit watchdog (rank %d): no in-process recovery began within %.0fs of the verdict; ending this "
-            "worker so torchrun restarts the group",
-            self.ctx.rank,
-            self.cfg.recovery_timeout_s,
-        )
-        self.events.emit("abort", reason="in-process recovery did not begin", step=self._step)
-        self.events.close()
-        logging.shutdown()
-        os._exit(EXIT_CODE)
-
-    def _straggler(self, rank: int, busy: float, median: float) -> None:
-        log.warning("ftkit watchdog: rank %d is a straggler: %.3fs per step busy vs median %.3fs", rank, busy, median)
-        self.events.emit("straggler", target=rank, busy_s=busy, median_s=median, factor=busy / median, by=self.ctx.rank)
-        self.detections.append({"target": rank, "what": "straggler"})
-        if self.cfg.straggler_action == "abort":
-            self._abort(Verdict(rank, "straggler", 0.0, f"{busy / median:.1f}x slower than the median", self.ctx.rank))
-
-    def _post(self, verdict: Verdict) -> Verdict:
-        """Post `verdict` unless one is posted already; return the one that stands."""
-        won = self.ctx.store.compare_set(VERDICT, "", json.dumps(verdict.to_json()))
-        return Verdict.from_json(decode_json(won)) or verdict
-
-    def _abort(self, verdict: Verdict) -> None:
-        """This rank judged: post the verdict (or join an earlier one) and end."""
-        if verdict.what == "hung" and verdict.target != self.ctx.rank:  # can this judge end it?
-            verdict = dataclasses.replace(verdict, local=self._local(self._beat_of(verdict.target)))
-        try:
-            verdict = self._post(verdict)
-        except Exception as e:  # the store is gone: this node still ends, and tells its ranks
-            log.error("ftkit watchdog: could not post the verdict to the store: %s", e)
-        self._join(verdict)
-
-    def _join(self, verdict: Verdict) -> None:
-        """End this rank on `verdict`: relay it to the node, kill a local target, exit."""
-        with contextlib.suppress(Exception):  # the node's other ranks see it within 50 ms
-            self.board.write("verdict.json", verdict.to_json())
-        log.error(
-            "ftkit watchdog (rank %d): rank %d is %s: %s%s; ending this worker so torchrun restarts the group",
-            self.ctx.rank,
-            verdict.target,
-            verdict.what,
-            verdict.why,
-            "" if verdict.by in (self.ctx.rank, -1) else f" (judged by rank {verdict.by})",
-        )
-        self.events.emit(
-            "detect",
-            target=verdict.target,
-            what=verdict.what,
-            latency_s=verdict.latency_s,
-            why=verdict.why,
-            by=verdict.by,
-            step=self._step,
-        )
-        self.detections.append({"target": verdict.target, "what": verdict.what})
-        if self._recover_in_process(verdict):
-            return
-        self._kill_if_local(verdict.target)  # a stopped process holds up the restart
-        # A commit needs every rank's share: with a dead or frozen rank, no snapshot in
-        # flight can finish, and draining would only wait out the flush deadline before
-        # the restart. A straggler is alive: let it drain.
-        if self._flush is not None and verdict.what == "straggler":
-            try:
-                self._flush(self.cfg.flush_deadline_s)
-            except Exception as e:
-                log.error("ftkit watchdog: flush before abort failed: %s", e)
-        self.events.emit("abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step)
-        self.events.close()
-        logging.shutdown()
-        os._exit(EXIT_CODE)

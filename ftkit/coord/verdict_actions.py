@@ -1,0 +1,168 @@
+"""What a rank does once a verdict is in, judged by itself or heard from a peer (the
+watchdog's actions; coord/watchdog.py judges, coord/judge.py decides).
+
+Order of calls: a judge `abort()`s with its verdict: posted to the store's one verdict
+key (compare-and-set: the first judge wins, `post`), then `join()`ed; a rank that hears
+a standing verdict (relayed on its node's board, or read from the store) only
+`join()`s. Joining relays the verdict to the node's board, logs and records it, and then
+either hands it to an in-process recovery (`ftkit.run_in_process`: a failed rank or a
+straggler, or a dead or hung rank its warm client replaces) or kills the target if it is
+a process on this host and ends this worker with `os._exit` (``sys.exit`` in a thread
+only ends the thread), so torchrun restarts the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from ftkit.coord import generation
+from ftkit.coord.dist import DistContext
+from ftkit.coord.events import EventLog
+from ftkit.coord.judge import Beat, Verdict, WatchdogConfig, decode_json
+from ftkit.coord.nodelocal import NodeBoard
+from ftkit.warm.client import replacements_allowed
+
+log = logging.getLogger("ftkit")
+EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
+IN_PROCESS_VERDICTS = ("failed", "straggler")  # the ranks judged are alive: run_in_process recovers in place
+VERDICT = "wd/verdict"
+
+
+def replaceable(verdict: Verdict, me: int) -> bool:
+    """A dead or hung rank judged on its own host, in a job whose warm clients replace killed
+    workers (``ftkit run --replace-dead``, ftkit/warm/client.py): the others recover in process."""
+    return verdict.what in ("dead", "hung") and verdict.local and verdict.target != me and replacements_allowed() > 0
+
+
+class VerdictActions:
+    """One rank's actions on verdicts. `beat_of(rank)`: the last heartbeat this rank saw of
+    `rank`; `local(beat)`: whether it is a process on this host (whose pid may be killed);
+    `step()`: this rank's last step; `stop`: set when the watchdog must stop (an in-process
+    recovery takes over); `flush(deadline_s)`: drain background persists (a straggler)."""
+
+    def __init__(
+        self,
+        ctx: DistContext,
+        events: EventLog,
+        board: NodeBoard,
+        cfg: WatchdogConfig,
+        *,
+        beat_of: Callable[[int], Beat | None],
+        local: Callable[[Beat | None], bool],
+        step: Callable[[], int | None],
+        stop: threading.Event,
+        flush: Callable[[float], None] | None = None,
+    ):
+        self.ctx, self.events, self.board, self.cfg = ctx, events, board, cfg
+        self._beat_of, self._local, self._step, self._stop, self._flush = beat_of, local, step, stop, flush
+
+    def straggler(self, rank: int, busy: float, median: float) -> None:
+        log.warning("ftkit watchdog: rank %d is a straggler: %.3fs per step busy vs median %.3fs", rank, busy, median)
+        self.events.emit("straggler", target=rank, busy_s=busy, median_s=median, factor=busy / median, by=self.ctx.rank)
+        if self.cfg.straggler_action == "abort":
+            self.abort(Verdict(rank, "straggler", 0.0, f"{busy / median:.1f}x slower than the median", self.ctx.rank))
+
+    def post(self, verdict: Verdict) -> Verdict:
+        """Post `verdict` unless one is posted already; return the one that stands."""
+        won = self.ctx.store.compare_set(VERDICT, "", json.dumps(verdict.to_json()))
+        return Verdict.from_json(decode_json(won)) or verdict
+
+    def abort(self, verdict: Verdict) -> None:
+        """This rank judged: post the verdict (or join an earlier one) and end."""
+        if verdict.what == "hung" and verdict.target != self.ctx.rank:  # can this judge end it?
+            verdict = dataclasses.replace(verdict, local=self._local(self._beat_of(verdict.target)))
+        try:
+            verdict = self.post(verdict)
+        except Exception as e:  # the store is gone: this node still ends, and tells its ranks
+            log.error("ftkit watchdog: could not post the verdict to the store: %s", e)
+        self.join(verdict)
+
+    def join(self, verdict: Verdict) -> None:
+        """End this rank on `verdict`: relay it to the node, kill a local target, exit."""
+        with contextlib.suppress(Exception):  # the node's other ranks see it within 50 ms
+            self.board.write("verdict.json", verdict.to_json())
+        log.error(
+            "ftkit watchdog (rank %d): rank %d is %s: %s%s; ending this worker so torchrun restarts the group",
+            self.ctx.rank,
+            verdict.target,
+            verdict.what,
+            verdict.why,
+            "" if verdict.by in (self.ctx.rank, -1) else f" (judged by rank {verdict.by})",
+        )
+        self.events.emit(
+            "detect",
+            target=verdict.target,
+            what=verdict.what,
+            latency_s=verdict.latency_s,
+            why=verdict.why,
+            by=verdict.by,
+            step=self._step(),
+        )
+        if self._recover_in_process(verdict):
+            return
+        self.kill_if_local(verdict.target)  # a stopped process holds up the restart
+        # A commit needs every rank's share: with a dead or frozen rank, no snapshot in
+        # flight can finish, and draining would only wait out the flush deadline before
+        # the restart. A straggler is alive: let it drain.
+        if self._flush is not None and verdict.what == "straggler":
+            try:
+                self._flush(self.cfg.flush_deadline_s)
+            except Exception as e:
+                log.error("ftkit watchdog: flush before abort failed: %s", e)
+        self.events.emit("abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step())
+        self.events.close()
+        logging.shutdown()
+        os._exit(EXIT_CODE)
+
+    def kill_if_local(self, rank: int) -> None:
+        beat = self._beat_of(rank)
+        if rank != self.ctx.rank and self._local(beat) and beat is not None and beat.pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(beat.pid, signal.SIGKILL)
+
+    def _recover_in_process(self, verdict: Verdict) -> bool:
+        """Under ftkit.run_in_process, a failed rank (alive: its loop raised) or a straggler is
+        recovered from without ending any process: the request is recorded for the training
+        loop (its next snapshot() raises it; a collective blocked on the failed rank fails when
+        that rank tears its group down) and the watchdog stops. A dead or hung rank cannot take
+        part: torchrun restarts the group as before, unless its warm client replaces it
+        (`replaceable`): then the judge on its host kills it if it is still there and the others
+        recover in process. If no recovery starts within `recovery_timeout_s`, this worker ends
+        after all (torchrun's restart is the fallback)."""
+        if not generation.active():
+            return False
+        if verdict.what not in IN_PROCESS_VERDICTS and not replaceable(verdict, self.ctx.rank):
+            return False
+        if verdict.what in ("dead", "hung"):
+            self.kill_if_local(verdict.target)
+        if generation.request(verdict):
+            self.events.emit(
+                "abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step(), in_process=True
+            )
+            gen = generation.current()
+            timer = threading.Timer(self.cfg.recovery_timeout_s, self._no_recovery, args=(gen,))
+            timer.daemon = True
+            timer.start()
+        self._stop.set()
+        return True
+
+    def _no_recovery(self, gen: int) -> None:
+        if generation.current() != gen or not generation.active():
+            return
+        log.error(
+            "ftkit watchdog (rank %d): no in-process recovery began within %.0fs of the verdict; ending this "
+            "worker so torchrun restarts the group",
+            self.ctx.rank,
+            self.cfg.recovery_timeout_s,
+        )
+        self.events.emit("abort", reason="in-process recovery did not begin", step=self._step())
+        self.events.close()
+        logging.shutdown()
+        os._exit(EXIT_CODE)
