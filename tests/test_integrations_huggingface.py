@@ -229,7 +229,7 @@ def test_fsdp1_is_refused_and_fsdp2_is_taken(tmp_path):
     """FSDP1 keeps its state in flat shards the callback cannot restore: refused (at Trainer
     construction, on_init_end). FSDP2 and no FSDP are taken. (A one-process CPU Trainer
     with FSDP cannot be built at all; the multi-process tests run the FSDP2 path.)"""
-    from ftkit.integrations._hf_fsdp import check_fsdp_args
+    from ftkit.integrations._hf_resume import check_fsdp_args
 
     def args(**kw):
         return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
@@ -281,7 +281,7 @@ def test_the_fsdp_resume_directory_holds_the_weights_in_the_trainers_layout(tmp_
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import StateDictType
 
-    from ftkit.integrations._hf_fsdp import write_handoff
+    from ftkit.integrations._hf_resume import write_handoff
 
     model = make_model()
     fresh = type(model)(model.config)  # other weights

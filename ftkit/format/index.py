@@ -285,9 +285,14 @@ class LayoutMemo:
 _checked_parts = LayoutMemo()
 
 
+def part_head(step: int) -> str:
+    """What every part of `step` begins with, as part_json writes it (its step is there only)."""
+    return f'{{"format":"{PART_FORMAT}","step":{step},'
+
+
 def _part_layout(data: bytes, step: int, ranks: list[int], world_size: int) -> bytes | None:
     """A part's layout key: its step masked too (only where part_json puts it, the expected one)."""
-    head = b'{"format":"%s","step":%d,' % (PART_FORMAT.encode(), step)
+    head = part_head(step).encode()
     if not data.startswith(head):
         return None
     return _checked_parts.key(data[len(head) :], (sorted(ranks), world_size))

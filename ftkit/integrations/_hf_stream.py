@@ -177,3 +177,16 @@ def planned_end(epochs: float | None, saved: StreamPosition) -> int | None:
 def stream_ended(stop_at: int | None, global_step: int) -> bool:
     """Whether the run has reached the step at which its planned epochs of the stream end."""
     return stop_at is not None and global_step >= stop_at
+
+
+def why_not_continued(args: Any, found: Any, saved: StreamPosition | None) -> str | None:
+    """Why a resume cannot continue the snapshot's place in the stream, or None when it can."""
+    if args.ignore_data_skip:
+        return "ignore_data_skip is set: the Trainer starts the epoch over"
+    if found is None:
+        return "the data loader's order is not reproducible"
+    if saved is None:
+        return "the snapshot has none"
+    if saved.per_epoch != found[0].per_epoch:
+        return "the dataset's length changed"
+    return None

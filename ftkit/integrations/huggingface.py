@@ -49,7 +49,7 @@ a custom one) leaves the Trainer's own arithmetic, with a warning.
 
 FSDP2 (accelerate's plugin, ``fsdp_config={"version": 2}``): the Trainer loads the weights
 itself after sharding, from its own FSDP files, so ``resume_from_checkpoint()`` writes the
-restored weights in that layout into one resume directory all ranks see (_hf_fsdp.py), and
+restored weights in that layout into one resume directory all ranks see (_hf_resume.py), and
 ``on_train_begin`` restores the same step into the live sharded model and optimizer.
 
 Limits, checked at ``Trainer`` construction: no DeepSpeed, FSDP1 or XLA's FSDP (they keep
@@ -87,7 +87,7 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
-from ftkit.integrations._hf_fsdp import check_fsdp_args, fsdp_plugin, write_handoff
+from ftkit.integrations._hf_resume import check_fsdp_args, fsdp_plugin, write_resume_dir
 from ftkit.integrations._hf_stream import (
     Layout,
     StreamPosition,
@@ -95,14 +95,13 @@ from ftkit.integrations._hf_stream import (
     planned_end,
     stream_ended,
     trainer_layout,
+    why_not_continued,
 )
 from ftkit.save.capture import RankLocal, rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.huggingface")
 
 __all__ = ["FtkitCallback"]
-
-TRAINER_STATE_NAME = "trainer_state.json"
 
 
 class FtkitCallback(TrainerCallback):
@@ -208,33 +207,16 @@ class FtkitCallback(TrainerCallback):
             return None
         self._resume = {"step": step, **{k: v.take() for k, v in entries.items() if isinstance(v, Stash)}}
         self._resume["rng"] = rng.take() if rng.has_value else None  # None: a rank the snapshot did not have
-        world, rank = self._args.world_size, self._args.process_index
         path = self.resume_dir or os.path.join(self._args.output_dir, "ftkit-resume")
-        trainer_state = self._resume["trainer_state"]
-
-        def write_trainer_state(where: str) -> None:
-            with open(os.path.join(where, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-                f.write(trainer_state)
-
         plugin = fsdp_plugin()
         self._fsdp = plugin is not None
         if self._fsdp:
             # The optimizer goes into the live sharded one at on_train_begin (a second restore,
             # of this step): the full copy loaded here is dropped.
             self._resume["optimizer"] = self._resume["scheduler"] = self._resume["scaler"] = None
-            write_handoff(self._model, path, plugin, write_trainer_state)  # one directory, all ranks
-        else:
-            if world > 1:  # every rank writes and reads its own
-                path = f"{path}-r{rank}"
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            os.makedirs(path)
-            write_trainer_state(path)
-            # Trainer.train() insists on a weights file; these are the weights just restored. (Not
-            # save_pretrained: under torch.distributed it writes on rank 0 only.)
-            from safetensors.torch import save_model
-
-            save_model(self._model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        path = write_resume_dir(
+            self._model, path, self._resume["trainer_state"], self._args.world_size, self._args.process_index, plugin
+        )
         self._resume_path = path
         log.info("ftkit: step %d restored; resume directory %s", step, path)
         return path
@@ -291,7 +273,7 @@ class FtkitCallback(TrainerCallback):
         job = resume.get("world")
         job = job if isinstance(job, dict) else {}  # (read back from the snapshot: untrusted)
         saved_world, saved = job.get("world_size", 1), StreamPosition.from_json(job.get("stream"))
-        why = _why_not_continued(args, found, saved)
+        why = why_not_continued(args, found, saved)
         if why is not None:
             if saved_world != args.world_size or (saved is not None and not args.ignore_data_skip):
                 log.warning(
@@ -396,19 +378,6 @@ class FtkitCallback(TrainerCallback):
         path, self._resume_path = self._resume_path, None
         if path and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _why_not_continued(args: Any, found: Any, saved: StreamPosition | None) -> str | None:
-    """Why a resume cannot continue the snapshot's place in the stream, or None when it can."""
-    if args.ignore_data_skip:
-        return "ignore_data_skip is set: the Trainer starts the epoch over"
-    if found is None:
-        return "the data loader's order is not reproducible"
-    if saved is None:
-        return "the snapshot has none"
-    if saved.per_epoch != found[0].per_epoch:
-        return "the dataset's length changed"
-    return None
 
 
 def _close_at_exit(ref: weakref.ref[FtkitCallback]) -> None:

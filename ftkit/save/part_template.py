@@ -9,7 +9,7 @@ was about a third of a leader's commit CPU. So the first part of a set of layout
 and checked in full (`build_part`), and a template is made of the same build run with
 markers in place of each rank's file and checksums; a later part of the same layouts is
 the template filled with that step's values: byte for byte what the full build gives
-(tests/test_part_template.py), and of a layout already checked (same verdict).
+(tests/test_format_index.py), and of a layout already checked (same verdict).
 
 Order of calls: `node_part_bytes(storage, step, reports, ranks, world)` per step; it
 looks the template up by the reports' layout keys (NodeReport.checked_layout) and the
@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.format.index import PART_FORMAT, part_file_name, part_json
+from ftkit.format.index import part_file_name, part_head, part_json
+from ftkit.format.validate import CHECKSUM_RE
 from ftkit.save.manifests import build_part, files_and_tensors
 from ftkit.save.reports import NodeReport
 from ftkit.tiers.storage import Storage
 
-_SUM_FORM = re.compile(r"xxh3_64:[0-9a-f]{16}")
 _MARK = re.compile(r"@@ftkit-(file|sum)-(\d+)-(\d+)@@")
 
 
@@ -42,10 +42,6 @@ def _file_mark(i: int) -> str:
 
 def _sum_mark(i: int, k: int) -> str:
     return f"@@ftkit-sum-{i}-{k}@@"
-
-
-def _head(step: int) -> str:
-    return f'{{"format":"{PART_FORMAT}","step":{step},'
 
 
 @dataclass(frozen=True)
@@ -72,7 +68,7 @@ class PartTemplate:
                     for c in s["chunks"]:
                         checksum = c.get("checksum")
                         if c.get("file") != w["file"] or not (
-                            isinstance(checksum, str) and _SUM_FORM.fullmatch(checksum)
+                            isinstance(checksum, str) and CHECKSUM_RE.fullmatch(checksum)
                         ):
                             return None
                         chunks.append({**c, "file": _file_mark(i), "checksum": _sum_mark(i, k)})
@@ -83,7 +79,7 @@ class PartTemplate:
             counts.append(k)
         files, merged = files_and_tensors(marked, "a part template")
         text = part_json(0, list(ranks), files, merged, rank_state).decode()
-        head = _head(0)
+        head = part_head(0)
         if not text.startswith(head):
             return None
         pieces = _MARK.split(text[len(head) :])
@@ -92,11 +88,9 @@ class PartTemplate:
             slots.append((int(report), -1 if kind == "file" else int(nth)))
         # Each checksum exactly once, each file once per chunk and once in "files": no marker
         # came from elsewhere (a tensor named like one) and none went missing.
-        expected = sorted(
-            [(i, k) for i, n in enumerate(counts) for k in range(n)] + [(i, -1) for i in range(len(writes))]
-        )
-        files_in_chunks = [(i, -1) for i, n in enumerate(counts) for _ in range(n)]
-        if sorted(slots) != sorted(expected + files_in_chunks):
+        sums = [(i, k) for i, n in enumerate(counts) for k in range(n)]
+        files_marked = [(i, -1) for i, n in enumerate(counts) for _ in range(n + 1)]
+        if sorted(slots) != sorted(sums + files_marked):
             return None
         return PartTemplate(tuple(segments), tuple(slots), tuple(counts))
 
@@ -107,7 +101,7 @@ class PartTemplate:
             return None
         if any(json.dumps(f)[1:-1] != f for f in files):  # goes in as is: nothing to escape
             return None
-        out = [_head(step)]
+        out = [part_head(step)]
         for segment, (i, k) in zip(self.segments, self.slots, strict=False):
             out.append(segment)
             out.append(files[i] if k < 0 else sums[i][k])

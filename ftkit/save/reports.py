@@ -24,10 +24,8 @@ from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
 from ftkit.save.write import RankWrite
 
-_checked_reports = LayoutMemo(limit=64)
-_CHUNK_SUM = re.compile(
-    r'"checksum": ?"(xxh3_64:[0-9a-f]{16})"'
-)  # (a rank validates its node's reports and its replica sources')
+_checked_reports = LayoutMemo(limit=64)  # (a rank validates its node's reports and its replica sources')
+_CHUNK_SUM = re.compile(r'"checksum": ?"(xxh3_64:[0-9a-f]{16})"')  # a chunk's, as json.dumps writes it
 
 
 def shared_report(rank: int, raw: bytes, world_size: int) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""The Hugging Face Trainer under FSDP2: the weights handed to its own FSDP resume.
+"""The directory `FtkitCallback.resume_from_checkpoint()` hands `Trainer.train()`: what
+the Trainer insists on reading itself when it resumes, written from the step ftkit just
+restored (its Trainer state, and its weights), and removed once training has begun.
 
-Under FSDP the Trainer loads the model itself, after accelerate has sharded it
-(``Trainer._load_from_checkpoint`` -> accelerate's ``load_fsdp_model``), from files
-in the resume directory in its own FSDP layout; nothing a callback can do skips
-that load. So the resume directory holds the weights ftkit just restored, in the
-layout the plugin's ``state_dict_type`` reads:
+Without FSDP each rank gets a directory of its own (``<path>-r<rank>`` with several
+ranks): ``trainer_state.json`` and ``model.safetensors``. Under FSDP2 the Trainer loads
+the weights after accelerate has sharded the model (``Trainer._load_from_checkpoint`` ->
+accelerate's ``load_fsdp_model``), from files in its own FSDP layout, which the plugin's
+``state_dict_type`` chooses:
 
 * ``SHARDED_STATE_DICT``: a ``torch.distributed.checkpoint`` directory
   ``pytorch_model_fsdp_0``, written by all ranks together (each tensor once,
@@ -12,11 +14,11 @@ layout the plugin's ``state_dict_type`` reads:
 * ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin``, written by rank 0, the only
   rank that reads it (accelerate broadcasts from rank 0 under FSDP2).
 
-Both are the Trainer's formats, read only by the Trainer, and the directory is
-removed once training has begun; ftkit's own format is unchanged. The directory is
-one for all ranks, as the Trainer's own FSDP checkpoints are: every rank must see
-it (`write_handoff` checks, and says so when one does not). The optimizer is not
-in it: the callback restores it into the live sharded optimizer (huggingface.py).
+Both are the Trainer's formats, read only by the Trainer; ftkit's own format is
+unchanged. That directory is one for all ranks, as the Trainer's own FSDP checkpoints
+are: every rank must see it (`write_handoff` checks, and says so when one does not). The
+optimizer is not in it: the callback restores it into the live sharded optimizer
+(huggingface.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from ftkit.errors import FtkitError
 
 FSDP_MODEL_NAME = "pytorch_model_fsdp"  # accelerate.utils.constants.FSDP_MODEL_NAME
+TRAINER_STATE_NAME = "trainer_state.json"
 
 
 def fsdp_plugin() -> Any:
@@ -57,6 +60,31 @@ def check_fsdp_args(args: Any) -> None:
             "FtkitCallback supports FSDP2 only (fsdp_config={'version': 2}); "
             "FSDP1 and XLA's FSDP keep their state in their own flat shards"
         )
+
+
+def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, world: int, rank: int, plugin: Any) -> str:
+    """Write the directory for ``train()`` at `path` (every rank calls it) and return where it
+    is: `path` under FSDP (`plugin`, see `write_handoff`), else this rank's own directory."""
+
+    def write_trainer_state(where: str) -> None:
+        with open(os.path.join(where, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            f.write(trainer_state)
+
+    if plugin is not None:
+        write_handoff(model, path, plugin, write_trainer_state)
+        return path
+    if world > 1:  # every rank writes and reads its own
+        path = f"{path}-r{rank}"
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+    write_trainer_state(path)
+    # Trainer.train() insists on a weights file; these are the weights just restored. (Not
+    # save_pretrained: under torch.distributed it writes on rank 0 only.)
+    from safetensors.torch import save_model
+
+    save_model(model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_state: Callable[[str], None]) -> None:
