@@ -219,8 +219,11 @@ class Watchdog:
                 if verdict is not None:
                     self.act.join(verdict)
             due = max(due, time.monotonic() - self.cfg.interval_s)  # no burst of rounds after a pause
-            self._publish()
             try:
+                # A heartbeat that cannot be written this round (its board gone for a moment)
+                # must not end the thread: a leader's thread also counts its node finished,
+                # which every rank's finish() waits for.
+                self._publish()
                 if self.leader:
                     self._lead(time.monotonic())
                 else:
