@@ -149,7 +149,8 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------- RAM and peer tiers
 def ram_tiers(disk: str, disk_every: int):
-    return [ftkit.Tier("ram", replicas=1), ftkit.Tier(disk, every=disk_every, keep=5)]
+    compress = os.environ.get("FTKIT_TEST_RAM_COMPRESS") or None  # zstd: reports go inline, not by layout
+    return [ftkit.Tier("ram", replicas=1, compress=compress), ftkit.Tier(disk, every=disk_every, keep=5)]
 
 
 def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: int = 3, disk_every: int = 100) -> str:

@@ -52,7 +52,11 @@ def test_worker_restart_restores_from_node_ram(job):
     assert {o["source"] for o in out} == {"ram"}
 
 
-def test_lost_node_restores_from_peer_replicas_not_disk(job):
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_lost_node_restores_from_peer_replicas_not_disk(job, compress):
+    # Uncompressed, ranks send their tensor layouts once and then only checksums
+    # (save/report_layouts.py); compressed, their chunks move, and reports go whole.
+    job["env"]["FTKIT_TEST_RAM_COMPRESS"] = compress or ""
     _save(job)
     shutil.rmtree(job["node"](1))  # node 1 died: its RAM is gone; its ranks restart elsewhere
     out = _restore(job)

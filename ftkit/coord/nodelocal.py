@@ -63,6 +63,7 @@ class NodeBoard:
             _prune_earlier_attempts(private_subdir(kind, job), attempt)
         self.path = private_subdir(kind, job, attempt, _safe(node))
         self._bells: dict[int, Bell | None] = {}  # this process's doorbells here, by rank (coord/bell.py)
+        self._posted: set[str] = set()  # what post_once wrote
 
     # ------------------------------------------------------------- files
     def write(self, name: str, doc: Any, wake: Iterable[int] = ()) -> None:
@@ -81,6 +82,14 @@ class NodeBoard:
         os.replace(tmp, os.path.join(self.path, name))
         for r in wake:
             ring(os.path.join(self.path, bell_name(r)))
+
+    def post_once(self, name: str, text: str) -> None:
+        """`name` holds `text`, which never changes (it is named by its hash): written the first
+        time, and again only if it is gone."""
+        if name in self._posted and os.path.exists(os.path.join(self.path, name)):
+            return
+        self.write_text(name, text)
+        self._posted.add(name)
 
     def read(self, name: str) -> Any:
         """The JSON document `name`, or None (missing, a link, too big, not JSON)."""

@@ -105,7 +105,22 @@ def index_json(
     created_at: float,
     writer: dict[str, Any],
 ) -> bytes:
-    doc = {
+    return encode_index(index_doc(step, world_size, parts, skeleton, created_at, writer))
+
+
+def encode_index(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def index_doc(
+    step: int,
+    world_size: int,
+    parts: list[dict[str, Any]],
+    skeleton: dict[str, Any],
+    created_at: float,
+    writer: dict[str, Any],
+) -> dict[str, Any]:
+    return {
         "format": FORMAT_NAME,
         "format_version": INDEX_VERSION,
         "step": step,
@@ -115,7 +130,6 @@ def index_json(
         "created_at": created_at,
         "writer": writer,
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def parse_header(data: bytes | str, where: str) -> tuple[dict[str, Any], int]:
 def parse_json(data: bytes | str, where: str, what: str) -> Any:
     """JSON as ftkit writes it: UTF-8, no NaN/Infinity, no float that overflows."""
     try:
-        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+        return _DECODER.decode(data.decode() if isinstance(data, (bytes, bytearray)) else data)
     except FormatError as e:
         raise FormatError(f"{where}: {what} {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -109,6 +109,9 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise FormatError(f"holds the number {text[:40]}, which overflows")
     return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)  # one, not one per call
 
 
 def manifest_from_doc(doc: dict[str, Any]) -> Manifest:

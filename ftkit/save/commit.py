@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.coord.dist import DistContext
@@ -37,6 +37,7 @@ from ftkit.format.index import rank_runs
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
 from ftkit.save.manifests import Committed, commit_index, write_part
+from ftkit.save.report_layouts import Published
 from ftkit.save.reports import shared_report
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
@@ -55,6 +56,7 @@ class NodeGroup:
     board: NodeBoard | None  # where the node's ranks post their reports (None: a world of one)
     ranks: tuple[int, ...]  # this node's ranks; the first is its leader
     members: Mapping[int, tuple[int, ...]]  # every node's ranks, by leader (rank 0 checks records against it)
+    published: Published = field(default_factory=Published, compare=False)  # the RAM tier's layouts in the store
 
     @staticmethod
     def of(ctx: DistContext, board: NodeBoard | None) -> NodeGroup:

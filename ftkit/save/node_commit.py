@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ from ftkit.save.keys import KeyLedger, delete_keys, older_keys
 from ftkit.save.manifests import Committed, check_files_present, commit_index, store_part
 from ftkit.save.part_template import node_part_bytes
 from ftkit.save.replicas import peer_reports, replicate, store_parts
+from ftkit.save.report_layouts import Layout, board_name, from_board, from_store, layout_of, lookup
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
@@ -79,14 +80,16 @@ class NodeShare:
     skipped: bool  # a rank of the node skipped the step (policy "skip")
     files: list[str] = field(default_factory=list)  # the data files its ranks reported
     written: dict[str, Any] | None = None  # store_part's record of the node's part
-    part_text: str = ""
+    layouts: list[Layout] = field(default_factory=list)  # of the reports sent by reference
     others: list[str] = field(default_factory=list)  # parts of the replica sources, written here
 
     def exchanged(self) -> dict[str, Any]:
-        """The record the nodes exchanging replicas with this one read (`key`/w/<leader>)."""
+        """The record the nodes exchanging replicas with this one read (`key`/w/<leader>): the
+        reports, and the part's name and checksum (its holders rebuild its bytes from the
+        reports, save/replicas.py store_parts, and check them against the checksum)."""
         doc: dict[str, Any] = {str(r): t for r, t in self.texts.items()}
         if self.written is not None:
-            doc["part"] = {"file": self.written["part"]["file"], "text": self.part_text}
+            doc["part"] = {"file": self.written["part"]["file"], "checksum": self.written["part"]["checksum"]}
         return doc
 
     def record(self, errors: list[str]) -> dict[str, Any]:
@@ -141,17 +144,22 @@ def persist_node_local(
     except AlreadyCommitted as e:  # this node has the step, another may not: still take part below
         write, error = None, e
     cpu["write"] = time.thread_time() - c0
-    text = NodeReport.encode(write, str(error) if error else None, rank_state)
+    # Uncompressed, a rank's chunks keep their places: its layout goes once, by reference.
+    ref = layout_of(write) if write is not None and compress is None else None
+    text = NodeReport.encode(write, str(error) if error else None, rank_state, ref=ref)
     leader = ctx.rank == group.leader
     exchange = replicas > 0 and peers is not None and ctx.distributed  # nodes swap reports for replicas
     node: NodeShare | None = None
     # 1. Reports: to the node's leader, who writes the node's part and publishes both (one key per node).
     if ctx.distributed and not leader:
+        if ref is not None:
+            group.node_board().post_once(board_name(ref[0].digest), ref[0].body)
         group.to_leader(at, "w", ctx.rank, text)
     else:
         texts = {ctx.rank: text, **(_collect_texts(group, at, "w", ctx) if ctx.distributed else {})}
-        node = node_part(storage, step, texts, group.ranks, ctx.world_size)
+        node = node_part(storage, step, texts, group.ranks, ctx.world_size, lookup(from_board(group.board)))
         if exchange:
+            group.published.publish(ctx.store, node.layouts)  # before the record that names them
             ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps(node.exchanged()))
     # 2. Replicas: each rank sends its file to its targets and stores what its sources send.
     rep_error = None
@@ -160,13 +168,14 @@ def persist_node_local(
         try:
             reports, may_send, parts = peer_reports(group, layout, replicas, ctx, key, at, leader)
             sending = write if may_send and error is None else None
+            layouts = lookup(from_store(ctx.store))
             c0 = time.thread_time()
             try:
-                replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress)
+                replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress, layouts)
             finally:
                 cpu["replicate"] = time.thread_time() - c0
             if node is not None:  # the parts of the ranks whose replicas this node now holds
-                node.others = store_parts(storage, step, parts)
+                node.others = store_parts(storage, step, parts, reports, group, ctx.world_size, layouts)
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
@@ -199,10 +208,18 @@ def holds_index(ctx: DistContext, layout: ReplicaLayout | None, replicas: int) -
     return layout is not None and replicas > 0 and ctx.node in layout.target_nodes(0, ctx.nodes, replicas)
 
 
-def node_part(storage: Storage, step: int, texts: dict[int, str], ranks: tuple[int, ...], world: int) -> NodeShare:
+def node_part(
+    storage: Storage,
+    step: int,
+    texts: dict[int, str],
+    ranks: tuple[int, ...],
+    world: int,
+    layouts: Callable[[str], Layout | None] | None = None,
+) -> NodeShare:
     """A leader's part of its node: the ranks' reports checked and written as the node's
-    part, beside their data files; or the node's errors."""
-    reports = [decode_report(r, texts[r], world) for r in ranks]
+    part, beside their data files; or the node's errors. `layouts`: where the layouts of
+    reports sent by reference are found (report_layouts.lookup)."""
+    reports = [decode_report(r, texts[r], world, layouts) for r in ranks]
     errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
     skipped = any(r.skipped for r in reports)
     files = [r.file for r in reports if r.file is not None]
@@ -213,7 +230,8 @@ def node_part(storage: Storage, step: int, texts: dict[int, str], ranks: tuple[i
         written = store_part(storage, step, name, data, entries, list(ranks))
     except Exception as e:  # a malformed report or a storage failure: the node's error
         return NodeShare(texts, [f"node of rank {ranks[0]}: {e}"], skipped, files)
-    return NodeShare(texts, [], skipped, files, written, data.decode())
+    by_ref = list({r.layout.digest: r.layout for r in reports if r.layout is not None}.values())
+    return NodeShare(texts, [], skipped, files, written, by_ref)
 
 
 def _collect_texts(group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext) -> dict[int, str]:

@@ -11,7 +11,9 @@ markers in place of each rank's file and checksums; a later part of the same lay
 the template filled with that step's values: byte for byte what the full build gives
 (tests/test_format_index.py), and of a layout already checked (same verdict).
 
-Order of calls: `node_part_bytes(storage, step, reports, ranks, world)` per step; it
+Order of calls: `node_part_bytes(storage, step, reports, ranks, world)` per step (a node's
+leader for its node; a replica holder for its source nodes, rebuilding the bytes their
+leaders wrote: save/replicas.py); it
 looks the template up by the reports' layout keys (NodeReport.checked_layout) and the
 ranks' own state, and falls back to the full build (making the template) when there is
 none or a report's values do not fit it.
@@ -132,10 +134,16 @@ _templates = _Templates()
 
 
 def node_part_bytes(
-    storage: Storage, step: int, reports: Sequence[NodeReport], ranks: Sequence[int], world: int
+    storage: Storage,
+    step: int,
+    reports: Sequence[NodeReport],
+    ranks: Sequence[int],
+    world: int,
+    name: str | None = None,
 ) -> tuple[str, bytes, dict[str, dict[str, Any]]]:
     """(file name, bytes, {data file: info}) of the part of a node whose ranks sent `reports`
-    (decoded, none an error): filled into a template when one fits, else built in full."""
+    (decoded, none an error): filled into a template when one fits, else built in full.
+    `name`: the part's file name (a replica holder rebuilding its source's part), else a new one."""
     written = [(r, r.file) for r in reports if r.file is not None]
     rank_state = {str(r.rank): r.rank_state for r in reports}
     try:
@@ -148,11 +156,11 @@ def node_part_bytes(
         data = template.fill(step, [f for _, f in written], [r.checksums() for r, _ in written])
         if data is not None:
             files: dict[str, dict[str, Any]] = {f: {"bytes": r.nbytes, "rank": r.rank} for r, f in written}
-            return part_file_name(min(ranks)), data, files
+            return name or part_file_name(min(ranks)), data, files
     writes = [r.write_doc() for r, _ in written]
-    name, data, files = build_part(storage, step, writes, rank_state, list(ranks), world)
+    built, data, files = build_part(storage, step, writes, rank_state, list(ranks), world)
     if own is not None:
         made = PartTemplate.of(writes, rank_state, ranks)
         if made is not None:
             _templates.put(key, made)
-    return name, data, files
+    return name or built, data, files

@@ -12,6 +12,7 @@ is checked against the index by whoever reads it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ftkit.coord.dist import DistContext
@@ -21,8 +22,10 @@ from ftkit.errors import CorruptCheckpointError, FormatError, StorageError
 from ftkit.format import codec
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
-from ftkit.format.validate import check_file_name, parse_json
+from ftkit.format.validate import CHECKSUM_RE, check_file_name, parse_json
 from ftkit.save.commit import MAX_REPORT_BYTES, NodeGroup
+from ftkit.save.part_template import node_part_bytes
+from ftkit.save.report_layouts import Layout
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.staging import Slot
 from ftkit.tiers.peers import PeerGroup, ReplicaLayout, Transfer
@@ -47,26 +50,25 @@ def _node_texts(doc: dict[str, Any], ranks: tuple[int, ...], where: str) -> dict
     return out
 
 
-def _node_part_text(doc: dict[str, Any]) -> tuple[str, str] | None:
-    """(file name, text) of the part in a node's record, if it names one properly (its
-    bytes are checked against the index's checksum by whoever reads them)."""
+def _node_part_ref(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """(file name, checksum) of the part in a node's record, if it names one properly."""
     part = doc.get("part")
-    if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+    if not isinstance(part, dict) or not isinstance(part.get("checksum"), str):
         return None
     try:
         name = check_file_name(part.get("file"))
     except FormatError:
         return None
-    return (name, part["text"]) if is_part_file(name) else None
+    return (name, part["checksum"]) if is_part_file(name) and CHECKSUM_RE.fullmatch(part["checksum"]) else None
 
 
 def peer_reports(
     group: NodeGroup, layout: ReplicaLayout, k: int, ctx: DistContext, key: str, at: tuple[int, int], leader: bool
-) -> tuple[dict[int, str], bool, dict[str, str]]:
+) -> tuple[dict[int, str], bool, dict[str, tuple[int, str]]]:
     """The reports of the nodes this node exchanges replicas with (the k before it send,
     the k after it receive), read from the store by the leader and relayed to its ranks
     through the board; whether this rank may send its own file; and (the leader's) the
-    parts of the nodes that send it replicas, {file: text}. When the leader skipped the
+    parts of the nodes that send it replicas, {file: (their leader, checksum)}. When the leader skipped the
     step, its ranks read the reports themselves (their sources send them replicas all
     the same) and send nothing (the leader's record, which their targets read, does not
     hold their reports)."""
@@ -85,26 +87,43 @@ def peer_reports(
     leaders = [layout.members[n][0] for n in nodes]
     raws = ctx.wait_get([f"{key}/w/{s}" for s in leaders]) if leaders else []
     texts: dict[int, str] = {}
-    parts: dict[str, str] = {}
+    parts: dict[str, tuple[int, str]] = {}
     source_leaders = {layout.members[n][0] for n in sources}
     for s, raw in zip(leaders, raws, strict=True):
         where = f"the reports of the node of rank {s}"
         doc = _node_doc(raw, where)
         texts.update(_node_texts(doc, group.members[s], where))
-        part = _node_part_text(doc) if s in source_leaders else None
+        part = _node_part_ref(doc) if s in source_leaders else None
         if part is not None:
-            parts[part[0]] = part[1]
+            parts[part[0]] = (s, part[1])
     if leader:
         group.to_ranks(name, {str(r): t for r, t in texts.items()}, ctx.rank)
     return texts, leader, parts
 
 
-def store_parts(storage: Storage, step: int, parts: dict[str, str]) -> list[str]:
-    """Write the parts of the nodes whose replicas this node holds (a reader checks each
-    against the index's size and checksum before it parses it)."""
+def store_parts(
+    storage: Storage,
+    step: int,
+    parts: dict[str, tuple[int, str]],
+    texts: dict[int, str],
+    group: NodeGroup,
+    world: int,
+    layouts: Callable[[str], Layout | None] | None,
+) -> list[str]:
+    """Write the parts of the nodes whose replicas this node holds: each rebuilt from its
+    node's reports (`texts`) as its leader built it (part_template.py: the same bytes), and
+    checked against the checksum its leader sent, which is the index's."""
     step_dir = step_dir_name(step)
-    for name, text in parts.items():
-        storage.write_bytes_atomic(f"{step_dir}/{name}", text.encode())
+    for name, (leader, checksum) in parts.items():
+        ranks = group.members[leader]
+        reports = [decode_report(r, texts.get(r, ""), world, layouts) for r in ranks]
+        failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
+        if failed:
+            raise StorageError(f"the part of the node of rank {leader} cannot be rebuilt: {'; '.join(failed)}")
+        _, data, _ = node_part_bytes(storage, step, reports, ranks, world, name=name)
+        if codec.checksum(data) != checksum:
+            raise StorageError(f"the part of the node of rank {leader} rebuilt here differs from its leader's")
+        storage.write_bytes_atomic(f"{step_dir}/{name}", data)
     return list(parts)
 
 
@@ -119,27 +138,29 @@ def replicate(
     peers: PeerGroup,
     slot: Slot,
     compress: str | None,
+    layouts: Callable[[str], Layout | None] | None = None,
 ) -> None:
     """Send this rank's file (`write`; None: nothing to send) to its replica targets; store
     verified copies of what its sources send (`reports`: theirs and the targets').
     Both ends of a transfer decide from the same report: a rank that could not write
     sends nothing and its targets expect nothing from it; nobody sends to a target
     that skipped the step (its persist thread never runs it). The step will not be
-    committed then anyway."""
+    committed then anyway. `layouts`: where the layouts of reports sent by reference are
+    found (report_layouts.lookup)."""
     import torch
 
     step_dir = step_dir_name(step)
-    incoming: dict[str, tuple[list[dict[str, Any]], int]] = {}
+    incoming: dict[str, tuple[list[tuple[str, int, int, str]], int]] = {}
     plan: list[Transfer] = []
     for t in layout.transfers_of(ctx.rank, ctx.nodes, k):
         if t.src == ctx.rank:
             if write is not None and not decode_report(t.dst, reports.get(t.dst, ""), ctx.world_size).skipped:
                 plan.append(Transfer(t.src, t.dst, write.file))
             continue
-        report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size)
+        report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size, layouts)
         if report.file is None or report.error:
             continue
-        incoming[report.file] = (report.tensors(), report.nbytes)  # validated: checked on arrival
+        incoming[report.file] = (report.chunks(), report.nbytes)  # validated: checked on arrival
         plan.append(Transfer(t.src, t.dst, report.file))
     sizes = {(t.src, t.file): (write.nbytes if t.src == ctx.rank else incoming[t.file][1]) for t in plan}
     own = slot.image() if compress is None else None  # uncompressed, the data file is the slot's image
@@ -155,17 +176,11 @@ def replicate(
 
     def store(name: str, buf) -> None:
         data = buf.numpy().data
-        tensors, nbytes = incoming[name]
+        chunks, nbytes = incoming[name]
         if len(data) != nbytes:
             raise CorruptCheckpointError(f"replica {name} of step {step}: {len(data)} bytes arrived, {nbytes} reported")
-        for t in tensors:
-            for sh in t["shards"]:
-                for c in sh["chunks"]:
-                    codec.check(
-                        data[c["offset"] : c["offset"] + c["length"]],
-                        c["checksum"],
-                        f"replica {name} of step {step} (tensor {t['name']!r})",
-                    )
+        for tensor, offset, length, checksum in chunks:
+            codec.check(data[offset : offset + length], checksum, f"replica {name} of step {step} (tensor {tensor!r})")
         with storage.open_write(f"{step_dir}/{name}", recycle=True) as f:
             f.write(data)
 
