@@ -468,6 +468,12 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                     else ""
                 )
             )
+            if v.get("coord_floor_cpu_s"):
+                print(
+                    f"  {name}: floor of that coordination (the same files, store requests and JSON documents "
+                    "per snapshot, no ftkit code, under the same training; benchmarks/coord_floor.py): "
+                    + "/".join(fmt_s(x) for x in v["coord_floor_cpu_s"])
+                )
         for name, v in t.items():
             target(
                 f"training-step slowdown < {TARGET_SLOWDOWN * 100:.0f}% ({name})",
@@ -1013,6 +1019,9 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
                 ck.wait()  # a block's tail persist does not spill into the next block
                 cpu[block] += time.process_time() - c0
         failed = ck.stats.failed
+        R.barrier()
+        floor_cpu = coord_floor_cpu(a, R, kind, base_fn, step + 1)
+        step += 2 * a.steps
     finally:
         ck.close()
     R.barrier()
@@ -1036,6 +1045,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
             "job_wall": median([j[0] for j in jobs]),
             "job_cpu": median([j[1] for j in jobs]),
             "coord_cpu": median(coord) if coord else None,
+            "floor_cpu": floor_cpu,
         }
     )
     if any(p["failed"] for p in per):
@@ -1070,11 +1080,51 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
         "persist_wall_s": [p["job_wall"] for p in per],
         "persist_cpu_s": [p["job_cpu"] for p in per],
         "coord_cpu_s": [p["coord_cpu"] for p in per],
+        "coord_floor_cpu_s": [p["floor_cpu"] for p in per],
         "base_all_s": b,
         "attached_all_s": at,
         "ftkit_all_s": f,
         "stall_all_s": s,
     }
+
+
+def coord_floor_cpu(a: argparse.Namespace, R: Ranks, kind: str, train_step, first_step: int) -> float:
+    """The floor under this rank's RAM-tier commit coordination (coord_floor.py): its share of
+    the files, store requests and JSON of one snapshot, on the payloads of the newest step."""
+    import glob
+
+    from coord_floor import Floor, measure
+    from torch.distributed import distributed_c10d
+
+    node = R.rank // R.per_node
+    ranks = range(node * R.per_node, (node + 1) * R.per_node)
+    indexes = sorted(glob.glob(os.path.join(a.shm, f"train-{kind}", "*", "step-*", "manifest.json")))
+    index = open(indexes[-1], "rb").read()  # noqa: SIM115 (read whole)
+    step_dir = os.path.dirname(indexes[-1])
+    mine = [p for p in json.loads(index)["parts"] if p["ranks"][0][0] == node * R.per_node][0]
+    part = open(os.path.join(step_dir, mine["file"]), "rb").read()  # noqa: SIM115
+    doc = json.loads(part)
+    reports = {}
+    for r in ranks:
+        (file,) = [f for f, info in doc["files"].items() if info["rank"] == r]
+        sums = [c["checksum"] for t in doc["tensors"] for s in t["shards"] if s["rank"] == r for c in s["chunks"]]
+        head = {"file": file, "nbytes": doc["files"][file]["bytes"], "error": None}
+        head.update(rank_state=doc["rank_state"].get(str(r), {}), skipped=False, layout="0" * 40, sums=sums)
+        reports[str(r)] = json.dumps(head) + "\n"
+    ref = {k: mine[k] for k in ("file", "checksum")}
+    record = {"part": {**mine}, "files": {f: i["bytes"] for f, i in doc["files"].items()}, "errors": []}
+    payloads = {
+        "report": reports[str(ranks[-1])].encode(),
+        "outcome": b'{"errors":[]}',
+        "part": part,
+        "record": json.dumps({**reports, "part": ref}).encode(),
+        "node_record": json.dumps({**record, "stored": 0, "skipped": False}).encode(),
+        "index": index,
+    }
+    floor = Floor(R.rank, R.world, R.per_node, a.shm, distributed_c10d._get_default_store(), payloads)
+    floor.prepare()
+    R.barrier()
+    return measure(floor, train_step, 2 * a.steps, first_step)
 
 
 def fs_description(path: str) -> str:

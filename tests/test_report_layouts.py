@@ -5,12 +5,13 @@ must be what the whole report said, and anything forged reads as that rank's err
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 
 import pytest
 
 from ftkit.format import codec
 from ftkit.format.manifest import Chunk, Shard, TensorEntry
-from ftkit.save import part_template, report_layouts
+from ftkit.save import part_template, report_layouts, reports
 from ftkit.save.report_layouts import Layout, board_name, from_board, layout_of, lookup
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.write import RankWrite
@@ -30,8 +31,10 @@ def _write(rank: int, token: str, step: int = 0, names=("w", "b"), elsewhere: bo
 
 
 def _fresh(monkeypatch) -> None:
+    """A process that has seen no layout and decoded no report."""
     monkeypatch.setattr(report_layouts, "book", report_layouts._Book())
     monkeypatch.setattr(report_layouts, "_sent", [])
+    monkeypatch.setattr(reports, "_decoded", OrderedDict())
 
 
 def test_a_report_by_reference_reads_as_the_whole_report(monkeypatch):
@@ -65,7 +68,7 @@ def test_a_layout_is_fetched_once_and_a_forged_body_is_not_taken(monkeypatch):
     assert ref is not None
     layout = ref[0]
     text = NodeReport.encode(write, None, None, ref=ref)
-    monkeypatch.setattr(report_layouts, "book", report_layouts._Book())  # a receiver that has never seen it
+    _fresh(monkeypatch)  # a receiver that has never seen it
     fetched = []
     forged = layout.body.replace('"float32"', '"float16"')
 
@@ -124,9 +127,9 @@ def test_a_leader_reads_its_ranks_layouts_from_the_board(tmp_path, monkeypatch):
     assert ref is not None
     board.post_once(board_name(ref[0].digest), ref[0].body)
     text = NodeReport.encode(write, None, None, ref=ref)
-    monkeypatch.setattr(report_layouts, "book", report_layouts._Book())  # the leader's process
+    _fresh(monkeypatch)  # the leader's process
     assert decode_report(1, text, WORLD, lookup(from_board(board))).error is None
-    monkeypatch.setattr(report_layouts, "book", report_layouts._Book())
+    _fresh(monkeypatch)
     (tmp_path / board.path / board_name(ref[0].digest)).unlink()  # gone: the rank's error, not a hang
     assert "not to be found" in (decode_report(1, text, WORLD, lookup(from_board(board))).error or "")
     board.post_once(board_name(ref[0].digest), ref[0].body)  # posted again, since it is gone

@@ -21,11 +21,13 @@ none or a report's values do not fit it.
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,12 +105,25 @@ class PartTemplate:
             return None
         if any(json.dumps(f)[1:-1] != f for f in files):  # goes in as is: nothing to escape
             return None
-        out = [part_head(step)]
-        for segment, (i, k) in zip(self.segments, self.slots, strict=False):
-            out.append(segment)
-            out.append(files[i] if k < 0 else sums[i][k])
-        out.append(self.segments[-1])
-        return "".join(out).encode()
+        values: list[str] = [*files]
+        for rank_sums in sums:
+            values += rank_sums
+        return (part_head(step) + self._format % self._pick(values)).encode()
+
+    @functools.cached_property
+    def _format(self) -> str:
+        """The segments joined by %s: one C call fills a part (a loop over its slots in Python
+        was most of a leader's part)."""
+        return "%s".join(segment.replace("%", "%%") for segment in self.segments)
+
+    @functools.cached_property
+    def _pick(self) -> Callable[[list[str]], tuple[str, ...]]:
+        """The slots' values, in order, from [files..., rank 0's sums..., rank 1's sums...]."""
+        starts = [len(self.counts) + sum(self.counts[:i]) for i in range(len(self.counts))]
+        at = [i if k < 0 else starts[i] + k for i, k in self.slots]
+        if len(at) == 1:
+            return lambda values: (values[at[0]],)
+        return operator.itemgetter(*at) if at else (lambda values: ())
 
 
 class _Templates:

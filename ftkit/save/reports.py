@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -219,8 +221,24 @@ def decode_report(
     rank: int, text: str, world_size: int, layouts: Callable[[str], Layout | None] | None = None
 ) -> NodeReport:
     """A report, or (when it does not even parse) an error report in its place, so that
-    every rank sees the same outcome and the step is simply not committed."""
+    every rank sees the same outcome and the step is simply not committed. A leader decodes
+    a replica source's reports twice in a step (to check the replicas, to rebuild the part):
+    the last few that decoded are kept."""
+    key = (rank, world_size, text)
+    with _decoded_lock:
+        hit = _decoded.get(key)
+    if hit is not None:
+        return hit
     try:
-        return NodeReport.decode(rank, text, world_size, layouts)
-    except FormatError as e:
+        report = NodeReport.decode(rank, text, world_size, layouts)
+    except FormatError as e:  # (not kept: a layout not found now may be found later)
         return NodeReport(rank, None, 0, f"unreadable report: {e}", {}, "[]", False, world_size)
+    with _decoded_lock:
+        _decoded[key] = report
+        while len(_decoded) > 16:
+            _decoded.popitem(last=False)
+    return report
+
+
+_decoded: OrderedDict[tuple[int, int, str], NodeReport] = OrderedDict()
+_decoded_lock = threading.Lock()
