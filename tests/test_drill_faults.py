@@ -143,7 +143,9 @@ def test_drill_of_a_user_script(tmp_path):
     assert rc == 0 and res["passed"], out[-4000:]
     assert list(res["checkpoints"].values()) == [40]  # the final step, verified
     f = by_kind(res)
-    assert f["kill"]["outcome"]["steps_lost"] <= 1 and f["crash"]["outcome"]["steps_lost"] <= 1
+    for kind in ("kill", "crash"):  # one step recomputed, plus the snapshot in flight if the pipeline lagged
+        o = f[kind]["outcome"]
+        assert o["steps_lost"] <= 1 + (1 if o["snapshot_in_flight"] else 0), (kind, o)
     assert f["term"]["outcome"]["steps_lost"] == 0 and f["kill"]["outcome"]["restored_from"] == "ram"
     term = f["term"]["outcome"]  # saved where it stopped: the agreed step, after the notice
     assert term["detected_by"] == "preemption (SIGTERM)" and term["resumed_from"] > f["term"]["injected_step"]
