@@ -40,6 +40,7 @@ requests per interval, 990% of this store's capacity at 256 ranks).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -90,6 +91,41 @@ def capacity_worker(port: int, seconds: float, q: Any) -> None:
         store.multi_get(keys)
         n += 2
     q.put(n)
+
+
+class StoreServer:
+    """A TCPStore master in a child process of its own. The benches fork their workers, and a
+    fork of a process whose store server thread is running can deadlock (seen once: a capacity
+    worker stuck connecting, the bench waiting forever), so no process that forks serves it."""
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_store, args=(child, timeout_s), daemon=True)
+        self.proc.start()
+        self.port: int = self._conn.recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("stop")
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve_store(conn: Any, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    conn.send(server.port)
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv()  # until told to stop, or the parent is gone
 
 
 def measure_capacity(port: int, clients: int = 4, seconds: float = 2.0) -> float:
@@ -393,6 +429,14 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         return RankWrite(rank, file, 64, (tensor,)), None
 
     node_commit.write_share = write_share  # type: ignore[assignment]
+    # This process plays hundreds of ranks. A real rank's process keeps the few layouts, checks
+    # and part templates of its own node and its replica partners (save/report_layouts.py,
+    # reports.py, part_template.py); the shared caches get room for all the ranks played here,
+    # or every step would refetch and recheck what a real process has kept.
+    from ftkit.save import part_template, report_layouts, reports
+
+    report_layouts.book.limit = report_layouts.SENT_LIMIT = reports._checked_reports.limit = 4 * world
+    part_template._templates.limit = 4 * world
     storages, groups, news = {}, {}, {}
     for n in mine:
         storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
@@ -585,22 +629,20 @@ def main() -> int:
     p.add_argument("--quiet-s", type=float, default=120.0, help="simulated seconds with no fault, at the end")
     p.add_argument("--json", help="append one JSON line per size here")
     a = p.parse_args()
-    import torch.distributed as dist
-
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
-    capacity = measure_capacity(server.port)
-    print(f"store capacity, set + multi_get from 4 client processes: {capacity:,.0f} requests/s", flush=True)
     rows = []
-    for world in a.ranks:
-        print(f"  .. {world} ranks ({world // a.per_node} nodes)", file=sys.stderr, flush=True)
-        row = run_size(world, a.per_node, a.procs, server.port, capacity, a.quiet_s)
-        row.update(run_commits(world, a.per_node, a.procs, server.port))
-        row["commit_store_requests_limit"] = 2 * row["nodes"] + 10  # the issue's target
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    with StoreServer() as server:
+        capacity = measure_capacity(server.port)
+        print(f"store capacity, set + multi_get from 4 client processes: {capacity:,.0f} requests/s", flush=True)
+        for world in a.ranks:
+            print(f"  .. {world} ranks ({world // a.per_node} nodes)", file=sys.stderr, flush=True)
+            row = run_size(world, a.per_node, a.procs, server.port, capacity, a.quiet_s)
+            row.update(run_commits(world, a.per_node, a.procs, server.port))
+            row["commit_store_requests_limit"] = 2 * row["nodes"] + 10  # the issue's target
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if a.json:
+                with open(a.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
     print()
     cols = ("ranks", "nodes", "req/interval", "busy", "cpu ms/node", "dead", "aggr", "hung", "false")
     cols += ("commit ms", "commit req", "index B", "plan s", "RAM ms", "RAM req", "RAM index B")

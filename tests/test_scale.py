@@ -5,7 +5,6 @@ must not grow with the world size and that every injected fault is found."""
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 @pytest.mark.timeout(300)
 def test_the_watchdog_at_1024_ranks_costs_two_store_requests_per_node_and_finds_every_fault():
-    import torch.distributed as dist
-    from bench_scale import run_size
+    from bench_scale import StoreServer, run_size
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    row = run_size(1024, 8, 2, server.port, capacity=1.0, quiet_s=10.0)
+    server = StoreServer(60.0)  # served by a process that forks nothing (a fork beside its thread can hang)
+    try:
+        row = run_size(1024, 8, 2, server.port, capacity=1.0, quiet_s=10.0)
+    finally:
+        server.close()
     assert row["nodes"] == 128
     assert row["store_requests_per_interval"] == 2 * 128  # a set and a multi_get per node; nothing per rank
     assert row["false_verdicts"] == 0, row["false_examples"]
@@ -34,11 +35,13 @@ def test_the_watchdog_at_1024_ranks_costs_two_store_requests_per_node_and_finds_
 def test_a_shared_tier_commit_at_1024_ranks_costs_two_store_requests_per_node():
     """The real commit protocol of 128 simulated nodes (boards, parts, index on tmpfs) and the
     real restore planner over their inventories: request counts that follow the nodes."""
-    import torch.distributed as dist
-    from bench_scale import run_commits
+    from bench_scale import StoreServer, run_commits
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    row = run_commits(1024, 8, 2, server.port)
+    server = StoreServer(60.0)  # served by a process that forks nothing (a fork beside its thread can hang)
+    try:
+        row = run_commits(1024, 8, 2, server.port)
+    finally:
+        server.close()
     # A record set and deleted per node (rank 0's own is neither), rank 0's wait and multi_get.
     assert row["commit_store_requests_per_step"] == 2 * 127 + 2 <= 2 * 128 + 10
     # The index: ~110 bytes per node's part and the skeleton, nothing per rank or tensor.

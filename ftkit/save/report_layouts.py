@@ -168,6 +168,7 @@ def lookup(fetch: Callable[[str], bytes | None] | None) -> Callable[[str], Layou
 
 
 # ------------------------------------------------------------------ the sender's side
+SENT_LIMIT = 8  # structures of writes remembered (a process has a rank or two; bench_scale plays hundreds)
 _sent: list[tuple[list[Any], Layout | None]] = []  # the last few structures of writes, newest last
 
 
@@ -193,7 +194,7 @@ def layout_of(write: Any) -> tuple[Layout, list[str]] | None:
         hit = (shape, _body_of(write))
         with _lock:
             _sent.append(hit)
-            del _sent[:-8]
+            del _sent[:-SENT_LIMIT]
     layout = hit[1]
     if layout is None:
         return None
