@@ -17,13 +17,14 @@ chunk order (`NodeReport` "by reference")::
 
 Bodies are untrusted like every message: a body is taken only when it hashes to its name,
 and a report by reference is validated as the report it stands for (its layout once per
-rank, byte count and world; its file name and checksums at every step). A report whose
+byte count and world size; its file name and checksums at every step). A report whose
 layout cannot be found reads as that rank's error: the step is simply not committed.
 
 Order of calls: a sender `layout_of(write)` -> (Layout, checksums) or None (send inline);
-posts `layout.body` where its receivers look (`post_to_board`) before its report. A receiver
-decodes reports with `lookup(fetch)`, which returns known layouts from this process's book
-and fetches, checks and keeps unknown ones.
+a non-leader posts `layout.body` to its board (NodeBoard.post_once) before its report; a
+leader publishes its node's bodies in the store (`Published`) before the record naming them.
+A receiver decodes reports with `lookup(from_board(...))` or `lookup(from_store(...))`, which
+returns known layouts from this process's book and fetches, checks and keeps unknown ones.
 """
 
 from __future__ import annotations
