@@ -261,6 +261,7 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
     import random
 
     from ftkit.save import part_template
+    from ftkit.save.lru import Lru
     from ftkit.save.manifests import build_part
     from ftkit.save.reports import decode_report
 
@@ -270,7 +271,7 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
     built = []
     real_build = part_template.build_part
     monkeypatch.setattr(part_template, "build_part", lambda *a: built.append(a[1]) or real_build(*a))
-    monkeypatch.setattr(part_template, "_templates", part_template._Templates())
+    monkeypatch.setattr(part_template, "_templates", Lru(8))
     rng = random.Random(0)
 
     def reports(step: int, rows: int | None = None, own: dict | None = None) -> list:

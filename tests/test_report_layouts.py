@@ -5,13 +5,13 @@ must be what the whole report said, and anything forged reads as that rank's err
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 
 import pytest
 
 from ftkit.format import codec
 from ftkit.format.manifest import Chunk, Shard, TensorEntry
 from ftkit.save import part_template, report_layouts, reports
+from ftkit.save.lru import Lru
 from ftkit.save.report_layouts import Layout, board_name, from_board, layout_of, lookup
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.write import RankWrite
@@ -32,9 +32,9 @@ def _write(rank: int, token: str, step: int = 0, names=("w", "b"), elsewhere: bo
 
 def _fresh(monkeypatch) -> None:
     """A process that has seen no layout and decoded no report."""
-    monkeypatch.setattr(report_layouts, "book", report_layouts._Book())
+    monkeypatch.setattr(report_layouts, "book", Lru(256))
     monkeypatch.setattr(report_layouts, "_sent", [])
-    monkeypatch.setattr(reports, "_decoded", OrderedDict())
+    monkeypatch.setattr(reports, "_decoded", Lru(16))
 
 
 def test_a_report_by_reference_reads_as_the_whole_report(monkeypatch):

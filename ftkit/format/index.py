@@ -97,17 +97,6 @@ def part_ref(name: str, data: bytes, ranks: list[int]) -> dict[str, Any]:
     return {"file": name, "bytes": len(data), "checksum": codec.checksum(data), "ranks": rank_runs(ranks)}
 
 
-def index_json(
-    step: int,
-    world_size: int,
-    parts: list[dict[str, Any]],
-    skeleton: dict[str, Any],
-    created_at: float,
-    writer: dict[str, Any],
-) -> bytes:
-    return encode_index(index_doc(step, world_size, parts, skeleton, created_at, writer))
-
-
 def encode_index(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 

@@ -25,14 +25,13 @@ import functools
 import json
 import operator
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ftkit.format.index import part_file_name, part_head, part_json
 from ftkit.format.validate import CHECKSUM_RE
+from ftkit.save.lru import Lru
 from ftkit.save.manifests import build_part, files_and_tensors
 from ftkit.save.reports import NodeReport
 from ftkit.tiers.storage import Storage
@@ -126,26 +125,7 @@ class PartTemplate:
         return operator.itemgetter(*at) if at else (lambda values: ())
 
 
-class _Templates:
-    """The last few templates by layout (every Checkpointer's persist thread uses them)."""
-
-    def __init__(self, limit: int = 8):
-        self.limit = limit
-        self._by_key: OrderedDict[Any, PartTemplate] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Any) -> PartTemplate | None:
-        with self._lock:
-            return self._by_key.get(key)
-
-    def put(self, key: Any, template: PartTemplate) -> None:
-        with self._lock:
-            self._by_key[key] = template
-            while len(self._by_key) > self.limit:
-                self._by_key.popitem(last=False)
-
-
-_templates = _Templates()
+_templates: Lru[Any, PartTemplate] = Lru(8)  # the last few templates, by layout
 
 
 def node_part_bytes(

@@ -33,13 +33,13 @@ import hashlib
 import json
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
+from ftkit.save.lru import Lru
 
 FILE_MARK = '"@ftkit-file@"'
 SUM_MARK = '"@ftkit-sum@"'
@@ -104,8 +104,7 @@ class Layout:
 
 def _spans(layout: Layout, file: str) -> tuple[tuple[str, int, int], ...]:
     key = (layout.digest, file)
-    with _lock:
-        hit = _span_cache.get(key)
+    hit = _span_cache.get(key)
     if hit is None:
         hit = tuple(
             (str(t["name"]), int(c["offset"]), int(c["length"]))
@@ -113,38 +112,12 @@ def _spans(layout: Layout, file: str) -> tuple[tuple[str, int, int], ...]:
             for s in t["shards"]
             for c in s["chunks"]
         )
-        with _lock:
-            _span_cache[key] = hit
-            while len(_span_cache) > 64:
-                _span_cache.popitem(last=False)
+        _span_cache.put(key, hit)
     return hit
 
 
-_lock = threading.Lock()
-_span_cache: OrderedDict[tuple[str, str], tuple[tuple[str, int, int], ...]] = OrderedDict()
-
-
-class _Book:
-    """The layouts this process knows, by name (bounded: the last `limit`)."""
-
-    def __init__(self, limit: int = 256) -> None:
-        self.limit = limit
-        self._by_digest: OrderedDict[str, Layout] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, digest: str) -> Layout | None:
-        with self._lock:
-            return self._by_digest.get(digest)
-
-    def add(self, layout: Layout) -> None:
-        with self._lock:
-            self._by_digest[layout.digest] = layout
-            self._by_digest.move_to_end(layout.digest)
-            while len(self._by_digest) > self.limit:
-                self._by_digest.popitem(last=False)
-
-
-book = _Book()
+_span_cache: Lru[tuple[str, str], tuple[tuple[str, int, int], ...]] = Lru(64)
+book: Lru[str, Layout] = Lru(256)  # the layouts this process knows, by name
 
 
 def lookup(fetch: Callable[[str], bytes | None] | None) -> Callable[[str], Layout | None]:
@@ -162,7 +135,7 @@ def lookup(fetch: Callable[[str], bytes | None] | None) -> Callable[[str], Layou
             layout = Layout.of_body(raw.decode(), digest)
         except (UnicodeDecodeError, FormatError):
             return None
-        book.add(layout)
+        book.put(digest, layout)
         return layout
 
     return resolve
@@ -171,6 +144,7 @@ def lookup(fetch: Callable[[str], bytes | None] | None) -> Callable[[str], Layou
 # ------------------------------------------------------------------ the sender's side
 SENT_LIMIT = 8  # structures of writes remembered (a process has a rank or two; bench_scale plays hundreds)
 _sent: list[tuple[list[Any], Layout | None]] = []  # the last few structures of writes, newest last
+_lock = threading.Lock()  # (of _sent: every Checkpointer's persist thread encodes)
 
 
 def layout_of(write: Any) -> tuple[Layout, list[str]] | None:
@@ -199,7 +173,7 @@ def layout_of(write: Any) -> tuple[Layout, list[str]] | None:
     layout = hit[1]
     if layout is None:
         return None
-    book.add(layout)  # this rank's own: its leader (maybe itself) needs no fetch
+    book.put(layout.digest, layout)  # this rank's own: its leader (maybe itself) needs no fetch
     return layout, sums
 
 

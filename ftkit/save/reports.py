@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +24,7 @@ from ftkit.errors import FormatError
 from ftkit.format.index import LayoutMemo
 from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
+from ftkit.save.lru import Lru
 from ftkit.save.report_layouts import Layout, is_digest
 from ftkit.save.write import RankWrite
 
@@ -225,20 +224,15 @@ def decode_report(
     a replica source's reports twice in a step (to check the replicas, to rebuild the part):
     the last few that decoded are kept."""
     key = (rank, world_size, text)
-    with _decoded_lock:
-        hit = _decoded.get(key)
+    hit = _decoded.get(key)
     if hit is not None:
         return hit
     try:
         report = NodeReport.decode(rank, text, world_size, layouts)
     except FormatError as e:  # (not kept: a layout not found now may be found later)
         return NodeReport(rank, None, 0, f"unreadable report: {e}", {}, "[]", False, world_size)
-    with _decoded_lock:
-        _decoded[key] = report
-        while len(_decoded) > 16:
-            _decoded.popitem(last=False)
+    _decoded.put(key, report)
     return report
 
 
-_decoded: OrderedDict[tuple[int, int, str], NodeReport] = OrderedDict()
-_decoded_lock = threading.Lock()
+_decoded: Lru[tuple[int, int, str], NodeReport] = Lru(16)

@@ -9,6 +9,7 @@ run's files).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -90,3 +91,33 @@ def fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+SMALL_WRITE = 2**20  # metadata (a part, an index): a few syscalls, not a buffered file object
+
+
+def write_small(full: str, data: bytes) -> None:
+    """Storage.open_write for a small local file in one write: a temporary name, fsync, rename, fsync of the
+    directory; the temporary removed on any failure. (A third of the syscalls and none of the
+    buffer: a node's leader writes three or four of these at every RAM-tier commit.)"""
+    tmp = f"{full}.tmp-{os.urandom(4).hex()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(tmp, flags, 0o666)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        fd = os.open(tmp, flags, 0o666)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, full)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(full))

@@ -35,9 +35,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ftkit.errors import FtkitError, StorageError, UnknownProtocolError
 from ftkit.errors import one_line as _one_line
+from ftkit.tiers.localfs import SMALL_WRITE, no_links_within, open_regular, write_small
 from ftkit.tiers.localfs import fsync_dir as _fsync_dir
 from ftkit.tiers.localfs import local_kind as _local_kind
-from ftkit.tiers.localfs import no_links_within, open_regular
 from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
 from ftkit.tiers.uploads import abort_upload, list_incomplete_uploads
 
@@ -322,10 +322,10 @@ class Storage:
                             (getattr(f, "discard", None) or f.close)()
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
-        if self.is_local and len(data) <= _SMALL_WRITE:
+        if self.is_local and len(data) <= SMALL_WRITE:
             with self._errors("writing", rel):
                 self._no_links_within(rel)
-                _write_small(self.path(rel), data)
+                write_small(self.path(rel), data)
             return
         if self.is_local:
             with self.open_write(rel) as f:
@@ -396,36 +396,6 @@ class Storage:
     def makedirs(self, rel: str) -> None:
         with self._errors("creating", rel):
             self.fs.makedirs(self.path(rel), exist_ok=True)
-
-
-_SMALL_WRITE = 2**20  # metadata (a part, an index): a few syscalls, not a buffered file object
-
-
-def _write_small(full: str, data: bytes) -> None:
-    """open_write for a small file in one write: a temporary name, fsync, rename, fsync of the
-    directory; the temporary removed on any failure. (A third of the syscalls and none of the
-    buffer: a node's leader writes three or four of these at every RAM-tier commit.)"""
-    tmp = f"{full}.tmp-{os.urandom(4).hex()}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(tmp, flags, 0o666)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        fd = os.open(tmp, flags, 0o666)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, full)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(os.path.dirname(full))
 
 
 def _lstat(path: str) -> os.stat_result | None:
