@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ftkit.errors import CaptureError, StateMismatchError
-from ftkit.save.capture import apply, capture, decode, rng_state, set_rng_state
+from ftkit.save.capture import apply, capture, decode
+from ftkit.save.rng import rng_state, set_rng_state
 
 
 def test_skeleton_round_trips_types_json_cannot_express():

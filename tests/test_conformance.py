@@ -16,8 +16,9 @@ from conftest import assert_same_values, make_state, run_cli, snapshot_values, t
 
 import ftkit
 from ftkit.errors import CorruptCheckpointError
+from ftkit.format.data import verify
 from ftkit.format.manifest import step_dir_name
-from ftkit.format.reader import committed_steps, load_manifest, verify
+from ftkit.format.reader import committed_steps, load_manifest
 from ftkit.save.layout import Layout
 from ftkit.save.staging import StagingArena
 from ftkit.save.write import write_data

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import ftkit
-from ftkit.format.reader import load_manifest, read_tensors
+from ftkit.format.data import read_tensors
+from ftkit.format.reader import load_manifest
 from ftkit.save import capture as cap
 
 ON_CPU = os.environ.get("FTKIT_CUDA_TESTS_ON_CPU") == "1"

@@ -20,8 +20,9 @@ from conftest import make_state, run_cli, snapshot_values
 
 import ftkit
 from ftkit.errors import FormatError
+from ftkit.format.data import read_tensors
 from ftkit.format.manifest import MANIFEST_NAME, manifest_json, step_dir_name
-from ftkit.format.reader import load_manifest, read_tensors
+from ftkit.format.reader import load_manifest
 from ftkit.save.manifests import merge_write_docs, write_part
 
 NODES = ({0, 1}, {2, 3})

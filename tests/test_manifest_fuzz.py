@@ -25,8 +25,9 @@ from conftest import make_state, manifest_doc, run_cli, write_manifest_doc
 
 import ftkit
 from ftkit.errors import CorruptCheckpointError, FormatError, StorageError
+from ftkit.format.data import read_tensors, verify
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.format.reader import load_manifest, read_tensors, verify
+from ftkit.format.reader import load_manifest
 from ftkit.format.validate import ZSTD_MAX_RATIO
 
 ITERATIONS = int(__import__("os").environ.get("FTKIT_FUZZ_ITERATIONS", "150"))

@@ -18,7 +18,8 @@ import torch
 from fakedevice import POLICIES, FakeDevice, FakeEvent, FakeStream
 
 import ftkit
-from ftkit.format.reader import load_manifest, read_tensors
+from ftkit.format.data import read_tensors
+from ftkit.format.reader import load_manifest
 from ftkit.save import capture as cap
 from ftkit.save import staging
 from ftkit.save.device import DeviceOps

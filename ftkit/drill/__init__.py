@@ -6,10 +6,12 @@
 schedule.py  the fault language (pure)
 job.py       torchrun under drill, fault points, the injectors
 verify.py    faults matched to recoveries; states and checkpoints checked
-run.py       the order of a drill, reports, the command line
+run.py       the order of a drill, its reports
+cli.py       the command line and the printed summary
 """
 
-from ftkit.drill.run import DEFAULT_FAULTS, main, run_drill
+from ftkit.drill.cli import main
+from ftkit.drill.run import DEFAULT_FAULTS, run_drill
 from ftkit.drill.schedule import Fault, parse_faults, random_faults
 
 __all__ = ["DEFAULT_FAULTS", "Fault", "main", "parse_faults", "random_faults", "run_drill"]

@@ -196,7 +196,8 @@ def compare_states(faulted_pt: str, clean_pt: str, errors: list[str]) -> bool:
 def verify_checkpoints(events: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
     """A user's script: the newest committed step of every durable tier it used verifies."""
     from ftkit.errors import FtkitError
-    from ftkit.format.reader import committed_steps, load_manifest, verify
+    from ftkit.format.data import verify
+    from ftkit.format.reader import committed_steps, load_manifest
     from ftkit.tiers.storage import Storage
 
     urls = sorted({u for e in events if e["event"] == "start" for u in e.get("tiers", []) if u not in ("ram", "peer")})

@@ -97,7 +97,8 @@ from ftkit.integrations._hf_stream import (
     trainer_layout,
     why_not_continued,
 )
-from ftkit.save.capture import RankLocal, rng_state, set_rng_state
+from ftkit.save.capture import RankLocal
+from ftkit.save.rng import rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.huggingface")
 

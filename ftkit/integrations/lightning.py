@@ -89,7 +89,8 @@ from ftkit.integrations._lightning_loop import (
     slurm_requeue_signal,
 )
 from ftkit.integrations.sampler import ResumableDistributedSampler
-from ftkit.save.capture import RankLocal, rng_state, set_rng_state
+from ftkit.save.capture import RankLocal
+from ftkit.save.rng import rng_state, set_rng_state
 
 log = logging.getLogger("ftkit.lightning")
 

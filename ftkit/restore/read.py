@@ -21,20 +21,13 @@ import torch
 
 from ftkit.coord.agree import agree
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
+from ftkit.format.data import check_file_sizes, read_regions, torch_dtype
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
-from ftkit.format.reader import (
-    check_file_sizes,
-    load_index,
-    load_manifest,
-    manifest_from,
-    missing_parts,
-    parse_manifest_header,
-    read_regions,
-    torch_dtype,
-)
+from ftkit.format.reader import load_index, load_manifest, manifest_from, missing_parts, parse_manifest_header
 from ftkit.restore.context import RestoreContext
 from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
+from ftkit.save.rng import rng_problems
 from ftkit.save.sharding import RANK_LOCAL, dtensor_region, is_dtensor
 from ftkit.tiers.backend import NodeRamTier
 from ftkit.tiers.peers import Transfer
@@ -273,7 +266,7 @@ def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
             )
         else:
             try:
-                problems = cap.rng_problems(cap.decode(rng_value, tensors))
+                problems = rng_problems(cap.decode(rng_value, tensors))
             except KeyError as e:
                 problems = [f"it names tensor {e} that this rank did not read"]
             if problems:

@@ -12,8 +12,9 @@ from ftkit.errors import (
     CorruptCheckpointError,
     UsageError,
 )
+from ftkit.format.data import verify
 from ftkit.format.manifest import Manifest
-from ftkit.format.reader import load_manifest, newest_manifest, scan, verify
+from ftkit.format.reader import load_manifest, newest_manifest, scan
 from ftkit.tiers.storage import Storage
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, progress_bar, summary, when
 

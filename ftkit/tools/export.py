@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ftkit.errors import FtkitError
+from ftkit.format.data import read_tensors
 from ftkit.format.manifest import Manifest
-from ftkit.format.reader import read_tensors
 from ftkit.save import capture as cap
 from ftkit.tiers.storage import Storage
 

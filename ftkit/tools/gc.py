@@ -34,8 +34,9 @@ from ftkit.errors import (
     StorageError,
     UsageError,
 )
+from ftkit.format.data import verify
 from ftkit.format.manifest import parse_step_dir, step_dir_name
-from ftkit.format.reader import load_manifest, scan, verify
+from ftkit.format.reader import load_manifest, scan
 from ftkit.tiers.lifecycle import delete_step
 from ftkit.tiers.retention import CollectionPlan, StepInfo, plan_collection
 from ftkit.tiers.storage import Storage

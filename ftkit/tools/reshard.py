@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from ftkit.format.data import read_tensors
 from ftkit.format.manifest import Manifest
-from ftkit.format.reader import read_tensors
 from ftkit.save.layout import Layout
 from ftkit.save.manifests import commit
 from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block

@@ -1,0 +1,273 @@
+"""A step's data files: their sizes checked against its manifest, every chunk verified
+as it is read, whole tensors or regions of them read into memory.
+
+Order of calls: a manifest from reader.py (`load_manifest`, `manifest_from`), then
+`verify` (an operator's check: every chunk, never skipping checksums) or
+`read_tensors` / `read_regions` (a restore: only the chunks a region needs, each
+checked where it lands). `check_file_sizes` runs first in each, before anything is
+allocated on the manifest's word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ftkit.errors import CorruptCheckpointError, FormatError
+from ftkit.format import codec
+from ftkit.format.manifest import Chunk, Manifest, step_dir_name
+from ftkit.save.sharding import byte_span, overlap
+from ftkit.tiers.storage import Storage
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _chunk_jobs(manifest: Manifest):
+    """(chunk, tensor name, shard index) grouped by file, in file order: sequential reads."""
+    by_file: dict[str, list] = {}
+    for t in manifest.tensors:
+        for si, s in enumerate(t.shards):
+            for c in s.chunks:
+                by_file.setdefault(c.file, []).append((c, t.name, si))
+    for name in by_file:
+        by_file[name].sort(key=lambda x: x[0].offset)
+    return by_file
+
+
+def check_file_sizes(storage: Storage, manifest: Manifest, only: Iterable[str] | None = None) -> None:
+    """The data files (of `only`, default all) exist with the sizes the manifest declares.
+
+    Validation bounded every byte count by the declared sizes; this binds those to
+    what storage really holds, so run it before allocating anything on a manifest's
+    word. One listing of the step directory."""
+    step_dir = step_dir_name(manifest.step)
+    names = sorted(set(only) if only is not None else manifest.files)
+    if not names:
+        return
+    sizes = storage.list_sizes(step_dir)
+    for name in names:
+        rel = f"{step_dir}/{name}"
+        if name not in sizes:
+            raise CorruptCheckpointError(f"{storage.where(rel)}: data file is missing")
+        if sizes[name] != manifest.files[name]["bytes"]:
+            raise CorruptCheckpointError(
+                f"{storage.where(rel)}: data file is {sizes[name]} bytes, manifest says "
+                f"{manifest.files[name]['bytes']} (truncated?)"
+            )
+
+
+def _read_exact(f, length: int, where: str) -> bytes:
+    """`length` bytes, looping over short reads (pipes, network files); the file ending first is truncation."""
+    parts, got = [], 0
+    while got < length:
+        data = f.read(length - got)
+        if not data:
+            raise CorruptCheckpointError(f"{where}: file ends early (truncated)")
+        parts.append(data)
+        got += len(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _readinto_exact(f, dest: memoryview, where: str) -> None:
+    got = 0
+    while got < len(dest):
+        n = f.readinto(dest[got:])
+        if not n:
+            raise CorruptCheckpointError(f"{where}: file ends early (truncated)")
+        got += n
+
+
+def verify(
+    storage: Storage,
+    manifest: Manifest,
+    progress: Callable[[int], None] | None = None,
+    names: Iterable[str] | None = None,
+) -> None:
+    """Check sizes, every chunk's checksum and that every zstd chunk decodes to exactly
+    its raw length (of the `names` tensors, default all); raise on the first problem.
+
+    Never skips checksums, whatever FTKIT_UNSAFE_SKIP_CHECKSUMS says: this is the
+    check an operator runs to know."""
+    wanted = set(names) if names is not None else None
+    jobs_by_file = {
+        f: [j for j in jobs if wanted is None or j[1] in wanted] for f, jobs in _chunk_jobs(manifest).items()
+    }
+    jobs_by_file = {f: jobs for f, jobs in jobs_by_file.items() if jobs}
+    check_file_sizes(storage, manifest, set(jobs_by_file) if wanted is not None else None)
+    step_dir = step_dir_name(manifest.step)
+    scratch = bytearray()
+    for name, jobs in jobs_by_file.items():
+        rel = f"{step_dir}/{name}"
+        with storage.open_read(rel) as f:
+            for c, tname, _ in jobs:
+                where = f"{storage.where(rel)} (tensor {tname!r})"
+                f.seek(c.offset)
+                data = _read_exact(f, c.length, storage.where(rel))
+                codec.check(data, c.checksum, where)
+                if c.codec != "raw":
+                    if len(scratch) < c.raw_length:
+                        scratch = bytearray(c.raw_length)
+                    codec.decode_into(c.codec, data, memoryview(scratch)[: c.raw_length], where)
+                if progress:
+                    progress(c.raw_length)
+
+
+def read_tensors(
+    storage: Storage,
+    manifest: Manifest,
+    names: Iterable[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read (and verify) whole tensors into new contiguous CPU tensors."""
+    wanted = set(names) if names is not None else {t.name for t in manifest.tensors}
+    regions = {t.name: ((0,) * len(t.shape), t.shape) for t in manifest.tensors if t.name in wanted}
+    return read_regions(storage, manifest, regions, progress=progress)
+
+
+Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
+
+
+def read_regions(
+    storage: Storage,
+    manifest: Manifest,
+    regions: dict[str, Region],
+    progress: Callable[[int], None] | None = None,
+    out: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read a region of each named tensor, touching only the chunks that overlap it.
+
+    Order: plan which chunks each region needs (nothing allocated), check that
+    the files they lie in exist with their declared sizes, allocate, then read
+    each chunk once, verifying it as it lands. `out` gives tensors to read into
+    (the live ones, of the region's shape and dtype, contiguous): each of their
+    bytes is written by exactly one verified chunk, since validation proved the
+    chunks tile the tensor. Shards that match their region exactly (or are whole
+    rows of it) decode straight into the result; any other overlapping shard
+    decodes its needed chunks into a temporary, from which the overlap is copied.
+    Raises CorruptCheckpointError on the first chunk that fails: the caller must
+    then not use what was read (a restore moves on to the next candidate).
+    """
+    entries = {t.name: t for t in manifest.tensors}
+    step_where = storage.where(step_dir_name(manifest.step))
+    missing = [n for n in regions if n not in entries]
+    if missing:
+        raise CorruptCheckpointError(f"{step_where}: no tensor {missing[0]!r} in the checkpoint")
+    # 1. Plan: per region, the overlapping shards and how each is decoded. No allocation.
+    plans: list[tuple[str, list[tuple[Any, str, Any]]]] = []
+    files: set[str] = set()
+    for name, (offs, lens) in regions.items():
+        entry = entries[name]
+        shards, covered = [], 0
+        for shard in entry.shards:
+            ov = overlap(offs, lens, shard.offsets, shard.lengths)
+            if ov is None:
+                continue
+            covered += _numel(ov[1])
+            if tuple(shard.offsets) == tuple(offs) and tuple(shard.lengths) == tuple(lens):
+                shards.append((shard, "exact", None))
+            elif _row_block_inside(shard, offs, lens):  # whole rows inside the region: decode into its rows
+                shards.append((shard, "rows", None))
+            else:
+                shards.append((shard, "part", ov))
+            files.update(c.file for c in shard.chunks)
+        if covered != _numel(lens):
+            raise CorruptCheckpointError(
+                f"{step_where}: the saved shards of {name!r} do not cover the region to restore"
+            )
+        plans.append((name, shards))
+    # 2. The files hold what the manifest says they do: only now may its sizes be allocated.
+    check_file_sizes(storage, manifest, files)
+    # 3. Allocate the results and temporaries; list each chunk with the bytes it decodes into.
+    dest: dict[str, torch.Tensor] = {}
+    jobs: list[tuple[Chunk, str, memoryview]] = []
+    copies: list[tuple[torch.Tensor, Region, Region, torch.Tensor, str]] = []
+    for name, shards in plans:
+        entry, (offs, lens) = entries[name], regions[name]
+        dtype = torch_dtype(entry.dtype)
+        given = (out or {}).get(name)
+        if given is not None and (
+            tuple(given.shape) != tuple(lens)
+            or given.dtype != dtype
+            or not given.is_contiguous()
+            or given.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"read_regions: the tensor given for {name!r} is not a contiguous CPU {entry.dtype}{list(lens)}"
+            )
+        out_t = dest[name] = given if given is not None else torch.empty(tuple(lens), dtype=dtype)
+        for shard, how, ov in shards:
+            if how == "exact":
+                target, needed = out_t, shard.chunks
+            elif how == "rows":
+                target, needed = out_t.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]), shard.chunks
+            else:
+                assert ov is not None  # "part" shards always have their overlap
+                target = torch.empty(shard.lengths, dtype=dtype)
+                lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
+                needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
+                copies.append((target, (shard.offsets, shard.lengths), ov, out_t, name))
+            raw = _raw_bytes(target)
+            jobs += [(c, name, raw) for c in needed]
+    # 4. Read every chunk once, in file order, verifying it where it lands.
+    skip = codec.skipping_checksums(step_where)
+    by_file: dict[str, list[tuple[Chunk, str, memoryview]]] = {}
+    for job in jobs:
+        by_file.setdefault(job[0].file, []).append(job)
+    step_dir = step_dir_name(manifest.step)
+    for fname, file_jobs in by_file.items():
+        rel = f"{step_dir}/{fname}"
+        where = storage.where(rel)
+        with storage.open_read(rel) as f:
+            for c, name, raw in sorted(file_jobs, key=lambda j: j[0].offset):
+                _read_chunk(f, c, raw, f"{where} (tensor {name!r})", skip)
+                if progress:
+                    progress(c.raw_length)
+    for shard_tensor, (s_off, _), (o_off, o_len), out_t, name in copies:
+        src, dst = shard_tensor, out_t
+        for dim, (o, n) in enumerate(zip(o_off, o_len)):
+            src = src.narrow(dim, o - s_off[dim], n)
+            dst = dst.narrow(dim, o - regions[name][0][dim], n)
+        dst.copy_(src)
+    return dest
+
+
+def _row_block_inside(shard, offs, lens) -> bool:
+    """Whether `shard` spans whole trailing dimensions of the region and lies within its rows."""
+    return (
+        len(lens) >= 1
+        and tuple(shard.offsets[1:]) == tuple(offs[1:])
+        and tuple(shard.lengths[1:]) == tuple(lens[1:])
+        and offs[0] <= shard.offsets[0]
+        and shard.offsets[0] + shard.lengths[0] <= offs[0] + lens[0]
+    )
+
+
+def _numel(lengths) -> int:
+    n = 1
+    for x in lengths:
+        n *= x
+    return n
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return t.view(-1).view(torch.uint8).numpy().data
+
+
+def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool = False) -> None:
+    dest = target[c.raw_offset : c.raw_offset + c.raw_length]
+    if len(dest) != c.raw_length:
+        raise FormatError(f"{where}: chunk lies outside its shard")
+    f.seek(c.offset)
+    if c.codec == "raw" and hasattr(f, "readinto") and c.length == len(dest):
+        _readinto_exact(f, dest, where)
+        codec.check(dest, c.checksum, where, skip)
+        return
+    data = _read_exact(f, c.length, where)
+    codec.check(data, c.checksum, where, skip)
+    codec.decode_into(c.codec, data, dest, where)
