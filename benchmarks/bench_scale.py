@@ -32,6 +32,12 @@ ram_commit_ms, ram_commit_store_requests_per_step, ram_index_bytes_per_step,
 the CPU of a leader's share and of its retention by rank 0's news (coord/news.py),
 and the most steps a node without the index held (keep=2: 2).
 
+Beside its figures, the floor of the same work from the same run (`heartbeat_floor`:
+the same board files written and read, the same store requests and JSON documents, with
+no ftkit code, for every simulated node, a few rounds): coord_cpu_floor_ms_per_interval
+(a leader's CPU per interval), sim_round_floor_s (a round of the whole simulation) and
+sim_rounds_floor_s (that, times the rounds: the least the heartbeat part can take here).
+
 Prints a table and one JSON line per size. The baseline is the issue's own
 measurement of the previous design (every rank read every heartbeat: 3N^2
 requests per interval, 990% of this store's capacity at 256 ranks).
@@ -253,7 +259,59 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
                     os.kill(f["pid"], signal.SIGKILL)
                 elif f["heal"] == k + 1:
                     pids.pop(f["rank"], None)
-    return {"idx": idx, "joined": joined, "cpu": cpu, "per_round": per_round, "build_s": build_s, "nodes": len(mine)}
+    loop_s = time.monotonic() - origin
+    floor = heartbeat_floor(idx, procs, raw, prefix, leaders, per, last_round)
+    return {
+        "idx": idx,
+        "joined": joined,
+        "cpu": cpu,
+        "per_round": per_round,
+        "build_s": build_s,
+        "nodes": len(mine),
+        "loop_s": loop_s,
+        **floor,
+    }
+
+
+FLOOR_ROUNDS = 5
+
+
+def heartbeat_floor(idx: int, procs: int, raw: Any, prefix: str, leaders: list, per: int, k0: int) -> dict:
+    """The floor under a heartbeat round: for every node this worker plays, the same board
+    files and store requests with no ftkit code, on the round's real payloads: its 7 ranks'
+    heartbeats written (temp file + rename) and read back, the node's heartbeat encoded and
+    set, the watched nodes' and the job's keys read in one multi_get and decoded. Returns
+    this worker's wall time per round and a leader's CPU per round (its half: reads, JSON,
+    the two requests), medians over FLOOR_ROUNDS rounds run in step with the other workers."""
+    from coord_floor import _board_write, _read
+
+    wd = leaders[0]
+    beat = json.dumps(wd._beat().to_json(), separators=(",", ":")).encode()
+    node_doc = wd._node_beat().to_json()
+    store = raw.clone()
+    for wd in leaders:
+        store.set(f"{prefix}floor/node/{wd.node_index}", json.dumps(node_doc))
+    job_keys = [f"{prefix}floor/{name}" for name in ("verdict", "preempt", "done", "news")]
+    for key in job_keys:
+        store.set(key, "")
+    round_s, cpu = [], []
+    for k in range(FLOOR_ROUNDS):
+        _barrier(raw, f"{prefix}floor-barrier/{k}", procs)
+        t0 = time.perf_counter()
+        for wd in leaders:
+            board = wd.board.path
+            for r in range(wd.ctx.rank + 1, wd.ctx.rank + per):  # the ranks' part
+                _board_write(os.path.join(board, f"floor-{r}.json"), beat)
+            c0 = time.thread_time()  # the leader's part
+            for r in range(wd.ctx.rank + 1, wd.ctx.rank + per):
+                json.loads(_read(os.path.join(board, f"floor-{r}.json")))
+            store.set(f"{prefix}floor/node/{wd.node_index}", json.dumps(node_doc, separators=(",", ":")))
+            values = store.multi_get([f"{prefix}floor/node/{n}" for n in wd.watched] + job_keys)
+            for value in values[: len(wd.watched)]:
+                json.loads(value)
+            cpu.append(time.thread_time() - c0)
+        round_s.append(time.perf_counter() - t0)
+    return {"floor_round_s": statistics.median(round_s), "floor_cpu": cpu}
 
 
 # ------------------------------------------------------------------ commits
@@ -600,6 +658,8 @@ def run_size(world: int, per: int, procs: int, port: int, capacity: float, quiet
         detect[f["kind"]] = (min(hits) - (f["start"] - 1) * INTERVAL) if hits else None
     cpu = [c for o in outs for c in o["cpu"]]
     req = statistics.median(steady)
+    loop_s = max(o["loop_s"] for o in outs)
+    floor_round_s = max(o["floor_round_s"] for o in outs)  # the workers run side by side
     return {
         "ranks": world,
         "nodes": nodes,
@@ -609,6 +669,10 @@ def run_size(world: int, per: int, procs: int, port: int, capacity: float, quiet
         "store_busy_fraction": req / INTERVAL / capacity,
         "coord_cpu_ms_per_interval": statistics.median(cpu) * 1e3,
         "coord_cpu_ms_per_interval_p99": sorted(cpu)[int(0.99 * (len(cpu) - 1))] * 1e3,
+        "coord_cpu_floor_ms_per_interval": statistics.median(c for o in outs for c in o["floor_cpu"]) * 1e3,
+        "sim_round_s": loop_s / len(rounds),
+        "sim_round_floor_s": floor_round_s,
+        "sim_rounds_floor_s": floor_round_s * len(rounds),
         "detect_dead_s": detect["dead"],
         "detect_aggregator_dead_s": detect["aggregator"],
         "detect_hung_s": detect["hung"],
@@ -635,8 +699,10 @@ def main() -> int:
         print(f"store capacity, set + multi_get from 4 client processes: {capacity:,.0f} requests/s", flush=True)
         for world in a.ranks:
             print(f"  .. {world} ranks ({world // a.per_node} nodes)", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
             row = run_size(world, a.per_node, a.procs, server.port, capacity, a.quiet_s)
             row.update(run_commits(world, a.per_node, a.procs, server.port))
+            row["size_wall_s"] = time.perf_counter() - t0
             row["commit_store_requests_limit"] = 2 * row["nodes"] + 10  # the issue's target
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -671,6 +737,15 @@ def main() -> int:
             f"{r['ram_index_bytes_per_step']:.0f}",
         )
         print(" ".join(f"{c:>12}" for c in cells))
+    print()
+    for r in rows:
+        print(
+            f"{r['ranks']} ranks: the whole size {r['size_wall_s']:.0f} s; "
+            f"heartbeat rounds {r['sim_round_s']:.3f} s each "
+            f"x {r['rounds']} (floor {r['sim_round_floor_s']:.3f} s: the same board files and store requests, no ftkit "
+            f"code: {r['sim_rounds_floor_s']:.0f} s for the rounds); a leader's CPU per interval "
+            f"{r['coord_cpu_ms_per_interval']:.2f} ms (floor {r['coord_cpu_floor_ms_per_interval']:.2f} ms)"
+        )
     print("previous design (every rank read every heartbeat): 3N^2 requests per interval, e.g. 196,096 at 256 ranks;")
     print("commits: rank 0 read one report per rank, one round trip each, and wrote every rank's entries")
     return 0

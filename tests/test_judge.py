@@ -8,6 +8,7 @@ the faults are what the beats would show.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -60,7 +61,7 @@ class Cluster:
                 continue
             if store_up and n not in self.unpublished:
                 ranks = range(n * PER, (n + 1) * PER)
-                self.node_beats[n] = NodeBeat(self.seq[leader], leader, {r: beats[r] for r in ranks})
+                self.node_beats[n] = NodeBeat(self.seq[leader], leader, tuple(beats[r].timing for r in ranks))
         for n in range(NODES):
             leader = n * PER
             if leader in self.silent or leader in self.gone or leader in self.stopped:
@@ -70,7 +71,7 @@ class Cluster:
             ring_j, rank_j = self.ring_judges[n], self.rank_judges[n]
             self.verdicts += ring_j.observe(self.t, {m: self.node_beats.get(m) for m in self.watched[n]})
             local = {r: beats[r] for r in range(n * PER, (n + 1) * PER)}
-            sample = list(local.values()) + ring_j.sample()
+            sample = [b.timing for b in local.values()] + ring_j.sample()
             judged = rank_j.observe(self.t, local, sample, self.is_gone, stopped=self.is_stopped)
             self.verdicts += judged.verdicts
             self.stragglers += judged.stragglers
@@ -78,7 +79,7 @@ class Cluster:
             if r in self.silent or r in self.gone or r in self.stopped:
                 continue
             leader = r // PER * PER
-            sample = [beats[leader], beats[r]]
+            sample = [beats[leader].timing, beats[r].timing]
             judged = judge.observe(self.t, {leader: beats[leader]}, sample, self.is_gone, stopped=self.is_stopped)
             self.verdicts += judged.verdicts
 
@@ -202,7 +203,7 @@ def test_one_slow_rank_of_two_is_a_straggler():
     stragglers = []
     for i in range(1, 30):
         beats = {0: Beat(i, i, 0.05, 0.3, pid=1, host_id="h"), 1: Beat(i, i, 0.25, 0.3, pid=2, host_id="h")}
-        judged = judge.observe(i * CFG.interval_s, beats, beats.values(), lambda b: False)
+        judged = judge.observe(i * CFG.interval_s, beats, [b.timing for b in beats.values()], lambda b: False)
         assert judged.verdicts == []
         stragglers += judged.stragglers
     assert stragglers == [(1, 0.25, 0.05)]
@@ -211,9 +212,14 @@ def test_one_slow_rank_of_two_is_a_straggler():
 def test_malformed_beats_are_silence_not_crashes():
     assert Beat.from_json({"seq": "1"}) is None and Beat.from_json([1]) is None
     assert Beat.from_json({"seq": 3, "busy": float("nan"), "pid": -4}) == Beat(3)
-    assert NodeBeat.from_json({"seq": 1, "leader": 0, "ranks": {"x": {"seq": 1}, "2": {"seq": 2}}}).ranks == {
-        2: Beat(2)
-    }
+    node = NodeBeat(4, 8, ((0.05, 0.3), (None, 0.3)), done=True)
+    assert NodeBeat.from_json(json.loads(json.dumps(node.to_json()))) == node
+    # A malformed timing is left out, a bad number is None; a bad head is no node beat at all.
+    doc = {"seq": 1, "leader": 0, "t": [[0.1, "x"], "junk", [1, 2, 3], [-1, 0.2]]}
+    assert NodeBeat.from_json(doc) == NodeBeat(1, 0, ((0.1, None), (None, 0.2)))
+    for bad in ({"seq": 1, "leader": 0}, {"seq": -1, "leader": 0, "t": []}, {"seq": 1, "leader": 0, "t": {}}, [1]):
+        assert NodeBeat.from_json(bad) is None
+    assert NodeBeat.from_json({"seq": 1, "leader": 0, "t": [[0.1, 0.1]] * 5000}) is None  # more ranks than a node has
     assert Verdict.from_json({"target": 1, "what": "exploded", "latency_s": 0, "why": "", "by": 0}) is None
     judge = RankJudge(0, range(4), CFG, 0.0)
     assert judge.observe(1.0, {1: None, 2: None, 3: None}, [], lambda b: False).verdicts == []

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -53,10 +52,13 @@ class WatchdogConfig:
 
 
 def _num(v: Any, lo: float = 0.0, hi: float = 1e9) -> float | None:
-    """A finite number in [lo, hi] from untrusted JSON, else None."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        return None
-    return float(v)
+    """A finite number in [lo, hi] from untrusted JSON, else None. (Exact types: JSON gives
+    int or float, never bool for a number; NaN fails the bounds, as does infinity.)"""
+    t = type(v)
+    return float(v) if (t is float or t is int) and lo <= v <= hi else None
+
+
+Timing = tuple[float | None, float | None]  # one rank's (busy, interval): what the medians are taken over
 
 
 def _int(v: Any, lo: int = -1, hi: int = 2**62) -> int | None:
@@ -79,6 +81,10 @@ class Beat:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
+
+    @property
+    def timing(self) -> Timing:
+        return (self.busy, self.interval)
 
     @staticmethod
     def from_json(doc: Any) -> Beat | None:
@@ -176,22 +182,22 @@ class RankJudge:
         self,
         now: float,
         beats: Mapping[int, Beat | None],
-        sample: Iterable[Beat],
+        sample: Iterable[Timing],
         gone: Callable[[Beat], bool],
         finished: bool = False,
         stopped: Callable[[Beat], bool] | None = None,
     ) -> Judgement:
-        """Judge the node's ranks from their `beats` (None: none readable). `sample`: the beats
-        the medians are taken over (this node's and its watched nodes'); `gone(beat)`:
+        """Judge the node's ranks from their `beats` (None: none readable). `sample`: the ranks'
+        timings the medians are taken over (this node's and its watched nodes'); `gone(beat)`:
         whether that rank's process has exited, `stopped(beat)`: whether it is stopped (both
         only answerable on its host); `finished`: this rank is done (hung and straggler
         verdicts stop)."""
         cfg, out = self.cfg, Judgement()
         sample = list(sample)
-        intervals = [b.interval for b in sample if b.interval]
+        intervals = [interval for _, interval in sample if interval]
         median_step = statistics.median(intervals) if intervals else None
         bound = self.hang_bound(intervals)
-        busies = sorted(b.busy for b in sample if b.busy)
+        busies = sorted(busy for busy, _ in sample if busy)
         for r, clock in self.clocks.items():
             beat = beats.get(r)
             clock.see(beat, now)
@@ -255,30 +261,28 @@ def _median_without(ordered: list[float], value: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class NodeBeat:
-    """One node's aggregated heartbeat, published by its leader: one store key per node."""
+    """One node's aggregated heartbeat, published by its leader: one store key per node.
+    It carries its ranks' timings only (what the watching nodes' medians need): their
+    liveness is judged on the node, and a watcher reads ~20 bytes per rank, not a beat."""
 
     seq: int
     leader: int
-    ranks: dict[int, Beat]  # its ranks' latest beats (what medians and the finish need)
+    timings: tuple[Timing, ...]  # its ranks' (busy, interval), from their latest beats
     done: bool = False  # every rank of the node has finished
 
     def to_json(self) -> dict[str, Any]:
-        ranks = {str(r): b.to_json() for r, b in self.ranks.items()}
-        return {"seq": self.seq, "leader": self.leader, "ranks": ranks, "done": self.done}
+        return {"seq": self.seq, "leader": self.leader, "t": [list(t) for t in self.timings], "done": self.done}
 
     @staticmethod
     def from_json(doc: Any, max_ranks: int = 4096) -> NodeBeat | None:
-        if not isinstance(doc, dict) or not isinstance(doc.get("ranks"), dict) or len(doc["ranks"]) > max_ranks:
+        """The node's beat, or None for anything malformed; a malformed timing is left out."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("t"), list) or len(doc["t"]) > max_ranks:
             return None
         seq, leader = _int(doc.get("seq"), 0), _int(doc.get("leader"), 0)
         if seq is None or leader is None:
             return None
-        ranks = {}
-        for k, v in doc["ranks"].items():
-            beat = Beat.from_json(v)
-            if beat is not None and k.isdigit():
-                ranks[int(k)] = beat
-        return NodeBeat(seq, leader, ranks, doc.get("done") is True)
+        timings = tuple((_num(t[0]), _num(t[1])) for t in doc["t"] if isinstance(t, list) and len(t) == 2)
+        return NodeBeat(seq, leader, timings, doc.get("done") is True)
 
 
 class RingJudge:
@@ -320,9 +324,9 @@ class RingJudge:
                 out.append(Verdict(leader, "dead", silent, why, self.me))
         return out
 
-    def sample(self) -> list[Beat]:
-        """The watched nodes' ranks' latest beats (for the medians)."""
-        return [b for nb in self.latest.values() for b in nb.ranks.values()]
+    def sample(self) -> list[Timing]:
+        """The watched nodes' ranks' latest timings (for the medians)."""
+        return [t for nb in self.latest.values() for t in nb.timings]
 
 
 def ring(nodes: list[str], watch: int = 2) -> tuple[list[str], Callable[[str], list[int]]]:

@@ -258,9 +258,8 @@ class Watchdog:
                 self.ctx.store.compare_set(PREEMPT, "", json.dumps(notice))
 
     def _node_beat(self, done: bool = False) -> NodeBeat:
-        ranks = {r: b for r, b in self._local_beats.items() if b is not None}
-        ranks[self.ctx.rank] = self._beat()
-        return NodeBeat(self._seq, self.ctx.rank, ranks, done)
+        beats = [b for b in self._local_beats.values() if b is not None] + [self._beat()]
+        return NodeBeat(self._seq, self.ctx.rank, tuple(b.timing for b in beats), done)
 
     def _exchange(self) -> tuple[dict[int, NodeBeat | None], Verdict | None, tuple[int, int] | None, int]:
         """The leader's round trip with the store: publish the node's heartbeat; read the
@@ -324,8 +323,10 @@ class Watchdog:
             self.board.write("all-done.json", {"nodes": done})
             self._all_done = True
         verdicts = self.ring_judge.observe(now, nodes)
-        sample = [b for b in self._local_beats.values() if b is not None] + self.ring_judge.sample() + [self._beat()]
-        beats = {**self._local_beats, self.ctx.rank: sample[-1]}
+        mine = self._beat()
+        local = [b.timing for b in self._local_beats.values() if b is not None]
+        sample = local + self.ring_judge.sample() + [mine.timing]
+        beats = {**self._local_beats, self.ctx.rank: mine}
         judged = self.rank_judge.observe(now, beats, sample, self._gone, self._finished, self._stopped)
         for rank, busy, median in judged.stragglers:
             self.act.straggler(rank, busy, median)
@@ -343,7 +344,7 @@ class Watchdog:
             self._all_done = True
         # The leader is this node's aggregator: its own node watches it too.
         beat = Beat.from_json(self.board.read(f"rank-{self.leader_rank}.json"))
-        sample = [b for b in (beat, self._beat()) if b is not None]
+        sample = [b.timing for b in (beat, self._beat()) if b is not None]
         judged = self.leader_judge.observe(
             now, {self.leader_rank: beat}, sample, self._gone, self._finished, self._stopped
         )
