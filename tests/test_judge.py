@@ -215,11 +215,12 @@ def test_malformed_beats_are_silence_not_crashes():
     node = NodeBeat(4, 8, ((0.05, 0.3), (None, 0.3)), done=True)
     assert NodeBeat.from_json(json.loads(json.dumps(node.to_json()))) == node
     # A malformed timing is left out, a bad number is None; a bad head is no node beat at all.
-    doc = {"seq": 1, "leader": 0, "t": [[0.1, "x"], "junk", [1, 2, 3], [-1, 0.2]]}
+    doc = {"seq": 1, "leader": 0, "timings": [[0.1, "x"], "junk", [1, 2, 3], [-1, 0.2]]}
     assert NodeBeat.from_json(doc) == NodeBeat(1, 0, ((0.1, None), (None, 0.2)))
-    for bad in ({"seq": 1, "leader": 0}, {"seq": -1, "leader": 0, "t": []}, {"seq": 1, "leader": 0, "t": {}}, [1]):
+    head = {"seq": 1, "leader": 0}
+    for bad in (head, {**head, "seq": -1, "timings": []}, {**head, "timings": {}}, [1]):
         assert NodeBeat.from_json(bad) is None
-    assert NodeBeat.from_json({"seq": 1, "leader": 0, "t": [[0.1, 0.1]] * 5000}) is None  # more ranks than a node has
+    assert NodeBeat.from_json({**head, "timings": [[0.1, 0.1]] * 5000}) is None  # more ranks than a node has
     assert Verdict.from_json({"target": 1, "what": "exploded", "latency_s": 0, "why": "", "by": 0}) is None
     judge = RankJudge(0, range(4), CFG, 0.0)
     assert judge.observe(1.0, {1: None, 2: None, 3: None}, [], lambda b: False).verdicts == []

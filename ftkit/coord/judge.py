@@ -51,14 +51,14 @@ class WatchdogConfig:
     recovery_timeout_s: float = 30.0  # under run_in_process: a verdict not followed by a recovery ends the worker
 
 
+Timing = tuple[float | None, float | None]  # one rank's (busy, interval): what the medians are taken over
+
+
 def _num(v: Any, lo: float = 0.0, hi: float = 1e9) -> float | None:
     """A finite number in [lo, hi] from untrusted JSON, else None. (Exact types: JSON gives
     int or float, never bool for a number; NaN fails the bounds, as does infinity.)"""
     t = type(v)
     return float(v) if (t is float or t is int) and lo <= v <= hi else None
-
-
-Timing = tuple[float | None, float | None]  # one rank's (busy, interval): what the medians are taken over
 
 
 def _int(v: Any, lo: int = -1, hi: int = 2**62) -> int | None:
@@ -271,17 +271,17 @@ class NodeBeat:
     done: bool = False  # every rank of the node has finished
 
     def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "leader": self.leader, "t": [list(t) for t in self.timings], "done": self.done}
+        return {"seq": self.seq, "leader": self.leader, "timings": [list(t) for t in self.timings], "done": self.done}
 
     @staticmethod
     def from_json(doc: Any, max_ranks: int = 4096) -> NodeBeat | None:
         """The node's beat, or None for anything malformed; a malformed timing is left out."""
-        if not isinstance(doc, dict) or not isinstance(doc.get("t"), list) or len(doc["t"]) > max_ranks:
+        if not isinstance(doc, dict) or not isinstance(doc.get("timings"), list) or len(doc["timings"]) > max_ranks:
             return None
         seq, leader = _int(doc.get("seq"), 0), _int(doc.get("leader"), 0)
         if seq is None or leader is None:
             return None
-        timings = tuple((_num(t[0]), _num(t[1])) for t in doc["t"] if isinstance(t, list) and len(t) == 2)
+        timings = tuple((_num(t[0]), _num(t[1])) for t in doc["timings"] if isinstance(t, list) and len(t) == 2)
         return NodeBeat(seq, leader, timings, doc.get("done") is True)
 
 

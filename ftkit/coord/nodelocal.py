@@ -111,7 +111,7 @@ class NodeBoard:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
                 return None
-            data = os.read(fd, st.st_size + 1)  # (one byte more: a file that grew is seen to)
+            data = os.read(fd, st.st_size + 1)  # (a byte more than fstat saw: a file that grew shows)
             while len(data) < st.st_size and (more := os.read(fd, st.st_size + 1 - len(data))):
                 data += more
         except OSError:
