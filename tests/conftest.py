@@ -111,11 +111,13 @@ def zygote():
     The torchrun tests hand it to warm_target(): torchrun (the real launcher and
     elastic agent) starts thin clients and every worker of every attempt is forked
     with torch imported, instead of a new interpreter importing it again (seconds per
-    worker on this 2-core machine). Tests of cold starts and plain torchrun stay cold.
+    worker on this 2-core machine); torchrun itself starts through it too
+    (ftkit.warm.zygote.torchrun_command). Tests of cold starts and plain torchrun stay
+    cold, and so do those that kill an agent's process tree (test_elastic.py).
     """
     from ftkit.warm import zygote as warm
 
-    z = warm.start(preload=("torch.distributed.fsdp", "ftkit.drill.reference"))
+    z = warm.start(preload=("torch.distributed.fsdp", "torch.distributed.run", "ftkit.drill.reference"))
     yield z
     z.stop()
 

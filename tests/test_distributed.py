@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import dist_worker
 import pytest
@@ -17,13 +16,14 @@ from ranks import run_ranks
 
 import ftkit
 from ftkit.format.reader import committed_steps, scan
+from ftkit.warm.zygote import torchrun_command
 
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
 
 
 def torchrun(zygote, nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     target = warm_target(zygote, [WORKER, *args])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
+    cmd = torchrun_command(zygote, ["--standalone", f"--nproc-per-node={nproc}", *target])
     env = {**os.environ, "OMP_NUM_THREADS": "1", **zygote.env()}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from conftest import REPO, run_cli, warm_target
 
 from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
+from ftkit.warm.zygote import torchrun_command
 
 TRAINER = os.path.join(REPO, "tests", "inprocess_trainer.py")
 
@@ -35,16 +35,16 @@ def torchrun(zygote, out, *args, env=None, restarts=0, timeout=120):
         **zygote.env(),
         **(env or {}),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={restarts}",
-        "--monitor-interval=0.1",
-        *warm_target(zygote, [TRAINER, "--out", str(out), *args]),
-    ]
+    cmd = torchrun_command(
+        zygote,
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--max-restarts={restarts}",
+            "--monitor-interval=0.1",
+            *warm_target(zygote, [TRAINER, "--out", str(out), *args]),
+        ],
+    )
     r = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     return r, calls

@@ -24,6 +24,7 @@ from drillkit import by_kind, drill
 
 import ftkit
 from ftkit.format.reader import committed_steps, newest_manifest
+from ftkit.warm.zygote import torchrun_command
 
 JOB = os.path.join(REPO, "tests", "lightning_ddp_job.py")
 HF_JOB = os.path.join(REPO, "tests", "huggingface_ddp_job.py")
@@ -44,15 +45,15 @@ def launch(
 ) -> subprocess.CompletedProcess:
     out = tmp / name
     out.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={restarts}",
-        "--monitor-interval=0.1",
-        *warm_target(zygote, [job, "--ckpt", str(ckpt), "--out", str(out), *args]),
-    ]
+    cmd = torchrun_command(
+        zygote,
+        [
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}",
+            "--monitor-interval=0.1",
+            *warm_target(zygote, [job, "--ckpt", str(ckpt), "--out", str(out), *args]),
+        ],
+    )
     env = {**os.environ, **zygote.env(), "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
 

@@ -28,6 +28,7 @@ import ftkit
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
 from ftkit.format.reader import committed_steps
 from ftkit.tiers.ram import IDENTITY_FILE, existing_job_dir, job_dir, remove_job, run_identity, validate_job_id
+from ftkit.warm.zygote import torchrun_command
 
 IDENTITY_VARS = (
     "FTKIT_JOB_ID",
@@ -173,20 +174,15 @@ def test_a_directory_recording_another_identity_is_refused(clean_env, tmp_path):
 def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path, zygote):
     """No FTKIT_JOB_ID: a restarted worker derives the same identity as the first attempt."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
-        "--monitor-interval=0.1",
-        *warm_target(
+    cmd = torchrun_command(
+        zygote,
+        ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
+        + warm_target(
             zygote,
             ["-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt"), "--every", "1000", "--steps", "16"]
             + ["--ram", "--step-time", "0.1", "--run-dir", str(run_dir), "--pg-timeout", "60"],
         ),
-    ]
+    )
     with open(tmp_path / "torchrun.log", "w") as log:
         proc = subprocess.Popen(
             cmd,

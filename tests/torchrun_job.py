@@ -6,10 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 from conftest import REPO, warm_target
+
+from ftkit.warm.zygote import torchrun_command
 
 
 class Job:
@@ -38,27 +39,27 @@ class Job:
             **(zygote.env() if zygote else {}),
         }
         target = ["-m", module]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.1",
-            *(warm_target(zygote, target) if zygote else target),
-            "--ckpt",
-            str(root / "ckpt"),
-            "--steps",
-            str(steps),
-            "--run-dir",
-            str(self.run_dir),
-            "--final-out",
-            str(self.final),
-            "--pg-timeout",
-            "120",
-            *extra,
-        ]
+        cmd = torchrun_command(
+            zygote,
+            [
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                f"--max-restarts={max_restarts}",
+                "--monitor-interval=0.1",
+                *(warm_target(zygote, target) if zygote else target),
+                "--ckpt",
+                str(root / "ckpt"),
+                "--steps",
+                str(steps),
+                "--run-dir",
+                str(self.run_dir),
+                "--final-out",
+                str(self.final),
+                "--pg-timeout",
+                "120",
+                *extra,
+            ],
+        )
         self.log = open(root / "torchrun.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.faults import set_faults
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
 from ftkit.tools.report import epoch
-from ftkit.warm.zygote import Zygote, client_path
+from ftkit.warm.zygote import Zygote, client_path, torchrun_command
 
 _STORAGE_SWITCH = {
     "enospc": "enospc",
@@ -73,16 +72,17 @@ class Job:
         }
         if zygote is not None:
             entry = [client_path(), "--module", *entry[1:]] if entry[0] == "-m" else [client_path(), *entry]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"--max-restarts={restarts}",
-            "--monitor-interval=0.1",
-            *entry,
-        ]
+        # torchrun's agent too is forked warm from the zygote when there is one (torchrun_command).
+        cmd = torchrun_command(
+            zygote,
+            [
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                f"--max-restarts={restarts}",
+                "--monitor-interval=0.1",
+                *entry,
+            ],
+        )
         self.log = open(os.path.join(root, "torchrun.log"), "w")
         # Its own process group: cleaning up kills the workers too, not just torchrun.
         self.proc = subprocess.Popen(

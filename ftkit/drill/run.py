@@ -198,8 +198,9 @@ def run_drill(args) -> dict[str, Any]:
     zygote = None
     try:
         if not args.cold:
-            # One zygote for both runs: every worker of every attempt is forked with torch imported.
-            preload = tuple(m for m in args.preload.split(",") if m)
+            # One zygote for both runs: torchrun's agent and every worker of every attempt are forked
+            # with torch imported (job.py), the agent's own modules too.
+            preload = ("torch.distributed.run", *(m for m in args.preload.split(",") if m))
             zygote = start_zygote(preload=preload if script else ("ftkit.drill.reference", *preload))
         if tiers and tiers.durable == "s3":
             from ftkit.drill.s3server import S3Server

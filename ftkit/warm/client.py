@@ -96,7 +96,10 @@ def process_stopped(pid: Any) -> bool:
 
 
 def _cold(argv: list[str]) -> NoReturn:
-    """Become the cold launcher, in this same process (torchrun keeps its pid)."""
+    """Become the cold launcher, in this same process (torchrun keeps its pid). What a warm
+    torchrun agent's own client put in the environment (its start, its pid) is not this worker's."""
+    os.environ.pop(PROCESS_T_ENV, None)
+    os.environ.pop(LAUNCHER_PID_ENV, None)
     os.execv(sys.executable, [sys.executable, "-u", "-m", "ftkit.tools.launch", *argv])
 
 
