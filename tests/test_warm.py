@@ -217,3 +217,20 @@ def test_a_worker_is_replaced_only_when_killed_inside_an_in_process_loop_and_not
     assert not _replaceable({"exit": 75}, False, 0, 1, str(mark))  # gave up: torchrun restarts
     mark.unlink()
     assert not _replaceable(killed, False, 0, 1, str(mark))  # not inside run_in_process
+
+
+def test_the_warm_agents_method_name_names_the_frame_torchs_does():
+    # ftkit/warm/agent.py replaces the dynamic rendezvous's get_method_name (inspect.stack(), slow
+    # in an interpreter with a zygote's modules) for a warm torchrun agent: same frame, same name.
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
+
+    from ftkit.warm.agent import method_name
+
+    def record(name_of):  # as the rendezvous's _record calls it: the name of its own caller
+        return name_of()
+
+    def next_rendezvous(name_of):
+        return record(name_of)
+
+    assert next_rendezvous(get_method_name) == next_rendezvous(method_name) == "next_rendezvous"
+    assert get_method_name(depth=500) == method_name(depth=500) == "no_method_name"

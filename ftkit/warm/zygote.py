@@ -90,12 +90,13 @@ def client_path() -> str:
 def torchrun_command(zygote: Zygote | None, torchrun_args: list[str]) -> list[str]:
     """torchrun's command line (its launcher and elastic agent: ``python -m torch.distributed.run
     ARGS``). With a zygote it starts through the thin client, as a worker does: the agent is
-    forked with torch imported instead of importing it again (~3.5 s of CPU here for every
-    job a drill or a test starts), then runs as it would cold; the client passes signals on
-    and ends as it ends. The job's environment needs zygote.env()."""
+    forked with torch imported instead of importing it again (~2 s of CPU here for every
+    job a drill or a test starts), then runs as it would cold (ftkit/warm/agent.py: one
+    logging helper of torch's made cheap); the client passes signals on and ends as it
+    ends. The job's environment needs zygote.env()."""
     if zygote is None:
         return [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-    return [sys.executable, "-u", client_path(), "--module", "torch.distributed.run", *torchrun_args]
+    return [sys.executable, "-u", client_path(), "--module", "ftkit.warm.agent", *torchrun_args]
 
 
 def start(env: dict[str, str] | None = None, preload: tuple[str, ...] = (), stderr: Any = None) -> Zygote:
