@@ -260,7 +260,7 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
                 elif f["heal"] == k + 1:
                     pids.pop(f["rank"], None)
     loop_s = time.monotonic() - origin
-    floor = heartbeat_floor(idx, procs, raw, prefix, leaders, per, last_round)
+    floor = heartbeat_floor(procs, raw, prefix, leaders, per)
     return {
         "idx": idx,
         "joined": joined,
@@ -276,18 +276,17 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
 FLOOR_ROUNDS = 5
 
 
-def heartbeat_floor(idx: int, procs: int, raw: Any, prefix: str, leaders: list, per: int, k0: int) -> dict:
+def heartbeat_floor(procs: int, raw: Any, prefix: str, leaders: list, per: int) -> dict:
     """The floor under a heartbeat round: for every node this worker plays, the same board
     files and store requests with no ftkit code, on the round's real payloads: its 7 ranks'
     heartbeats written (temp file + rename) and read back, the node's heartbeat encoded and
     set, the watched nodes' and the job's keys read in one multi_get and decoded. Returns
     this worker's wall time per round and a leader's CPU per round (its half: reads, JSON,
     the two requests), medians over FLOOR_ROUNDS rounds run in step with the other workers."""
-    from coord_floor import _board_write, _read
+    from coord_floor import board_write, read_file
 
-    wd = leaders[0]
-    beat = json.dumps(wd._beat().to_json(), separators=(",", ":")).encode()
-    node_doc = wd._node_beat().to_json()
+    beat = json.dumps(leaders[0]._beat().to_json(), separators=(",", ":")).encode()
+    node_doc = leaders[0]._node_beat().to_json()
     store = raw.clone()
     for wd in leaders:
         store.set(f"{prefix}floor/node/{wd.node_index}", json.dumps(node_doc))
@@ -301,10 +300,10 @@ def heartbeat_floor(idx: int, procs: int, raw: Any, prefix: str, leaders: list, 
         for wd in leaders:
             board = wd.board.path
             for r in range(wd.ctx.rank + 1, wd.ctx.rank + per):  # the ranks' part
-                _board_write(os.path.join(board, f"floor-{r}.json"), beat)
+                board_write(os.path.join(board, f"floor-{r}.json"), beat)
             c0 = time.thread_time()  # the leader's part
             for r in range(wd.ctx.rank + 1, wd.ctx.rank + per):
-                json.loads(_read(os.path.join(board, f"floor-{r}.json")))
+                json.loads(read_file(os.path.join(board, f"floor-{r}.json")))
             store.set(f"{prefix}floor/node/{wd.node_index}", json.dumps(node_doc, separators=(",", ":")))
             values = store.multi_get([f"{prefix}floor/node/{n}" for n in wd.watched] + job_keys)
             for value in values[: len(wd.watched)]:

@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 
-def _board_write(path: str, data: bytes) -> None:
+def board_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -46,7 +46,7 @@ def _board_write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _read(path: str) -> bytes:
+def read_file(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.read(fd, os.fstat(fd).st_size + 1)
@@ -87,9 +87,9 @@ class Floor:
     def prepare(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
         for r in range(self.per_node - 1):  # what this rank reads: there already
-            _board_write(os.path.join(self.dir, f"w-{r}"), self.p["report"])
-            _board_write(os.path.join(self.dir, f"r-{r}"), self.p["outcome"])
-        _board_write(os.path.join(self.dir, "peers"), self.p["record"])
+            board_write(os.path.join(self.dir, f"w-{r}"), self.p["report"])
+            board_write(os.path.join(self.dir, f"r-{r}"), self.p["outcome"])
+        board_write(os.path.join(self.dir, "peers"), self.p["record"])
         if self.leader:
             self.store.set(f"floor/w/{self.rank}", self.p["record"])
         if self.rank == 0:
@@ -102,21 +102,21 @@ class Floor:
         d, p, store = self.dir, self.p, self.store
         wait = timedelta(seconds=60)
         if not self.leader:
-            _board_write(os.path.join(d, "mine"), p["report"])
-            json.loads(_read(os.path.join(d, "peers")))
-            _board_write(os.path.join(d, "outcome"), p["outcome"])
+            board_write(os.path.join(d, "mine"), p["report"])
+            json.loads(read_file(os.path.join(d, "peers")))
+            board_write(os.path.join(d, "outcome"), p["outcome"])
             return
         for r in range(self.per_node - 1):
-            json.loads(_read(os.path.join(d, f"w-{r}")).partition(b"\n")[0])
+            json.loads(read_file(os.path.join(d, f"w-{r}")).partition(b"\n")[0])
         _durable_write(os.path.join(d, "part.json"), p["part"])
         store.set(f"floor/w/{self.rank}", p["record"])
         store.wait([f"floor/w/{self.partner}"], wait)
         (record,) = store.multi_get([f"floor/w/{self.partner}"])
         json.loads(record)
-        _board_write(os.path.join(d, "relay"), record)
+        board_write(os.path.join(d, "relay"), record)
         _durable_write(os.path.join(d, "partner-part.json"), p["part"])
         for r in range(self.per_node - 1):
-            json.loads(_read(os.path.join(d, f"r-{r}")))
+            json.loads(read_file(os.path.join(d, f"r-{r}")))
         if self.rank != 0:
             store.set(f"floor/r/{self.rank}", p["node_record"])
         else:
