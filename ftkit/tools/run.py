@@ -19,6 +19,7 @@ from ftkit.tools.cliutil import EXIT_OK, EXIT_USAGE
 from ftkit.tools.supervise import StartupWatch, plan, startup_env
 from ftkit.warm.client import REPLACE_ENV
 from ftkit.warm.zygote import start as start_zygote
+from ftkit.warm.zygote import torchrun_command
 
 RUN_HELP = """usage: ftkit run [--run-dir DIR] [--startup-timeout S] [--cold] [--preload MODULES]
                  [--replace-dead N] [torchrun options] script.py [script args]
@@ -85,8 +86,10 @@ def cmd_run(argv: list[str]) -> int:
         print(
             "ftkit run: --replace-dead needs warm starts (no --cold, --no-python or --run-path); off", file=sys.stderr
         )
-    cmd = [sys.executable, "-m", "torch.distributed.run", *p.torchrun_args]
-    print(f"ftkit run: {' '.join(cmd[1:])}  (events in {p.run_dir})", file=sys.stderr, flush=True)
+    # torchrun's own main, its agent cold (started once per job), one slow logging helper replaced
+    cmd = torchrun_command(None, p.torchrun_args)
+    shown = ["torchrun", *p.torchrun_args]
+    print(f"ftkit run: {' '.join(shown)}  (events in {p.run_dir})", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env)
     watch = StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start() if watch_dir else None
     # torchrun shares our terminal's process group, so a Ctrl-C reaches it directly: wait for it to

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.warm import agent
 from ftkit.warm import client as wire
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "ftkit", "ftkit.tools.launch")
@@ -88,14 +89,16 @@ def client_path() -> str:
 
 
 def torchrun_command(zygote: Zygote | None, torchrun_args: list[str]) -> list[str]:
-    """torchrun's command line (its launcher and elastic agent: ``python -m torch.distributed.run
-    ARGS``). With a zygote it starts through the thin client, as a worker does: the agent is
-    forked with torch imported instead of importing it again (~2 s of CPU here for every
-    job a drill or a test starts), then runs as it would cold (ftkit/warm/agent.py: one
-    logging helper of torch's made cheap); the client passes signals on and ends as it
-    ends. The job's environment needs zygote.env()."""
+    """torchrun's command line: its launcher and elastic agent, ``torch.distributed.run``'s
+    own ``main`` with one logging helper of torch's made cheap (ftkit/warm/agent.py: a
+    restart's rendezvous without it spends ~0.2 s here naming methods for log records).
+    Without a zygote the agent is a new interpreter that runs agent.py by path (no ftkit
+    import: ~0.4 s less at the job's start). With one it starts through the thin client,
+    as a worker does: the agent is forked with torch imported instead of importing it
+    again (~2 s of CPU here for every job a drill or a test starts); the client passes
+    signals on and ends as it ends. The job's environment needs zygote.env()."""
     if zygote is None:
-        return [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+        return [sys.executable, agent.__file__, *torchrun_args]
     return [sys.executable, "-u", client_path(), "--module", "ftkit.warm.agent", *torchrun_args]
 
 
