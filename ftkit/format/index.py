@@ -34,6 +34,7 @@ from typing import Any
 from ftkit.errors import FormatError
 from ftkit.format import codec
 from ftkit.format.manifest import FORMAT_NAME, Manifest
+from ftkit.format.skeleton_values import check_rank_state
 from ftkit.format.tiling import check_no_shared_bytes
 from ftkit.format.validate import (
     CHECKSUM_RE,
@@ -43,7 +44,6 @@ from ftkit.format.validate import (
     _int,
     _list,
     check_file_name,
-    check_rank_state,
     manifest_from_doc,
     parse_json,
     tensor_entry,

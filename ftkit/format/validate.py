@@ -41,6 +41,7 @@ from ftkit.format.manifest import (
     Shard,
     TensorEntry,
 )
+from ftkit.format.skeleton_values import check_rank_state, check_value
 from ftkit.format.tiling import check_no_shared_bytes, check_shards_tile
 
 MAX_INT = 2**62  # offsets, sizes, byte counts: anything larger is not a real checkpoint
@@ -48,10 +49,8 @@ MAX_STEP = 10**12 - 1  # step directories have 12 digits
 MAX_WORLD = 2**24
 MAX_NDIM = 64
 MAX_NAME = 4096
-MAX_DEPTH = 200  # skeleton nesting; JSON parsers give up near 1000
 ZSTD_MAX_RATIO = 32768  # a zstd block of <= 128 KiB needs >= 4 stored bytes
 CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
-TAGS = ("$tensor", "$ndarray", "$tuple", "$items", "$float")
 NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cannot back an $ndarray
 
 
@@ -318,62 +317,6 @@ def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> None:
     if offset + length > files[file]["bytes"]:
         raise FormatError(f"a chunk of {what} runs past the end of {file!r}")
     raise FormatError(f"a chunk of {what} is malformed")  # not reached
-
-
-# ------------------------------------------------------------------ skeleton
-def check_rank_state(state: dict[str, Any], own: set[str], where: str, numpy_ok: set[str] | None = None) -> None:
-    """One rank's own state: its RNG ("rng") and its RankLocal entries ("local", an object of
-    skeleton entries of kind "stateful"), naming only that rank's own tensors (`own`)."""
-    check_value(state.get("rng"), own, where, numpy_ok=numpy_ok)
-    local = state.get("local")
-    if local is None:
-        return
-    if not isinstance(local, dict):
-        raise FormatError(f"{where}: 'local' must be an object")
-    for key, entry in local.items():
-        if not isinstance(entry, dict) or entry.get("kind") != "stateful" or "value" not in entry:
-            raise FormatError(f"{where}: local entry {key[:80]!r} is not {{'kind': 'stateful', 'value': ...}}")
-        check_value(entry["value"], own, f"{where}, local entry {key[:80]!r}", numpy_ok=numpy_ok)
-
-
-def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy_ok: set[str] | None = None) -> None:
-    """A skeleton value: JSON with well-formed tags, naming only tensors in `tensors`
-    (and, for $ndarray, in `numpy_ok`). The state's skeleton names shared tensors
-    only; a rank's RNG state names only that rank's own ``_rng/r<rank>/`` tensors."""
-    if depth > MAX_DEPTH:
-        raise FormatError(f"{where} is nested more than {MAX_DEPTH} levels deep")
-    if isinstance(value, list):
-        for v in value:
-            check_value(v, tensors, where, depth + 1, numpy_ok)
-        return
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1024:
-        raise FormatError(f"{where} holds an integer of more than 1024 bits")
-    if not isinstance(value, dict):
-        return
-    tagged = [k for k in value if k in TAGS]
-    if not tagged:
-        for v in value.values():
-            check_value(v, tensors, where, depth + 1, numpy_ok)
-        return
-    if len(value) != 1:
-        raise FormatError(f"{where} has a tag {tagged[0]!r} beside other keys")
-    ((tag, inner),) = value.items()
-    if tag in ("$tensor", "$ndarray"):
-        if not isinstance(inner, str) or inner not in tensors:
-            raise FormatError(f"{where} refers to tensor {str(inner)[:80]!r}, which the manifest does not list for it")
-        if tag == "$ndarray" and numpy_ok is not None and inner not in numpy_ok:
-            raise FormatError(f"{where} stores tensor {inner[:80]!r} as a numpy array, which its dtype cannot be")
-    elif tag == "$tuple":
-        check_value(_list(inner, f"a $tuple in {where}"), tensors, where, depth + 1, numpy_ok)
-    elif tag == "$items":
-        for pair in _list(inner, f"the $items of {where}"):
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise FormatError(f"{where} has an $items entry that is not a [key, value] pair")
-            check_value(pair, tensors, where, depth + 1, numpy_ok)
-            if isinstance(pair[0], dict) and not (len(pair[0]) == 1 and ("$tuple" in pair[0] or "$float" in pair[0])):
-                raise FormatError(f"{where} has an $items key that is not hashable")
-    elif tag == "$float" and inner not in ("inf", "-inf", "nan"):
-        raise FormatError(f"{where} has a $float that is not inf, -inf or nan")
 
 
 # --------------------------------------------------------------- store reports

@@ -10,7 +10,8 @@ two things the rest of ftkit relies on:
   upload is discarded rather than completed.
 * **One-line errors.** Backend exceptions (botocore, aiohttp, OSError...) become
   :class:`~ftkit.errors.StorageError` naming the operation and the URL, with any
-  credential from ``storage_options`` scrubbed from the text.
+  credential from ``storage_options`` scrubbed from the text (which backend serves
+  a URL, with what options, or what to install for it: tiers/backends.py).
 * **No trust in what it finds.** A checkpoint directory may have been written by
   someone else. On local filesystems reads open regular files only (a FIFO
   named ``manifest.json`` is an error, not a hang), symbolic links are never
@@ -30,11 +31,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ftkit.errors import FtkitError, StorageError, UnknownProtocolError
+from ftkit.errors import FtkitError, StorageError
 from ftkit.errors import one_line as _one_line
+from ftkit.tiers.backends import open_fs, scrub
 from ftkit.tiers.localfs import SMALL_WRITE, no_links_within, open_regular, write_small
 from ftkit.tiers.localfs import fsync_dir as _fsync_dir
 from ftkit.tiers.localfs import local_kind as _local_kind
@@ -43,53 +44,6 @@ from ftkit.tiers.uploads import abort_upload, list_incomplete_uploads
 
 log = logging.getLogger(__name__)
 
-# Protocols whose fsspec backend lives in another package: the install hint.
-INSTALL_HINTS = {
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "hf": "huggingface_hub",
-    "sftp": "paramiko",
-    "ssh": "paramiko",
-}
-# Bounded timeouts so an unreachable endpoint is an error in seconds, not minutes.
-S3_DEFAULTS: dict[str, Any] = {
-    "config_kwargs": {"connect_timeout": 5, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}},
-}
-_SECRET_KEYS = (
-    "key",
-    "secret",
-    "token",
-    "password",
-    "aws_secret_access_key",
-    "aws_access_key_id",
-    "aws_session_token",
-    "access_key",
-    "secret_key",
-)
-
-
-def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    out = dict(defaults)
-    for k, v in given.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _secrets_in(options: Any) -> list[str]:
-    found: list[str] = []
-    if isinstance(options, dict):
-        for k, v in options.items():
-            if isinstance(v, str) and k.lower() in _SECRET_KEYS and len(v) >= 4:
-                found.append(v)
-            else:
-                found += _secrets_in(v)
-    return found
-
 
 class Storage:
     """Byte-level access below one root URL. Paths given to methods are relative."""
@@ -97,28 +51,8 @@ class Storage:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = url.rstrip("/") or url
         self.display_url = redact_url(self.url)
-        options = dict(storage_options or {})
-        protocol = url.split("://", 1)[0] if "://" in url else "file"
-        if protocol in ("s3", "s3a"):
-            options = _merge(S3_DEFAULTS, options)
-        self._secrets = _secrets_in(options) + _secrets_in({"key": os.environ.get("AWS_SECRET_ACCESS_KEY", "")})
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
-        except ImportError:
-            pkg = INSTALL_HINTS.get(protocol, "the fsspec backend for it")
-            raise UnknownProtocolError(
-                f"{self.display_url}: protocol {protocol!r} needs {pkg}: pip install {pkg}"
-            ) from None
-        except ValueError as e:
-            if "Protocol not known" in str(e) or "not known" in str(e):
-                raise UnknownProtocolError(
-                    f"{self.display_url}: unknown storage protocol {protocol!r} (not a protocol fsspec knows)"
-                ) from None
-            raise StorageError(self._scrub(f"{self.display_url}: bad storage URL or options: {e}")) from None
-        except Exception as e:
-            raise StorageError(self._scrub(f"{self.display_url}: cannot open storage: {_one_line(e)}")) from None
+        self.fs, self.root, self.protocol, self._secrets = open_fs(self.url, storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.protocol = protocol
         # Local files to write over instead of creating new ones (the RAM tier's, see ramtier.py).
         self.spares: Any = None
 
@@ -130,9 +64,7 @@ class Storage:
         return f"{self.display_url}/{rel}" if rel else self.display_url
 
     def _scrub(self, text: str) -> str:
-        for s in self._secrets:
-            text = text.replace(s, "***")
-        return redact_url(text)
+        return scrub(text, self._secrets)
 
     @contextlib.contextmanager
     def _errors(self, action: str, rel: str) -> Iterator[None]:

@@ -1,0 +1,74 @@
+"""The skeleton's values, as a manifest or a rank's state carries them: JSON whose tags
+(``$tensor``, ``$ndarray``, ``$tuple``, ``$items``, ``$float``) are well formed and name
+only tensors the document lists for them (format/validate.py checks the rest of a
+manifest and calls these for its skeleton and every rank's own state)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftkit.errors import FormatError
+
+MAX_DEPTH = 200  # skeleton nesting; JSON parsers give up near 1000
+TAGS = ("$tensor", "$ndarray", "$tuple", "$items", "$float")
+
+
+def check_rank_state(state: dict[str, Any], own: set[str], where: str, numpy_ok: set[str] | None = None) -> None:
+    """One rank's own state: its RNG ("rng") and its RankLocal entries ("local", an object of
+    skeleton entries of kind "stateful"), naming only that rank's own tensors (`own`)."""
+    check_value(state.get("rng"), own, where, numpy_ok=numpy_ok)
+    local = state.get("local")
+    if local is None:
+        return
+    if not isinstance(local, dict):
+        raise FormatError(f"{where}: 'local' must be an object")
+    for key, entry in local.items():
+        if not isinstance(entry, dict) or entry.get("kind") != "stateful" or "value" not in entry:
+            raise FormatError(f"{where}: local entry {key[:80]!r} is not {{'kind': 'stateful', 'value': ...}}")
+        check_value(entry["value"], own, f"{where}, local entry {key[:80]!r}", numpy_ok=numpy_ok)
+
+
+def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy_ok: set[str] | None = None) -> None:
+    """A skeleton value: JSON with well-formed tags, naming only tensors in `tensors`
+    (and, for $ndarray, in `numpy_ok`). The state's skeleton names shared tensors
+    only; a rank's RNG state names only that rank's own ``_rng/r<rank>/`` tensors."""
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{where} is nested more than {MAX_DEPTH} levels deep")
+    if isinstance(value, list):
+        for v in value:
+            check_value(v, tensors, where, depth + 1, numpy_ok)
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1024:
+        raise FormatError(f"{where} holds an integer of more than 1024 bits")
+    if not isinstance(value, dict):
+        return
+    tagged = [k for k in value if k in TAGS]
+    if not tagged:
+        for v in value.values():
+            check_value(v, tensors, where, depth + 1, numpy_ok)
+        return
+    if len(value) != 1:
+        raise FormatError(f"{where} has a tag {tagged[0]!r} beside other keys")
+    ((tag, inner),) = value.items()
+    if tag in ("$tensor", "$ndarray"):
+        if not isinstance(inner, str) or inner not in tensors:
+            raise FormatError(f"{where} refers to tensor {str(inner)[:80]!r}, which the manifest does not list for it")
+        if tag == "$ndarray" and numpy_ok is not None and inner not in numpy_ok:
+            raise FormatError(f"{where} stores tensor {inner[:80]!r} as a numpy array, which its dtype cannot be")
+    elif tag == "$tuple":
+        check_value(_list(inner, f"a $tuple in {where}"), tensors, where, depth + 1, numpy_ok)
+    elif tag == "$items":
+        for pair in _list(inner, f"the $items of {where}"):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise FormatError(f"{where} has an $items entry that is not a [key, value] pair")
+            check_value(pair, tensors, where, depth + 1, numpy_ok)
+            if isinstance(pair[0], dict) and not (len(pair[0]) == 1 and ("$tuple" in pair[0] or "$float" in pair[0])):
+                raise FormatError(f"{where} has an $items key that is not hashable")
+    elif tag == "$float" and inner not in ("inf", "-inf", "nan"):
+        raise FormatError(f"{where} has a $float that is not inf, -inf or nan")
+
+
+def _list(v: Any, what: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise FormatError(f"{what} is not a list")
+    return v

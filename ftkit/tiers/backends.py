@@ -1,0 +1,92 @@
+"""Which fsspec backend serves a URL: its options (bounded S3 timeouts by default), the
+package to install when it is missing, and one-line errors for an unknown protocol or
+bad options, with every credential from the options scrubbed from the text."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+
+from ftkit.errors import StorageError, UnknownProtocolError
+from ftkit.errors import one_line as _one_line
+from ftkit.tiers.redact import redact_url
+
+# Protocols whose fsspec backend lives in another package: the install hint.
+INSTALL_HINTS = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "hf": "huggingface_hub",
+    "sftp": "paramiko",
+    "ssh": "paramiko",
+}
+# Bounded timeouts so an unreachable endpoint is an error in seconds, not minutes.
+S3_DEFAULTS: dict[str, Any] = {
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}},
+}
+_SECRET_KEYS = (
+    "key",
+    "secret",
+    "token",
+    "password",
+    "aws_secret_access_key",
+    "aws_access_key_id",
+    "aws_session_token",
+    "access_key",
+    "secret_key",
+)
+
+
+def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    out = dict(defaults)
+    for k, v in given.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _secrets_in(options: Any) -> list[str]:
+    found: list[str] = []
+    if isinstance(options, dict):
+        for k, v in options.items():
+            if isinstance(v, str) and k.lower() in _SECRET_KEYS and len(v) >= 4:
+                found.append(v)
+            else:
+                found += _secrets_in(v)
+    return found
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """`text` with every secret and any credential in a URL replaced."""
+    for s in secrets:
+        text = text.replace(s, "***")
+    return redact_url(text)
+
+
+def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, str, list[str]]:
+    """(filesystem, root path, protocol, the secrets to scrub from messages) for `url`."""
+    shown = redact_url(url)
+    options = dict(storage_options or {})
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol in ("s3", "s3a"):
+        options = _merge(S3_DEFAULTS, options)
+    secrets = _secrets_in(options) + _secrets_in({"key": os.environ.get("AWS_SECRET_ACCESS_KEY", "")})
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError:
+        pkg = INSTALL_HINTS.get(protocol, "the fsspec backend for it")
+        raise UnknownProtocolError(f"{shown}: protocol {protocol!r} needs {pkg}: pip install {pkg}") from None
+    except ValueError as e:
+        if "Protocol not known" in str(e) or "not known" in str(e):
+            raise UnknownProtocolError(
+                f"{shown}: unknown storage protocol {protocol!r} (not a protocol fsspec knows)"
+            ) from None
+        raise StorageError(scrub(f"{shown}: bad storage URL or options: {e}", secrets)) from None
+    except Exception as e:
+        raise StorageError(scrub(f"{shown}: cannot open storage: {_one_line(e)}", secrets)) from None
+    return fs, root, protocol, secrets
