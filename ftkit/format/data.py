@@ -10,7 +10,7 @@ allocated on the manifest's word.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -81,6 +81,54 @@ def _readinto_exact(f, dest: memoryview, where: str) -> None:
         got += n
 
 
+# Remote reads (object stores): a chunk per request costs a round trip each, so a file's
+# chunks are fetched as spans of neighbouring chunks, several spans at once.
+SPAN_BYTES = 32 * 2**20  # a span: neighbouring chunks up to this many stored bytes, one request
+SPAN_GAP = 2**20  # chunks this close share a span (the bytes between are read and dropped)
+BATCH_BYTES = 256 * 2**20  # spans in flight at once: the memory a remote read holds beyond its results
+
+
+def _spans(chunks: list[Chunk]) -> list[tuple[int, int, list[int]]]:
+    """(start, end, indices into `chunks`) of each span; `chunks` sorted by offset."""
+    spans: list[tuple[int, int, list[int]]] = []
+    for i, c in enumerate(chunks):
+        if spans:
+            start, end, members = spans[-1]
+            if c.offset >= end and c.offset - end <= SPAN_GAP and c.offset + c.length - start <= SPAN_BYTES:
+                spans[-1] = (start, c.offset + c.length, [*members, i])
+                continue
+        spans.append((c.offset, c.offset + c.length, [i]))
+    return spans
+
+
+def chunk_bytes(storage: Storage, rel: str, chunks: list[Chunk]) -> Iterator[tuple[int, memoryview]]:
+    """(index, stored bytes) of each of `chunks` (sorted by offset) of file `rel`, in order: a
+    local file read chunk by chunk; on an object store spans of neighbouring chunks, up to
+    BATCH_BYTES of them requested concurrently. A file shorter than a chunk's end is truncation."""
+    if storage.is_local:
+        with storage.open_read(rel) as f:
+            for i, c in enumerate(chunks):
+                f.seek(c.offset)
+                yield i, memoryview(_read_exact(f, c.length, storage.where(rel)))
+        return
+    spans, at = _spans(chunks), 0
+    while at < len(spans):
+        batch, size = [spans[at]], spans[at][1] - spans[at][0]
+        at += 1
+        while at < len(spans) and size + spans[at][1] - spans[at][0] <= BATCH_BYTES:
+            batch.append(spans[at])
+            size += spans[at][1] - spans[at][0]
+            at += 1
+        got = storage.read_ranges(rel, [(start, end) for start, end, _ in batch])
+        for (start, end, members), data in zip(batch, got, strict=True):
+            if len(data) != end - start:
+                raise CorruptCheckpointError(f"{storage.where(rel)}: file ends early (truncated)")
+            view = memoryview(data)
+            for i in members:
+                c = chunks[i]
+                yield i, view[c.offset - start : c.offset - start + c.length]
+
+
 def verify(
     storage: Storage,
     manifest: Manifest,
@@ -102,18 +150,16 @@ def verify(
     scratch = bytearray()
     for name, jobs in jobs_by_file.items():
         rel = f"{step_dir}/{name}"
-        with storage.open_read(rel) as f:
-            for c, tname, _ in jobs:
-                where = f"{storage.where(rel)} (tensor {tname!r})"
-                f.seek(c.offset)
-                data = _read_exact(f, c.length, storage.where(rel))
-                codec.check(data, c.checksum, where)
-                if c.codec != "raw":
-                    if len(scratch) < c.raw_length:
-                        scratch = bytearray(c.raw_length)
-                    codec.decode_into(c.codec, data, memoryview(scratch)[: c.raw_length], where)
-                if progress:
-                    progress(c.raw_length)
+        for i, data in chunk_bytes(storage, rel, [c for c, _, _ in jobs]):
+            c, tname, _ = jobs[i]
+            where = f"{storage.where(rel)} (tensor {tname!r})"
+            codec.check(data, c.checksum, where)
+            if c.codec != "raw":
+                if len(scratch) < c.raw_length:
+                    scratch = bytearray(c.raw_length)
+                codec.decode_into(c.codec, data, memoryview(scratch)[: c.raw_length], where)
+            if progress:
+                progress(c.raw_length)
 
 
 def read_tensors(
@@ -221,11 +267,19 @@ def read_regions(
     for fname, file_jobs in by_file.items():
         rel = f"{step_dir}/{fname}"
         where = storage.where(rel)
-        with storage.open_read(rel) as f:
-            for c, name, raw in sorted(file_jobs, key=lambda j: j[0].offset):
-                _read_chunk(f, c, raw, f"{where} (tensor {name!r})", skip)
-                if progress:
-                    progress(c.raw_length)
+        ordered = sorted(file_jobs, key=lambda j: j[0].offset)
+        if storage.is_local:  # raw chunks read straight into their tensors
+            with storage.open_read(rel) as f:
+                for c, name, raw in ordered:
+                    _read_chunk(f, c, raw, f"{where} (tensor {name!r})", skip)
+                    if progress:
+                        progress(c.raw_length)
+            continue
+        for i, data in chunk_bytes(storage, rel, [c for c, _, _ in ordered]):
+            c, name, raw = ordered[i]
+            _place_chunk(c, data, _chunk_dest(c, raw, f"{where} (tensor {name!r})"), f"{where} (tensor {name!r})", skip)
+            if progress:
+                progress(c.raw_length)
     for shard_tensor, (s_off, _), (o_off, o_len), out_t, name in copies:
         src, dst = shard_tensor, out_t
         for dim, (o, n) in enumerate(zip(o_off, o_len)):
@@ -259,15 +313,24 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return t.view(-1).view(torch.uint8).numpy().data
 
 
-def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool = False) -> None:
+def _chunk_dest(c: Chunk, target: memoryview, where: str) -> memoryview:
     dest = target[c.raw_offset : c.raw_offset + c.raw_length]
     if len(dest) != c.raw_length:
         raise FormatError(f"{where}: chunk lies outside its shard")
+    return dest
+
+
+def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool = False) -> None:
+    dest = _chunk_dest(c, target, where)
     f.seek(c.offset)
     if c.codec == "raw" and hasattr(f, "readinto") and c.length == len(dest):
         _readinto_exact(f, dest, where)
         codec.check(dest, c.checksum, where, skip)
         return
-    data = _read_exact(f, c.length, where)
+    _place_chunk(c, _read_exact(f, c.length, where), dest, where, skip)
+
+
+def _place_chunk(c: Chunk, data: bytes | memoryview, dest: memoryview, where: str, skip: bool) -> None:
+    """A chunk's stored bytes, checked, decoded into `dest` (its raw bytes' place)."""
     codec.check(data, c.checksum, where, skip)
     codec.decode_into(c.codec, data, dest, where)
