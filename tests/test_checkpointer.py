@@ -241,6 +241,34 @@ def test_dtypes_and_odd_shapes_round_trip(tmp_path):
         assert state[k].dtype == ref[k].dtype and torch.equal(state[k], ref[k]), k
 
 
+def test_a_state_whose_shapes_and_dtypes_change_between_snapshots_keeps_every_step_exact(tmp_path):
+    # The staging layout is reused while names, shapes and dtypes stay (save/layout.py): a
+    # growing buffer, a dtype change or a new entry must each get a layout of their own.
+    state = {"w": torch.arange(4.0), "buf": torch.zeros(2, dtype=torch.int32)}
+    saved = {}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(tmp_path), keep=10)], rng=False) as ck:
+        for step, change in enumerate(
+            [
+                lambda: None,
+                lambda: state.__setitem__("buf", torch.arange(6, dtype=torch.int32)),  # grows
+                lambda: state.__setitem__("w", state["w"].double() * 3),  # same shape, new dtype
+                lambda: state.__setitem__("extra", torch.ones(3)),  # one more tensor
+                lambda: state["w"].add_(1),  # nothing but values
+            ],
+            start=1,
+        ):
+            change()
+            ck.snapshot(step)
+            ck.wait()
+            saved[step] = {k: v.clone() for k, v in state.items()}
+    for step, expect in saved.items():
+        live = {k: torch.zeros_like(v) for k, v in expect.items()}
+        with ftkit.Checkpointer(live, [ftkit.Tier(str(tmp_path), keep=10)], rng=False) as ck:
+            assert ck.restore(step) == step
+        for k, v in expect.items():
+            assert live[k].dtype == v.dtype and torch.equal(live[k], v), (step, k)
+
+
 def test_uncompressed_data_file_is_the_staged_image_with_zeroed_gaps(tmp_path):
     state = {"a": torch.full((3,), 1.5), "b": torch.arange(5, dtype=torch.int16), "c": torch.ones(2, 3)}
     with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:

@@ -30,6 +30,8 @@ from ftkit.save.rng import numpy_module, rng_state, set_rng_state
 
 RNG_KEY = "_rng"
 _MARKERS = ("$tensor", "$tuple", "$items", "$float", "$ndarray")
+_MARKER_SET = frozenset(_MARKERS)
+_AS_IS = frozenset((int, str, bool, type(None)))  # exact types whose JSON is the value itself
 
 
 @dataclass
@@ -107,7 +109,8 @@ class _Encoder:
         if isinstance(value, torch.Tensor):
             return {"$tensor": self._add_tensor(path, _check_tensor(value, path))}
         if isinstance(value, dict) and _plain_keys(value):
-            return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            # Exact ints, strings, bools and None are their own encoding: no call, no path string.
+            return {k: v if type(v) in _AS_IS else self.encode(v, f"{path}/{k}") for k, v in value.items()}
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
@@ -118,8 +121,8 @@ class _Encoder:
             return {"$float": repr(value)}  # 'inf', '-inf', 'nan'
         if isinstance(value, tuple):  # torch.Size and namedtuples come back as plain tuples
             return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
-        if isinstance(value, list):
-            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, list):  # (an optimizer's param_groups list every parameter's index)
+            return [v if type(v) in _AS_IS else self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
         if isinstance(value, Mapping):
             if _plain_keys(value):
                 return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
@@ -148,7 +151,10 @@ class _Encoder:
 
 def _plain_keys(mapping: Mapping) -> bool:
     """Whether a dict can be stored as a JSON object as is (string keys, none a tag)."""
-    return all(isinstance(k, str) for k in mapping) and not any(k in _MARKERS for k in mapping)
+    for k in mapping:  # (a loop, not all(...) over a generator: once per dict of the state, every snapshot)
+        if not isinstance(k, str):
+            return False
+    return _MARKER_SET.isdisjoint(mapping)
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
@@ -158,7 +164,9 @@ def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
         if t.is_quantized:
             raise CaptureError(f"cannot store {path!r}: quantized tensors are not supported")
         raise CaptureError(f"cannot store {path!r}: dtype {t.dtype} is not supported")
-    return t.detach()
+    # Out of autograd (a parameter itself, not its state_dict's view of it); most tensors a
+    # state_dict gives are already, and a detach costs ~1 us a tensor on the training thread.
+    return t.detach() if t.requires_grad else t
 
 
 _STORABLE: frozenset | None = None

@@ -28,9 +28,23 @@ class Layout:
 
     @staticmethod
     def of(named: Sequence[tuple[str, torch.Tensor]]) -> Layout:
+        """The layout of `named`: the same object as last time when the names, shapes and
+        dtypes are the same (a training state's usually are at every snapshot). Building one
+        costs ~5 us a tensor and comparing two equal ones ~1 us (a slot compares its layout
+        with the new one); the key ~1 us: for a state of 4,000 tensors, 25 ms -> 5 ms of stall."""
+        key = tuple((name, t.shape, t.dtype) for name, t in named)
+        cached = _LAST.get(key)
+        if cached is not None:
+            return cached
         entries, offset = [], 0
         for name, t in named:
             nbytes = t.numel() * t.element_size()
             entries.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
             offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        return Layout(tuple(entries), offset)
+        layout = Layout(tuple(entries), offset)
+        _LAST.clear()  # one state per process is the rule: keep only the latest layout
+        _LAST[key] = layout
+        return layout
+
+
+_LAST: dict[tuple, Layout] = {}
