@@ -95,7 +95,8 @@ def _spans(chunks: list[Chunk]) -> list[tuple[int, int, list[int]]]:
         if spans:
             start, end, members = spans[-1]
             if c.offset >= end and c.offset - end <= SPAN_GAP and c.offset + c.length - start <= SPAN_BYTES:
-                spans[-1] = (start, c.offset + c.length, [*members, i])
+                members.append(i)
+                spans[-1] = (start, c.offset + c.length, members)
                 continue
         spans.append((c.offset, c.offset + c.length, [i]))
     return spans
@@ -277,7 +278,8 @@ def read_regions(
             continue
         for i, data in chunk_bytes(storage, rel, [c for c, _, _ in ordered]):
             c, name, raw = ordered[i]
-            _place_chunk(c, data, _chunk_dest(c, raw, f"{where} (tensor {name!r})"), f"{where} (tensor {name!r})", skip)
+            shown = f"{where} (tensor {name!r})"
+            _place_chunk(c, data, _chunk_dest(c, raw, shown), shown, skip)
             if progress:
                 progress(c.raw_length)
     for shard_tensor, (s_off, _), (o_off, o_len), out_t, name in copies:

@@ -31,7 +31,7 @@ class Layout:
         """The layout of `named`: the same object as last time when the names, shapes and
         dtypes are the same (a training state's usually are at every snapshot). Building one
         costs ~5 us a tensor and comparing two equal ones ~1 us (a slot compares its layout
-        with the new one); the key ~1 us: for a state of 4,000 tensors, 25 ms -> 5 ms of stall."""
+        with the new one); the key ~1.3 us: for a state of 4,000 tensors, ~30 ms -> ~8 ms of stall."""
         key = tuple((name, t.shape, t.dtype) for name, t in named)
         cached = _LAST.get(key)
         if cached is not None:
