@@ -24,6 +24,7 @@ from typing import Any
 
 from ftkit.coord.dist import DistContext
 from ftkit.errors import AlreadyCommitted
+from ftkit.save.gcpause import gc_paused
 from ftkit.save.keys import commit_key
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
@@ -120,8 +121,9 @@ class PersistPipeline:
         """Persist one staged slot to each of its due tiers, in order; then a "persist_job"
         event with the job's wall and this thread's CPU time (benchmarks read it)."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        for i in job.tiers:
-            self._persist(job, i)
+        with gc_paused():  # the job's metadata dies before the collector runs again (gcpause.py)
+            for i in job.tiers:
+                self._persist(job, i)
         self.emit("persist_job", step=job.step, seconds=time.perf_counter() - t0, cpu_s=time.thread_time() - c0)
 
     def _persist(self, job: PersistJob, i: int) -> None:
