@@ -82,7 +82,7 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: one object a piece (thousands a snapshot)
 class Chunk:
     """A run of a shard's bytes stored in one file, checksummed as stored."""
 
@@ -95,7 +95,7 @@ class Chunk:
     checksum: str  # "xxh3_64:<hex>" over the stored bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Shard:
     """A rectangular region of a tensor, stored row-major."""
 
@@ -105,7 +105,7 @@ class Shard:
     rank: int = 0  # the rank that wrote it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     name: str
     dtype: str
@@ -155,7 +155,18 @@ def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
                 "offsets": list(s.offsets),
                 "lengths": list(s.lengths),
                 "rank": s.rank,
-                "chunks": [dict(c.__dict__) for c in s.chunks],
+                "chunks": [
+                    {
+                        "file": c.file,
+                        "offset": c.offset,
+                        "length": c.length,
+                        "raw_offset": c.raw_offset,
+                        "raw_length": c.raw_length,
+                        "codec": c.codec,
+                        "checksum": c.checksum,
+                    }
+                    for c in s.chunks
+                ],
             }
             for s in t.shards
         ],
