@@ -103,14 +103,18 @@ class _Encoder:
         self.tensors.append((name, t))
         return name
 
+    def _object(self, value: Mapping, path: str) -> dict[str, Any]:
+        """A mapping with plain keys as a JSON object. Exact ints, strings, bools and None
+        are their own encoding: no call, no path string."""
+        return {k: v if type(v) in _AS_IS else self.encode(v, f"{path}/{k}") for k, v in value.items()}
+
     def encode(self, value: Any, path: str) -> Any:
         # Called once per value of the whole state at every snapshot, on the training
         # thread: the commonest kinds (tensors, then dicts and numbers) are tested first.
         if isinstance(value, torch.Tensor):
             return {"$tensor": self._add_tensor(path, _check_tensor(value, path))}
         if isinstance(value, dict) and _plain_keys(value):
-            # Exact ints, strings, bools and None are their own encoding: no call, no path string.
-            return {k: v if type(v) in _AS_IS else self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            return self._object(value, path)
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
@@ -124,8 +128,8 @@ class _Encoder:
         if isinstance(value, list):  # (an optimizer's param_groups list every parameter's index)
             return [v if type(v) in _AS_IS else self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
         if isinstance(value, Mapping):
-            if _plain_keys(value):
-                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            if not isinstance(value, dict) and _plain_keys(value):  # (a dict's keys were checked above)
+                return self._object(value, path)
             items = []
             for k, v in value.items():
                 if isinstance(k, (torch.Tensor, list, dict)):
