@@ -4,7 +4,7 @@
 
 Each size runs in `--procs` worker processes. Every simulated node has a real
 node board (files in a private tmpfs directory) where its 7 other ranks write
-their heartbeats, and one real `Watchdog` for its leader (coord/watchdog.py, only
+their heartbeats (each its slot of the node's heartbeat file, coord/beatslots.py), and one real `Watchdog` for its leader (coord/watchdog.py, only
 its verdict actions' `join` replaced: it records a verdict instead of ending the
 process), whose store connection counts its requests. Rounds run on a simulated clock, one per
 0.5 s heartbeat interval, all workers in step (a barrier on an uncounted
@@ -33,8 +33,8 @@ the CPU of a leader's share and of its retention by rank 0's news (coord/news.py
 and the most steps a node without the index held (keep=2: 2).
 
 Beside its figures, the floor of the same work from the same run (`heartbeat_floor`:
-the same board files written and read, the same store requests and JSON documents, with
-no ftkit code, for every simulated node, a few rounds): coord_cpu_floor_ms_per_interval
+the same heartbeat slots written and read, the same store requests, the same packed fields
+unpacked, with no ftkit code, for every simulated node, a few rounds): coord_cpu_floor_ms_per_interval
 (a leader's CPU per interval), sim_round_floor_s (a round of the whole simulation) and
 sim_rounds_floor_s (that, times the rounds: the least the heartbeat part can take here).
 
@@ -52,10 +52,12 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -240,7 +242,7 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
                 if r not in hung:
                     step[r] += 5
                 pid, host = pids.get(r, (None, None))
-                wd.board.write_beat(r, Beat(seq[r], step[r], 0.05, 0.1, pid=pid, host_id=host))
+                wd.beats.write(r, Beat(seq[r], step[r], 0.05, 0.1, pid=pid, host_id=host))
             if wd.ctx.rank in dead:
                 continue
             if wd.ctx.rank not in hung:
@@ -278,36 +280,50 @@ FLOOR_ROUNDS = 5
 
 def heartbeat_floor(procs: int, raw: Any, prefix: str, leaders: list, per: int) -> dict:
     """The floor under a heartbeat round: for every node this worker plays, the same board
-    files and store requests with no ftkit code, on the round's real payloads: its 7 ranks'
-    heartbeats written (temp file + rename) and read back, the node's heartbeat encoded and
-    set, the watched nodes' and the job's keys read in one multi_get and decoded. Returns
-    this worker's wall time per round and a leader's CPU per round (its half: reads, JSON,
-    the two requests), medians over FLOOR_ROUNDS rounds run in step with the other workers."""
-    from coord_floor import board_write, read_file
+    bytes and store requests with no ftkit code, on the round's real payloads: its 7 ranks'
+    heartbeats written into a slot file (open, pwrite, close each) and read back (one open
+    and pread; each slot's checksum and fields unpacked), the node's heartbeat set, the
+    watched nodes' and the job's keys read in one multi_get and the node heartbeats'
+    fields unpacked. Returns this worker's wall time per round and a leader's CPU per round
+    (its half: reads, unpacking, the two requests), medians over FLOOR_ROUNDS rounds run in
+    step with the other workers."""
+    from ftkit.coord.beatslots import pack_beat
 
-    beat = json.dumps(leaders[0]._beat().to_json(), separators=(",", ":")).encode()
-    node_doc = leaders[0]._node_beat().to_json()
+    beat = pack_beat(leaders[0]._beat())
+    record = struct.pack("<4sII", b"ftb1", len(beat), zlib.crc32(beat)) + beat
+    node_value = leaders[0]._node_beat().pack()
+    node_fields = struct.Struct(f"<4sqqBH{2 * per}d")
+    beat_fields = struct.Struct("<qqddIBH")
     store = raw.clone()
     for wd in leaders:
-        store.set(f"{prefix}floor/node/{wd.node_index}", json.dumps(node_doc))
+        store.set(f"{prefix}floor/node/{wd.node_index}", node_value)
     job_keys = [f"{prefix}floor/{name}" for name in ("verdict", "preempt", "done", "news")]
     for key in job_keys:
         store.set(key, "")
+    flags = os.O_RDWR | os.O_CREAT
     round_s, cpu = [], []
     for k in range(FLOOR_ROUNDS):
         _barrier(raw, f"{prefix}floor-barrier/{k}", procs)
         t0 = time.perf_counter()
         for wd in leaders:
-            board = wd.board.path
-            for r in range(wd.ctx.rank + 1, wd.ctx.rank + per):  # the ranks' part
-                board_write(os.path.join(board, f"floor-{r}.json"), beat)
+            path = os.path.join(wd.board.path, "floor.bin")
+            for i in range(1, per):  # the ranks' part
+                fd = os.open(path, flags, 0o600)
+                os.pwrite(fd, record, i * 512)
+                os.close(fd)
             c0 = time.thread_time()  # the leader's part
-            for r in range(wd.ctx.rank + 1, wd.ctx.rank + per):
-                json.loads(read_file(os.path.join(board, f"floor-{r}.json")))
-            store.set(f"{prefix}floor/node/{wd.node_index}", json.dumps(node_doc, separators=(",", ":")))
+            fd = os.open(path, os.O_RDONLY)
+            data = os.pread(fd, per * 512, 0)
+            os.close(fd)
+            for i in range(1, per):
+                _, length, crc = struct.unpack_from("<4sII", data, i * 512)
+                payload = data[i * 512 + 12 : i * 512 + 12 + length]
+                if zlib.crc32(payload) == crc:
+                    beat_fields.unpack_from(payload)
+            store.set(f"{prefix}floor/node/{wd.node_index}", node_value)
             values = store.multi_get([f"{prefix}floor/node/{n}" for n in wd.watched] + job_keys)
             for value in values[: len(wd.watched)]:
-                json.loads(value)
+                node_fields.unpack(value)
             cpu.append(time.thread_time() - c0)
         round_s.append(time.perf_counter() - t0)
     return {"floor_round_s": statistics.median(round_s), "floor_cpu": cpu}
@@ -741,7 +757,7 @@ def main() -> int:
         print(
             f"{r['ranks']} ranks: the whole size {r['size_wall_s']:.0f} s; "
             f"heartbeat rounds {r['sim_round_s']:.3f} s each "
-            f"x {r['rounds']} (floor {r['sim_round_floor_s']:.3f} s: the same board files and store requests, no ftkit "
+            f"x {r['rounds']} (floor {r['sim_round_floor_s']:.3f} s: the same board writes and store requests, no ftkit "
             f"code: {r['sim_rounds_floor_s']:.0f} s for the rounds); a leader's CPU per interval "
             f"{r['coord_cpu_ms_per_interval']:.2f} ms (floor {r['coord_cpu_floor_ms_per_interval']:.2f} ms)"
         )

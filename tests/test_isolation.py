@@ -444,7 +444,8 @@ store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
 ctx = DistContext(rank=0, world_size=2, store=store)
 # Rank 1 (on this node) wrote one heartbeat: its pid the sleeper's, its host as given; then silence.
 store.set("wd/board", str(os.getpid()))  # this run's board instance, as the ranks agree on one
-NodeBoard(ctx.scope + "wd", ctx.node, False, str(os.getpid())).write_beat(1, Beat(1, pid=pid, host_id=host_id))
+board = NodeBoard(ctx.scope + "wd", ctx.node, False, str(os.getpid()))
+board.beats([0, 1]).write(1, Beat(1, pid=pid, host_id=host_id))
 wd = Watchdog(ctx, EventLog(sys.argv[3], 0), WatchdogConfig(interval_s=0.1, dead_after_s=1.0))
 wd.start()
 time.sleep(30)

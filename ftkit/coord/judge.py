@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import statistics
+import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,9 +67,12 @@ def _int(v: Any, lo: int = -1, hi: int = 2**62) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Beat:
-    """One rank's heartbeat, as its leader read it (decoded from untrusted JSON)."""
+    """One rank's heartbeat, as its leader read it (decoded from untrusted bytes by
+    coord/beatslots.py). Not frozen: a frozen dataclass's __init__ costs five times as
+    much, a leader builds one per rank of its node every interval, and
+    benchmarks/bench_scale.py plays 2,048 leaders on 2 cores."""
 
     seq: int
     step: int | None = None
@@ -78,34 +83,11 @@ class Beat:
     done: bool = False
     failed: bool = False
     preempt: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
+    stopped: bool = False  # its watchdog has stopped: the rank's last beat
 
     @property
     def timing(self) -> Timing:
         return (self.busy, self.interval)
-
-    @staticmethod
-    def from_json(doc: Any) -> Beat | None:
-        """The beat, or None for anything malformed (a bad beat is no beat: silence)."""
-        if not isinstance(doc, dict):
-            return None
-        seq = _int(doc.get("seq"), 0)
-        if seq is None:
-            return None
-        host = doc.get("host_id")
-        return Beat(
-            seq,
-            _int(doc.get("step"), -1),
-            _num(doc.get("busy")),
-            _num(doc.get("interval")),
-            _int(doc.get("pid"), 1, 2**31),
-            host if isinstance(host, str) and len(host) <= 512 else None,
-            doc.get("done") is True,
-            doc.get("failed") is True,
-            doc.get("preempt") is True,
-        )
 
 
 @dataclass(frozen=True)
@@ -174,8 +156,10 @@ class RankJudge:
             c.step_changed += gap
 
     def hang_bound(self, intervals: list[float]) -> float:
+        return self._bound(statistics.median(intervals) if intervals else 0.0)
+
+    def _bound(self, median_step: float) -> float:
         cfg = self.cfg
-        median_step = statistics.median(intervals) if intervals else 0.0
         return min(max(cfg.hang_factor * median_step, cfg.hang_floor_s), cfg.hang_ceiling_s)
 
     def observe(
@@ -196,7 +180,7 @@ class RankJudge:
         sample = list(sample)
         intervals = [interval for _, interval in sample if interval]
         median_step = statistics.median(intervals) if intervals else None
-        bound = self.hang_bound(intervals)
+        bound = self._bound(median_step or 0.0)
         busies = sorted(busy for busy, _ in sample if busy)
         for r, clock in self.clocks.items():
             beat = beats.get(r)
@@ -253,10 +237,20 @@ class RankJudge:
 
 
 def _median_without(ordered: list[float], value: float | None) -> float | None:
-    """The median of `ordered` (sorted) less one occurrence of `value`; None if nothing is left."""
-    i = bisect.bisect_left(ordered, value) if value else len(ordered)
-    others = ordered[:i] + ordered[i + 1 :] if i < len(ordered) and ordered[i] == value else ordered
-    return statistics.median(others) if others else None
+    """The median of `ordered` (sorted) less one occurrence of `value`; None if nothing is
+    left. (By index, without copying the list: it runs for every rank every interval.)"""
+    n = len(ordered)
+    i = bisect.bisect_left(ordered, value) if value else n
+    if not (i < n and ordered[i] == value):
+        return statistics.median(ordered) if ordered else None
+    m = n - 1  # the others: ordered[k] for k < i, ordered[k + 1] after
+    if m == 0:
+        return None
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 @dataclass(frozen=True)
@@ -270,19 +264,31 @@ class NodeBeat:
     timings: tuple[Timing, ...]  # its ranks' (busy, interval), from their latest beats
     done: bool = False  # every rank of the node has finished
 
-    def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "leader": self.leader, "timings": [list(t) for t in self.timings], "done": self.done}
+    def pack(self) -> bytes:
+        """The store value: a fixed head, then each rank's (busy, interval) as two doubles
+        (NaN: unknown). Packed, not JSON: every leader decodes two per interval, and at
+        thousands of simulated leaders JSON's parse was a third of a leader's CPU."""
+        flat = [math.nan if v is None else v for t in self.timings for v in t]
+        head = _NODE_HEAD.pack(_NODE_MAGIC, self.seq, self.leader, self.done, len(self.timings))
+        return head + struct.pack(f"<{len(flat)}d", *flat)
 
     @staticmethod
-    def from_json(doc: Any, max_ranks: int = 4096) -> NodeBeat | None:
-        """The node's beat, or None for anything malformed; a malformed timing is left out."""
-        if not isinstance(doc, dict) or not isinstance(doc.get("timings"), list) or len(doc["timings"]) > max_ranks:
+    def unpack(raw: bytes, max_ranks: int = 4096) -> NodeBeat | None:
+        """The node's beat, or None for anything malformed (untrusted: it came through the
+        store); a number out of its range is an unknown timing."""
+        if len(raw) < _NODE_HEAD.size:
             return None
-        seq, leader = _int(doc.get("seq"), 0), _int(doc.get("leader"), 0)
-        if seq is None or leader is None:
+        magic, seq, leader, done, count = _NODE_HEAD.unpack_from(raw)
+        if magic != _NODE_MAGIC or count > max_ranks or len(raw) != _NODE_HEAD.size + 16 * count:
             return None
-        timings = tuple((_num(t[0]), _num(t[1])) for t in doc["timings"] if isinstance(t, list) and len(t) == 2)
-        return NodeBeat(seq, leader, timings, doc.get("done") is True)
+        if not (0 <= seq <= 2**62 and 0 <= leader <= 2**62):
+            return None
+        flat = [v if 0.0 <= v <= 1e9 else None for v in struct.unpack_from(f"<{2 * count}d", raw, _NODE_HEAD.size)]
+        return NodeBeat(seq, leader, tuple(zip(flat[::2], flat[1::2])), done == 1)
+
+
+_NODE_MAGIC = b"ftn1"
+_NODE_HEAD = struct.Struct("<4sqqBH")  # magic, seq, leader, done, how many ranks' timings
 
 
 class RingJudge:

@@ -4,7 +4,7 @@ through small files in the node's private shared memory, never through the globa
 Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link followed)::
 
     hb/<job>/<attempt>-<scope>/<node>/
-        rank-<r>.json     each rank's latest heartbeat (written whole: a temp file, then rename)
+        beats.bin         each rank's latest heartbeat, in its own slot (coord/beatslots.py)
         verdict.json      the verdict the group ends on (relayed by the leader from the store)
         preempt.json      a rank was preempted: every rank saves and stops at an agreed step
         all-done.json     every rank of every node has finished
@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ftkit.coord import generation
+from ftkit.coord.beatslots import BeatSlots
 from ftkit.coord.bell import Bell, bell_name, ring
-from ftkit.coord.judge import Beat
 from ftkit.tiers.ram import private_subdir
 
 MAX_BYTES = 64 * 1024  # a beat is ~200 bytes; a verdict a few hundred
@@ -170,16 +170,15 @@ class NodeBoard:
         stale = [n for n in self.names() if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]
         self.discard(*stale)
 
-    def write_beat(self, rank: int, beat: Beat) -> None:
-        self.write(f"rank-{rank}.json", beat.to_json())
-
-    def read_beats(self, ranks: list[int]) -> dict[int, Beat | None]:
-        return {r: Beat.from_json(self.read(f"rank-{r}.json")) for r in ranks}
+    def beats(self, ranks: list[int]) -> BeatSlots:
+        """The heartbeat slots of the node's `ranks` (all of them, ascending, as every rank of
+        the node lists them)."""
+        return BeatSlots(self.path, ranks)
 
     def remove_when_all_stopped(self, ranks: list[int]) -> None:
         """Remove the board once every rank of the node has written its last ("stopped") beat."""
-        docs = [self.read(f"rank-{r}.json") for r in ranks]
-        if all(isinstance(d, dict) and d.get("stopped") for d in docs):
+        beats = self.beats(ranks).read(ranks).values()
+        if all(b is not None and b.stopped for b in beats):
             self.remove()
 
     def remove(self) -> None:

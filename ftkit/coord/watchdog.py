@@ -111,8 +111,10 @@ class Watchdog:
         self.node_ranks = [r for r, n in enumerate(ctx.nodes) if n == ctx.node]
         self.leader_rank = self.node_ranks[0]
         self.leader = ctx.rank == self.leader_rank
+        self._others = [r for r in self.node_ranks if r != ctx.rank]  # (whose beats a leader reads)
         instance = ctx.store.compare_set("wd/board", "", uuid.uuid4().hex).decode()  # first rank's nonce
         self.board = NodeBoard(ctx.scope + "wd", ctx.node, self.leader, instance)
+        self.beats = self.board.beats(self.node_ranks)
         self.act = VerdictActions(
             ctx,
             events,
@@ -126,6 +128,7 @@ class Watchdog:
         )
         self.leader_judge = RankJudge(ctx.rank, [self.leader_rank], cfg, now)  # (non-leaders: their leader)
         self._local_beats: dict[int, Beat | None] = {}
+        self._mine: Beat | None = None  # this rank's beat of this round, as published
         if self.leader:
             first = ctx.leaders()  # each node's lowest rank, in ring order (one pass over the ranks)
             self.watched = watched(ctx.node)
@@ -146,7 +149,7 @@ class Watchdog:
     def start(self) -> None:
         self._publish()
         if self.leader:  # the node's key exists from the start: watchers need not wait for it
-            self.ctx.put(f"wd/node/{self.node_index}", self._node_beat().to_json())
+            self.ctx.store.set(f"wd/node/{self.node_index}", self._node_beat().pack())
         self._thread = threading.Thread(target=self._run, name="ftkit-watchdog", daemon=True)
         self._thread.start()
 
@@ -191,9 +194,7 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
-            self.board.write(
-                f"rank-{self.ctx.rank}.json", {**self._beat(done=True, failed=failed).to_json(), "stopped": True}
-            )
+            self.beats.write(self.ctx.rank, self._beat(done=True, failed=failed, stopped=True))
         if failed:
             with contextlib.suppress(Exception):
                 standing = self.act.post(
@@ -202,7 +203,7 @@ class Watchdog:
                 self.board.write("verdict.json", standing.to_json())
         if self.leader and not failed:
             with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
-                self.ctx.put(f"wd/node/{self.node_index}", self._node_beat(done=True).to_json())
+                self.ctx.store.set(f"wd/node/{self.node_index}", self._node_beat(done=True).pack())
         self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
 
     # ---------------------------------------------------------- the thread
@@ -231,7 +232,7 @@ class Watchdog:
             except Exception:  # a bug must not silently end failure detection
                 log.exception("ftkit watchdog: a heartbeat round failed")
 
-    def _beat(self, done: bool | None = None, failed: bool = False) -> Beat:
+    def _beat(self, done: bool | None = None, failed: bool = False, stopped: bool = False) -> Beat:
         busy, intervals = list(self._busy), list(self._intervals)
         return Beat(
             self._seq,
@@ -243,13 +244,14 @@ class Watchdog:
             self._finished if done is None else done,
             failed,
             bool(self._preempted and self._preempted() is not None),
+            stopped,
         )
 
     def _publish(self) -> None:
         """This rank's heartbeat, to its node's board (no store request)."""
         self._seq += 1
-        beat = self._beat()
-        self.board.write_beat(self.ctx.rank, beat)
+        self._mine = beat = self._beat()
+        self.beats.write(self.ctx.rank, beat)
         if beat.preempt and not self._told_preempt:  # rare: straight to the store, once
             self._told_preempt = True
             signum = self._preempted() if self._preempted is not None else None
@@ -258,7 +260,7 @@ class Watchdog:
                 self.ctx.store.compare_set(PREEMPT, "", json.dumps(notice))
 
     def _node_beat(self, done: bool = False) -> NodeBeat:
-        beats = [b for b in self._local_beats.values() if b is not None] + [self._beat()]
+        beats = [b for b in self._local_beats.values() if b is not None] + [self._mine or self._beat()]
         return NodeBeat(self._seq, self.ctx.rank, tuple(b.timing for b in beats), done)
 
     def _exchange(self) -> tuple[dict[int, NodeBeat | None], Verdict | None, tuple[int, int] | None, int]:
@@ -267,7 +269,7 @@ class Watchdog:
         Two requests (a set and a multi_get) once every watched node has been seen."""
         ctx = self.ctx
         node_done = self._finished and all(b is not None and b.done for b in self._local_beats.values())
-        ctx.put(f"wd/node/{self.node_index}", self._node_beat(node_done).to_json())
+        ctx.store.set(f"wd/node/{self.node_index}", self._node_beat(node_done).pack())
         if node_done and not self._counted_done:
             self._counted_done = True
             ctx.store.add(DONE, 1)
@@ -284,7 +286,7 @@ class Watchdog:
         nodes: dict[int, NodeBeat | None] = {}
         if self._ring_seen:
             for n, raw in zip(self.watched, values):
-                nodes[n] = NodeBeat.from_json(decode_json(raw))
+                nodes[n] = NodeBeat.unpack(raw)
         verdict_raw, preempt_raw, done_raw = values[-3:]
         verdict = Verdict.from_json(decode_json(verdict_raw))
         peer = parse_preemption_notice(decode_json(preempt_raw))
@@ -300,8 +302,7 @@ class Watchdog:
 
     def _lead(self, now: float) -> None:
         self._caught_up(now, self.rank_judge, self.ring_judge)
-        others = [r for r in self.node_ranks if r != self.ctx.rank]
-        self._local_beats = self.board.read_beats(others)
+        self._local_beats = self.beats.read(self._others)
         try:
             nodes, verdict, peer, done = self._exchange()
         except Exception as e:  # the store is unreachable: freeze the clocks, judge nobody
@@ -323,7 +324,7 @@ class Watchdog:
             self.board.write("all-done.json", {"nodes": done})
             self._all_done = True
         verdicts = self.ring_judge.observe(now, nodes)
-        mine = self._beat()
+        mine = self._mine or self._beat()
         local = [b.timing for b in self._local_beats.values() if b is not None]
         sample = local + self.ring_judge.sample() + [mine.timing]
         beats = {**self._local_beats, self.ctx.rank: mine}
@@ -343,8 +344,8 @@ class Watchdog:
         if self.board.read("all-done.json") is not None:
             self._all_done = True
         # The leader is this node's aggregator: its own node watches it too.
-        beat = Beat.from_json(self.board.read(f"rank-{self.leader_rank}.json"))
-        sample = [b.timing for b in (beat, self._beat()) if b is not None]
+        beat = self.beats.read_one(self.leader_rank)
+        sample = [b.timing for b in (beat, self._mine or self._beat()) if b is not None]
         judged = self.leader_judge.observe(
             now, {self.leader_rank: beat}, sample, self._gone, self._finished, self._stopped
         )
@@ -369,7 +370,7 @@ class Watchdog:
         return beat is not None and self._host_id is not None and beat.host_id == self._host_id
 
     def _said_done(self, rank: int) -> bool:
-        beat = Beat.from_json(self.board.read(f"rank-{rank}.json"))
+        beat = self.beats.read_one(rank)
         return beat is not None and beat.done and not beat.failed
 
     def _hear_preempt(self, rank: int, signum: int) -> None:
