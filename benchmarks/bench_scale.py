@@ -4,9 +4,10 @@
 
 Each size runs in `--procs` worker processes. Every simulated node has a real
 node board (files in a private tmpfs directory) where its 7 other ranks write
-their heartbeats (each its slot of the node's heartbeat file, coord/beatslots.py), and one real `Watchdog` for its leader (coord/watchdog.py, only
-its verdict actions' `join` replaced: it records a verdict instead of ending the
-process), whose store connection counts its requests. Rounds run on a simulated clock, one per
+their heartbeats (each its slot of the node's heartbeat file, coord/beatslots.py),
+and one real `Watchdog` for its leader (coord/watchdog.py, only its verdict
+actions' `join` replaced: it records a verdict instead of ending the process),
+whose store connection counts its requests. Rounds run on a simulated clock, one per
 0.5 s heartbeat interval, all workers in step (a barrier on an uncounted
 connection), so detection latencies are the protocol's own, whatever this
 machine's speed; the CPU each leader spends per round is measured for real, and
@@ -757,8 +758,8 @@ def main() -> int:
         print(
             f"{r['ranks']} ranks: the whole size {r['size_wall_s']:.0f} s; "
             f"heartbeat rounds {r['sim_round_s']:.3f} s each "
-            f"x {r['rounds']} (floor {r['sim_round_floor_s']:.3f} s: the same board writes and store requests, no ftkit "
-            f"code: {r['sim_rounds_floor_s']:.0f} s for the rounds); a leader's CPU per interval "
+            f"x {r['rounds']} (floor {r['sim_round_floor_s']:.3f} s: the same board writes and store requests, "
+            f"no ftkit code: {r['sim_rounds_floor_s']:.0f} s for the rounds); a leader's CPU per interval "
             f"{r['coord_cpu_ms_per_interval']:.2f} ms (floor {r['coord_cpu_floor_ms_per_interval']:.2f} ms)"
         )
     print("previous design (every rank read every heartbeat): 3N^2 requests per interval, e.g. 196,096 at 256 ranks;")
