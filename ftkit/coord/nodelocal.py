@@ -34,7 +34,7 @@ from ftkit.coord.beatslots import BeatSlots
 from ftkit.coord.bell import Bell, bell_name, ring
 from ftkit.tiers.ram import private_subdir
 
-MAX_BYTES = 64 * 1024  # a beat is ~200 bytes; a verdict a few hundred
+MAX_BYTES = 64 * 1024  # a verdict or a preemption notice is a few hundred bytes
 
 
 def _safe(name: str) -> str:
