@@ -40,9 +40,8 @@ from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
 from ftkit.save import capture as cap
 from ftkit.save.keys import commit_key
-from ftkit.save.layout import Layout
 from ftkit.save.pipeline import PersistJob, PersistPipeline, Stats
-from ftkit.save.sharding import plan_pieces
+from ftkit.save.sharding import planned
 from ftkit.save.staging import Slot, StagingArena
 from ftkit.tiers.opened import open_tiers
 from ftkit.tiers.redact import redact_url
@@ -253,9 +252,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         ctx = self._ctx
         captured = cap.capture(self.state, rng=self.rng, rng_path=f"{cap.RNG_KEY}/r{ctx.rank}")
-        pieces = plan_pieces(captured.tensors, ctx.rank, ctx.world_size)
+        pieces, layout = planned(captured.tensors, ctx.rank, ctx.world_size)
         named = [(p.name, src) for p, src in pieces]
-        slot = self._arena.acquire(Layout.of(named), wait=self.policy == "wait")
+        slot = self._arena.acquire(layout, wait=self.policy == "wait")
         if slot is None:
             self.stats.skipped += 1
             log.warning(

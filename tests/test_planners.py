@@ -8,7 +8,8 @@ import torch
 
 from ftkit.format.manifest import Chunk, Manifest, Shard, TensorEntry
 from ftkit.restore.plan import Candidate, fetch_plan, files_for, order_candidates, ram_candidates
-from ftkit.save.sharding import RANK_LOCAL, REPLICATED, byte_span, overlap, plan_pieces
+from ftkit.save.layout import Layout
+from ftkit.save.sharding import RANK_LOCAL, REPLICATED, byte_span, overlap, plan_pieces, planned
 from ftkit.tiers.peers import replica_targets, replication_plan
 from ftkit.tiers.retention import StepInfo, plan_collection, plan_retention
 
@@ -187,6 +188,23 @@ def test_plan_pieces_on_one_rank_saves_everything_whole():
     named = [("a", torch.zeros(3000, 100)), ("b", torch.zeros(5))]
     got = plan_pieces(named, 0, 1)
     assert [(p.name, p.lengths) for p, _ in got] == [("a", (3000, 100)), ("b", (5,))]
+
+
+def test_the_staging_layout_comes_with_the_plan_and_changes_when_a_shape_does():
+    named = [("big", torch.zeros(1024, 512)), ("s", torch.zeros(100, dtype=torch.float16))]
+    pieces, layout = planned(named, 1, 4)  # rank 1: its row block of "big", maybe "s"
+    assert layout == Layout.of([(p.name, src) for p, src in pieces])  # where the sliced sources go
+    again, same = planned([(n, t.clone()) for n, t in named], 1, 4)  # new tensors, same names and shapes
+    assert same is layout and [p for p, _ in again] == [p for p, _ in pieces]
+    grown, other = planned([("big", torch.zeros(2048, 512)), named[1]], 1, 4)
+    assert other == Layout.of([(p.name, src) for p, src in grown]) and other.total_bytes > layout.total_bytes
+    half = planned(named, 0, 1)[1]
+    single = planned([named[0], ("s", torch.zeros(100, dtype=torch.float32))], 0, 1)[1]
+    assert (
+        [e.dtype for e in single.entries if e.name == "s"]
+        == [torch.float32]
+        != [e.dtype for e in half.entries if e.name == "s"]
+    )
 
 
 @pytest.mark.parametrize("nodes, k", [(_nodes(4, 2), 1), (_nodes(64, 8), 2), (_nodes(1024, 8), 1), (["a"] * 3, 1)])

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ftkit.save.layout import Layout
+
 SPLIT_BYTES = 1 << 20  # replicated tensors at least this big are split across ranks
 
 REPLICATED, SHARDED, RANK_LOCAL = "replicated", "sharded", "rank-local"
@@ -79,24 +81,37 @@ def plan_pieces(
     named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int, rng_prefix: str = "_rng/"
 ) -> list[tuple[Piece, torch.Tensor]]:
     """The pieces this rank saves, each with the source tensor (view) to copy from."""
+    return planned(named, rank, world_size, rng_prefix)[0]
+
+
+def planned(
+    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int, rng_prefix: str = "_rng/"
+) -> tuple[list[tuple[Piece, torch.Tensor]], Layout]:
+    """The pieces (as `plan_pieces`) and where their sources go in a staging buffer
+    (save/layout.py). Without DTensors both depend only on names, shapes and dtypes, which
+    stay the same from one snapshot to the next: they are made once and kept under one
+    key (its ~1.3 us a tensor is the cost of a snapshot of many small tensors), and then
+    only the sources are sliced."""
     if any(is_dtensor(t) for _, t in named):
-        return _plan_pieces(named, rank, world_size, rng_prefix)
-    # Without DTensors the plan depends only on names, shapes and dtypes, which stay the
-    # same from one snapshot to the next: plan once, then only slice the sources.
+        pieces = _plan_pieces(named, rank, world_size, rng_prefix)
+        return pieces, Layout.of([(p.name, src) for p, src in pieces])
     signature = (rank, world_size, rng_prefix, tuple((n, t.shape, t.dtype) for n, t in named))
     cached = _PLAN_CACHE.get(signature)
     if cached is None:
         index = {n: i for i, (n, _) in enumerate(named)}
-        cached = [
-            (p, index[p.name], p.offsets[0] if p.lengths != p.global_shape else None)
-            for p, _ in _plan_pieces(named, rank, world_size, rng_prefix)
-        ]
+        pieces = _plan_pieces(named, rank, world_size, rng_prefix)
+        steps = [(p, index[p.name], p.offsets[0] if p.lengths != p.global_shape else None) for p, _ in pieces]
+        cached = (steps, Layout.of([(p.name, src) for p, src in pieces]))
         _PLAN_CACHE.clear()  # one state per process is the rule; keep only the latest plan
         _PLAN_CACHE[signature] = cached
-    return [(p, named[i][1] if start is None else named[i][1][start : start + p.lengths[0]]) for p, i, start in cached]
+    steps, layout = cached
+    sources = [
+        (p, named[i][1] if start is None else named[i][1][start : start + p.lengths[0]]) for p, i, start in steps
+    ]
+    return sources, layout
 
 
-_PLAN_CACHE: dict[tuple, list[tuple[Piece, int, int | None]]] = {}
+_PLAN_CACHE: dict[tuple, tuple[list[tuple[Piece, int, int | None]], Layout]] = {}
 
 
 def _plan_pieces(
