@@ -257,7 +257,7 @@ def _median_without(ordered: list[float], value: float | None) -> float | None:
 class NodeBeat:
     """One node's aggregated heartbeat, published by its leader: one store key per node.
     It carries its ranks' timings only (what the watching nodes' medians need): their
-    liveness is judged on the node, and a watcher reads ~20 bytes per rank, not a beat."""
+    liveness is judged on the node, and a watcher reads 16 bytes per rank, not a beat."""
 
     seq: int
     leader: int
