@@ -39,7 +39,6 @@ from ftkit.errors import FtkitError
 from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
 from ftkit.save import capture as cap
-from ftkit.save.keys import commit_key
 from ftkit.save.pipeline import PersistJob, PersistPipeline, Stats
 from ftkit.save.sharding import planned
 from ftkit.save.staging import Slot, StagingArena
@@ -143,7 +142,7 @@ class Checkpointer:
         # Opening every tier now makes a bad URL or missing backend fail at start (tiers/opened.py).
         opened = open_tiers(self.tiers, self._ctx, run_id, peer_timeout_s)
         self.ram_identity = opened.ram_identity
-        self._backends, self._keys = opened.backends, opened.keys
+        self._backends = opened.backends
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
@@ -248,27 +247,16 @@ class Checkpointer:
     def _stage(self, step: int, due: list[int]) -> bool:
         """Capture, take a staging slot and copy: the part of snapshot() the training thread waits for."""
         if self._superseded is not None:  # the first snapshot after a restore: forget the abandoned future
-            self._retire_superseded()
+            superseded, self._superseded = self._superseded, None
+            retire_superseded(self._restore_context(), superseded, f"restore/{self._restores - 1}/retired")
         t0 = time.perf_counter()
         ctx = self._ctx
         captured = cap.capture(self.state, rng=self.rng, rng_path=f"{cap.RNG_KEY}/r{ctx.rank}")
         pieces, layout = planned(captured.tensors, ctx.rank, ctx.world_size)
         named = [(p.name, src) for p, src in pieces]
         slot = self._arena.acquire(layout, wait=self.policy == "wait")
-        if slot is None:
-            self.stats.skipped += 1
-            log.warning(
-                "snapshot of step %d skipped: the previous snapshots are still being persisted "
-                "(policy 'skip'; %d skipped so far)",
-                step,
-                self.stats.skipped,
-            )
-            if ctx.distributed:  # tell the others now, so nobody waits for this rank's share
-                for i in due:
-                    key = commit_key(i, self._restores, step)
-                    self._backends[i].report_skipped(ctx, key, (self._restores, step), "snapshot skipped: staging busy")
-                    if ctx.rank == 0:  # rank 0 deletes a step's records, and those of one it skipped
-                        self._keys[i].record((self._restores, step), key)
+        if slot is None:  # policy "skip", every slot busy: the others hear it now (on this thread)
+            self._pipeline.skipped(ctx, step, self._restores, due)
             return False
         try:
             fault_point("snapshot", step, ctx.rank)
@@ -406,12 +394,3 @@ class Checkpointer:
             self._arena,
             self.events.emit,
         )
-
-    def _retire_superseded(self) -> None:
-        """The first snapshot after a restore: the steps it superseded leave the timeline (ftkit/restore)."""
-        superseded, self._superseded = self._superseded, None
-        if superseded is None:
-            return
-        retired = retire_superseded(self._restore_context(), superseded, f"restore/{self._restores - 1}/retired")
-        if retired:
-            self.events.emit("retire", step=superseded.step, retired=retired)

@@ -67,18 +67,17 @@ class BeatSlots:
     def read(self, ranks: Iterable[int]) -> dict[int, Beat | None]:
         """The latest beat in each of `ranks`' slots, None where there is none yet, or it is
         malformed, or it was still torn when read again."""
-        wanted = list(ranks)
         data = self._read()
-        docs, torn = {}, []
-        for r in wanted:
-            docs[r], again = _decode(data, self._slot.get(r))
+        beats, torn = {}, []
+        for r in ranks:
+            beats[r], again = _decode(data, self._slot.get(r))
             if again:
                 torn.append(r)
         if torn:
             data = self._read()
             for r in torn:
-                docs[r], _ = _decode(data, self._slot[r])
-        return docs
+                beats[r], _ = _decode(data, self._slot[r])
+        return beats
 
     def read_one(self, rank: int) -> Beat | None:
         return self.read([rank])[rank]

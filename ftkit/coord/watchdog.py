@@ -149,7 +149,7 @@ class Watchdog:
     def start(self) -> None:
         self._publish()
         if self.leader:  # the node's key exists from the start: watchers need not wait for it
-            self.ctx.store.set(f"wd/node/{self.node_index}", self._node_beat().pack())
+            self._set_node_beat()
         self._thread = threading.Thread(target=self._run, name="ftkit-watchdog", daemon=True)
         self._thread.start()
 
@@ -203,7 +203,7 @@ class Watchdog:
                 self.board.write("verdict.json", standing.to_json())
         if self.leader and not failed:
             with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
-                self.ctx.store.set(f"wd/node/{self.node_index}", self._node_beat(done=True).pack())
+                self._set_node_beat(done=True)
         self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
 
     # ---------------------------------------------------------- the thread
@@ -259,6 +259,10 @@ class Watchdog:
                 notice = preemption_notice(self.ctx.rank, signum or signal.SIGTERM)
                 self.ctx.store.compare_set(PREEMPT, "", json.dumps(notice))
 
+    def _set_node_beat(self, done: bool = False) -> None:
+        """The node's heartbeat, to its key in the store (a leader; one request)."""
+        self.ctx.store.set(f"wd/node/{self.node_index}", self._node_beat(done).pack())
+
     def _node_beat(self, done: bool = False) -> NodeBeat:
         beats = [b for b in self._local_beats.values() if b is not None] + [self._mine or self._beat()]
         return NodeBeat(self._seq, self.ctx.rank, tuple(b.timing for b in beats), done)
@@ -269,7 +273,7 @@ class Watchdog:
         Two requests (a set and a multi_get) once every watched node has been seen."""
         ctx = self.ctx
         node_done = self._finished and all(b is not None and b.done for b in self._local_beats.values())
-        ctx.store.set(f"wd/node/{self.node_index}", self._node_beat(node_done).pack())
+        self._set_node_beat(node_done)
         if node_done and not self._counted_done:
             self._counted_done = True
             ctx.store.add(DONE, 1)

@@ -189,7 +189,8 @@ def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> d
     evaluation reading a training run's checkpoints) changes nothing, and a failed
     restore destroys nothing. Every rank calls it at the same snapshot; it ends
     with a barrier, so no rank writes before every node's newer steps are gone.
-    Returns {tier URL: steps retired} (this rank's share of the work)."""
+    Returns {tier URL: steps retired} (this rank's share of the work; a "retire" event
+    says the same when there is any)."""
     ctx = rc.dist
     step = superseded.step
     out: dict[str, list[int]] = {}
@@ -228,4 +229,6 @@ def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> d
             )
     if ctx.distributed:
         ctx.gather(key, None)  # nobody writes before every node's newer steps are gone
+    if out:
+        rc.emit("retire", step=step, retired=out)
     return out

@@ -4,6 +4,7 @@ Order of calls (the Checkpointer's)::
 
     pipeline = PersistPipeline(...)       # starts the thread
     pipeline.submit(job)                  # after a slot is staged (training thread)
+    pipeline.skipped(ctx, step, ...)      # or: no slot was free (training thread)
     pipeline.wait()                       # block until idle; re-raise the first failure since the last wait
     pipeline.drain(deadline_s)            # before an abort: let queued work finish, within a bound
     pipeline.close()                      # stop the thread once the queue is empty
@@ -77,6 +78,25 @@ class PersistPipeline:
 
     def submit(self, job: PersistJob) -> None:
         self._jobs.put(job)
+
+    def skipped(self, ctx: DistContext, step: int, epoch: int, tiers: list[int]) -> None:
+        """A due snapshot was not staged (policy "skip": every slot busy). Counted, logged,
+        and told to the step's commit on each of `tiers` at once, from the training thread
+        (`ctx`, its connection), so nobody waits for this rank's share while a commit runs."""
+        self.stats.skipped += 1
+        log.warning(
+            "snapshot of step %d skipped: the previous snapshots are still being persisted "
+            "(policy 'skip'; %d skipped so far)",
+            step,
+            self.stats.skipped,
+        )
+        if not ctx.distributed:
+            return
+        for i in tiers:
+            key = commit_key(i, epoch, step)
+            self.backends[i].report_skipped(ctx, key, (epoch, step), "snapshot skipped: staging busy")
+            if ctx.rank == 0:  # rank 0 deletes a step's records, and those of one it skipped
+                self.keys[i].record((epoch, step), key)
 
     def wait(self) -> None:
         """Block until all background work is done; re-raise the first failure since the last wait."""
