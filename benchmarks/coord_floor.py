@@ -7,17 +7,18 @@ store), on the real payloads of the run's last committed step, with nothing wait
 (every file read is there already, every key is set already):
 
     a non-leader:  its report to the board (temp file + rename); the relayed peer reports
-                   read and parsed; its outcome to the board
-    a leader:      its ranks' reports read and parsed; its node's part written (temp file,
-                   fsync, rename, fsync of the directory); its node's record set in the store;
-                   its replica partner's record waited for, read and parsed; that record
-                   relayed to its ranks (a board file); the partner's part written; its
-                   ranks' outcomes read; (not rank 0) its record for rank 0 set
+                   read and parsed; its outcome to the board; the node's exchanger (its
+                   second rank) also the partner's part written (temp file, fsync, rename,
+                   fsync of the directory)
+    a leader:      its ranks' reports read and parsed; its node's part written; its node's
+                   record set in the store; its replica partner's record waited for, read and
+                   parsed; that record relayed to its ranks (a board file); its ranks'
+                   outcomes read; (not rank 0) its record for rank 0 set
     rank 0:        the other leaders' records waited for, read and parsed; the index encoded
                    (JSON) and written; set in the store for the index holders; the step's
                    keys deleted
-    an index holder (a leader holding rank 0's replicas): the index read from the store,
-                   parsed, written
+    an index holder (the exchanger of a node holding rank 0's replicas): the index read
+                   from the store, parsed, written
 
 The floor runs in a background thread during training steps, as the persist thread does,
 and is that thread's CPU time per snapshot.
@@ -77,9 +78,10 @@ class Floor:
         self.rank, self.world, self.per_node = rank, world, per_node
         self.node = rank // per_node
         self.leader = rank % per_node == 0
+        self.exchanger = rank % per_node == min(1, per_node - 1)  # its node's second rank (the leader if alone)
         self.leaders = list(range(0, world, per_node))
         self.partner = self.leaders[(self.node + 1) % len(self.leaders)]  # k = 1: the next node, both ways
-        self.holder = self.leader and self.rank != 0 and self.node == 1  # holds rank 0's replicas (k = 1)
+        self.holder = self.exchanger and self.node == 1  # its node holds rank 0's replicas (k = 1)
         self.dir = os.path.join(root, f"floor-r{rank}")
         self.store, self.p = store, payloads
         self.index_doc = json.loads(payloads["index"])
@@ -104,7 +106,10 @@ class Floor:
         if not self.leader:
             board_write(os.path.join(d, "mine"), p["report"])
             json.loads(read_file(os.path.join(d, "peers")))
+            if self.exchanger:
+                _durable_write(os.path.join(d, "partner-part.json"), p["part"])
             board_write(os.path.join(d, "outcome"), p["outcome"])
+            self._hold_index()
             return
         for r in range(self.per_node - 1):
             json.loads(read_file(os.path.join(d, f"w-{r}")).partition(b"\n")[0])
@@ -114,7 +119,8 @@ class Floor:
         (record,) = store.multi_get([f"floor/w/{self.partner}"])
         json.loads(record)
         board_write(os.path.join(d, "relay"), record)
-        _durable_write(os.path.join(d, "partner-part.json"), p["part"])
+        if self.exchanger:  # a node of one rank
+            _durable_write(os.path.join(d, "partner-part.json"), p["part"])
         for r in range(self.per_node - 1):
             json.loads(read_file(os.path.join(d, f"r-{r}")))
         if self.rank != 0:
@@ -129,10 +135,13 @@ class Floor:
             store.set("floor/manifest-step", index)
             for key in ("floor/gone-1", "floor/gone-2", "floor/gone-3"):  # the step's records, the exchanged
                 store.delete_key(key)
+        self._hold_index()
+
+    def _hold_index(self) -> None:
         if self.holder:
-            store.wait(["floor/manifest"], wait)
-            json.loads(store.get("floor/manifest"))
-            _durable_write(os.path.join(d, "manifest.json"), p["index"])
+            self.store.wait(["floor/manifest"], timedelta(seconds=60))
+            json.loads(self.store.get("floor/manifest"))
+            _durable_write(os.path.join(self.dir, "manifest.json"), self.p["index"])
 
 
 def measure(floor: Floor, train_step: Callable[[int], Any], steps: int, first_step: int) -> float:

@@ -423,15 +423,15 @@ def _index_of(name: str, nbytes: int) -> dict:
         (_index_of("part-00000-0badf00d.json", 9), "does not name this node's part"),
     ],
 )
-def test_a_node_leader_validates_the_index_it_receives(tmp_path, forged, why):
-    """Rank 1 leads node1, which holds rank 0's replicas, so it keeps the index too
-    (node_commit.holds_index); the index it reads from the store is forged (a part
-    outside the directory, a document of another version, an index without this node's
-    part): it writes no manifest, and says why."""
+def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
+    """Node1 holds rank 0's replicas, so it keeps the index too (node_commit.holds_index;
+    its exchanger writes it, given the node's part as its leader relayed it); the index it
+    reads from the store is forged (a part outside the directory, a document of another
+    version, an index without this node's part): it writes no manifest, and says why."""
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
-    from ftkit.save.node_commit import NodeShare, _write_index
+    from ftkit.save.node_commit import _write_index
     from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()
@@ -441,10 +441,56 @@ def test_a_node_leader_validates_the_index_it_receives(tmp_path, forged, why):
     doc = {"format": "ftkit-checkpoint", "format_version": 3, "step": 1, "world_size": 2, "skeleton": {"entries": {}}}
     store.set("k/manifest", json.dumps({**doc, **forged}))
     part = {"file": "part-00001-0badf00d.json", "bytes": 9, "checksum": "xxh3_64:" + "1" * 16}
-    share = NodeShare({}, [], False, written={"part": part, "files": {}})
     with pytest.raises(ftkit.FtkitError, match=why):
-        _write_index(storage, 1, ctx, "k", share)
+        _write_index(storage, 1, ctx, "k", {"part": part, "files": {}})
+    with pytest.raises(ftkit.FtkitError, match=why):  # the leader relayed no part (or none that checked)
+        _write_index(storage, 1, ctx, "k", None)
     assert not list(node.rglob(MANIFEST_NAME))
+
+
+def test_what_a_leader_relays_to_its_exchanger_is_checked_like_any_board_message():
+    """The node's exchanger writes the parts of its replica sources and (on an index holder)
+    the index, from what its leader relayed on the node's board, and tells the leader which
+    parts it wrote: a shared directory's files are untrusted, so a part named outside the
+    step directory, a checksum of another form, or a leader that is not one, is left out."""
+    from types import SimpleNamespace
+
+    from ftkit.save.node_commit import _outcome_errors
+    from ftkit.save.replicas import _relayed_part, _relayed_parts
+
+    group = SimpleNamespace(members={0: (0, 1), 2: (2, 3)})
+    good = "xxh3_64:" + "1" * 16
+    relayed = {
+        "part-00000-0badf00d.json": [0, good],
+        "../part-00002-evil.json": [2, good],
+        "part-00002-0badf00d.json": [2, "md5:1234"],
+        "part-00004-0badf00d.json": [4, good],
+        "part-00006-0badf00d.json": [True, good],
+        "manifest.json": [0, good],
+    }
+    assert _relayed_parts(relayed, group) == {"part-00000-0badf00d.json": (0, good)}
+    assert _relayed_parts(["not", "a", "dict"], group) == {}
+    part = {"file": "part-00002-0badf00d.json", "bytes": 9, "checksum": good}
+    assert _relayed_part({"part": part, "files": {"r2-0badf00d.bin": 64}}) == {
+        "part": part,
+        "files": {"r2-0badf00d.bin": 64},
+    }
+    for bad in (
+        {"part": {**part, "file": "../x.json"}, "files": {}},
+        {"part": {**part, "bytes": -1}, "files": {}},
+        {"part": part, "files": {"../r2.bin": 64}},
+        {"part": part, "files": {"r2.bin": "64"}},
+        {"part": part},
+        "part",
+        None,
+    ):
+        assert _relayed_part(bad) is None, bad
+    # The exchanger's outcome names the parts it wrote: the leader takes only plain part names.
+    parts: list[str] = []
+    assert _outcome_errors(1, json.dumps({"errors": [], "parts": ["part-00002-0badf00d.json"]}).encode(), parts) == []
+    assert parts == ["part-00002-0badf00d.json"]
+    errors = _outcome_errors(1, json.dumps({"errors": [], "parts": ["../../etc/passwd"]}).encode(), parts)
+    assert errors == ["rank 1: a malformed list of the parts it wrote"] and parts == ["part-00002-0badf00d.json"]
 
 
 def test_a_report_of_a_layout_checked_before_is_not_parsed_again_but_a_forged_one_is_refused(monkeypatch):

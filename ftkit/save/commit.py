@@ -69,6 +69,13 @@ class NodeGroup:
     def leader(self) -> int:
         return self.ranks[0]
 
+    @property
+    def exchanger(self) -> int:
+        """The rank that trades the RAM tier's reports with the replica partners' nodes
+        (save/replicas.py): the node's second rank, which has no other duty in a commit,
+        so the leader's share is not the sum of both; the leader on a node of one rank."""
+        return self.ranks[1] if len(self.ranks) > 1 else self.ranks[0]
+
     def node_board(self) -> NodeBoard:
         """The node's board, which every commit of a world of several ranks posts through."""
         assert self.board is not None, "a node of several ranks commits through its board"

@@ -10,18 +10,21 @@ shared tier: one part per node and an index (format/index.py)::
     with replicas (save/replicas.py):
       leaders     set the reports and the part as one record, `key`/w/<leader>; read the
                   records of the k nodes before theirs (whose ranks send this node their
-                  replicas) and of the k after; post the reports on the board
-      every rank  sends its file to its targets, stores verified copies of what its
-                  sources send (tiers/peers.py), posts its outcome to the board
-      leaders     write the parts of the k nodes before theirs: a node keeps the parts of
-                  the ranks whose files it holds
+                  replicas) and of the k after; post the reports, and the names and
+                  checksums of the sources' parts, on the board
+      every rank  sends its file to its targets, stores verified copies of what its sources
+                  send (tiers/peers.py), posts its outcome to the board
+      exchangers  (a node's second rank; its leader on a node of one rank) write the parts of
+                  the k nodes before theirs (a node keeps the parts of the ranks whose files
+                  it holds), and name them in their outcome
     node leaders: collect the outcomes; set the node's record for rank 0, `key`/r/<leader>:
                   its part's name, size and checksum, or the node's errors (a few hundred bytes)
     rank 0:       read every node's record (one wait, one multi_get), write the index
                   (manifest.json, the commit), delete the step's records; with replicas,
                   set the index under `key`/manifest (or "" when the step is not committed)
-    the leaders of the k nodes that hold rank 0's node's replicas: read the index, check
-                  it names their part and their files are in place, write it
+    the exchangers of the k nodes that hold rank 0's node's replicas: read the index, check
+                  it names their part (as their leader relayed it) and their files are in
+                  place, write it
     rank 0, after retention (tiers/backend.py): the commit news (coord/news.py), which
                   the other leaders hear with their heartbeats and keep or drop steps by
 
@@ -30,13 +33,17 @@ losing all of them loses rank 0's share of the step, so the step anyway. The oth
 leaders read nothing back: at restore, a node without the index gets it through the
 store from a node that has it (restore/read.py), as it gets the parts it lacks.
 
-A non-leader rank makes no store request; a leader one (its record for rank 0; with
-replicas also its reports and the records of the k nodes before and after it, and on
-the k index holders the index); rank 0 one delete for every node's record (two with
-replicas) and the news. Per step: 2 x nodes + 1 requests without replicas, 6 x nodes
-+ 2k + 2 with. Rank 0 handles O(nodes) bytes, a leader its node's entries and those
-of k other nodes. A node holds the parts of the ranks whose files it holds, not every
-part: at restore, parts a node lacks come through the store from a node that has them.
+The exchanger is not the leader where the node has a second rank: the leader's share of
+a commit is the largest (bench_dist.py, 2 ranks a node: with the sources' parts and the
+index the leaders' coordination CPU per snapshot was 2.4-2.7 ms, the other ranks' 0.6 ms).
+A rank with neither role makes no store request; a leader one (its record for rank 0;
+with replicas also its reports and the records of the k nodes before and after it), an
+exchanger of the k index holders one (the index); rank 0 one delete for every node's
+record (two with replicas) and the news. Per step: 2 x nodes + 1 requests without
+replicas, 6 x nodes + 2k + 2 with. Rank 0 handles O(nodes) bytes, a leader its node's
+entries and those of k other nodes. A node holds the parts of the ranks whose files it
+holds, not every part: at restore, parts a node lacks come through the store from a
+node that has them.
 """
 
 from __future__ import annotations
@@ -51,9 +58,9 @@ from typing import Any
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
 from ftkit.errors import AlreadyCommitted, FormatError, StorageError
-from ftkit.format.index import INDEX_VERSION, parse_index
+from ftkit.format.index import INDEX_VERSION, is_part_file, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.format.validate import parse_header, parse_json
+from ftkit.format.validate import check_file_name, parse_header, parse_json
 from ftkit.save.commit import NodeGroup, read_node_record
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
 from ftkit.save.manifests import Committed, check_files_present, commit_index, store_part
@@ -149,6 +156,8 @@ def persist_node_local(
     text = NodeReport.encode(write, str(error) if error else None, rank_state, ref=ref)
     leader = ctx.rank == group.leader
     exchange = replicas > 0 and peers is not None and ctx.distributed  # nodes swap reports for replicas
+    # A node holding rank 0's replicas keeps its index too (written by the node's exchanger).
+    holder = exchange and ctx.node != ctx.nodes[0] and holds_index(ctx, layout, replicas)
     node: NodeShare | None = None
     # 1. Reports: to the node's leader, who writes the node's part and publishes both (one key per node).
     if ctx.distributed and not leader:
@@ -161,33 +170,39 @@ def persist_node_local(
         if exchange:
             group.published.publish(ctx.store, node.layouts)  # before the record that names them
             ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps(node.exchanged()))
-    # 2. Replicas: each rank sends its file to its targets and stores what its sources send.
+    # 2. Replicas: each rank sends its file to its targets and stores what its sources send;
+    #    the node's exchanger writes the sources' parts (replicas.py).
     rep_error = None
+    own_part: dict[str, Any] | None = None  # the exchanger's, on an index holder: its node's part
+    others: list[str] = []  # the parts of the ranks whose replicas this node now holds (the exchanger's)
     if exchange:
         assert layout is not None and peers is not None
         try:
-            reports, may_send, parts = peer_reports(group, layout, replicas, ctx, key, at, leader)
-            sending = write if may_send and error is None else None
+            own = node.written if node is not None and holder else None
+            word = peer_reports(group, layout, replicas, ctx, key, at, leader, own)
+            reports, own_part = word.texts, word.own_part
+            sending = write if word.may_send and error is None else None
             layouts = lookup(from_store(ctx.store))
             c0 = time.thread_time()
             try:
                 replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress, layouts)
             finally:
                 cpu["replicate"] = time.thread_time() - c0
-            if node is not None:  # the parts of the ranks whose replicas this node now holds
-                node.others = store_parts(storage, step, parts, reports, group, ctx.world_size, layouts)
+            if ctx.rank == group.exchanger:
+                others = store_parts(storage, step, word.parts, reports, group, ctx.world_size, layouts)
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
     # 3. Outcomes: to the leader, who publishes the node's record.
     errors = [f"rank {ctx.rank}: {rep_error}"] if rep_error else []
     if ctx.distributed and not leader:
-        group.to_leader(at, "r", ctx.rank, {"errors": errors})
+        group.to_leader(at, "r", ctx.rank, {"errors": errors, "parts": others} if others else {"errors": errors})
     elif ctx.distributed:
+        assert node is not None
+        node.others = others
         for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s).items():
-            errors += _outcome_errors(r, raw)
+            errors += _outcome_errors(r, raw, node.others if r == group.exchanger else None)
         if ctx.rank != 0:
-            assert node is not None
             ctx.put(f"{key}/r/{ctx.rank}", node.record(errors))
     if ctx.rank == 0:
         assert node is not None
@@ -195,8 +210,8 @@ def persist_node_local(
             return _commit(storage, step, skeleton, ctx, key, group, node, errors, older, ledger, at, exchange)
     if error is not None:
         raise error
-    if node is not None and exchange and holds_index(ctx, layout, replicas):  # rank 0's replicas: its index too
-        _write_index(storage, step, ctx, key, node)
+    if holder and ctx.rank == group.exchanger:
+        _write_index(storage, step, ctx, key, own_part)
     return None
 
 
@@ -249,7 +264,9 @@ def _collect_texts(group: NodeGroup, at: tuple[int, int], what: str, ctx: DistCo
     return out
 
 
-def _outcome_errors(rank: int, raw: bytes | None) -> list[str]:
+def _outcome_errors(rank: int, raw: bytes | None, parts: list[str] | None = None) -> list[str]:
+    """A rank's replication outcome (untrusted, from the board): its errors; from the node's
+    exchanger (`parts`: extended with them) also the parts of other nodes it wrote here."""
     if raw is None:
         return [f"rank {rank}: no replication outcome"]
     try:
@@ -259,7 +276,19 @@ def _outcome_errors(rank: int, raw: bytes | None) -> list[str]:
     errors = doc.get("errors") if isinstance(doc, dict) else None
     if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
         return [f"rank {rank}: a malformed replication outcome"]
+    if parts is not None:
+        named = doc.get("parts", [])
+        if not isinstance(named, list) or not all(_is_part_name(n) for n in named):
+            return [*errors, f"rank {rank}: a malformed list of the parts it wrote"]
+        parts += named
     return errors
+
+
+def _is_part_name(name: Any) -> bool:
+    try:
+        return is_part_file(check_file_name(name))
+    except FormatError:
+        return False
 
 
 def _commit(
@@ -315,9 +344,10 @@ def _record_manifest(ledger: KeyLedger | None, at: tuple[int, int], key: str) ->
         ledger.record_key(at, f"{key}/manifest")
 
 
-def _write_index(storage: Storage, step: int, ctx: DistContext, key: str, node: NodeShare) -> None:
-    """An index holder's leader writes rank 0's index into its node's directory, once it has checked
-    that the index names this node's part as written and its files are in place."""
+def _write_index(storage: Storage, step: int, ctx: DistContext, key: str, written: dict[str, Any] | None) -> None:
+    """An index holder's exchanger writes rank 0's index into its node's directory, once it has
+    checked that the index names its node's part as its leader wrote it (`written`:
+    store_part's record) and the node's files are in place."""
     data = ctx.get_raw(f"{key}/manifest")
     if data in (b"", b'""'):  # rank 0's "not committed" (put as JSON "")
         discard(storage, step, [name for name, _ in storage.list_dir(step_dir_name(step))])
@@ -327,10 +357,10 @@ def _write_index(storage: Storage, step: int, ctx: DistContext, key: str, node: 
     if version != INDEX_VERSION:
         raise FormatError(f"{where} has format version {version}, not {INDEX_VERSION}")
     index = parse_index(doc, where, expect_step=step)
-    mine = node.written["part"] if node.written else None
+    mine = written["part"] if written else None
     if mine is None or not any(p.file == mine["file"] and p.checksum == mine["checksum"] for p in index.parts):
         raise StorageError(f"step {step}: {where} does not name this node's part")
-    check_files_present(storage, step, {**node.written["files"], mine["file"]: mine["bytes"]})  # type: ignore[index]
+    check_files_present(storage, step, {**written["files"], mine["file"]: mine["bytes"]})  # type: ignore[index]
     storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
 
 

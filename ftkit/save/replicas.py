@@ -2,10 +2,13 @@
 
 A leader reads, from the store, the records of the k nodes before its own (whose
 ranks send this node their replicas) and of the k after (which this node's ranks
-send theirs to), and relays their reports to its ranks on the node's board. Each
-rank then sends its data file to its targets and stores verified copies of what
-its sources send (tiers/peers.py); the leader writes the manifest parts of its
-sources, so a node keeps the parts that describe the files it holds. Records and
+send theirs to), and relays their reports, and the names and checksums of its
+sources' parts, to its ranks on the node's board. Each rank then sends its data file
+to its targets and stores verified copies of what its sources send (tiers/peers.py);
+the node's exchanger (its second rank: the leader's share of a commit is the largest,
+so the leader does not carry this too; the leader on a node of one rank) writes the
+manifest parts of its sources, so a node keeps the parts that describe the files it
+holds, and names them in its outcome to the leader. Records and
 parts are untrusted: a report that does not parse reads as an error report, a part
 is checked against the index by whoever reads it.
 """
@@ -13,6 +16,7 @@ is checked against the index by whoever reads it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ftkit.coord.dist import DistContext
@@ -62,24 +66,48 @@ def _node_part_ref(doc: dict[str, Any]) -> tuple[str, str] | None:
     return (name, part["checksum"]) if is_part_file(name) and CHECKSUM_RE.fullmatch(part["checksum"]) else None
 
 
+@dataclass(frozen=True)
+class PeerWord:
+    """What a rank learns of the replica exchange of one step (`peer_reports`)."""
+
+    texts: dict[int, str]  # the reports of the nodes it exchanges replicas with
+    may_send: bool  # whether it sends its own file (its report is in its node's record)
+    parts: dict[str, tuple[int, str]]  # the exchanger's: the sources' parts, {file: (their leader, checksum)}
+    own_part: dict[str, Any] | None = None  # the exchanger's, on a node holding the index: its node's part
+
+
 def peer_reports(
-    group: NodeGroup, layout: ReplicaLayout, k: int, ctx: DistContext, key: str, at: tuple[int, int], leader: bool
-) -> tuple[dict[int, str], bool, dict[str, tuple[int, str]]]:
+    group: NodeGroup,
+    layout: ReplicaLayout,
+    k: int,
+    ctx: DistContext,
+    key: str,
+    at: tuple[int, int],
+    leader: bool,
+    own_part: dict[str, Any] | None = None,
+) -> PeerWord:
     """The reports of the nodes this node exchanges replicas with (the k before it send,
     the k after it receive), read from the store by the leader and relayed to its ranks
-    through the board; whether this rank may send its own file; and (the leader's) the
-    parts of the nodes that send it replicas, {file: (their leader, checksum)}. When the leader skipped the
-    step, its ranks read the reports themselves (their sources send them replicas all
-    the same) and send nothing (the leader's record, which their targets read, does not
-    hold their reports)."""
+    through the board, with what the node's exchanger (NodeGroup.exchanger) needs: the
+    parts of the nodes that send it replicas, and `own_part` (the leader's, where the node
+    holds rank 0's index: its part's store_part record, which the index must name).
+
+    When the leader skipped the step, its ranks read the reports themselves (their sources
+    send them replicas all the same) and send nothing (the leader's record, which their
+    targets read, does not hold their reports); the step is not committed then, and nobody
+    writes the sources' parts."""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
+    exchanger = ctx.rank == group.exchanger
     if not leader:
         raw = group.node_board().collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
         if raw is not None:
             doc = parse_json(raw, "the peer nodes' reports", "")
             if not isinstance(doc, dict):
                 raise StorageError("this node's leader relayed malformed peer reports")
-            return {int(r): t for r, t in doc.items() if r.isdigit() and isinstance(t, str)}, True, {}
+            relayed = {int(r): t for r, t in doc.items() if r.isdigit() and isinstance(t, str)}
+            if not exchanger:
+                return PeerWord(relayed, True, {})
+            return PeerWord(relayed, True, _relayed_parts(doc.get("parts"), group), _relayed_part(doc.get("own")))
         if group.node_board().read_bytes(skip, 1024) is None:
             raise StorageError(f"this node's leader (rank {group.leader}) sent no word on the replicas to exchange")
     sources = layout.source_nodes(ctx.rank, ctx.nodes, k)
@@ -97,8 +125,44 @@ def peer_reports(
         if part is not None:
             parts[part[0]] = (s, part[1])
     if leader:
-        group.to_ranks(name, {str(r): t for r, t in texts.items()}, ctx.rank)
-    return texts, leader, parts
+        relay: dict[str, Any] = {str(r): t for r, t in texts.items()}
+        if not exchanger:
+            relay["parts"] = {n: [s, checksum] for n, (s, checksum) in parts.items()}
+            if own_part is not None:
+                relay["own"] = own_part
+        group.to_ranks(name, relay, ctx.rank)
+    return PeerWord(texts, leader, parts if exchanger else {}, own_part if exchanger else None)
+
+
+def _relayed_part(doc: Any) -> dict[str, Any] | None:
+    """The node's own part as its leader relayed it (store_part's record: {"part": {"file",
+    "bytes", "checksum", ...}, "files": {name: bytes}}), checked; None if it is not one."""
+    try:
+        part, files = doc["part"], doc["files"]
+        check_file_name(part["file"])
+        ok = (
+            type(part["bytes"]) is int
+            and part["bytes"] > 0
+            and isinstance(part["checksum"], str)
+            and CHECKSUM_RE.fullmatch(part["checksum"]) is not None
+            and isinstance(files, dict)
+            and all(type(n) is int and n >= 0 and check_file_name(f) for f, n in files.items())
+        )
+    except (TypeError, KeyError, FormatError):
+        return None
+    return {"part": part, "files": files} if ok else None
+
+
+def _relayed_parts(doc: Any, group: NodeGroup) -> dict[str, tuple[int, str]]:
+    """The sources' parts as the leader relayed them (untrusted, from the board): a malformed
+    one is left out, and the commit then finds it missing where the index names it."""
+    parts: dict[str, tuple[int, str]] = {}
+    for n, ref in (doc if isinstance(doc, dict) else {}).items():
+        if isinstance(ref, list) and len(ref) == 2 and type(ref[0]) is int and ref[0] in group.members:
+            got = _node_part_ref({"part": {"file": n, "checksum": ref[1]}})
+            if got is not None:
+                parts[got[0]] = (ref[0], got[1])
+    return parts
 
 
 def store_parts(

@@ -97,26 +97,23 @@ class Layout:
         except ValueError as e:
             raise FormatError(f"layout {self.digest[:12]} is not JSON ({e})") from None
 
-    def spans(self, file: str) -> tuple[tuple[str, int, int], ...]:
-        """(tensor name, offset, length) of each chunk, in checksum order (cached)."""
-        return _spans(self, file)
+    def spans(self) -> tuple[tuple[str, int, int], ...]:
+        """(tensor name, offset, length) of each chunk, in checksum order: the same whatever
+        the file's name, so worked out once per layout (a replica holder checks the chunks of
+        every file it receives; each step's file has a new name)."""
+        hit = _span_cache.get(self.digest)
+        if hit is None:
+            hit = tuple(
+                (str(t["name"]), int(c["offset"]), int(c["length"]))
+                for t in self.docs("f")
+                for s in t["shards"]
+                for c in s["chunks"]
+            )
+            _span_cache.put(self.digest, hit)
+        return hit
 
 
-def _spans(layout: Layout, file: str) -> tuple[tuple[str, int, int], ...]:
-    key = (layout.digest, file)
-    hit = _span_cache.get(key)
-    if hit is None:
-        hit = tuple(
-            (str(t["name"]), int(c["offset"]), int(c["length"]))
-            for t in layout.docs(file)
-            for s in t["shards"]
-            for c in s["chunks"]
-        )
-        _span_cache.put(key, hit)
-    return hit
-
-
-_span_cache: Lru[tuple[str, str], tuple[tuple[str, int, int], ...]] = Lru(64)
+_span_cache: Lru[str, tuple[tuple[str, int, int], ...]] = Lru(64)
 book: Lru[str, Layout] = Lru(256)  # the layouts this process knows, by name
 
 

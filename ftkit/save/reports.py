@@ -180,7 +180,7 @@ class NodeReport:
         self.checked_layout()
         if self.layout is not None:
             assert self.file is not None
-            spans = self.layout.spans(self.file)
+            spans = self.layout.spans()
             return [(name, off, n, s) for (name, off, n), s in zip(spans, self.sums, strict=True)]
         return [
             (t["name"], c["offset"], c["length"], c["checksum"])
