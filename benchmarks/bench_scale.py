@@ -57,6 +57,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from datetime import timedelta
@@ -463,9 +464,11 @@ def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: An
 
 def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str) -> dict:
     """This worker's nodes commit COMMIT_STEPS steps to the RAM tier with the real protocol
-    (save/node_commit.py, no replicas): every rank runs `persist_node_local` (non-leaders
-    first: they post to their node's real board and return), then the leaders, then rank 0,
-    which commits and publishes the commit news (coord/news.py). A rank's "data file" is
+    (save/node_commit.py, no replicas): every rank runs `persist_node_local`: rank 0 in a
+    thread of its own (it posts its report to its node's collector, NodeGroup.collector, and
+    waits for every node's record), the others first (they post to their node's real board
+    and return), then the collectors; rank 0 then commits and publishes the commit news
+    (coord/news.py). A rank's "data file" is
     64 real bytes of one tensor (write_share replaced). Every leader then hears the news
     (a read not counted: in a job it rides the heartbeat's multi_get, whose requests the
     watchdog part of this bench counts) and applies its retention (its CPU measured)."""
@@ -487,6 +490,7 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
     prefix = f"ram{world}/"
     store = CountingStore(dist.PrefixStore(prefix, raw.clone()))
+    root_store = CountingStore(dist.PrefixStore(prefix, raw.clone()))  # rank 0's thread: a connection of its own
     uncounted = dist.PrefixStore(prefix, raw.clone())
     nodes = world // per
     names = [f"n{r // per}" for r in range(world)]
@@ -518,14 +522,14 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         groups[n] = NodeGroup(board, members[n * per], members)
         news[n] = CommitNews()
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
-    out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "retention": [], "held": []}
+    out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "retention": [], "held": [], "sets": []}
     for step in range(1, COMMIT_STEPS + 1):
         at, key = (0, step), f"commit/0/0/{step}"
         _barrier(raw, f"{prefix}b{step}", procs)
-        before = store.requests
+        before = store.requests + root_store.requests
 
         def run(rank: int, n: int, step: int = step, key: str = key, at: tuple[int, int] = at):  # noqa: ANN202
-            ctx = DistContext(rank, world, store, f"n{n}", 120.0, names, prefix)
+            ctx = DistContext(rank, world, root_store if rank == 0 else store, f"n{n}", 120.0, names, prefix)
             return node_commit.persist_node_local(
                 storages[n],
                 step,
@@ -540,23 +544,48 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
                 at=at,
             )
 
-        for n in mine:  # the non-leaders post and return
-            for r in members[n * per][1:]:
-                run(r, n)
+        # Rank 0 posts its report to its node's collector (rank 1: NodeGroup.collector), then
+        # waits for every node's record: it runs in a thread of its own, from the start.
+        root: dict[str, Any] = {}
+
+        def commit(step: int = step, root: dict[str, Any] = root) -> None:
+            c0 = time.thread_time()
+            try:
+                root["committed"] = run(0, 0)
+            except BaseException as e:  # (raised again below)
+                root["error"] = e
+            root["cpu"] = time.thread_time() - c0
+
+        committer = threading.Thread(target=commit, daemon=True) if 0 in mine else None
+        if committer is not None:
+            committer.start()
+        for n in mine:  # the other ranks post and return
+            for r in members[n * per]:
+                if r not in (0, groups[n].collector):
+                    run(r, n)
         for n in mine:
-            if n != 0:
+            if groups[n].collector != 0:
                 c0 = time.thread_time()
-                run(n * per, n)
-                out["leader_cpu"].append(time.thread_time() - c0)
-        if 0 in mine:
-            c0, w0 = time.thread_time(), time.time()
-            committed = run(0, 0)
+                run(groups[n].collector, n)
+                out["sets"].append((step, time.time()))  # its record for rank 0 is set
+                if n != 0:
+                    out["leader_cpu"].append(time.thread_time() - c0)
+        if committer is not None:
+            committer.join()
+            if "error" in root:
+                raise root["error"]
+            c0 = time.thread_time()
             manifest = os.path.join(storages[0].root, step_dir_name(step), "manifest.json")
-            ms = (os.stat(manifest).st_mtime - w0) * 1e3
+            done = os.stat(manifest).st_mtime
             apply_job_retention(storages[0], 2, None, protect=step)  # as the job's (tiers/backend.py)
             publish(store, Settled(0, step, frozenset(d.step for d in scan(storages[0]) if d.committed)))
             out["commit"].append(
-                {"ms": ms, "cpu": time.thread_time() - c0, "index_bytes": len(committed.manifest_json)}
+                {
+                    "step": step,
+                    "done": done,
+                    "cpu": root["cpu"] + time.thread_time() - c0,
+                    "index_bytes": len(root["committed"].manifest_json),
+                }
             )
         _barrier(raw, f"{prefix}m{step}", procs)
         for n in mine:  # every other leader hears the news (with its heartbeat) and keeps or drops
@@ -569,7 +598,7 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
                 out["retention"].append(time.thread_time() - c0)
                 out["held"].append(len(os.listdir(storages[n].root)))
         _barrier(raw, f"{prefix}e{step}", procs)
-        out["requests"].append(store.requests - before)
+        out["requests"].append(store.requests + root_store.requests - before)
     return out
 
 
@@ -614,6 +643,8 @@ def run_commits(world: int, per: int, procs: int, port: int) -> dict[str, Any]:
     restores = [o["restore"] for o in outs]
     ram = [o["ram"] for o in outs]
     ram_commits = [c for r in ram for c in r["commit"]]
+    for c in ram_commits:  # the step's last record set -> its index written
+        c["ms"] = max(0.0, c["done"] - max(t for r in ram for step, t in r["sets"] if step == c["step"])) * 1e3
     ram_requests = [sum(x) for x in zip(*(r["requests"] for r in ram))]
     published = next(r["published"] for r in restores if r["published"] is not None)
     return {

@@ -6,19 +6,20 @@ Per snapshot of `["ram", replicas=1]` on 2 simulated nodes, each rank's share of
 store), on the real payloads of the run's last committed step, with nothing waited for
 (every file read is there already, every key is set already):
 
-    a non-leader:  its report to the board (temp file + rename); the relayed peer reports
-                   read and parsed; its outcome to the board; the node's exchanger (its
-                   second rank) also the partner's part written (temp file, fsync, rename,
-                   fsync of the directory)
-    a leader:      its ranks' reports read and parsed; its node's part written; its node's
-                   record set in the store; its replica partner's record waited for, read and
-                   parsed; that record relayed to its ranks (a board file); its ranks'
-                   outcomes read; (not rank 0) its record for rank 0 set
-    rank 0:        the other leaders' records waited for, read and parsed; the index encoded
-                   (JSON) and written; set in the store for the index holders; the step's
-                   keys deleted
-    an index holder (the exchanger of a node holding rank 0's replicas): the index read
-                   from the store, parsed, written
+    every rank:    its report to the board (temp file + rename); the relayed peer reports
+                   read and parsed; its outcome to the board (save/commit.py NodeGroup has
+                   the roles: a node's collector is its first rank, on rank 0's node the next)
+    a collector:   instead, its ranks' reports read and parsed; its node's part written
+                   (temp file, fsync, rename, fsync of the directory); its node's record set
+                   in the store; its replica partner's record waited for, read and parsed;
+                   that record relayed to its ranks (a board file); its ranks' outcomes
+                   read; its record for rank 0 set (not on rank 0)
+    an exchanger:  (a node's first rank that neither collects nor commits, else its collector)
+                   also the partner's part written; on a node holding rank 0's replicas the
+                   index read from the store, parsed, written
+    rank 0:        also every node's record for it waited for, read and parsed; the index
+                   encoded (JSON) and written; set in the store for the index holders; the
+                   step's keys deleted
 
 The floor runs in a background thread during training steps, as the persist thread does,
 and is that thread's CPU time per snapshot.
@@ -77,11 +78,16 @@ class Floor:
     def __init__(self, rank: int, world: int, per_node: int, root: str, store: Any, payloads: dict[str, bytes]):
         self.rank, self.world, self.per_node = rank, world, per_node
         self.node = rank // per_node
-        self.leader = rank % per_node == 0
-        self.exchanger = rank % per_node == min(1, per_node - 1)  # its node's second rank (the leader if alone)
-        self.leaders = list(range(0, world, per_node))
+        first = self.node * per_node
+        ranks = list(range(first, first + per_node))
+        # The roles of save/commit.py NodeGroup: on rank 0's node another rank collects.
+        collector = ranks[1] if first == 0 and per_node > 1 else first
+        self.collector = rank == collector
+        self.exchanger = rank == next((r for r in ranks if r not in (0, collector)), collector)
+        self.leaders = list(range(0, world, per_node))  # the nodes' names in the keys
         self.partner = self.leaders[(self.node + 1) % len(self.leaders)]  # k = 1: the next node, both ways
         self.holder = self.exchanger and self.node == 1  # its node holds rank 0's replicas (k = 1)
+        self.records = [n for n in self.leaders if n != 0 or per_node > 1]  # what rank 0 reads
         self.dir = os.path.join(root, f"floor-r{rank}")
         self.store, self.p = store, payloads
         self.index_doc = json.loads(payloads["index"])
@@ -92,56 +98,53 @@ class Floor:
             board_write(os.path.join(self.dir, f"w-{r}"), self.p["report"])
             board_write(os.path.join(self.dir, f"r-{r}"), self.p["outcome"])
         board_write(os.path.join(self.dir, "peers"), self.p["record"])
-        if self.leader:
-            self.store.set(f"floor/w/{self.rank}", self.p["record"])
+        if self.collector:
+            self.store.set(f"floor/w/{self.node * self.per_node}", self.p["record"])
+            self.store.set(f"floor/r/{self.node * self.per_node}", self.p["node_record"])
         if self.rank == 0:
             self.store.set("floor/manifest", self.p["index"])
-        for leader in self.leaders[1:]:
-            if self.rank == leader:
-                self.store.set(f"floor/r/{leader}", self.p["node_record"])
 
     def once(self) -> None:
         d, p, store = self.dir, self.p, self.store
-        wait = timedelta(seconds=60)
-        if not self.leader:
+        node = self.node * self.per_node
+        if not self.collector:
             board_write(os.path.join(d, "mine"), p["report"])
             json.loads(read_file(os.path.join(d, "peers")))
             if self.exchanger:
                 _durable_write(os.path.join(d, "partner-part.json"), p["part"])
             board_write(os.path.join(d, "outcome"), p["outcome"])
-            self._hold_index()
-            return
-        for r in range(self.per_node - 1):
-            json.loads(read_file(os.path.join(d, f"w-{r}")).partition(b"\n")[0])
-        _durable_write(os.path.join(d, "part.json"), p["part"])
-        store.set(f"floor/w/{self.rank}", p["record"])
-        store.wait([f"floor/w/{self.partner}"], wait)
-        (record,) = store.multi_get([f"floor/w/{self.partner}"])
-        json.loads(record)
-        board_write(os.path.join(d, "relay"), record)
-        if self.exchanger:  # a node of one rank
-            _durable_write(os.path.join(d, "partner-part.json"), p["part"])
-        for r in range(self.per_node - 1):
-            json.loads(read_file(os.path.join(d, f"r-{r}")))
-        if self.rank != 0:
-            store.set(f"floor/r/{self.rank}", p["node_record"])
         else:
-            keys = [f"floor/r/{leader}" for leader in self.leaders[1:]]
-            store.wait(keys, wait)
-            for raw in store.multi_get(keys):
-                json.loads(raw)
-            index = json.dumps(self.index_doc, separators=(",", ":")).encode()
-            _durable_write(os.path.join(d, "manifest.json"), index)
-            store.set("floor/manifest-step", index)
-            for key in ("floor/gone-1", "floor/gone-2", "floor/gone-3"):  # the step's records, the exchanged
-                store.delete_key(key)
-        self._hold_index()
-
-    def _hold_index(self) -> None:
+            for r in range(self.per_node - 1):
+                json.loads(read_file(os.path.join(d, f"w-{r}")).partition(b"\n")[0])
+            _durable_write(os.path.join(d, "part.json"), p["part"])
+            store.set(f"floor/w/{node}", p["record"])
+            store.wait([f"floor/w/{self.partner}"], timedelta(seconds=60))
+            (record,) = store.multi_get([f"floor/w/{self.partner}"])
+            json.loads(record)
+            board_write(os.path.join(d, "relay"), record)
+            if self.exchanger:
+                _durable_write(os.path.join(d, "partner-part.json"), p["part"])
+            for r in range(self.per_node - 1):
+                json.loads(read_file(os.path.join(d, f"r-{r}")))
+            if self.rank != 0:
+                store.set(f"floor/r/{node}", p["node_record"])
+        if self.rank == 0:
+            self._commit()
         if self.holder:
-            self.store.wait(["floor/manifest"], timedelta(seconds=60))
-            json.loads(self.store.get("floor/manifest"))
-            _durable_write(os.path.join(self.dir, "manifest.json"), self.p["index"])
+            store.wait(["floor/manifest"], timedelta(seconds=60))
+            json.loads(store.get("floor/manifest"))
+            _durable_write(os.path.join(d, "manifest.json"), p["index"])
+
+    def _commit(self) -> None:
+        keys = [f"floor/r/{n}" for n in self.records]
+        self.store.wait(keys, timedelta(seconds=60))
+        for raw in self.store.multi_get(keys):
+            json.loads(raw)
+        index = json.dumps(self.index_doc, separators=(",", ":")).encode()
+        _durable_write(os.path.join(self.dir, "manifest.json"), index)
+        self.store.set("floor/manifest-step", index)
+        for key in [f"floor/gone-r{n}" for n in self.records] + [f"floor/gone-w{n}" for n in self.leaders]:
+            self.store.delete_key(key)  # the step's records, the exchanged ones
 
 
 def measure(floor: Floor, train_step: Callable[[int], Any], steps: int, first_step: int) -> float:

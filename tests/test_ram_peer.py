@@ -378,3 +378,27 @@ def test_malformed_commit_news_is_ignored_and_nothing_is_dropped(tmp_path, raw):
         storage.write_bytes_atomic(f"step-{s:012d}/rank-00002-x.data", b"x")
     tier.news.heard(raw)
     assert tier.retain(ctx, SimpleNamespace(epoch=1, step=2)) == [] and _steps_held(storage) == [1, 2]
+
+
+def test_a_nodes_commit_duties_are_spread_over_its_ranks():
+    """The RAM tier's commit gives a node's duties to different ranks where it has them
+    (save/commit.py NodeGroup): the collector (reports, part, records) is the node's first
+    rank but on rank 0's node, which commits, when the job has several nodes; the exchanger
+    (the replica sources' parts, the index on a holder) is a third rank, else the collector."""
+    from ftkit.coord.dist import DistContext
+    from ftkit.save.commit import NodeGroup
+
+    def roles(nodes: list[str]) -> dict[int, tuple[int, int, list[int]]]:
+        out = {}
+        for rank in range(len(nodes)):
+            g = NodeGroup.of(DistContext(rank, len(nodes), None, nodes[rank], 1.0, nodes), None)
+            out[rank] = (g.collector, g.exchanger, g.record_ids())
+        return out
+
+    two_by_two = roles(["a", "a", "b", "b"])
+    assert two_by_two[0] == two_by_two[1] == (1, 1, [0, 2])  # rank 0 commits only
+    assert two_by_two[2] == two_by_two[3] == (2, 3, [0, 2])
+    three = roles(["a", "a", "a", "b", "b", "b"])
+    assert three[0] == (1, 2, [0, 3]) and three[3] == (3, 4, [0, 3])
+    assert roles(["a", "a"])[1] == (0, 1, [])  # one node: rank 0 collects and commits
+    assert roles(["a", "b"]) == {0: (0, 0, [1]), 1: (1, 1, [1])}  # a rank a node: each does all

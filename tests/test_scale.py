@@ -49,11 +49,12 @@ def test_a_shared_tier_commit_at_1024_ranks_costs_two_store_requests_per_node():
     # Inventories: a put per leader but rank 0's; rank 0's wait, multi_get and the plan's set;
     # each other leader reads the plan (a wait and a get). No request per rank of a node.
     assert row["restore_plan_store_requests"] == 127 + 3 + 2 * 127
-    # The RAM tier without replicas: each leader but rank 0 sets its record and reads nothing
-    # back; rank 0 reads every record at once (a wait and a multi_get), deletes them and
-    # publishes the commit news, which the leaders hear with their heartbeats (coord/news.py).
-    # Nothing per rank, the index as small as a shared tier's (the entries stay in the nodes'
-    # parts), and a node without the index holds no more steps than retention keeps (2).
-    assert row["ram_commit_store_requests_per_step"] == 127 + 2 + 127 + 1 <= 2 * 128 + 10
+    # The RAM tier without replicas: each node's collector sets its record and reads nothing
+    # back (rank 0's node's too: rank 1 collects it, NodeGroup.collector); rank 0 reads every
+    # record at once (a wait and a multi_get), deletes them and publishes the commit news,
+    # which the leaders hear with their heartbeats (coord/news.py). Nothing per rank, the
+    # index as small as a shared tier's (the entries stay in the nodes' parts), and a node
+    # without the index holds no more steps than retention keeps (2).
+    assert row["ram_commit_store_requests_per_step"] == 128 + 2 + 128 + 1 <= 2 * 128 + 10
     assert 100 * 128 < row["ram_index_bytes_per_step"] < 120 * 128 + 1000
     assert row["ram_leader_steps_held"] == 2

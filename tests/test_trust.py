@@ -366,36 +366,39 @@ SKELETON = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
 
 
 def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkeypatch):
-    """Rank 1's report, as its leader reads it from the node's board, names
-    ../../../escaped.data: it is an error report, nothing is written or deleted
-    outside, the step is not committed."""
+    """Rank 0's report, as its node's collector (rank 1: rank 0 commits a job of two nodes)
+    reads it from the node's board, names ../../../escaped.data: it is an error report, nothing is written or
+    deleted outside, and the node's record for rank 0 says why the step cannot be committed."""
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
     from ftkit.coord.nodelocal import NodeBoard, step_message
-    from ftkit.save.commit import NodeGroup
+    from ftkit.save.commit import NodeGroup, read_node_record
     from ftkit.save.node_commit import persist_node_local
     from ftkit.tiers.storage import Storage
 
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
     store = dist.HashStore()
-    ctx = DistContext(0, 2, store, "node0", 10.0, ["node0", "node0"])
+    ctx = DistContext(1, 4, store, "node0", 10.0, ["node0", "node0", "node1", "node1"])
     group = NodeGroup.of(ctx, NodeBoard("k", "node0", True, "test", kind="commit"))
+    assert group.collector == 1
     node = tmp_path / "ram" / "job" / "node0"
     storage = Storage(str(node))
     (tmp_path / "escaped.data").write_text("precious")
     forged = json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None}) + "\n[]"
-    group.board.write_text(step_message((0, 0), "w-r1"), forged)
-    group.board.write(step_message((0, 0), "r-r1"), {"errors": []})
+    group.board.write_text(step_message((0, 0), "w-r0"), forged)
+    group.board.write(step_message((0, 0), "r-r0"), {"errors": []})
     arena, slot = _staged(1.0)
     try:
-        with pytest.raises(ftkit.StorageError, match="unreadable report.*outside its step directory"):
-            persist_node_local(
-                storage, 1, slot, SKELETON, compress=None, pieces=None, rank_state=None, ctx=ctx, key="k", group=group
-            )
+        persist_node_local(
+            storage, 1, slot, SKELETON, compress=None, pieces=None, rank_state=None, ctx=ctx, key="k", group=group
+        )
     finally:
         arena.release(slot)
         arena.close()
+    record = read_node_record(0, store.get("k/r/0"), (0, 1), 2)
+    assert record["part"] is None
+    assert any("unreadable report" in e and "outside its step directory" in e for e in record["errors"]), record
     assert (tmp_path / "escaped.data").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["escaped.data", "ram", "shm"]
     assert not list(tmp_path.rglob("*.data.tmp-*")) and not list((tmp_path / "ram").rglob(MANIFEST_NAME))

@@ -33,7 +33,7 @@ from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import NodeBoard, step_message
 from ftkit.errors import FormatError, StorageError
-from ftkit.format.index import rank_runs
+from ftkit.format.index import is_part_file, rank_runs
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
 from ftkit.save.manifests import Committed, commit_index, write_part
@@ -69,25 +69,52 @@ class NodeGroup:
     def leader(self) -> int:
         return self.ranks[0]
 
+    # The RAM tier's commit (save/node_commit.py) spreads a node's share over its ranks: one rank
+    # carrying the collector's, the exchanger's and rank 0's duties was the slowest of a commit
+    # (bench_dist.py, 2 nodes of 2 ranks: 2.3-2.8 ms of CPU per snapshot on rank 0, 0.5 on rank 1).
+    def collector_of(self, node: int) -> int:
+        """The rank that collects the reports and outcomes of the node `node` (by its first
+        rank) in the RAM tier's commit and writes its part and records: its leader, but on
+        rank 0's node of a job of several nodes the next rank (rank 0 commits the step). In a
+        job of one node rank 0 keeps it: its commit is small there, and a collector that is
+        not rank 0 ties the two ranks' persists to each other's pace (a step a rank killed
+        mid-persist never finished is one more step lost)."""
+        ranks = self.members[node]
+        return ranks[1] if node == 0 and len(ranks) > 1 and len(self.members) > 1 else ranks[0]
+
+    @property
+    def collector(self) -> int:
+        """This node's collector (`collector_of`)."""
+        return self.collector_of(self.ranks[0])
+
     @property
     def exchanger(self) -> int:
-        """The rank that trades the RAM tier's reports with the replica partners' nodes
-        (save/replicas.py): the node's second rank, which has no other duty in a commit,
-        so the leader's share is not the sum of both; the leader on a node of one rank."""
-        return self.ranks[1] if len(self.ranks) > 1 else self.ranks[0]
+        """The rank that writes the parts of the nodes whose replicas this node holds, and on
+        a node holding rank 0's replicas the index (save/replicas.py): the node's first rank
+        that neither collects nor commits; the collector where there is none."""
+        return next((r for r in self.ranks if r not in (0, self.collector)), self.collector)
+
+    def record_ids(self) -> list[int]:
+        """The nodes (by first rank) whose record rank 0 reads from the store in the RAM tier's
+        commit, `key`/r/<id>: every node whose collector is not rank 0."""
+        return [n for n in self.members if self.collector_of(n) != 0]
 
     def node_board(self) -> NodeBoard:
         """The node's board, which every commit of a world of several ranks posts through."""
         assert self.board is not None, "a node of several ranks commits through its board"
         return self.board
 
-    def to_leader(self, at: tuple[int, int], what: str, me: int, message: str | dict[str, Any]) -> None:
-        """Post this rank's message `what` of the step at `at` for its leader (`collect`)."""
+    def to_leader(
+        self, at: tuple[int, int], what: str, me: int, message: str | dict[str, Any], to: int | None = None
+    ) -> None:
+        """Post this rank's message `what` of the step at `at` for its leader (`collect`), or
+        for the rank `to` that collects it (the RAM tier's `collector`)."""
         name = step_message(at, f"{what}-r{me}")
+        wake = (self.leader if to is None else to,)
         if isinstance(message, str):
-            self.node_board().write_text(name, message, wake=(self.leader,))
+            self.node_board().write_text(name, message, wake=wake)
         else:
-            self.node_board().write(name, message, wake=(self.leader,))
+            self.node_board().write(name, message, wake=wake)
 
     def to_ranks(self, name: str, doc: Any, me: int) -> None:
         """Post `doc` as `name` for the node's other ranks (the leader's word to them)."""
@@ -251,9 +278,20 @@ def read_node_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) 
             and part.get("ranks") == rank_runs(list(ranks))
         ):
             raise FormatError(f"{where} names no valid part of its ranks")
-        return {"part": part, "files": files, "stored": stored, "errors": errors, "skipped": doc.get("skipped") is True}
+        others = doc.get("others", [])  # (the RAM tier's: parts of other nodes its exchanger wrote there)
+        if not isinstance(others, list) or not all(is_part_file(check_file_name(o)) for o in others):
+            raise FormatError(f"{where} names malformed parts of other nodes")
+        return {
+            "part": part,
+            "files": files,
+            "stored": stored,
+            "errors": errors,
+            "skipped": doc.get("skipped") is True,
+            "others": others,
+        }
     except FormatError as e:
-        return {"part": None, "files": {}, "stored": 0, "errors": [f"unreadable record: {e}"], "skipped": False}
+        errors = [f"unreadable record: {e}"]
+        return {"part": None, "files": {}, "stored": 0, "errors": errors, "skipped": False, "others": []}
 
 
 def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:

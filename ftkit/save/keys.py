@@ -33,15 +33,13 @@ class KeyLedger:
         self._keys: list[tuple[tuple[int, int], str]] = []
 
     @staticmethod
-    def node_local(leaders: list[int], exchange: bool) -> KeyLedger:
-        """persist_node_local's keys of a step rank 0 skipped: every node's records (the reports
-        exchanged for replicas, `exchange`, and the records for rank 0), which rank 0 would have
-        deleted, and its word on the manifest."""
+    def node_local(nodes: list[int], records: list[int], exchange: bool) -> KeyLedger:
+        """persist_node_local's keys of a step rank 0 skipped: every node's records (`nodes`, by
+        first rank: the reports exchanged for replicas, `exchange`; `records`: those for rank 0,
+        NodeGroup.record_ids), which rank 0 would have deleted, and its word on the manifest."""
         return KeyLedger(
             lambda key: (
-                [f"{key}/w/{r}" for r in leaders if exchange]
-                + [f"{key}/r/{r}" for r in leaders if r]
-                + [f"{key}/manifest"]
+                [f"{key}/w/{r}" for r in nodes if exchange] + [f"{key}/r/{r}" for r in records] + [f"{key}/manifest"]
             )
         )
 

@@ -108,6 +108,7 @@ class NodeShare:
             "stored": w["stored"] if w else 0,
             "errors": self.errors + errors,
             "skipped": self.skipped,
+            **({"others": self.others} if self.others else {}),
         }
 
     def own_files(self) -> list[str]:
@@ -154,22 +155,23 @@ def persist_node_local(
     # Uncompressed, a rank's chunks keep their places: its layout goes once, by reference.
     ref = layout_of(write) if write is not None and compress is None else None
     text = NodeReport.encode(write, str(error) if error else None, rank_state, ref=ref)
-    leader = ctx.rank == group.leader
+    collector = ctx.rank == group.collector  # (the node's leader but on rank 0's node: NodeGroup.collector)
+    node_id = group.ranks[0]  # the node's name in the store's keys
     exchange = replicas > 0 and peers is not None and ctx.distributed  # nodes swap reports for replicas
     # A node holding rank 0's replicas keeps its index too (written by the node's exchanger).
     holder = exchange and ctx.node != ctx.nodes[0] and holds_index(ctx, layout, replicas)
     node: NodeShare | None = None
-    # 1. Reports: to the node's leader, who writes the node's part and publishes both (one key per node).
-    if ctx.distributed and not leader:
+    # 1. Reports: to the node's collector, who writes the node's part and publishes both (one key per node).
+    if ctx.distributed and not collector:
         if ref is not None:
             group.node_board().post_once(board_name(ref[0].digest), ref[0].body)
-        group.to_leader(at, "w", ctx.rank, text)
+        group.to_leader(at, "w", ctx.rank, text, to=group.collector)
     else:
         texts = {ctx.rank: text, **(_collect_texts(group, at, "w", ctx) if ctx.distributed else {})}
         node = node_part(storage, step, texts, group.ranks, ctx.world_size, lookup(from_board(group.board)))
         if exchange:
             group.published.publish(ctx.store, node.layouts)  # before the record that names them
-            ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps(node.exchanged()))
+            ctx.store.set(f"{key}/w/{node_id}", json.dumps(node.exchanged()))
     # 2. Replicas: each rank sends its file to its targets and stores what its sources send;
     #    the node's exchanger writes the sources' parts (replicas.py).
     rep_error = None
@@ -179,7 +181,7 @@ def persist_node_local(
         assert layout is not None and peers is not None
         try:
             own = node.written if node is not None and holder else None
-            word = peer_reports(group, layout, replicas, ctx, key, at, leader, own)
+            word = peer_reports(group, layout, replicas, ctx, key, at, collector, own)
             reports, own_part = word.texts, word.own_part
             sending = write if word.may_send and error is None else None
             layouts = lookup(from_store(ctx.store))
@@ -193,19 +195,19 @@ def persist_node_local(
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
-    # 3. Outcomes: to the leader, who publishes the node's record.
+    # 3. Outcomes: to the collector, who publishes the node's record.
     errors = [f"rank {ctx.rank}: {rep_error}"] if rep_error else []
-    if ctx.distributed and not leader:
-        group.to_leader(at, "r", ctx.rank, {"errors": errors, "parts": others} if others else {"errors": errors})
+    if ctx.distributed and not collector:
+        outcome = {"errors": errors, "parts": others} if others else {"errors": errors}
+        group.to_leader(at, "r", ctx.rank, outcome, to=group.collector)
     elif ctx.distributed:
         assert node is not None
         node.others = others
         for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s).items():
             errors += _outcome_errors(r, raw, node.others if r == group.exchanger else None)
         if ctx.rank != 0:
-            ctx.put(f"{key}/r/{ctx.rank}", node.record(errors))
+            ctx.put(f"{key}/r/{node_id}", node.record(errors))
     if ctx.rank == 0:
-        assert node is not None
         with older_keys(ledger, at) as older:
             return _commit(storage, step, skeleton, ctx, key, group, node, errors, older, ledger, at, exchange)
     if error is not None:
@@ -298,45 +300,56 @@ def _commit(
     ctx: DistContext,
     key: str,
     group: NodeGroup,
-    node: NodeShare,
+    node: NodeShare | None,
     errors: list[str],
     older: list,
     ledger: KeyLedger | None,
     at: tuple[int, int],
     exchange: bool,
 ) -> Committed:
-    """Rank 0: every node's record, the index, and the word to the leaders."""
-    leaders = [leader for leader in group.members if leader != 0]
-    keys = [f"{key}/r/{leader}" for leader in leaders]
-    records = [node.record(errors)]
+    """Rank 0: every node's record, the index, and the word to the index holders. `node`: its
+    own node's share where rank 0 collects it (a node of one rank); else that node's record
+    comes through the store like the others'."""
+    ids = group.record_ids()
+    keys = [f"{key}/r/{n}" for n in ids]
+    records = [node.record(errors)] if node is not None else []
+    own: dict[str, Any] | None = records[0] if records else None  # rank 0's node's record
     try:
         try:
-            raws = ctx.wait_get(keys) if leaders else []
+            raws = ctx.wait_get(keys) if keys else []
         except Exception as e:  # a node never answered: the step is not committed
             raise StorageError(f"step {step} not committed to the RAM tier: {e}") from None
-        records += [
-            read_node_record(leader, raw, group.members[leader], ctx.world_size)
-            for leader, raw in zip(leaders, raws, strict=True)
-        ]
+        for n, raw in zip(ids, raws, strict=True):
+            records.append(read_node_record(n, raw, group.members[n], ctx.world_size))
+            if n == 0:
+                own = records[-1]
         if not any(r["skipped"] for r in records):  # nobody reads the older keys any more
             delete_keys(ctx, older)
         failures = [e for r in records for e in r["errors"]]
         if failures:
             raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
-        local = {r["part"]["file"] for r in records[:1]} | set(node.others)
+        assert own is not None
+        local = {own["part"]["file"], *own.get("others", [])}  # the parts in rank 0's node's directory
         committed = commit_index(storage, step, ctx.world_size, records, skeleton, local_parts=local)
     except BaseException:
-        discard(storage, step, node.own_files())
+        discard(storage, step, node.own_files() if node is not None else _files_of(own))
         if exchange:  # the index holders wait for no index
             ctx.put(f"{key}/manifest", "")
             _record_manifest(ledger, at, key)
         raise
     finally:
-        ctx.delete(*keys, *(f"{key}/w/{leader}" for leader in group.members if exchange))
+        ctx.delete(*keys, *(f"{key}/w/{n}" for n in group.members if exchange))
     if exchange:  # to the nodes that hold rank 0's replicas (holds_index)
         ctx.store.set(f"{key}/manifest", committed.manifest_json)
         _record_manifest(ledger, at, key)
     return committed
+
+
+def _files_of(record: dict[str, Any] | None) -> list[str]:
+    """What a node's record says the step put in its directory (a failed commit removes it)."""
+    if record is None:
+        return []
+    return [*record["files"], *([record["part"]["file"]] if record["part"] else []), *record.get("others", [])]
 
 
 def _record_manifest(ledger: KeyLedger | None, at: tuple[int, int], key: str) -> None:
@@ -372,15 +385,16 @@ def report_skipped_node_local(
     rank 0 and (`exchange`: the tier keeps replicas) the leaders that take its node's replicas,
     hear it, so nobody waits for it."""
     text = NodeReport.encode(None, reason, None, skipped=True)
-    if ctx.rank != group.leader:
-        group.to_leader(at, "w", ctx.rank, text)
-        group.to_leader(at, "r", ctx.rank, {"errors": []})
-        return
-    group.to_ranks(step_message(at, "skip"), {"reason": reason}, ctx.rank)  # its ranks: no replicas this step
-    if exchange:
-        ctx.store.set(f"{key}/w/{ctx.rank}", json.dumps({str(ctx.rank): text}))
     if ctx.rank == 0 and exchange:
         ctx.put(f"{key}/manifest", "")  # the index holders wait for no index
-    else:
+    if ctx.rank != group.collector:
+        group.to_leader(at, "w", ctx.rank, text, to=group.collector)
+        group.to_leader(at, "r", ctx.rank, {"errors": []}, to=group.collector)
+        return
+    group.to_ranks(step_message(at, "skip"), {"reason": reason}, ctx.rank)  # its ranks: no replicas this step
+    node_id = group.ranks[0]
+    if exchange:
+        ctx.store.set(f"{key}/w/{node_id}", json.dumps({str(ctx.rank): text}))
+    if ctx.rank != 0 or not exchange:
         skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
-        ctx.put(f"{key}/r/{ctx.rank}", skipped.record([]))
+        ctx.put(f"{key}/r/{node_id}", skipped.record([]))

@@ -83,33 +83,35 @@ def peer_reports(
     ctx: DistContext,
     key: str,
     at: tuple[int, int],
-    leader: bool,
+    collector: bool,
     own_part: dict[str, Any] | None = None,
 ) -> PeerWord:
     """The reports of the nodes this node exchanges replicas with (the k before it send,
-    the k after it receive), read from the store by the leader and relayed to its ranks
-    through the board, with what the node's exchanger (NodeGroup.exchanger) needs: the
-    parts of the nodes that send it replicas, and `own_part` (the leader's, where the node
-    holds rank 0's index: its part's store_part record, which the index must name).
+    the k after it receive), read from the store by the node's collector (NodeGroup.collector:
+    its leader but on rank 0's node) and relayed to its ranks through the board, with what
+    the node's exchanger (NodeGroup.exchanger) needs: the parts of the nodes that send it
+    replicas, and `own_part` (the collector's, where the node holds rank 0's index: its
+    part's store_part record, which the index must name).
 
-    When the leader skipped the step, its ranks read the reports themselves (their sources
-    send them replicas all the same) and send nothing (the leader's record, which their
-    targets read, does not hold their reports); the step is not committed then, and nobody
-    writes the sources' parts."""
+    When the collector skipped the step, its ranks read the reports themselves (their
+    sources send them replicas all the same) and send nothing (the collector's record, which
+    their targets read, does not hold their reports); the step is not committed then, and
+    nobody writes the sources' parts."""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
     exchanger = ctx.rank == group.exchanger
-    if not leader:
+    if not collector:
         raw = group.node_board().collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
         if raw is not None:
             doc = parse_json(raw, "the peer nodes' reports", "")
             if not isinstance(doc, dict):
-                raise StorageError("this node's leader relayed malformed peer reports")
+                raise StorageError("this node's collector relayed malformed peer reports")
             relayed = {int(r): t for r, t in doc.items() if r.isdigit() and isinstance(t, str)}
             if not exchanger:
                 return PeerWord(relayed, True, {})
             return PeerWord(relayed, True, _relayed_parts(doc.get("parts"), group), _relayed_part(doc.get("own")))
         if group.node_board().read_bytes(skip, 1024) is None:
-            raise StorageError(f"this node's leader (rank {group.leader}) sent no word on the replicas to exchange")
+            who = f"this node's collector (rank {group.collector})"
+            raise StorageError(f"{who} sent no word on the replicas to exchange")
     sources = layout.source_nodes(ctx.rank, ctx.nodes, k)
     nodes = dict.fromkeys(sources + layout.target_nodes(ctx.rank, ctx.nodes, k))
     leaders = [layout.members[n][0] for n in nodes]
@@ -124,18 +126,18 @@ def peer_reports(
         part = _node_part_ref(doc) if s in source_leaders else None
         if part is not None:
             parts[part[0]] = (s, part[1])
-    if leader:
+    if collector:
         relay: dict[str, Any] = {str(r): t for r, t in texts.items()}
         if not exchanger:
             relay["parts"] = {n: [s, checksum] for n, (s, checksum) in parts.items()}
             if own_part is not None:
                 relay["own"] = own_part
         group.to_ranks(name, relay, ctx.rank)
-    return PeerWord(texts, leader, parts if exchanger else {}, own_part if exchanger else None)
+    return PeerWord(texts, collector, parts if exchanger else {}, own_part if exchanger else None)
 
 
 def _relayed_part(doc: Any) -> dict[str, Any] | None:
-    """The node's own part as its leader relayed it (store_part's record: {"part": {"file",
+    """The node's own part as its collector relayed it (store_part's record: {"part": {"file",
     "bytes", "checksum", ...}, "files": {name: bytes}}), checked; None if it is not one."""
     try:
         part, files = doc["part"], doc["files"]
@@ -154,7 +156,7 @@ def _relayed_part(doc: Any) -> dict[str, Any] | None:
 
 
 def _relayed_parts(doc: Any, group: NodeGroup) -> dict[str, tuple[int, str]]:
-    """The sources' parts as the leader relayed them (untrusted, from the board): a malformed
+    """The sources' parts as the collector relayed them (untrusted, from the board): a malformed
     one is left out, and the commit then finds it missing where the index names it."""
     parts: dict[str, tuple[int, str]] = {}
     for n, ref in (doc if isinstance(doc, dict) else {}).items():
