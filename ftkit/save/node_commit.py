@@ -1,48 +1,56 @@
 """The RAM tier's commit: node-local, with peer replicas, in O(nodes) store requests.
 
-Order of calls for one step (`persist_node_local`; every rank calls it; the shared
-tiers' commit is save/commit.py). The step's manifest has format version 3, as on a
-shared tier: one part per node and an index (format/index.py)::
+A node's share of a commit is spread over its ranks (save/commit.py NodeGroup): its
+*collector* (its first rank; on rank 0's node of a job of several nodes the next one, as
+rank 0 commits) collects the reports and outcomes and writes the part and the records;
+its *exchanger* (a rank that neither collects nor commits, else the collector) writes the
+parts of the nodes whose replicas it holds and, on a node holding rank 0's replicas, the
+index; rank 0 commits. Order of calls for one step (`persist_node_local`; every rank
+calls it; the shared tiers' commit is save/commit.py). The step's manifest has format
+version 3, as on a shared tier: one part per node and an index (format/index.py)::
 
     every rank:   write_share(...): its data file, in its node's directory
                   post its report (`NodeReport`) to its node's board (a file, no store request)
-    node leaders: collect the node's reports; write the node's part (checked, beside its data)
+    collectors:   collect the node's reports; write the node's part (checked, beside its data)
     with replicas (save/replicas.py):
-      leaders     set the reports and the part as one record, `key`/w/<leader>; read the
-                  records of the k nodes before theirs (whose ranks send this node their
-                  replicas) and of the k after; post the reports, and the names and
-                  checksums of the sources' parts, on the board
+      collectors  set the reports and the part as one record, `key`/w/<node> (a node is named
+                  by its first rank); read the records of the k nodes before theirs (whose
+                  ranks send this node their replicas) and of the k after; post the reports,
+                  the names and checksums of the sources' parts and (on an index holder) the
+                  node's own part's, on the board
       every rank  sends its file to its targets, stores verified copies of what its sources
                   send (tiers/peers.py), posts its outcome to the board
-      exchangers  (a node's second rank; its leader on a node of one rank) write the parts of
-                  the k nodes before theirs (a node keeps the parts of the ranks whose files
-                  it holds), and name them in their outcome
-    node leaders: collect the outcomes; set the node's record for rank 0, `key`/r/<leader>:
-                  its part's name, size and checksum, or the node's errors (a few hundred bytes)
-    rank 0:       read every node's record (one wait, one multi_get), write the index
-                  (manifest.json, the commit), delete the step's records; with replicas,
-                  set the index under `key`/manifest (or "" when the step is not committed)
+      exchangers  write the parts of the k nodes before theirs (a node keeps the parts of the
+                  ranks whose files it holds), and name them in their outcome
+    collectors:   collect the outcomes; set the node's record for rank 0, `key`/r/<node>: its
+                  part's name, size and checksum (and the parts its exchanger wrote), or the
+                  node's errors (a few hundred bytes)
+    rank 0:       read every node's record (one wait, one multi_get; its own node's record
+                  too, but where it collects its node itself), write the index (manifest.json,
+                  the commit), delete the step's records; with replicas, set the index under
+                  `key`/manifest (or "" when the step is not committed)
     the exchangers of the k nodes that hold rank 0's node's replicas: read the index, check
-                  it names their part (as their leader relayed it) and their files are in
-                  place, write it
+                  it names their node's part (as their collector relayed it) and their files
+                  are in place, write it
     rank 0, after retention (tiers/backend.py): the commit news (coord/news.py), which
                   the other leaders hear with their heartbeats and keep or drop steps by
 
 The index lives where rank 0's data lives (its node and the nodes holding its replicas):
 losing all of them loses rank 0's share of the step, so the step anyway. The other
-leaders read nothing back: at restore, a node without the index gets it through the
+nodes read nothing back: at restore, a node without the index gets it through the
 store from a node that has it (restore/read.py), as it gets the parts it lacks.
 
-The exchanger is not the leader where the node has a second rank: the leader's share of
-a commit is the largest (bench_dist.py, 2 ranks a node: with the sources' parts and the
-index the leaders' coordination CPU per snapshot was 2.4-2.7 ms, the other ranks' 0.6 ms).
-A rank with neither role makes no store request; a leader one (its record for rank 0;
-with replicas also its reports and the records of the k nodes before and after it), an
-exchanger of the k index holders one (the index); rank 0 one delete for every node's
-record (two with replicas) and the news. Per step: 2 x nodes + 1 requests without
-replicas, 6 x nodes + 2k + 2 with. Rank 0 handles O(nodes) bytes, a leader its node's
-entries and those of k other nodes. A node holds the parts of the ranks whose files it
-holds, not every part: at restore, parts a node lacks come through the store from a
+Why three roles: one rank carrying them all was the slowest of a commit (bench_dist.py,
+2 nodes of 2 ranks, the same hour: 2.6-3.1 ms of coordination CPU per snapshot on rank 0
+and 2.3-2.8 on the other leader, 0.6-0.7 on the other ranks; 1.7-2.1 on every rank with
+the roles spread). A rank with no role makes no store request; a collector one (its
+node's record for rank 0), with replicas three more (its reports; the records of the k
+nodes before and after it, in one wait and one multi_get); an exchanger of the k index
+holders two (a wait and a get of the index); rank 0 one delete for every node's record (two with replicas) and the
+news. Per step: 2 x nodes + 3 requests without replicas, 6 x nodes + 2k + 4 with (two
+fewer where rank 0 collects its own node). Rank 0 handles O(nodes) bytes, a collector its
+node's entries and those of k other nodes. A node holds the parts of the ranks whose files
+it holds, not every part: at restore, parts a node lacks come through the store from a
 node that has them.
 """
 
