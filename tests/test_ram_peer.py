@@ -392,7 +392,7 @@ def test_a_nodes_commit_duties_are_spread_over_its_ranks():
         out = {}
         for rank in range(len(nodes)):
             g = NodeGroup.of(DistContext(rank, len(nodes), None, nodes[rank], 1.0, nodes), None)
-            out[rank] = (g.collector, g.exchanger, g.record_ids())
+            out[rank] = (g.collector, g.exchanger, list(g.record_ids))
         return out
 
     two_by_two = roles(["a", "a", "b", "b"])

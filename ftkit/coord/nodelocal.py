@@ -64,6 +64,7 @@ class NodeBoard:
         self.path = private_subdir(kind, job, attempt, _safe(node))
         self._bells: dict[int, Bell | None] = {}  # this process's doorbells here, by rank (coord/bell.py)
         self._posted: set[str] = set()  # what post_once wrote
+        self._pruned: tuple[int, int] | None = None  # the step prune_before last ran for
 
     # ------------------------------------------------------------- files
     def write(self, name: str, doc: Any, wake: Iterable[int] = ()) -> None:
@@ -166,7 +167,10 @@ class NodeBoard:
 
     def prune_before(self, at: tuple[int, int]) -> None:
         """Remove the messages of steps before `at` ((restore epoch, step)): what a skipped
-        step left, which nobody collected."""
+        step left, which nobody collected. Once per step: a collector collects twice a step."""
+        if at == self._pruned:
+            return
+        self._pruned = at
         stale = [n for n in self.names() if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]
         self.discard(*stale)
 

@@ -24,6 +24,7 @@ step's writers wrote and leaves every committed step untouched.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,22 +83,23 @@ class NodeGroup:
         ranks = self.members[node]
         return ranks[1] if node == 0 and len(ranks) > 1 and len(self.members) > 1 else ranks[0]
 
-    @property
+    @functools.cached_property
     def collector(self) -> int:
         """This node's collector (`collector_of`)."""
         return self.collector_of(self.ranks[0])
 
-    @property
+    @functools.cached_property
     def exchanger(self) -> int:
         """The rank that writes the parts of the nodes whose replicas this node holds, and on
         a node holding rank 0's replicas the index (save/replicas.py): the node's first rank
         that neither collects nor commits; the collector where there is none."""
         return next((r for r in self.ranks if r not in (0, self.collector)), self.collector)
 
-    def record_ids(self) -> list[int]:
+    @functools.cached_property
+    def record_ids(self) -> tuple[int, ...]:
         """The nodes (by first rank) whose record rank 0 reads from the store in the RAM tier's
         commit, `key`/r/<id>: every node whose collector is not rank 0."""
-        return [n for n in self.members if self.collector_of(n) != 0]
+        return tuple(n for n in self.members if self.collector_of(n) != 0)
 
     def node_board(self) -> NodeBoard:
         """The node's board, which every commit of a world of several ranks posts through."""

@@ -120,17 +120,29 @@ def store_part(
 ) -> dict[str, Any]:
     """Write a built part once its node's data files are in place; returns write_part's record."""
     step_dir = step_dir_name(step)
-    for f, info in files.items():  # one stat per file of this node, not a listing of every rank's
-        try:
-            size = storage.size(f"{step_dir}/{f}")
-        except (StorageError, FileNotFoundError):
-            size = None
+    sizes = _sizes(storage, step_dir, list(files))
+    for f, info in files.items():
+        size = sizes.get(f)
         if size != info["bytes"]:
             what = "is gone" if size is None else f"is {size} bytes, not {info['bytes']}"
             raise StorageError(f"step {step} not committed to {storage.display_url}: data file {f} {what}")
     storage.write_bytes_atomic(f"{step_dir}/{name}", data)
     stored = sum(info["bytes"] for info in files.values())
     return {"part": part_ref(name, data, ranks), "files": {f: i["bytes"] for f, i in files.items()}, "stored": stored}
+
+
+def _sizes(storage: Storage, step_dir: str, names: list[str]) -> dict[str, int]:
+    """{name: bytes} of `names` in the step directory, those there: one stat per file of
+    this node, not a listing of every rank's (locally one call for them all)."""
+    if storage.is_local:
+        return storage.list_sizes(step_dir, names)
+    out = {}
+    for f in names:
+        try:
+            out[f] = storage.size(f"{step_dir}/{f}")
+        except (StorageError, FileNotFoundError):
+            pass
+    return out
 
 
 def commit_index(

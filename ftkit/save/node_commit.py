@@ -318,7 +318,7 @@ def _commit(
     """Rank 0: every node's record, the index, and the word to the index holders. `node`: its
     own node's share where rank 0 collects it (a node of one rank); else that node's record
     comes through the store like the others'."""
-    ids = group.record_ids()
+    ids = list(group.record_ids)
     keys = [f"{key}/r/{n}" for n in ids]
     records = [node.record(errors)] if node is not None else []
     own: dict[str, Any] | None = records[0] if records else None  # rank 0's node's record

@@ -180,7 +180,7 @@ class NodeRamTier(TierBackend):
         return ctx.rank == self.group.leader
 
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        return KeyLedger.node_local(list(self.group.members), self.group.record_ids(), self._exchanges(ctx))
+        return KeyLedger.node_local(list(self.group.members), list(self.group.record_ids), self._exchanges(ctx))
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         if self.peers is not None:
