@@ -427,14 +427,14 @@ def _index_of(name: str, nbytes: int) -> dict:
     ],
 )
 def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
-    """Node1 holds rank 0's replicas, so it keeps the index too (node_commit.holds_index;
+    """Node1 holds rank 0's replicas, so it keeps the index too (node_index.holds_index;
     its exchanger writes it, given the node's part as its leader relayed it); the index it
     reads from the store is forged (a part outside the directory, a document of another
     version, an index without this node's part): it writes no manifest, and says why."""
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
-    from ftkit.save.node_commit import _write_index
+    from ftkit.save.node_index import write_index_copy
     from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()
@@ -445,9 +445,9 @@ def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
     store.set("k/manifest", json.dumps({**doc, **forged}))
     part = {"file": "part-00001-0badf00d.json", "bytes": 9, "checksum": "xxh3_64:" + "1" * 16}
     with pytest.raises(ftkit.FtkitError, match=why):
-        _write_index(storage, 1, ctx, "k", {"part": part, "files": {}})
+        write_index_copy(storage, 1, ctx, "k", {"part": part, "files": {}})
     with pytest.raises(ftkit.FtkitError, match=why):  # the leader relayed no part (or none that checked)
-        _write_index(storage, 1, ctx, "k", None)
+        write_index_copy(storage, 1, ctx, "k", None)
     assert not list(node.rglob(MANIFEST_NAME))
 
 

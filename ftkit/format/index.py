@@ -63,6 +63,14 @@ def is_part_file(name: str) -> bool:
     return name.startswith("part-") and name.endswith(".json")
 
 
+def is_part_name(name: Any) -> bool:
+    """Whether untrusted `name` is a part's plain file name inside its step directory."""
+    try:
+        return is_part_file(check_file_name(name))
+    except FormatError:
+        return False
+
+
 def rank_runs(ranks: list[int]) -> list[list[int]]:
     """Sorted ranks as [start, stop) runs: a node's ranks are usually one run."""
     runs: list[list[int]] = []

@@ -34,7 +34,7 @@ from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import NodeBoard, step_message
 from ftkit.errors import FormatError, StorageError
-from ftkit.format.index import is_part_file, rank_runs
+from ftkit.format.index import is_part_name, rank_runs
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
 from ftkit.save.keys import KeyLedger, delete_keys, older_keys
 from ftkit.save.manifests import Committed, commit_index, write_part
@@ -281,7 +281,7 @@ def read_node_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) 
         ):
             raise FormatError(f"{where} names no valid part of its ranks")
         others = doc.get("others", [])  # (the RAM tier's: parts of other nodes its exchanger wrote there)
-        if not isinstance(others, list) or not all(is_part_file(check_file_name(o)) for o in others):
+        if not isinstance(others, list) or not all(is_part_name(o) for o in others):
             raise FormatError(f"{where} names malformed parts of other nodes")
         return {
             "part": part,

@@ -25,13 +25,13 @@ version 3, as on a shared tier: one part per node and an index (format/index.py)
     collectors:   collect the outcomes; set the node's record for rank 0, `key`/r/<node>: its
                   part's name, size and checksum (and the parts its exchanger wrote), or the
                   node's errors (a few hundred bytes)
-    rank 0:       read every node's record (one wait, one multi_get; its own node's record
-                  too, but where it collects its node itself), write the index (manifest.json,
+    rank 0:       (node_index.py) read every node's record (one wait, one multi_get; its own
+                  node's too, but where it collects it itself), write the index (manifest.json,
                   the commit), delete the step's records; with replicas, set the index under
                   `key`/manifest (or "" when the step is not committed)
-    the exchangers of the k nodes that hold rank 0's node's replicas: read the index, check
-                  it names their node's part (as their collector relayed it) and their files
-                  are in place, write it
+    the exchangers of the k nodes that hold rank 0's node's replicas (node_index.py): read
+                  the index, check it names their node's part (as their collector relayed it)
+                  and their files are in place, write it
     rank 0, after retention (tiers/backend.py): the commit news (coord/news.py), which
                   the other leaders hear with their heartbeats and keep or drop steps by
 
@@ -46,8 +46,8 @@ and 2.3-2.8 on the other leader, 0.6-0.7 on the other ranks; 1.7-2.1 on every ra
 the roles spread). A rank with no role makes no store request; a collector one (its
 node's record for rank 0), with replicas three more (its reports; the records of the k
 nodes before and after it, in one wait and one multi_get); an exchanger of the k index
-holders two (a wait and a get of the index); rank 0 one delete for every node's record (two with replicas) and the
-news. Per step: 2 x nodes + 3 requests without replicas, 6 x nodes + 2k + 4 with (two
+holders two (a wait and a get of the index); rank 0 one delete for every node's record
+(two with replicas) and the news. Per step: 2 x nodes + 3 requests without replicas, 6 x nodes + 2k + 4 with (two
 fewer where rank 0 collects its own node). Rank 0 handles O(nodes) bytes, a collector its
 node's entries and those of k other nodes. A node holds the parts of the ranks whose files
 it holds, not every part: at restore, parts a node lacks come through the store from a
@@ -65,20 +65,20 @@ from typing import Any
 
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
-from ftkit.errors import AlreadyCommitted, FormatError, StorageError
-from ftkit.format.index import INDEX_VERSION, is_part_file, parse_index
-from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.format.validate import check_file_name, parse_header, parse_json
-from ftkit.save.commit import NodeGroup, read_node_record
-from ftkit.save.keys import KeyLedger, delete_keys, older_keys
-from ftkit.save.manifests import Committed, check_files_present, commit_index, store_part
+from ftkit.errors import AlreadyCommitted, FormatError
+from ftkit.format.index import is_part_name
+from ftkit.format.validate import parse_json
+from ftkit.save.commit import NodeGroup
+from ftkit.save.keys import KeyLedger, older_keys
+from ftkit.save.manifests import Committed, store_part
+from ftkit.save.node_index import commit_from_records, holds_index, write_index_copy
 from ftkit.save.part_template import node_part_bytes
 from ftkit.save.replicas import peer_reports, replicate, store_parts
 from ftkit.save.report_layouts import Layout, board_name, from_board, from_store, layout_of, lookup
 from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
-from ftkit.save.write import discard, write_share
+from ftkit.save.write import write_share
 from ftkit.tiers.peers import PeerGroup, ReplicaLayout
 from ftkit.tiers.storage import Storage
 
@@ -217,20 +217,13 @@ def persist_node_local(
             ctx.put(f"{key}/r/{node_id}", node.record(errors))
     if ctx.rank == 0:
         with older_keys(ledger, at) as older:
-            return _commit(storage, step, skeleton, ctx, key, group, node, errors, older, ledger, at, exchange)
+            mine = (node.record(errors), node.own_files()) if node is not None else None
+            return commit_from_records(storage, step, skeleton, ctx, key, group, mine, older, ledger, at, exchange)
     if error is not None:
         raise error
     if holder and ctx.rank == group.exchanger:
-        _write_index(storage, step, ctx, key, own_part)
+        write_index_copy(storage, step, ctx, key, own_part)
     return None
-
-
-def holds_index(ctx: DistContext, layout: ReplicaLayout | None, replicas: int) -> bool:
-    """Whether this rank's node keeps the RAM tier's index: rank 0's node, and the nodes
-    that hold its replicas (`layout`, `replicas`: the tier's, when it exchanges them)."""
-    if not ctx.distributed or ctx.node == ctx.nodes[0]:
-        return True
-    return layout is not None and replicas > 0 and ctx.node in layout.target_nodes(0, ctx.nodes, replicas)
 
 
 def node_part(
@@ -288,101 +281,10 @@ def _outcome_errors(rank: int, raw: bytes | None, parts: list[str] | None = None
         return [f"rank {rank}: a malformed replication outcome"]
     if parts is not None:
         named = doc.get("parts", [])
-        if not isinstance(named, list) or not all(_is_part_name(n) for n in named):
+        if not isinstance(named, list) or not all(is_part_name(n) for n in named):
             return [*errors, f"rank {rank}: a malformed list of the parts it wrote"]
         parts += named
     return errors
-
-
-def _is_part_name(name: Any) -> bool:
-    try:
-        return is_part_file(check_file_name(name))
-    except FormatError:
-        return False
-
-
-def _commit(
-    storage: Storage,
-    step: int,
-    skeleton: dict[str, Any],
-    ctx: DistContext,
-    key: str,
-    group: NodeGroup,
-    node: NodeShare | None,
-    errors: list[str],
-    older: list,
-    ledger: KeyLedger | None,
-    at: tuple[int, int],
-    exchange: bool,
-) -> Committed:
-    """Rank 0: every node's record, the index, and the word to the index holders. `node`: its
-    own node's share where rank 0 collects it (a node of one rank); else that node's record
-    comes through the store like the others'."""
-    ids = list(group.record_ids)
-    keys = [f"{key}/r/{n}" for n in ids]
-    records = [node.record(errors)] if node is not None else []
-    own: dict[str, Any] | None = records[0] if records else None  # rank 0's node's record
-    try:
-        try:
-            raws = ctx.wait_get(keys) if keys else []
-        except Exception as e:  # a node never answered: the step is not committed
-            raise StorageError(f"step {step} not committed to the RAM tier: {e}") from None
-        for n, raw in zip(ids, raws, strict=True):
-            records.append(read_node_record(n, raw, group.members[n], ctx.world_size))
-            if n == 0:
-                own = records[-1]
-        if not any(r["skipped"] for r in records):  # nobody reads the older keys any more
-            delete_keys(ctx, older)
-        failures = [e for r in records for e in r["errors"]]
-        if failures:
-            raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
-        assert own is not None
-        local = {own["part"]["file"], *own.get("others", [])}  # the parts in rank 0's node's directory
-        committed = commit_index(storage, step, ctx.world_size, records, skeleton, local_parts=local)
-    except BaseException:
-        discard(storage, step, node.own_files() if node is not None else _files_of(own))
-        if exchange:  # the index holders wait for no index
-            ctx.put(f"{key}/manifest", "")
-            _record_manifest(ledger, at, key)
-        raise
-    finally:
-        ctx.delete(*keys, *(f"{key}/w/{n}" for n in group.members if exchange))
-    if exchange:  # to the nodes that hold rank 0's replicas (holds_index)
-        ctx.store.set(f"{key}/manifest", committed.manifest_json)
-        _record_manifest(ledger, at, key)
-    return committed
-
-
-def _files_of(record: dict[str, Any] | None) -> list[str]:
-    """What a node's record says the step put in its directory (a failed commit removes it)."""
-    if record is None:
-        return []
-    return [*record["files"], *([record["part"]["file"]] if record["part"] else []), *record.get("others", [])]
-
-
-def _record_manifest(ledger: KeyLedger | None, at: tuple[int, int], key: str) -> None:
-    if ledger is not None:  # deleted after the next step's records: every index holder has read it then
-        ledger.record_key(at, f"{key}/manifest")
-
-
-def _write_index(storage: Storage, step: int, ctx: DistContext, key: str, written: dict[str, Any] | None) -> None:
-    """An index holder's exchanger writes rank 0's index into its node's directory, once it has
-    checked that the index names its node's part as its leader wrote it (`written`:
-    store_part's record) and the node's files are in place."""
-    data = ctx.get_raw(f"{key}/manifest")
-    if data in (b"", b'""'):  # rank 0's "not committed" (put as JSON "")
-        discard(storage, step, [name for name, _ in storage.list_dir(step_dir_name(step))])
-        raise StorageError(f"step {step} was not committed to the RAM tier (rank 0 gave up)")
-    where = f"the index of step {step} from rank 0"
-    doc, version = parse_header(data, where)
-    if version != INDEX_VERSION:
-        raise FormatError(f"{where} has format version {version}, not {INDEX_VERSION}")
-    index = parse_index(doc, where, expect_step=step)
-    mine = written["part"] if written else None
-    if mine is None or not any(p.file == mine["file"] and p.checksum == mine["checksum"] for p in index.parts):
-        raise StorageError(f"step {step}: {where} does not name this node's part")
-    check_files_present(storage, step, {**written["files"], mine["file"]: mine["bytes"]})  # type: ignore[index]
-    storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
 
 
 def report_skipped_node_local(

@@ -1,16 +1,16 @@
 """The RAM tier's replica exchange inside a step's commit (save/node_commit.py calls it).
 
-A leader reads, from the store, the records of the k nodes before its own (whose
-ranks send this node their replicas) and of the k after (which this node's ranks
-send theirs to), and relays their reports, and the names and checksums of its
-sources' parts, to its ranks on the node's board. Each rank then sends its data file
-to its targets and stores verified copies of what its sources send (tiers/peers.py);
-the node's exchanger (its second rank: the leader's share of a commit is the largest,
-so the leader does not carry this too; the leader on a node of one rank) writes the
-manifest parts of its sources, so a node keeps the parts that describe the files it
-holds, and names them in its outcome to the leader. Records and
-parts are untrusted: a report that does not parse reads as an error report, a part
-is checked against the index by whoever reads it.
+A node's collector (NodeGroup.collector: its leader, but on rank 0's node of a job of
+several nodes the next rank) reads, from the store, the records of the k nodes before its
+own (whose ranks send this node their replicas) and of the k after (which this node's ranks
+send theirs to), and relays their reports, and the names and checksums of its sources'
+parts, to its ranks on the node's board. Each rank then sends its data file to its targets
+and stores verified copies of what its sources send (tiers/peers.py); the node's exchanger
+(NodeGroup.exchanger: a rank that neither collects nor commits, where there is one) writes
+the manifest parts of its sources, so a node keeps the parts that describe the files it
+holds, and names them in its outcome to the collector. Records and parts are untrusted:
+a report that does not parse reads as an error report, a part is checked against the
+index by whoever reads it.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ from ftkit.format.reader import scan
 from ftkit.save.commit import NodeGroup, persist, report_skipped_shared
 from ftkit.save.keys import KeyLedger
 from ftkit.save.manifests import Committed
-from ftkit.save.node_commit import holds_index, persist_node_local, report_skipped_node_local
+from ftkit.save.node_commit import persist_node_local, report_skipped_node_local
+from ftkit.save.node_index import holds_index
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
 from ftkit.tiers.peers import ReplicaLayout
 from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
@@ -206,7 +207,7 @@ class NodeRamTier(TierBackend):
             raise
 
     def retain(self, ctx: DistContext, job: Any) -> list[int]:
-        """A node with the index (node_commit.holds_index) follows it; rank 0 then tells the
+        """A node with the index (node_index.holds_index) follows it; rank 0 then tells the
         others what it keeps (coord/news.py). A node without the index drops only what the
         news of this epoch says is settled and not kept, and asks for news itself when it
         holds more than UNHEARD_LIMIT steps it has heard nothing of."""
