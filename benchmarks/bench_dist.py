@@ -473,6 +473,9 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                     f"  {name}: floor of that coordination (the same files, store requests and JSON documents "
                     "per snapshot, no ftkit code, under the same training; benchmarks/coord_floor.py): "
                     + "/".join(fmt_s(x) for x in v["coord_floor_cpu_s"])
+                    + " with nothing waited for; "
+                    + "/".join(fmt_s(x) for x in v["coord_floor_waits_cpu_s"])
+                    + " with the commit's waits (each message waited for, as ranks wait for each other)"
                 )
         for name, v in t.items():
             target(
@@ -1021,7 +1024,9 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
         failed = ck.stats.failed
         R.barrier()
         floor_cpu = coord_floor_cpu(a, R, kind, base_fn, step + 1)
-        step += 2 * a.steps
+        R.barrier()
+        floor_waits_cpu = coord_floor_cpu(a, R, kind, base_fn, step + 1 + 2 * a.steps, waits=True)
+        step += 4 * a.steps
     finally:
         ck.close()
     R.barrier()
@@ -1046,6 +1051,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
             "job_cpu": median([j[1] for j in jobs]),
             "coord_cpu": median(coord) if coord else None,
             "floor_cpu": floor_cpu,
+            "floor_waits_cpu": floor_waits_cpu,
         }
     )
     if any(p["failed"] for p in per):
@@ -1081,6 +1087,7 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
         "persist_cpu_s": [p["job_cpu"] for p in per],
         "coord_cpu_s": [p["coord_cpu"] for p in per],
         "coord_floor_cpu_s": [p["floor_cpu"] for p in per],
+        "coord_floor_waits_cpu_s": [p["floor_waits_cpu"] for p in per],
         "base_all_s": b,
         "attached_all_s": at,
         "ftkit_all_s": f,
@@ -1088,12 +1095,15 @@ def phase_train(a: argparse.Namespace, R: Ranks, kind: str) -> dict[str, Any]:
     }
 
 
-def coord_floor_cpu(a: argparse.Namespace, R: Ranks, kind: str, train_step, first_step: int) -> float:
+def coord_floor_cpu(
+    a: argparse.Namespace, R: Ranks, kind: str, train_step, first_step: int, waits: bool = False
+) -> float:
     """The floor under this rank's RAM-tier commit coordination (coord_floor.py): its share of
-    the files, store requests and JSON of one snapshot, on the payloads of the newest step."""
+    the files, store requests and JSON of one snapshot, on the payloads of the newest step;
+    `waits`: with the commit's handshakes, each message waited for (coord_floor.HandshakeFloor)."""
     import glob
 
-    from coord_floor import Floor, measure
+    from coord_floor import Floor, HandshakeFloor, measure
     from torch.distributed import distributed_c10d
 
     node = R.rank // R.per_node
@@ -1121,7 +1131,8 @@ def coord_floor_cpu(a: argparse.Namespace, R: Ranks, kind: str, train_step, firs
         "node_record": json.dumps({**record, "stored": 0, "skipped": False}).encode(),
         "index": index,
     }
-    floor = Floor(R.rank, R.world, R.per_node, a.shm, distributed_c10d._get_default_store(), payloads)
+    kind_of_floor = HandshakeFloor if waits else Floor
+    floor = kind_of_floor(R.rank, R.world, R.per_node, a.shm, distributed_c10d._get_default_store(), payloads)
     floor.prepare()
     R.barrier()
     return measure(floor, train_step, 2 * a.steps, first_step)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
 import statistics
 import threading
 import time
@@ -145,6 +146,104 @@ class Floor:
         self.store.set("floor/manifest-step", index)
         for key in [f"floor/gone-r{n}" for n in self.records] + [f"floor/gone-w{n}" for n in self.leaders]:
             self.store.delete_key(key)  # the step's records, the exchanged ones
+
+
+class HandshakeFloor(Floor):
+    """The same floor with the commit's handshakes: each message is waited for, as ftkit's ranks
+    wait for each other (a doorbell, a named pipe, for a board file; a blocking store request
+    for a key), so the floor pays what every wait costs besides the bytes. On this VM a thread
+    woken from a wait pays tens of microseconds of CPU in its next system calls (cold caches and
+    TLB): the `Floor` above, which finds everything in place, never sleeps and never pays it.
+
+    Per snapshot, in ftkit's order (save/node_commit.py; no replicas are moved, so no wait on
+    them): a rank posts its report and rings its collector; the collector waits for its ranks'
+    reports, writes the part, sets its record, gets its partner's (one blocking multi_get),
+    relays it and rings its ranks; the ranks wait for the relay, post their outcomes and ring;
+    the collector waits for them and sets its record for rank 0; rank 0 gets every node's
+    record, writes the index, sets it for the holders and deletes the step's keys; a holder's
+    exchanger gets the index and writes it. Keys and files are named by round."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        first = self.node * self.per_node
+        self.mates = [r for r in range(first, first + self.per_node) if r != self.rank]
+        self.collector_rank = first + 1 if first == 0 and self.per_node > 1 else first
+        self.dir = os.path.join(os.path.dirname(self.dir), f"floor-wait-n{self.node}")
+        self.round = 0
+        self._bell = -1
+
+    def prepare(self) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        path = self._bell_path(self.rank)
+        if not os.path.exists(path):
+            os.mkfifo(path, 0o600)
+        self._bell = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self._keep = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # never reads as closed
+
+    def _bell_path(self, rank: int) -> str:
+        return os.path.join(self.dir, f"bell-{rank}")
+
+    def _ring(self, rank: int) -> None:
+        fd = os.open(self._bell_path(rank), os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
+
+    def _wait_file(self, name: str) -> bytes:
+        path = os.path.join(self.dir, name)
+        while True:
+            try:
+                return read_file(path)
+            except FileNotFoundError:
+                if select.select([self._bell], [], [], 1.0)[0]:
+                    os.read(self._bell, 4096)
+
+    def once(self) -> None:
+        self.round += 1
+        d, p, store, r = self.dir, self.p, self.store, self.round
+        node = self.node * self.per_node
+        if not self.collector:
+            board_write(os.path.join(d, f"w-{self.rank}-{r}"), p["report"])
+            self._ring(self.collector_rank)
+            json.loads(self._wait_file(f"peers-{r}"))
+            if self.exchanger:
+                _durable_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"])
+            board_write(os.path.join(d, f"o-{self.rank}-{r}"), p["outcome"])
+            self._ring(self.collector_rank)
+        else:
+            for q in self.mates:
+                json.loads(self._wait_file(f"w-{q}-{r}").partition(b"\n")[0])
+                os.unlink(os.path.join(d, f"w-{q}-{r}"))
+            _durable_write(os.path.join(d, "part.json"), p["part"])
+            store.set(f"floorw/{r}/w/{node}", p["record"])
+            (record,) = store.multi_get([f"floorw/{r}/w/{self.partner}"])  # (it waits for the key)
+            json.loads(record)
+            board_write(os.path.join(d, f"peers-{r}"), record)
+            for q in self.mates:
+                self._ring(q)
+            if self.exchanger:
+                _durable_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"])
+            for q in self.mates:
+                json.loads(self._wait_file(f"o-{q}-{r}"))
+                os.unlink(os.path.join(d, f"o-{q}-{r}"))
+            if r > 1:
+                os.unlink(os.path.join(d, f"peers-{r - 1}"))
+            if self.rank != 0:
+                store.set(f"floorw/{r}/r/{node}", p["node_record"])
+        if self.rank == 0:
+            keys = [f"floorw/{r}/r/{n}" for n in self.records]
+            for raw in store.multi_get(keys):
+                json.loads(raw)
+            index = json.dumps(self.index_doc, separators=(",", ":")).encode()
+            _durable_write(os.path.join(d, "manifest.json"), index)
+            store.set(f"floorw/{r}/manifest", index)
+            old = [f"floorw/{r - 1}/manifest"] if r > 1 else []
+            for key in old + keys + [f"floorw/{r}/w/{n}" for n in self.leaders]:
+                store.delete_key(key)
+        if self.holder:
+            json.loads(store.get(f"floorw/{r}/manifest"))
+            _durable_write(os.path.join(d, "manifest.json"), p["index"])
 
 
 def measure(floor: Floor, train_step: Callable[[int], Any], steps: int, first_step: int) -> float:

@@ -59,9 +59,8 @@ class Bell:
         """Until a peer rings or `timeout_s` (at most FALLBACK_S) passes; then drain the rings."""
         with contextlib.suppress(OSError, ValueError):
             ready, _, _ = select.select([self._fd], [], [], max(0.0, min(timeout_s, FALLBACK_S)))
-            if ready:
-                while os.read(self._fd, 4096):
-                    pass
+            if ready:  # one read drains it (a ring is a byte; more than 4 KiB of them only wakes us again)
+                os.read(self._fd, 4096)
 
     def close(self) -> None:
         self._finalizer()

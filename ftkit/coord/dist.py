@@ -101,6 +101,9 @@ class DistContext:
     nodes: list[str] = field(default_factory=list)  # node of every rank, by rank
     scope: str = ""  # the store namespace of this context (its keys' prefix below the job's store)
     generation: int = field(default_factory=generation.current)  # the in-process generation it serves
+    # Whether `store` is a connection of this context's own, whose calls wait at most
+    # `timeout_s` (own_connection): a get then needs no wait request of ours before it.
+    waits_itself: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -135,8 +138,18 @@ class DistContext:
         talks to the store gets its own connection.
         """
         store = self.store.clone() if self.store is not None else None
+        if store is not None:  # (a clone's timeout is its own: the original's callers keep theirs)
+            store.set_timeout(timedelta(seconds=self.timeout_s))
         return DistContext(
-            self.rank, self.world_size, store, self.node, self.timeout_s, list(self.nodes), self.scope, self.generation
+            self.rank,
+            self.world_size,
+            store,
+            self.node,
+            self.timeout_s,
+            list(self.nodes),
+            self.scope,
+            self.generation,
+            waits_itself=store is not None,
         )
 
     def scoped(self, prefix: str) -> DistContext:
@@ -146,7 +159,15 @@ class DistContext:
         store = dist.PrefixStore(prefix, self.store) if self.store is not None else None
         nodes = list(self.nodes)
         return DistContext(
-            self.rank, self.world_size, store, self.node, self.timeout_s, nodes, self.scope + prefix, self.generation
+            self.rank,
+            self.world_size,
+            store,
+            self.node,
+            self.timeout_s,
+            nodes,
+            self.scope + prefix,
+            self.generation,
+            waits_itself=self.waits_itself,
         )
 
     @property
@@ -163,16 +184,20 @@ class DistContext:
 
     def get(self, key: str, timeout_s: float | None = None) -> Any:
         """The JSON value at `key`, waiting at most `timeout_s` for it to appear."""
-        self._wait([key], timeout_s)
-        return json.loads(self.store.get(key))
+        return json.loads(self.get_raw(key, timeout_s))
 
     def get_raw(self, key: str, timeout_s: float | None = None) -> bytes:
         """The bytes at `key` as set, waiting at most `timeout_s` for them to appear."""
-        self._wait([key], timeout_s)
-        return self.store.get(key)
+        return self.wait_get([key], timeout_s)[0]
 
     def wait_get(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
-        """The bytes at every one of `keys`, once all are set: two round trips for any number."""
+        """The bytes at every one of `keys`, once all are set: two round trips for any number
+        (a c10d get waits for its keys first), three where the wait is ours (below)."""
+        if self.waits_itself and timeout_s in (None, self.timeout_s) and not generation.active():
+            try:
+                return self.store.multi_get(keys)
+            except Exception as e:  # c10d raises DistStoreError on timeout
+                raise self._timed_out(keys, self.timeout_s, e) from None
         self._wait(keys, timeout_s)
         return self.store.multi_get(keys)
 
@@ -222,11 +247,14 @@ class DistContext:
         except RecoveryRequested:
             raise
         except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
-            missing = [k for k in keys if not self._has(k)] or keys
-            raise PeerTimeout(
-                f"rank {self.rank}: no answer for {', '.join(map(repr, missing))} within "
-                f"{timeout_s:.0f}s ({type(e).__name__})"
-            ) from None
+            raise self._timed_out(keys, timeout_s, e) from None
+
+    def _timed_out(self, keys: list[str], timeout_s: float, error: Exception) -> PeerTimeout:
+        missing = [k for k in keys if not self._has(k)] or keys
+        return PeerTimeout(
+            f"rank {self.rank}: no answer for {', '.join(map(repr, missing))} within "
+            f"{timeout_s:.0f}s ({type(error).__name__})"
+        )
 
     def _wait_or_recover(self, keys: list[str], timeout_s: float) -> None:
         """Under run_in_process a wait ends early when a recovery is requested or its generation

@@ -12,6 +12,7 @@ reader would validate it, and the data files it names must be in place.
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from dataclasses import dataclass
@@ -186,8 +187,14 @@ def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -
 
 
 def writer_info() -> dict[str, Any]:
+    """Who wrote a manifest (its "writer" field): the same for the whole process."""
+    return dict(_writer_info())
+
+
+@functools.cache
+def _writer_info() -> tuple[tuple[str, str], ...]:
     import torch
 
     from ftkit import __version__
 
-    return {"ftkit": __version__, "torch": torch.__version__, "host": socket.gethostname()}
+    return (("ftkit", __version__), ("torch", torch.__version__), ("host", socket.gethostname()))

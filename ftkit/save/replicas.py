@@ -220,7 +220,8 @@ def replicate(
     plan: list[Transfer] = []
     for t in layout.transfers_of(ctx.rank, ctx.nodes, k):
         if t.src == ctx.rank:
-            if write is not None and not decode_report(t.dst, reports.get(t.dst, ""), ctx.world_size).skipped:
+            target = decode_report(t.dst, reports.get(t.dst, ""), ctx.world_size, layouts)  # (kept: often a source too)
+            if write is not None and not target.skipped:
                 plan.append(Transfer(t.src, t.dst, write.file))
             continue
         report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size, layouts)
