@@ -170,3 +170,38 @@ def test_layout_bodies_hash_to_their_names():
     assert Layout.of_body(body, layout.digest) == layout and layout.n_sums == 1
     with pytest.raises(Exception, match="does not hash to its name"):
         Layout.of_body(body + " ", layout.digest)
+
+
+@pytest.mark.parametrize("by_reference", [True, False])
+def test_a_collectors_own_report_kept_unparsed_is_the_report_its_holders_decode(tmp_path, monkeypatch, by_reference):
+    """A collector keeps its own report as it encoded it (reports.keep_own) instead of parsing
+    its text back: it must be the report decoding that text gives, and the part built of it
+    byte for byte the part the replica holders rebuild from the text."""
+    import ftkit
+
+    _fresh(monkeypatch)
+    storage = ftkit.Tier(str(tmp_path / "node0")).open()
+    # A rank state whose Python form is not its JSON form (a tuple, an int key, a float).
+    state = {"rng": {"numpy": {"$tuple": ("MT19937", 623, 0.0)}, 7: [1.5, None, True]}}
+    write = _write(1, "aaaaaaaa", 1)
+    ref = layout_of(write) if by_reference else None
+    text = NodeReport.encode(write, None, state, ref=ref)
+    reports.keep_own(text, write, state, ref, WORLD)
+    kept = decode_report(1, text, WORLD, lookup(None))
+    monkeypatch.setattr(reports, "_decoded", Lru(16))
+    parsed = decode_report(1, text, WORLD, lookup(None))
+    assert kept is not parsed and kept.error is None and parsed.error is None
+    assert (kept.file, kept.nbytes, kept.layout, kept.sums, kept.tensors_json) == (
+        parsed.file,
+        parsed.nbytes,
+        parsed.layout,
+        parsed.sums,
+        parsed.tensors_json,
+    )
+    assert kept.write_doc() == parsed.write_doc() and kept.chunks() == parsed.chunks()
+    other = decode_report(0, NodeReport.encode(_write(0, "bbbbbbbb", 1), None, {}), WORLD)
+    monkeypatch.setattr(part_template, "_templates", Lru(8))
+    _, from_kept, _ = part_template.node_part_bytes(storage, 1, [other, kept], (0, 1), WORLD)
+    monkeypatch.setattr(part_template, "_templates", Lru(8))
+    _, from_text, _ = part_template.node_part_bytes(storage, 1, [other, parsed], (0, 1), WORLD)
+    assert from_kept == from_text

@@ -75,7 +75,7 @@ from ftkit.save.node_index import commit_from_records, holds_index, write_index_
 from ftkit.save.part_template import node_part_bytes
 from ftkit.save.replicas import peer_reports, replicate, store_parts
 from ftkit.save.report_layouts import Layout, board_name, from_board, from_store, layout_of, lookup
-from ftkit.save.reports import NodeReport, decode_report
+from ftkit.save.reports import NodeReport, decode_report, keep_own
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import write_share
@@ -175,6 +175,8 @@ def persist_node_local(
             group.node_board().post_once(board_name(ref[0].digest), ref[0].body)
         group.to_leader(at, "w", ctx.rank, text, to=group.collector)
     else:
+        if write is not None and error is None:
+            keep_own(text, write, rank_state, ref, ctx.world_size)  # (node_part decodes it: not parsed back)
         texts = {ctx.rank: text, **(_collect_texts(group, at, "w", ctx) if ctx.distributed else {})}
         node = node_part(storage, step, texts, group.ranks, ctx.world_size, lookup(from_board(group.board)))
         if exchange:

@@ -235,4 +235,17 @@ def decode_report(
     return report
 
 
+def keep_own(text: str, write: RankWrite, rank_state: Any, ref: tuple[Layout, list[str]] | None, world: int) -> None:
+    """Keep this rank's own report (`text`, just encoded from these values, with no error) as
+    decoded: where this rank collects its node, decode_report finds it and nothing is parsed
+    back. It holds what decoding the text gives (the JSON of its rank state is the same text),
+    so the part built of it is the one its replica holders rebuild from the text."""
+    layout, sums = ref if ref is not None else (None, [])
+    tensors = "[]" if ref is not None else (text.partition("\n")[2] or "[]")
+    report = NodeReport(
+        write.rank, write.file, write.nbytes, None, rank_state or {}, tensors, False, world, layout, tuple(sums)
+    )
+    _decoded.put((write.rank, world, text), report)
+
+
 _decoded: Lru[tuple[int, int, str], NodeReport] = Lru(16)
