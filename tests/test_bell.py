@@ -59,3 +59,24 @@ def test_a_collecting_leader_gets_every_message_posted_with_a_ring(tmp_path, mon
     t.join(60)
     assert got == {1: b"one", 2: b'{"two":2}'}
     assert os.path.exists(os.path.join(leader.path, "bell-r0"))  # the leader's bell: a pipe on its board
+
+
+def test_what_a_skipped_step_left_on_the_board_is_removed_within_prune_every_steps(tmp_path, monkeypatch):
+    """A collector looks for the messages of steps nobody collected (a skipped step) once every
+    PRUNE_EVERY steps of an epoch, not at every collect; what it finds of earlier steps goes,
+    the current step's messages and an earlier epoch's look stay put until then."""
+    from ftkit.coord.nodelocal import PRUNE_EVERY, step_message
+
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
+    board = NodeBoard("scope", "node0", leader=True, kind="commit")
+    board.prune_before((0, 10))  # the first look
+    board.write_text(step_message((0, 11), "w-r1"), "left by a skipped step")
+    board.write_text(step_message((0, 12), "w-r1"), "this step's")
+    board.prune_before((0, 12))
+    assert step_message((0, 11), "w-r1") in board.names()  # not looked for yet
+    board.prune_before((0, 10 + PRUNE_EVERY))
+    assert step_message((0, 11), "w-r1") not in board.names()
+    assert step_message((0, 12), "w-r1") not in board.names()  # before the step looked at: gone too
+    board.write_text(step_message((0, 30), "w-r1"), "left before a restore")
+    board.prune_before((1, 2))  # a new epoch (a restore): looked at at once
+    assert step_message((0, 30), "w-r1") not in board.names()

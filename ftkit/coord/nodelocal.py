@@ -35,6 +35,7 @@ from ftkit.coord.bell import Bell, bell_name, ring
 from ftkit.tiers.ram import private_subdir
 
 MAX_BYTES = 64 * 1024  # a verdict or a preemption notice is a few hundred bytes
+PRUNE_EVERY = 16  # steps between two looks for the messages a skipped step left (NodeBoard.prune_before)
 
 
 def _safe(name: str) -> str:
@@ -167,8 +168,11 @@ class NodeBoard:
 
     def prune_before(self, at: tuple[int, int]) -> None:
         """Remove the messages of steps before `at` ((restore epoch, step)): what a skipped
-        step left, which nobody collected. Once per step: a collector collects twice a step."""
-        if at == self._pruned:
+        step left, which nobody collected. At most once every PRUNE_EVERY steps of an epoch (a
+        collector collects twice a step, and a listing of the board at every step found
+        nothing but when a step was skipped; what one leaves is a few small files)."""
+        last = self._pruned
+        if last is not None and last[0] == at[0] and last[1] <= at[1] < last[1] + PRUNE_EVERY:
             return
         self._pruned = at
         stale = [n for n in self.names() if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]
