@@ -98,3 +98,38 @@ def test_agreement_reports_every_ranks_failure_to_the_deciders_only():
         assert o["first"] == ("disk full" if rank == 1 else "disk full (on rank 1)")
         assert o["only0"] == (rank == 0)
     assert out[0]["raised"] == ["step 3 not committed: rank 1: bad 1; rank 2: bad 2", [(1, "bad 1"), (2, "bad 2")]]
+
+
+def test_a_persist_threads_own_connection_waits_itself_and_times_out_like_a_wait():
+    """DistContext.own_connection gives its thread a store client whose timeout is the
+    context's, so a read of keys is one multi_get that waits for them (no wait request of
+    ours first); a key that never comes is a PeerTimeout naming it, as from our own wait; the
+    connection it was cloned from keeps its timeout."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext
+    from ftkit.errors import PeerTimeout
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    base = dist.PrefixStore("job/", server)
+    ctx = DistContext(0, 2, base, "node0", 1.0, ["node0", "node1"]).scoped("ck1/")
+    own = ctx.own_connection()
+    assert own.waits_itself and not ctx.waits_itself
+    assert own.scoped("sub/").waits_itself
+    assert base.timeout == timedelta(seconds=30)  # the original's callers keep theirs
+    ctx.store.set("here", "1")
+    late = threading.Timer(0.3, lambda: ctx.store.set("late", "2"))
+    late.start()
+    t0 = time.monotonic()
+    assert own.wait_get(["here", "late"]) == [b"1", b"2"]  # waited for the late one
+    assert time.monotonic() - t0 >= 0.25
+    assert own.get("here") == 1 and own.get_raw("late") == b"2"
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeout, match="'never'"):
+        own.wait_get(["here", "never"])
+    assert time.monotonic() - t0 < 10
+    assert own.wait_get(["here"]) == [b"1"]  # the connection still answers after a timeout
