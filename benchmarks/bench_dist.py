@@ -82,6 +82,7 @@ REPO = Path(__file__).resolve().parent.parent
 TARGET_RAM_VS_DCP = 5.0
 TARGET_REPL_VS_RAW = 0.8
 TARGET_SLOWDOWN = 0.05
+TARGET_COORD_CPU_S = 0.0015  # the RAM tier's commit coordination per snapshot, every rank (issue 15)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -484,6 +485,16 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
                 f"{v['slowdown'] * 100:+.1f}% ({fmt_s(v['base_s'])} -> {fmt_s(v['ftkit_s'])}; "
                 f"stall {fmt_s(v['stall_s'])}, p90 step {fmt_s(v['ftkit_p90_s'])} vs {fmt_s(v['base_p90_s'])})",
             )
+            coord = v.get("coord_cpu_s") or []
+            if coord and all(x is not None for x in coord):
+                target(
+                    f"RAM-tier commit coordination <= {TARGET_COORD_CPU_S * 1e3:.1f} ms of CPU per snapshot "
+                    f"on every rank ({name}; issue 15)",
+                    max(coord) <= TARGET_COORD_CPU_S,
+                    "/".join(fmt_s(x) for x in coord)
+                    + "; floor with the commit's waits "
+                    + "/".join(fmt_s(x) for x in v.get("coord_floor_waits_cpu_s") or []),
+                )
 
     rule = "-" * 100
     print(f"\ntargets\n{rule}")
