@@ -82,9 +82,10 @@ class Floor:
         first = self.node * per_node
         ranks = list(range(first, first + per_node))
         # The roles of save/commit.py NodeGroup: on rank 0's node another rank collects.
-        collector = ranks[1] if first == 0 and per_node > 1 else first
-        self.collector = rank == collector
-        self.exchanger = rank == next((r for r in ranks if r not in (0, collector)), collector)
+        self.collector_rank = ranks[1] if first == 0 and per_node > 1 else first
+        self.collector = rank == self.collector_rank
+        self.exchanger = rank == next((r for r in ranks if r not in (0, self.collector_rank)), self.collector_rank)
+        self.mates = [r for r in ranks if r != rank]  # the node's other ranks
         self.leaders = list(range(0, world, per_node))  # the nodes' names in the keys
         self.partner = self.leaders[(self.node + 1) % len(self.leaders)]  # k = 1: the next node, both ways
         self.holder = self.exchanger and self.node == 1  # its node holds rank 0's replicas (k = 1)
@@ -165,12 +166,9 @@ class HandshakeFloor(Floor):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        first = self.node * self.per_node
-        self.mates = [r for r in range(first, first + self.per_node) if r != self.rank]
-        self.collector_rank = first + 1 if first == 0 and self.per_node > 1 else first
-        self.dir = os.path.join(os.path.dirname(self.dir), f"floor-wait-n{self.node}")
+        self.dir = os.path.join(os.path.dirname(self.dir), f"floor-wait-n{self.node}")  # one per node
         self.round = 0
-        self._bell = -1
+        self._bell = self._keep = -1  # this rank's doorbell: its read end, and a write end kept open
 
     def prepare(self) -> None:
         os.makedirs(self.dir, exist_ok=True)

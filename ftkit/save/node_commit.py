@@ -47,13 +47,13 @@ the roles spread). A rank with no role makes no store request; a collector one (
 node's record for rank 0), with replicas three more (its reports; the records of the k
 nodes before and after it, in one wait and one multi_get); an exchanger of the k index
 holders two (a wait and a get of the index); rank 0 one delete for every node's record
-(two with replicas) and the news. Per step: 2 x nodes + 3 requests without replicas, 6 x nodes + 2k + 4 with (two
-fewer where rank 0 collects its own node). (A wait and the read after it count as two: on the
-persist thread's own connection they are one multi_get, which waits itself: DistContext.wait_get.)
-Rank 0 handles O(nodes) bytes, a collector its
-node's entries and those of k other nodes. A node holds the parts of the ranks whose files
-it holds, not every part: at restore, parts a node lacks come through the store from a
-node that has them.
+(two with replicas) and the news. Per step: 2 x nodes + 3 requests without replicas,
+6 x nodes + 2k + 4 with (two fewer where rank 0 collects its own node). A wait and the read
+after it count as two: on the persist thread's own connection they are one multi_get, which
+waits itself (DistContext.wait_get). Rank 0 handles O(nodes) bytes, a collector its node's
+entries and those of k other nodes. A node holds the parts of the ranks whose files it
+holds, not every part: at restore, parts a node lacks come through the store from a node
+that has them.
 """
 
 from __future__ import annotations
