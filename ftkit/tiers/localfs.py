@@ -93,13 +93,40 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+VOLATILE_FS = frozenset({"tmpfs", "ramfs"})  # memory with no backing store: fsync has nothing to do
+
+
+def on_volatile_fs(path: str) -> bool:
+    """Whether `path` lives on a filesystem in memory (VOLATILE_FS: the RAM tier's /dev/shm), where
+    an fsync makes nothing more durable (a restart of the host loses it all the same) and only
+    costs its system calls. False where it cannot be told (no /proc): then fsyncs stay."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    for line in mounts:  # "<id> <parent> <dev> <root> <mount point> <options> ... - <fs type> <source> ..."
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split(" ")
+        if len(parts) < 5 or not rest:
+            continue
+        point = parts[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, rest.split(" ")[0]
+    return kind in VOLATILE_FS
+
+
 SMALL_WRITE = 2**20  # metadata (a part, an index): a few syscalls, not a buffered file object
 
 
-def write_small(full: str, data: bytes) -> None:
+def write_small(full: str, data: bytes, sync: bool = True) -> None:
     """Storage.open_write for a small local file in one write: a temporary name, fsync, rename, fsync of the
-    directory; the temporary removed on any failure. (A third of the syscalls and none of the
-    buffer: a node's leader writes three or four of these at every RAM-tier commit.)"""
+    directory (`sync` False: neither fsync, on_volatile_fs); the temporary removed on any failure.
+    (A third of the syscalls and none of the buffer: a node's leader writes three or four of
+    these at every RAM-tier commit.)"""
     tmp = f"{full}.tmp-{os.urandom(4).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -112,7 +139,8 @@ def write_small(full: str, data: bytes) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, full)
@@ -120,4 +148,5 @@ def write_small(full: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fsync_dir(os.path.dirname(full))
+    if sync:
+        fsync_dir(os.path.dirname(full))

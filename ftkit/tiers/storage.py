@@ -5,7 +5,8 @@ anything fsspec knows) and only moves bytes: list, read, write, remove. It owns
 two things the rest of ftkit relies on:
 
 * **Atomic writes.** On a local filesystem a file is written to a temporary name,
-  fsynced, renamed into place and its directory fsynced; on object stores a
+  fsynced, renamed into place and its directory fsynced (no fsync on a filesystem
+  in memory, the RAM tier's tmpfs, where it makes nothing durable); on object stores a
   single PUT (or a completed multipart upload) is atomic by nature, and a failed
   upload is discarded rather than completed.
 * **One-line errors.** Backend exceptions (botocore, aiohttp, OSError...) become
@@ -36,7 +37,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ftkit.errors import FtkitError, StorageError
 from ftkit.errors import one_line as _one_line
 from ftkit.tiers.backends import open_fs, scrub
-from ftkit.tiers.localfs import SMALL_WRITE, no_links_within, open_regular, write_small
+from ftkit.tiers.localfs import SMALL_WRITE, no_links_within, on_volatile_fs, open_regular, write_small
 from ftkit.tiers.localfs import fsync_dir as _fsync_dir
 from ftkit.tiers.localfs import local_kind as _local_kind
 from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
@@ -53,6 +54,8 @@ class Storage:
         self.display_url = redact_url(self.url)
         self.fs, self.root, self.protocol, self._secrets = open_fs(self.url, storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        # fsync where it makes a write durable; not in memory (the RAM tier's tmpfs), where it only costs.
+        self.sync = not (self.is_local and on_volatile_fs(self.root))
         # Local files to write over instead of creating new ones (the RAM tier's, see ramtier.py).
         self.spares: Any = None
 
@@ -245,13 +248,15 @@ class Storage:
                     f.flush()
                     if reused:
                         f.truncate()  # a spare may be longer than what was written
-                    os.fsync(f.fileno())
+                    if self.sync:
+                        os.fsync(f.fileno())
                     ok = True
                 finally:
                     if ok:
                         f.close()
                         os.replace(tmp, full)
-                        _fsync_dir(os.path.dirname(full))
+                        if self.sync:
+                            _fsync_dir(os.path.dirname(full))
                     else:
                         # close() may fail again flushing its buffer (ENOSPC): still remove tmp.
                         with contextlib.suppress(OSError):
@@ -275,7 +280,7 @@ class Storage:
         if self.is_local and len(data) <= SMALL_WRITE:
             with self._errors("writing", rel):
                 self._no_links_within(rel)
-                write_small(self.path(rel), data)
+                write_small(self.path(rel), data, self.sync)
             return
         if self.is_local:
             with self.open_write(rel) as f:
@@ -316,7 +321,8 @@ class Storage:
                 self._no_links_within(rel)
                 self._no_links_within(new_rel)
                 os.replace(self.path(rel), self.path(new_rel))
-                _fsync_dir(os.path.dirname(self.path(new_rel)))
+                if self.sync:
+                    _fsync_dir(os.path.dirname(self.path(new_rel)))
             else:
                 self.fs.mv(self.path(rel), self.path(new_rel))
 

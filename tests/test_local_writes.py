@@ -1,0 +1,55 @@
+"""Local atomic writes (tiers/storage.py, tiers/localfs.py): fsynced where that makes them
+durable, not in memory (the RAM tier's tmpfs), where an fsync only costs; whole either way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+from ftkit.tiers.localfs import on_volatile_fs
+from ftkit.tiers.storage import Storage
+
+
+def _fs_type(path: str) -> str:
+    """The filesystem type as coreutils' stat tells it (an oracle independent of ours)."""
+    return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+    calls: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    return calls
+
+
+def _write_both_ways(storage: Storage) -> None:
+    storage.write_bytes_atomic("step/small.json", b'{"a":1}')
+    with storage.open_write("step/big.data") as f:
+        f.write(b"x" * 3_000_000)
+    assert storage.read_bytes("step/small.json") == b'{"a":1}'
+    assert storage.read_bytes("step/big.data") == b"x" * 3_000_000
+    assert not [n for n in os.listdir(storage.path("step")) if ".tmp-" in n]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or _fs_type("/dev/shm") != "tmpfs", reason="no tmpfs at /dev/shm")
+def test_in_memory_nothing_is_fsynced_and_writes_stay_whole(fsyncs):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        assert on_volatile_fs(d) and on_volatile_fs(os.path.join(d, "not", "made", "yet"))
+        storage = Storage(d)
+        assert not storage.sync
+        _write_both_ways(storage)
+    assert fsyncs == []
+
+
+def test_on_a_disk_every_write_and_its_directory_are_fsynced(tmp_path, fsyncs):
+    if _fs_type(str(tmp_path)) in ("tmpfs", "ramfs"):
+        pytest.skip("the test's directory is in memory here")
+    assert not on_volatile_fs(str(tmp_path))
+    storage = Storage(str(tmp_path))
+    assert storage.sync
+    _write_both_ways(storage)
+    assert len(fsyncs) >= 4  # each file and its directory
