@@ -3,17 +3,18 @@ documents a rank handles per snapshot, with no ftkit code (bench_dist.py's train
 
 Per snapshot of `["ram", replicas=1]` on 2 simulated nodes, each rank's share of the commit
 (save/node_commit.py) moves these bytes; here each is one plain call (os, json, the c10d
-store), on the real payloads of the run's last committed step, with nothing waited for
-(every file read is there already, every key is set already):
+store, a socket), on the real payloads of the run's last committed step, with nothing
+waited for (every message received is queued already, every key is set already):
 
-    every rank:    its report to the board (temp file + rename); the relayed peer reports
-                   read and parsed; its outcome to the board (save/commit.py NodeGroup has
-                   the roles: a node's collector is its first rank, on rank 0's node the next)
-    a collector:   instead, its ranks' reports read and parsed; its node's part written
-                   (temp file, fsync, rename, fsync of the directory); its node's record set
-                   in the store; its replica partner's record waited for, read and parsed;
-                   that record relayed to its ranks (a board file); its ranks' outcomes
-                   read; its record for rank 0 set (not on rank 0)
+    every rank:    its report to its collector (a datagram, as to a mailbox on the node's
+                   board, coord/mailbox.py); the relayed peer reports received and parsed;
+                   its outcome sent (save/commit.py NodeGroup has the roles: a node's
+                   collector is its first rank, on rank 0's node the next)
+    a collector:   instead, its ranks' reports received and parsed; its node's part written
+                   (temp file, rename; fsyncs of it and its directory where not in memory);
+                   its node's record set in the store; its replica partner's record waited
+                   for, read and parsed; that record relayed to its ranks (a datagram each);
+                   its ranks' outcomes received; its record for rank 0 set (not on rank 0)
     an exchanger:  (a node's first rank that neither collects nor commits, else its collector)
                    also the partner's part written; on a node holding rank 0's replicas the
                    index read from the store, parsed, written
@@ -27,26 +28,18 @@ and is that thread's CPU time per snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import select
+import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
-
-
-def board_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def read_file(path: str) -> bytes:
@@ -57,24 +50,38 @@ def read_file(path: str) -> bytes:
         os.close(fd)
 
 
-def _durable_write(path: str, data: bytes) -> None:
+def _atomic_write(path: str, data: bytes, sync: bool) -> None:
+    """A temporary file renamed into place; fsynced, and its directory, where that makes it durable
+    (`sync`: not in memory, where ftkit's Storage skips the fsyncs too)."""
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    if sync:
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _box(path: str) -> socket.socket:
+    """A datagram socket bound at `path`, as a rank's mailbox on its node's board is."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    return sock
 
 
 class Floor:
-    """One rank's floor: `prepare` once (every rank, then a barrier), `once()` per snapshot."""
+    """One rank's floor: `prepare` once (every rank, then a barrier), then per snapshot `stage()`
+    (not measured: puts in place what the rank reads) and `once()` (measured)."""
 
     def __init__(self, rank: int, world: int, per_node: int, root: str, store: Any, payloads: dict[str, bytes]):
         self.rank, self.world, self.per_node = rank, world, per_node
@@ -93,41 +100,68 @@ class Floor:
         self.dir = os.path.join(root, f"floor-r{rank}")
         self.store, self.p = store, payloads
         self.index_doc = json.loads(payloads["index"])
+        from ftkit.tiers.localfs import on_volatile_fs  # (set-up only: what ftkit's Storage decides there)
+
+        self.sync = not on_volatile_fs(root)
+        self._inbox: dict[bytes, bytes] = {}
 
     def prepare(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
-        for r in range(self.per_node - 1):  # what this rank reads: there already
-            board_write(os.path.join(self.dir, f"w-{r}"), self.p["report"])
-            board_write(os.path.join(self.dir, f"r-{r}"), self.p["outcome"])
-        board_write(os.path.join(self.dir, "peers"), self.p["record"])
+        self.box = _box(os.path.join(self.dir, "box"))  # what this rank reads comes here
+        self.sink = _box(os.path.join(self.dir, "sink"))  # what it sends goes here
+        self.sink_path = os.path.join(self.dir, "sink")
+        self.box.setblocking(False)
+        self.sink.setblocking(False)
+        self.sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         if self.collector:
             self.store.set(f"floor/w/{self.node * self.per_node}", self.p["record"])
             self.store.set(f"floor/r/{self.node * self.per_node}", self.p["node_record"])
         if self.rank == 0:
             self.store.set("floor/manifest", self.p["index"])
 
+    def stage(self) -> None:
+        """Empty the sink; queue in this rank's mailbox what it reads this round (each a datagram,
+        as ftkit's messages are: the name, a zero byte, the payload)."""
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self.sink.recv(1 << 17)
+        box = os.path.join(self.dir, "box")
+        mates = len(self.mates) if self.collector else 0
+        incoming = [b"w\0" + self.p["report"]] * mates + [b"r\0" + self.p["outcome"]] * mates
+        if not self.collector:
+            incoming = [b"peers\0" + self.p["record"]]
+        for frame in incoming:
+            self.sender.sendto(frame, box)
+
+    def _send(self, frame: bytes) -> None:
+        self.sender.sendto(frame, self.sink_path)
+
+    def _receive(self) -> bytes:
+        return self.box.recv(1 << 17).partition(b"\0")[2]
+
     def once(self) -> None:
         d, p, store = self.dir, self.p, self.store
         node = self.node * self.per_node
         if not self.collector:
-            board_write(os.path.join(d, "mine"), p["report"])
-            json.loads(read_file(os.path.join(d, "peers")))
+            self._send(b"w\0" + p["report"])
+            json.loads(self._receive())
             if self.exchanger:
-                _durable_write(os.path.join(d, "partner-part.json"), p["part"])
-            board_write(os.path.join(d, "outcome"), p["outcome"])
+                _atomic_write(os.path.join(d, "partner-part.json"), p["part"], self.sync)
+            self._send(b"r\0" + p["outcome"])
         else:
-            for r in range(self.per_node - 1):
-                json.loads(read_file(os.path.join(d, f"w-{r}")).partition(b"\n")[0])
-            _durable_write(os.path.join(d, "part.json"), p["part"])
+            for _ in self.mates:
+                json.loads(self._receive().partition(b"\n")[0])
+            _atomic_write(os.path.join(d, "part.json"), p["part"], self.sync)
             store.set(f"floor/w/{node}", p["record"])
             store.wait([f"floor/w/{self.partner}"], timedelta(seconds=60))
             (record,) = store.multi_get([f"floor/w/{self.partner}"])
             json.loads(record)
-            board_write(os.path.join(d, "relay"), record)
+            for _ in self.mates:
+                self._send(b"peers\0" + record)
             if self.exchanger:
-                _durable_write(os.path.join(d, "partner-part.json"), p["part"])
-            for r in range(self.per_node - 1):
-                json.loads(read_file(os.path.join(d, f"r-{r}")))
+                _atomic_write(os.path.join(d, "partner-part.json"), p["part"], self.sync)
+            for _ in self.mates:
+                json.loads(self._receive())
             if self.rank != 0:
                 store.set(f"floor/r/{node}", p["node_record"])
         if self.rank == 0:
@@ -135,7 +169,7 @@ class Floor:
         if self.holder:
             store.wait(["floor/manifest"], timedelta(seconds=60))
             json.loads(store.get("floor/manifest"))
-            _durable_write(os.path.join(d, "manifest.json"), p["index"])
+            _atomic_write(os.path.join(d, "manifest.json"), p["index"], self.sync)
 
     def _commit(self) -> None:
         keys = [f"floor/r/{n}" for n in self.records]
@@ -143,7 +177,7 @@ class Floor:
         for raw in self.store.multi_get(keys):
             json.loads(raw)
         index = json.dumps(self.index_doc, separators=(",", ":")).encode()
-        _durable_write(os.path.join(self.dir, "manifest.json"), index)
+        _atomic_write(os.path.join(self.dir, "manifest.json"), index, self.sync)
         self.store.set("floor/manifest-step", index)
         for key in [f"floor/gone-r{n}" for n in self.records] + [f"floor/gone-w{n}" for n in self.leaders]:
             self.store.delete_key(key)  # the step's records, the exchanged ones
@@ -151,82 +185,72 @@ class Floor:
 
 class HandshakeFloor(Floor):
     """The same floor with the commit's handshakes: each message is waited for, as ftkit's ranks
-    wait for each other (a doorbell, a named pipe, for a board file; a blocking store request
-    for a key), so the floor pays what every wait costs besides the bytes. On this VM a thread
-    woken from a wait pays tens of microseconds of CPU in its next system calls (cold caches and
-    TLB): the `Floor` above, which finds everything in place, never sleeps and never pays it.
+    wait for each other (a datagram to the rank's mailbox for a board message; a blocking store
+    request for a key), so the floor pays what every wait costs besides the bytes. On this VM a
+    thread woken from a wait pays tens of microseconds of CPU in its next system calls (cold
+    caches and TLB): the `Floor` above, which finds everything in place, never sleeps and never
+    pays it.
 
     Per snapshot, in ftkit's order (save/node_commit.py; no replicas are moved, so no wait on
-    them): a rank posts its report and rings its collector; the collector waits for its ranks'
+    them): a rank sends its report to its collector; the collector waits for its ranks'
     reports, writes the part, sets its record, gets its partner's (one blocking multi_get),
-    relays it and rings its ranks; the ranks wait for the relay, post their outcomes and ring;
-    the collector waits for them and sets its record for rank 0; rank 0 gets every node's
-    record, writes the index, sets it for the holders and deletes the step's keys; a holder's
-    exchanger gets the index and writes it. Keys and files are named by round."""
+    relays it to its ranks; the ranks wait for the relay and send their outcomes; the
+    collector waits for them and sets its record for rank 0; rank 0 gets every node's record,
+    writes the index, sets it for the holders and deletes the step's keys; a holder's exchanger
+    gets the index and writes it. Keys and messages are named by round."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.dir = os.path.join(os.path.dirname(self.dir), f"floor-wait-n{self.node}")  # one per node
         self.round = 0
-        self._bell = self._keep = -1  # this rank's doorbell: its read end, and a write end kept open
 
     def prepare(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
-        path = self._bell_path(self.rank)
-        if not os.path.exists(path):
-            os.mkfifo(path, 0o600)
-        self._bell = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        self._keep = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # never reads as closed
+        self.box = _box(self._box_path(self.rank))
+        self.box.setblocking(False)
+        self.sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 
-    def _bell_path(self, rank: int) -> str:
-        return os.path.join(self.dir, f"bell-{rank}")
+    def stage(self) -> None:
+        pass  # everything comes from the other ranks, waited for
 
-    def _ring(self, rank: int) -> None:
-        fd = os.open(self._bell_path(rank), os.O_WRONLY | os.O_NONBLOCK)
-        try:
-            os.write(fd, b"\0")
-        finally:
-            os.close(fd)
+    def _box_path(self, rank: int) -> str:
+        return os.path.join(self.dir, f"box-{rank}")
 
-    def _wait_file(self, name: str) -> bytes:
-        path = os.path.join(self.dir, name)
-        while True:
-            try:
-                return read_file(path)
-            except FileNotFoundError:
-                if select.select([self._bell], [], [], 1.0)[0]:
-                    os.read(self._bell, 4096)
+    def _send_to(self, rank: int, name: str, payload: bytes) -> None:
+        self.sender.sendto(name.encode() + b"\0" + payload, self._box_path(rank))
+
+    def _wait_for(self, name: str) -> bytes:
+        want = name.encode()
+        while want not in self._inbox:
+            select.select([self.box], [], [], 1.0)
+            with contextlib.suppress(BlockingIOError):
+                got, _, payload = self.box.recv(1 << 17).partition(b"\0")
+                self._inbox[got] = payload
+        return self._inbox.pop(want)
 
     def once(self) -> None:
         self.round += 1
         d, p, store, r = self.dir, self.p, self.store, self.round
         node = self.node * self.per_node
         if not self.collector:
-            board_write(os.path.join(d, f"w-{self.rank}-{r}"), p["report"])
-            self._ring(self.collector_rank)
-            json.loads(self._wait_file(f"peers-{r}"))
+            self._send_to(self.collector_rank, f"w-{self.rank}-{r}", p["report"])
+            json.loads(self._wait_for(f"peers-{r}"))
             if self.exchanger:
-                _durable_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"])
-            board_write(os.path.join(d, f"o-{self.rank}-{r}"), p["outcome"])
-            self._ring(self.collector_rank)
+                _atomic_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"], self.sync)
+            self._send_to(self.collector_rank, f"o-{self.rank}-{r}", p["outcome"])
         else:
             for q in self.mates:
-                json.loads(self._wait_file(f"w-{q}-{r}").partition(b"\n")[0])
-                os.unlink(os.path.join(d, f"w-{q}-{r}"))
-            _durable_write(os.path.join(d, "part.json"), p["part"])
+                json.loads(self._wait_for(f"w-{q}-{r}").partition(b"\n")[0])
+            _atomic_write(os.path.join(d, "part.json"), p["part"], self.sync)
             store.set(f"floorw/{r}/w/{node}", p["record"])
             (record,) = store.multi_get([f"floorw/{r}/w/{self.partner}"])  # (it waits for the key)
             json.loads(record)
-            board_write(os.path.join(d, f"peers-{r}"), record)
             for q in self.mates:
-                self._ring(q)
+                self._send_to(q, f"peers-{r}", record)
             if self.exchanger:
-                _durable_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"])
+                _atomic_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"], self.sync)
             for q in self.mates:
-                json.loads(self._wait_file(f"o-{q}-{r}"))
-                os.unlink(os.path.join(d, f"o-{q}-{r}"))
-            if r > 1:
-                os.unlink(os.path.join(d, f"peers-{r - 1}"))
+                json.loads(self._wait_for(f"o-{q}-{r}"))
             if self.rank != 0:
                 store.set(f"floorw/{r}/r/{node}", p["node_record"])
         if self.rank == 0:
@@ -234,14 +258,14 @@ class HandshakeFloor(Floor):
             for raw in store.multi_get(keys):
                 json.loads(raw)
             index = json.dumps(self.index_doc, separators=(",", ":")).encode()
-            _durable_write(os.path.join(d, "manifest.json"), index)
+            _atomic_write(os.path.join(d, "manifest.json"), index, self.sync)
             store.set(f"floorw/{r}/manifest", index)
             old = [f"floorw/{r - 1}/manifest"] if r > 1 else []
             for key in old + keys + [f"floorw/{r}/w/{n}" for n in self.leaders]:
                 store.delete_key(key)
         if self.holder:
             json.loads(store.get(f"floorw/{r}/manifest"))
-            _durable_write(os.path.join(d, "manifest.json"), p["index"])
+            _atomic_write(os.path.join(d, "manifest.json"), p["index"], self.sync)
 
 
 def measure(floor: Floor, train_step: Callable[[int], Any], steps: int, first_step: int) -> float:
@@ -251,6 +275,7 @@ def measure(floor: Floor, train_step: Callable[[int], Any], steps: int, first_st
 
     def run() -> None:
         while jobs.get() is not None:
+            floor.stage()
             c0 = time.thread_time()
             floor.once()
             cpu.append(time.thread_time() - c0)

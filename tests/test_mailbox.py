@@ -1,82 +1,212 @@
-"""The node board's doorbells (ftkit/coord/bell.py): a waiting rank sleeps until a peer posts."""
+"""The node board's mailboxes (ftkit/coord/mailbox.py): a step's messages between the ranks of
+a node, one datagram each, with the board's files behind them for what a mailbox cannot take."""
 
 from __future__ import annotations
 
 import os
-import select
+import socket
+import stat
 import threading
 
-from ftkit.coord.bell import Bell, ring
-from ftkit.coord.nodelocal import NodeBoard
+import pytest
+
+from ftkit.coord.mailbox import (
+    MAX_FRAME,
+    Addresses,
+    Mailbox,
+    message_frame,
+    notice_frame,
+    parse_frame,
+    post,
+)
+from ftkit.coord.nodelocal import PRUNE_EVERY, NodeBoard, step_message
 
 
-def readable(bell: Bell) -> bool:
-    return bool(select.select([bell._fd], [], [], 0)[0])
-
-
-def test_a_ring_wakes_the_listener_and_waiting_drains_it(tmp_path):
-    path = str(tmp_path / "bell-r0")
-    bell = Bell.listen(path)
-    assert bell is not None and not readable(bell)
-    ring(path)
-    ring(path)
-    assert readable(bell)
-    bell.wait(5.0)
-    assert not readable(bell)  # both rings drained: the next wait sleeps
-    again = Bell.listen(path)  # the same name again (a later Checkpointer of the same rank): reused
-    assert again is not None
-    bell.close()
-    again.close()
-    ring(str(tmp_path / "bell-r9"))  # nobody listens there: nothing happens
-
-
-def test_something_else_at_the_bell_name_is_no_bell_and_is_left_alone(tmp_path):
-    planted = tmp_path / "bell-r0"
-    planted.write_bytes(b"not a pipe")
-    assert Bell.listen(str(planted)) is None  # a regular file would read as always ringing
-    ring(str(planted))
-    assert planted.read_bytes() == b"not a pipe"
-    target = tmp_path / "elsewhere"
-    os.mkfifo(target)
-    link = tmp_path / "bell-r1"
-    link.symlink_to(target)
-    assert Bell.listen(str(link)) is None  # never through a link
-
-
-def test_a_collecting_leader_gets_every_message_posted_with_a_ring(tmp_path, monkeypatch):
+@pytest.fixture
+def boards(tmp_path, monkeypatch):
+    """A node's commit board as its collector (rank 0) and another rank (1) see it."""
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
     leader = NodeBoard("scope", "node0", leader=True, kind="commit")
-    peer = NodeBoard("scope", "node0", leader=False, kind="commit")  # another rank's view of the same board
+    peer = NodeBoard("scope", "node0", leader=False, kind="commit")
+    return leader, peer
+
+
+def _collect_in_thread(board: NodeBoard, names: dict, **kw) -> tuple[threading.Thread, dict]:
     got: dict = {}
-
-    def wait():
-        got.update(leader.collect({1: "w-r1", 2: "w-r2"}, 60.0, 1024, me=0))
-
-    t = threading.Thread(target=wait)
+    t = threading.Thread(target=lambda: got.update(board.collect(names, 60.0, 1 << 20, me=0, **kw)))
     t.start()
-    peer.write_text("w-r1", "one", wake=[0])
-    peer.write("w-r2", {"two": 2}, wake=[0])
+    return t, got
+
+
+def test_frames_round_trip_and_anything_else_is_not_a_frame():
+    assert parse_frame(message_frame("0-3-w-r1.json", b'{"a":1}')) == ("0-3-w-r1.json", b'{"a":1}')
+    assert parse_frame(message_frame("0-3-w-r1.json", b"")) == ("0-3-w-r1.json", b"")
+    assert parse_frame(notice_frame("0-3-peers.json")) == ("0-3-peers.json", None)
+    for junk in (
+        b"",
+        b"M",
+        b"Mname",
+        b"X0-3-w.json\0x",
+        b"M../up\0x",
+        b"M\0x",
+        b"F0-3-w.json\0extra",
+        b"M" + b"a" * 200 + b"\0",
+    ):
+        assert parse_frame(junk) is None, junk
+
+
+def test_a_collecting_leader_gets_every_message_from_its_mailbox(boards):
+    leader, peer = boards
+    leader.mailbox(0)
+    t, got = _collect_in_thread(leader, {1: "w-r1", 2: "w-r2"}, only_reader=True)
+    peer.send("w-r1", b"one", [0])
+    peer.send("w-r2", b'{"two":2}', [0])
     t.join(60)
     assert got == {1: b"one", 2: b'{"two":2}'}
-    assert os.path.exists(os.path.join(leader.path, "bell-r0"))  # the leader's bell: a pipe on its board
+    box = os.path.join(leader.path, "box-r0")
+    assert stat.S_ISSOCK(os.lstat(box).st_mode)  # the leader's mailbox: a socket on its board
+    assert sorted(n for n in leader.names() if not n.startswith("box-")) == []  # no message went as a file
 
 
-def test_what_a_skipped_step_left_on_the_board_is_removed_within_prune_every_steps(tmp_path, monkeypatch):
+def test_a_message_too_big_for_a_datagram_goes_as_a_file_with_a_notice(boards):
+    leader, peer = boards
+    leader.mailbox(0)
+    big = os.urandom(MAX_FRAME + 10)
+    peer.send("0-1-w-r1.json", big, [0])
+    assert "0-1-w-r1.json" in leader.names()  # the file, posted before its notice
+    box = leader.mailbox(0)
+    assert box is not None and box.wait(5.0)  # the notice woke the leader
+    box.fresh = False  # not its first look at the board: only the notice can lead it to the file
+    got = leader.collect({1: "0-1-w-r1.json"}, 5.0, 1 << 20, me=0, only_reader=True)
+    assert got == {1: big}
+    assert "0-1-w-r1.json" not in leader.names()  # read by its only reader: removed
+
+
+def test_a_message_sent_before_the_mailbox_is_bound_is_a_file_found_at_the_first_look(boards):
+    leader, peer = boards
+    peer.send("0-1-r-r1.json", b'{"errors":[]}', [0])  # nobody bound box-r0 yet
+    assert "0-1-r-r1.json" in leader.names()
+    assert leader.collect({1: "0-1-r-r1.json"}, 5.0, 1024, me=0) == {1: b'{"errors":[]}'}
+
+
+def test_a_message_a_full_mailbox_cannot_take_arrives_through_the_board(boards):
+    """Past its queue a mailbox refuses datagrams (EAGAIN): the sender posts a file, which the
+    receiver reads once nothing came for FALLBACK_S."""
+    leader, peer = boards
+    box = leader.mailbox(0)
+    assert box is not None
+    addresses = Addresses(leader.path)  # (its addresses hold while it lives)
+    filled, address = 0, addresses.of(0)
+    while post(address, message_frame(f"0-0-x{filled}.json", b"filler")):
+        filled += 1
+        assert filled < 100_000
+    peer.send("0-1-w-r1.json", b"late", [0])
+    assert "0-1-w-r1.json" in leader.names()
+    box.fresh = False
+    got = leader.collect({1: "0-1-w-r1.json"}, 10.0, 1024, me=0)
+    assert got == {1: b"late"}
+    assert filled >= 1
+
+
+def test_datagrams_that_are_not_frames_are_dropped_and_the_messages_still_arrive(boards):
+    leader, peer = boards
+    addresses = Addresses(leader.path)
+    address = addresses.of(0)
+    leader.mailbox(0)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for junk in (b"garbage", b"M../../etc/passwd\0x", b"\xff" * 100, b"F0-1-w-r1.json\0x"):
+        s.sendto(junk, address)
+    s.close()
+    peer.send("0-1-w-r1.json", b"real", [0])
+    assert leader.collect({1: "0-1-w-r1.json"}, 5.0, 1024, me=0) == {1: b"real"}
+
+
+def test_over_max_bytes_is_refused_like_a_missing_message(boards):
+    leader, peer = boards
+    leader.mailbox(0)
+    peer.send("0-1-w-r1.json", b"x" * 100, [0])
+    assert leader.collect({1: "0-1-w-r1.json"}, 0.1, 50, me=0) == {1: None}
+
+
+def test_something_else_at_the_mailbox_name_is_no_mailbox_and_is_left_alone(boards, tmp_path):
+    leader, peer = boards
+    planted = os.path.join(leader.path, "box-r0")
+    with open(planted, "wb") as f:
+        f.write(b"not a socket")
+    assert leader.mailbox(0) is None
+    target = tmp_path / "elsewhere.sock"
+    elsewhere = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    elsewhere.bind(str(target))
+    os.symlink(target, os.path.join(leader.path, "box-r1"))
+    assert peer.mailbox(1) is None  # never bound through a link
+    elsewhere.close()
+    with open(planted, "rb") as f:
+        assert f.read() == b"not a socket"
+    # Without a mailbox the board's files carry the messages, polled.
+    t, got = _collect_in_thread(leader, {1: "0-1-w-r1.json"}, only_reader=True)
+    peer.send("0-1-w-r1.json", b"by file", [0])
+    t.join(60)
+    assert got == {1: b"by file"}
+
+
+def test_a_mailbox_left_by_an_earlier_one_of_the_rank_is_replaced_and_one_per_process(tmp_path):
+    path = str(tmp_path / "box-r0")
+    first = Mailbox.open(path, path)
+    assert first is not None and Mailbox.open(path, path) is first  # one per name in a process
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stale.bind(str(tmp_path / "box-r1"))
+    stale.close()  # its socket file stays
+    again = Mailbox.open(str(tmp_path / "box-r1"), str(tmp_path / "box-r1"))
+    assert again is not None
+    assert post(str(tmp_path / "box-r1"), message_frame("a.json", b"1"))
+    assert again.wait(5.0) and again.drain() == [("a.json", b"1")]
+    again.close()
+    assert not os.path.exists(tmp_path / "box-r1")  # closed: its socket removed
+    first.close()
+
+
+def test_a_board_deeper_than_a_socket_address_allows_is_reached_through_its_descriptor(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    addresses = Addresses(str(deep))
+    address = addresses.of(3)
+    assert address is not None and address.startswith("/proc/self/fd/") and len(address) < 100
+    box = Mailbox.open(address, str(deep / "box-r3"))
+    assert box is not None and stat.S_ISSOCK(os.lstat(deep / "box-r3").st_mode)
+    assert post(address, message_frame("a.json", b"deep"))
+    assert box.wait(5.0) and box.drain() == [("a.json", b"deep")]
+    box.close()
+    addresses.close()
+
+
+def test_a_skip_ends_the_wait_and_stays_for_has(boards):
+    leader, peer = boards
+    peer.mailbox(1)
+    leader.send("0-4-skip.json", b'{"reason":"x"}', [1])
+    got = peer.collect({0: "0-4-peers.json"}, 60.0, 1024, give_up="0-4-skip.json", me=1)
+    assert got == {0: None}
+    assert peer.has("0-4-skip.json", 1)
+    assert not peer.has("0-5-skip.json", 1)
+
+
+def test_what_a_skipped_step_left_on_the_board_is_removed_within_prune_every_steps(boards):
     """A collector looks for the messages of steps nobody collected (a skipped step) once every
     PRUNE_EVERY steps of an epoch, not at every collect; what it finds of earlier steps goes,
-    the current step's messages and an earlier epoch's look stay put until then."""
-    from ftkit.coord.nodelocal import PRUNE_EVERY, step_message
-
-    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
-    board = NodeBoard("scope", "node0", leader=True, kind="commit")
+    in its inbox and on the board; the current step's messages and an earlier epoch's look
+    stay put until then."""
+    board, peer = boards
+    board.mailbox(0)
     board.prune_before((0, 10))  # the first look
     board.write_text(step_message((0, 11), "w-r1"), "left by a skipped step")
     board.write_text(step_message((0, 12), "w-r1"), "this step's")
+    peer.send(step_message((0, 11), "r-r1"), b"a mailed one, never collected", [0])
+    assert board.has(step_message((0, 11), "r-r1"), 0)
     board.prune_before((0, 12))
     assert step_message((0, 11), "w-r1") in board.names()  # not looked for yet
     board.prune_before((0, 10 + PRUNE_EVERY))
     assert step_message((0, 11), "w-r1") not in board.names()
     assert step_message((0, 12), "w-r1") not in board.names()  # before the step looked at: gone too
+    assert not board.has(step_message((0, 11), "r-r1"), 0)  # and from the inbox
     board.write_text(step_message((0, 30), "w-r1"), "left before a restore")
     board.prune_before((1, 2))  # a new epoch (a restore): looked at at once
     assert step_message((0, 30), "w-r1") not in board.names()

@@ -9,6 +9,11 @@ Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link follo
         preempt.json      a rank was preempted: every rank saves and stops at an agreed step
         all-done.json     every rank of every node has finished
 
+    commit/<job>/<attempt>-<scope>/<node>/    (kind "commit": one per tier, save/commit.py NodeGroup)
+        box-r<rank>       each rank's mailbox, a socket: a step's messages to it (coord/mailbox.py)
+        <epoch>-<step>-<what>.json    a message too big for a mailbox, or one it could not take
+        layout-<digest>.json          a rank's chunk layout, posted once (save/report_layouts.py)
+
 `<job>` names the running job (the store's address and torchrun's run id), so two jobs
 on one host never share a board. A leader removes its node's board when it stops and
 the boards of the job's earlier attempts when it starts (a crashed attempt leaves one).
@@ -31,10 +36,11 @@ from typing import Any
 
 from ftkit.coord import generation
 from ftkit.coord.beatslots import BeatSlots
-from ftkit.coord.bell import Bell, bell_name, ring
+from ftkit.coord.mailbox import Addresses, Mailbox, box_name, message_frame, notice_frame, post
 from ftkit.tiers.ram import private_subdir
 
 MAX_BYTES = 64 * 1024  # a verdict or a preemption notice is a few hundred bytes
+MAX_INBOX = 4096  # messages kept for later takers (a node's ranks send a few per step)
 PRUNE_EVERY = 16  # steps between two looks for the messages a skipped step left (NodeBoard.prune_before)
 
 
@@ -63,18 +69,22 @@ class NodeBoard:
         if leader:
             _prune_earlier_attempts(private_subdir(kind, job), attempt)
         self.path = private_subdir(kind, job, attempt, _safe(node))
-        self._bells: dict[int, Bell | None] = {}  # this process's doorbells here, by rank (coord/bell.py)
+        self._addresses = Addresses(self.path)  # of the ranks' mailboxes here (coord/mailbox.py)
+        self._boxes: dict[int, Mailbox | None] = {}  # this process's mailboxes here, by rank
+        self._to: dict[int, str | None] = {}  # the addresses of the ranks' mailboxes, by rank
+        self._inbox: dict[str, bytes | None] = {}  # drained from them, not taken yet, by name (None: a notice)
         self._posted: set[str] = set()  # what post_once wrote
         self._pruned: tuple[int, int] | None = None  # the step prune_before last ran for
 
     # ------------------------------------------------------------- files
-    def write(self, name: str, doc: Any, wake: Iterable[int] = ()) -> None:
-        self.write_text(name, json.dumps(doc, separators=(",", ":")), wake)
+    def write(self, name: str, doc: Any) -> None:
+        self.write_text(name, json.dumps(doc, separators=(",", ":")))
 
-    def write_text(self, name: str, text: str, wake: Iterable[int] = ()) -> None:
-        """`name` holds `text`, whole: written to a temporary name, then renamed; then the
-        doorbells of the ranks `wake` (those that wait for it) ring."""
-        data = text.encode()
+    def write_text(self, name: str, text: str) -> None:
+        self.write_bytes(name, text.encode())
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """`name` holds `data`, whole: written to a temporary name, then renamed."""
         tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
@@ -82,8 +92,6 @@ class NodeBoard:
         finally:
             os.close(fd)
         os.replace(tmp, os.path.join(self.path, name))
-        for r in wake:
-            ring(os.path.join(self.path, bell_name(r)))
 
     def post_once(self, name: str, text: str) -> None:
         """`name` holds `text`, which never changes (it is named by its hash): written the first
@@ -129,37 +137,109 @@ class NodeBoard:
             return []
 
     # ------------------------------------------------- a step's messages (commits)
+    def send(self, name: str, data: bytes, to: Iterable[int]) -> None:
+        """Hand the message `name` to the ranks `to` of the node, into their mailboxes
+        (coord/mailbox.py); where one cannot take it (too big, not bound yet, full), it is a
+        file on the board instead, named to them by a notice where that gets through."""
+        frame = message_frame(name, data)
+        missed = [r for r in to if not post(self._address(r), frame)]
+        if missed:
+            self.write_bytes(name, data)
+            notice = notice_frame(name)
+            for r in missed:
+                post(self._address(r), notice)
+
     def collect(
-        self, names: dict[int, str], timeout_s: float, max_bytes: int, give_up: str | None = None, me: int = -1
+        self,
+        names: dict[int, str],
+        timeout_s: float,
+        max_bytes: int,
+        give_up: str | None = None,
+        me: int = -1,
+        only_reader: bool = False,
     ) -> dict[int, bytes | None]:
-        """Wait for the files `names` ({rank: name}) to appear, for at most `timeout_s`;
-        their bytes by rank, None for one that never came or is unreadable. `give_up`: a
-        file whose appearance ends the wait at once (a skip). `me`: the waiting rank, whose
-        doorbell the writers ring (coord/bell.py); without one (or where no pipe can be
-        made) the board is polled, every 0.2 ms backing off to 2 ms."""
-        bell = self._bell(me) if me >= 0 else None
+        """Wait for the messages `names` ({rank: name}) sent to `me`, for at most `timeout_s`;
+        their bytes by rank, None for one that never came, is unreadable or is over
+        `max_bytes`. `give_up`: a message whose arrival ends the wait at once (a skip; it stays
+        for `has`). Messages come through `me`'s mailbox; the board's files are looked at the
+        first time and whenever nothing came for mailbox.FALLBACK_S (a message posted as a
+        file). Without a mailbox (`me` < 0, or none can be made) the board is polled, every
+        0.2 ms backing off to 2 ms. `only_reader`: the messages were sent to `me` alone, so
+        those that came as files are removed once read (else the leader's prune_before does)."""
+        box = self.mailbox(me) if me >= 0 else None
         got: dict[int, bytes | None] = {}
         deadline, pause = time.monotonic() + timeout_s, 0.0002
+        look = box is None or box.fresh  # at the board's files
+        if box is not None and box.fresh:
+            box.fresh = False
+            self._sort(box)
         while True:
             for r, name in names.items():
-                if r not in got and (data := self.read_bytes(name, max_bytes)) is not None:
+                if r in got:
+                    continue
+                if name in self._inbox and (data := self._take(name, max_bytes, only_reader)) is not None:
+                    got[r] = data
+                elif look and (data := self._take_file(name, max_bytes, only_reader)) is not None:
                     got[r] = data
             left = deadline - time.monotonic()
             if len(got) == len(names) or left < 0:
                 break
-            if give_up is not None and os.path.exists(os.path.join(self.path, give_up)):
+            if give_up is not None and self._has(give_up, look):
                 break
-            if bell is not None:
-                bell.wait(left)
+            if box is not None:  # one message at a time: a wait with one waiting returns at once
+                look = not box.wait(left)
+                if not look and (message := box.receive()) is not None:
+                    self._keep(*message)
             else:
                 time.sleep(pause)
                 pause = min(pause * 1.5, 0.002)
         return {r: got.get(r) for r in names}
 
-    def _bell(self, rank: int) -> Bell | None:
-        if rank not in self._bells:
-            self._bells[rank] = Bell.listen(os.path.join(self.path, bell_name(rank)))
-        return self._bells[rank]
+    def has(self, name: str, me: int) -> bool:
+        """Whether the message `name` came to `me` (in its mailbox or as a file), without taking it."""
+        box = self.mailbox(me) if me >= 0 else None
+        if box is not None:
+            self._sort(box)
+        return self._has(name, True)
+
+    def mailbox(self, rank: int) -> Mailbox | None:
+        """`rank`'s mailbox on this board (this process's rank: bound on first use)."""
+        if rank not in self._boxes:
+            address = self._addresses.of(rank)
+            path = os.path.join(self.path, box_name(rank))
+            self._boxes[rank] = Mailbox.open(address, path) if address is not None else None
+        return self._boxes[rank]
+
+    def _address(self, rank: int) -> str | None:
+        if rank not in self._to:
+            self._to[rank] = self._addresses.of(rank)
+        return self._to[rank]
+
+    def _sort(self, box: Mailbox) -> None:
+        """Move what waits in `box` to the inbox (by name; a notice as None)."""
+        for name, payload in box.drain():
+            self._keep(name, payload)
+
+    def _keep(self, name: str, payload: bytes | None) -> None:
+        if payload is not None or name not in self._inbox:
+            self._inbox[name] = payload
+        if len(self._inbox) > MAX_INBOX:  # a flood (nothing of ftkit's sends that many): the oldest go
+            self._inbox.pop(next(iter(self._inbox)))
+
+    def _take(self, name: str, max_bytes: int, remove: bool) -> bytes | None:
+        payload = self._inbox.pop(name)
+        if payload is None:  # a notice: the message is a file
+            return self._take_file(name, max_bytes, remove)
+        return payload if len(payload) <= max_bytes else None
+
+    def _take_file(self, name: str, max_bytes: int, remove: bool) -> bytes | None:
+        data = self.read_bytes(name, max_bytes)
+        if data is not None and remove:
+            self.discard(name)
+        return data
+
+    def _has(self, name: str, look: bool) -> bool:
+        return name in self._inbox or (look and os.path.lexists(os.path.join(self.path, name)))
 
     def discard(self, *names: str) -> None:
         for name in names:
@@ -177,6 +257,8 @@ class NodeBoard:
         self._pruned = at
         stale = [n for n in self.names() if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]
         self.discard(*stale)
+        for n in [n for n in self._inbox if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]:
+            del self._inbox[n]
 
     def beats(self, ranks: list[int]) -> BeatSlots:
         """The heartbeat slots of the node's `ranks` (all of them, ascending, as every rank of

@@ -25,6 +25,7 @@ step's writers wrote and leaves every committed step untouched.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -112,15 +113,13 @@ class NodeGroup:
         """Post this rank's message `what` of the step at `at` for its leader (`collect`), or
         for the rank `to` that collects it (the RAM tier's `collector`)."""
         name = step_message(at, f"{what}-r{me}")
-        wake = (self.leader if to is None else to,)
-        if isinstance(message, str):
-            self.node_board().write_text(name, message, wake=wake)
-        else:
-            self.node_board().write(name, message, wake=wake)
+        data = message.encode() if isinstance(message, str) else json.dumps(message, separators=(",", ":")).encode()
+        self.node_board().send(name, data, (self.leader if to is None else to,))
 
     def to_ranks(self, name: str, doc: Any, me: int) -> None:
         """Post `doc` as `name` for the node's other ranks (the leader's word to them)."""
-        self.node_board().write(name, doc, wake=[r for r in self.ranks if r != me])
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        self.node_board().send(name, data, [r for r in self.ranks if r != me])
 
     def collect(self, at: tuple[int, int], what: str, me: int, timeout_s: float) -> dict[int, bytes | None]:
         """The leader's wait for message `what` of the step at `at` from each other rank of its
@@ -130,8 +129,7 @@ class NodeGroup:
         if not names:
             return {}
         board = self.node_board()
-        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me=me)
-        board.discard(*names.values())
+        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me=me, only_reader=True)
         board.prune_before(at)
         return got
 

@@ -109,7 +109,7 @@ def peer_reports(
             if not exchanger:
                 return PeerWord(relayed, True, {})
             return PeerWord(relayed, True, _relayed_parts(doc.get("parts"), group), _relayed_part(doc.get("own")))
-        if group.node_board().read_bytes(skip, 1024) is None:
+        if not group.node_board().has(skip, ctx.rank):
             who = f"this node's collector (rank {group.collector})"
             raise StorageError(f"{who} sent no word on the replicas to exchange")
     sources = layout.source_nodes(ctx.rank, ctx.nodes, k)

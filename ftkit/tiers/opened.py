@@ -66,4 +66,6 @@ def _commit_board(ctx: DistContext, tier: int) -> NodeBoard | None:
     if not ctx.distributed:
         return None
     instance = ctx.store.compare_set(f"commit/{tier}/board", "", uuid.uuid4().hex).decode()
-    return NodeBoard(f"{ctx.scope}commit/{tier}", ctx.node, ctx.node_leader(ctx.rank), instance, kind="commit")
+    board = NodeBoard(f"{ctx.scope}commit/{tier}", ctx.node, ctx.node_leader(ctx.rank), instance, kind="commit")
+    board.mailbox(ctx.rank)  # bound now, before the node's ranks send it anything (coord/mailbox.py)
+    return board
