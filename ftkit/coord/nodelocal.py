@@ -1,5 +1,7 @@
-"""A node's heartbeat board: the ranks of one node tell their leader (and hear from it)
-through small files in the node's private shared memory, never through the global store.
+"""A node's board: the ranks of one node tell their leader (and hear from it) through the
+node's private shared memory, never through the global store: small files (heartbeats,
+verdicts), and for a commit's messages each rank's mailbox, a datagram socket there
+(coord/mailbox.py).
 
 Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link followed)::
 
