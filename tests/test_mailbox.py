@@ -7,6 +7,7 @@ import os
 import socket
 import stat
 import threading
+import time
 
 import pytest
 
@@ -210,3 +211,30 @@ def test_what_a_skipped_step_left_on_the_board_is_removed_within_prune_every_ste
     board.write_text(step_message((0, 30), "w-r1"), "left before a restore")
     board.prune_before((1, 2))  # a new epoch (a restore): looked at at once
     assert step_message((0, 30), "w-r1") not in board.names()
+
+
+def test_a_burst_bigger_than_a_mailbox_queues_waits_for_room_and_goes_through_the_mailbox(boards, monkeypatch):
+    """Seven ranks send a report and an outcome each at once (a node of eight without replicas)
+    to a collector busy with something else for a moment: more than a mailbox queues
+    (net.unix.max_dgram_qlen, 10 by default). The senders wait for room; everything arrives,
+    and nothing had to go as a file."""
+    leader, peer = boards
+    leader.mailbox(0)
+    as_files: list[str] = []
+    monkeypatch.setattr(peer, "write_bytes", lambda name, data: as_files.append(name))
+    names = {r: step_message((0, 1), f"w-r{r}") for r in range(1, 8)}
+    names.update({10 + r: step_message((0, 1), f"r-r{r}") for r in range(1, 8)})
+
+    def rank(r: int) -> None:
+        peer.send(names[r], f"report {r}".encode(), [0])
+        peer.send(names[10 + r], f"outcome {r}".encode(), [0])
+
+    senders = [threading.Thread(target=rank, args=(r,)) for r in range(1, 8)]
+    for t in senders:
+        t.start()
+    time.sleep(0.2)  # the collector is busy: the burst fills its mailbox
+    got = leader.collect(names, 10.0, 1024, me=0, only_reader=True)
+    for t in senders:
+        t.join(60)
+    assert got == {k: (f"report {k}" if k < 10 else f"outcome {k - 10}").encode() for k in names}
+    assert as_files == []

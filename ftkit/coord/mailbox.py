@@ -4,22 +4,23 @@ NodeGroup: reports, outcomes, the relayed peer reports) in one system call each 
 
     box = Mailbox.open(address, path)   # the receiving rank, once: binds box-r<rank>
     box.wait(timeout_s)                 # True when a message came (else the timeout, at most FALLBACK_S)
-    box.receive()                       # the next message waiting: (name, payload or None), or None
-    box.drain()                         # every message waiting
+    box.drain()                         # every message waiting: [(name, payload or None)]
     post(address, frame)                # a peer: one datagram (message_frame / notice_frame)
 
 Why not files: a message posted as a file, then a byte in a doorbell pipe, cost its sender a
 temporary file, a rename and the pipe's open, write and close, and its receiver a failed look,
-the wake, the open, stat, read and close of the file and its unlink: about 160 us of CPU per
-message on this VM, 70 us as a datagram (benchmarks/coord_floor.py measures both ways under
-training). A datagram arrives whole or not at all, so there is nothing to frame or resync.
+the wake, the open, stat, read and close of the file and its unlink: about 155 us of CPU per
+message on this VM, both sides, against 120 through the mailboxes and 65 for a bare datagram
+(benchmarks/board_messages.py). A datagram arrives whole or not at all: nothing to frame.
 
-A message bigger than MAX_FRAME, or one a mailbox cannot take (not bound yet, its queue full,
-its rank gone), is posted as a file on the board with, where possible, a notice naming it; the
-receiver reads the board's files at its first look after binding and whenever FALLBACK_S pass
-with nothing in its mailbox, so no message is lost, only later. The board's directory is
-private (0700, this user's: tiers/ram.py); what arrives is untrusted all the same: a datagram
-that does not parse is dropped, and payloads decode through the caller's checks.
+A mailbox queues a few messages (net.unix.max_dgram_qlen, 10 by default); a sender finding it
+full waits for room, up to PATIENCE_S. A message bigger than MAX_FRAME, or one a mailbox
+cannot take (not bound yet, still full, its rank gone), is posted as a file on the board with,
+where possible, a notice naming it; the receiver reads the board's files at its first look
+after binding and whenever FALLBACK_S pass with nothing in its mailbox, so no message is
+lost, only later. The board's directory is private (0700, this user's: tiers/ram.py); what
+arrives is untrusted all the same: a datagram that does not parse is dropped, and payloads
+decode through the caller's checks.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ import re
 import select
 import socket
 import stat
+import struct
 import threading
 import time
 import weakref
 
 FALLBACK_S = 0.02  # the longest a receiver sleeps between two looks at the board's files
+PATIENCE_S = 1.0  # the longest a sender waits for room in a full mailbox before posting a file
 MAX_FRAME = 60 * 1024  # a datagram at most (under the default socket buffers); bigger goes as a file
 MESSAGE, NOTICE = b"M", b"F"  # a frame's kind: the message itself, or "it is a file on the board"
 MAX_DRAIN = 4096  # datagrams read by one drain (a flood stops there)
@@ -162,17 +165,9 @@ class Mailbox:
             return False
         return bool(ready)
 
-    def receive(self) -> tuple[str, bytes | None] | None:
-        """The next message waiting (name, payload; payload None for a notice: the message is a
-        file on the board), None when none is; a datagram that is not a frame reads as none."""
-        try:
-            n = self._sock.recv_into(self._buf)
-        except OSError:  # BlockingIOError: nothing waiting
-            return None
-        return parse_frame(bytes(memoryview(self._buf)[:n])) if n <= MAX_FRAME else None  # (bigger: not ours)
-
     def drain(self) -> list[tuple[str, bytes | None]]:
-        """Every message waiting, in arrival order (`receive`)."""
+        """Every message waiting, in arrival order: (name, payload), payload None for a notice
+        (the message is a file on the board). A datagram that is not a frame is dropped."""
         got = []
         for _ in range(MAX_DRAIN):
             try:
@@ -192,25 +187,38 @@ _sender: socket.socket | None = None
 _sender_lock = threading.Lock()
 
 
-def post(address: str | None, frame: bytes) -> bool:
-    """Send one frame to the mailbox at `address`; False where it cannot take it now (none
-    bound there, its queue full, too big): the sender posts a file instead."""
-    global _sender
+def post(address: str | None, frame: bytes, patient: bool = True) -> bool:
+    """Send one frame to the mailbox at `address`; False where it cannot take it (none bound
+    there, too big, or its queue still full after PATIENCE_S: a node's ranks can send its
+    collector more at once than a mailbox queues): the sender posts a file instead.
+    `patient` False: not even that wait (the training thread's sends)."""
     if address is None or len(frame) > MAX_FRAME:
         return False
-    if _sender is None:
-        with _sender_lock:
-            if _sender is None:
-                try:
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                except (OSError, AttributeError):
-                    return False
-                s.setblocking(False)
-                _sender = s
-    try:
-        return _sender.sendto(frame, address) == len(frame)
-    except OSError:  # ENOENT / ECONNREFUSED: nobody there; EAGAIN: full; ENOTSOCK and the like: not a box
+    sender = _sender or _open_sender()
+    if sender is None:
         return False
+    try:
+        sent = sender.sendto(frame, 0 if patient else socket.MSG_DONTWAIT, address)
+    except OSError:  # ENOENT / ECONNREFUSED: nobody there; EAGAIN: still full; ENOTSOCK and the like: not a box
+        return False
+    return sent == len(frame)
+
+
+def _open_sender() -> socket.socket | None:
+    """This process's sending socket: blocking, for at most PATIENCE_S (SO_SNDTIMEO), while a
+    mailbox's queue is full; a mailbox not bound, or whose rank is gone, refuses at once."""
+    global _sender
+    with _sender_lock:
+        if _sender is None:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                whole = int(PATIENCE_S)
+                patience = struct.pack("ll", whole, int((PATIENCE_S - whole) * 1e6))  # (a struct timeval)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, patience)
+            except (OSError, AttributeError, struct.error):
+                return None
+            _sender = s
+        return _sender
 
 
 def _close_fd(fd: int) -> None:

@@ -139,17 +139,18 @@ class NodeBoard:
             return []
 
     # ------------------------------------------------- a step's messages (commits)
-    def send(self, name: str, data: bytes, to: Iterable[int]) -> None:
+    def send(self, name: str, data: bytes, to: Iterable[int], patient: bool = True) -> None:
         """Hand the message `name` to the ranks `to` of the node, into their mailboxes
-        (coord/mailbox.py); where one cannot take it (too big, not bound yet, full), it is a
-        file on the board instead, named to them by a notice where that gets through."""
+        (coord/mailbox.py); where one cannot take it (too big, not bound yet, still full after
+        mailbox.PATIENCE_S; `patient` False: full at all), it is a file on the board instead,
+        named to them by a notice where that gets through."""
         frame = message_frame(name, data)
-        missed = [r for r in to if not post(self._address(r), frame)]
+        missed = [r for r in to if not post(self._address(r), frame, patient)]
         if missed:
             self.write_bytes(name, data)
             notice = notice_frame(name)
             for r in missed:
-                post(self._address(r), notice)
+                post(self._address(r), notice, patient=False)
 
     def collect(
         self,
@@ -188,10 +189,10 @@ class NodeBoard:
                 break
             if give_up is not None and self._has(give_up, look):
                 break
-            if box is not None:  # one message at a time: a wait with one waiting returns at once
+            if box is not None:
                 look = not box.wait(left)
-                if not look and (message := box.receive()) is not None:
-                    self._keep(*message)
+                if not look:
+                    self._sort(box)  # all that came: the node's ranks may send a burst
             else:
                 time.sleep(pause)
                 pause = min(pause * 1.5, 0.002)

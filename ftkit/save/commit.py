@@ -108,18 +108,25 @@ class NodeGroup:
         return self.board
 
     def to_leader(
-        self, at: tuple[int, int], what: str, me: int, message: str | dict[str, Any], to: int | None = None
+        self,
+        at: tuple[int, int],
+        what: str,
+        me: int,
+        message: str | dict[str, Any],
+        to: int | None = None,
+        patient: bool = True,
     ) -> None:
         """Post this rank's message `what` of the step at `at` for its leader (`collect`), or
-        for the rank `to` that collects it (the RAM tier's `collector`)."""
+        for the rank `to` that collects it (the RAM tier's `collector`). `patient` False: from
+        the training thread, which never waits for room in a mailbox (NodeBoard.send)."""
         name = step_message(at, f"{what}-r{me}")
         data = message.encode() if isinstance(message, str) else json.dumps(message, separators=(",", ":")).encode()
-        self.node_board().send(name, data, (self.leader if to is None else to,))
+        self.node_board().send(name, data, (self.leader if to is None else to,), patient)
 
-    def to_ranks(self, name: str, doc: Any, me: int) -> None:
+    def to_ranks(self, name: str, doc: Any, me: int, patient: bool = True) -> None:
         """Post `doc` as `name` for the node's other ranks (the leader's word to them)."""
         data = json.dumps(doc, separators=(",", ":")).encode()
-        self.node_board().send(name, data, [r for r in self.ranks if r != me])
+        self.node_board().send(name, data, [r for r in self.ranks if r != me], patient)
 
     def collect(self, at: tuple[int, int], what: str, me: int, timeout_s: float) -> dict[int, bytes | None]:
         """The leader's wait for message `what` of the step at `at` from each other rank of its
@@ -299,7 +306,7 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
     leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
     report: dict[str, Any] = {"write": None, "error": reason, "rank_state": {}}
     if ctx.rank != group.leader:
-        group.to_leader(at, "w", ctx.rank, report)
+        group.to_leader(at, "w", ctx.rank, report, patient=False)  # (the training thread: never waits)
     elif ctx.rank != 0:
         errors = [f"rank {ctx.rank}: {reason}"]
         ctx.put(f"{key}/n/{ctx.rank}", {"part": None, "files": {}, "stored": 0, "errors": errors})

@@ -302,10 +302,11 @@ def report_skipped_node_local(
     if ctx.rank == 0 and exchange:
         ctx.put(f"{key}/manifest", "")  # the index holders wait for no index
     if ctx.rank != group.collector:
-        group.to_leader(at, "w", ctx.rank, text, to=group.collector)
-        group.to_leader(at, "r", ctx.rank, {"errors": []}, to=group.collector)
+        # (From the training thread: it never waits for room in a mailbox, NodeBoard.send.)
+        group.to_leader(at, "w", ctx.rank, text, to=group.collector, patient=False)
+        group.to_leader(at, "r", ctx.rank, {"errors": []}, to=group.collector, patient=False)
         return
-    group.to_ranks(step_message(at, "skip"), {"reason": reason}, ctx.rank)  # its ranks: no replicas this step
+    group.to_ranks(step_message(at, "skip"), {"reason": reason}, ctx.rank, patient=False)  # no replicas this step
     node_id = group.ranks[0]
     if exchange:
         ctx.store.set(f"{key}/w/{node_id}", json.dumps({str(ctx.rank): text}))
