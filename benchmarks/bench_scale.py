@@ -51,6 +51,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import statistics
 import struct
@@ -364,6 +365,7 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
     prefix = f"commit{world}/"
     store = CountingStore(dist.PrefixStore(prefix, raw.clone()))
     storage = Storage(root)
+    index_written = _time_index_writes()
     nodes = world // per
     names = [f"n{r // per}" for r in range(world)]
     members = {n * per: tuple(range(n * per, (n + 1) * per)) for n in range(nodes)}
@@ -381,8 +383,9 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
     for step in range(1, COMMIT_STEPS + 1):
         at, key = (0, step), f"commit/0/0/{step}"
         step_dir = step_dir_name(step)
-        reports = {}
-        for n in mine:  # what the ranks did before: their data files, their reports on the board
+        reports, messages = {}, {}
+        for n in mine:  # what the ranks did before: their data files and their reports
+            messages[n] = []
             for r in members[n * per]:
                 file = f"rank-{r:05d}-bench{step:03d}.data"
                 with open(os.path.join(root, step_dir, file), "wb") as f:
@@ -396,11 +399,17 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
                 if r == n * per:
                     reports[n] = doc
                 else:
-                    groups[n].board.write(step_message(at, f"w-r{r}"), doc)
+                    message = json.dumps(doc, separators=(",", ":")).encode()  # (as NodeGroup.to_leader)
+                    messages[n].append((step_message(at, f"w-r{r}"), message))
         _barrier(raw, f"{prefix}b{step}", procs)
         before = store.requests
         root_record = None
         for n in mine:
+            # The node's other ranks post their reports to its leader's mailbox just before it
+            # collects: posted for every node at once, this process's one sending socket would
+            # hold thousands of unread datagrams, past its send buffer (a real rank sends two).
+            for name, message in messages[n]:
+                groups[n].board.send(name, message, [n * per])
             c0 = time.thread_time()
             record = node_share(storage, step, reports[n], groups[n], ctxs[n], at)
             if n == 0:
@@ -413,8 +422,7 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
             c0, w0 = time.thread_time(), time.time()
             committed = commit_step(storage, step, root_record, groups[0], ctxs[0], key, skeleton)
             # Committed when the index was written (the records' deletion follows it).
-            index_written = os.stat(os.path.join(root, step_dir, "manifest.json")).st_mtime
-            done = {"done": index_written, "started": w0, "cpu": time.thread_time() - c0}
+            done = {"done": index_written[step], "started": w0, "cpu": time.thread_time() - c0}
             out["commit"].append({**done, "index_bytes": len(committed.manifest_json)})
         _barrier(raw, f"{prefix}e{step}", procs)
         out["requests"].append(store.requests - before)
@@ -466,8 +474,8 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     """This worker's nodes commit COMMIT_STEPS steps to the RAM tier with the real protocol
     (save/node_commit.py, no replicas): every rank runs `persist_node_local`: rank 0 in a
     thread of its own (it posts its report to its node's collector, NodeGroup.collector, and
-    waits for every node's record), the others first (they post to their node's real board
-    and return), then the collectors; rank 0 then commits and publishes the commit news
+    waits for every node's record), each node's collector in a thread while the node's other
+    ranks post to their node's real board and return; rank 0 then commits and publishes the commit news
     (coord/news.py). A rank's "data file" is
     64 real bytes of one tensor (write_share replaced). Every leader then hears the news
     (a read not counted: in a job it rides the heartbeat's multi_get, whose requests the
@@ -516,6 +524,7 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     report_layouts.book.limit = report_layouts.SENT_LIMIT = reports._checked_reports.limit = 4 * world
     part_template._templates.limit = 4 * world
     storages, groups, news = {}, {}, {}
+    index_written = _time_index_writes()
     for n in mine:
         storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
@@ -559,24 +568,29 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         committer = threading.Thread(target=commit, daemon=True) if 0 in mine else None
         if committer is not None:
             committer.start()
-        for n in mine:  # the other ranks post and return
+
+        def collect(n: int, step: int = step) -> None:
+            c0 = time.thread_time()
+            run(groups[n].collector, n)
+            out["sets"].append((step, time.time()))  # its record for rank 0 is set
+            if n != 0:
+                out["leader_cpu"].append(time.thread_time() - c0)
+
+        for n in mine:  # each node's collector, in a thread, while the node's other ranks post and return
+            collector = threading.Thread(target=collect, args=(n,), daemon=True) if groups[n].collector != 0 else None
+            if collector is not None:  # (a mailbox queues a few messages: a node's ranks send it 2 each)
+                collector.start()
             for r in members[n * per]:
                 if r not in (0, groups[n].collector):
                     run(r, n)
-        for n in mine:
-            if groups[n].collector != 0:
-                c0 = time.thread_time()
-                run(groups[n].collector, n)
-                out["sets"].append((step, time.time()))  # its record for rank 0 is set
-                if n != 0:
-                    out["leader_cpu"].append(time.thread_time() - c0)
+            if collector is not None:
+                collector.join()
         if committer is not None:
             committer.join()
             if "error" in root:
                 raise root["error"]
             c0 = time.thread_time()
-            manifest = os.path.join(storages[0].root, step_dir_name(step), "manifest.json")
-            done = os.stat(manifest).st_mtime
+            done = index_written[step]
             apply_job_retention(storages[0], 2, None, protect=step)  # as the job's (tiers/backend.py)
             publish(store, Settled(0, step, frozenset(d.step for d in scan(storages[0]) if d.committed)))
             out["commit"].append(
@@ -600,6 +614,30 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         _barrier(raw, f"{prefix}e{step}", procs)
         out["requests"].append(store.requests + root_store.requests - before)
     return out
+
+
+_INDEX_WRITTEN: dict[int, float] = {}
+
+
+def _time_index_writes() -> dict[int, float]:
+    """Patches this worker's Storage (once) to note when each step's index (manifest.json)
+    lands: the commit's moment, to the microsecond (a file's mtime ticks every few ms)."""
+    from ftkit.tiers.storage import Storage
+
+    write = Storage.write_bytes_atomic
+    if getattr(write, "noted", False):
+        return _INDEX_WRITTEN
+
+    def noted(self: Any, rel: str, data: bytes, *a: Any, **k: Any) -> Any:
+        result = write(self, rel, data, *a, **k)
+        found = re.search(r"step-(\d+)/manifest\.json$", rel)
+        if found:
+            _INDEX_WRITTEN[int(found.group(1))] = time.time()
+        return result
+
+    noted.noted = True  # type: ignore[attr-defined]
+    Storage.write_bytes_atomic = noted  # type: ignore[method-assign]
+    return _INDEX_WRITTEN
 
 
 def _barrier(raw: Any, key: str, procs: int) -> None:
