@@ -109,6 +109,38 @@ def test_a_message_a_full_mailbox_cannot_take_arrives_through_the_board(boards):
     assert filled >= 1
 
 
+def test_a_mailbox_that_is_not_read_costs_its_senders_one_wait_not_one_per_message(boards, monkeypatch):
+    """A rank alive but not reading (hung in a kernel, say) lets its mailbox fill: the first
+    sender to find it full waits PATIENCE_S for room, in vain; later messages to it go
+    straight to files, until it takes one again and senders wait for it as before."""
+    from ftkit.coord import mailbox
+
+    monkeypatch.setattr(mailbox, "PATIENCE_S", 0.5)
+    monkeypatch.setattr(mailbox, "_sender", None)  # a sending socket with that patience
+    monkeypatch.setattr(mailbox, "_unheeded", set())
+    leader, _ = boards
+    box = leader.mailbox(0)
+    assert box is not None
+    addresses = Addresses(leader.path)  # (its addresses hold while it lives)
+    filled, address = 0, addresses.of(0)
+    while post(address, message_frame(f"0-0-x{filled}.json", b"filler"), patient=False):
+        filled += 1
+        assert filled < 100_000
+    t0 = time.monotonic()
+    assert not post(address, message_frame("0-1-a.json", b"a"))  # waits, in vain
+    waited = time.monotonic() - t0
+    t1 = time.monotonic()
+    for i in range(20):
+        assert not post(address, message_frame(f"0-1-b{i}.json", b"b"))
+    again = time.monotonic() - t1
+    assert waited >= 0.4 and again < 0.4  # one wait for the whole run, not twenty-one
+    assert len(box.drain()) == filled  # the rank reads again: it gets patience again
+    assert post(address, message_frame("0-1-c.json", b"c"))
+    assert address not in mailbox._unheeded
+    assert mailbox._sender is not None
+    mailbox._sender.close()
+
+
 def test_datagrams_that_are_not_frames_are_dropped_and_the_messages_still_arrive(boards):
     leader, peer = boards
     addresses = Addresses(leader.path)

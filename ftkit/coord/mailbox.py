@@ -14,7 +14,8 @@ message on this VM, both sides, against 120 through the mailboxes and 65 for a b
 (benchmarks/board_messages.py). A datagram arrives whole or not at all: nothing to frame.
 
 A mailbox queues a few messages (net.unix.max_dgram_qlen, 10 by default); a sender finding it
-full waits for room, up to PATIENCE_S. A message bigger than MAX_FRAME, or one a mailbox
+full waits for room, up to PATIENCE_S (once: a mailbox that made it wait in vain gets no more
+waiting until it takes a message again). A message bigger than MAX_FRAME, or one a mailbox
 cannot take (not bound yet, still full, its rank gone), is posted as a file on the board with,
 where possible, a notice naming it; the receiver reads the board's files at its first look
 after binding and whenever FALLBACK_S pass with nothing in its mailbox, so no message is
@@ -185,22 +186,31 @@ class Mailbox:
 
 _sender: socket.socket | None = None
 _sender_lock = threading.Lock()
+# Mailboxes that kept this process waiting PATIENCE_S in vain (a rank alive but not reading):
+# no more waiting on them until one takes a message again, so a stuck rank costs its
+# senders one wait, not one per message.
+_unheeded: set[str] = set()
 
 
 def post(address: str | None, frame: bytes, patient: bool = True) -> bool:
     """Send one frame to the mailbox at `address`; False where it cannot take it (none bound
     there, too big, or its queue still full after PATIENCE_S: a node's ranks can send its
     collector more at once than a mailbox queues): the sender posts a file instead.
-    `patient` False: not even that wait (the training thread's sends)."""
+    `patient` False: not even that wait (the training thread's sends), nor where this mailbox
+    already let a sender wait in vain and has taken nothing since."""
     if address is None or len(frame) > MAX_FRAME:
         return False
     sender = _sender or _open_sender()
     if sender is None:
         return False
+    patient = patient and address not in _unheeded
     try:
         sent = sender.sendto(frame, 0 if patient else socket.MSG_DONTWAIT, address)
-    except OSError:  # ENOENT / ECONNREFUSED: nobody there; EAGAIN: still full; ENOTSOCK and the like: not a box
+    except OSError as e:  # ENOENT / ECONNREFUSED: nobody there; EAGAIN: still full; ENOTSOCK and the like: not a box
+        if patient and e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            _unheeded.add(address)
         return False
+    _unheeded.discard(address)
     return sent == len(frame)
 
 
