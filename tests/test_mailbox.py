@@ -141,6 +141,36 @@ def test_a_mailbox_that_is_not_read_costs_its_senders_one_wait_not_one_per_messa
     mailbox._sender.close()
 
 
+def test_a_mailbox_past_descriptor_1024_still_wakes_its_rank(tmp_path, monkeypatch):
+    """A training process can hold more than 1024 descriptors (data loader workers, NCCL,
+    open shards): a mailbox bound past that (where select() cannot look) still wakes its
+    rank when a message comes."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"needs 1200 descriptors, the hard limit is {hard}")
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
+        leader = NodeBoard("scope", "node0", leader=True, kind="commit")
+        peer = NodeBoard("scope", "node0", leader=False, kind="commit")
+        box = leader.mailbox(0)
+        assert box is not None and box.fileno() > 1024
+        names = {1: step_message((0, 1), "w-r1")}
+        t, got = _collect_in_thread(leader, names)
+        time.sleep(0.1)  # the collector is waiting in its mailbox
+        peer.send(names[1], b"report", [0])
+        t.join(30)
+        assert got == {1: b"report"}
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_datagrams_that_are_not_frames_are_dropped_and_the_messages_still_arrive(boards):
     leader, peer = boards
     addresses = Addresses(leader.path)

@@ -114,6 +114,8 @@ class Mailbox:
 
     def __init__(self, sock: socket.socket, path: str, inode: int):
         self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
         self._buf = bytearray(MAX_FRAME + 1)
         self.fresh = True  # nothing looked at yet: messages posted before it was bound are files
         self._finalizer = weakref.finalize(self, _close_box, sock, path, inode)
@@ -159,12 +161,11 @@ class Mailbox:
     def wait(self, timeout_s: float) -> bool:
         """Until a message is waiting (True) or `timeout_s`, at most FALLBACK_S, passes (False)."""
         pause = max(0.0, min(timeout_s, FALLBACK_S))
-        try:
-            ready, _, _ = select.select([self._sock], [], [], pause)
+        try:  # (poll, not select: a training process can hold more than 1024 descriptors)
+            return bool(self._poll.poll(pause * 1e3))
         except (OSError, ValueError):  # (closed under it): wait all the same, the board's files remain
             time.sleep(pause)
             return False
-        return bool(ready)
 
     def drain(self) -> list[tuple[str, bytes | None]]:
         """Every message waiting, in arrival order: (name, payload), payload None for a notice

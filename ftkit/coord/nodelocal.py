@@ -191,8 +191,7 @@ class NodeBoard:
                 break
             if box is not None:
                 look = not box.wait(left)
-                if not look:
-                    self._sort(box)  # all that came: the node's ranks may send a burst
+                self._sort(box)  # all that came (the node's ranks may send a burst); nothing, at a look
             else:
                 time.sleep(pause)
                 pause = min(pause * 1.5, 0.002)

@@ -10,7 +10,7 @@ calls it; the shared tiers' commit is save/commit.py). The step's manifest has f
 version 3, as on a shared tier: one part per node and an index (format/index.py)::
 
     every rank:   write_share(...): its data file, in its node's directory
-                  post its report (`NodeReport`) to its node's board (a file, no store request)
+                  post its report (`NodeReport`) to its collector's mailbox (coord/mailbox.py; no store request)
     collectors:   collect the node's reports; write the node's part (checked, beside its data)
     with replicas (save/replicas.py):
       collectors  set the reports and the part as one record, `key`/w/<node> (a node is named
