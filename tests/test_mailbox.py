@@ -171,6 +171,21 @@ def test_a_mailbox_past_descriptor_1024_still_wakes_its_rank(tmp_path, monkeypat
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_a_closed_mailbox_waits_instead_of_spinning(boards):
+    """A mailbox closed under its rank reports nothing waiting and still sleeps its pause,
+    so a collect goes on looking at the board's files instead of spinning."""
+    from ftkit.coord.mailbox import FALLBACK_S
+
+    leader, _ = boards
+    box = leader.mailbox(0)
+    assert box is not None
+    box.close()
+    t0 = time.monotonic()
+    assert [box.wait(1.0) for _ in range(3)] == [False, False, False]
+    assert time.monotonic() - t0 >= 3 * FALLBACK_S * 0.9
+    assert box.drain() == []
+
+
 def test_datagrams_that_are_not_frames_are_dropped_and_the_messages_still_arrive(boards):
     leader, peer = boards
     addresses = Addresses(leader.path)

@@ -161,11 +161,17 @@ class Mailbox:
     def wait(self, timeout_s: float) -> bool:
         """Until a message is waiting (True) or `timeout_s`, at most FALLBACK_S, passes (False)."""
         pause = max(0.0, min(timeout_s, FALLBACK_S))
-        try:  # (poll, not select: a training process can hold more than 1024 descriptors)
-            return bool(self._poll.poll(pause * 1e3))
-        except (OSError, ValueError):  # (closed under it): wait all the same, the board's files remain
-            time.sleep(pause)
-            return False
+        if self._sock.fileno() >= 0:
+            try:  # (poll, not select: a training process can hold more than 1024 descriptors)
+                ready = self._poll.poll(pause * 1e3)
+            except OSError:
+                ready = [(-1, 0)]
+            if not ready:
+                return False
+            if any(events & select.POLLIN for _, events in ready):
+                return True
+        time.sleep(pause)  # (closed under it, or in error): wait all the same, the board's files remain
+        return False
 
     def drain(self) -> list[tuple[str, bytes | None]]:
         """Every message waiting, in arrival order: (name, payload), payload None for a notice
