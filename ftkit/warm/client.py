@@ -190,11 +190,12 @@ def main(argv: list[str]) -> None:
                 pass
             os._exit(1)
         sock.close()
-        if not _replaceable(status, ending, replaced, allowed, mark):
-            _die_like(status)
-        replaced += 1
+        replace = _replaceable(status, ending, replaced, allowed, mark)
         with contextlib.suppress(OSError):
             os.unlink(mark)
+        if not replace:
+            _die_like(status)
+        replaced += 1
         print(f"ftkit: worker {worker} was killed; starting replacement {replaced} of {allowed}", file=sys.stderr)
         try:
             sock, worker = _request(path, argv, {**env, REJOIN_ENV: str(replaced), PROCESS_T_ENV: repr(time.time())})

@@ -32,6 +32,7 @@ import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -77,10 +78,9 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket_path)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.directory)
+        # Ours (mkdtemp): its socket, and the marks of workers whose clients were killed before
+        # they could remove them (client.py: replaceable-<pid>).
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def client_path() -> str:
