@@ -161,16 +161,15 @@ class Mailbox:
     def wait(self, timeout_s: float) -> bool:
         """Until a message is waiting (True) or `timeout_s`, at most FALLBACK_S, passes (False)."""
         pause = max(0.0, min(timeout_s, FALLBACK_S))
-        if self._sock.fileno() >= 0:
-            try:  # (poll, not select: a training process can hold more than 1024 descriptors)
-                ready = self._poll.poll(pause * 1e3)
-            except OSError:
-                ready = [(-1, 0)]
-            if not ready:
-                return False
-            if any(events & select.POLLIN for _, events in ready):
-                return True
-        time.sleep(pause)  # (closed under it, or in error): wait all the same, the board's files remain
+        try:  # (poll, not select: a training process can hold more than 1024 descriptors)
+            ready = self._poll.poll(pause * 1e3) if self._sock.fileno() >= 0 else None
+        except OSError:
+            ready = None
+        if ready == []:  # the pause passed
+            return False
+        if ready and any(events & select.POLLIN for _, events in ready):
+            return True
+        time.sleep(pause)  # closed under it, or in error: wait all the same, the board's files remain
         return False
 
     def drain(self) -> list[tuple[str, bytes | None]]:

@@ -191,7 +191,7 @@ class NodeBoard:
                 break
             if box is not None:
                 look = not box.wait(left)
-                self._sort(box)  # all that came (the node's ranks may send a burst); nothing, at a look
+                self._sort(box)  # all that came (a burst, from the node's ranks); after a timeout, a no-op recv
             else:
                 time.sleep(pause)
                 pause = min(pause * 1.5, 0.002)
