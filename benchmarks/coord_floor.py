@@ -7,14 +7,18 @@ store, a socket), on the real payloads of the run's last committed step, with no
 waited for (every message received is queued already, every key is set already):
 
     every rank:    its report to its collector (a datagram, as to a mailbox on the node's
-                   board, coord/mailbox.py); the relayed peer reports received and parsed;
-                   its outcome sent (save/commit.py NodeGroup has the roles: a node's
-                   collector is its first rank, on rank 0's node the next)
+                   board, coord/mailbox.py); the relayed peer reports received and parsed
+                   (rank 0: its partner's record and its own node's read from the store);
+                   its outcome sent, but by rank 0, which keeps its own (save/commit.py
+                   NodeGroup has the roles: a node's collector is its first rank, on rank
+                   0's node the next)
     a collector:   instead, its ranks' reports received and parsed; its node's part written
                    (temp file, rename; fsyncs of it and its directory where not in memory);
                    its node's record set in the store; its replica partner's record waited
-                   for, read and parsed; that record relayed to its ranks (a datagram each);
-                   its ranks' outcomes received; its record for rank 0 set (not on rank 0)
+                   for, read and parsed; that record relayed to its ranks but rank 0 (a
+                   datagram each);
+                   its ranks' outcomes received (not rank 0's); its record for rank 0 set
+                   (not on rank 0)
     an exchanger:  (a node's first rank that neither collects nor commits, else its collector)
                    also the partner's part written; on a node holding rank 0's replicas the
                    index read from the store, parsed, written
@@ -93,6 +97,7 @@ class Floor:
         self.collector = rank == self.collector_rank
         self.exchanger = rank == next((r for r in ranks if r not in (0, self.collector_rank)), self.collector_rank)
         self.mates = [r for r in ranks if r != rank]  # the node's other ranks
+        self.senders = [r for r in self.mates if r != 0]  # its relay and its outcome collect skip rank 0
         self.leaders = list(range(0, world, per_node))  # the nodes' names in the keys
         self.partner = self.leaders[(self.node + 1) % len(self.leaders)]  # k = 1: the next node, both ways
         self.holder = self.exchanger and self.node == 1  # its node holds rank 0's replicas (k = 1)
@@ -127,9 +132,10 @@ class Floor:
                 self.sink.recv(1 << 17)
         box = os.path.join(self.dir, "box")
         mates = len(self.mates) if self.collector else 0
-        incoming = [b"w\0" + self.p["report"]] * mates + [b"r\0" + self.p["outcome"]] * mates
+        senders = len(self.senders) if self.collector else 0
+        incoming = [b"w\0" + self.p["report"]] * mates + [b"r\0" + self.p["outcome"]] * senders
         if not self.collector:
-            incoming = [b"peers\0" + self.p["record"]]
+            incoming = [b"peers\0" + self.p["record"]] if self.rank != 0 else []
         for frame in incoming:
             self.sender.sendto(frame, box)
 
@@ -144,10 +150,15 @@ class Floor:
         node = self.node * self.per_node
         if not self.collector:
             self._send(b"w\0" + p["report"])
-            json.loads(self._receive())
+            if self.rank == 0:  # its partner's record and its own node's, from the store
+                for raw in store.multi_get([f"floor/w/{self.partner}", f"floor/w/{node}"]):
+                    json.loads(raw)
+            else:
+                json.loads(self._receive())
             if self.exchanger:
                 _atomic_write(os.path.join(d, "partner-part.json"), p["part"], self.sync)
-            self._send(b"r\0" + p["outcome"])
+            if self.rank != 0:
+                self._send(b"r\0" + p["outcome"])
         else:
             for _ in self.mates:
                 json.loads(self._receive().partition(b"\n")[0])
@@ -156,11 +167,11 @@ class Floor:
             store.wait([f"floor/w/{self.partner}"], timedelta(seconds=60))
             (record,) = store.multi_get([f"floor/w/{self.partner}"])
             json.loads(record)
-            for _ in self.mates:
+            for _ in self.senders:
                 self._send(b"peers\0" + record)
             if self.exchanger:
                 _atomic_write(os.path.join(d, "partner-part.json"), p["part"], self.sync)
-            for _ in self.mates:
+            for _ in self.senders:
                 json.loads(self._receive())
             if self.rank != 0:
                 store.set(f"floor/r/{node}", p["node_record"])
@@ -194,8 +205,9 @@ class HandshakeFloor(Floor):
     Per snapshot, in ftkit's order (save/node_commit.py; no replicas are moved, so no wait on
     them): a rank sends its report to its collector; the collector waits for its ranks'
     reports, writes the part, sets its record, gets its partner's (one blocking multi_get),
-    relays it to its ranks; the ranks wait for the relay and send their outcomes; the
-    collector waits for them and sets its record for rank 0; rank 0 gets every node's record,
+    relays it to its ranks but rank 0, which gets both records itself (one blocking multi_get);
+    the ranks wait for the relay and send their outcomes (but rank 0);
+    the collector waits for them and sets its record for rank 0; rank 0 gets every node's record,
     writes the index, sets it for the holders and deletes the step's keys; a holder's exchanger
     gets the index and writes it. Keys and messages are named by round."""
 
@@ -234,10 +246,15 @@ class HandshakeFloor(Floor):
         node = self.node * self.per_node
         if not self.collector:
             self._send_to(self.collector_rank, f"w-{self.rank}-{r}", p["report"])
-            json.loads(self._wait_for(f"peers-{r}"))
+            if self.rank == 0:  # (multi_get waits for the keys)
+                for raw in store.multi_get([f"floorw/{r}/w/{self.partner}", f"floorw/{r}/w/{node}"]):
+                    json.loads(raw)
+            else:
+                json.loads(self._wait_for(f"peers-{r}"))
             if self.exchanger:
                 _atomic_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"], self.sync)
-            self._send_to(self.collector_rank, f"o-{self.rank}-{r}", p["outcome"])
+            if self.rank != 0:
+                self._send_to(self.collector_rank, f"o-{self.rank}-{r}", p["outcome"])
         else:
             for q in self.mates:
                 json.loads(self._wait_for(f"w-{q}-{r}").partition(b"\n")[0])
@@ -245,11 +262,11 @@ class HandshakeFloor(Floor):
             store.set(f"floorw/{r}/w/{node}", p["record"])
             (record,) = store.multi_get([f"floorw/{r}/w/{self.partner}"])  # (it waits for the key)
             json.loads(record)
-            for q in self.mates:
+            for q in self.senders:
                 self._send_to(q, f"peers-{r}", record)
             if self.exchanger:
                 _atomic_write(os.path.join(d, f"partner-part-{self.rank}.json"), p["part"], self.sync)
-            for q in self.mates:
+            for q in self.senders:
                 json.loads(self._wait_for(f"o-{q}-{r}"))
             if self.rank != 0:
                 store.set(f"floorw/{r}/r/{node}", p["node_record"])

@@ -228,6 +228,46 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
     return {"skipped": skipped, "committed": committed}
 
 
+def ram_rank0_replication_fails(rank: int, world: int) -> dict:
+    """Snapshot steps 1-3 to RAM + peer; rank 0's replication of step 2 fails after its bytes
+    moved (a replica that fails its check, say). Rank 0 keeps its own outcome (its node's
+    collector never hears it): the step must still not be committed anywhere."""
+    import ftkit.save.node_commit as node_commit
+    from ftkit.errors import StorageError
+    from ftkit.tiers.ram import node_dir
+
+    real = node_commit.replicate
+
+    def failing(storage, step, *args, **kwargs):
+        real(storage, step, *args, **kwargs)
+        if step == 2:
+            raise StorageError("injected: a replica failed its check")
+
+    if rank == 0:
+        node_commit.replicate = failing
+    state = {"w": torch.zeros(1 << 16)}
+    errors = []
+    try:
+        with ftkit.Checkpointer(state, [ftkit.Tier("ram", replicas=1)], rng=False) as ck:
+            for step in (1, 2, 3):
+                state["w"].fill_(step)
+                ck.snapshot(step)
+                try:
+                    ck.wait()
+                except ftkit.FtkitError as e:
+                    errors.append(str(e))
+                dist.barrier()
+    finally:
+        node_commit.replicate = real
+    node = node_dir(f"node{rank // 2}")
+    committed = sorted(
+        int(d.name[5:])
+        for d in os.scandir(node)
+        if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
+    )
+    return {"committed": committed, "errors": errors}
+
+
 def durable_skip_on_rank0(rank: int, world: int, disk: str) -> dict:
     """policy "skip" on a disk tier where only rank 0 skips step 3: the store's key
     count after step 1 and after step 4, and the steps committed."""

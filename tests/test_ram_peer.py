@@ -103,6 +103,14 @@ def test_rank0_skipping_a_snapshot_costs_the_other_nodes_no_wait(job):
     assert all(o["committed"] == [1, 3] for o in out)  # step 2 exists on no node
 
 
+def test_a_step_whose_replication_failed_on_rank_0_is_not_committed(job):
+    """Rank 0's replication outcome goes to no collector (it commits, and adds its own errors
+    to its node's record): a failure there must still leave the step uncommitted on every node."""
+    out = run_ranks(4, dist_worker.ram_rank0_replication_fails, env=job["env"], timeout=120)
+    assert all(o["committed"] == [1, 3] for o in out), out
+    assert any("rank 0: replication failed: injected" in e for e in out[0]["errors"]), out[0]
+
+
 @pytest.mark.parametrize("skipper", [1, 2, 3])
 def test_any_rank_skipping_a_ram_step_costs_nobody_a_wait(job, skipper):
     """A non-leader (1, 3) or the leader of node 1 (2) skips step 2. Replicas go both ways

@@ -123,16 +123,18 @@ class NodeGroup:
         data = message.encode() if isinstance(message, str) else json.dumps(message, separators=(",", ":")).encode()
         self.node_board().send(name, data, (self.leader if to is None else to,), patient)
 
-    def to_ranks(self, name: str, doc: Any, me: int, patient: bool = True) -> None:
-        """Post `doc` as `name` for the node's other ranks (the leader's word to them)."""
+    def to_ranks(self, name: str, doc: Any, me: int, patient: bool = True, but: tuple[int, ...] = ()) -> None:
+        """Post `doc` as `name` for the node's other ranks but those in `but` (the leader's word to them)."""
         data = json.dumps(doc, separators=(",", ":")).encode()
-        self.node_board().send(name, data, [r for r in self.ranks if r != me], patient)
+        self.node_board().send(name, data, [r for r in self.ranks if r != me and r not in but], patient)
 
-    def collect(self, at: tuple[int, int], what: str, me: int, timeout_s: float) -> dict[int, bytes | None]:
+    def collect(
+        self, at: tuple[int, int], what: str, me: int, timeout_s: float, but: tuple[int, ...] = ()
+    ) -> dict[int, bytes | None]:
         """The leader's wait for message `what` of the step at `at` from each other rank of its
-        node (None: none came within `timeout_s`), then removing them and whatever an earlier
-        step left that nobody collected (a step this leader skipped)."""
-        names = {r: step_message(at, f"{what}-r{r}") for r in self.ranks if r != me}
+        node but those in `but` (None: none came within `timeout_s`), then removing them and
+        whatever an earlier step left that nobody collected (a step this leader skipped)."""
+        names = {r: step_message(at, f"{what}-r{r}") for r in self.ranks if r != me and r not in but}
         if not names:
             return {}
         board = self.node_board()

@@ -22,11 +22,12 @@ version 3, as on a shared tier: one part per node and an index (format/index.py)
                   send (tiers/peers.py), posts its outcome to the board
       exchangers  write the parts of the k nodes before theirs (a node keeps the parts of the
                   ranks whose files it holds), and name them in their outcome
-    collectors:   collect the outcomes; set the node's record for rank 0, `key`/r/<node>: its
-                  part's name, size and checksum (and the parts its exchanger wrote), or the
-                  node's errors (a few hundred bytes)
+    collectors:   collect the outcomes (but rank 0's, which it keeps); set the node's record
+                  for rank 0, `key`/r/<node>: its part's name, size and checksum (and the parts
+                  its exchanger wrote), or the node's errors (a few hundred bytes)
     rank 0:       (node_index.py) read every node's record (one wait, one multi_get; its own
-                  node's too, but where it collects it itself), write the index (manifest.json,
+                  node's too, but where it collects it itself), add its own replication errors
+                  to its node's, write the index (manifest.json,
                   the commit), delete the step's records; with replicas, set the index under
                   `key`/manifest (or "" when the step is not committed)
     the exchangers of the k nodes that hold rank 0's node's replicas (node_index.py): read
@@ -193,7 +194,7 @@ def persist_node_local(
         assert layout is not None and peers is not None
         try:
             own = node.written if node is not None and holder else None
-            word = peer_reports(group, layout, replicas, ctx, key, at, collector, own)
+            word = peer_reports(group, layout, replicas, ctx, key, at, collector, own, text)
             reports, own_part = word.texts, word.own_part
             sending = write if word.may_send and error is None else None
             layouts = lookup(from_store(ctx.store))
@@ -207,22 +208,28 @@ def persist_node_local(
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
-    # 3. Outcomes: to the collector, who publishes the node's record.
+    # 3. Outcomes: to the collector, who publishes the node's record. Rank 0 keeps its own: it
+    #    commits from that record and adds its errors there (a message and a wait less on its node,
+    #    and its collector need not wait for rank 0's replicas to be in).
     errors = [f"rank {ctx.rank}: {rep_error}"] if rep_error else []
     if ctx.distributed and not collector:
-        outcome = {"errors": errors, "parts": others} if others else {"errors": errors}
-        group.to_leader(at, "r", ctx.rank, outcome, to=group.collector)
+        if ctx.rank != 0:
+            outcome = {"errors": errors, "parts": others} if others else {"errors": errors}
+            group.to_leader(at, "r", ctx.rank, outcome, to=group.collector)
     elif ctx.distributed:
         assert node is not None
         node.others = others
-        for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s).items():
+        for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s, but=(0,)).items():
             errors += _outcome_errors(r, raw, node.others if r == group.exchanger else None)
         if ctx.rank != 0:
             ctx.put(f"{key}/r/{node_id}", node.record(errors))
     if ctx.rank == 0:
         with older_keys(ledger, at) as older:
             mine = (node.record(errors), node.own_files()) if node is not None else None
-            return commit_from_records(storage, step, skeleton, ctx, key, group, mine, older, ledger, at, exchange)
+            own_errors = [] if node is not None else errors  # (a collector's are in its record)
+            return commit_from_records(
+                storage, step, skeleton, ctx, key, group, mine, older, ledger, at, exchange, own_errors
+            )
     if error is not None:
         raise error
     if holder and ctx.rank == group.exchanger:
@@ -304,7 +311,8 @@ def report_skipped_node_local(
     if ctx.rank != group.collector:
         # (From the training thread: it never waits for room in a mailbox, NodeBoard.send.)
         group.to_leader(at, "w", ctx.rank, text, to=group.collector, patient=False)
-        group.to_leader(at, "r", ctx.rank, {"errors": []}, to=group.collector, patient=False)
+        if ctx.rank != 0:  # (rank 0's outcome is never collected: persist_node_local)
+            group.to_leader(at, "r", ctx.rank, {"errors": []}, to=group.collector, patient=False)
         return
     group.to_ranks(step_message(at, "skip"), {"reason": reason}, ctx.rank, patient=False)  # no replicas this step
     node_id = group.ranks[0]

@@ -45,10 +45,12 @@ def commit_from_records(
     ledger: KeyLedger | None,
     at: tuple[int, int],
     exchange: bool,
+    own_errors: list[str] | None = None,
 ) -> Committed:
     """Rank 0: every node's record, the index, and the word to the index holders. `mine`: its
     own node's record and the files the step put there, where rank 0 collects its node (a
-    job of one node); else that node's record comes through the store like the others'."""
+    job of one node); else that node's record comes through the store like the others', and
+    `own_errors` are rank 0's own (its replication's), which that record leaves out."""
     ids = list(group.record_ids)
     keys = [f"{key}/r/{n}" for n in ids]
     records = [mine[0]] if mine is not None else []
@@ -64,7 +66,7 @@ def commit_from_records(
                 own = records[-1]
         if not any(r["skipped"] for r in records):  # nobody reads the older keys any more
             delete_keys(ctx, older)
-        failures = [e for r in records for e in r["errors"]]
+        failures = [e for r in records for e in r["errors"]] + (own_errors or [])
         if failures:
             raise StorageError(f"step {step} not committed to the RAM tier: {'; '.join(failures)}")
         assert own is not None

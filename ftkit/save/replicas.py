@@ -85,6 +85,7 @@ def peer_reports(
     at: tuple[int, int],
     collector: bool,
     own_part: dict[str, Any] | None = None,
+    own_text: str | None = None,
 ) -> PeerWord:
     """The reports of the nodes this node exchanges replicas with (the k before it send,
     the k after it receive), read from the store by the node's collector (NodeGroup.collector:
@@ -96,9 +97,16 @@ def peer_reports(
     When the collector skipped the step, its ranks read the reports themselves (their
     sources send them replicas all the same) and send nothing (the collector's record, which
     their targets read, does not hold their reports); the step is not committed then, and
-    nobody writes the sources' parts."""
+    nobody writes the sources' parts.
+
+    Rank 0, where another rank collects its node, is never relayed to: it reads the records
+    itself, with its node's own in the same request, and sends its file only where that
+    record holds its report as it sent it (`own_text`), as its targets decide from that record.
+    (Its collector then relays to nobody on a node of two ranks; rank 0 has a request more.)"""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
     exchanger = ctx.rank == group.exchanger
+    if ctx.rank == 0 and not collector:
+        return _read_as_rank0(group, layout, k, ctx, key, own_text)
     if not collector:
         raw = group.node_board().collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
         if raw is not None:
@@ -126,14 +134,30 @@ def peer_reports(
         part = _node_part_ref(doc) if s in source_leaders else None
         if part is not None:
             parts[part[0]] = (s, part[1])
-    if collector:
+    if collector and any(r not in (ctx.rank, 0) for r in group.ranks):  # (rank 0 reads for itself)
         relay: dict[str, Any] = {str(r): t for r, t in texts.items()}
         if not exchanger:
             relay["parts"] = {n: [s, checksum] for n, (s, checksum) in parts.items()}
             if own_part is not None:
                 relay["own"] = own_part
-        group.to_ranks(name, relay, ctx.rank)
+        group.to_ranks(name, relay, ctx.rank, but=(0,))
     return PeerWord(texts, collector, parts if exchanger else {}, own_part if exchanger else None)
+
+
+def _read_as_rank0(
+    group: NodeGroup, layout: ReplicaLayout, k: int, ctx: DistContext, key: str, own_text: str | None
+) -> PeerWord:
+    """peer_reports for rank 0 where another rank collects its node: the records of the nodes
+    it exchanges replicas with, and its own node's, in one wait and one multi_get."""
+    nodes = dict.fromkeys(layout.source_nodes(0, ctx.nodes, k) + layout.target_nodes(0, ctx.nodes, k))
+    leaders = [layout.members[n][0] for n in nodes]
+    raws = ctx.wait_get([f"{key}/w/{s}" for s in [*leaders, group.ranks[0]]])
+    texts: dict[int, str] = {}
+    for s, raw in zip(leaders, raws[:-1], strict=True):
+        where = f"the reports of the node of rank {s}"
+        texts.update(_node_texts(_node_doc(raw, where), group.members[s], where))
+    mine = _node_doc(raws[-1], "the reports of this node").get("0")
+    return PeerWord(texts, own_text is not None and mine == own_text, {})
 
 
 def _relayed_part(doc: Any) -> dict[str, Any] | None:
