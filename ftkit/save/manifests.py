@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
-from ftkit.format.index import check_part, encode_index, index_doc, parse_index, part_file_name, part_json, part_ref
+from ftkit.format.index import check_part, index_doc, parse_index, part_file_name, part_json, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from ftkit.save.index_text import encode_index_reusing
 from ftkit.save.write import RankWrite
 from ftkit.tiers.storage import Storage
 
@@ -164,7 +165,7 @@ def commit_index(
     parts = sorted((r["part"] for r in records), key=lambda p: p["ranks"][0][0])
     doc = index_doc(step, world_size, parts, skeleton, time.time(), writer_info())
     parse_index(doc, storage.where(rel), step)  # (its parts came from records checked one by one)
-    data = encode_index(doc)
+    data = encode_index_reusing(doc)
     check_files_present(
         storage, step, {p["file"]: p["bytes"] for p in parts if local_parts is None or p["file"] in local_parts}
     )

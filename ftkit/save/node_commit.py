@@ -17,11 +17,12 @@ version 3, as on a shared tier: one part per node and an index (format/index.py)
                   by its first rank); read the records of the k nodes before theirs (whose
                   ranks send this node their replicas) and of the k after; post the reports,
                   the names and checksums of the sources' parts and (on an index holder) the
-                  node's own part's, on the board
+                  node's own part's, on the board, for every rank of the node but rank 0
+      rank 0      (where another rank collects) reads those records, and its node's, itself
       every rank  sends its file to its targets, stores verified copies of what its sources
-                  send (tiers/peers.py), posts its outcome to the board
-      exchangers  write the parts of the k nodes before theirs (a node keeps the parts of the
-                  ranks whose files it holds), and name them in their outcome
+                  send (tiers/peers.py), posts its outcome to the board (rank 0 keeps its own)
+      exchangers  (before the transfers) write the parts of the k nodes before theirs (a node
+                  keeps the parts of the ranks whose files it holds), and name them in their outcome
     collectors:   collect the outcomes (but rank 0's, which it keeps); set the node's record
                   for rank 0, `key`/r/<node>: its part's name, size and checksum (and the parts
                   its exchanger wrote), or the node's errors (a few hundred bytes)
@@ -48,8 +49,9 @@ the roles spread). A rank with no role makes no store request; a collector one (
 node's record for rank 0), with replicas three more (its reports; the records of the k
 nodes before and after it, in one wait and one multi_get); an exchanger of the k index
 holders two (a wait and a get of the index); rank 0 one delete for every node's record
-(two with replicas) and the news. Per step: 2 x nodes + 3 requests without replicas,
-6 x nodes + 2k + 4 with (two fewer where rank 0 collects its own node). A wait and the read
+(two with replicas) and the news, with replicas two more where it does not collect (a wait
+and a multi_get of its partners' records and its node's). Per step: 2 x nodes + 3 requests
+without replicas, 6 x nodes + 2k + 6 with (four fewer where rank 0 collects its own node). A wait and the read
 after it count as two: on the persist thread's own connection they are one multi_get, which
 waits itself (DistContext.wait_get). Rank 0 handles O(nodes) bytes, a collector its node's
 entries and those of k other nodes. A node holds the parts of the ranks whose files it
@@ -198,13 +200,21 @@ def persist_node_local(
             reports, own_part = word.texts, word.own_part
             sending = write if word.may_send and error is None else None
             layouts = lookup(from_store(ctx.store))
+            # The sources' parts need only their reports: written before the replicas move, so the
+            # exchanger's outcome follows its transfers at once (its collector waits for it).
+            parts_error: Exception | None = None
+            if ctx.rank == group.exchanger:
+                try:
+                    others = store_parts(storage, step, word.parts, reports, group, ctx.world_size, layouts)
+                except Exception as e:  # still take part in the transfers: the peers wait for them
+                    parts_error = e
             c0 = time.thread_time()
             try:
                 replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress, layouts)
             finally:
                 cpu["replicate"] = time.thread_time() - c0
-            if ctx.rank == group.exchanger:
-                others = store_parts(storage, step, word.parts, reports, group, ctx.world_size, layouts)
+            if parts_error is not None:
+                raise parts_error
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
