@@ -21,8 +21,8 @@ version 3, as on a shared tier: one part per node and an index (format/index.py)
       rank 0      (where another rank collects) reads those records, and its node's, itself
       every rank  sends its file to its targets, stores verified copies of what its sources
                   send (tiers/peers.py), posts its outcome to the board (rank 0 keeps its own)
-      exchangers  (before the transfers) write the parts of the k nodes before theirs (a node
-                  keeps the parts of the ranks whose files it holds), and name them in their outcome
+      exchangers  write the parts of the k nodes before theirs (a node keeps the parts of the
+                  ranks whose files it holds), and name them in their outcome
     collectors:   collect the outcomes (but rank 0's, which it keeps); set the node's record
                   for rank 0, `key`/r/<node>: its part's name, size and checksum (and the parts
                   its exchanger wrote), or the node's errors (a few hundred bytes)
@@ -200,21 +200,13 @@ def persist_node_local(
             reports, own_part = word.texts, word.own_part
             sending = write if word.may_send and error is None else None
             layouts = lookup(from_store(ctx.store))
-            # The sources' parts need only their reports: written before the replicas move, so the
-            # exchanger's outcome follows its transfers at once (its collector waits for it).
-            parts_error: Exception | None = None
-            if ctx.rank == group.exchanger:
-                try:
-                    others = store_parts(storage, step, word.parts, reports, group, ctx.world_size, layouts)
-                except Exception as e:  # still take part in the transfers: the peers wait for them
-                    parts_error = e
             c0 = time.thread_time()
             try:
                 replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress, layouts)
             finally:
                 cpu["replicate"] = time.thread_time() - c0
-            if parts_error is not None:
-                raise parts_error
+            if ctx.rank == group.exchanger:
+                others = store_parts(storage, step, word.parts, reports, group, ctx.world_size, layouts)
         except Exception as e:
             rep_error = f"replication failed: {e}"
             log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
