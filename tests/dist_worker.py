@@ -196,11 +196,21 @@ def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -
     return counts[0], counts[1]
 
 
+def ram_committed_steps(rank: int) -> list[int]:
+    """The steps with an index (manifest.json) in the RAM tier of `rank`'s simulated node (2 ranks a node)."""
+    from ftkit.tiers.ram import node_dir
+
+    node = node_dir(f"node{rank // 2}")
+    return sorted(
+        int(d.name[5:])
+        for d in os.scandir(node)
+        if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
+    )
+
+
 def ram_skip_on_rank0(rank: int, world: int) -> dict:
     """policy "skip" where only rank 0 runs out of staging slots at step 2."""
     import time
-
-    from ftkit.tiers.ram import node_dir
 
     state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
     budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
@@ -219,12 +229,7 @@ def ram_skip_on_rank0(rank: int, world: int) -> dict:
         ck.wait()
         skipped = ck.stats.skipped
     dist.barrier()
-    node = node_dir(f"node{rank // 2}")
-    committed = sorted(
-        int(d.name[5:])
-        for d in os.scandir(node)
-        if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
-    )
+    committed = ram_committed_steps(rank)
     return {"skipped": skipped, "committed": committed}
 
 
@@ -234,7 +239,6 @@ def ram_rank0_replication_fails(rank: int, world: int) -> dict:
     collector never hears it): the step must still not be committed anywhere."""
     import ftkit.save.node_commit as node_commit
     from ftkit.errors import StorageError
-    from ftkit.tiers.ram import node_dir
 
     real = node_commit.replicate
 
@@ -259,12 +263,7 @@ def ram_rank0_replication_fails(rank: int, world: int) -> dict:
                 dist.barrier()
     finally:
         node_commit.replicate = real
-    node = node_dir(f"node{rank // 2}")
-    committed = sorted(
-        int(d.name[5:])
-        for d in os.scandir(node)
-        if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
-    )
+    committed = ram_committed_steps(rank)
     return {"committed": committed, "errors": errors}
 
 
@@ -401,7 +400,6 @@ def skip_one_step(rank: int, world: int, tier: str, skipper: int) -> dict:
     from torch.distributed.distributed_c10d import _get_default_store
 
     from ftkit.format.reader import committed_steps
-    from ftkit.tiers.ram import node_dir
 
     state = {"w": torch.zeros(1 << 18)}
     tiers = [ftkit.Tier(tier, keep=5, **({"replicas": 1} if tier == "ram" else {}))]
@@ -430,12 +428,7 @@ def skip_one_step(rank: int, world: int, tier: str, skipper: int) -> dict:
     dist.barrier()
     counts.append(_get_default_store().num_keys())
     if tier == "ram":
-        node = node_dir(f"node{rank // 2}")
-        committed = sorted(
-            int(d.name[5:])
-            for d in os.scandir(node)
-            if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
-        )
+        committed = ram_committed_steps(rank)
     else:
         committed = committed_steps(ftkit.Tier(tier).open())
     return {"skipped": skipped, "new_keys": counts[1] - counts[0], "committed": committed}

@@ -4,11 +4,12 @@ An index (format/index.py) is a few hundred bytes per node plus the skeleton, wh
 of it (7 kB of a tiny GPT's 8 kB) and nearly the same at every step: the model's and the
 optimizer state's tensor placeholders never change, the optimizer's param groups and the
 scheduler's counters do. `json.dumps` of the whole was about a third of rank 0's commit
-(bench_dist.py). Here the skeleton's small dicts (its entries, an entry's kind and value, a
-state dict's two halves) are taken apart, and every bigger container below them is keyed by
-its `marshal` bytes (one C call, a seventh of the encode): a key seen before gives back its
-JSON text. `marshal` is exact where `==` is not (1, 1.0 and True, 0.0 and -0.0 are equal
-but encode differently): equal bytes, equal values, equal text. The result is byte for byte
+(bench_dist.py). Here the skeleton and its dict of entries are taken apart, and every
+container below them is looked up by its `marshal` bytes (one C call, a fifth to a seventh
+of the encode): a key seen before gives back its JSON text; on a miss a small dict (an entry's
+kind and value, a state dict's two halves) is taken apart in turn. `marshal` is exact where
+`==` is not (1, 1.0 and True, 0.0 and -0.0 are equal but encode differently): equal bytes,
+equal values, equal text. The result is byte for byte
 `format.index.encode_index(doc)` (tests/test_format_index.py).
 """
 
@@ -35,8 +36,8 @@ def _dumps(value: Any) -> str:
 
 
 def _text(value: Any, depth: int) -> str:
-    """`value`'s JSON text. A container is looked up by its marshal bytes (a fifth of a dumps);
-    on a miss a small dict is taken apart, so that its unchanged children are found again."""
+    """`value`'s JSON text. A container is looked up by its marshal bytes; on a miss a small
+    dict is taken apart, so that its unchanged children are found again."""
     if type(value) not in (dict, list):
         return _dumps(value)
     small = depth > 0 and type(value) is dict and len(value) <= _FEW and all(type(k) is str for k in value)
@@ -62,8 +63,7 @@ def _join(value: dict[str, Any], depth: int) -> str:
 
 
 def encode_index_reusing(doc: dict[str, Any]) -> bytes:
-    """format.index.encode_index(doc), the skeleton's unchanged containers from memory."""
-    if not all(type(k) is str for k in doc):
-        return _dumps(doc).encode()
+    """format.index.encode_index(doc) (format.index.index_doc's: its keys are strings), the
+    skeleton's unchanged containers from memory."""
     items = (f"{_dumps(k)}:{_text(v, _DEPTH) if k == 'skeleton' else _dumps(v)}" for k, v in doc.items())
     return ("{" + ",".join(items) + "}").encode()

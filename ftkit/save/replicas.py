@@ -105,9 +105,8 @@ def peer_reports(
     (Its collector then relays to nobody on a node of two ranks; rank 0 has a request more.)"""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
     exchanger = ctx.rank == group.exchanger
-    if ctx.rank == 0 and not collector:
-        return _read_as_rank0(group, layout, k, ctx, key, own_text)
-    if not collector:
+    reads_itself = ctx.rank == 0 and not collector  # (rank 0 is never relayed to)
+    if not collector and not reads_itself:
         raw = group.node_board().collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
         if raw is not None:
             doc = parse_json(raw, "the peer nodes' reports", "")
@@ -123,17 +122,22 @@ def peer_reports(
     sources = layout.source_nodes(ctx.rank, ctx.nodes, k)
     nodes = dict.fromkeys(sources + layout.target_nodes(ctx.rank, ctx.nodes, k))
     leaders = [layout.members[n][0] for n in nodes]
-    raws = ctx.wait_get([f"{key}/w/{s}" for s in leaders]) if leaders else []
+    # Rank 0 reads its own node's record too: its targets decide from it whether it sends.
+    keys = [f"{key}/w/{s}" for s in leaders] + ([f"{key}/w/{group.ranks[0]}"] if reads_itself else [])
+    raws = ctx.wait_get(keys) if keys else []
     texts: dict[int, str] = {}
     parts: dict[str, tuple[int, str]] = {}
     source_leaders = {layout.members[n][0] for n in sources}
-    for s, raw in zip(leaders, raws, strict=True):
+    for s, raw in zip(leaders, raws[: len(leaders)], strict=True):
         where = f"the reports of the node of rank {s}"
         doc = _node_doc(raw, where)
         texts.update(_node_texts(doc, group.members[s], where))
         part = _node_part_ref(doc) if s in source_leaders else None
         if part is not None:
             parts[part[0]] = (s, part[1])
+    if reads_itself:
+        mine = _node_doc(raws[-1], "the reports of this node").get("0")
+        return PeerWord(texts, own_text is not None and mine == own_text, {})
     if collector and any(r not in (ctx.rank, 0) for r in group.ranks):  # (rank 0 reads for itself)
         relay: dict[str, Any] = {str(r): t for r, t in texts.items()}
         if not exchanger:
@@ -142,22 +146,6 @@ def peer_reports(
                 relay["own"] = own_part
         group.to_ranks(name, relay, ctx.rank, but=(0,))
     return PeerWord(texts, collector, parts if exchanger else {}, own_part if exchanger else None)
-
-
-def _read_as_rank0(
-    group: NodeGroup, layout: ReplicaLayout, k: int, ctx: DistContext, key: str, own_text: str | None
-) -> PeerWord:
-    """peer_reports for rank 0 where another rank collects its node: the records of the nodes
-    it exchanges replicas with, and its own node's, in one wait and one multi_get."""
-    nodes = dict.fromkeys(layout.source_nodes(0, ctx.nodes, k) + layout.target_nodes(0, ctx.nodes, k))
-    leaders = [layout.members[n][0] for n in nodes]
-    raws = ctx.wait_get([f"{key}/w/{s}" for s in [*leaders, group.ranks[0]]])
-    texts: dict[int, str] = {}
-    for s, raw in zip(leaders, raws[:-1], strict=True):
-        where = f"the reports of the node of rank {s}"
-        texts.update(_node_texts(_node_doc(raw, where), group.members[s], where))
-    mine = _node_doc(raws[-1], "the reports of this node").get("0")
-    return PeerWord(texts, own_text is not None and mine == own_text, {})
 
 
 def _relayed_part(doc: Any) -> dict[str, Any] | None:
