@@ -100,12 +100,13 @@ def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, gr
 
 
 def abort_stale_uploads(storage: Storage, grace_s: float) -> int:
-    """A running job's share of collection on object stores: abort incomplete
-    uploads older than `grace_s` below the tier. Returns how many."""
+    """A running job's share of collection on object stores: abort ftkit's own incomplete
+    uploads older than `grace_s` below the tier (others' are never touched: uploads.py).
+    Returns how many."""
     now = time.time()
     n = 0
     for u in storage.incomplete_uploads():
-        if now - u["initiated"] >= grace_s:
+        if u["own"] and now - u["initiated"] >= grace_s:
             storage.abort_upload(u)
             n += 1
     return n

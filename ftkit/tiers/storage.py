@@ -332,12 +332,14 @@ class Storage:
 
     # -------------------------------------------------- object-store uploads
     def incomplete_uploads(self, rel: str = "") -> list[dict[str, Any]]:
-        """Multipart uploads started below `rel` and never completed (tiers/uploads.py)."""
+        """Multipart uploads started below `rel` and never completed, each marked `own`
+        (ftkit's, of this tier) or not: another writer's (tiers/uploads.py)."""
         with self._errors("listing incomplete uploads of", rel):
-            return list_incomplete_uploads(self.fs, self.path(rel))
+            return list_incomplete_uploads(self.fs, self.path(), rel)
 
     def abort_upload(self, upload: dict[str, Any]) -> None:
-        """Abort one incomplete multipart upload (from :meth:`incomplete_uploads`)."""
+        """Abort one of ftkit's own incomplete uploads (from :meth:`incomplete_uploads`);
+        a foreign one is refused (StorageError)."""
         with self._errors("aborting the upload of", upload["key"]):
             abort_upload(self.fs, self.path(), upload)
 

@@ -37,7 +37,9 @@ def cmd_ls(args) -> int:
             rows.append({**summary(load_manifest(storage, sd.step)), "status": "committed"})
         except CorruptCheckpointError as e:
             rows.append({"step": sd.step, "status": "bad-manifest", "error": str(e)})
-    uploads = storage.incomplete_uploads()
+    listed = storage.incomplete_uploads()
+    uploads = [u for u in listed if u["own"]]
+    foreign = [u for u in listed if not u["own"]]
     if not rows and not uploads:
         raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
     lines = [f"{'STEP':>10}  {'STATUS':<12} {'WORLD':>5} {'TENSORS':>7} {'STORED':>10} {'RAW':>10}  CREATED"]
@@ -57,12 +59,18 @@ def cmd_ls(args) -> int:
             f"{len(uploads)} incomplete multipart upload(s) (a writer died mid-upload; `ftkit gc` aborts "
             f"them): {', '.join(u['key'] for u in uploads[:3])}{' ...' if len(uploads) > 3 else ''}"
         )
+    if foreign:
+        lines.append(
+            f"{len(foreign)} foreign incomplete upload(s) below this prefix (not ftkit's files; gc leaves them "
+            f"alone): {', '.join(u['key'] for u in foreign[:3])}{' ...' if len(foreign) > 3 else ''}"
+        )
     emit(
         args,
         {
             "url": storage.display_url,
             "steps": rows,
             "incomplete_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in uploads],
+            "foreign_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in foreign],
         },
         "\n".join(lines),
     )

@@ -11,6 +11,8 @@ Order of calls (:func:`collect`)::
     execute    delete the planned steps (manifest first), the partial
                directories past the grace period, and, on object stores, the
                multipart uploads that writers killed mid-upload left behind
+               (ftkit's own only: another writer's below the prefix are counted
+               and left alone, tiers/uploads.py)
 
 A running job's retention (Checkpointer) applies the same rules, except that it
 trusts the step it has just committed instead of reading it back.
@@ -53,6 +55,7 @@ class Collected:
     failed_verification: dict[int, str] = field(default_factory=dict)  # step -> why
     uploads: list[dict[str, Any]] = field(default_factory=list)  # incomplete uploads aborted (or to abort)
     uploads_held: int = 0  # younger than the grace period
+    uploads_foreign: int = 0  # not ftkit's (another writer's below the prefix): never touched
     errors: list[str] = field(default_factory=list)  # deletions that failed (kept)
 
 
@@ -98,16 +101,17 @@ def collect(
 ) -> Collected:
     """Plan and (unless `dry_run`) carry out a collection of `storage` (module docstring).
 
-    Raises CheckpointNotFoundError when the URL holds no step directory and no
-    upload at all (a mistyped path is an error, not a quiet success)."""
+    Raises CheckpointNotFoundError when the URL holds no step directory and none of
+    ftkit's uploads (a mistyped path is an error, not a quiet success)."""
     infos, failed = survey(storage, progress=progress)
-    uploads = storage.incomplete_uploads()
+    listed = storage.incomplete_uploads()
+    uploads = [u for u in listed if u["own"]]
     if not infos and not uploads:
         raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint steps here (is the path right?)")
     plan = plan_collection(infos, keep, keep_every, grace_s)
     now = time.time()
     stale = [u for u in uploads if now - u["initiated"] >= grace_s]
-    done = Collected(plan, failed, stale, len(uploads) - len(stale))
+    done = Collected(plan, failed, stale, len(uploads) - len(stale), len(listed) - len(uploads))
     if dry_run:
         return done
     for step in plan.delete + plan.remove_partial:
@@ -166,6 +170,7 @@ def cmd_gc(args) -> int:
         "failed_verification": {str(k): v for k, v in done.failed_verification.items()},
         "aborted_uploads": [u["key"] for u in done.uploads],
         "held_uploads": done.uploads_held,
+        "foreign_uploads": done.uploads_foreign,
         "errors": done.errors,
     }
     lines = [
@@ -187,6 +192,8 @@ def cmd_gc(args) -> int:
             f"{verb} {len(done.uploads)} incomplete upload(s)"
             + (f"; {done.uploads_held} younger than {args.grace:.0f}s left alone" if done.uploads_held else "")
         )
+    if done.uploads_foreign:
+        lines.append(f"left alone {done.uploads_foreign} incomplete upload(s) that are not ftkit's (see `ftkit ls`)")
     lines += [f"error: {e}" for e in done.errors]
     emit(args, payload, "\n".join(lines))
     return EXIT_FAIL if done.errors else EXIT_OK

@@ -1,0 +1,56 @@
+"""Deprecated: ``ftkit.dist``, where earlier versions put the restart-safe process group.
+
+Earlier READMEs told trainers to call ``ftkit.dist.init_process_group("gloo")`` so
+that a torchrun restart would not read the previous attempt's rendezvous keys. That
+is no longer needed: ``import ftkit`` makes a plain
+``torch.distributed.init_process_group`` restart-safe (ftkit/coord/rendezvous.py), and
+``ftkit run`` does it for any trainer. The module moved to ``ftkit.coord.dist`` without
+a deprecation; these aliases keep trainers written against the old README working, with
+a DeprecationWarning that says what to use instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import Any
+
+_INSTEAD = (
+    "call torch.distributed.init_process_group after `import ftkit` (which makes it restart-safe "
+    "under torchrun), or launch with `ftkit run`"
+)
+
+# The old module's other public names, now in ftkit.coord.dist (ftkit's internals: no promise).
+_MOVED = ("DistContext", "node_id", "host_identity", "rendezvous_id")
+
+
+def init_process_group(backend: str | None = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> Any:
+    """Deprecated: torch.distributed.init_process_group with ftkit's restart-safe rendezvous.
+
+    The old signature stays: `backend` defaults to gloo, `timeout_s` is in seconds (30
+    minutes by default; torch's `timeout=` wins when given), every other keyword goes to
+    torch as it is. Returns what torch returns."""
+    warnings.warn(f"ftkit.dist.init_process_group is deprecated: {_INSTEAD}", DeprecationWarning, stacklevel=2)
+    import torch.distributed as dist
+
+    from ftkit.coord.rendezvous import install
+
+    install()  # (done by `import ftkit` already, unless FTKIT_ENV_RENDEZVOUS=0 turned it off)
+    kwargs.setdefault("timeout", timedelta(seconds=timeout_s))
+    return dist.init_process_group(backend, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"ftkit.dist.{name} is deprecated: it is ftkit.coord.dist.{name} now (ftkit's internals)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from ftkit.coord import dist
+
+        return getattr(dist, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["init_process_group"]
