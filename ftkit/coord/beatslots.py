@@ -10,7 +10,9 @@ rank on this machine, and what lets a 2-core machine simulate thousands of nodes
 (benchmarks/bench_scale.py).
 
 A slot is a header (magic, payload length, CRC-32 of the payload) and the beat, packed
-(`pack_beat`: fixed fields, then the host id; decoding one costs a fraction of JSON's).
+(`pack_beat`: fixed fields, then the host id, then its process's start time when a flag
+says it is there, so a beat written without one still reads; decoding one costs a
+fraction of JSON's).
 A write in place can be seen half done (the page copy of a tmpfs read takes no lock
 against a write), so a slot whose checksum fails is read once more, and after that it
 is silence for this round, as is anything malformed: the judges (coord/judge.py) take a
@@ -41,8 +43,9 @@ _MAGIC = b"ftb1"
 _ROOM = SLOT_BYTES - _HEADER.size
 # A beat: seq, step, busy, interval (NaN: none), pid (0: none), flags, the host id's length.
 _BEAT = struct.Struct("<qqddIBH")
-_DONE, _FAILED, _PREEMPT, _STOPPED, _HAS_STEP = 1, 2, 4, 8, 16
-MAX_HOST = _ROOM - _BEAT.size
+_START = struct.Struct("<Q")  # after the host id, with _HAS_START: when the beat's process started
+_DONE, _FAILED, _PREEMPT, _STOPPED, _HAS_STEP, _HAS_START = 1, 2, 4, 8, 16, 32
+MAX_HOST = _ROOM - _BEAT.size - _START.size
 
 
 class BeatSlots:
@@ -123,11 +126,13 @@ def pack_beat(beat: Beat) -> bytes:
         | (_PREEMPT if beat.preempt else 0)
         | (_STOPPED if beat.stopped else 0)
         | (_HAS_STEP if beat.step is not None else 0)
+        | (_HAS_START if beat.start is not None else 0)
     )
     nan = math.nan
     busy, interval = beat.busy, beat.interval
     fields = (beat.seq, beat.step or 0, nan if busy is None else busy, nan if interval is None else interval)
-    return _BEAT.pack(*fields, beat.pid or 0, flags, len(host)) + host
+    start = _START.pack(beat.start) if beat.start is not None else b""
+    return _BEAT.pack(*fields, beat.pid or 0, flags, len(host)) + host + start
 
 
 def unpack_beat(payload: bytes) -> Beat | None:
@@ -136,9 +141,11 @@ def unpack_beat(payload: bytes) -> Beat | None:
     if len(payload) < _BEAT.size:
         return None
     seq, step, busy, interval, pid, flags, host_len = _BEAT.unpack_from(payload)
-    if not 0 <= seq <= 2**62 or len(payload) != _BEAT.size + host_len:
+    end = _BEAT.size + host_len
+    if not 0 <= seq <= 2**62 or len(payload) != end + (_START.size if flags & _HAS_START else 0):
         return None
-    host = payload[_BEAT.size :] if host_len else None
+    host = payload[_BEAT.size : end] if host_len else None
+    (start,) = _START.unpack_from(payload, end) if flags & _HAS_START else (None,)
     try:
         host_id = host.decode() if host is not None else None
     except UnicodeDecodeError:
@@ -154,4 +161,5 @@ def unpack_beat(payload: bytes) -> Beat | None:
         bool(flags & _FAILED),
         bool(flags & _PREEMPT),
         bool(flags & _STOPPED),
+        start if start is not None and start < 2**62 else None,
     )

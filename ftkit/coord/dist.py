@@ -28,6 +28,7 @@ from typing import Any
 
 from ftkit.coord import generation
 from ftkit.errors import PeerTimeout, RecoveryRequested
+from ftkit.format.validate import parse_json, parse_message
 
 
 def node_id(rank: int) -> str:
@@ -183,8 +184,9 @@ class DistContext:
         self.store.set(key, json.dumps(value))
 
     def get(self, key: str, timeout_s: float | None = None) -> Any:
-        """The JSON value at `key`, waiting at most `timeout_s` for it to appear."""
-        return json.loads(self.get_raw(key, timeout_s))
+        """The JSON value at `key`, waiting at most `timeout_s` for it to appear (FormatError
+        when it is not ftkit's JSON: the store is untrusted input)."""
+        return parse_json(self.get_raw(key, timeout_s), f"store key {key[:120]!r}", "message")
 
     def get_raw(self, key: str, timeout_s: float | None = None) -> bytes:
         """The bytes at `key` as set, waiting at most `timeout_s` for them to appear."""
@@ -213,7 +215,7 @@ class DistContext:
         self.put(f"{key}/{self.rank}", value)
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         self._wait(keys, timeout_s)
-        return [json.loads(v) for v in self.store.multi_get(keys)]
+        return [parse_message(v) for v in self.store.multi_get(keys)]  # (malformed: None, as silence)
 
     def gather_to_root(self, key: str, value: Any, ranks: Sequence[int], timeout_s: float | None = None) -> Any:
         """`value` of each of `ranks` ({rank: value}) on rank 0 only; None elsewhere. Every
@@ -227,7 +229,7 @@ class DistContext:
         keys = [f"{key}/{r}" for r in others]
         if keys:
             self._wait(keys, timeout_s)
-        got = dict(zip(others, (json.loads(v) for v in self.store.multi_get(keys)))) if keys else {}
+        got = dict(zip(others, (parse_message(v) for v in self.store.multi_get(keys)))) if keys else {}
         return {**got, **({0: value} if 0 in ranks else {})}
 
     def leaders(self) -> list[int]:

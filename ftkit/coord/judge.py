@@ -26,13 +26,14 @@ silence), and done ranks are never hung.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import statistics
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ftkit.format.validate import parse_message
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class Beat:
     failed: bool = False
     preempt: bool = False
     stopped: bool = False  # its watchdog has stopped: the rank's last beat
+    # When its process started (clock ticks since boot, warm/client.py process_start): with `pid`,
+    # which process a verdict may kill (a pid reused since is another's). None: not recorded.
+    start: int | None = None
 
     @property
     def timing(self) -> Timing:
@@ -350,7 +354,4 @@ def ring(nodes: list[str], watch: int = 2) -> tuple[list[str], Callable[[str], l
 
 def decode_json(raw: bytes) -> Any:
     """A store value as JSON, or None (empty, or not JSON: untrusted input is silence)."""
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        return None
+    return parse_message(raw)

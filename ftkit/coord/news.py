@@ -28,6 +28,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.format.validate import parse_message
+
 log = logging.getLogger("ftkit")
 
 NEWS_KEY = "commit/ram-news"  # below the Checkpointer's store scope
@@ -50,10 +52,7 @@ class Settled:
     @staticmethod
     def parse(raw: bytes | str) -> Settled | None:
         """The news in `raw`, or None when it is empty or malformed."""
-        try:
-            doc: Any = json.loads(raw) if raw else None
-        except (ValueError, UnicodeDecodeError):
-            return None
+        doc: Any = parse_message(raw)
         if not isinstance(doc, dict):
             return None
         epoch: Any = doc.get("epoch")

@@ -39,6 +39,7 @@ from typing import Any
 from ftkit.coord import generation
 from ftkit.coord.beatslots import BeatSlots
 from ftkit.coord.mailbox import Addresses, Mailbox, box_name, message_frame, notice_frame, post
+from ftkit.format.validate import parse_message
 from ftkit.tiers.ram import private_subdir
 
 MAX_BYTES = 64 * 1024  # a verdict or a preemption notice is a few hundred bytes
@@ -108,10 +109,7 @@ class NodeBoard:
         data = self.read_bytes(name, MAX_BYTES)
         if data is None:
             return None
-        try:
-            return json.loads(data)
-        except ValueError:
-            return None
+        return parse_message(data)
 
     def read_bytes(self, name: str, max_bytes: int) -> bytes | None:
         """The bytes of `name`, or None (missing, a link, not a regular file, over `max_bytes`)."""

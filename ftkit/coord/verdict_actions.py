@@ -7,8 +7,10 @@ a standing verdict (relayed on its node's board, or read from the store) only
 `join()`s. Joining relays the verdict to the node's board, logs and records it, and then
 either hands it to an in-process recovery (`ftkit.run_in_process`: a failed rank or a
 straggler, or a dead or hung rank its warm client replaces) or kills the target if it is
-a process on this host and ends this worker with `os._exit` (``sys.exit`` in a thread
-only ends the thread), so torchrun restarts the group.
+a process on this host, and still the one its heartbeat came from (`kill_if_same`: the
+pid's start time is the one the heartbeat recorded; a pid reused since is spared), and
+ends this worker with `os._exit` (``sys.exit`` in a thread only ends the thread), so
+torchrun restarts the group.
 """
 
 from __future__ import annotations
@@ -27,12 +29,44 @@ from ftkit.coord.dist import DistContext
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, Verdict, WatchdogConfig, decode_json
 from ftkit.coord.nodelocal import NodeBoard
-from ftkit.warm.client import replacements_allowed
+from ftkit.warm.client import process_start, replacements_allowed
 
 log = logging.getLogger("ftkit")
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
 IN_PROCESS_VERDICTS = ("failed", "straggler")  # the ranks judged are alive: run_in_process recovers in place
 VERDICT = "wd/verdict"
+GONE = "its process is gone"
+
+
+def kill_if_same(pid: int, start: int | None) -> str | None:
+    """SIGKILL `pid` if it is still the process its heartbeat came from: the one that started at
+    `start` (warm/client.py process_start, recorded with the heartbeat's pid). None once killed;
+    else why not (it is gone, or the pid is another process's now). A heartbeat without a start
+    (written by an older ftkit) is killed by its pid alone, as it was before starts were recorded."""
+    try:
+        pidfd: int | None = os.pidfd_open(pid)  # holds this process: a reuse of the pid after the check cannot matter
+    except ProcessLookupError:
+        return GONE
+    except (AttributeError, OSError):  # no pidfds here (not Linux 5.3+): check, then kill by pid
+        pidfd = None
+    try:
+        now = process_start(pid)
+        if start is not None and now is None:
+            return GONE
+        if start is not None and now != start:
+            return f"the pid is another process's now (started at tick {now}, not {start})"
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        return None
+    except ProcessLookupError:
+        return GONE
+    except PermissionError:
+        return "not permitted"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def replaceable(verdict: Verdict, me: int) -> bool:
@@ -124,8 +158,10 @@ class VerdictActions:
     def kill_if_local(self, rank: int) -> None:
         beat = self._beat_of(rank)
         if rank != self.ctx.rank and self._local(beat) and beat is not None and beat.pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(beat.pid, signal.SIGKILL)
+            spared = kill_if_same(beat.pid, beat.start)
+            if spared:  # (gone is the usual end of a dead rank; a pid reused since is worth a warning)
+                level = logging.INFO if spared == GONE else logging.WARNING
+                log.log(level, "ftkit watchdog: not killing pid %d of rank %d: %s", beat.pid, rank, spared)
 
     def _recover_in_process(self, verdict: Verdict) -> bool:
         """Under ftkit.run_in_process, a failed rank (alive: its loop raised) or a straggler is

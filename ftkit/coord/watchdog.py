@@ -24,7 +24,8 @@ never the global store. Then:
 A verdict is posted once to one store key (compare-and-set: the first judge
 wins, later ones join it; coord/verdict_actions.py). Every rank that learns it records it, kills the
 target if it is a process on this host (same host name, boot id and pid
-namespace: dist.host_identity; a stopped process would hold up the restart) and
+namespace: dist.host_identity; and still the process that beat, by the start time its
+heartbeat recorded; a stopped process would hold up the restart) and
 ends with `os._exit` (``sys.exit`` in a thread only ends the thread), so
 torchrun restarts the group and no survivor waits in a collective until its
 timeout. A straggler is reported; with `straggler_action="abort"` background
@@ -59,7 +60,8 @@ from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
 from ftkit.coord.preemption import parse_preemption_notice, preemption_notice
 from ftkit.coord.verdict_actions import VERDICT, VerdictActions
-from ftkit.warm.client import process_stopped  # (the warm client asks the same of its worker)
+from ftkit.format.validate import rank_key
+from ftkit.warm.client import process_start, process_stopped  # (the warm client asks the same of its worker)
 
 log = logging.getLogger("ftkit")
 PREEMPT, DONE = "wd/preempt", "wd/done"
@@ -94,6 +96,7 @@ class Watchdog:
         self._first_grad: float | None = None
         self._seq = 0
         self._host_id = host_identity()  # whose pids we may look up and kill (None: nobody's)
+        self._start = process_start(os.getpid())  # with the pid in each beat: this process, not a reuser of its pid
         self._finished = False  # finish() was called: heartbeats say "done"
         self._all_done = False  # every rank of every node has finished
         self._stop = threading.Event()
@@ -245,6 +248,7 @@ class Watchdog:
             failed,
             bool(self._preempted and self._preempted() is not None),
             stopped,
+            self._start,
         )
 
     def _publish(self) -> None:
@@ -294,7 +298,7 @@ class Watchdog:
         verdict_raw, preempt_raw, done_raw = values[-3:]
         verdict = Verdict.from_json(decode_json(verdict_raw))
         peer = parse_preemption_notice(decode_json(preempt_raw))
-        done = int(done_raw) if done_raw.isdigit() else 0
+        done = rank_key(done_raw.decode("ascii", "replace")) or 0  # (a count of ranks, as the store's add writes it)
         return nodes, verdict, peer, done
 
     def _caught_up(self, now: float, *judges: RankJudge | RingJudge) -> None:

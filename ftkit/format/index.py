@@ -46,12 +46,18 @@ from ftkit.format.validate import (
     check_file_name,
     manifest_from_doc,
     parse_json,
+    rank_key,
     tensor_entry,
 )
 
 INDEX_VERSION = 3
 PART_FORMAT = "ftkit-checkpoint-part"
-MAX_PART_BYTES = 2**32  # a part lists one node's tensor entries: megabytes, not gigabytes
+# A part lists one node's tensor entries (about 250 bytes a shard): megabytes even for
+# eight ranks of a model of tens of thousands of tensors, never a gigabyte. The index
+# (or a single-document manifest of versions 1-2) is smaller still, but for a skeleton
+# that carries a long history (a trainer's log). Larger files are refused unread.
+MAX_PART_BYTES = 2**30
+MAX_MANIFEST_BYTES = 2**30
 
 
 def part_file_name(first_rank: int) -> str:
@@ -251,7 +257,7 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
     if not isinstance(states, dict):
         raise FormatError("'rank_state' must be an object")
     for r, st in states.items():
-        if not (isinstance(r, str) and r.isdigit() and int(r) in ref.ranks):
+        if rank_key(r) not in ref.ranks:
             raise FormatError(f"rank_state has an entry for rank {str(r)[:20]!r} of another part")
         rank_state[r] = st
 

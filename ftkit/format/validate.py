@@ -27,7 +27,7 @@ import math
 import re
 from typing import Any
 
-from ftkit.errors import FormatError
+from ftkit.errors import FormatError, one_line
 from ftkit.format.manifest import (
     CODECS,
     DTYPES,
@@ -49,6 +49,11 @@ MAX_STEP = 10**12 - 1  # step directories have 12 digits
 MAX_WORLD = 2**24
 MAX_NDIM = 64
 MAX_NAME = 4096
+MAX_INT_DIGITS = 320  # a skeleton's integers stay within 2**1024 (skeleton_values.py): 309 digits
+MAX_NUMBER_CHARS = 400
+RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,7})$")  # ASCII only: str.isdigit() takes "²", which int() refuses
+STEP_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,11})$")
+MAX_CREATED_AT = 2.0**40  # seconds since 1970: tens of thousands of years
 ZSTD_MAX_RATIO = 32768  # a zstd block of <= 128 KiB needs >= 4 stored bytes
 CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cannot back an $ndarray
@@ -87,16 +92,34 @@ def parse_header(data: bytes | str, where: str) -> tuple[dict[str, Any], int]:
     return doc, version
 
 
-def parse_json(data: bytes | str, where: str, what: str) -> Any:
-    """JSON as ftkit writes it: UTF-8, no NaN/Infinity, no float that overflows."""
+def parse_json(data: bytes | str | bytearray | memoryview, where: str, what: str) -> Any:
+    """The one parser of untrusted JSON: a manifest, a part, an index, a store or board
+    message. JSON as ftkit writes it (UTF-8, no NaN/Infinity, no float that overflows, no
+    integer of more than MAX_INT_DIGITS digits); anything else, whatever Python's own
+    conversions would raise (ValueError, OverflowError, RecursionError), is a FormatError
+    naming `where`, and nothing else ever escapes."""
     try:
-        return _DECODER.decode(data.decode() if isinstance(data, (bytes, bytearray)) else data)
+        text = bytes(data).decode() if isinstance(data, (bytes, bytearray, memoryview)) else data
+        return _DECODER.decode(text)
     except FormatError as e:
         raise FormatError(f"{where}: {what} {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"{where}: {what} is not valid JSON ({getattr(e, 'msg', None) or e})") from None
     except RecursionError:
         raise FormatError(f"{where}: {what} is nested too deeply") from None
+    except (ValueError, OverflowError, TypeError, MemoryError) as e:  # Python's own conversion limits
+        raise FormatError(f"{where}: {what} is unreadable ({one_line(e, 80)})") from None
+
+
+def parse_message(raw: bytes | str | None) -> Any:
+    """A store or node-board message as JSON, or None when it is empty or not ftkit's JSON
+    (untrusted input that does not parse is silence to its reader, never an exception)."""
+    if not raw:
+        return None
+    try:
+        return parse_json(raw, "message", "")
+    except FormatError:
+        return None
 
 
 def _no_constant(name: str) -> Any:
@@ -104,13 +127,24 @@ def _no_constant(name: str) -> Any:
 
 
 def _finite_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise FormatError(f"holds a number of {len(text)} characters")
     value = float(text)
     if not math.isfinite(value):
         raise FormatError(f"holds the number {text[:40]}, which overflows")
     return value
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)  # one, not one per call
+def _bounded_int(text: str) -> int:
+    # Python refuses int() of over 4,300 digits with a ValueError; refuse far sooner, as ours.
+    if len(text) > MAX_INT_DIGITS + 1:
+        raise FormatError(f"holds an integer of {len(text)} digits")
+    return int(text)
+
+
+_DECODER = json.JSONDecoder(  # one, not one per call
+    parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int
+)
 
 
 def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
@@ -142,13 +176,13 @@ def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
     if not isinstance(rank_state, dict):
         raise FormatError("'rank_state' must be an object")
     for r, st in rank_state.items():
-        if not r.isdigit() or int(r) >= world or not isinstance(st, dict):
+        if rank_key(r, world) is None or not isinstance(st, dict):
             raise FormatError(f"rank_state has a bad entry for rank {r[:20]!r}")
         own = {t.name for t in tensors if t.kind == "rank-local" and t.name.startswith(f"_rng/r{r}/")}
         check_rank_state(st, own, f"rank_state of rank {r}", numpy_ok)
     created = doc.get("created_at", 0.0)
-    if type(created) not in (int, float):
-        raise FormatError("'created_at' must be a number")
+    if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED_AT:
+        raise FormatError(f"'created_at' must be a time in seconds since 1970 ({str(created)[:40]!r})")
     writer = doc.get("writer", {})
     if not isinstance(writer, dict):
         raise FormatError("'writer' must be an object")
@@ -335,6 +369,19 @@ def report_tensors(docs: Any, file: str, nbytes: Any, world: int, where: str) ->
 
 
 # -------------------------------------------------------------------- basics
+def rank_key(key: Any, world: int | None = None) -> int | None:
+    """A rank written as an object key ("12"), below `world` when given; None if it is not one."""
+    if not isinstance(key, str) or not RANK_KEY_RE.match(key):
+        return None
+    rank = int(key)
+    return rank if world is None or rank < world else None
+
+
+def step_key(key: Any) -> int | None:
+    """A step written as an object key ("120"); None if it is not one."""
+    return int(key) if isinstance(key, str) and STEP_KEY_RE.match(key) else None
+
+
 def _int(v: Any, what: str, lo: int, hi: int) -> int:
     if type(v) is not int:
         raise FormatError(f"{what} is not an integer ({str(v)[:40]!r})")

@@ -20,8 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.errors import FormatError, one_line
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import Manifest
+from ftkit.format.validate import MAX_STEP, MAX_WORLD, _int, check_file_name, step_key
 from ftkit.save.sharding import overlap
 from ftkit.tiers.peers import Transfer
 
@@ -49,34 +51,51 @@ class Candidate:
         }
 
     @staticmethod
-    def from_json(doc: Mapping[str, Any]) -> Candidate:
-        return Candidate(
-            int(doc["step"]),
-            int(doc["tier"]),
-            {str(f): tuple(int(r) for r in rs) for f, rs in doc.get("holders", {}).items()},
-            None if doc.get("manifest_rank") is None else int(doc["manifest_rank"]),
-            {str(f): int(r) for f, r in doc.get("part_holders", {}).items()},
-        )
+    def from_json(doc: Any) -> Candidate:
+        """A candidate as rank 0 broadcast it (a store message: FormatError when malformed)."""
+        rank = lambda r: _int(r, "rank", 0, MAX_WORLD)
+        try:
+            return Candidate(
+                _int(doc["step"], "step", 0, MAX_STEP),
+                _int(doc["tier"], "tier", 0, 1 << 16),
+                {check_file_name(f): tuple(rank(r) for r in rs) for f, rs in doc["holders"].items()},
+                None if doc["manifest_rank"] is None else rank(doc["manifest_rank"]),
+                {check_file_name(f): rank(r) for f, r in doc["part_holders"].items()},
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise FormatError(f"a malformed restore candidate from rank 0 ({one_line(e, 80)})") from None
 
 
 def _inventory_entries(inv: Any):
     """(step, files held, files the manifest needs or None, the manifest's digest or None,
     whether the node has the index but not every part, the parts the index names or None)
-    of one rank's inventory, skipping anything malformed: inventories come through the store."""
+    of one rank's inventory, skipping anything malformed: inventories come through the store,
+    so steps and file names pass the same checks as names read from disk (a name that would
+    leave its step directory, "part-/../../x.json", is no name)."""
     if not isinstance(inv, Mapping):
         return
     for s, info in inv.items():
-        if not (isinstance(s, str) and s.isdigit() and isinstance(info, Mapping)):
+        step = step_key(s)
+        if step is None or not isinstance(info, Mapping):
             continue
-        have, need, digest = info.get("have"), info.get("need"), info.get("digest")
-        if not isinstance(have, list) or not all(isinstance(f, str) for f in have):
+        have, need, digest, parts = info.get("have"), info.get("need"), info.get("digest"), info.get("parts")
+        if not _names(have) or (need is not None and not _names(need)) or (parts is not None and not _names(parts)):
             continue
-        if need is not None and (not isinstance(need, list) or not all(isinstance(f, str) for f in need)):
+        if parts is not None and not all(is_part_file(f) for f in parts):
             continue
-        parts = info.get("parts")
-        if parts is not None and (not isinstance(parts, list) or not all(isinstance(f, str) for f in parts)):
-            continue
-        yield int(s), have, need, digest if isinstance(digest, str) else None, isinstance(info.get("index"), str), parts
+        yield step, have, need, digest if isinstance(digest, str) else None, isinstance(info.get("index"), str), parts
+
+
+def _names(files: Any) -> bool:
+    """Whether `files` is a list of plain file names inside a step directory."""
+    if not isinstance(files, list):
+        return False
+    try:
+        for f in files:
+            check_file_name(f)
+    except FormatError:
+        return False
+    return True
 
 
 def _new_entry() -> dict[str, Any]:

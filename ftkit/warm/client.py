@@ -95,6 +95,20 @@ def process_stopped(pid: Any) -> bool:
         return False
 
 
+def process_start(pid: Any) -> int | None:
+    """When a process on this host started: clock ticks since boot (/proc/PID/stat field 22), or
+    None if there is no such process (or no /proc). With its pid it names one process for good: a
+    pid reused by a later process comes with another start (the watchdog checks it before a kill).
+    Ticks, not psutil's create_time(): that adds a boot time that moves with the wall clock."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _cold(argv: list[str]) -> NoReturn:
     """Become the cold launcher, in this same process (torchrun keeps its pid). What a warm
     torchrun agent's own client put in the environment (its start, its pid) is not this worker's."""

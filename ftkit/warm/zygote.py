@@ -20,7 +20,11 @@ standard streams, a fresh session (its own process group, as torchrun gives a
 cold worker), fresh ``random``/``numpy`` seeds, and no signal handler of the
 zygote's. The zygote reaps it and sends its end to the client; a client whose
 connection closes (torchrun SIGKILLed it) gets its worker's process group
-SIGKILLed. Only processes of the zygote's own user may connect (SO_PEERCRED).
+SIGKILLed. Only processes of the zygote's own user may connect (SO_PEERCRED). A
+request is read as it arrives, never waited for: a connection that sends no whole
+request within REQUEST_TIMEOUT_S is dropped at its own deadline, and delays no other
+client's warm start meanwhile (at most MAX_PENDING are read at once; the rest wait
+in the listener's backlog).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from ftkit.warm import agent
 from ftkit.warm import client as wire
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "ftkit", "ftkit.tools.launch")
-REQUEST_TIMEOUT_S = 5.0  # a client sends its request as soon as it connects
+REQUEST_TIMEOUT_S = 5.0  # a client sends its request as soon as it connects: one silent this long is dropped
+MAX_PENDING = 64  # requests read at once; more connections wait in the listener's backlog (bounded fds)
 
 
 @dataclass(frozen=True)
@@ -143,19 +148,35 @@ def _say(message: str, quiet: bool = False) -> None:
         print(f"ftkit zygote: {message}", file=sys.stderr, flush=True)
 
 
-def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    conn.settimeout(REQUEST_TIMEOUT_S)
-    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-    try:
-        if len(data) < 4:
-            data += wire.recv_exact(conn, 4 - len(data))
-        (size,) = struct.unpack(">I", data[:4])
+class _Pending:
+    """A connection whose request is still arriving, read as it comes (the connection is
+    non-blocking): a silent or slow client holds up nobody else, and is dropped at its own
+    deadline."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.data = bytearray()
+        self.fds: list[int] = []
+
+    def read(self, conn: socket.socket) -> tuple[dict, list[int]] | None:
+        """Take what `conn` has sent so far: the request (and its streams) once it is whole, else
+        None. Raises on a closed connection or a malformed request; `close()` then."""
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+        except BlockingIOError:  # (woken with nothing to read after all)
+            return None
+        self.fds += fds
+        if not data:
+            raise EOFError("connection closed")
+        self.data += data
+        if len(self.data) < 4:
+            return None
+        (size,) = struct.unpack_from(">I", self.data)
         if size > wire.MAX_MESSAGE:
             raise ValueError(f"request of {size} bytes")
-        body = data[4:]
-        if len(body) < size:
-            body += wire.recv_exact(conn, size - len(body))
-        doc = json.loads(body)
+        if len(self.data) < 4 + size:
+            return None
+        doc = json.loads(self.data[4:])  # (bytes past `size` make it malformed, as they should)
         if (
             not isinstance(doc, dict)
             or not isinstance(doc.get("argv"), list)
@@ -163,15 +184,17 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
             or not isinstance(doc.get("env"), dict)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc["env"].items())
             or not isinstance(doc.get("cwd"), str)
-            or len(fds) != 3
+            or len(self.fds) != 3
         ):
             raise ValueError("malformed request")
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    conn.settimeout(None)
-    return doc, fds
+        fds, self.fds = self.fds, []  # the caller's now
+        return doc, fds
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
 
 
 def _same_user(conn: socket.socket) -> bool:
@@ -242,7 +265,11 @@ def _reseed() -> None:
 
 
 def serve(listener: socket.socket) -> Task | None:
-    """Fork a worker per request until SIGTERM. Returns only in a forked child (its task)."""
+    """Fork a worker per request until SIGTERM. Returns only in a forked child (its task).
+
+    Requests are read as they arrive, never waited for: each connection has until its own
+    deadline (REQUEST_TIMEOUT_S after it was accepted) to send its request, and a silent or
+    slow one is dropped then, while the others' requests are served as they complete."""
     me = os.getpid()
     stopping = False
 
@@ -257,9 +284,12 @@ def serve(listener: socket.socket) -> Task | None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    listener.setblocking(False)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
+    listening = True
+    pending: dict[socket.socket, _Pending] = {}  # in the order accepted: their deadlines' order too
     by_pid: dict[int, socket.socket | None] = {}  # None: its client is gone
     by_conn: dict[socket.socket, int] = {}
 
@@ -280,42 +310,88 @@ def serve(listener: socket.socket) -> Task | None:
                     wire.send_message(conn, _status(raw))
                 conn.close()
 
+    def drop(conn: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        pending.pop(conn).close()
+        conn.close()
+
+    def accept() -> None:
+        while len(pending) < MAX_PENDING:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # (BlockingIOError: none left in the backlog)
+                return
+            try:
+                if not _same_user(conn):
+                    wire.send_message(conn, {"error": "not the zygote's user"})
+                    conn.close()
+                    continue
+                conn.setblocking(False)
+            except OSError as e:
+                _say(f"a bad connection: {e}")
+                conn.close()
+                continue
+            pending[conn] = _Pending(time.monotonic() + REQUEST_TIMEOUT_S)
+            sel.register(conn, selectors.EVENT_READ, pending[conn])
+
+    def fork(conn: socket.socket, request: dict, fds: list[int]) -> Task | None:
+        pid = os.fork()
+        if pid == 0:
+            sel.close()
+            others = [fd for p in pending.values() for fd in p.fds]  # other clients' streams are not its own
+            return _become_worker(request, fds, [listener, conn, *by_conn, *pending, *others, wake_r, wake_w])
+        for fd in fds:
+            os.close(fd)
+        conn.setblocking(True)  # (its replies are a few bytes: they never wait)
+        try:
+            wire.send_message(conn, {"pid": pid})
+        except OSError:  # the client is gone already: so must the worker be
+            _kill_group(pid)
+        by_pid[pid] = conn
+        by_conn[conn] = pid
+        sel.register(conn, selectors.EVENT_READ)
+        return None
+
     try:
         while not stopping:
-            for key, _ in sel.select(timeout=1.0):
+            now = time.monotonic()
+            while pending:  # the oldest first: theirs are the nearest deadlines
+                conn, p = next(iter(pending.items()))
+                if p.deadline > now:
+                    break
+                _say(f"dropped a client that sent no whole request within {REQUEST_TIMEOUT_S:.0f}s")
+                drop(conn)
+            if listening != (len(pending) < MAX_PENDING):  # full: the rest wait in the backlog
+                listening = not listening
+                if listening:
+                    sel.register(listener, selectors.EVENT_READ)
+                else:
+                    sel.unregister(listener)
+            timeout = 1.0 if not pending else min(1.0, max(0.0, next(iter(pending.values())).deadline - now))
+            for key, _ in sel.select(timeout=timeout):
                 if key.fileobj is listener:
-                    try:
-                        conn, _ = listener.accept()
-                    except OSError:
-                        continue
-                    try:
-                        if not _same_user(conn):
-                            wire.send_message(conn, {"error": "not the zygote's user"})
-                            conn.close()
-                            continue
-                        request, fds = _read_request(conn)
-                    except (OSError, EOFError, ValueError) as e:
-                        _say(f"a bad request: {e}")
-                        conn.close()
-                        continue
-                    pid = os.fork()
-                    if pid == 0:
-                        sel.close()
-                        return _become_worker(request, fds, [listener, conn, *by_conn, wake_r, wake_w])
-                    for fd in fds:
-                        os.close(fd)
-                    try:
-                        wire.send_message(conn, {"pid": pid})
-                    except OSError:  # the client is gone already: so must the worker be
-                        _kill_group(pid)
-                    by_pid[pid] = conn
-                    by_conn[conn] = pid
-                    sel.register(conn, selectors.EVENT_READ)
+                    accept()
                 elif key.fileobj is wake_r:
                     with contextlib.suppress(OSError):
                         while os.read(wake_r, 512):
                             pass
-                else:  # a client spoke or closed: it has nothing to say, so it is gone
+                elif isinstance(key.data, _Pending):  # a request arriving
+                    conn = key.fileobj  # type: ignore[assignment]
+                    try:
+                        whole = key.data.read(conn)
+                    except (OSError, EOFError, ValueError, RecursionError) as e:  # (deep JSON: RecursionError)
+                        _say(f"a bad request: {e}")
+                        drop(conn)
+                        continue
+                    if whole is None:
+                        continue
+                    sel.unregister(conn)
+                    del pending[conn]
+                    task = fork(conn, *whole)
+                    if task is not None:
+                        return task
+                else:  # a served client spoke or closed: it has nothing to say, so it is gone
                     conn = key.fileobj  # type: ignore[assignment]
                     gone = True
                     with contextlib.suppress(OSError):
@@ -328,6 +404,8 @@ def serve(listener: socket.socket) -> Task | None:
             reap()
     finally:
         if os.getpid() == me:
+            for conn in list(pending):
+                drop(conn)
             for pid in list(by_pid):
                 _kill_group(pid)
             deadline = time.monotonic() + 5
