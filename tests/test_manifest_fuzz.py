@@ -83,7 +83,7 @@ def _mutate(doc, rng: random.Random, strings: list[str]):
     if isinstance(value, list):
         choices += ["drop", "dup", "empty", "swap"]
     if isinstance(value, dict):
-        choices += ["del_key", "add_key"]
+        choices += ["del_key", "add_key", "rename_key"]
     if isinstance(value, int) and not isinstance(value, bool):
         choices += ["nudge", "nudge", "scale"]
     if isinstance(value, str):
@@ -104,6 +104,9 @@ def _mutate(doc, rng: random.Random, strings: list[str]):
                 2**70,
                 0.5,
                 "__INF__",
+                "__BIGINT__",
+                "__HUGEINT__",
+                "\u00b2",
                 "",
                 "../x",
                 "a" * 300,
@@ -129,6 +132,9 @@ def _mutate(doc, rng: random.Random, strings: list[str]):
         value.pop(rng.choice(list(value)))
     elif how == "add_key":
         value[rng.choice(["$tensor", "$items", "extra", "bytes", "chunks"])] = rng.choice([1, "x", [], None])
+    elif how == "rename_key" and value:
+        key = rng.choice(list(value))
+        value[rng.choice(["\u00b2", "-1", "01", "1" * 40, "$tensor", ""])] = value.pop(key)
     elif how == "nudge":
         doc = _set(doc, path, value + rng.choice([-1, 1, -64, 64, 4096]))
     elif how == "scale":
@@ -136,6 +142,13 @@ def _mutate(doc, rng: random.Random, strings: list[str]):
     elif how == "other_string":
         doc = _set(doc, path, rng.choice(strings))
     return doc, f"{how} at {'/'.join(map(str, path))}"
+
+
+def _raw_numbers(text: str) -> str:
+    """What json.dumps cannot write: a float that overflows, integers Python will not convert."""
+    return (
+        text.replace('"__INF__"', "1e400").replace('"__BIGINT__"', "1" * 5000).replace('"__HUGEINT__"', "1" + "0" * 400)
+    )
 
 
 def _strings(doc) -> list[str]:
@@ -162,7 +175,7 @@ def test_random_mutations_never_crash_and_never_verify_garbage(tmp_path, world_s
     verified_ok = 0
     for i in range(ITERATIONS):
         doc, what = _mutate(doc0, rng, strings)
-        write_manifest_doc(path, doc, lambda text: text.replace('"__INF__"', "1e400"))  # the part rehashed
+        write_manifest_doc(path, doc, _raw_numbers)  # the part rehashed
         ctx = f"seed {seed} iteration {i}: {what}"
         m = _load_or_none(storage, ctx)
         r = run_cli("verify", str(root))
@@ -226,8 +239,8 @@ def test_random_mutations_of_the_index_and_its_part_as_written(tmp_path):
         ctx = f"iteration {i}: {what}"
         if not isinstance(doc, dict) or not isinstance(doc.get("index"), dict) or "part" not in doc:
             continue
-        path.write_text(json.dumps(doc["index"]).replace('"__INF__"', "1e400"))
-        part_path.write_text(json.dumps(doc["part"]).replace('"__INF__"', "1e400"))
+        path.write_text(_raw_numbers(json.dumps(doc["index"])))
+        part_path.write_text(_raw_numbers(json.dumps(doc["part"])))
         m = _load_or_none(storage, ctx)
         r = run_cli("verify", str(root))
         assert r.returncode == (1 if m is None else 0), f"{ctx}: {r.stdout}{r.stderr}"
@@ -238,3 +251,99 @@ def test_random_mutations_of_the_index_and_its_part_as_written(tmp_path):
             assert all(torch.equal(got[t.name], values[t.name]) for t in original.tensors), ctx
     _restore_files(path, pristine)
     assert rejected > 0 and run_cli("verify", str(root)).returncode == 0
+
+
+def test_random_mutations_never_reach_the_live_state(tmp_path):
+    """A restore over a mutated step 2 (skeleton, parts, rank state, index: every field, the
+    part rehashed) either loads a step whole, or changes nothing: it never raises anything
+    but an FtkitError, never leaves a live key holding another kind of thing, loads step 1
+    exactly when it falls back, and leaves the live state byte for byte as it was when it
+    gives up; the process's memory does not grow on a manifest's word."""
+    import resource
+
+    from test_live_state import fingerprint, live_state, values
+
+    from ftkit.errors import FtkitError
+    from ftkit.save.capture import entry_kind
+
+    root = tmp_path / "ckpt"
+    state = live_state(1)
+    refs = {}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=5)]) as ck:
+        for step in (1, 2):
+            state["w"].add_(1.0)
+            state["epoch"] += 1
+            ck.snapshot(step)
+            ck.wait()
+            refs[step] = values(state)
+    path = root / step_dir_name(2) / MANIFEST_NAME
+    pristine = {f: f.read_bytes() for f in path.parent.glob("*.json")}
+    doc0 = manifest_doc(path)
+    rng, strings = random.Random(5), _strings(doc0)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    outcomes: dict[str, int] = {}
+    for i in range(max(ITERATIONS // 2, 40)):
+        doc, what = _mutate(doc0, rng, strings)
+        write_manifest_doc(path, doc, _raw_numbers)
+        ctx = f"iteration {i}: {what}"
+        live = live_state(7)
+        kinds = {k: (entry_kind(v), type(v) if entry_kind(v) != "value" else None) for k, v in live.items()}
+        objects = {k: id(v) for k, v in live.items() if entry_kind(v) != "value"}
+        before = fingerprint(live)
+        try:
+            with ftkit.Checkpointer(live, [str(root)]) as ck:
+                step = ck.restore()
+        except FtkitError:
+            assert fingerprint(live) == before, f"{ctx}: a failed restore changed the live state"
+            outcomes["refused"] = outcomes.get("refused", 0) + 1
+            _restore_files(path, pristine)
+            continue
+        except Exception as e:  # noqa: BLE001 - the property under test
+            pytest.fail(f"{ctx}: restore raised {type(e).__name__}: {e}")
+        got = {k: (entry_kind(v), type(v) if entry_kind(v) != "value" else None) for k, v in live.items()}
+        assert got == kinds, f"{ctx}: a live entry changed kind: {kinds} -> {got}"
+        assert {k: id(v) for k, v in live.items() if entry_kind(v) != "value"} == objects, ctx
+        assert step in (1, 2), ctx
+        if step == 1:
+            from test_live_state import equal
+
+            assert equal(values(live), refs[1]), f"{ctx}: step 1 did not load whole"
+        outcomes[str(step)] = outcomes.get(str(step), 0) + 1
+        _restore_files(path, pristine)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    assert grown < 300_000, f"peak memory grew by {grown} KiB over the run"
+    assert outcomes.get("1", 0) > 0 and outcomes.get("2", 0) > 0, outcomes
+
+
+def test_random_store_messages_are_refused_or_skipped_never_raised():
+    """Inventories, candidates and fetch requests as rank 0 reads them from the store, mutated:
+    the planner skips what is malformed, a candidate is a FormatError, nothing else escapes."""
+    from ftkit.format.validate import parse_message
+    from ftkit.restore.plan import Candidate, ram_candidates
+    from ftkit.restore.read import _request
+
+    inventory = {
+        "3": {"have": ["rank-00000-0a0b0c0d.data", "part-00000-01020304.json"], "need": ["rank-00000-0a0b0c0d.data"]},
+        "2": {"have": ["rank-00000-1a0b0c0d.data"], "need": None, "digest": "xxh3_64:0", "index": "i", "parts": []},
+    }
+    candidate = Candidate(3, 0, {"rank-00000-0a0b0c0d.data": (0, 1)}, 1, {"part-00000-01020304.json": 0}).to_json()
+    request = {"missing": ["rank-00000-0a0b0c0d.data"], "mismatch": False}
+    message = {"inventory": inventory, "candidate": candidate, "request": request}
+    rng, strings = random.Random(6), _strings(message) + ["part-/../../x.json", "../x.data", "\u00b2"]
+    for i in range(ITERATIONS * 4):
+        doc, what = _mutate(message, rng, strings)
+        raw = _raw_numbers(json.dumps(doc)).encode()
+        ctx = f"iteration {i}: {what}"
+        parsed = parse_message(raw)
+        try:
+            part = parsed if isinstance(parsed, dict) else {}
+            plan = ram_candidates([part.get("inventory"), part.get("inventory")], ["a", "b"], 0, True)
+            for cand in plan.values():
+                assert all(".." not in f and "/" not in f for f in [*cand.holders, *cand.part_holders]), ctx
+            assert all(".." not in f for f in _request(part.get("request")).get("missing", [])), ctx
+            try:
+                Candidate.from_json(part.get("candidate"))
+            except FormatError:
+                pass
+        except Exception as e:  # noqa: BLE001 - the property under test
+            pytest.fail(f"{ctx}: {type(e).__name__}: {e}")

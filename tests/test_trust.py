@@ -325,7 +325,7 @@ def test_a_process_that_only_restores_retires_nothing(tmp_path):
 
 
 # ------------------------------------------------ 7. FTKIT_UNSAFE_SKIP_CHECKSUMS
-def test_unsafe_skip_checksums_warns_and_never_fools_verify(two_steps):
+def test_unsafe_skip_checksums_takes_a_second_key_and_never_fools_verify(two_steps):
     f = next((two_steps / step_dir_name(2)).glob("*.data"))
     raw = bytearray(f.read_bytes())
     raw[8] ^= 0x40
@@ -340,14 +340,28 @@ def test_unsafe_skip_checksums_warns_and_never_fools_verify(two_steps):
         timeout=120,
     )
     assert r.returncode == 1 and "checksum mismatch" in r.stdout, r.stdout + r.stderr
-    code = (
-        "import ftkit, torch, logging; logging.basicConfig();"
-        f"s={{'w': torch.zeros({N})}};"
-        f"ck=ftkit.Checkpointer(s, [{str(two_steps)!r}], rng=False); print(ck.restore()); ck.close()"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "WITHOUT verifying checksums" in r.stderr
+
+    def restore(opt_in: str) -> tuple[list[str], str]:
+        code = (
+            "import ftkit, torch, logging; logging.basicConfig();"
+            f"{opt_in}"
+            f"s={{'w': torch.zeros({N})}};"
+            f"ck=ftkit.Checkpointer(s, [{str(two_steps)!r}], rng=False); step = ck.restore();"
+            "print(step, float(s['w'][0]), ck.last_restore.get('checksums_skipped', False)); ck.close()"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split(), r.stderr
+
+    # The variable alone, in an ordinary training process: ignored (with a warning); the
+    # bit-flipped step 2 fails its checksum and step 1 is restored, verified.
+    out, err = restore("")
+    assert out == ["1", "1.0", "False"], (out, err)
+    assert "is ignored" in err and "checksum mismatch" in err
+    # With the drills' second key, the corrupt step loads, and last_restore says how.
+    out, err = restore("from ftkit.format.codec import allow_skipping_checksums; allow_skipping_checksums();")
+    assert out[0] == "2" and out[2] == "True", (out, err)
+    assert "WITHOUT verifying checksums" in err
 
 
 # ------------------------------------------------ 10. store messages are data, not paths

@@ -28,6 +28,7 @@ import xxhash
 from torch import nn
 
 import ftkit
+from ftkit.format.codec import allow_skipping_checksums
 
 
 class TinyGPT(nn.Module):
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     # it costs ~0.9 s of imports per worker start, i.e. per restart, and the
     # CPU kernels this model uses are deterministic on one thread already.)
     torch.set_num_threads(1)
+    # The drills' own trainer is the one process where FTKIT_UNSAFE_SKIP_CHECKSUMS=1 may take
+    # effect (a drill that must fail proves its bitwise check); anywhere else it is ignored.
+    allow_skipping_checksums()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     if world > 1 and args.in_process:  # it creates (and re-creates) the process group itself

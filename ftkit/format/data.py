@@ -148,17 +148,13 @@ def verify(
     jobs_by_file = {f: jobs for f, jobs in jobs_by_file.items() if jobs}
     check_file_sizes(storage, manifest, set(jobs_by_file) if wanted is not None else None)
     step_dir = step_dir_name(manifest.step)
-    scratch = bytearray()
     for name, jobs in jobs_by_file.items():
         rel = f"{step_dir}/{name}"
         for i, data in chunk_bytes(storage, rel, [c for c, _, _ in jobs]):
             c, tname, _ = jobs[i]
             where = f"{storage.where(rel)} (tensor {tname!r})"
             codec.check(data, c.checksum, where)
-            if c.codec != "raw":
-                if len(scratch) < c.raw_length:
-                    scratch = bytearray(c.raw_length)
-                codec.decode_into(c.codec, data, memoryview(scratch)[: c.raw_length], where)
+            codec.check_decodes(c.codec, data, c.raw_length, where)  # (in steps: nothing sized by the manifest)
             if progress:
                 progress(c.raw_length)
 
@@ -184,6 +180,7 @@ def read_regions(
     regions: dict[str, Region],
     progress: Callable[[int], None] | None = None,
     out: dict[str, torch.Tensor] | None = None,
+    memory_limit: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read a region of each named tensor, touching only the chunks that overlap it.
 
@@ -195,8 +192,11 @@ def read_regions(
     chunks tile the tensor. Shards that match their region exactly (or are whole
     rows of it) decode straight into the result; any other overlapping shard
     decodes its needed chunks into a temporary, from which the overlap is copied.
-    Raises CorruptCheckpointError on the first chunk that fails: the caller must
-    then not use what was read (a restore moves on to the next candidate).
+    `memory_limit`: the most bytes it may allocate (results not in `out`, and
+    temporaries), checked before the first allocation. Raises
+    CorruptCheckpointError on the first chunk that fails, or when memory would
+    not suffice: the caller must then not use what was read (a restore moves on
+    to the next candidate).
     """
     entries = {t.name: t for t in manifest.tensors}
     step_where = storage.where(step_dir_name(manifest.step))
@@ -226,8 +226,16 @@ def read_regions(
                 f"{step_where}: the saved shards of {name!r} do not cover the region to restore"
             )
         plans.append((name, shards))
-    # 2. The files hold what the manifest says they do: only now may its sizes be allocated.
+    # 2. The files hold what the manifest says they do, and what it would make us allocate
+    #    fits in memory: only now may its sizes be allocated.
     check_file_sizes(storage, manifest, files)
+    if memory_limit is not None:
+        new_bytes = _new_bytes(entries, regions, plans, out or {})
+        if new_bytes > memory_limit:
+            raise CorruptCheckpointError(
+                f"{step_where}: restoring it needs {new_bytes / 2**30:.1f} GiB of new memory for tensors the "
+                f"live state does not hold, more than the {memory_limit / 2**30:.1f} GiB available"
+            )
     # 3. Allocate the results and temporaries; list each chunk with the bytes it decodes into.
     dest: dict[str, torch.Tensor] = {}
     jobs: list[tuple[Chunk, str, memoryview]] = []
@@ -245,7 +253,7 @@ def read_regions(
             raise ValueError(
                 f"read_regions: the tensor given for {name!r} is not a contiguous CPU {entry.dtype}{list(lens)}"
             )
-        out_t = dest[name] = given if given is not None else torch.empty(tuple(lens), dtype=dtype)
+        out_t = dest[name] = given if given is not None else _empty(tuple(lens), dtype, step_where)
         for shard, how, ov in shards:
             if how == "exact":
                 target, needed = out_t, shard.chunks
@@ -253,7 +261,7 @@ def read_regions(
                 target, needed = out_t.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]), shard.chunks
             else:
                 assert ov is not None  # "part" shards always have their overlap
-                target = torch.empty(shard.lengths, dtype=dtype)
+                target = _empty(shard.lengths, dtype, step_where)
                 lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
                 needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
                 copies.append((target, (shard.offsets, shard.lengths), ov, out_t, name))
@@ -289,6 +297,24 @@ def read_regions(
             dst = dst.narrow(dim, o - regions[name][0][dim], n)
         dst.copy_(src)
     return dest
+
+
+def _new_bytes(entries, regions, plans, given) -> int:
+    """The bytes read_regions allocates for a plan: its results not in `given`, and temporaries."""
+    total = 0
+    for name, shards in plans:
+        itemsize = torch_dtype(entries[name].dtype).itemsize
+        if name not in given:
+            total += _numel(regions[name][1]) * itemsize
+        total += sum(_numel(shard.lengths) * itemsize for shard, how, _ in shards if how == "part")
+    return total
+
+
+def _empty(shape, dtype: torch.dtype, where: str) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (MemoryError, RuntimeError) as e:  # (torch's allocator raises RuntimeError)
+        raise CorruptCheckpointError(f"{where}: cannot allocate {list(shape)} {dtype} to restore into ({e})") from None
 
 
 def _row_block_inside(shard, offs, lens) -> bool:

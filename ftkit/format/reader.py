@@ -8,12 +8,22 @@ chunk verified before any byte is handed out, is data.py's.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
-from ftkit.format.index import INDEX_VERSION, Index, PartRef, assemble, check_part_bytes, parse_index
+from ftkit.format.index import (
+    INDEX_VERSION,
+    MAX_MANIFEST_BYTES,
+    MAX_PART_BYTES,
+    Index,
+    PartRef,
+    assemble,
+    check_part_bytes,
+    parse_index,
+)
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, parse_step_dir, step_dir_name
 from ftkit.format.validate import parse_header
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST
@@ -78,7 +88,7 @@ def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
     if storage.is_link(step_dir):
         raise FormatError(f"{storage.where(step_dir)} is a symbolic link; ftkit does not follow links in a tier")
     try:
-        data = storage.read_bytes(rel)
+        data = read_metadata(storage, rel, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"{storage.where(step_dir)}: no manifest (step {step} is not committed)"
@@ -138,7 +148,7 @@ def read_parts(storage: Storage, step: int, refs) -> list[bytes]:
 def read_part(storage: Storage, step: int, ref: PartRef) -> bytes:
     rel = f"{step_dir_name(step)}/{ref.file}"
     try:
-        part = storage.read_bytes(rel)
+        part = read_metadata(storage, rel, min(ref.nbytes, MAX_PART_BYTES))
     except FileNotFoundError:
         raise FormatError(f"{storage.where(rel)}: manifest part is missing") from None
     try:
@@ -146,6 +156,36 @@ def read_part(storage: Storage, step: int, ref: PartRef) -> bytes:
     except CorruptCheckpointError as e:
         raise FormatError(str(e)) from None
     return part
+
+
+def read_metadata(storage: Storage, rel: str, max_bytes: int) -> bytes:
+    """The bytes of a manifest.json or a manifest part, refused before they are read when
+    there are more than `max_bytes` (no real writer makes them) or, on a local
+    filesystem, when the file has holes: its size is then not bytes anybody stored
+    (JSON text never has a hole; a crafted sparse file of a gigabyte would cost a
+    gigabyte of memory to find out that it is not JSON). FormatError either way."""
+    where = storage.where(rel)
+    with storage.open_read(rel) as f:
+        if storage.is_local:
+            fd = f.fileno()
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise FormatError(f"{where}: {size} bytes, more than any manifest ftkit writes ({max_bytes})")
+            try:
+                hole = os.lseek(fd, 0, os.SEEK_HOLE) if size else 0
+            except OSError:  # (a filesystem without SEEK_HOLE: no holes reported)
+                hole = size
+            if hole < size:
+                raise FormatError(f"{where}: a sparse file (a hole at byte {hole} of {size}); ftkit never writes one")
+            os.lseek(fd, 0, os.SEEK_SET)
+        else:
+            known = getattr(f, "size", None)  # (an object store's file knows its size before any read)
+            if known is not None and known > max_bytes:
+                raise FormatError(f"{where}: {known} bytes, more than any manifest ftkit writes ({max_bytes})")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FormatError(f"{where}: more than {max_bytes} bytes, more than any manifest ftkit writes")
+    return bytes(data)
 
 
 def newest_manifest(storage: Storage, step: int | None = None) -> Manifest:

@@ -10,28 +10,33 @@ restore/read.py)::
                 publishes (step, source) pairs: newest step first; for a step,
                 RAM first (when its files are all on some node), then shared
                 tiers from fastest to slowest
+    undo        before the first write, the live state is copied aside
+                (restore/undo.py): the bytes of every live tensor into a reused
+                staging slot, the objects and structure by reference
     per candidate, until one is usable:
-        fit     each rank works out the regions it needs (resharding when the
-                world size changed) and checks shapes, dtypes and keys against
-                the live state from the manifest alone: a mismatch raises
-                before any byte of the live state is touched
+        fit     each rank works out the regions it needs (only the tensors the
+                live state names; resharding when the world size changed) and
+                checks kinds, structure, shapes, dtypes and keys against the
+                live state from the manifest alone: a mismatch raises, the live
+                state as it was
         read    for the RAM source, the manifest parts its node lacks come through
                 the store from one node that holds each, the data files it lacks
                 from a rank whose node holds them, over the peer group; then
                 every needed chunk is read and its checksum verified
-        vote    every rank reports ok / error through the store
-        load    only when every rank read its part intact, all load in place
+        vote    every rank reports ok / error through the store; on an error
+                anywhere every rank puts the live bytes back and moves on
+        load    every rank loads the step into the live objects, and votes
+                again: an object that refused its entry on any rank sends every
+                rank back to the state as it was, and on to the next candidate
 
 Tensors whose live counterpart is a plain contiguous CPU tensor of the saved
 shape and dtype are read straight into it, not into a fresh copy of the state,
 in one pass before the vote: every chunk is read once and verified as it lands
 (a second pass would cost as much again, and a file changed between two passes
-would reach the live state unverified). When a chunk fails anywhere, every rank
-moves on to the next candidate, which rewrites every live byte this one touched
-(validation proved that a step's chunks tile each tensor exactly). So a corrupt
-replica, a torn file or a crafted manifest never ends up loaded; when NO
-candidate verifies, restore raises CorruptCheckpointError and the live tensors
-may hold part of one (do not train on them).
+would reach the live state unverified). The undo copy is what makes that safe:
+a corrupt replica, a torn file, a crafted manifest or a refused entry never
+ends up loaded, and when NO candidate loads, restore raises
+CorruptCheckpointError with the live state byte for byte as it was.
 
 A restore of step N supersedes every newer step: before the run's first snapshot
 after it (`retire_superseded`), they are dropped from the RAM tier and retired on
@@ -47,12 +52,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.coord.agree import agree
-from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, StorageError
+from ftkit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    StateMismatchError,
+    StorageError,
+    one_line,
+)
+from ftkit.format import codec
 from ftkit.format.reader import scan
 from ftkit.restore.context import RestoreContext
 from ftkit.restore.inventory import ram_inventory, shared_listings
 from ftkit.restore.plan import Candidate, order_candidates, ram_candidates
-from ftkit.restore.read import read_ram_candidate, read_shared_candidate
+from ftkit.restore.read import init_sharded_optimizers, read_ram_candidate, read_shared_candidate
+from ftkit.restore.undo import UndoCopy
 from ftkit.save import capture as cap
 
 __all__ = ["RestoreContext", "Superseded", "restore", "retire_superseded"]
@@ -96,83 +110,118 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
         # Without holders (O(ranks) each): only rank 0 plans the fetches (restore/read.py).
         listing = {"candidates": [c.to_json(holders=False) for c in planned], "unreachable": unreachable}
     listing = ctx.broadcast(f"{key}/candidates", listing)
-    candidates = planned or [Candidate.from_json(c) for c in listing["candidates"]]
-    unreachable = listing["unreachable"]
+    try:  # (rank 0's word, through the store: checked like any message)
+        candidates = planned or [Candidate.from_json(c) for c in listing["candidates"]]
+        unreachable = [str(u) for u in listing["unreachable"]]
+    except (TypeError, KeyError):
+        raise FormatError("a malformed list of restore candidates from rank 0") from None
     t_plan = time.perf_counter() - t_start
     if step is not None and not candidates:
         raise CheckpointNotFoundError(
             f"step {step} is not committed on any tier ({', '.join(b.display_url for b in rc.backends)})"
         )
-    problems: list[str] = []
-    for n, cand in enumerate(candidates):
-        s, i = cand.step, cand.tier
-        backend = rc.backends[i]
-        t0 = time.perf_counter()
-        if backend.node_local:
-            loaded, vote, origin = read_ram_candidate(rc, cand, f"{key}/{n}", manifests.get(s))
-        else:
-            loaded, vote = read_shared_candidate(rc, s, backend.storage)
-            origin = {"source": backend.display_url}
-        t_read = time.perf_counter() - t0
-        votes = agree(ctx, f"{key}/vote/{n}", error=vote["error"], value=vote["mismatch"])
-        assert votes is not None
-        mismatched = [(r, found) for r, found in enumerate(votes.values) if found]
-        if mismatched:  # the live state does not fit: no other candidate will either
-            r, found = mismatched[0]
-            raise StateMismatchError(cap.describe(found) + ("" if r == ctx.rank else f" (on rank {r})"))
-        failed = votes.first_failure(ctx.rank)
-        if failed is not None:
-            problems.append(votes.failures[0][1])
-            log.warning(
-                "step %d from %s is unusable, trying the next source: %s",
-                s,
-                origin.get("source", backend.display_url),
-                failed,
-            )
-            continue
-        manifest, tensors, (rng_value, local_value) = loaded
-        t1 = time.perf_counter()
-        cap.load(rc.state, manifest.skeleton, tensors, rng_value, local_value)
-        t_load = time.perf_counter() - t1
-        superseded = Superseded(s, {i: [x for x in steps if x > s] for i, steps in listings})
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        report = {
-            "step": s,
-            **origin,
-            "bytes": nbytes,
-            "saved_world_size": manifest.world_size,
-            "plan_s": t_plan,
-            "read_s": t_read,
-            "load_s": t_load,
-            "total_s": time.perf_counter() - t_start,
-            "superseded": {rc.backends[i].display_url: v for i, v in superseded.listed.items() if v},
-        }
-        rc.emit("restore", **{k: v for k, v in report.items() if k != "received"})
-        log.info(
-            "rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s%s",
-            ctx.rank,
-            s,
-            origin["source"],
-            nbytes / 1e6,
-            t_plan,
-            t_read,
-            f" of which fetching from peers {origin['fetch_s']:.2f}s" if "fetch_s" in origin else "",
-            t_load,
-            f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "",
-            f"; saved by {manifest.world_size} ranks, resharded to {ctx.world_size}"
-            if manifest.world_size != ctx.world_size
-            else "",
-        )
-        return s, report, superseded
-    if problems:
+    if not candidates:
+        if unreachable:
+            raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
+        rc.emit("restore", step=0, source=None, total_s=time.perf_counter() - t_start)
+        return 0, {}, Superseded(0)  # RAM steps without a manifest anywhere go before the first snapshot
+    with UndoCopy.take(rc.state, rng=rc.rng, rank=ctx.rank, arena=rc.arena) as undo:
+        init_sharded_optimizers(rc.state)  # (a change to the live state too: undone with the rest)
+        problems: list[str] = []
+        for n, cand in enumerate(candidates):
+            s, i = cand.step, cand.tier
+            backend = rc.backends[i]
+            t0 = time.perf_counter()
+            if backend.node_local:
+                loaded, vote, origin = read_ram_candidate(rc, cand, f"{key}/{n}", manifests.get(s))
+            else:
+                loaded, vote = read_shared_candidate(rc, s, backend.storage)
+                origin = {"source": backend.display_url}
+            t_read = time.perf_counter() - t0
+            votes = agree(ctx, f"{key}/vote/{n}", error=vote["error"], value=vote["mismatch"])
+            assert votes is not None
+            mismatched = [(r, found) for r, found in enumerate(votes.values) if found]
+            if mismatched:  # the live state does not fit: no other candidate will either (the exit undoes)
+                r, found = mismatched[0]
+                raise StateMismatchError(cap.describe(found) + ("" if r == ctx.rank else f" (on rank {r})"))
+            failed = votes.first_failure(ctx.rank)
+            if failed is None:
+                manifest, tensors, (rng_value, local_value) = loaded
+                t1 = time.perf_counter()
+                failed = _load(rc, manifest, tensors, rng_value, local_value, agree_key=f"{key}/loaded/{n}")
+                t_load = time.perf_counter() - t1
+                if failed is not None:
+                    undo.roll_back()  # some rank's load refused the step: every rank goes back
+            else:
+                undo.put_back_bytes()  # nothing was loaded: only bytes were read into live tensors
+            if failed is not None:
+                problems.append(failed)
+                log.warning(
+                    "step %d from %s is unusable, trying the next source: %s",
+                    s,
+                    origin.get("source", backend.display_url),
+                    failed,
+                )
+                continue
+            undo.keep()
+            report, superseded = _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_read, t_load)
+            return s, report, superseded
         raise CorruptCheckpointError(
-            f"no usable checkpoint: {len(problems)} candidate(s) failed, so the live "
-            f"state may hold part of one; newest problem: {problems[0]}"
+            f"no usable checkpoint: {len(problems)} candidate(s) failed and the live state is as it was; "
+            f"newest problem: {problems[0]}"
         )
-    if unreachable:
-        raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
-    rc.emit("restore", step=0, source=None, total_s=time.perf_counter() - t_start)
-    return 0, {}, Superseded(0)  # RAM steps without a manifest anywhere go before the first snapshot
+
+
+def _load(rc: RestoreContext, manifest, tensors, rng_value, local_value, agree_key: str) -> str | None:
+    """Load a step every rank read intact into the live objects, and agree that every rank
+    did: a load_state_dict that refuses a crafted entry on one rank is a reason for every
+    rank to go back and try the next candidate. Returns the first failure, if any."""
+    error = None
+    try:
+        cap.load(rc.state, manifest.skeleton, tensors, rng_value, local_value)
+    except Exception as e:  # a user object's own validation: keep its words
+        error = f"step {manifest.step}: {one_line(e, 300)}"
+    outcome = agree(rc.dist, agree_key, error=error)
+    assert outcome is not None
+    return outcome.first_failure(rc.dist.rank)
+
+
+def _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_read, t_load):
+    """Step `s` loaded: what this rank's last_restore says, its event and its log line;
+    and what the restore superseded."""
+    ctx = rc.dist
+    superseded = Superseded(s, {t: [x for x in steps if x > s] for t, steps in listings})
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    report = {
+        "step": s,
+        **origin,
+        "bytes": nbytes,
+        "saved_world_size": manifest.world_size,
+        "plan_s": t_plan,
+        "read_s": t_read,
+        "load_s": t_load,
+        "total_s": time.perf_counter() - t_start,
+        "superseded": {rc.backends[t].display_url: v for t, v in superseded.listed.items() if v},
+    }
+    if codec.skip_active():  # (FTKIT_UNSAFE_SKIP_CHECKSUMS in a drill's own trainer: say so wherever it shows)
+        report["checksums_skipped"] = True
+    rc.emit("restore", **{k: v for k, v in report.items() if k != "received"})
+    log.info(
+        "rank %d restored step %d from %s: %.1f MB (plan %.2fs, read %.2fs%s, load %.2fs)%s%s",
+        ctx.rank,
+        s,
+        origin["source"],
+        nbytes / 1e6,
+        t_plan,
+        t_read,
+        f" of which fetching from peers {origin['fetch_s']:.2f}s" if "fetch_s" in origin else "",
+        t_load,
+        f"; {origin['files_from_peers']} file(s) from peers" if origin.get("files_from_peers") else "",
+        f"; saved by {manifest.world_size} ranks, resharded to {ctx.world_size}"
+        if manifest.world_size != ctx.world_size
+        else "",
+    )
+    return report, superseded
 
 
 def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> dict[str, list[int]]:

@@ -17,13 +17,23 @@ import time
 import warnings
 from typing import Any
 
+import psutil
 import torch
 
 from ftkit.coord.agree import agree
-from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
+from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError, FtkitError, StorageError
 from ftkit.format.data import check_file_sizes, read_regions, torch_dtype
+from ftkit.format.index import MAX_MANIFEST_BYTES, MAX_PART_BYTES
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
-from ftkit.format.reader import load_index, load_manifest, manifest_from, missing_parts, parse_manifest_header
+from ftkit.format.reader import (
+    load_index,
+    load_manifest,
+    manifest_from,
+    missing_parts,
+    parse_manifest_header,
+    read_metadata,
+)
+from ftkit.format.validate import check_file_name
 from ftkit.restore.context import RestoreContext
 from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
@@ -45,9 +55,8 @@ def read_shared_candidate(rc: RestoreContext, step: int, storage):
     chunks: tensors whose live counterpart is a plain contiguous CPU tensor of the
     saved shape and dtype are read straight into it, verified chunk by chunk; the
     rest into new tensors, loaded after the vote. A failure anywhere makes this
-    rank vote "error"; every rank then moves on to the next candidate, which
-    rewrites every live byte this one touched (the chunks of a valid step tile
-    every tensor exactly).
+    rank vote "error"; every rank then puts the live bytes back (restore/undo.py)
+    and moves on to the next candidate.
     """
     try:
         manifest = load_manifest(storage, step)
@@ -58,7 +67,7 @@ def read_shared_candidate(rc: RestoreContext, step: int, storage):
         if problems:
             return None, {"error": None, "mismatch": problems}
         with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
-            tensors = read_regions(storage, manifest, regions, out=targets)
+            tensors = read_regions(storage, manifest, regions, out=targets, memory_limit=_free_memory())
         tensors.update(in_place)
         loaded = _finish(rc, step, manifest, tensors, dtensors)
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
@@ -132,7 +141,7 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
         return None, {"error": error, "mismatch": []}, origin
     try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
         with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
-            tensors = read_regions(storage, manifest, regions, out=targets)
+            tensors = read_regions(storage, manifest, regions, out=targets, memory_limit=_free_memory())
         tensors.update(in_place)
         loaded = _finish(rc, step, manifest, tensors, dtensors)
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
@@ -147,14 +156,16 @@ def _send_manifest(storage, step: int, ctx, key: str, cand: Candidate) -> str | 
     error = None
     if ctx.rank == cand.manifest_rank:
         try:
-            ctx.put(f"{key}/manifest", storage.read_bytes(f"{step_dir}/{MANIFEST_NAME}").decode())
+            ctx.put(
+                f"{key}/manifest", read_metadata(storage, f"{step_dir}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES).decode()
+            )
         except Exception as e:
             ctx.put(f"{key}/manifest", "")
             error = str(e)
     for name, rank in cand.part_holders.items():
         if rank == ctx.rank:
             try:
-                data = storage.read_bytes(f"{step_dir}/{name}")
+                data = read_metadata(storage, f"{step_dir}/{name}", MAX_PART_BYTES)
             except Exception as e:  # the readers' check of its checksum fails, at once
                 data, error = b"", str(e)
             ctx.store.set(f"{key}/part/{name}", data)
@@ -201,23 +212,32 @@ def _request(doc: Any) -> dict[str, Any]:
     if not isinstance(doc, dict):
         return {}
     missing = doc.get("missing")
-    files = [f for f in missing if isinstance(f, str)] if isinstance(missing, list) else []
+    files = [f for f in missing if _plain_name(f)] if isinstance(missing, list) else []
     return {"missing": files, "mismatch": doc.get("mismatch") is True}
 
 
+def _plain_name(name: Any) -> bool:
+    try:
+        check_file_name(name)
+    except FormatError:
+        return False
+    return True
+
+
 def _regions(rc, manifest: Manifest):
-    """The region of each saved tensor this rank needs, the live DTensors among them, and the live tensors."""
-    _init_sharded_optimizers(rc.state)
+    """The region of each saved tensor this rank needs, the live DTensors among them, and the live tensors.
+
+    Needed are the tensors the skeleton's entries name, this rank's RankLocal state
+    and, when restored, its RNG state: a tensor a manifest lists that nothing names
+    (an orphan) is never planned, allocated or read."""
     live = dict(cap.capture(rc.state, rng=False, rng_path=f"{cap.RNG_KEY}/r{rc.dist.rank}").tensors)
-    rank_prefix = f"{cap.RNG_KEY}/r{rc.dist.rank}/"
+    needed = _needed(rc, manifest)
     regions, dtensors = {}, {}
     for entry in manifest.tensors:
-        full = ((0,) * len(entry.shape), entry.shape)
-        if entry.kind == RANK_LOCAL:
-            if entry.name.startswith(rank_prefix):
-                regions[entry.name] = full
+        if entry.name not in needed:
             continue
-        t = live.get(entry.name)
+        full = ((0,) * len(entry.shape), entry.shape)
+        t = live.get(entry.name) if entry.kind != RANK_LOCAL else None
         if t is not None and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
             offsets, lengths, _ = dtensor_region(t)
             regions[entry.name] = (offsets, lengths)
@@ -225,6 +245,26 @@ def _regions(rc, manifest: Manifest):
         else:
             regions[entry.name] = full
     return regions, dtensors, live
+
+
+def _needed(rc, manifest: Manifest) -> set[str]:
+    """The names of the saved tensors this rank loads (see _regions)."""
+    names: set[str] = set()
+    for entry in manifest.skeleton["entries"].values():
+        names |= cap.tensor_refs(entry["value"])
+    own = manifest.rank_state.get(str(rc.dist.rank), {})
+    if rc.rng:
+        names |= cap.tensor_refs(own.get("rng"))
+    for key, entry in (own.get("local") or {}).items():
+        if isinstance(rc.state.get(key), cap.RankLocal):
+            names |= cap.tensor_refs(entry["value"])
+    return names
+
+
+def _own_local(rc, manifest: Manifest) -> dict[str, Any]:
+    """This rank's saved RankLocal entries that the live state has a RankLocal for."""
+    local = manifest.rank_state.get(str(rc.dist.rank), {}).get("local") or {}
+    return {k: e for k, e in local.items() if isinstance(rc.state.get(k), cap.RankLocal)}
 
 
 def _fit_problems(rc, manifest: Manifest, regions, in_place) -> list[str]:
@@ -241,7 +281,7 @@ def _fit_problems(rc, manifest: Manifest, regions, in_place) -> list[str]:
         else:
             e = entries[name]
             stand_ins[name] = torch.empty((), dtype=torch_dtype(e.dtype)).expand(e.shape)
-    return cap.check(rc.state, manifest.skeleton, stand_ins)
+    return cap.check(rc.state, manifest.skeleton, stand_ins, _own_local(rc, manifest))
 
 
 def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
@@ -305,6 +345,12 @@ def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, 
     return out
 
 
+def _free_memory() -> int:
+    """The memory a restore may allocate for tensors the live state does not hold: what the
+    host has available now (the rest of a read goes into the live tensors themselves)."""
+    return int(psutil.virtual_memory().available)
+
+
 def _listed(manifest, name: Any) -> str:
     """A file name from a peer's request (a store message: untrusted): one the manifest lists."""
     if manifest is None or not isinstance(name, str) or name not in manifest.files:
@@ -340,7 +386,7 @@ def _write_file(storage, step_dir: str, name: str, buf: torch.Tensor, manifest) 
         f.write(buf.numpy().data)
 
 
-def _init_sharded_optimizers(state) -> None:
+def init_sharded_optimizers(state) -> None:
     """Give empty optimizers over DTensor parameters their state, so it can be resharded into."""
     for obj in state.values():
         if (

@@ -231,15 +231,53 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return {k: decode(v, tensors) for k, v in value.items()}
 
 
+def tensor_refs(value: Any) -> set[str]:
+    """The names of the tensors a skeleton value refers to ($tensor and $ndarray tags)."""
+    out: set[str] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            stack += v
+        elif isinstance(v, dict):
+            if len(v) == 1:
+                ((tag, inner),) = v.items()
+                if tag in ("$tensor", "$ndarray") and isinstance(inner, str):
+                    out.add(inner)
+                    continue
+            stack += v.values()
+    return out
+
+
 def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
 
 
-def check(state: Mapping[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> list[str]:
+def entry_kind(live: Any) -> str:
+    """The kind of skeleton entry a live state value is saved as (what capture writes)."""
+    if isinstance(live, torch.Tensor):
+        return "tensor"
+    return "stateful" if _is_stateful(live) else "value"
+
+
+_KIND_WORDS = {"stateful": "an object's state_dict", "tensor": "a tensor", "value": "a plain value"}
+
+
+def check(
+    state: Mapping[str, Any],
+    skeleton: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    local: Mapping[str, Any] | None = None,
+) -> list[str]:
     """What keeps the checkpoint from loading into the live `state` (empty: it fits).
 
-    Shapes and dtypes of tensors present on both sides, the key sets of modules
-    (whose load is strict), and the kinds of the entries.
+    Every saved entry must be of the live entry's kind (an object with state_dict, a
+    tensor, a plain value) and of its structure: tensors where the live value has
+    tensors, with the same shape and dtype; mappings where it has mappings (with the
+    same keys for modules, whose load is strict); sequences where it has sequences;
+    plain values where it has plain values. `local`: this rank's saved RankLocal
+    entries, checked against the live RankLocal values the same way. `tensors` needs
+    no memory: stand-ins of the saved shapes and dtypes do (restore/read.py).
     """
     entries = skeleton["entries"]
     problems: list[str] = []
@@ -251,17 +289,23 @@ def check(state: Mapping[str, Any], skeleton: Mapping[str, Any], tensors: Mappin
             problems.append(f"{key}: in checkpoint but not in the live state")
             continue
         live = state[key]
-        if entry["kind"] == "stateful":
-            if not _is_stateful(live):
-                problems.append(f"{key}: checkpoint holds a state_dict, live value is a {type(live).__name__}")
-                continue
-            value = decode(entry["value"], tensors)
-            problems += _compare(live.state_dict(), value, key, strict_keys=isinstance(live, torch.nn.Module))
-        elif entry["kind"] == "tensor":
-            if not isinstance(live, torch.Tensor):
-                problems.append(f"{key}: checkpoint holds a tensor, live value is a {type(live).__name__}")
-                continue
-            problems += _compare(live, decode(entry["value"], tensors), key, strict_keys=True)
+        kind = entry_kind(live)
+        if entry["kind"] != kind:
+            problems.append(
+                f"{key}: checkpoint holds {_KIND_WORDS.get(entry['kind'], entry['kind'])}, live value is {_what(live)}"
+            )
+            continue
+        saved = decode(entry["value"], tensors)
+        if kind == "stateful":
+            problems += _compare(live.state_dict(), saved, key, strict_keys=isinstance(live, torch.nn.Module))
+        elif kind == "tensor" and not isinstance(saved, torch.Tensor):
+            problems.append(f"{key}: checkpoint holds {_what(saved)} for a tensor")
+        else:
+            problems += _compare(live, saved, key, strict_keys=kind == "tensor")
+    for key, entry in (local or {}).items():
+        obj = state.get(key)
+        if isinstance(obj, RankLocal):
+            problems += _compare(obj.state_dict(), decode(entry["value"], tensors), key, strict_keys=False)
     return problems
 
 
@@ -316,15 +360,34 @@ def apply(
 
 
 def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str]:
-    """Shape/dtype/key differences between a live value and a decoded saved one."""
-    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
-        out = []
+    """Kind, structure, shape, dtype and key differences between a live value and a decoded
+    saved one, where the live value has something to compare with. None on either side
+    matches anything (a value not set yet, an optimizer's empty momentum buffer); a
+    number matches a tensor of no dimensions (the form of an optimizer's step count
+    changed across torch releases); keys or items only one side has are not compared
+    (new optimizer state, a longer history) unless `strict_keys` (a module's)."""
+    if live is None or saved is None:
+        return []
+    if isinstance(live, torch.Tensor) or isinstance(saved, torch.Tensor):
+        if not (isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor)):
+            scalar = live if isinstance(live, torch.Tensor) else saved
+            other = saved if scalar is live else live
+            if scalar.dim() == 0 and _is_number(other):
+                return []
+            return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
         if tuple(live.shape) != tuple(saved.shape):
-            out.append(f"{path}: shape {tuple(saved.shape)} in checkpoint, {tuple(live.shape)} live")
-        elif live.dtype != saved.dtype:
-            out.append(f"{path}: dtype {saved.dtype} in checkpoint, {live.dtype} live")
-        return out
-    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+            return [f"{path}: shape {tuple(saved.shape)} in checkpoint, {tuple(live.shape)} live"]
+        if live.dtype != saved.dtype:
+            return [f"{path}: dtype {saved.dtype} in checkpoint, {live.dtype} live"]
+        return []
+    live_np, saved_np = _is_ndarray(live), _is_ndarray(saved)
+    if live_np or saved_np:
+        if live_np and saved_np:
+            return []
+        return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
+    if isinstance(live, Mapping) or isinstance(saved, Mapping):
+        if not (isinstance(live, Mapping) and isinstance(saved, Mapping)):
+            return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
         out = []
         if strict_keys:
             extra = [str(k) for k in saved if k not in live]
@@ -337,7 +400,40 @@ def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str
             if k in live:
                 out += _compare(live[k], saved[k], f"{path}/{k}", strict_keys=strict_keys)
         return out
-    return []
+    if isinstance(live, (list, tuple)) or isinstance(saved, (list, tuple)):
+        if not (isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple))):
+            return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
+        out = []
+        for i, (a, b) in enumerate(zip(live, saved)):
+            out += _compare(a, b, f"{path}/{i}", strict_keys=strict_keys)
+        return out
+    if _is_stateful(live):
+        return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
+    return []  # plain values of any type replace each other
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_ndarray(v: Any) -> bool:
+    np = numpy_module()
+    return np is not None and isinstance(v, np.ndarray)
+
+
+def _what(v: Any) -> str:
+    """A value's kind in words, for a mismatch message."""
+    if isinstance(v, torch.Tensor):
+        return f"a tensor {tuple(v.shape)}"
+    if _is_stateful(v):
+        return f"an object with state_dict ({type(v).__name__})"
+    if isinstance(v, Mapping):
+        return "a mapping"
+    if isinstance(v, (list, tuple)):
+        return f"a {'list' if isinstance(v, list) else 'tuple'} of {len(v)}"
+    if _is_ndarray(v):
+        return "a numpy array"
+    return f"the plain value {type(v).__name__} {str(v)[:20]!r}" if v is not None else "None"
 
 
 def module_buffer_names(state: Mapping[str, Any]) -> frozenset[str]:

@@ -350,15 +350,41 @@ class StagingArena:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
+    def borrow(self, layout: Layout) -> Iterator[Slot]:
+        """A slot sized for `layout` for the length of a block, never waiting: one of this
+        arena's when one is free and fits its budget (the snapshots that follow reuse it
+        instead of allocating again), else a temporary one, freed after. For restore's
+        scratch (device tensors' reads, the live state's undo copy: restore/undo.py)."""
+        slot: Slot | None = None
+        fits = self.budget_bytes is None or layout.total_bytes <= self.budget_bytes
+        if not self._closed and fits:
+            try:
+                slot = self.acquire(layout, wait=False)
+            except FtkitError:  # (closed meanwhile)
+                slot = None
+        owned = slot is None
+        if slot is None:
+            slot = Slot(-1, self.pin, self.ops)
+            slot.busy = True
+            slot._ensure(layout)
+        try:
+            yield slot
+        finally:
+            if owned:
+                slot.ready()
+                slot._free_buffer()
+            else:
+                self.release(slot)
+
+    @contextlib.contextmanager
     def host_targets(self, targets: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
         """`targets` with each device tensor replaced by a view of a (pinned) staging slot.
 
         For restore: read the saved bytes into what this yields; on a clean exit the
         slot's views are copied into the device tensors (one host-to-device copy each,
-        waited for). Host tensors are yielded as they are. The slot comes from this
-        arena (sized with room for the host tensors and RNG state too, so the first
-        snapshot after a restore reuses it instead of allocating again), or, when the
-        arena is closed or the slot would not fit its budget, is a temporary one.
+        waited for). Host tensors are yielded as they are. The slot is borrowed from
+        this arena (sized with room for the host tensors and RNG state too, so the first
+        snapshot after a restore reuses it instead of allocating again).
         """
         device = {n: t for n, t in targets.items() if self.ops.on_device(t)}
         if not device:
@@ -367,22 +393,9 @@ class StagingArena:
         host_bytes = sum(t.numel() * t.element_size() for n, t in targets.items() if n not in device)
         spare = torch.empty((), dtype=torch.uint8).expand(host_bytes + (1 << 20))  # no memory: a size
         layout = Layout.of([*device.items(), ("\0spare", spare)])
-        slot: Slot | None = None
-        if not self._closed and (self.budget_bytes is None or layout.total_bytes <= self.budget_bytes):
-            slot = self.acquire(layout, wait=True)
-        owned = slot is None  # closed, or over the staging budget: a slot of its own, freed after
-        if slot is None:
-            slot = Slot(-1, self.pin, self.ops)
-            slot.busy = True
-            slot._ensure(layout)
-        try:
+        with self.borrow(layout) as slot:
             yield {**targets, **{n: slot.views[n] for n in device}}
             slot.upload(device)
-        finally:
-            if owned:
-                slot._free_buffer()
-            else:
-                self.release(slot)
 
     @property
     def nbytes(self) -> int:
