@@ -48,4 +48,18 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m compileall -q -j 0 -x "$skip" "$site" >/dev/null 2>&1 || true  # (a few packages ship test files that do not compile; pip skips them too)
   rm -f "$VENV"/.ftkit-setup-*
   touch "$stamp"
+  fresh=1
+fi
+
+# The multi-host drills run a real etcd (v2 API, 3.4 line) for torch's etcd rendezvous: Debian's
+# etcd-server, installed once where we are root and apt-get exists; a note otherwise (once per setup).
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing etcd-server (apt-get)" >&2
+    apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server >/dev/null 2>&1; }
+    apt_install || { apt-get update -qq >/dev/null 2>&1 && apt_install; } ||
+      echo "setup: etcd-server could not be installed: multi-host drills with etcd rendezvous are unavailable" >&2
+  elif [ -n "${fresh:-}" ]; then
+    echo "setup: etcd not on PATH (needs root and apt-get: apt-get install etcd-server): multi-host drills with etcd rendezvous are unavailable" >&2
+  fi
 fi

@@ -1,0 +1,785 @@
+"""Emulated hosts on one Linux machine: namespaces, a private bridge, one cgroup per host.
+
+A *host* is a network namespace joined by a veth pair to a bridge, plus a UTS namespace (its
+own hostname) and a mount namespace with private tmpfs at ``/dev/shm`` and ``/tmp`` and its own
+``/etc/hosts`` (every live host of the fabric by name). The bridge lives in a dedicated *fabric*
+network namespace, so the root namespace gets no interface, address, route or mount: nothing
+routes off the machine and a host cannot reach the root namespace (not even its loopback).
+
+Outside /dev/shm and /tmp the hosts share this machine's filesystem, as a network filesystem
+would be. IPv6 is off inside the hosts (IPv4 on ``eth0`` only); there is no DNS (unknown names
+fail at once), names resolve through the hosts' /etc/hosts.
+
+Every host has one long-lived init process (``sleep``) that holds its namespaces; commands are
+started inside them with ``nsenter`` and land in the host's cgroup (cgroup v2, where writable),
+so all of a host's processes, their children included, are killed at once with ``cgroup.kill``.
+Where cgroup v2 is unavailable, the processes of a host are found by their network namespace.
+
+The order of calls::
+
+    reason = hosts_unavailable()                # None, or one line: why hosts cannot be made here
+    with Fabric(2, shared=[d]) as fab:          # removes stale state of killed runs, then makes
+        h1, h2 = fab.hosts                      #   host1 (10.213.0.11) and host2 (10.213.0.12);
+                                                #   d (e.g. under /tmp) is seen by every host
+        p = h1.run(["torchrun", ...], env=h1.env(FOO="1"))   # a Popen; its pid is torchrun's
+        h2.partition(seconds=5)                 # link down, up again 5 s later (or h2.heal())
+        h2.kill_all()                           # every process of host2; the host stays usable
+        h2.lose()                               # + its tmpfs unmounted, its link and namespaces gone
+                                                #   (abrupt=True: the link first, like a power loss)
+        h3 = fab.add_host()                     # a replacement: host3 (10.213.0.13), or
+                                                #   fab.add_host(h2.name, h2.address) to reuse both
+    # leaving the block (an exception, SIGINT, SIGTERM included) kills every process of every host
+    # and removes every namespace, link, mount, cgroup and state file it made
+
+Names all start with ``ftkh-<id>-`` (network namespaces ``ftkh-<id>-fabric`` and ``ftkh-<id>-h<N>``,
+the cgroup ``ftkh-<id>``, state in ``/run/ftkh/<id>*``); a fabric holds ``/run/ftkh/<id>.lock``
+(flock) while it lives, so :func:`cleanup_stale` (called by every ``Fabric`` start) removes the
+state of runs whose owner died (SIGKILL included) and never touches a live fabric's.
+
+Needs root (namespaces, mounts, cgroups) and iproute2 + util-linux (``ip``, ``nsenter``,
+``unshare``, ``mount``, ``umount``); :func:`hosts_unavailable` says in one line what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import ipaddress
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import IO, Any
+
+import psutil
+
+PREFIX = "ftkh-"
+STATE_DIR = "/run/ftkh"
+NETNS_DIR = "/var/run/netns"
+IFNAME = "eth0"  # the interface of every host (GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME)
+BRIDGE = "br0"
+SUBNETS = ("10.213.0.0/24", "10.214.0.0/24", "172.30.213.0/24", "192.168.213.0/24")
+FIRST_HOST = 10  # host N gets .(10 + N)
+TOOLS = ("ip", "nsenter", "unshare", "mount", "umount")
+
+# The init process of a host: $0 = hostname, $1 = /dev/shm size ("" = tmpfs default), $2 = the hosts file,
+# then the shared paths: bound first to a staging place on the new /dev/shm (a bind's source must be in
+# this mount namespace, and the new /tmp hides the old one), then moved into place.
+# /var/run/netns is detached so this mount namespace pins no network namespace (others', lost hosts').
+_INIT = r"""
+set -e
+echo "$0" > /proc/sys/kernel/hostname
+umount -l /var/run/netns 2>/dev/null || true
+mount -t tmpfs -o mode=1777,nosuid,nodev${1:+,size=$1} ftkh-shm /dev/shm
+mount --bind "$2" /etc/hosts
+shift 2
+i=0
+for p in "$@"; do
+    i=$((i + 1)); s=/dev/shm/.ftkh-share-$i
+    if [ -d "$p" ]; then mkdir "$s"; else : > "$s"; fi
+    mount --bind "$p" "$s"
+done
+mount -t tmpfs -o mode=1777,nosuid,nodev ftkh-tmp /tmp
+i=0
+for p in "$@"; do
+    i=$((i + 1)); s=/dev/shm/.ftkh-share-$i
+    if [ -d "$s" ]; then mkdir -p "$p"; else mkdir -p "$(dirname "$p")"; [ -e "$p" ] || : > "$p"; fi
+    mount --move "$s" "$p"
+    if [ -d "$s" ]; then rmdir "$s"; else rm -f "$s"; fi
+done
+echo ready
+exec sleep infinity
+"""
+# Joins the host's cgroup ($0: its cgroup.procs), then enters its namespaces (nsenter execs: one pid).
+_JOIN_CGROUP = 'echo $$ > "$0" || exit 126; exec "$@"'
+_CHDIR = 'cd "$0" || exit 126; exec "$@"'
+
+
+class HostsError(RuntimeError):
+    """An emulated host could not be made, used or removed."""
+
+
+def _which_missing() -> list[str]:
+    return [t for t in TOOLS if shutil.which(t) is None]
+
+
+@functools.lru_cache(maxsize=1)
+def hosts_unavailable() -> str | None:
+    """None where emulated hosts can be made here, else one line saying why not (tests skip with it,
+    ``ftkit drill --hosts`` exits 2 with it)."""
+    if not sys.platform.startswith("linux"):
+        return f"emulated hosts need Linux namespaces (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return f"emulated hosts need root (network namespaces, mounts, cgroups): running as uid {os.geteuid()}"
+    missing = _which_missing()
+    if missing:
+        return f"emulated hosts need {', '.join(missing)} on PATH (iproute2, util-linux)"
+    probe = "ip link add ftkh-a type veth peer name ftkh-b && ip link add ftkh-br type bridge && mount -t tmpfs t /mnt"
+    try:
+        r = subprocess.run(
+            ["unshare", "--net", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"emulated hosts: namespaces cannot be made here ({e})"
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        return f"emulated hosts: namespaces, veth or bridge cannot be made here ({why})"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise HostsError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+@functools.lru_cache(maxsize=1)
+def _cgroup2_root() -> str | None:
+    """The mount point of the cgroup v2 hierarchy (``/sys/fs/cgroup`` or, hybrid, its ``unified``)."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    points = [m[1] for m in mounts if len(m) > 2 and m[2] == "cgroup2"]
+    for p in sorted(points, key=len):
+        if os.access(p, os.W_OK) and os.path.exists(os.path.join(p, "cgroup.procs")):
+            return p
+    return None
+
+
+def _ns_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _pids_in_ns(ns: tuple[int, int], kind: str = "net") -> list[int]:
+    """Every process whose `kind` namespace is `ns` (zombies have none and are left out)."""
+    out = []
+    for pid in psutil.pids():
+        if _ns_id(f"/proc/{pid}/ns/{kind}") == ns:
+            out.append(pid)
+    return out
+
+
+def _kill_pids(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _cgroup_populated(cg: str) -> bool:
+    try:
+        with open(os.path.join(cg, "cgroup.events")) as f:
+            return any(line.split() == ["populated", "1"] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def _cgroup_kill(cg: str, timeout: float = 10.0) -> None:
+    """SIGKILL every process in cgroup `cg` and its children; return once it is empty."""
+    if not os.path.isdir(cg):
+        return
+    deadline = time.monotonic() + timeout
+    kill_file = os.path.join(cg, "cgroup.kill")
+    while _cgroup_populated(cg):
+        if os.path.exists(kill_file):
+            with contextlib.suppress(OSError), open(kill_file, "w") as f:
+                f.write("1")
+        else:  # before Linux 5.14: one process at a time, every cgroup below
+            for d, _dirs, _files in os.walk(cg):
+                with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+                    _kill_pids(int(x) for x in f.read().split())
+        if time.monotonic() > deadline:
+            raise HostsError(f"processes of cgroup {cg} still alive after {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+def _cgroup_remove(cg: str) -> None:
+    if not os.path.isdir(cg):
+        return
+    for d, _dirs, _files in sorted(os.walk(cg), key=lambda w: -len(w[0])):
+        for _ in range(100):  # rmdir fails (EBUSY) for a moment after the last process exits
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    raise
+                time.sleep(0.02)
+
+
+def _netns_names(run_id: str | None = None) -> list[str]:
+    head = PREFIX + (f"{run_id}-" if run_id else "")
+    try:
+        return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(head))
+    except FileNotFoundError:
+        return []
+
+
+def _remove_netns(name: str) -> None:
+    """Kill every process still in network namespace `name`, then remove it (its veths go with it)."""
+    ns = _ns_id(os.path.join(NETNS_DIR, name))
+    if ns is not None:
+        for _ in range(100):
+            pids = _pids_in_ns(ns)
+            if not pids:
+                break
+            _kill_pids(pids)
+            time.sleep(0.01)
+    _ip("netns", "delete", name, check=False)
+
+
+def _try_lock(path: str) -> int | None:
+    """An fd holding an exclusive flock on `path` (which exists and is the file locked), or None."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    if _ns_id(path) != (os.fstat(fd).st_dev, os.fstat(fd).st_ino):  # unlinked meanwhile
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_run(run_id: str) -> None:
+    """Remove every process, namespace, link, mount, cgroup and state file of run `run_id`."""
+    cg_root = _cgroup2_root()
+    if cg_root is not None:
+        with contextlib.suppress(HostsError):
+            _cgroup_kill(os.path.join(cg_root, PREFIX + run_id))
+    names = _netns_names(run_id)
+    for name in sorted(names, key=lambda n: n.endswith("-fabric")):  # the hosts, then the fabric
+        _remove_netns(name)
+    if cg_root is not None:
+        with contextlib.suppress(OSError):
+            _cgroup_remove(os.path.join(cg_root, PREFIX + run_id))
+    shutil.rmtree(os.path.join(STATE_DIR, run_id), ignore_errors=True)
+
+
+def _stale_ids() -> set[str]:
+    ids = {n[len(PREFIX) :].split("-", 1)[0] for n in _netns_names()}
+    cg_root = _cgroup2_root()
+    if cg_root is not None:
+        ids |= {n[len(PREFIX) :] for n in os.listdir(cg_root) if n.startswith(PREFIX)}
+    with contextlib.suppress(FileNotFoundError):
+        ids |= {n.split(".", 1)[0] for n in os.listdir(STATE_DIR)}
+    return {i for i in ids if i}
+
+
+def cleanup_stale() -> list[str]:
+    """Remove the state of every fabric whose owner is gone (killed, crashed): its processes,
+    namespaces, links, mounts, cgroups and files. A live fabric (its lock held) is left alone.
+    Returns the run ids removed."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for n in os.listdir(STATE_DIR):  # a lock file its owner died before publishing
+            if n.startswith(".") and n.endswith(".tmp") and (fd := _try_lock(os.path.join(STATE_DIR, n))) is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(STATE_DIR, n))
+                os.close(fd)
+    for run_id in sorted(_stale_ids()):
+        lock = os.path.join(STATE_DIR, f"{run_id}.lock")
+        if os.path.exists(lock):
+            fd = _try_lock(lock)
+            if fd is None:
+                continue  # alive
+        else:
+            fd = None  # an owner creates its lock before anything else: none left means it is gone
+        try:
+            _remove_run(run_id)
+            removed.append(run_id)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
+
+
+def _pick_subnet() -> ipaddress.IPv4Network:
+    """The first candidate /24 that no address or route of the root namespace touches (the fabric is
+    private anyway; this keeps logs unambiguous)."""
+    used = []
+    for args in (("-4", "-o", "addr"), ("-4", "route")):
+        for word in _ip(*args, check=False).stdout.split():
+            with contextlib.suppress(ValueError):
+                if "/" in word or word.count(".") == 3:
+                    used.append(ipaddress.ip_network(word, strict=False))
+    for cand in SUBNETS:
+        net = ipaddress.IPv4Network(cand)
+        if not any(net.overlaps(u) for u in used if isinstance(u, ipaddress.IPv4Network) and u.prefixlen > 0):
+            return net
+    return ipaddress.IPv4Network(SUBNETS[0])
+
+
+class Host:
+    """One emulated host of a :class:`Fabric` (made by it: ``Fabric(n).hosts`` or ``fab.add_host()``).
+
+    ``name`` is its hostname (resolvable on every host of the fabric through their ``/etc/hosts``),
+    ``address`` its IPv4 address on the bridge, ``ifname`` its interface (``eth0``).
+    """
+
+    def __init__(self, fabric: Fabric, index: int, name: str, address: str) -> None:
+        self.fabric = fabric
+        self.index = index
+        self.name = name
+        self.address = address
+        self.ifname = IFNAME
+        self.netns = f"{fabric.prefix}h{index}"
+        self.link = f"v{index}"  # its veth's end on the bridge, in the fabric namespace
+        self.lost = False
+        self.partitioned = False
+        self.init_pid = 0
+        self._netns_id: tuple[int, int] | None = None
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._init: subprocess.Popen[bytes] | None = None
+        self._heal_timer: threading.Timer | None = None
+        self._cg = os.path.join(fabric.cgroup, name) if fabric.cgroup else None
+        self._cg_init = os.path.join(fabric.cgroup, f"{name}.init") if fabric.cgroup else None
+        self.hosts_file = os.path.join(fabric.state_dir, f"h{index}.hosts")
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "partitioned" if self.partitioned else "up"
+        return f"Host({self.name}, {self.address}, {state})"
+
+    # -- creation (by Fabric.add_host) --------------------------------------------------------------
+
+    def _create(self, shm_size: str | None) -> None:
+        fab = self.fabric
+        assert fab.subnet is not None
+        _ip("netns", "add", self.netns)
+        self._netns_id = _ns_id(os.path.join(NETNS_DIR, self.netns))
+        _ip("-n", fab.netns, "link", "add", self.link, "type", "veth", "peer", "name", self.ifname, "netns", self.netns)
+        _ip("-n", fab.netns, "link", "set", self.link, "master", BRIDGE, "up")
+        _ip("-n", self.netns, "link", "set", "lo", "up")
+        _ip("-n", self.netns, "addr", "add", f"{self.address}/{fab.subnet.prefixlen}", "dev", self.ifname)
+        _ip("-n", self.netns, "link", "set", self.ifname, "up")
+        # IPv4 only: no link-local IPv6 address for gloo or getaddrinfo to pick instead of the bridge's
+        v6 = "for f in /proc/sys/net/ipv6/conf/*/disable_ipv6; do echo 1 > $f; done 2>/dev/null || true"
+        subprocess.run(["nsenter", f"--net={NETNS_DIR}/{self.netns}", "--", "sh", "-c", v6], check=False, timeout=30)
+        if self._cg:
+            assert self._cg_init is not None
+            os.mkdir(self._cg)
+            os.mkdir(self._cg_init)
+        argv = ["nsenter", f"--net={NETNS_DIR}/{self.netns}", "--"]
+        argv += ["unshare", "--uts", "--mount", "--propagation", "private", "--"]
+        argv += ["sh", "-c", _INIT, self.name, shm_size or "", self.hosts_file, *fab.shared]
+        if self._cg_init:
+            argv = ["sh", "-c", _JOIN_CGROUP, os.path.join(self._cg_init, "cgroup.procs"), *argv]
+        init = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+        self.init_pid = init.pid
+        self._init = init
+        assert init.stdout is not None and init.stderr is not None
+        ready, _, _ = select.select([init.stdout], [], [], 20)
+        line = init.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            init.kill()
+            err = init.stderr.read().decode(errors="replace").strip() if init.wait(5) is not None else ""
+            raise HostsError(f"host {self.name}: its init did not start: {err or line!r}")
+        init.stdout.close()
+        init.stderr.close()
+
+    # -- processes ----------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self.lost:
+            raise HostsError(f"host {self.name} is lost")
+
+    def env(self, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+        """`base` (default: this process's environment) + gloo/TensorPipe bound to the host's interface
+        + `extra`."""
+        env = dict(os.environ if base is None else base)
+        env.update(GLOO_SOCKET_IFNAME=self.ifname, TP_SOCKET_IFNAME=self.ifname)
+        env.update(extra)
+        return env
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: int | IO[Any] | None = subprocess.DEVNULL,
+        stdout: int | IO[Any] | None = None,
+        stderr: int | IO[Any] | None = None,
+        start_new_session: bool = True,
+        **popen_kw: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start `argv` inside the host (its network, UTS and mount namespaces, its cgroup) in `cwd`
+        (default: this process's). The Popen's pid is `argv[0]`'s own (execs only, no fork), so
+        ``p.kill()`` kills exactly that process (an agent fault); :meth:`kill_all` kills its children too."""
+        self._check()
+        cwd = cwd or os.getcwd()
+        p = self.init_pid
+        wrapped = ["nsenter", f"--net=/proc/{p}/ns/net", f"--uts=/proc/{p}/ns/uts", f"--mount=/proc/{p}/ns/mnt"]
+        wrapped += ["--", "sh", "-c", _CHDIR, cwd, *argv]
+        if self._cg:
+            wrapped = ["sh", "-c", _JOIN_CGROUP, os.path.join(self._cg, "cgroup.procs"), *wrapped]
+        proc = subprocess.Popen(
+            wrapped,
+            env=dict(env) if env is not None else None,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=start_new_session,
+            **popen_kw,
+        )
+        self._procs = [q for q in self._procs if q.poll() is None] + [proc]
+        return proc
+
+    def call(self, argv: Sequence[str], *, timeout: float = 30, **kw: Any) -> subprocess.CompletedProcess[str]:
+        """Run `argv` inside the host to its end; its output captured as text."""
+        proc = self.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+    def pids(self) -> list[int]:
+        """The processes of the host (its init left out)."""
+        if self.lost:
+            return []
+        found: set[int] = set()
+        if self._cg:
+            with contextlib.suppress(OSError), open(os.path.join(self._cg, "cgroup.procs")) as f:
+                found |= {int(x) for x in f.read().split()}
+        if self._netns_id is not None:
+            found |= set(_pids_in_ns(self._netns_id))
+        found.discard(self.init_pid)
+        return sorted(found)
+
+    def path(self, path: str) -> str:
+        """Where the root namespace reads the host's file `path` (e.g. in its /dev/shm or /tmp)."""
+        self._check()
+        return f"/proc/{self.init_pid}/root{os.path.join('/', path)}"
+
+    def kill_all(self, timeout: float = 10.0) -> None:
+        """SIGKILL every process of the host at once (not its init: the host stays up and usable)."""
+        if self.lost:
+            return
+        if self._cg:
+            _cgroup_kill(self._cg, timeout)
+        deadline = time.monotonic() + timeout
+        while pids := self.pids():  # without cgroups; and anything that entered the namespace otherwise
+            _kill_pids(pids)
+            if time.monotonic() > deadline:
+                raise HostsError(f"host {self.name}: processes {pids} still alive after {timeout:.0f} s")
+            time.sleep(0.01)
+        self._reap()
+
+    def _reap(self) -> None:
+        for q in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                q.wait(timeout=1)
+        self._procs = [q for q in self._procs if q.poll() is None]
+
+    # -- faults -------------------------------------------------------------------------------------
+
+    def lose(self, abrupt: bool = True) -> None:
+        """The host is gone: every process killed at once, its tmpfs (/dev/shm, /tmp) unmounted, its
+        init (the last holder of its namespaces) killed, its link and network namespace removed.
+        A replacement is a new host: ``fabric.add_host()``.
+
+        `abrupt` (a power loss): the link goes first, so the kernel's FIN/RST for the dead processes'
+        connections reach no one and peers learn of the loss by their own timeouts. ``abrupt=False``:
+        the processes die first and their peers see "connection closed/reset" at once (every process
+        of the machine killed, then the machine leaves)."""
+        if self.lost:
+            return
+        with self.fabric._lock:
+            self._cancel_heal()
+            if abrupt:
+                _ip("-n", self.fabric.netns, "link", "del", self.link, check=False)
+            self.kill_all()
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(
+                    ["nsenter", f"--mount=/proc/{self.init_pid}/ns/mnt", "--", "umount", "-l", "/dev/shm", "/tmp"],
+                    capture_output=True,
+                    timeout=10,
+                )
+            if self._cg_init:
+                _cgroup_kill(self._cg_init)
+            _kill_pids([self.init_pid])
+            if self._init is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._init.wait(timeout=10)
+            _ip("-n", self.fabric.netns, "link", "del", self.link, check=False)
+            _remove_netns(self.netns)
+            for cg in (self._cg, self._cg_init):
+                if cg:
+                    _cgroup_remove(cg)
+            self.lost = True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.hosts_file)
+            self.fabric._write_hosts_files()
+
+    def partition(self, seconds: float | None = None) -> None:
+        """Cut the host off the fabric (its link on the bridge down: no carrier, packets dropped, TCP
+        connections stay open and time out); up again after `seconds` if given, else at :meth:`heal`."""
+        self._check()
+        with self.fabric._lock:
+            self._cancel_heal()
+            _ip("-n", self.fabric.netns, "link", "set", self.link, "down")
+            self.partitioned = True
+            if seconds is not None:
+                self._heal_timer = threading.Timer(seconds, self.heal)
+                self._heal_timer.daemon = True
+                self._heal_timer.start()
+
+    def heal(self) -> None:
+        """End a partition: the link up again, back to work when this returns (both ends up, and the
+        neighbour entries that failed meanwhile forgotten, which would fail new connections for ~3 s)."""
+        with self.fabric._lock:
+            self._cancel_heal()
+            if self.lost or self.fabric.closed:
+                return
+            _ip("-n", self.fabric.netns, "link", "set", self.link, "up")
+            self.partitioned = False
+            # the kernel turns carrier changes into a working link asynchronously (linkwatch, up to 1 s):
+            # return once both ends report state UP, so that a packet sent now is not dropped
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                ends = [(self.fabric.netns, self.link), (self.netns, self.ifname)]
+                if all(" state UP " in _ip("-n", ns, "-o", "link", "show", d, check=False).stdout for ns, d in ends):
+                    break
+                time.sleep(0.02)
+            # neighbour entries that failed to resolve during the partition would fail the next connections
+            # (EHOSTUNREACH, for up to ~3 s): forgotten on both sides, they resolve afresh
+            for h in self.fabric.live:
+                _ip("-n", h.netns, "neigh", "flush", "dev", h.ifname, check=False)
+
+    def _cancel_heal(self) -> None:
+        t, self._heal_timer = self._heal_timer, None
+        if t is not None and t is not threading.current_thread():
+            t.cancel()
+
+
+class Fabric:
+    """N emulated hosts on a private bridge, as a context manager (see the module's docstring).
+
+    `hosts`: a count (named ``host1``..``hostN``) or the names. `shm_size`: each host's /dev/shm size
+    (``"512m"``; default the tmpfs default, half the RAM, taken only as used). `subnet`: an IPv4 /24
+    (default: the first of :data:`SUBNETS` unused here). `shared`: paths of this machine (directories or
+    files) bound at the same path into every host, e.g. a test's tmp dir under /tmp, which the hosts'
+    private /tmp would hide: everything else outside /dev/shm and /tmp is shared anyway, as a network
+    filesystem would be. ``handle_signals`` turns SIGTERM into
+    SystemExit while the fabric lives (in the main thread), so that ``with`` cleans up; SIGINT already
+    raises KeyboardInterrupt.
+    """
+
+    def __init__(
+        self,
+        hosts: int | Sequence[str] = 2,
+        *,
+        shm_size: str | None = None,
+        subnet: str | None = None,
+        shared: Sequence[str] = (),
+        handle_signals: bool = True,
+    ) -> None:
+        self.shared = [os.path.abspath(p) for p in shared]
+        for p in self.shared:
+            if not os.path.exists(p):
+                raise HostsError(f"shared path {p} does not exist")
+        self.names = [f"host{i + 1}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
+        self.shm_size = shm_size
+        self.subnet: ipaddress.IPv4Network | None = ipaddress.IPv4Network(subnet) if subnet else None
+        self.handle_signals = handle_signals
+        self.id = secrets.token_hex(3)
+        self.prefix = f"{PREFIX}{self.id}-"
+        self.netns = f"{self.prefix}fabric"
+        self.state_dir = os.path.join(STATE_DIR, self.id)
+        cg_root = _cgroup2_root()
+        self.cgroup = os.path.join(cg_root, PREFIX + self.id) if cg_root else None
+        self.hosts: list[Host] = []
+        self.closed = False
+        self.started = False
+        self._lock = threading.RLock()
+        self._lock_fd: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+
+    def __enter__(self) -> Fabric:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        problems = self.close()
+        if problems and exc_type is None:
+            raise HostsError("cleanup left: " + "; ".join(problems))
+
+    def start(self) -> None:
+        """Remove stale state of dead runs, then make the fabric and its first hosts."""
+        reason = hosts_unavailable()
+        if reason:
+            raise HostsError(reason)
+        os.makedirs(STATE_DIR, exist_ok=True)
+        cleanup_stale()
+        # the lock appears already held (renamed into place), so no cleaner ever finds it free while we live
+        tmp = os.path.join(STATE_DIR, f".{self.id}.tmp")
+        self._lock_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        os.rename(tmp, os.path.join(STATE_DIR, f"{self.id}.lock"))
+        self.started = True
+        self._install_signal_handlers()
+        os.makedirs(self.state_dir, exist_ok=True)
+        if self.cgroup:
+            try:
+                os.mkdir(self.cgroup)
+            except OSError:  # not writable after all: processes are found by their network namespace
+                self.cgroup = None
+        if self.subnet is None:
+            self.subnet = _pick_subnet()
+        _ip("netns", "add", self.netns)
+        _ip("-n", self.netns, "link", "add", BRIDGE, "type", "bridge", "stp_state", "0", "forward_delay", "0")
+        _ip("-n", self.netns, "link", "set", BRIDGE, "up")
+        for name in self.names:
+            self.add_host(name)
+
+    def add_host(self, name: str | None = None, address: str | None = None) -> Host:
+        """A new host on the fabric (a replacement for a lost one, or an extra one, e.g. for etcd):
+        the next index, ``host<index>`` and ``.(10 + index)`` unless `name` / `address` are given (a
+        lost host's may be reused). Every live host's /etc/hosts then lists it."""
+        with self._lock:
+            if self.closed or not self.started:
+                raise HostsError("the fabric is not running")
+            assert self.subnet is not None
+            index = max((h.index for h in self.hosts), default=0) + 1
+            name = name or f"host{index}"
+            address = address or str(self.subnet.network_address + FIRST_HOST + index)
+            live = [h for h in self.hosts if not h.lost]
+            if any(h.name == name for h in live):
+                raise HostsError(f"a live host is already named {name}")
+            if any(h.address == address for h in live):
+                raise HostsError(f"a live host already has address {address}")
+            if not name.replace("-", "").isalnum() or len(name) > 63:
+                raise HostsError(f"bad host name {name!r}: letters, digits and '-' only")
+            host = Host(self, index, name, address)
+            self.hosts.append(host)
+            self._write_hosts_files()
+            try:
+                host._create(self.shm_size)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    host.lose()
+                host.lost = True
+                raise
+            return host
+
+    def host(self, name: str) -> Host:
+        """The live host named `name`."""
+        for h in self.hosts:
+            if h.name == name and not h.lost:
+                return h
+        raise KeyError(name)
+
+    @property
+    def live(self) -> list[Host]:
+        return [h for h in self.hosts if not h.lost]
+
+    def _write_hosts_files(self) -> None:
+        lines = ["127.0.0.1\tlocalhost"] + [f"{h.address}\t{h.name}" for h in self.live]
+        text = "\n".join(lines) + "\n"
+        for h in self.live:
+            with open(h.hosts_file, "w") as f:  # in place: it is bind-mounted on the host's /etc/hosts
+                f.write(text)
+
+    def close(self) -> list[str]:
+        """Kill every process of every host, remove every namespace, link, cgroup and file of the
+        fabric. Idempotent; returns what could not be removed (nothing, normally)."""
+        with self._lock:
+            if self.closed:
+                return []
+            self.closed = True
+        problems: list[str] = []
+        try:
+            for h in self.hosts:
+                h._cancel_heal()
+            if self._lock_fd is not None:
+                try:
+                    _remove_run(self.id)
+                except Exception as e:  # keep going: the next start removes what is left
+                    problems.append(f"{type(e).__name__}: {e}")
+                for h in self.hosts:
+                    h.lost = True
+                    h._reap()
+                    if h._init is not None:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            h._init.wait(timeout=5)
+                problems += [x for x in leftovers(self.id) if not x.endswith(f"/{self.id}.lock")]
+                if not problems:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(STATE_DIR, f"{self.id}.lock"))
+                os.close(self._lock_fd)
+                self._lock_fd = None
+        finally:
+            self._restore_signal_handlers()
+        return problems
+
+    def _install_signal_handlers(self) -> None:
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_term(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        old = signal.getsignal(signal.SIGTERM)
+        if old in (signal.SIG_DFL, None):
+            self._old_handlers[signal.SIGTERM] = old
+            signal.signal(signal.SIGTERM, on_term)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._old_handlers.clear()
+
+
+def leftovers(run_id: str | None = None) -> list[str]:
+    """What is left of run `run_id` (of every run if None): namespaces, cgroups, state files, mounts
+    in this mount namespace, links in this network namespace carrying the prefix. Empty when clean."""
+    head = PREFIX + (f"{run_id}-" if run_id else "")
+    out = [f"netns {n}" for n in _netns_names(run_id)]
+    cg_root = _cgroup2_root()
+    if cg_root is not None:
+        want = PREFIX + run_id if run_id else PREFIX
+        out += [f"cgroup {cg_root}/{n}" for n in os.listdir(cg_root) if n.startswith(want)]
+    with contextlib.suppress(FileNotFoundError):
+        out += [f"file {STATE_DIR}/{n}" for n in os.listdir(STATE_DIR) if run_id is None or n.startswith(run_id)]
+    with open("/proc/self/mountinfo") as f:
+        out += [f"mount {line.split()[4]}" for line in f if head in line]
+    links = _ip("-o", "link", check=False).stdout
+    out += [f"link {w}" for w in links.split() if w.startswith(PREFIX)]
+    return out
