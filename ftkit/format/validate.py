@@ -49,7 +49,6 @@ MAX_STEP = 10**12 - 1  # step directories have 12 digits
 MAX_WORLD = 2**24
 MAX_NDIM = 64
 MAX_NAME = 4096
-MAX_INT_DIGITS = 320  # a skeleton's integers stay within 2**1024 (skeleton_values.py): 309 digits
 MAX_NUMBER_CHARS = 400
 RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,7})$")  # ASCII only: str.isdigit() takes "²", which int() refuses
 STEP_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,11})$")
@@ -94,10 +93,10 @@ def parse_header(data: bytes | str, where: str) -> tuple[dict[str, Any], int]:
 
 def parse_json(data: bytes | str | bytearray | memoryview, where: str, what: str) -> Any:
     """The one parser of untrusted JSON: a manifest, a part, an index, a store or board
-    message. JSON as ftkit writes it (UTF-8, no NaN/Infinity, no float that overflows, no
-    integer of more than MAX_INT_DIGITS digits); anything else, whatever Python's own
-    conversions would raise (ValueError, OverflowError, RecursionError), is a FormatError
-    naming `where`, and nothing else ever escapes."""
+    message. JSON as ftkit writes it (UTF-8, no NaN/Infinity, no float that overflows);
+    anything else, whatever Python's own conversions would raise (ValueError for an
+    integer of over 4,300 digits, OverflowError, RecursionError), is a FormatError naming
+    `where`, and nothing else ever escapes."""
     try:
         text = bytes(data).decode() if isinstance(data, (bytes, bytearray, memoryview)) else data
         return _DECODER.decode(text)
@@ -135,16 +134,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _bounded_int(text: str) -> int:
-    # Python refuses int() of over 4,300 digits with a ValueError; refuse far sooner, as ours.
-    if len(text) > MAX_INT_DIGITS + 1:
-        raise FormatError(f"holds an integer of {len(text)} digits")
-    return int(text)
-
-
-_DECODER = json.JSONDecoder(  # one, not one per call
-    parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int
-)
+# One, not one per call. Integers parse at C speed: one of more than 4,300 digits is Python's
+# own ValueError (sys.int_max_str_digits), which parse_json turns into a FormatError; the
+# fields that hold integers bound them (_int, check_value, created_at).
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 
 def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
