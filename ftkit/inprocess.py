@@ -227,7 +227,7 @@ def _namespace(store: Any) -> Any:
 
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return dist.PrefixStore(f"ftkit-inprocess/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"ftkit-inprocess/{generation.torchrun_attempt() or '0'}", store)
 
 
 def _next_generation(store: Any, world: int, wait_s: float) -> int:

@@ -122,7 +122,7 @@ class DistContext:
         # Keys are namespaced per torchrun attempt so a restarted group never reads
         # what the previous attempt left in a store that outlives it.
         # (and per in-process recovery: coord/generation.py)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + generation.suffix()
+        attempt = (generation.torchrun_attempt() or "0") + generation.suffix()
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
         rank = dist.get_rank()
@@ -336,7 +336,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwarg
         is_master=rank == 0 and not agent_hosts_store,
         timeout=timedelta(seconds=timeout_s),
     )
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    attempt = generation.torchrun_attempt()
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"ftkit-attempt-{attempt}", store),

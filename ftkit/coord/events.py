@@ -26,8 +26,11 @@ log = logging.getLogger("ftkit")
 
 
 def attempt() -> int:
-    """torchrun's restart count: 0 for the first attempt of the worker group."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    """torchrun's attempt (generation.torchrun_attempt): 0 for the first attempt of the worker group."""
+    try:
+        return int(generation.torchrun_attempt() or 0)
+    except ValueError:
+        return 0
 
 
 class EventLog:

@@ -1,6 +1,7 @@
 """This process's generation: how many in-process recoveries it has been through.
 
-torchrun numbers its attempts (``TORCHELASTIC_RESTART_COUNT``); an in-process
+torchrun numbers its attempts (``torchrun_attempt``: the rendezvous round, or
+``TORCHELASTIC_RESTART_COUNT``); an in-process
 recovery (ftkit/inprocess.py) re-forms the process group without a new attempt,
 so everything namespaced per attempt is namespaced per (attempt, generation):
 the Checkpointer's store keys (coord/dist.py), the node boards (coord/nodelocal.py),
@@ -14,7 +15,9 @@ process) and the training loop's next ``snapshot()`` raises the request.
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from ftkit.errors import RecoveryRequested
@@ -24,6 +27,17 @@ _generation = 0
 _active = False
 _requested: Any = None  # the verdict that asked for a recovery of the current generation
 _instances: dict[int, int] = {}  # Checkpointers created so far, by generation
+
+
+ROUND_ENV = "FTKIT_RDZV_ROUND"  # exported by ftkit's torchrun agent (ftkit/warm/agent.py)
+
+
+def torchrun_attempt(environ: Mapping[str, str] = os.environ) -> str | None:
+    """This worker's attempt under torchrun, the same on every rank of a worker group: the
+    rendezvous round ftkit's agent exports (new at every round, also when a host joins or
+    leaves without a failure), else torchrun's restart count (what it is on one node); None
+    outside torchrun. What the store, the node boards and the event log are namespaced by."""
+    return environ.get(ROUND_ENV) or environ.get("TORCHELASTIC_RESTART_COUNT")
 
 
 def current() -> int:

@@ -52,6 +52,10 @@ class WatchdogConfig:
     startup_grace_s: float = 120.0  # a rank (or node) never seen for this long is dead
     watch: int = 2  # nodes each node's leader watches on the ring
     recovery_timeout_s: float = 30.0  # under run_in_process: a verdict not followed by a recovery ends the worker
+    # A leader whose every store request failed this long (and 3 rounds at least) takes the job's
+    # store for lost with the host that served it (rank 0's agent's): it ends its node's workers,
+    # so torchrun's agents meet again and the next round's rank 0 serves a new store.
+    store_lost_after_s: float = 10.0
 
 
 Timing = tuple[float | None, float | None]  # one rank's (busy, interval): what the medians are taken over

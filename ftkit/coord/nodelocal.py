@@ -58,7 +58,7 @@ def job_names(scope: str, instance: str) -> tuple[str, str]:
     address never reads the board, and a stale verdict, of the run before it)."""
     env = os.environ
     job = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") + generation.suffix()
+    attempt = (generation.torchrun_attempt() or "0") + generation.suffix()
     scope_hash = hashlib.sha256(scope.encode()).hexdigest()[:12]
     return hashlib.sha256(job.encode()).hexdigest()[:16], f"{_safe(attempt)}-{scope_hash}-{_safe(instance)}"
 

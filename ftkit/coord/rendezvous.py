@@ -55,9 +55,13 @@ Scope and limits:
   different namespaces (and time out). Same script on every rank, or
   ``ftkit run``, gives that.
 * A torchrun restart after a membership change (a node joins a c10d
-  rendezvous) keeps ``TORCHELASTIC_RESTART_COUNT``; torchrun gives the workers
-  nothing that tells those groups apart, so such a re-formed group shares its
-  attempt's namespace (as it shares torch's keys without this).
+  rendezvous) keeps ``TORCHELASTIC_RESTART_COUNT``, which may also differ
+  between agents; torchrun gives the workers nothing that tells those groups
+  apart. ftkit's own agent (``ftkit run``, ftkit/warm/agent.py) exports the
+  rendezvous round, the same on every node and new at every round, and the
+  namespace is named after it (coord/generation.py ``torchrun_attempt``); under
+  plain torchrun such a re-formed group shares its attempt's namespace (as it
+  shares torch's keys without this).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ftkit.coord.generation import torchrun_attempt
+
 log = logging.getLogger("ftkit")
 
 DISABLE_ENV = "FTKIT_ENV_RENDEZVOUS"  # "0": leave torch's env:// handler alone
@@ -74,7 +80,7 @@ DISABLE_ENV = "FTKIT_ENV_RENDEZVOUS"  # "0": leave torch's env:// handler alone
 
 def attempt_prefix(environ: Any = os.environ) -> str | None:
     """The store namespace of this torchrun attempt, or None outside torchrun."""
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT")
+    attempt = torchrun_attempt(environ)
     if attempt is None:
         return None
     return f"ftkit-rdzv/{environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"  # PrefixStore adds the '/'

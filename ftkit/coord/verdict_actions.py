@@ -108,12 +108,14 @@ class VerdictActions:
         won = self.ctx.store.compare_set(VERDICT, "", json.dumps(verdict.to_json()))
         return Verdict.from_json(decode_json(won)) or verdict
 
-    def abort(self, verdict: Verdict) -> None:
-        """This rank judged: post the verdict (or join an earlier one) and end."""
+    def abort(self, verdict: Verdict, post: bool = True) -> None:
+        """This rank judged: post the verdict (or join an earlier one) and end. `post=False`:
+        the store is known lost (a request to it would never return): only this node hears."""
         if verdict.what == "hung" and verdict.target != self.ctx.rank:  # can this judge end it?
             verdict = dataclasses.replace(verdict, local=self._local(self._beat_of(verdict.target)))
         try:
-            verdict = self.post(verdict)
+            if post:
+                verdict = self.post(verdict)
         except Exception as e:  # the store is gone: this node still ends, and tells its ranks
             log.error("ftkit watchdog: could not post the verdict to the store: %s", e)
         self.join(verdict)

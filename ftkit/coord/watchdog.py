@@ -32,7 +32,11 @@ timeout. A straggler is reported; with `straggler_action="abort"` background
 persists get `flush_deadline_s` first.
 
 No false kills: a leader that cannot reach the store judges nobody and its
-clocks freeze until it can (its node still sees its local heartbeat); a rank is
+clocks freeze until it can (its node still sees its local heartbeat), unless the
+store stays silent for `store_lost_after_s` (and three rounds): then the store is
+taken for lost with its host (rank 0's agent serves it) and the node's workers end,
+so the agents meet again around a new store (a partitioned host's end the same
+way, and rejoin once it heals); a rank is
 judged only after its first heartbeat (or `startup_grace_s` of silence); finished
 ranks say so and keep watching for dead and failed ranks until every node has
 finished; a heartbeat thread that died is restarted by the next progress().
@@ -52,6 +56,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from ftkit.coord.dist import DistContext, host_identity, process_gone
 from ftkit.coord.events import EventLog
@@ -65,6 +70,55 @@ from ftkit.warm.client import process_start, process_stopped  # (the warm client
 
 log = logging.getLogger("ftkit")
 PREEMPT, DONE = "wd/preempt", "wd/done"
+
+
+class BoundedCall:
+    """Calls made one at a time on a daemon thread of their own (started at the first call,
+    reused), each waited for at most a bound: the caller gets the result, the call's exception,
+    or a TimeoutError, and never waits longer. A call still out when the next is made (a
+    request stuck for good) makes that one fail at once: nothing piles up behind it, and
+    nothing joins the stuck thread at exit."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self._todo: Callable[[], Any] | None = None
+        self._wake = threading.Event()
+        self._done = threading.Event()
+        self._done.set()
+        self._box: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        with self._lock:
+            if not self._done.is_set():
+                raise TimeoutError(f"{self.name}: the previous call has not returned")
+            self._done.clear()
+            box: dict[str, Any] = {}
+            self._box = box
+            self._todo = fn
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+            self._wake.set()
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"{self.name}: no answer within {timeout_s:g}s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _serve(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            fn, box = self._todo, self._box
+            try:
+                assert fn is not None
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller, raised there
+                box["error"] = e
+            finally:
+                self._done.set()
 
 
 class Watchdog:
@@ -101,6 +155,12 @@ class Watchdog:
         self._all_done = False  # every rank of every node has finished
         self._stop = threading.Event()
         self._outage_since: float | None = None
+        self._outage_rounds = 0
+        # A store request to a host that vanished (no FIN, no RST: a power loss) never returns,
+        # whatever the client's timeout (measured on emulated hosts): each exchange runs on a
+        # thread of its own, waited for this long, and one still out counts as a failed round.
+        self._store = BoundedCall("ftkit-watchdog-store")
+        self._store_wait_s = max(cfg.dead_after_s / 2, cfg.interval_s)
         self._last_round: float | None = None
         self._told_preempt = False  # this rank's preemption was posted
         self._heard_preempt = False  # a peer's preemption was passed on to on_peer_preempted
@@ -198,15 +258,17 @@ class Watchdog:
             self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
             self.beats.write(self.ctx.rank, self._beat(done=True, failed=failed, stopped=True))
+        # (Store requests bounded here too: a store lost with its host must not hold an ending rank.)
         if failed:
+            mine = Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank)
+            standing = mine
             with contextlib.suppress(Exception):
-                standing = self.act.post(
-                    Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank)
-                )
+                standing = self._store.call(lambda: self.act.post(mine), self._store_wait_s)
+            with contextlib.suppress(Exception):
                 self.board.write("verdict.json", standing.to_json())
         if self.leader and not failed:
             with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
-                self._set_node_beat(done=True)
+                self._store.call(lambda: self._set_node_beat(done=True), self._store_wait_s)
         self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
 
     # ---------------------------------------------------------- the thread
@@ -259,9 +321,9 @@ class Watchdog:
         if beat.preempt and not self._told_preempt:  # rare: straight to the store, once
             self._told_preempt = True
             signum = self._preempted() if self._preempted is not None else None
-            with contextlib.suppress(Exception):
-                notice = preemption_notice(self.ctx.rank, signum or signal.SIGTERM)
-                self.ctx.store.compare_set(PREEMPT, "", json.dumps(notice))
+            notice = json.dumps(preemption_notice(self.ctx.rank, signum or signal.SIGTERM))
+            with contextlib.suppress(Exception):  # (bounded: a lost store must not hold this thread)
+                self._store.call(lambda: self.ctx.store.compare_set(PREEMPT, "", notice), self._store_wait_s)
 
     def _set_node_beat(self, done: bool = False) -> None:
         """The node's heartbeat, to its key in the store (a leader; one request)."""
@@ -312,11 +374,19 @@ class Watchdog:
         self._caught_up(now, self.rank_judge, self.ring_judge)
         self._local_beats = self.beats.read(self._others)
         try:
-            nodes, verdict, peer, done = self._exchange()
+            nodes, verdict, peer, done = self._store.call(self._exchange, self._store_wait_s)
         except Exception as e:  # the store is unreachable: freeze the clocks, judge nobody
             if self._outage_since is None:
-                self._outage_since = now
+                self._outage_since, self._outage_rounds = now, 0
                 log.warning("ftkit watchdog: store unreachable (%s); not judging until it is back", type(e).__name__)
+            self._outage_rounds += 1
+            lasted = now - self._outage_since
+            if lasted >= self.cfg.store_lost_after_s and self._outage_rounds >= 3:
+                # Lost with its host (rank 0's agent served it): nobody can judge or commit through
+                # it again. End this node's workers, so the agents meet again and the next round's
+                # rank 0 serves a new store; a partitioned host's workers end the same way (fenced).
+                why = f"the job's store (served on rank 0's host) has not answered for {lasted:.0f}s"
+                self.act.abort(Verdict(0, "dead", lasted, why, self.ctx.rank), post=False)
             return
         if self._outage_since is not None:
             gap = now - self._outage_since

@@ -11,8 +11,10 @@ import os
 import sys
 from typing import Any
 
+from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS
 from ftkit.drill.run import DEFAULT_FAULTS, DEFAULT_TIERS, run_drill
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.errors import UsageError
 from ftkit.tools.report import phases_text
 
 
@@ -20,7 +22,7 @@ def print_summary(result: dict[str, Any]) -> None:
     print()
     for f in result["faults"]:
         o = f["outcome"]
-        fault = Fault(**{k: f[k] for k in ("kind", "step", "rank", "node", "during")})
+        fault = Fault(**{k: f.get(k) for k in ("kind", "step", "rank", "node", "during", "host")})
         label = f"{fault.kind}@{f['injected_step'] or f['step']} {fault.where()}" + (
             "" if fault.during == "step" else f" ({fault.during})"
         )
@@ -33,7 +35,7 @@ def print_summary(result: dict[str, Any]) -> None:
             )
         elif o.get("finished_before_stop"):
             print(f"  {label:<28} the run reached its last step before the agreed stop: nothing to resume")
-        elif o:
+        elif "recovery_s" in o:
             det = f"{o['detect_s']:.1f}s" if o["detect_s"] is not None else "at once"
             print(
                 f"  {label:<28} detected by {o['detected_by']} ({det}); recovered in {o['recovery_s']:.1f}s "
@@ -81,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds each step waits, standing for accelerator time (default 0.25)",
     )
     p.add_argument("--every", type=int, default=10, help="durable tier every N steps (default 10)")
-    p.add_argument("--faults", default=DEFAULT_FAULTS, help=f"the schedule (default {DEFAULT_FAULTS!r})")
+    p.add_argument(
+        "--faults",
+        help=f"the schedule (default {DEFAULT_FAULTS!r}; with --hosts {DEFAULT_HOST_FAULTS!r})",
+    )
     p.add_argument("--seed", type=int, help="a random schedule from this seed instead of --faults")
     p.add_argument("--count", type=int, default=3, help="faults in a --seed schedule (default 3)")
     p.add_argument(
@@ -127,8 +132,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="a killed or hung rank restarts the group through torchrun (warm), instead of being "
         "replaced while the others recover in process (as ftkit run --replace-dead)",
     )
+    hosts = p.add_argument_group("over emulated hosts (Linux namespaces; needs root)")
+    hosts.add_argument(
+        "--hosts",
+        type=int,
+        help="run over N emulated hosts, one torchrun agent each (host, partition and agent faults)",
+    )
+    hosts.add_argument("--spare-hosts", type=int, default=0, help="hosts that wait to replace a lost one (default 0)")
+    hosts.add_argument("--ranks-per-host", type=int, default=2, help="ranks per host (default 2)")
+    hosts.add_argument(
+        "--rdzv",
+        choices=("etcd", "c10d"),
+        default="etcd",
+        help="the agents' rendezvous: etcd on a host of its own (default), or c10d on the first host",
+    )
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def _main_hosts(p: argparse.ArgumentParser, args: Any) -> int:
+    """`ftkit drill --hosts N`: the drill over emulated hosts (hostdrill.py)."""
+    from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS, run_host_drill
+
+    if args.hosts < 2 or args.ranks_per_host < 1 or args.spare_hosts < 0:
+        p.error("--hosts must be at least 2, --ranks-per-host at least 1, --spare-hosts at least 0")
+    if args.script:
+        p.error("--hosts drills the built-in trainer")
+    if args.no_peer:
+        args.tiers = args.tiers or "ram,disk"
+    args.faults = DEFAULT_HOST_FAULTS if args.faults is None else args.faults
+    try:
+        result = run_host_drill(args)
+    except UsageError as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:
+        print(f"ftkit: error: {e}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print_summary(result)
+    return 0 if result["passed"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     args.script_args = script_args
+    if args.hosts is not None:
+        return _main_hosts(p, args)
+    args.faults = DEFAULT_FAULTS if args.faults is None else args.faults
     if args.nproc < 2 or args.nproc % args.ranks_per_node:
         p.error("--nproc must be at least 2 and a multiple of --ranks-per-node")
     if args.no_peer:

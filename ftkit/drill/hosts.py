@@ -434,7 +434,7 @@ class Host:
         (default: this process's). The Popen's pid is `argv[0]`'s own (execs only, no fork), so
         ``p.kill()`` kills exactly that process (an agent fault); :meth:`kill_all` kills its children too."""
         self._check()
-        cwd = cwd or os.getcwd()
+        cwd = cwd or os.getcwd()  # (shared into every host when it lies under /tmp: _software_paths)
         p = self.init_pid
         wrapped = ["nsenter", f"--net=/proc/{p}/ns/net", f"--uts=/proc/{p}/ns/uts", f"--mount=/proc/{p}/ns/mnt"]
         wrapped += ["--", "sh", "-c", _CHDIR, cwd, *argv]
@@ -582,6 +582,31 @@ class Host:
             t.cancel()
 
 
+def _software_paths() -> list[str]:
+    """What a host must see for this Python and ftkit to run in it, where a host's private
+    /tmp or /dev/shm would hide it (a checkout, a virtual environment or a working directory
+    under /tmp, as a CI job may have them)."""
+    import ftkit
+
+    candidates = [sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(ftkit.__file__))), os.getcwd()]
+    hidden = ("/tmp", "/dev/shm")
+    out = []
+    for p in candidates:
+        top = os.path.realpath(p)
+        if any(top == h or top.startswith(h + "/") for h in hidden) and top not in hidden:
+            out.append(top)
+    return out
+
+
+def _outermost(paths: Sequence[str]) -> list[str]:
+    """`paths` without duplicates and without those inside another one (bound once, with it)."""
+    out: list[str] = []
+    for p in sorted(set(paths), key=len):
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
+
+
 class Fabric:
     """N emulated hosts on a private bridge, as a context manager (see the module's docstring).
 
@@ -604,10 +629,10 @@ class Fabric:
         shared: Sequence[str] = (),
         handle_signals: bool = True,
     ) -> None:
-        self.shared = [os.path.abspath(p) for p in shared]
-        for p in self.shared:
+        for p in shared:
             if not os.path.exists(p):
-                raise HostsError(f"shared path {p} does not exist")
+                raise HostsError(f"shared path {os.path.abspath(p)} does not exist")
+        self.shared = _outermost([*(os.path.abspath(p) for p in shared), *_software_paths()])
         self.names = [f"host{i + 1}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
         self.shm_size = shm_size
         self.subnet: ipaddress.IPv4Network | None = ipaddress.IPv4Network(subnet) if subnet else None

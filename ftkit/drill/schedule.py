@@ -13,7 +13,18 @@
                                 write), torn-write (files cut short), bitflip
     s3-outage@30:seconds=5      the drill's own S3 server is stopped, then restarted
 
-Options: rank=, node=, factor=, seconds=, and during= one of
+Over emulated hosts (``ftkit drill --hosts N``; ``node`` is then ``host``):
+
+    host@30:host=2              host 2 is lost whole: every process, its RAM tier, its link
+                                (``for=S``: a new machine of that name comes back S s later)
+    partition@40:host=rank0     its link goes down (``for=S``: up again S s later)
+    agent@50:host=3             only its torchrun agent dies (``for=S``: restarted S s later)
+
+    host= is a host number (1..N), ``rank0`` (the host of rank 0 when the fault strikes) or
+    ``rendezvous`` (the host serving the rendezvous: c10d's endpoint; with etcd, whose store
+    moves to each round's rank 0, the host of rank 0)
+
+Options: rank=, node=, host=, factor=, seconds= (for= is the same), and during= one of
     step       at the end of the step's compute, before its snapshot (the default)
     snapshot   while the rank copies the state into its staging buffer
     persist    inside a durable-tier persist: data written, not yet reported
@@ -32,11 +43,13 @@ from typing import Any
 PROCESS_KINDS = ("kill", "term", "hang", "crash", "node", "slow")
 STORAGE_KINDS = ("enospc", "unavailable", "latency", "torn-write", "bitflip")
 OBJECT_STORE_KINDS = ("s3-outage",)
-KINDS = PROCESS_KINDS + STORAGE_KINDS + OBJECT_STORE_KINDS
+HOST_KINDS = ("host", "partition", "agent")  # over emulated hosts only
+KINDS = PROCESS_KINDS + STORAGE_KINDS + OBJECT_STORE_KINDS + HOST_KINDS
 ALIASES = {"torn": "torn-write"}
 PHASES = ("step", "snapshot", "persist", "replicate", "commit")
+HOST_TARGETS = ("rank0", "rendezvous")
 # Faults after which torchrun restarts the worker group.
-RESTARTING = ("kill", "term", "hang", "crash", "node")
+RESTARTING = ("kill", "term", "hang", "crash", "node", *HOST_KINDS)
 # Faults that happen inside one training step and cannot be moved into the persist pipeline.
 _LOOP_ONLY = {"crash": ("step", "snapshot"), "slow": ("step",)}
 
@@ -50,6 +63,8 @@ class Fault:
     during: str = "step"
     factor: float = 3.0
     seconds: float = 6.0
+    host: str | None = None  # host faults: "1".."N", "rank0" or "rendezvous"
+    back_s: float | None = None  # host faults: the host (its link, its agent) comes back this much later
     # What happened (filled in by the drill):
     injected_t: float | None = None
     injected_step: int | None = None
@@ -62,6 +77,8 @@ class Fault:
         return self.kind in RESTARTING
 
     def where(self) -> str:
+        if self.kind in HOST_KINDS:
+            return f"host {self.host}"
         if self.kind == "node":
             return f"node {self.node}"
         if self.kind in STORAGE_KINDS:
@@ -75,8 +92,21 @@ class Fault:
         return f"{self.kind}@{self.step} ({self.where()}{phase})"
 
 
-def _check(f: Fault, part: str, nproc: int, ranks_per_node: int) -> None:
+def _check(f: Fault, part: str, nproc: int, ranks_per_node: int, hosts: int | None = None) -> None:
     nodes = nproc // ranks_per_node
+    if hosts is None and f.kind in HOST_KINDS:
+        raise ValueError(f"{part!r}: a {f.kind} fault needs emulated hosts (ftkit drill --hosts N)")
+    if hosts is not None and f.kind == "node":
+        raise ValueError(f"{part!r}: over emulated hosts a node is a host: host@STEP:host=H")
+    if f.kind in HOST_KINDS:
+        f.host = f.host or "1"
+        if not (f.host in HOST_TARGETS or (f.host.isdigit() and 1 <= int(f.host) <= (hosts or 0))):
+            raise ValueError(f"{part!r}: host={f.host} is not 1..{hosts}, rank0 or rendezvous")
+        if f.during not in ("step", "snapshot", "persist", "replicate", "commit"):
+            raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
+        if f.during == "commit" and f.host not in ("rank0", "rendezvous"):
+            raise ValueError(f"{part!r}: only rank 0 commits (host=rank0)")
+        return
     if f.during not in PHASES:
         raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
     if f.kind in _LOOP_ONLY and f.during not in _LOOP_ONLY[f.kind]:
@@ -99,8 +129,8 @@ def _check(f: Fault, part: str, nproc: int, ranks_per_node: int) -> None:
         raise ValueError(f"{part!r}: factor must be > 0 and seconds >= 0")
 
 
-def parse_faults(spec: str, nproc: int, ranks_per_node: int) -> list[Fault]:
-    """Parse a schedule; a ValueError names the bad part."""
+def parse_faults(spec: str, nproc: int, ranks_per_node: int, hosts: int | None = None) -> list[Fault]:
+    """Parse a schedule (`hosts`: over that many emulated hosts); a ValueError names the bad part."""
     faults = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         head, *opts = part.split(":")
@@ -116,13 +146,19 @@ def parse_faults(spec: str, nproc: int, ranks_per_node: int) -> list[Fault]:
                     setattr(f, k, int(v))
                 elif k in ("factor", "seconds"):
                     setattr(f, k, float(v))
+                elif k == "host" and v:
+                    f.host = v
+                elif k == "for":
+                    f.back_s = float(v)
                 elif k == "during" and v:
                     f.during = v
                 else:
                     raise ValueError
             except ValueError:
-                raise ValueError(f"bad option {o!r} in {part!r} (rank=, node=, during=, factor=, seconds=)") from None
-        _check(f, part, nproc, ranks_per_node)
+                raise ValueError(
+                    f"bad option {o!r} in {part!r} (rank=, node=, host=, during=, factor=, seconds=, for=)"
+                ) from None
+        _check(f, part, nproc, ranks_per_node, hosts)
         faults.append(f)
     steps = [f.step for f in faults]
     if steps != sorted(steps) or len(set(steps)) != len(steps):

@@ -29,6 +29,7 @@ import threading
 import time
 
 from ftkit.coord import boot
+from ftkit.coord.generation import torchrun_attempt
 from ftkit.coord.rendezvous import install
 from ftkit.warm.client import LAUNCHER_PID_ENV  # a warm worker's client: the process torchrun started
 
@@ -48,7 +49,7 @@ def _write_phase(directory: str, phase: str) -> None:
         "phase": phase,
         "t": time.time(),
         "rank": os.environ.get("RANK"),
-        "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+        "attempt": torchrun_attempt(),
     }
     tmp = os.path.join(directory, f".{pid}.tmp")
     with open(tmp, "w") as f:

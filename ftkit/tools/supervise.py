@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from ftkit.coord.generation import torchrun_attempt
 from ftkit.errors import UsageError
 from ftkit.tools.launch import STARTUP_DIR_ENV
 
@@ -274,7 +275,7 @@ class StartupWatch:
             if rank is None or attempt is None:
                 try:
                     env = w.proc.environ()
-                    rank, attempt = env.get("RANK"), env.get("TORCHELASTIC_RESTART_COUNT")
+                    rank, attempt = env.get("RANK"), torchrun_attempt(env)
                 except (psutil.Error, OSError):
                     pass
             phase = {

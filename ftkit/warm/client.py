@@ -12,7 +12,9 @@ torchrun:
 * the worker's end is this process's end: the same exit code, or death by the
   same signal, so torchrun's agent sees a SIGKILLed worker as a SIGKILL;
 * if this process is killed, the zygote sees the connection close and
-  SIGKILLs the worker (which may be SIGSTOPped and unable to act itself).
+  SIGKILLs the worker (which may be SIGSTOPped and unable to act itself);
+* if torchrun's agent dies, this process is SIGKILLed by the kernel (and the
+  worker with it, as above): workers never train on without an agent.
 
 Without a zygote (no ``$FTKIT_ZYGOTE``, or it does not answer) the worker starts
 cold: this process becomes ``python -m ftkit.tools.launch`` in place (exec).
@@ -157,8 +159,29 @@ def _replaceable(status: dict, ending: bool, replaced: int, allowed: int, mark: 
     return status.get("signal") == signal.SIGKILL and not ending and replaced < allowed and os.path.exists(mark)
 
 
+def _end_with_agent() -> None:
+    """Have the kernel SIGKILL this process when the process that started it (torchrun's agent)
+    dies (Linux's PR_SET_PDEATHSIG; kept across the exec of a cold start). A lost agent can
+    neither restart nor stop its workers: left running they would train on as orphans of a
+    group that no agent holds in its rendezvous any more (measured on emulated hosts: an agent
+    killed alone left its workers training, unnoticed). With this client gone the zygote ends
+    a warm worker too, the other ranks find its ranks dead, and their agents regroup."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str]) -> None:
     started = time.time()
+    _end_with_agent()
     path = os.environ.get(ZYGOTE_ENV)
     if not argv:
         print("usage: client.py [--module] TARGET [ARGS...]", file=sys.stderr)

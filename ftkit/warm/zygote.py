@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,9 +108,19 @@ def torchrun_command(zygote: Zygote | None, torchrun_args: list[str]) -> list[st
     return [sys.executable, "-u", client_path(), "--module", "ftkit.warm.agent", *torchrun_args]
 
 
-def start(env: dict[str, str] | None = None, preload: tuple[str, ...] = (), stderr: Any = None) -> Zygote:
-    """Start a zygote with `env` (the workers' environment, less torchrun's per-worker variables)."""
-    directory = tempfile.mkdtemp(prefix="ftkit-zygote-")  # 0700: only this user can reach the socket
+def start(
+    env: dict[str, str] | None = None,
+    preload: tuple[str, ...] = (),
+    stderr: Any = None,
+    parent: str | None = None,
+    spawn: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> Zygote:
+    """Start a zygote with `env` (the workers' environment, less torchrun's per-worker variables).
+
+    `parent`: where its private directory (the socket) goes (default: the temporary
+    directory); `spawn`: what starts its process (Popen's signature; an emulated host's
+    ``run`` starts it inside that host, ftkit/drill/hosts.py)."""
+    directory = tempfile.mkdtemp(prefix="ftkit-zygote-", dir=parent)  # 0700: only this user can reach the socket
     path = os.path.join(directory, "zygote.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -118,7 +129,7 @@ def start(env: dict[str, str] | None = None, preload: tuple[str, ...] = (), stde
         cmd = [sys.executable, "-m", "ftkit.warm.zygote", "--fd", str(listener.fileno())]
         if preload:
             cmd += ["--preload", ",".join(preload)]
-        proc = subprocess.Popen(
+        proc = spawn(
             cmd,
             env=env if env is not None else dict(os.environ),
             pass_fds=[listener.fileno()],

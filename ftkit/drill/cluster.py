@@ -1,0 +1,266 @@
+"""A training job over emulated hosts: one torchrun agent per host, as jobs are deployed.
+
+Each host (ftkit/drill/hosts.py: its own network, hostname, /dev/shm and /tmp) runs its
+own zygote (warm workers, ftkit/warm) and its own torchrun agent; the agents meet in a
+dynamic rendezvous: torch's ``etcd-v2`` backend on a real etcd running on a host of its
+own (the default: it outlives every training host), or ``c10d`` hosted by the first
+host's agent (which dies with that host: docs/operations.md). Node identity comes from
+the host (its hostname), as in production: no FTKIT_NODE_ID, no FTKIT_RANKS_PER_NODE.
+Spare hosts start their agents too and wait in the rendezvous until a host is lost.
+
+Order of calls (ftkit/drill/hostdrill.py, tests, benchmarks/bench_hosts.py)::
+
+    with Cluster(root, entry, hosts=3, spares=1, ranks_per_host=2) as c:   # fabric, etcd,
+        ...                                    # a zygote and an agent per host (spares too)
+        c.rank_hosts()                         # {rank: host name} of the newest attempt
+        c.lose("host2"); c.partition("host1", 5.0); c.kill_agent("host3"); c.start_agent("host3")
+        c.wait(timeout)                        # every training host's agent exit code
+    # leaving: every agent, zygote, etcd and host removed (hosts.py cleans up the rest)
+
+Everything the ranks write that a drill reads (the event log, the fault points, the
+durable tier) lives under `root`, which every host sees (``Fabric(shared=[root])``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ftkit.coord.events import read_events
+from ftkit.coord.faultpoints import FAULT_POINTS_ENV
+from ftkit.drill.etcd import Etcd
+from ftkit.drill.hosts import Fabric, Host
+from ftkit.tools.report import epoch
+from ftkit.warm.zygote import Zygote, client_path, torchrun_command
+from ftkit.warm.zygote import start as start_zygote
+
+C10D_PORT = 29400
+# The rendezvous's timing: a lost host is out of the next round within keep_alive_interval x
+# keep_alive_max_attempt seconds, and a round closes last_call_timeout after it has its minimum
+# (torch's defaults, 5 x 3 and 30 s, cost a recovery ~45 s; 1 x 2 let a late heartbeat split the
+# group in 1 of 5 runs here). join_timeout bounds an agent's wait to be admitted.
+RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 2, "join_timeout": 120}
+
+
+class Cluster:
+    """`hosts` training hosts (host1..hostN) and `spares` more, `ranks_per_host` ranks each,
+    running `entry` (``-m module args`` or ``script args``) under one torchrun agent per host."""
+
+    def __init__(
+        self,
+        root: str,
+        entry: Sequence[str],
+        hosts: int = 3,
+        spares: int = 0,
+        ranks_per_host: int = 2,
+        rdzv: str = "etcd",
+        min_hosts: int = 1,
+        restarts: int = 10,
+        env: dict[str, str] | None = None,
+        warm: bool = True,
+        preload: tuple[str, ...] = (),
+        run_id: str = "drill",
+    ):
+        if rdzv not in ("etcd", "c10d"):
+            raise ValueError(f"rendezvous backend {rdzv!r}: etcd or c10d")
+        self.root = os.path.abspath(root)
+        self.entry = list(entry)
+        self.names = [f"host{i}" for i in range(1, hosts + spares + 1)]
+        self.training = self.names[:hosts]
+        self.ranks_per_host = ranks_per_host
+        self.rdzv = rdzv
+        self.min_hosts, self.max_hosts = min_hosts, hosts
+        self.restarts = restarts
+        self.extra_env = dict(env or {})
+        self.warm = warm
+        self.preload = preload
+        self.run_id = run_id
+        self.run_dir = os.path.join(self.root, "run")
+        self.fault_request = os.path.join(self.root, "fault-request")
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.zygotes: dict[str, Zygote] = {}
+        self.logs: dict[str, Any] = {}
+        self.fabric: Fabric | None = None
+        self.etcd: Etcd | None = None
+
+    # ---------------------------------------------------------------- life
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        names = [*self.names, *(["etcd"] if self.rdzv == "etcd" else [])]
+        self.fabric = Fabric(names, shared=[self.root])
+        self.fabric.start()
+        if self.rdzv == "etcd":
+            self.logs["etcd"] = open(os.path.join(self.root, "etcd.log"), "a")
+            self.etcd = Etcd(self.fabric, self.fabric.host("etcd"), log=self.logs["etcd"])
+            self.etcd.start()
+        for name in self.training:
+            self.start_agent(name)
+        # Spares wait in the rendezvous for a place: only once the training hosts have theirs.
+        spares = self.names[len(self.training) :]
+        if spares and not self.wait_started(world=len(self.training) * self.ranks_per_host, timeout=180):
+            raise RuntimeError(f"the training hosts did not form their group (see {self.root}/host*.log)")
+        for name in spares:
+            self.start_agent(name)
+
+    def close(self) -> None:
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.kill()
+        for z in self.zygotes.values():
+            try:
+                z.stop()
+            except Exception:  # noqa: BLE001 (its host may be gone: the fabric removes what is left)
+                pass
+        if self.etcd is not None:
+            try:
+                self.etcd.stop()
+            except Exception:  # noqa: BLE001 (as above)
+                pass
+        if self.fabric is not None:
+            self.fabric.close()
+        for f in self.logs.values():
+            f.close()
+
+    # ------------------------------------------------------------- agents
+    def host(self, name: str) -> Host:
+        assert self.fabric is not None
+        return self.fabric.host(name)
+
+    def _env(self, host: Host) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_NODE_ID", "FTKIT_RANKS_PER_NODE"))}
+        env.update(
+            {
+                **self.extra_env,
+                "FTKIT_RUN_DIR": self.run_dir,
+                FAULT_POINTS_ENV: self.fault_request,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        return host.env(env)
+
+    def agent_args(self) -> list[str]:
+        if self.rdzv == "etcd":
+            assert self.etcd is not None
+            backend, endpoint = "etcd-v2", self.etcd.endpoint
+        else:
+            backend, endpoint = "c10d", f"{self.training[0]}:{C10D_PORT}"
+        conf = ",".join(f"{k}={v}" for k, v in RDZV_CONF.items())
+        return [
+            f"--nnodes={self.min_hosts}:{self.max_hosts}",
+            f"--nproc-per-node={self.ranks_per_host}",
+            f"--rdzv-backend={backend}",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={conf}",
+            f"--max-restarts={self.restarts}",
+            "--monitor-interval=0.1",
+        ]
+
+    def start_agent(self, name: str) -> subprocess.Popen:
+        """Start (or start again) the zygote and torchrun agent of host `name`."""
+        host = self.host(name)
+        env = self._env(host)
+        zygote = None
+        if self.warm:
+            old = self.zygotes.pop(name, None)
+            if old is not None:
+                old.stop()
+            zdir = os.path.join(self.root, "zygotes")
+            os.makedirs(zdir, exist_ok=True)
+            zygote = start_zygote(
+                env=env, preload=("ftkit.drill.reference", *self.preload), parent=zdir, spawn=host.run
+            )
+            self.zygotes[name] = zygote
+            env.update(zygote.env())
+        entry = self.entry
+        if zygote is not None:
+            entry = [client_path(), "--module", *entry[1:]] if entry[0] == "-m" else [client_path(), *entry]
+        log = self.logs.get(name)
+        if log is None:
+            log = self.logs[name] = open(os.path.join(self.root, f"{name}.log"), "a")
+        cmd = torchrun_command(zygote, [*self.agent_args(), *entry])
+        proc = host.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+        self.agents[name] = proc
+        return proc
+
+    def kill_agent(self, name: str) -> None:
+        """Kill only `name`'s torchrun agent (SIGKILL): its workers end with it (ftkit/warm/client.py)."""
+        proc = self.agents[name]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    # -------------------------------------------------------------- faults
+    def lose(self, name: str) -> None:
+        """The host is gone, as in a power loss: link first, every process, its tmpfs (its RAM tier)."""
+        self.host(name).lose()
+        z = self.zygotes.pop(name, None)
+        if z is not None:
+            try:
+                z.stop()
+            except Exception:  # noqa: BLE001 (its processes are gone with the host)
+                pass
+
+    def partition(self, name: str, seconds: float | None = None) -> None:
+        self.host(name).partition(seconds)
+
+    def heal(self, name: str) -> None:
+        self.host(name).heal()
+
+    # ------------------------------------------------------------- reading
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(self.run_dir)
+
+    def attempt(self) -> tuple[int, int]:
+        """The newest (attempt, in-process generation) that has started."""
+        return max((epoch(e) for e in self.events() if e["event"] == "start"), default=(0, 0))
+
+    def rank_hosts(self, attempt: tuple[int, int] | None = None) -> dict[int, str]:
+        """{rank: host name} of `attempt` (default: the newest), from the ranks' start events."""
+        events = self.events()
+        if attempt is None:
+            attempt = max((epoch(e) for e in events if e["event"] == "start"), default=(0, 0))
+        return {e["rank"]: e["node"] for e in events if e["event"] == "start" and epoch(e) == attempt}
+
+    def world_sizes(self) -> list[tuple[tuple[int, int], int]]:
+        """(attempt, world size) of every attempt that started, in order."""
+        seen: dict[tuple[int, int], int] = {}
+        for e in self.events():
+            if e["event"] == "start":
+                seen.setdefault(epoch(e), e["world_size"])
+        return sorted(seen.items())
+
+    def wait_started(self, world: int | None = None, after: tuple[int, int] = (-1, 0), timeout: float = 120) -> bool:
+        """Until an attempt newer than `after` has every rank started (`world` ranks, when given)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            at = self.attempt()
+            if at > after:
+                ranks = self.rank_hosts(at)
+                size = next((w for a, w in self.world_sizes() if a == at), None)
+                if size is not None and len(ranks) == size and (world is None or size == world):
+                    return True
+            time.sleep(0.1)
+        return False
+
+    def wait(self, timeout: float) -> dict[str, int | None]:
+        """Every agent's exit code once all have ended, or None for those still running after `timeout`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and any(p.poll() is None for p in self.agents.values()):
+            time.sleep(0.2)
+        return {name: p.poll() for name, p in self.agents.items()}
