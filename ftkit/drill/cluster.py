@@ -109,9 +109,9 @@ class Cluster:
             self.etcd.start()
         for name in self.training:
             self.start_agent(name)
-        # Spares wait in the rendezvous for a place: only once the training hosts have theirs.
+        # The training hosts form the first group; spares wait in the rendezvous for a place after that.
         spares = self.names[len(self.training) :]
-        if spares and not self.wait_started(world=len(self.training) * self.ranks_per_host, timeout=180):
+        if not self.wait_started(world=len(self.training) * self.ranks_per_host, timeout=180):
             raise RuntimeError(f"the training hosts did not form their group (see {self.root}/host*.log)")
         for name in spares:
             self.start_agent(name)
@@ -180,7 +180,10 @@ class Cluster:
             old = self.zygotes.pop(name, None)
             if old is not None:
                 old.stop()
-            zdir = os.path.join(self.root, "zygotes")
+            # A short path every host sees (a socket's path is at most 107 bytes; a test's
+            # directory can be longer), removed with the fabric.
+            assert self.fabric is not None
+            zdir = os.path.join(self.fabric.state_dir, "zygotes")
             os.makedirs(zdir, exist_ok=True)
             zygote = start_zygote(
                 env=env, preload=("ftkit.drill.reference", *self.preload), parent=zdir, spawn=host.run
@@ -215,6 +218,15 @@ class Cluster:
                 z.stop()
             except Exception:  # noqa: BLE001 (its processes are gone with the host)
                 pass
+
+    def bring_back(self, name: str) -> None:
+        """A new machine under a lost host's name and address (empty RAM, a new agent) joins."""
+        assert self.fabric is not None
+        lost = [h for h in self.fabric.hosts if h.name == name and h.lost]
+        if not lost:
+            raise RuntimeError(f"{name} is not a lost host")
+        self.fabric.add_host(name, lost[-1].address)
+        self.start_agent(name)
 
     def partition(self, name: str, seconds: float | None = None) -> None:
         self.host(name).partition(seconds)

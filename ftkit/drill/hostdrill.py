@@ -105,6 +105,7 @@ class HostInjector(Injector):
     def __init__(self, job: HostJob, durable_root: str | None = None):
         super().__init__(job, durable_root)  # type: ignore[arg-type]
         self.cluster = job.cluster
+        self.failures: list[str] = []
 
     def target_host(self, f: Fault, attempt: tuple[int, int]) -> str:
         if f.host in ("rank0", "rendezvous"):
@@ -151,14 +152,18 @@ class HostInjector(Injector):
     def _host_back(self, name: str, seconds: float) -> None:
         """A new machine of the same name and address (empty RAM) takes the lost one's place."""
         time.sleep(seconds)
-        old = self.cluster.host(name)
-        assert self.cluster.fabric is not None
-        self.cluster.fabric.add_host(name, old.address)
-        self.cluster.start_agent(name)
+        self._later(f"bringing {name} back", lambda: self.cluster.bring_back(name))
 
     def _agent_back(self, name: str, seconds: float) -> None:
         time.sleep(seconds)
-        self.cluster.start_agent(name)
+        self._later(f"restarting {name}'s agent", lambda: self.cluster.start_agent(name))
+
+    def _later(self, what: str, fn) -> None:
+        """A background step of a fault; its failure is the drill's, not lost with its thread."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (reported at the end of the drill)
+            self.failures.append(f"{what}: {e}")
 
 
 def world_history(events: list[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -273,6 +278,7 @@ def run_host_drill(args) -> dict[str, Any]:
                 if not _wait_final(cluster, final_pt, limit):
                     errors.append(f"the faulted run did not finish within {limit:.0f}s (see {faulted}/host*.log)")
                 injector.join()
+                errors += injector.failures
             except RuntimeError as e:
                 errors.append(str(e))
             events = cluster.events()

@@ -720,6 +720,10 @@ class Fabric:
                     host.lose()
                 host.lost = True
                 raise
+            # A lost host's address reused: every other host still maps it to the old link's MAC
+            # (nothing answers there) until its neighbour entry expires; forget it now.
+            for h in live:
+                _ip("-n", h.netns, "neigh", "flush", "to", address, check=False)
             return host
 
     def host(self, name: str) -> Host:
