@@ -126,6 +126,12 @@ class HostInjector(Injector):
             raise RuntimeError(f"{f.label()}: {name} holds no rank of attempt {attempt[0]}")
         rank = 0 if f.during == "commit" else ranks[0]
         rec = job.freeze_at(f.during, f.step, rank)
+        # The attempt the frozen rank belongs to (a host coming back may have started a new one
+        # between the look above and the freeze): the fault is that attempt's.
+        attempt = max(
+            (epoch(e) for e in job.events() if e["event"] == "start" and e.get("pid") == rec.get("pid")),
+            default=attempt,
+        )
         (f.attempt, f.gen), f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
         f.outcome = {"host": name}
         job.note(
