@@ -318,6 +318,16 @@ def test_ftkit_run_command_line_rewrite():
     p = plan(["--no-python", "--max-restarts", "1", "./run.sh"])
     assert not p.launched and not p.warm and p.notes and p.torchrun_args[-1] == "./run.sh"
     assert plan(["--nproc-per-node"]).torchrun_args == ["--nproc-per-node"]  # torchrun reports the error
+    # Across hosts: the users' torchrun arguments pass through, and the rendezvous timing that
+    # recovers a lost host in seconds is added unless they chose their own.
+    hosts = ["--nnodes", "2:4", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "etcd:2379", "--rdzv-id", "r42"]
+    p = plan([*hosts, "--nproc-per-node", "8", "train.py"])
+    assert "--standalone" not in p.torchrun_args and p.torchrun_args[-1] == "train.py"
+    conf = p.torchrun_args.index("--rdzv-conf")
+    assert p.torchrun_args[conf + 1] == "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"
+    assert all(a in p.torchrun_args for a in hosts)
+    p = plan([*hosts, "--rdzv-conf", "join_timeout=900", "train.py"])
+    assert p.torchrun_args.count("--rdzv-conf") == 1 and "join_timeout=900" in p.torchrun_args
 
 
 def test_ftkit_run_rejects_a_negative_startup_timeout():

@@ -59,6 +59,8 @@ from ftkit.coord.generation import torchrun_attempt
 from ftkit.errors import UsageError
 from ftkit.tools.launch import STARTUP_DIR_ENV
 
+RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"  # across hosts, see plan()
+
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STARTED_UP = ("heartbeat", "single")
 
@@ -161,6 +163,11 @@ def plan(argv: list[str]) -> Plan:
         defaults += ["--monitor-interval", "0.5"]
     if not names & {"--standalone", "--rdzv-endpoint", "--nnodes", "--master-addr"}:
         defaults.append("--standalone")
+    elif names & {"--rdzv-endpoint", "--nnodes"} and "--rdzv-conf" not in names and "--standalone" not in names:
+        # Across hosts: a lost host out of the next round within ~3 s, a round closed 2 s after it
+        # has its minimum (torch's defaults cost a recovery ~45 s). docs/operations.md, "Across hosts".
+        defaults += ["--rdzv-conf", RDZV_CONF]
+        out.notes.append(f"rendezvous timing --rdzv-conf {RDZV_CONF} (give --rdzv-conf to choose your own)")
     if ns.no_python or ns.run_path:
         out.launched = False
         out.notes.append(
