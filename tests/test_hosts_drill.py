@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from ftkit.drill.hostdrill import unavailable, world_history
+from ftkit.drill.hostdrill import fencing_violations, unavailable, world_history
 
 pytestmark = pytest.mark.slow
 REASON = unavailable("etcd")
@@ -110,6 +110,20 @@ def test_world_history_follows_restores():
         {"event": "restore", "attempt": 3, "step": 30, "rank": 0},
     ]
     assert world_history(ev) == [(6, 0), (4, 19)]
+
+
+def test_a_commit_by_a_replaced_generation_is_a_fencing_violation():
+    ev = [
+        {"event": "start", "attempt": 0, "rank": 0, "t": 0.0, "world_size": 6},
+        {"event": "persist", "attempt": 0, "rank": 0, "t": 5.0, "step": 9, "ok": True, "committed_by_me": True},
+        {"event": "start", "attempt": 1, "rank": 0, "t": 10.0, "world_size": 4},
+        {"event": "persist", "attempt": 1, "rank": 0, "t": 12.0, "step": 10, "ok": True, "committed_by_me": True},
+    ]
+    assert fencing_violations(ev) == []
+    # the old group (cut off with its rank 0) commits after the others formed the new one
+    ev.append({"event": "persist", "attempt": 0, "rank": 0, "t": 11.0, "step": 10, "ok": True, "committed_by_me": True})
+    (problem,) = fencing_violations(ev)
+    assert "step 10" in problem and "attempt 0" in problem and "attempt 1" in problem
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")

@@ -106,6 +106,7 @@ class HostInjector(Injector):
         super().__init__(job, durable_root)  # type: ignore[arg-type]
         self.cluster = job.cluster
         self.failures: list[str] = []
+        self.hosts: dict[int, str] = {}  # id(fault) -> the host it struck
 
     def target_host(self, f: Fault, attempt: tuple[int, int]) -> str:
         if f.host in ("rank0", "rendezvous"):
@@ -134,6 +135,7 @@ class HostInjector(Injector):
         )
         (f.attempt, f.gen), f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
         f.outcome = {"host": name}
+        self.hosts[id(f)] = name
         job.note(
             kind=f.kind,
             step=f.injected_step,
@@ -170,6 +172,29 @@ class HostInjector(Injector):
             fn()
         except Exception as e:  # noqa: BLE001 (reported at the end of the drill)
             self.failures.append(f"{what}: {e}")
+
+
+def fencing_violations(events: list[dict[str, Any]]) -> list[str]:
+    """Commits by a generation that another had already replaced: a step committed by attempt A
+    after a newer attempt started (two groups at once: the split brain a partition could cause).
+    A group that lost its place commits nothing."""
+    starts: dict[tuple[int, int], float] = {}
+    for e in events:
+        if e["event"] == "start":
+            a = epoch(e)
+            starts[a] = min(starts.get(a, e["t"]), e["t"])
+    out = []
+    for e in events:
+        if e["event"] == "persist" and e.get("ok") and e.get("committed_by_me"):
+            a = epoch(e)
+            newer = [(b, t) for b, t in starts.items() if b > a and t < e["t"]]
+            if newer:
+                b, t = min(newer, key=lambda x: x[1])
+                out.append(
+                    f"step {e['step']} was committed to {e.get('tier')} by attempt {a[0]} {e['t'] - t:.2f}s "
+                    f"after attempt {b[0]} had started (two groups at once)"
+                )
+    return out
 
 
 def world_history(events: list[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -266,12 +291,14 @@ def run_host_drill(args) -> dict[str, Any]:
     entry = _entry(args, tiers, url, final_pt, args.step_time)
     env = {REPLACE_ENV: "0"}  # a host's workers are not replaced one by one: its agent restarts them
     events: list[dict[str, Any]] = []
+    injected_hosts: dict[int, str] = {}  # id(fault) -> the host it struck
     try:
         with Cluster(
             faulted, entry, hosts=hosts, spares=spares, ranks_per_host=rph, rdzv=args.rdzv, env=env, warm=not args.cold
         ) as cluster:
             job = HostJob(cluster)
             injector = HostInjector(job, durable_root)
+            injected_hosts = injector.hosts
             try:
                 for f in faults:
                     attempt = job.attempt()
@@ -292,6 +319,10 @@ def run_host_drill(args) -> dict[str, Any]:
         errors.append(f"the emulated hosts failed: {e}")
     report = analyze(events) if events else None
     check_faults(faults, report, events, args.max_lost, errors)
+    errors += fencing_violations(events)
+    for f in faults:  # (check_faults rewrote the outcomes: say again which host each one struck)
+        if id(f) in injected_hosts:
+            f.outcome["host"] = injected_hosts[id(f)]
     history = world_history(events) if events else []
     zygote = None if args.cold else start_zygote(preload=("torch.distributed.run", "ftkit.drill.reference"))
     try:
