@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # short files fill in around them,
 # instead of a drill starting last and running alone at the end (a minute of the CI run).
 SLOW_FILES = (
+    "test_hosts_drill.py",  # (two drills over emulated hosts, ~80 s each)
     "test_drill_faults.py",
     "test_drill.py",
     "test_integrations_multiprocess.py",

@@ -33,6 +33,7 @@ from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.etcd import Etcd
 from ftkit.drill.hosts import Fabric, Host
+from ftkit.drill.job import latest_attempt, starts
 from ftkit.tools.report import epoch
 from ftkit.warm.zygote import Zygote, client_path, torchrun_command
 from ftkit.warm.zygote import start as start_zygote
@@ -240,14 +241,12 @@ class Cluster:
 
     def attempt(self) -> tuple[int, int]:
         """The newest (attempt, in-process generation) that has started."""
-        return max((epoch(e) for e in self.events() if e["event"] == "start"), default=(0, 0))
+        return latest_attempt(self.events())
 
     def rank_hosts(self, attempt: tuple[int, int] | None = None) -> dict[int, str]:
         """{rank: host name} of `attempt` (default: the newest), from the ranks' start events."""
         events = self.events()
-        if attempt is None:
-            attempt = max((epoch(e) for e in events if e["event"] == "start"), default=(0, 0))
-        return {e["rank"]: e["node"] for e in events if e["event"] == "start" and epoch(e) == attempt}
+        return {e["rank"]: e["node"] for e in starts(events, latest_attempt(events) if attempt is None else attempt)}
 
     def world_sizes(self) -> list[tuple[tuple[int, int], int]]:
         """(attempt, world size) of every attempt that started, in order."""

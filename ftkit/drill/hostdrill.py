@@ -32,7 +32,7 @@ from ftkit.coord.events import read_events
 from ftkit.drill.cluster import Cluster
 from ftkit.drill.etcd import etcd_unavailable
 from ftkit.drill.hosts import hosts_unavailable
-from ftkit.drill.job import Injector, Job, _signal
+from ftkit.drill.job import Injector, Job, RunLog, _signal
 from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _check_schedule, _entry
 from ftkit.drill.schedule import HOST_KINDS, Fault, parse_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream
@@ -50,49 +50,30 @@ def unavailable(rdzv: str) -> str | None:
     return hosts_unavailable() or (etcd_unavailable() if rdzv == "etcd" else None)
 
 
-class HostJob:
-    """The faulted run as the single-host Injector sees a Job (attempt, pids, fault points,
-    notes), over a Cluster: so process and storage faults work across hosts as they do on one."""
+class HostJob(RunLog):
+    """The faulted run as the Injector sees a job (its event log, fault points and notes; job.py),
+    over a Cluster: process and storage faults work across hosts as they do on one."""
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self.run_dir = cluster.run_dir
         self.fault_request = cluster.fault_request
         self.ranks_per_node = cluster.ranks_per_host
-
-    def events(self) -> list[dict[str, Any]]:
-        return self.cluster.events()
-
-    def attempt(self) -> tuple[int, int]:
-        return self.cluster.attempt()
-
-    def pids(self, attempt: tuple[int, int]) -> dict[int, int]:
-        return {e["rank"]: e["pid"] for e in self.events() if e["event"] == "start" and epoch(e) == attempt}
-
-    def launchers(self, attempt: tuple[int, int]) -> dict[int, int]:
-        starts = [e for e in self.events() if e["event"] == "start" and epoch(e) == attempt]
-        return {e["rank"]: e.get("launcher", e["pid"]) for e in starts}
-
-    def note(self, **fields: Any) -> None:
-        os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
-        with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as f:
-            f.write(json.dumps({"t": time.time(), "rank": -1, "event": "fault", **fields}) + "\n")
-
-    @property
-    def proc(self) -> Any:
-        """What Job.freeze_at polls for the job's end: ended when every agent has."""
-        return _AllAgents(self.cluster)
-
-    freeze_at = Job.freeze_at
+        self.proc = _AllAgents(cluster)
 
 
 class _AllAgents:
+    """The cluster's agents as one process for RunLog.freeze_at: ended once all have, with the
+    first nonzero exit code (or 0)."""
+
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
 
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.cluster.agents.values()]
-        return None if any(c is None for c in codes) else max(codes, key=lambda c: c != 0)
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c), 0)
 
     @property
     def returncode(self) -> int | None:

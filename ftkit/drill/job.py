@@ -36,7 +36,78 @@ _STORAGE_SWITCH = {
 }
 
 
-class Job:
+def latest_attempt(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """The newest (torchrun attempt, in-process generation) that has started."""
+    return max((epoch(e) for e in events if e["event"] == "start"), default=(0, 0))
+
+
+def starts(events: list[dict[str, Any]], attempt: tuple[int, int]) -> list[dict[str, Any]]:
+    """The ranks' start events of `attempt`."""
+    return [e for e in events if e["event"] == "start" and epoch(e) == attempt]
+
+
+class RunLog:
+    """What a drill reads of a job and writes beside it: the ranks' event log (`run_dir`),
+    its own fault notes, and the fault points it freezes ranks at (`fault_request`). A
+    subclass gives `proc`, whose poll() says whether the job has ended."""
+
+    run_dir: str
+    fault_request: str
+    ranks_per_node: int
+    proc: Any
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(self.run_dir)
+
+    def attempt(self) -> tuple[int, int]:
+        """The newest (torchrun attempt, in-process generation) that has started."""
+        return latest_attempt(self.events())
+
+    def pids(self, attempt: tuple[int, int]) -> dict[int, int]:
+        return {e["rank"]: e["pid"] for e in starts(self.events(), attempt)}
+
+    def launchers(self, attempt: tuple[int, int]) -> dict[int, int]:
+        """The processes torchrun started for the ranks (a warm worker's client; else the worker)."""
+        return {e["rank"]: e.get("launcher", e["pid"]) for e in starts(self.events(), attempt)}
+
+    def note(self, **fields: Any) -> None:
+        """A drill event in the job's log, beside the ranks' own (rank -1)."""
+        os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+        with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "rank": -1, "event": "fault", **fields}) + "\n")
+
+    def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop", timeout: float = 600) -> dict[str, Any]:
+        """Ask `rank` to stop (or crash) at `phase` of `step` or later; return once it has.
+
+        Returns the fault point's record (pid, at_step). Raises RuntimeError when
+        the job ends or the timeout passes first.
+        """
+        reached = self.fault_request + ".reached"
+        for stale in (reached, self.fault_request):
+            if os.path.exists(stale):
+                os.remove(stale)
+        tmp = self.fault_request + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"phase": phase, "step": step, "rank": rank, "action": action}, f)
+        os.replace(tmp, self.fault_request)
+        end = time.monotonic() + timeout
+        while True:
+            rec = _read_json(reached)
+            if rec and "pid" in rec:
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the job ended (exit {self.proc.returncode}) before rank {rank} reached {phase} of step {step}"
+                )
+            if time.monotonic() > end:
+                raise RuntimeError(f"rank {rank} did not reach {phase} of step {step} within {timeout:.0f}s")
+            time.sleep(0.02)
+        if action == "stop":
+            _wait_stopped(rec["pid"])
+        return rec
+
+
+class Job(RunLog):
     """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``).
 
     With a `zygote` (ftkit/warm) torchrun starts each worker as a warm client that has
@@ -98,27 +169,6 @@ class Job:
         self.proc.wait()
         self.log.close()
 
-    def events(self) -> list[dict[str, Any]]:
-        return read_events(self.run_dir)
-
-    def attempt(self) -> tuple[int, int]:
-        """The newest (torchrun attempt, in-process generation) that has started."""
-        return max((epoch(e) for e in self.events() if e["event"] == "start"), default=(0, 0))
-
-    def pids(self, attempt: tuple[int, int]) -> dict[int, int]:
-        return {e["rank"]: e["pid"] for e in self.events() if e["event"] == "start" and epoch(e) == attempt}
-
-    def launchers(self, attempt: tuple[int, int]) -> dict[int, int]:
-        """The processes torchrun started for the ranks (a warm worker's client; else the worker)."""
-        starts = [e for e in self.events() if e["event"] == "start" and epoch(e) == attempt]
-        return {e["rank"]: e.get("launcher", e["pid"]) for e in starts}
-
-    def note(self, **fields: Any) -> None:
-        """A drill event in the job's log, beside the ranks' own (rank -1)."""
-        os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
-        with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as f:
-            f.write(json.dumps({"t": time.time(), "rank": -1, "event": "fault", **fields}) + "\n")
-
     def wait_restarted(self, attempt: tuple[int, int], timeout: float = 300) -> bool:
         """Wait until the next attempt (or in-process generation) has started training (False if
         it never does)."""
@@ -128,37 +178,6 @@ class Job:
                 return True
             time.sleep(0.1)
         return self.attempt() > attempt
-
-    # ------------------------------------------------------------ fault points
-    def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop", timeout: float = 600) -> dict[str, Any]:
-        """Ask `rank` to stop (or crash) at `phase` of `step` or later; return once it has.
-
-        Returns the fault point's record (pid, at_step). Raises RuntimeError when
-        the job ends or the timeout passes first.
-        """
-        reached = self.fault_request + ".reached"
-        for stale in (reached, self.fault_request):
-            if os.path.exists(stale):
-                os.remove(stale)
-        tmp = self.fault_request + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"phase": phase, "step": step, "rank": rank, "action": action}, f)
-        os.replace(tmp, self.fault_request)
-        end = time.monotonic() + timeout
-        while True:
-            rec = _read_json(reached)
-            if rec and "pid" in rec:
-                break
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the job ended (exit {self.proc.returncode}) before rank {rank} reached {phase} of step {step}"
-                )
-            if time.monotonic() > end:
-                raise RuntimeError(f"rank {rank} did not reach {phase} of step {step} within {timeout:.0f}s")
-            time.sleep(0.02)
-        if action == "stop":
-            _wait_stopped(rec["pid"])
-        return rec
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
