@@ -18,8 +18,8 @@ import torch
 from ftkit.errors import CorruptCheckpointError, FormatError
 from ftkit.format import codec
 from ftkit.format.manifest import Chunk, Manifest, step_dir_name
-from ftkit.save.sharding import byte_span, overlap
-from ftkit.tiers.storage import Storage
+from ftkit.format.store import StepStore as Storage
+from ftkit.format.tiling import byte_span, overlap
 
 
 def torch_dtype(name: str) -> torch.dtype:

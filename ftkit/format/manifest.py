@@ -27,6 +27,7 @@ FORMAT_NAME = "ftkit-checkpoint"
 FORMAT_VERSION = 3
 SINGLE_DOC_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+RETIRED_MANIFEST = "manifest.retired.json"  # a step superseded by a restore of an older one (tiers/lifecycle.py)
 STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
 # Data files are plain names inside their step directory: no separators, no "..".
 SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")

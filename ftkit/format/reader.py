@@ -24,10 +24,16 @@ from ftkit.format.index import (
     check_part_bytes,
     parse_index,
 )
-from ftkit.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json, parse_step_dir, step_dir_name
+from ftkit.format.manifest import (
+    MANIFEST_NAME,
+    RETIRED_MANIFEST,
+    Manifest,
+    manifest_from_json,
+    parse_step_dir,
+    step_dir_name,
+)
+from ftkit.format.store import StepStore as Storage
 from ftkit.format.validate import parse_header
-from ftkit.tiers.lifecycle import RETIRED_MANIFEST
-from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
 

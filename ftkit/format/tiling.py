@@ -1,9 +1,11 @@
-"""Proofs that a manifest's pieces fit together exactly (format/validate.py uses them):
-no two chunks share stored bytes, and a tensor's shards cover it exactly once."""
+"""Regions of tensors, and proofs that a manifest's pieces fit together exactly
+(format/validate.py uses them): no two chunks share stored bytes, and a tensor's
+shards cover it exactly once. A region is (offsets, lengths), one per dimension."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from ftkit.errors import FormatError
 from ftkit.format.manifest import Shard, TensorEntry
@@ -62,3 +64,33 @@ def _is_grid(shape: tuple[int, ...], shards: list[Shard]) -> bool:
         cuts.append(len(intervals))
     cells = {(s.offsets, s.lengths) for s in shards}
     return len(cells) == len(shards) == math.prod(cuts)
+
+
+def overlap(a_off: Sequence[int], a_len: Sequence[int], b_off: Sequence[int], b_len: Sequence[int]):
+    """The intersection of two regions as (offsets, lengths), or None if empty."""
+    offs, lens = [], []
+    for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        lens.append(hi - lo)
+    return tuple(offs), tuple(lens)
+
+
+def byte_span(
+    region_off: Sequence[int],
+    region_len: Sequence[int],
+    shard_off: Sequence[int],
+    shard_len: Sequence[int],
+    itemsize: int,
+) -> tuple[int, int]:
+    """[start, stop) bytes of a shard's row-major data that cover `region` (a superset)."""
+    if not shard_len:
+        return 0, itemsize
+    strides = [1] * len(shard_len)
+    for d in range(len(shard_len) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shard_len[d + 1]
+    first = sum((o - so) * s for o, so, s in zip(region_off, shard_off, strides))
+    last = sum((o + n - 1 - so) * s for o, n, so, s in zip(region_off, region_len, shard_off, strides))
+    return first * itemsize, (last + 1) * itemsize

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.coord.dist import DistContext
-from ftkit.tiers.backend import NodeRamTier, TierBackend
+from ftkit.tiers.backend import TierBackend
 
 
 @dataclass
@@ -22,12 +22,11 @@ class RestoreContext:
 
     @property
     def ram(self) -> int | None:
-        """The index of the node-RAM tier, if there is one."""
-        return next((i for i, b in enumerate(self.backends) if isinstance(b, NodeRamTier)), None)
+        """The index of the node-local tier (node RAM), if there is one."""
+        return next((i for i, b in enumerate(self.backends) if b.node_local), None)
 
     @property
     def can_fetch(self) -> bool:
         """Whether files can move between nodes (a working peer group)."""
         i = self.ram
-        backend = self.backends[i] if i is not None else None
-        return isinstance(backend, NodeRamTier) and backend.can_fetch
+        return i is not None and self.backends[i].can_fetch

@@ -23,8 +23,8 @@ from typing import Any
 from ftkit.errors import FormatError, one_line
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import Manifest
+from ftkit.format.tiling import overlap
 from ftkit.format.validate import MAX_STEP, MAX_WORLD, _int, check_file_name, step_key
-from ftkit.save.sharding import overlap
 from ftkit.tiers.peers import Transfer
 
 

@@ -39,7 +39,6 @@ from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
 from ftkit.save.rng import rng_problems
 from ftkit.save.sharding import RANK_LOCAL, dtensor_region, is_dtensor
-from ftkit.tiers.backend import NodeRamTier
 from ftkit.tiers.peers import Transfer
 
 log = logging.getLogger("ftkit")
@@ -83,7 +82,7 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     """
     ctx, step = rc.dist, cand.step
     backend = rc.backends[cand.tier]
-    assert isinstance(backend, NodeRamTier)
+    assert backend.node_local  # (planned from the RAM inventories: restore/plan.py ram_candidates)
     storage, peers = backend.storage, backend.peers
     step_dir = step_dir_name(step)
     error: str | None = None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ftkit.format.tiling import byte_span, overlap  # noqa: F401 (region geometry lives with the format)
 from ftkit.save.layout import Layout
 
 SPLIT_BYTES = 1 << 20  # replicated tensors at least this big are split across ranks
@@ -143,33 +144,3 @@ def _plan_pieces(
         if owner == rank:
             mine.append((Piece(name, REPLICATED, shape, (0,) * len(shape), shape), t))
     return mine
-
-
-def overlap(a_off: Sequence[int], a_len: Sequence[int], b_off: Sequence[int], b_len: Sequence[int]):
-    """The intersection of two regions as (offsets, lengths), or None if empty."""
-    offs, lens = [], []
-    for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len):
-        lo, hi = max(ao, bo), min(ao + al, bo + bl)
-        if hi <= lo:
-            return None
-        offs.append(lo)
-        lens.append(hi - lo)
-    return tuple(offs), tuple(lens)
-
-
-def byte_span(
-    region_off: Sequence[int],
-    region_len: Sequence[int],
-    shard_off: Sequence[int],
-    shard_len: Sequence[int],
-    itemsize: int,
-) -> tuple[int, int]:
-    """[start, stop) bytes of a shard's row-major data that cover `region` (a superset)."""
-    if not shard_len:
-        return 0, itemsize
-    strides = [1] * len(shard_len)
-    for d in range(len(shard_len) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shard_len[d + 1]
-    first = sum((o - so) * s for o, so, s in zip(region_off, shard_off, strides))
-    last = sum((o + n - 1 - so) * s for o, n, so, s in zip(region_off, region_len, shard_off, strides))
-    return first * itemsize, (last + 1) * itemsize

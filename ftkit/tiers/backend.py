@@ -58,6 +58,14 @@ class TierBackend(ABC):
 
     node_local: bool  # every node holds its own copy (True) or every rank sees the same bytes
     superseded_verb: str  # what supersede() does to a step, for messages
+    # The group files move between nodes over (a node-local tier's replicas and restore
+    # fetches), or None where every rank sees the same bytes or there is no such group.
+    peers: PeerGroup | None = None
+
+    @property
+    def can_fetch(self) -> bool:
+        """Whether a restore can fetch files this node lacks from other nodes (a working peer group)."""
+        return self.peers is not None and not self.peers.broken
 
     def __init__(self, tier: Tier, storage: Storage):
         self.tier, self.storage = tier, storage
@@ -171,11 +179,6 @@ class NodeRamTier(TierBackend):
         self.layout = ReplicaLayout.of(nodes)  # who sends whom replicas: O(ranks) once, here
         self.last_cpu: dict[str, float] = {}  # the last persist's CPU split (persist_details)
         self.news = CommitNews()  # rank 0's word on which steps it keeps (the watchdog feeds it)
-
-    @property
-    def can_fetch(self) -> bool:
-        """Whether files can move between nodes (a working peer group)."""
-        return self.peers is not None and not self.peers.broken
 
     def owns(self, ctx: DistContext) -> bool:
         return ctx.rank == self.group.leader

@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 from ftkit.errors import StorageError
-from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.manifest import MANIFEST_NAME, RETIRED_MANIFEST, step_dir_name
 from ftkit.tiers.storage import Storage
 
-RETIRED_MANIFEST = "manifest.retired.json"
+__all__ = ["RETIRED_MANIFEST", "delete_step", "retire_step"]
 
 
 def delete_step(storage: Storage, step: int) -> None:
