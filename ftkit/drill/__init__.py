@@ -10,8 +10,15 @@ run.py       the order of a drill, its reports
 cli.py       the command line and the printed summary
 """
 
-from ftkit.drill.cli import main
-from ftkit.drill.run import DEFAULT_FAULTS, run_drill
-from ftkit.drill.schedule import Fault, parse_faults, random_faults
+import fsspec
+
+# The drills' fault-injecting filesystem (faults.py), as faulty:// for fsspec: registered where a
+# drill runs (this package: its CLI, its reference trainer, the tests that inject storage faults),
+# not for every user of fsspec on the machine, as an installed entry point would be.
+fsspec.register_implementation("faulty", "ftkit.drill.faults.FaultyFileSystem", clobber=True)
+
+from ftkit.drill.cli import main  # noqa: E402
+from ftkit.drill.run import DEFAULT_FAULTS, run_drill  # noqa: E402
+from ftkit.drill.schedule import Fault, parse_faults, random_faults  # noqa: E402
 
 __all__ = ["DEFAULT_FAULTS", "Fault", "main", "parse_faults", "random_faults", "run_drill"]
