@@ -1,0 +1,176 @@
+"""DCP's view of a checkpoint and ftkit's, translated both ways: pure functions, no I/O.
+
+A DCP save hands its storage writer a plan of write items (each a tensor's chunk, or a
+non-tensor value) and, at the end, a `Metadata` (every item's global shape and chunks,
+and the planner's data). ftkit's format holds the same as a manifest (FORMAT.md): each
+DCP tensor is a tensor entry whose shards are DCP's chunks, each stored as ftkit chunks
+(checksummed, raw or zstd); each non-tensor value is a skeleton entry in JSON (no
+pickle: a value that JSON cannot hold is refused, naming its key); the planner's data
+and DCP's version ride in the manifest's ``writer`` record. A DCP load reads the
+`Metadata` back from that manifest (`metadata_of`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ftkit.errors import CaptureError
+from ftkit.format.manifest import Chunk, Manifest, tensor_entry_doc
+from ftkit.save import capture as cap
+
+DCP_KEY = "dcp"  # the manifest writer record's key for what DCP needs back
+
+
+def encode_value(fqn: str, value: Any) -> Any:
+    """A DCP non-tensor value as a skeleton value (JSON with ftkit's tags); CaptureError for
+    anything only pickle could hold (a function, an arbitrary object)."""
+    enc = cap._Encoder()
+    out = enc.encode(value, fqn)
+    if enc.tensors:
+        raise CaptureError(f"cannot store {fqn!r}: a non-tensor item of DCP's plan holds tensors")
+    return out
+
+
+def decode_value(value: Any) -> Any:
+    return cap.decode(value, {})
+
+
+def chunk_doc(c: Chunk) -> dict[str, Any]:
+    return {
+        "file": c.file,
+        "offset": c.offset,
+        "length": c.length,
+        "raw_offset": c.raw_offset,
+        "raw_length": c.raw_length,
+        "codec": c.codec,
+        "checksum": c.checksum,
+    }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def manifest_parts(
+    metadata: Any, results: list[list[Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+    """(tensor entry docs, skeleton, files, DCP's record) of a step from DCP's `metadata` and
+    every rank's write results (`results[rank]`: WriteResult whose storage_data is what
+    `write_result_data` made). Every stored tensor chunk becomes a shard of its tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    shards: dict[str, list[dict[str, Any]]] = {}
+    values: dict[str, Any] = {}
+    files: dict[str, dict[str, Any]] = {}
+    for rank, rank_results in enumerate(results):
+        for r in rank_results:
+            data = r.storage_data
+            if data["file"] is not None:
+                files[data["file"]] = {"bytes": data["file_bytes"], "rank": rank}
+            if "value" in data:
+                values[r.index.fqn] = data["value"]
+                continue
+            shards.setdefault(r.index.fqn, []).append(
+                {
+                    "offsets": list(data["offsets"]),
+                    "lengths": list(data["lengths"]),
+                    "rank": rank,
+                    "chunks": data["chunks"],
+                }
+            )
+    tensors: list[dict[str, Any]] = []
+    entries: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors.append(
+                {
+                    "name": fqn,
+                    "dtype": dtype_name(md.properties.dtype),
+                    "shape": list(md.size),
+                    "kind": "sharded" if len(md.chunks) > 1 else "replicated",
+                    "shards": shards.get(fqn, []),
+                }
+            )
+            entries[fqn] = {"kind": "tensor", "value": {"$tensor": fqn}}
+        else:
+            entries[fqn] = {"kind": "value", "value": values.get(fqn)}
+    record = {
+        "version": getattr(metadata, "version", None),
+        "planner_data": _jsonable_planner_data(getattr(metadata, "planner_data", None)),
+    }
+    return tensors, {"entries": entries}, files, record
+
+
+def _jsonable_planner_data(data: Any) -> Any:
+    """DefaultSavePlanner's planner data: {fqn: the state_dict path of it (a tuple of keys and
+    indices)}; as JSON lists. Anything else is left out (a custom planner's own data)."""
+    if not isinstance(data, Mapping):
+        return None
+    out = {}
+    for fqn, path in data.items():
+        if not isinstance(fqn, str) or not isinstance(path, (tuple, list)):
+            return None
+        if not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+            return None
+        out[fqn] = list(path)
+    return out
+
+
+def metadata_of(manifest: Manifest) -> Any:
+    """DCP's Metadata of an ftkit step: every tensor with its dtype, global shape and stored
+    chunks (a shard each), every other skeleton entry a bytes item, DCP's planner data back
+    from the manifest's writer record. storage_data maps each chunk to its shard."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    md: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for t in manifest.tensors:
+        if t.kind == "rank-local":
+            continue
+        chunks = []
+        for si, s in enumerate(t.shards):
+            if not s.lengths or all(n > 0 for n in s.lengths):
+                chunks.append(ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.lengths)))
+                storage[MetadataIndex(t.name, s.offsets)] = si
+        md[t.name] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, t.dtype)), torch.Size(t.shape), chunks)
+    for key in manifest.skeleton["entries"]:
+        if key not in md:
+            md[key] = BytesStorageMetadata()
+    record = manifest.writer.get(DCP_KEY) if isinstance(manifest.writer, dict) else None
+    record = record if isinstance(record, dict) else {}
+    planner = record.get("planner_data")
+    planner_data = (
+        {k: tuple(v) for k, v in planner.items() if isinstance(v, list)} if isinstance(planner, dict) else None
+    )
+    version = record.get("version") if isinstance(record.get("version"), str) else None
+    return Metadata(md, planner_data=planner_data, storage_data=storage, version=version)
+
+
+def skeleton_value(manifest: Manifest, fqn: str) -> Any:
+    """The decoded value of a non-tensor item; KeyError if the step has none of that name."""
+    entry = manifest.skeleton["entries"][fqn]
+    if entry["kind"] == "tensor":
+        raise KeyError(fqn)
+    return decode_value(entry["value"])
+
+
+__all__ = [
+    "DCP_KEY",
+    "chunk_doc",
+    "decode_value",
+    "encode_value",
+    "manifest_parts",
+    "metadata_of",
+    "skeleton_value",
+    "tensor_entry_doc",
+]

@@ -1,0 +1,391 @@
+"""ftkit as PyTorch Distributed Checkpoint's storage: `dcp.save`, `dcp.async_save` and
+`dcp.load`, called as they are, write and read ftkit steps on ftkit tiers.
+
+What DCP plans stays DCP's (its metadata, its de-duplication of replicated tensors, its
+resharding on load, and its collectives on the job's process group); what ftkit adds is
+where and how the bytes live and what is verified:
+
+* a checkpoint is a step of ftkit's format (FORMAT.md) on every tier it is due on (a
+  local path, S3, any fsspec URL, and the node's RAM on a job of one node): each rank's
+  chunks in a data file of its own, each chunk checksummed (raw or zstd), the manifest
+  written last by DCP's coordinator, atomically: a step without it does not exist;
+* no pickle: DCP's metadata is stored as the manifest (convert.py), its non-tensor items
+  as JSON (one that only pickle could hold is refused, naming its key);
+* retention after each commit (`keep`, `keep_every`), never deleting the newest step;
+* a load verifies every chunk it reads, and without a `checkpoint_id` reads the newest
+  step that is committed, validates and has its files, from the fastest tier that has it.
+
+Order of calls, as DCP makes them (torch/distributed/checkpoint/storage.py)::
+
+    save:  reset(checkpoint_id) -> set_up_storage_writer -> prepare_local_plan ->
+           prepare_global_plan (coordinator) -> write_data (every rank: its data file on
+           each tier due) -> finish (coordinator: the manifest, then retention)
+    load:  reset(checkpoint_id) -> read_metadata (every rank: the step chosen) ->
+           set_up_storage_reader -> prepare_local_plan -> prepare_global_plan -> read_data
+
+`checkpoint_id`: the step number, or a path or URL whose last component ends in it
+(``.../step-100``, as torchtitan names its folders); without one the writer needs
+`step=` and the reader takes the newest usable step.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ftkit.config import Tier, resolve_tiers
+from ftkit.dcp import convert
+from ftkit.errors import (
+    AlreadyCommitted,
+    CaptureError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FtkitError,
+    StorageError,
+    one_line,
+)
+from ftkit.format import codec
+from ftkit.format.data import check_file_sizes, read_regions
+from ftkit.format.index import encode_index, index_doc, part_file_name, part_json, part_ref
+from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
+from ftkit.tiers.lifecycle import delete_step
+from ftkit.tiers.retention import plan_retention
+from ftkit.tiers.storage import Storage
+
+log = logging.getLogger("ftkit")
+CHUNK_BYTES = 16 * 2**20
+_STEP_RE = re.compile(r"(\d+)/*$")
+
+
+def step_of(checkpoint_id: Any) -> int:
+    """The step a DCP checkpoint_id names: an int, or the digits ending its last component."""
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool) and checkpoint_id >= 0:
+        return checkpoint_id
+    m = _STEP_RE.search(os.fspath(checkpoint_id)) if isinstance(checkpoint_id, (str, os.PathLike)) else None
+    if m is None:
+        raise FtkitError(
+            f"checkpoint_id {str(checkpoint_id)[:120]!r} names no step: give the step number, or a path ending in it"
+        )
+    return int(m.group(1))
+
+
+def _open(tier: Tier, ram_ok: bool, durable_urls: list[str]) -> Storage:
+    if tier.is_ram:
+        if not ram_ok:
+            raise FtkitError(
+                "the RAM tier through DCP needs a job of one node (its manifest is written by DCP's "
+                "coordinator only); use ftkit.Checkpointer for RAM snapshots with replicas across nodes"
+            )
+        from ftkit.coord.dist import node_id
+        from ftkit.tiers.ram import open_node_dir, run_identity
+
+        # (the run's identity: $FTKIT_RUN_ID, or torchrun's rendezvous id: tiers/ram.py run_identity)
+        return Storage(open_node_dir(run_identity(durable_urls, None), node_id(_world()[0])))
+    return tier.open()
+
+
+def _world() -> tuple[int, int, bool]:
+    """(rank, world size, whether every rank is on this node) of the job, or of one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, True
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return dist.get_rank(), dist.get_world_size(), local == dist.get_world_size()
+
+
+class FtkitStorageWriter(StorageWriter):
+    """DCP's storage writer onto ftkit tiers (see the module docstring).
+
+    `tiers`: as a Checkpointer's (URLs, `ftkit.Tier`s or dicts); a tier's `every` says
+    which steps go to it, `keep` / `keep_every` what retention keeps, `compress` its codec.
+    `step`: the step when `dcp.save` is given no checkpoint_id."""
+
+    def __init__(self, tiers: Sequence[Any], step: int | None = None):
+        super().__init__()
+        self.tiers = resolve_tiers(tiers)
+        self.step = step
+        self.rank, self.world, one_node = _world()
+        durable = [t.url for t in self.tiers if not t.is_ram]
+        self._storages = [(t, _open(t, one_node, durable)) for t in self.tiers]
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            self.step = step_of(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", self.rank)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def _due(self) -> list[tuple[Tier, Storage]]:
+        if self.step is None:
+            raise FtkitError("dcp.save through ftkit needs a step: checkpoint_id=STEP, or FtkitStorageWriter(step=)")
+        due = [(t, s) for t, s in self._storages if self.step % t.every == 0]
+        if not due:
+            raise FtkitError(f"step {self.step} is due on no tier (every: {[t.every for t in self.tiers]})")
+        return due
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """This rank's items into one data file of the step on every tier due; the results
+        carry what the coordinator's manifest needs (convert.manifest_parts)."""
+        due = self._due()
+        assert self.step is not None
+        step_dir = step_dir_name(self.step)
+        # The data once, resolved in the plan's order: tensors to CPU bytes, values to JSON.
+        items: list[tuple[Any, Any]] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                items.append((item, convert.encode_value(item.index.fqn, _value_of(planner, item))))
+            else:
+                t = planner.resolve_data(item).detach()
+                items.append((item, t.to("cpu").contiguous()))
+        results: list[WriteResult] = []
+        for n, (tier, storage) in enumerate(due):
+            if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
+                raise AlreadyCommitted(f"{storage.where(step_dir)} is already committed")
+            name = f"rank-{self.rank:05d}-{uuid.uuid4().hex[:8]}.data"
+            written = _write_file(storage, f"{step_dir}/{name}", name, items, tier.compress)
+            if n == 0:
+                results = written
+            else:  # every tier holds the same items; the first tier's results name the rest by position
+                for r, w in zip(results, written, strict=True):
+                    r.storage_data.setdefault("tiers", []).append(w.storage_data)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        """The coordinator commits the step on every tier due: one part (every rank's
+        entries), the index written last (the commit); then retention."""
+        assert self.step is not None
+        for n, (tier, storage) in enumerate(self._due()):
+            tier_results = [[_for_tier(r, n) for r in rank] for rank in results]
+            tensors, skeleton, files, record = convert.manifest_parts(metadata, tier_results)
+            _commit(storage, self.step, self.world, tensors, skeleton, files, record)
+            if tier.keep is not None:
+                steps = committed_steps(storage)
+                plan = plan_retention(steps, tier.keep, tier.keep_every, self.step)
+                for s in plan.delete:
+                    try:
+                        delete_step(storage, s)
+                    except StorageError as e:
+                        log.warning("ftkit: retention could not delete step %d of %s: %s", s, storage.display_url, e)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # chosen by passing it, never by DCP's guess from a path
+
+    def storage_meta(self) -> Any:
+        return None
+
+
+def _value_of(planner: SavePlanner, item: Any) -> Any:
+    """A non-tensor item's value itself: from the planner's state dict where it can say
+    (DefaultSavePlanner.lookup_object), else from DCP's bytes of it, read back with
+    weights_only (anything those cannot hold is a value only pickle could store)."""
+    fqn = item.index.fqn
+    lookup = getattr(planner, "lookup_object", None)
+    if callable(lookup):
+        return lookup(item.index)
+    raw = planner.resolve_data(item)
+    raw.seek(0)
+    try:
+        return torch.load(raw, weights_only=True)
+    except Exception as e:  # (an unsupported global: an object only pickle could hold)
+        raise CaptureError(f"cannot store {fqn!r} without pickle ({one_line(e, 120)})") from None
+
+
+def _for_tier(r: WriteResult, n: int) -> WriteResult:
+    if n == 0:
+        return r
+    return WriteResult(r.index, r.size_in_bytes, r.storage_data["tiers"][n - 1])
+
+
+def _write_file(storage: Storage, rel: str, name: str, items: list[tuple[Any, Any]], compress: str | None):
+    """One data file of `items` (a tensor's chunks, checksummed, raw or zstd); a WriteResult each."""
+    results = []
+    offset = 0
+    with storage.open_write(rel) as f:
+        for item, data in items:
+            if item.type == WriteItemType.BYTE_IO:
+                results.append(WriteResult(item.index, 0, {"file": None, "file_bytes": 0, "value": data}))
+                continue
+            raw = data.view(-1).view(torch.uint8).numpy().data if data.numel() else memoryview(b"")
+            chunks = []
+            for raw_off in range(0, len(raw), CHUNK_BYTES):
+                piece = raw[raw_off : raw_off + CHUNK_BYTES]
+                codec_name, stored = codec.encode(piece, compress)
+                f.write(stored)
+                chunks.append(
+                    {
+                        "file": name,
+                        "offset": offset,
+                        "length": len(stored),
+                        "raw_offset": raw_off,
+                        "raw_length": len(piece),
+                        "codec": codec_name,
+                        "checksum": codec.checksum(stored),
+                    }
+                )
+                offset += len(stored)
+            td = item.tensor_data
+            results.append(
+                WriteResult(
+                    item.index,
+                    len(raw),
+                    {
+                        "file": name,
+                        "offsets": list(td.chunk.offsets),
+                        "lengths": list(td.chunk.sizes),
+                        "chunks": chunks,
+                    },
+                )
+            )
+    for r in results:
+        if r.storage_data["file"] is not None:
+            r.storage_data["file_bytes"] = offset
+    return results
+
+
+def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, record) -> None:
+    """Write the step's one part and its index (the commit), checked as a reader will read them."""
+    import time
+
+    step_dir = step_dir_name(step)
+    ranks = list(range(world))
+    name = part_file_name(0)
+    data = part_json(step, ranks, files, tensors, {})
+    writer = {"ftkit": _version(), "torch": torch.__version__, convert.DCP_KEY: record}
+    index = encode_index(index_doc(step, world, [part_ref(name, data, ranks)], skeleton, time.time(), writer))
+    # Checked before anything is committed: the validator every reader uses.
+    parsed = parse_manifest_header(index, f"the index of step {step}", step)
+    check = manifest_from(storage, step, index, parsed, {name: data})
+    check_file_sizes(storage, check)
+    storage.write_bytes_atomic(f"{step_dir}/{name}", data)
+    storage.write_bytes_atomic(f"{step_dir}/{MANIFEST_NAME}", index)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ftkit")
+    except PackageNotFoundError:
+        return "0"
+
+
+class FtkitStorageReader(StorageReader):
+    """DCP's storage reader of ftkit steps (see the module docstring): `checkpoint_id` (or
+    `step`) names the step; without one, the newest step that is committed, validates and
+    has its files, from the fastest tier that has it. Every chunk read is verified."""
+
+    def __init__(self, tiers: Sequence[Any], step: int | None = None):
+        super().__init__()
+        self.tiers = sorted(resolve_tiers(tiers), key=lambda t: t.speed_rank)
+        self.step = step
+        _, _, one_node = _world()
+        durable = [t.url for t in self.tiers if not t.is_ram]
+        self._storages = [_open(t, one_node, durable) for t in self.tiers]
+        self.manifest: Manifest | None = None
+        self.storage: Storage | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.step = step_of(checkpoint_id) if checkpoint_id is not None else self.step
+        self.manifest = self.storage = None
+
+    def read_metadata(self, *args: Any) -> Any:  # (no **kwargs: DCP then asks for no per-rank metadata)
+        self.storage, self.manifest = self._choose()
+        return convert.metadata_of(self.manifest)
+
+    def latest_step(self) -> int | None:
+        """The step a load without checkpoint_id would read, or None when there is none
+        (a trainer checks this before `dcp.load`, as it checks that a DCP folder exists)."""
+        try:
+            return self._choose()[1].step
+        except CheckpointNotFoundError:
+            return None
+
+    def _choose(self) -> tuple[Storage, Manifest]:
+        problems = []
+        candidates = []
+        for storage in self._storages:
+            try:
+                steps = committed_steps(storage)
+            except StorageError as e:
+                problems.append(str(e))
+                continue
+            candidates += [(s, storage) for s in steps if self.step is None or s == self.step]
+        for s, storage in sorted(candidates, key=lambda c: -c[0]):  # newest first, fastest tier first
+            try:
+                m = load_manifest(storage, s)
+                check_file_sizes(storage, m)
+                return storage, m
+            except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+                problems.append(str(e))
+                log.warning("ftkit: step %d of %s is unusable: %s", s, storage.display_url, e)
+        where = ", ".join(s.display_url for s in self._storages)
+        what = f"step {self.step}" if self.step is not None else "no usable step"
+        raise CheckpointNotFoundError(f"{what} in {where}" + (f": {problems[0]}" if problems else ""))
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Every item of this rank's plan: a value decoded from JSON, a tensor region read and
+        verified where it lands, then copied into the tensor DCP resolves for it."""
+        assert self.manifest is not None and self.storage is not None
+        for req in plan.items:
+            if req.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(convert.skeleton_value(self.manifest, req.storage_index.fqn), buf)  # (DCP's own bytes)
+                buf.seek(0)
+                planner.load_bytes(req, buf)
+                continue
+            fqn = req.storage_index.fqn
+            base = tuple(req.storage_index.offset or ())
+            offsets = tuple(b + o for b, o in zip(base, req.storage_offsets))
+            got = read_regions(self.storage, self.manifest, {fqn: (offsets, tuple(req.lengths))})[fqn]
+            target = planner.resolve_tensor(req).detach()
+            if tuple(target.shape) != tuple(got.shape):
+                raise CorruptCheckpointError(
+                    f"{fqn}: the step holds {tuple(got.shape)} where DCP asked for {tuple(target.shape)}"
+                )
+            target.copy_(got)
+            planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
