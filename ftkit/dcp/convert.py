@@ -148,12 +148,19 @@ def metadata_of(manifest: Manifest) -> Any:
             md[key] = BytesStorageMetadata()
     record = manifest.writer.get(DCP_KEY) if isinstance(manifest.writer, dict) else None
     record = record if isinstance(record, dict) else {}
-    planner = record.get("planner_data")
-    planner_data = (
-        {k: tuple(v) for k, v in planner.items() if isinstance(v, list)} if isinstance(planner, dict) else None
-    )
+    planner_data = planner_paths(manifest)
     version = record.get("version") if isinstance(record.get("version"), str) else None
     return Metadata(md, planner_data=planner_data, storage_data=storage, version=version)
+
+
+def planner_paths(manifest: Manifest) -> dict[str, tuple[Any, ...]] | None:
+    """The state_dict path of every item of a step DCP wrote through ftkit (its planner data),
+    or None for a step ftkit's Checkpointer wrote (whose skeleton is nested already)."""
+    record = manifest.writer.get(DCP_KEY) if isinstance(manifest.writer, dict) else None
+    planner = record.get("planner_data") if isinstance(record, dict) else None
+    if not isinstance(planner, dict):
+        return None
+    return {k: tuple(v) for k, v in planner.items() if isinstance(v, list)}
 
 
 def skeleton_value(manifest: Manifest, fqn: str) -> Any:

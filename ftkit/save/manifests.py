@@ -41,16 +41,19 @@ def commit(
     skeleton: dict[str, Any],
     world_size: int = 1,
     rank_state: dict[str, Any] | None = None,
+    writer_extra: dict[str, Any] | None = None,
 ) -> Manifest:
     """Commit `step` from one process that wrote every rank's data (`ftkit reshard`): one
-    part, then the index. Returns the manifest as a reader reads it back."""
+    part, then the index. `writer_extra`: records kept in the index's "writer" field beside
+    ftkit's own (a DCP-written step's planner data, carried across a reshard). Returns the
+    manifest as a reader reads it back."""
     from ftkit.format.reader import load_manifest
     from ftkit.save.write import discard
 
     docs = [w.to_json() for w in writes]
     record = write_part(storage, step, docs, rank_state or {}, list(range(world_size)), world_size)
     try:
-        commit_index(storage, step, world_size, [record], skeleton)
+        commit_index(storage, step, world_size, [record], skeleton, writer_extra=writer_extra)
     except BaseException:
         discard(storage, step, [record["part"]["file"]])
         raise
@@ -154,6 +157,7 @@ def commit_index(
     records: list[dict[str, Any]],
     skeleton: dict[str, Any],
     local_parts: set[str] | None = None,
+    writer_extra: dict[str, Any] | None = None,
 ) -> Committed:
     """Rank 0's share: the index naming every node's part, written last (the commit).
     `records` are write_part()'s, one per node, validated by the caller's protocol.
@@ -163,7 +167,7 @@ def commit_index(
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
     parts = sorted((r["part"] for r in records), key=lambda p: p["ranks"][0][0])
-    doc = index_doc(step, world_size, parts, skeleton, time.time(), writer_info())
+    doc = index_doc(step, world_size, parts, skeleton, time.time(), {**(writer_extra or {}), **writer_info()})
     parse_index(doc, storage.where(rel), step)  # (its parts came from records checked one by one)
     data = encode_index_reusing(doc)
     check_files_present(

@@ -1,4 +1,4 @@
-"""The `ftkit` command line: ls, inspect, verify, restore, gc.
+"""The `ftkit` command line: ls, inspect, verify, restore, export, gc, report, run, drill.
 
 Exit codes: 0 success; 1 a checkpoint is missing, corrupt or unreadable (or
 storage failed); 2 a usage error (bad flags, unknown URL protocol, bad JSON in
@@ -55,8 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--out", required=True, help="output file (with --world-size: a checkpoint directory or URL)")
     r.add_argument("--world-size", type=int, help="write an ftkit checkpoint laid out for this many ranks")
-    r.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    r.add_argument(
+        "--format",
+        choices=("torch", "safetensors", "dcp"),
+        default="torch",
+        help="torch: one file of nested dicts; safetensors: the tensors by name; dcp: a DCP checkpoint directory",
+    )
     r.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    e = add("export", cmd_restore, "write one step as a torch file, a safetensors file or a DCP checkpoint directory")
+    e.add_argument("--out", required=True, help="output file (--format dcp: a directory)")
+    e.add_argument("--format", choices=("torch", "safetensors", "dcp"), default="torch")
+    e.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     g = add(
         "gc", cmd_gc, "remove old checkpoints and partial steps; 'ftkit gc ram' removes a job's RAM tier", step=False
     )

@@ -1,4 +1,5 @@
-"""The `ftkit` commands that read checkpoints: ls, inspect, verify, restore, report."""
+"""The `ftkit` commands that read checkpoints: ls, inspect, verify, restore (and export), report.
+A URL that holds DCP checkpoints and no ftkit step goes to tools/dcp_commands.py."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from ftkit.format.data import verify
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import load_manifest, newest_manifest, scan
 from ftkit.tiers.storage import Storage
+from ftkit.tools import dcp_commands
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, progress_bar, summary, when
+from ftkit.tools.dcp_commands import dcp_checkpoints
 
 
 # ------------------------------------------------------------------ commands
 def cmd_ls(args) -> int:
     storage, _ = open_tier(args)
+    if found := dcp_checkpoints(storage):
+        return dcp_commands.ls(args, storage, found)
     rows: list[dict[str, Any]] = []
     notes = {
         "partial": "no manifest: not a checkpoint",
@@ -79,6 +84,8 @@ def cmd_ls(args) -> int:
 
 def cmd_inspect(args) -> int:
     storage, step = open_tier(args)
+    if found := dcp_checkpoints(storage):
+        return dcp_commands.inspect(args, storage, found)
     m = newest_manifest(storage, step)
     tensors: list[dict[str, Any]] = []
     for t in m.tensors:
@@ -117,6 +124,8 @@ def cmd_inspect(args) -> int:
 
 def cmd_verify(args) -> int:
     storage, step = open_tier(args)
+    if found := dcp_checkpoints(storage):
+        return dcp_commands.verify(args, storage, found)
     if args.all:
         steps = [s.step for s in scan(storage) if s.committed]
         if not steps:
@@ -142,9 +151,13 @@ def cmd_restore(args) -> int:
     from ftkit.tools.export import export
 
     storage, step = open_tier(args)
+    if found := dcp_checkpoints(storage):
+        return dcp_commands.restore(args, storage, found)
     m = newest_manifest(storage, step)
-    if args.world_size is not None:
+    if getattr(args, "world_size", None) is not None:
         return _reshard(args, storage, m)
+    if args.format == "dcp":
+        return _to_dcp(args, storage, m)
     if os.path.exists(args.out) and not args.force:
         raise UsageError(f"{args.out} already exists; remove it or pass --force")
     with progress_bar(m.total_raw_bytes, f"restore step {m.step}") as update:
@@ -153,6 +166,21 @@ def cmd_restore(args) -> int:
         args,
         {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes},
         f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, {human(m.total_raw_bytes)})",
+    )
+    return EXIT_OK
+
+
+def _to_dcp(args, storage: Storage, m: Manifest) -> int:
+    """A committed step as a DCP checkpoint directory (DCP's own writer: dcp.load and
+    dcp_to_torch_save read it)."""
+    from ftkit.dcp.foreign import export_step
+
+    with progress_bar(m.total_raw_bytes, f"export step {m.step}") as update:
+        export_step(storage, m, args.out, progress=update)
+    emit(
+        args,
+        {"step": m.step, "out": args.out, "format": "dcp", "bytes": m.total_raw_bytes},
+        f"wrote step {m.step} of {storage.display_url} as a DCP checkpoint to {args.out} ({human(m.total_raw_bytes)})",
     )
     return EXIT_OK
 

@@ -73,7 +73,10 @@ def reshard(
             finally:
                 arena.release(slot)
         rank_state = {r: v for r, v in manifest.rank_state.items() if int(r) < world_size}
-        return commit(dst, manifest.step, writes, manifest.skeleton, world_size, rank_state)
+        # What another writer recorded (DCP's planner data) stays with the step; ftkit's own
+        # fields are this writer's.
+        extra = {k: v for k, v in manifest.writer.items() if k not in ("ftkit", "torch", "host")}
+        return commit(dst, manifest.step, writes, manifest.skeleton, world_size, rank_state, writer_extra=extra)
     except BaseException:
         discard(dst, manifest.step, [w.file for w in writes])
         raise

@@ -1,0 +1,229 @@
+"""DCP checkpoints written by DCP itself (FileSystemWriter, FsspecWriter: torchtitan's step
+folders, accelerate's FSDP `SHARDED_STATE_DICT`, Lightning's and Megatron's DCP formats),
+and ftkit steps written out as DCP checkpoints.
+
+In: a directory (or fsspec URL) that holds DCP's ``.metadata``, or whose subdirectories do
+(torchtitan: ``checkpoint/step-100/``), is listed, inspected, verified as far as DCP allows
+and restored by the ftkit command line, and loaded into a live state, resharded to the
+live world (`load_into`). DCP's metadata and its non-tensor items are pickled: reading them
+trusts the directory (ftkit's own format holds no pickle; nothing read here enters it but
+as values). DCP stores no checksums: `verify` can only prove that every item reads back
+whole, at its declared size, not that its bytes are the ones written.
+
+Out: `export_step` writes a committed ftkit step as a DCP checkpoint directory (DCP's own
+FileSystemWriter), which `dcp.load` reads into a differently sharded model and
+`dcp_to_torch_save` converts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from ftkit.dcp import convert
+from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError, one_line
+from ftkit.tiers.storage import Storage
+
+log = logging.getLogger("ftkit")
+METADATA = ".metadata"
+_trust_said = False  # (once a process: every DCP checkpoint is read the same way)
+
+
+def checkpoints(storage: Storage) -> list[str]:
+    """The DCP checkpoints at `storage`'s root: "" when the root is one, else the names of its
+    subdirectories that are (by the number their name ends in, then by name); [] for none."""
+    try:
+        entries = dict(storage.list_dir(""))
+    except StorageError:
+        return []
+    if entries.get(METADATA) == "file":
+        return [""]
+    found = []
+    for name, kind in entries.items():
+        if kind == "directory" and dict(storage.list_dir(name)).get(METADATA) == "file":
+            found.append(name)
+    return sorted(found, key=lambda n: (_number(n), n))
+
+
+def _number(name: str) -> int:
+    digits = "".join(c if c.isdigit() else " " for c in name).split()
+    return int(digits[-1]) if digits else -1
+
+
+def _reader(storage: Storage, rel: str) -> Any:
+    path = storage.path(rel) if rel else storage.path()
+    global _trust_said
+    if not _trust_said:
+        _trust_said = True
+        shown = storage.where(rel) if rel else storage.display_url
+        log.warning("%s is a DCP checkpoint: reading its pickled metadata trusts the directory", shown)
+    if storage.is_local:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(path)
+    from torch.distributed.checkpoint import FsspecReader
+
+    return FsspecReader(storage.url + (f"/{rel}" if rel else ""), **_fs_options(storage))
+
+
+def _fs_options(storage: Storage) -> dict[str, Any]:
+    opts = getattr(storage.fs, "storage_options", None)
+    return dict(opts) if isinstance(opts, Mapping) else {}
+
+
+def metadata(storage: Storage, rel: str = "") -> Any:
+    """DCP's Metadata of the checkpoint at `rel` (pickled: trusting the directory)."""
+    try:
+        return _reader(storage, rel).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{storage.where(rel)}: no DCP metadata ({METADATA})") from None
+    except Exception as e:  # an unpickling error, a torn file: DCP's own reader says what
+        raise CorruptCheckpointError(f"{storage.where(rel)}: DCP metadata unreadable: {one_line(e)}") from None
+
+
+def describe(md: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """(tensors: name, dtype, shape, chunks, bytes; the non-tensor items' names) of a Metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors, values = [], []
+    for fqn, item in sorted(md.state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            itemsize = torch.empty((), dtype=item.properties.dtype).element_size()
+            tensors.append(
+                {
+                    "name": fqn,
+                    "dtype": str(item.properties.dtype).removeprefix("torch."),
+                    "shape": list(item.size),
+                    "chunks": len(item.chunks),
+                    "bytes": int(torch.Size(item.size).numel()) * itemsize,
+                }
+            )
+        else:
+            values.append(fqn)
+    return tensors, values
+
+
+def read_all(storage: Storage, rel: str = "") -> dict[str, Any]:
+    """The whole checkpoint as a nested state dict of full tensors and values (every item read:
+    a missing or torn file fails here, naming it)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, Any] = {}
+    try:
+        _load_state_dict(sd, storage_reader=_reader(storage, rel), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: one line, not a traceback
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CorruptCheckpointError(f"{storage.where(rel)}: DCP checkpoint unreadable: {_cause(e)}") from None
+    return sd
+
+
+def _cause(e: BaseException) -> str:
+    """The last line of what went wrong (DCP wraps each rank's traceback in one exception)."""
+    text = str(e).strip().splitlines()
+    return text[-1][:300] if text else type(e).__name__
+
+
+def verify(storage: Storage, rel: str = "") -> tuple[int, int]:
+    """(tensors, bytes) of a DCP checkpoint that reads back whole; CorruptCheckpointError if an
+    item does not. DCP keeps no checksums: this cannot tell a changed byte."""
+    md = metadata(storage, rel)
+    tensors, _ = describe(md)
+    sd = read_all(storage, rel)
+    flat = _flatten(sd)
+    for t in tensors:
+        got = flat.get(t["name"])
+        if not isinstance(got, torch.Tensor) or list(got.shape) != t["shape"]:
+            raise CorruptCheckpointError(f"{storage.where(rel)}: {t['name']} did not read back as {t['shape']}")
+    return len(tensors), sum(t["bytes"] for t in tensors)
+
+
+def _flatten(sd: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        name = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, name))
+        out[name] = v
+    return out
+
+
+def load_into(state: MutableMapping[str, Any], url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Load the DCP checkpoint at `url` into a Checkpointer's live `state` (its keys must be the
+    checkpoint's top-level keys: ``{"model": ..., "optim": ...}``), resharded to the live world
+    by DCP: a model trained elsewhere, then run under ftkit. Every rank calls it. Modules load
+    through DCP's model state dict (FSDP2 and DDP alike), an optimizer with the one module of
+    the state, other objects through their own state_dict, tensors in place, plain values by
+    assignment. The next snapshot writes the run's first ftkit step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
+    model = modules[0] if len(modules) == 1 else None
+    sd: dict[str, Any] = {}
+    for key, obj in state.items():
+        if isinstance(obj, torch.nn.Module):
+            sd[key] = get_model_state_dict(obj)
+        elif isinstance(obj, torch.optim.Optimizer) and model is not None:
+            sd[key] = get_optimizer_state_dict(model, obj)
+        elif callable(getattr(obj, "state_dict", None)):
+            sd[key] = obj.state_dict()
+        else:
+            sd[key] = obj
+    storage = Storage(url, dict(storage_options or {}))
+    try:
+        dcp.load(sd, storage_reader=_reader(storage, ""))
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise FtkitError(
+            f"{storage.display_url}: the DCP checkpoint does not load into the live state: {_cause(e)}"
+        ) from None
+    for key, obj in state.items():
+        if isinstance(obj, torch.nn.Module):
+            set_model_state_dict(obj, sd[key])
+        elif isinstance(obj, torch.optim.Optimizer) and model is not None:
+            set_optimizer_state_dict(model, obj, sd[key])
+        elif callable(getattr(obj, "load_state_dict", None)):
+            obj.load_state_dict(sd[key])
+        elif isinstance(obj, torch.Tensor):
+            with torch.no_grad():
+                obj.copy_(sd[key])
+        else:
+            state[key] = sd[key]
+
+
+def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None) -> None:
+    """Write a committed ftkit step as a DCP checkpoint directory at `out` (DCP's own writer),
+    the state as the training code held it (``{"model": {...}, "optim": {...}}``)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    from ftkit.format.data import read_tensors
+    from ftkit.tools.export import to_nested
+
+    if os.path.exists(out) and os.listdir(out):
+        raise FtkitError(f"{out} already exists and is not empty; choose another --out")
+    sd = to_nested(manifest, read_tensors(storage, manifest, progress=progress))
+    sd.pop("_ftkit", None)
+    paths = convert.planner_paths(manifest)
+    if paths:  # a step DCP wrote through ftkit: its items are flat, DCP's planner data nests them again
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+        sd = unflatten_state_dict(sd, paths)
+    try:
+        _save_state_dict(sd, storage_writer=FileSystemWriter(out), no_dist=True)
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise FtkitError(f"{out}: DCP could not write the step: {_cause(e)}") from None

@@ -1,0 +1,170 @@
+"""`ftkit ls`, `inspect`, `verify` and `restore` on DCP checkpoints written by DCP itself
+(ftkit/dcp/foreign.py): a directory or URL that holds DCP's ``.metadata``, or whose
+subdirectories do (torchtitan's ``step-N`` folders). commands.py hands a URL here when it
+holds DCP checkpoints and no ftkit step. DCP stores no checksums: `verify` says what it
+checked (every item read back whole), and never more."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from ftkit.dcp import foreign
+from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ftkit.format.reader import scan
+from ftkit.tiers.storage import Storage
+from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human
+
+NO_CHECKSUMS = "DCP stores no checksums: every item read back whole, at its size; a changed byte cannot be seen"
+
+
+def dcp_checkpoints(storage: Storage) -> list[str]:
+    """The DCP checkpoints at `storage` when it holds no ftkit step (else [])."""
+    try:
+        if any(True for _ in scan(storage)):
+            return []
+    except Exception:  # noqa: BLE001 (not a tier at all: perhaps a DCP folder)
+        pass
+    return foreign.checkpoints(storage)
+
+
+def _pick(storage: Storage, found: list[str], step: int | None) -> str:
+    if step is None:
+        return found[-1]
+    for name in found:
+        if name and foreign._number(name) == step:
+            return name
+    raise CheckpointNotFoundError(f"{storage.display_url}: no DCP checkpoint of step {step} (have: {found})")
+
+
+def _where(storage: Storage, rel: str) -> str:
+    return storage.where(rel) if rel else storage.display_url
+
+
+def ls(args, storage: Storage, found: list[str]) -> int:
+    rows = []
+    for rel in found:
+        try:
+            tensors, values = foreign.describe(foreign.metadata(storage, rel))
+            rows.append(
+                {
+                    "checkpoint": _where(storage, rel),
+                    "step": foreign._number(rel) if rel else None,
+                    "status": "dcp",
+                    "tensors": len(tensors),
+                    "values": len(values),
+                    "raw_bytes": sum(t["bytes"] for t in tensors),
+                }
+            )
+        except CorruptCheckpointError as e:
+            rows.append({"checkpoint": _where(storage, rel), "status": "bad-dcp", "error": str(e)})
+    lines = [f"{'CHECKPOINT':<60} {'STATUS':<8} {'TENSORS':>7} {'RAW':>10}"]
+    for r in rows:
+        if r["status"] == "dcp":
+            lines.append(f"{r['checkpoint'][-60:]:<60} {'dcp':<8} {r['tensors']:>7} {human(r['raw_bytes']):>10}")
+        else:
+            lines.append(f"{r['checkpoint'][-60:]:<60} {r['status']:<8} {r['error']}")
+    lines.append("(DCP checkpoints: pickled metadata, read trusting the directory; no checksums)")
+    emit(args, {"url": storage.display_url, "format": "dcp", "checkpoints": rows}, "\n".join(lines))
+    return EXIT_OK
+
+
+def inspect(args, storage: Storage, found: list[str]) -> int:
+    rel = _pick(storage, found, args.step)
+    md = foreign.metadata(storage, rel)
+    tensors, values = foreign.describe(md)
+    payload = {
+        "checkpoint": _where(storage, rel),
+        "format": "dcp",
+        "version": getattr(md, "version", None),
+        "tensor_list": tensors,
+        "values": values,
+    }
+    lines = [
+        f"DCP checkpoint at {_where(storage, rel)} (version {payload['version'] or '?'})",
+        f"  {len(tensors)} tensors, {human(sum(t['bytes'] for t in tensors))} raw; {len(values)} other values",
+        "",
+        f"  {'TENSOR':<56} {'DTYPE':<10} {'SHAPE':<22} {'CHUNKS':>6}",
+    ]
+    for t in tensors:
+        lines.append(f"  {t['name'][:56]:<56} {t['dtype']:<10} {str(tuple(t['shape']))[:22]:<22} {t['chunks']:>6}")
+    emit(args, payload, "\n".join(lines))
+    return EXIT_OK
+
+
+def verify(args, storage: Storage, found: list[str]) -> int:
+    picked = found if getattr(args, "all", False) else [_pick(storage, found, args.step)]
+    results: list[dict[str, Any]] = []
+    for rel in picked:
+        try:
+            n, nbytes = foreign.verify(storage, rel)
+            results.append({"checkpoint": _where(storage, rel), "ok": True, "tensors": n, "bytes": nbytes})
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            results.append({"checkpoint": _where(storage, rel), "ok": False, "error": str(e)})
+    ok = all(r["ok"] for r in results)
+    lines = [f"{r['checkpoint']}: " + ("OK" if r["ok"] else f"FAILED: {r['error']}") for r in results]
+    lines.append(f"({NO_CHECKSUMS})")
+    emit(
+        args,
+        {"url": storage.display_url, "format": "dcp", "ok": ok, "checked": NO_CHECKSUMS, "checkpoints": results},
+        "\n".join(lines),
+    )
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def restore(args, storage: Storage, found: list[str]) -> int:
+    """A DCP checkpoint to one torch or safetensors file, or (--world-size M) to an ftkit
+    checkpoint laid out for M ranks."""
+    rel = _pick(storage, found, args.step)
+    if args.format == "dcp":
+        raise UsageError("the source is a DCP checkpoint already")
+    sd = foreign.read_all(storage, rel)
+    step = foreign._number(rel) if rel else 0
+    if args.world_size is not None:
+        return _to_ftkit(args, storage, rel, sd, max(step, 0))
+    if os.path.exists(args.out) and not args.force:
+        raise UsageError(f"{args.out} already exists; remove it or pass --force")
+    tmp = f"{args.out}.tmp-dcp"
+    if args.format == "torch":
+        torch.save(sd, tmp)
+    else:
+        from safetensors.torch import save_file
+
+        flat = {k: v.contiguous() for k, v in foreign._flatten(sd).items() if isinstance(v, torch.Tensor)}
+        save_file(flat, tmp, metadata={"ftkit_source": "dcp"})
+    os.replace(tmp, args.out)
+    emit(
+        args,
+        {"checkpoint": _where(storage, rel), "out": args.out, "format": args.format},
+        f"restored the DCP checkpoint {_where(storage, rel)} to {args.out} ({args.format})",
+    )
+    return EXIT_OK
+
+
+def _to_ftkit(args, storage: Storage, rel: str, sd: dict[str, Any], step: int) -> int:
+    """Through ftkit's DCP writer (one process: an ftkit step of world size 1), then resharded."""
+    import torch.distributed.checkpoint as dcp
+
+    from ftkit.dcp import FtkitStorageWriter
+    from ftkit.format.reader import load_manifest
+    from ftkit.tools.reshard import reshard
+
+    work = tempfile.mkdtemp(prefix="ftkit-dcp-")
+    try:
+        dcp.save(sd, storage_writer=FtkitStorageWriter([{"url": work, "keep": None}]), checkpoint_id=step, no_dist=True)
+        src = Storage(work)
+        dst = Storage(args.out)
+        new = reshard(src, load_manifest(src, step), dst, args.world_size)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    emit(
+        args,
+        {"checkpoint": _where(storage, rel), "out": dst.display_url, "step": step, "world_size": new.world_size},
+        f"wrote the DCP checkpoint {_where(storage, rel)} as ftkit step {step} for {new.world_size} rank(s) "
+        f"to {dst.display_url}",
+    )
+    return EXIT_OK
