@@ -4,7 +4,9 @@ A tiny GPT-2 from a local config trains 3 epochs. Every rank appends, line by li
 global step, a digest of the batch and its rows' dataset indices of each step it trains to
 OUT/trace-w<world>-r<rank>-a<attempt>.jsonl; rank 0 writes the restored step and the final
 weights and optimizer state to OUT/final-w<world>-a<attempt>.pt. --kill-at K: in the first
-attempt, rank 1 SIGKILLs itself once the snapshot of step K is in.
+attempt, rank 1 SIGKILLs itself once the snapshot of step K is in. With --fsdp
+SHARDED_STATE_DICT, the final state is also saved to OUT/accelerate/ as the Trainer saves
+an FSDP checkpoint (accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``: DCP directories).
 
 --fsdp: FSDP2 through accelerate's plugin (``fsdp_config={"version": 2}``, each GPT-2 block
 and the whole model sharded). accelerate turns FSDP on only for accelerator devices and
@@ -142,6 +144,12 @@ def main() -> None:
     with warnings.catch_warnings(), ftcb:
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=ftcb.resume_from_checkpoint())
+    if args.fsdp == "SHARDED_STATE_DICT":
+        from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+
+        acc, where = trainer.accelerator, os.path.join(args.out, "accelerate")
+        save_fsdp_model(acc.state.fsdp_plugin, acc, trainer.model, where)
+        save_fsdp_optimizer(acc.state.fsdp_plugin, acc, trainer.optimizer, trainer.model, where)
     final = full_state(trainer)
     sharded = type(next(trainer.model.parameters())).__name__ == "DTensor"
     if rank == 0:

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, warm_target
+from conftest import REPO, run_cli, warm_target
 from drillkit import by_kind, drill
 
 import ftkit
@@ -292,6 +292,19 @@ def test_huggingface_trainer_sigkill_then_torchrun_restart_equals_uninterrupted_
         assert resumed == whole[rank], f"rank {rank} trained on other batches"
     assert_bitwise_equal(done["final"], final(ref, 2, 0)["final"])
     assert not (out / "hf" / "ftkit-resume").exists()  # the shared FSDP resume directory is gone
+    if parallel:
+        # accelerate's own FSDP2 checkpoint of the same run (SHARDED_STATE_DICT: a DCP directory)
+        # is read by `ftkit inspect` and `ftkit restore`: the final weights, whole.
+        model_dir = out / "accelerate" / "pytorch_model_fsdp_0"
+        r = run_cli("inspect", str(model_dir), "--json")
+        assert r.returncode == 0, r.stderr
+        listed = {t["name"]: t["shape"] for t in json.loads(r.stdout)["tensor_list"]}
+        weights = {k.removeprefix("model/"): v for k, v in done["final"].items() if k.startswith("model/")}
+        assert listed == {f"model.{k}": list(v.shape) for k, v in weights.items()}
+        r = run_cli("restore", str(model_dir), "--out", str(out / "accelerate.pt"))
+        assert r.returncode == 0, r.stderr
+        restored = torch.load(out / "accelerate.pt")["model"]
+        assert_bitwise_equal(restored, weights)
 
 
 def hf_stream(total: int, seed: int = 0) -> list[int]:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from ftkit.dcp import convert
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError, one_line
 from ftkit.tiers.storage import Storage
 
@@ -216,11 +215,6 @@ def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None)
         raise FtkitError(f"{out} already exists and is not empty; choose another --out")
     sd = to_nested(manifest, read_tensors(storage, manifest, progress=progress))
     sd.pop("_ftkit", None)
-    paths = convert.planner_paths(manifest)
-    if paths:  # a step DCP wrote through ftkit: its items are flat, DCP's planner data nests them again
-        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-
-        sd = unflatten_state_dict(sd, paths)
     try:
         _save_state_dict(sd, storage_writer=FileSystemWriter(out), no_dist=True)
     except BaseException as e:  # (DCP's CheckpointException is a BaseException)

@@ -27,8 +27,18 @@ FORMATS = ("torch", "safetensors")
 
 
 def to_nested(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The state as the training code held it, plus "_ftkit" (step, world size)."""
+    from ftkit.dcp.convert import planner_paths
+
     entries = manifest.skeleton.get("entries", {})
     out: dict[str, Any] = {k: cap.decode(e["value"], tensors) for k, e in entries.items()}
+    paths = planner_paths(manifest)
+    if paths:  # a step DCP wrote through ftkit: its items are DCP's flat FQNs; its planner data nests them
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+        out = unflatten_state_dict({k: v for k, v in out.items() if k in paths}, paths) | {
+            k: v for k, v in out.items() if k not in paths
+        }
     out["_ftkit"] = {"step": manifest.step, "world_size": manifest.world_size}
     return out
 
