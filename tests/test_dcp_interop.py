@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import ftkit
-from ftkit.dcp import FtkitStorageWriter
+from ftkit.dcp import FtkitStorageReader, FtkitStorageWriter
 from ftkit.format.reader import committed_steps, load_manifest
 from ftkit.tiers.storage import Storage
 
@@ -212,3 +212,35 @@ def test_dcp_checkpoints_load_into_a_sharded_job_of_another_world_size(tmp_path)
     got = torch.load(out / "exported.pt")
     assert got["step"] == 11
     _assert_equal(got["tensors"], _whole(exported_state))
+
+
+def test_bytes_values_round_trip_and_malformed_ones_are_refused(tmp_path):
+    """A data loader that keeps its own state as bytes (torchtitan's does) round-trips through
+    DCP on ftkit's storage and through a Checkpointer, stored as base64 JSON (no pickle); a
+    `$bytes` that is not base64 makes the step unreadable, named, rather than misread."""
+    from conftest import edit_manifest
+
+    from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+
+    blob = bytes(range(256)) * 3
+    root = str(tmp_path / "dcp")
+    dcp.save({"loader": {"dp_rank_0": blob}, "step": 2}, storage_writer=FtkitStorageWriter([root]), checkpoint_id=2)
+    sd = {"loader": {"dp_rank_0": b""}, "step": 0}
+    dcp.load(sd, storage_reader=FtkitStorageReader([root]))
+    assert sd == {"loader": {"dp_rank_0": blob}, "step": 2}
+
+    ckpt = str(tmp_path / "ckpt")
+    state = {"model": torch.nn.Linear(2, 2), "loader": blob}
+    with ftkit.Checkpointer(state, tiers=[ckpt]) as ck:
+        ck.snapshot(1)
+    state["loader"] = b"other"
+    with ftkit.Checkpointer(state, tiers=[ckpt]) as ck:
+        assert ck.restore() == 1
+    assert state["loader"] == blob
+
+    def spoil(doc):
+        doc["skeleton"]["entries"]["loader"]["value"] = {"$bytes": "not base64!"}
+
+    edit_manifest(os.path.join(ckpt, step_dir_name(1), MANIFEST_NAME), spoil)
+    r = run_cli("verify", ckpt)
+    assert r.returncode == 1 and "$bytes" in r.stdout + r.stderr and "Traceback" not in r.stderr

@@ -1,16 +1,18 @@
 """The skeleton's values, as a manifest or a rank's state carries them: JSON whose tags
-(``$tensor``, ``$ndarray``, ``$tuple``, ``$items``, ``$float``) are well formed and name
+(``$tensor``, ``$ndarray``, ``$tuple``, ``$items``, ``$float``, ``$bytes``) are well formed and name
 only tensors the document lists for them (format/validate.py checks the rest of a
 manifest and calls these for its skeleton and every rank's own state)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 from ftkit.errors import FormatError
 
 MAX_DEPTH = 200  # skeleton nesting; JSON parsers give up near 1000
-TAGS = ("$tensor", "$ndarray", "$tuple", "$items", "$float")
+TAGS = ("$tensor", "$ndarray", "$tuple", "$items", "$float", "$bytes")
 
 
 def check_rank_state(state: dict[str, Any], own: set[str], where: str, numpy_ok: set[str] | None = None) -> None:
@@ -62,10 +64,16 @@ def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy
             if not isinstance(pair, list) or len(pair) != 2:
                 raise FormatError(f"{where} has an $items entry that is not a [key, value] pair")
             check_value(pair, tensors, where, depth + 1, numpy_ok)
-            if isinstance(pair[0], dict) and not (len(pair[0]) == 1 and ("$tuple" in pair[0] or "$float" in pair[0])):
+            hashable = ("$tuple", "$float", "$bytes")
+            if isinstance(pair[0], dict) and not (len(pair[0]) == 1 and next(iter(pair[0])) in hashable):
                 raise FormatError(f"{where} has an $items key that is not hashable")
     elif tag == "$float" and inner not in ("inf", "-inf", "nan"):
         raise FormatError(f"{where} has a $float that is not inf, -inf or nan")
+    elif tag == "$bytes":
+        try:
+            base64.b64decode(inner if isinstance(inner, str) else b"!", validate=True)
+        except (binascii.Error, ValueError):
+            raise FormatError(f"{where} has a $bytes that is not base64 text") from None
 
 
 def _list(v: Any, what: str) -> list[Any]:

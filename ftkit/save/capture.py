@@ -11,13 +11,14 @@ The state handed to a Checkpointer is a mapping of names to
 a flat, ordered list with path-like names (``model/fc.weight``) and a JSON
 skeleton in which each tensor is a ``{"$tensor": name}`` placeholder. Containers
 JSON cannot express exactly are tagged (``$tuple``, ``$items`` for dicts with
-non-string keys, ``$float`` for inf/nan), so a restored optimizer state dict has
-the same int keys and tuples it was saved with. Anything else is refused *here*,
+non-string keys, ``$float`` for inf/nan, ``$bytes`` for bytes, base64), so a restored
+optimizer state dict has the same int keys and tuples it was saved with. Anything else is refused *here*,
 naming the key, because the only way to store it would be pickle.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -26,11 +27,11 @@ from typing import Any
 import torch
 
 from ftkit.errors import CaptureError, StateMismatchError, one_line
+from ftkit.format.skeleton_values import TAGS
 from ftkit.save.rng import numpy_module, rng_state, set_rng_state
 
 RNG_KEY = "_rng"
-_MARKERS = ("$tensor", "$tuple", "$items", "$float", "$ndarray")
-_MARKER_SET = frozenset(_MARKERS)
+_MARKER_SET = frozenset(TAGS)
 _AS_IS = frozenset((int, str, bool, type(None)))  # exact types whose JSON is the value itself
 
 
@@ -127,6 +128,8 @@ class _Encoder:
             return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
         if isinstance(value, list):  # (an optimizer's param_groups list every parameter's index)
             return [v if type(v) in _AS_IS else self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, (bytes, bytearray)):  # (a data loader's own serialized state: torchtitan's)
+            return {"$bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, Mapping):
             if not isinstance(value, dict) and _plain_keys(value):  # (a dict's keys were checked above)
                 return self._object(value, path)
@@ -228,6 +231,8 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in inner}
         if tag == "$float":
             return float(inner)
+        if tag == "$bytes":
+            return base64.b64decode(inner)
     return {k: decode(v, tensors) for k, v in value.items()}
 
 
