@@ -141,7 +141,3 @@ def torchft_recovery(steps: int, kill_at: int, step_time: float) -> dict[str, An
             ),
         }
     return out
-
-
-def nvrx_inprocess_unavailable() -> str:
-    return "not measured"

@@ -46,15 +46,23 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import xxhash
-from common import median, now, progress, rmtree, timed
+# nvidia-resiliency-ext installs pynvml, which torch's CUDA module warns about on import (here
+# and in the processes started from here)
+PYNVML_WARNING = "ignore:The pynvml package is deprecated:FutureWarning"
+os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), PYNVML_WARNING]))
+warnings.filterwarnings("ignore", "The pynvml package is deprecated", FutureWarning)
 
-import ftkit
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+from common import disk_bytes_of, median, now, progress, rmtree, timed  # noqa: E402
+
+import ftkit  # noqa: E402
 
 State = dict[str, torch.Tensor]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,17 +87,6 @@ def digest(state: State) -> str:
 
 def nbytes(state: State) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def disk_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def fsync_tree(path: str) -> None:
@@ -121,10 +118,12 @@ def anchor_missing(name: str) -> str | None:
 class Saver:
     """One tool's save and restore of a state of tensors in one directory.
 
-    Order of calls: `save(step)` -> (stall_s, durable_s, fsync_added_s) once per round;
-    `restore(dest)` fills `dest`'s tensors (or returns the loaded state) from the newest
-    save; `close()`. `child_restore` names how a fresh process restores (see
-    `restore_in_child`)."""
+    Order of calls: per save, `begin(step)` -> the stall (training may go on and change
+    the tensors once it returns), then `end()` -> (seconds from begin's return until the
+    tool says the save is done, seconds of the fsync we add where the tool does not
+    fsync); `restore(dest)` -> the newest save's state (in `dest`'s tensors where the tool
+    loads in place); `stored()`; `close()`. A fresh process restores through
+    `RESTORERS[name](root, dest)`."""
 
     name = ""
     fsyncs = True  # False: the tool says done before its bytes are fsynced
@@ -133,14 +132,17 @@ class Saver:
         self.state, self.root = state, root
         os.makedirs(root, exist_ok=True)
 
-    def save(self, step: int) -> tuple[float, float, float]:
+    def begin(self, step: int) -> float:
+        raise NotImplementedError
+
+    def end(self) -> tuple[float, float]:
         raise NotImplementedError
 
     def restore(self, dest: State) -> State:
-        raise NotImplementedError
+        return RESTORERS[self.name](self.root, dest)
 
     def stored(self) -> int:
-        return disk_bytes(self.root)
+        return disk_bytes_of(self.root)
 
     def close(self) -> None:
         pass
@@ -153,19 +155,19 @@ class FtkitSaver(Saver):
         super().__init__(state, root)
         self.ck = ftkit.Checkpointer(state, tiers=[ftkit.Tier(root, keep=1)], rng=False, watchdog=False)
 
-    def save(self, step: int) -> tuple[float, float, float]:
-        persisted = self.ck.stats.persisted
+    def begin(self, step: int) -> float:
+        self.persisted = self.ck.stats.persisted
         t0 = now()
         self.ck.snapshot(step)
-        t1 = now()
-        while self.ck.stats.persisted == persisted and self.ck.stats.failed == 0:
-            time.sleep(0.001)
-        t2 = now()
-        self.ck.wait()  # retention of the previous step, outside the figure
-        return t1 - t0, t2 - t1, 0.0
+        self.returned = now()
+        return self.returned - t0
 
-    def restore(self, dest: State) -> State:
-        return ftkit_restore(self.root, dest)
+    def end(self) -> tuple[float, float]:
+        while self.ck.stats.persisted == self.persisted and self.ck.stats.failed == 0:
+            time.sleep(0.001)
+        durable = now() - self.returned  # committed: data and manifest fsynced
+        self.ck.wait()  # retention of the previous step, outside the figure
+        return durable, 0.0
 
     def close(self) -> None:
         self.ck.close()
@@ -188,24 +190,24 @@ class TorchsnapshotSaver(Saver):
     name = "torchsnapshot"
     fsyncs = False
 
-    def save(self, step: int) -> tuple[float, float, float]:
+    def begin(self, step: int) -> float:
         from torchsnapshot import Snapshot, StateDict
 
-        path = os.path.join(self.root, f"step-{step}")
+        self.path = os.path.join(self.root, f"step-{step}")
         t0 = now()
-        pending = Snapshot.async_take(path, {"s": StateDict(**self.state)})
-        t1 = now()
-        pending.wait()
-        t2 = now()
-        fsync_tree(path)
-        t3 = now()
-        for old in os.listdir(self.root):
-            if old != f"step-{step}":
-                rmtree(os.path.join(self.root, old))
-        return t1 - t0, t2 - t1, t3 - t2
+        self.pending = Snapshot.async_take(self.path, {"s": StateDict(**self.state)})
+        self.returned = now()
+        return self.returned - t0
 
-    def restore(self, dest: State) -> State:
-        return torchsnapshot_restore(self.root, dest)
+    def end(self) -> tuple[float, float]:
+        self.pending.wait()
+        done = now()
+        fsync_tree(self.path)
+        fsync = now() - done
+        for old in os.listdir(self.root):
+            if os.path.join(self.root, old) != self.path:
+                rmtree(os.path.join(self.root, old))
+        return done - self.returned, fsync
 
 
 def torchsnapshot_restore(root: str, dest: State) -> State:
@@ -217,12 +219,12 @@ def torchsnapshot_restore(root: str, dest: State) -> State:
     return dict(app["s"].items())
 
 
-SAVERS: dict[str, type[Saver]] = {"ftkit": FtkitSaver, "torchsnapshot": TorchsnapshotSaver}
+SAVERS: dict[str, Callable[[State, str], Saver]] = {"ftkit": FtkitSaver, "torchsnapshot": TorchsnapshotSaver}
 RESTORERS: dict[str, Callable[[str, State], State]] = {"ftkit": ftkit_restore, "torchsnapshot": torchsnapshot_restore}
 
 
 def add_nvrx() -> str | None:
-    """NVRx's asynchronous save, when it imports and runs here; else why not."""
+    """NVRx's asynchronous save (as it comes, and after a clone), when it runs here; else why not."""
     why = anchor_missing("NVRx")
     if why:
         return why
@@ -230,12 +232,22 @@ def add_nvrx() -> str | None:
         import anchor_nvrx
     except Exception as e:
         return f"cannot run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    why = anchor_nvrx.unavailable()
-    if why:
-        return why
-    SAVERS["NVRx"] = anchor_nvrx.NvrxSaver
-    RESTORERS["NVRx"] = anchor_nvrx.nvrx_restore
+    for name, clone in (("NVRx", False), ("NVRx + clone", True)):
+        SAVERS[name] = lambda state, root, name=name, clone=clone: anchor_nvrx.NvrxSaver(state, root, name, clone)
+        RESTORERS[name] = anchor_nvrx.nvrx_restore
     return None
+
+
+def consistent(saver: Saver, step: int) -> bool:
+    """What a save holds when training changes the tensors as soon as the stall ends: the
+    values at the save (a snapshot), or whatever the tensors held when written."""
+    at_save = digest(saver.state)
+    saver.begin(step)
+    with torch.no_grad():
+        for t in saver.state.values():
+            t.add_(1.0)
+    saver.end()
+    return digest(saver.restore({k: torch.zeros_like(v) for k, v in saver.state.items()})) == at_save
 
 
 # ----------------------------------------------------------- the floors
@@ -253,6 +265,31 @@ def write_floor(state: State, path: str) -> float:
         for t in state.values():
             f.write(t.numpy().data)
         os.fsync(f.fileno())
+    return now() - t0
+
+
+def write_floor_parallel(state: State, path: str, streams: int = 2) -> float:
+    """The same bytes in `streams` files written at once, each fsynced: the disk here is faster
+    with more than one stream in flight (torchsnapshot and NVRx write several files)."""
+    views = [t.numpy().data.cast("B") for t in state.values()]
+    total = sum(len(v) for v in views)
+
+    def write(i: int) -> None:
+        at, lo, hi = 0, i * total // streams, (i + 1) * total // streams
+        with open(f"{path}.{i}", "wb", buffering=0) as f:
+            for v in views:
+                a, b = max(lo, at), min(hi, at + len(v))
+                if a < b:
+                    f.write(v[a - at : b - at])
+                at += len(v)
+            os.fsync(f.fileno())
+
+    t0 = now()
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return now() - t0
 
 
@@ -286,7 +323,7 @@ def restore_in_child(tool: str, root: str, n: int, numel: int) -> dict[str, Any]
 
 def child_restore(tool: str, root: str, n: int, numel: int) -> int:
     dest = {f"layer{i:05d}.weight": torch.zeros(numel) for i in range(n)}
-    if tool == "NVRx":
+    if tool.startswith("NVRx"):
         add_nvrx()
     t0 = now()
     loaded = RESTORERS[tool](root, dest)
@@ -305,7 +342,7 @@ def measure_shape(label: str, n: int, numel: int, work: str, rounds: int, tools:
         t.zero_()  # touched: the floor copies into resident memory, as a steady snapshot does
     savers = {name: SAVERS[name](state, os.path.join(work, label, name)) for name in tools}
     samples: dict[str, dict[str, list[float]]] = {name: {"stall": [], "durable": [], "fsync": []} for name in tools}
-    floors: dict[str, list[float]] = {"copy": [], "write_fsync": [], "read": []}
+    floors: dict[str, list[float]] = {"copy": [], "write_fsync": [], "write_fsync_2": [], "read": []}
     floor_file = os.path.join(work, label, "floor.bin")
     try:
         for r in range(rounds + 1):  # round 0: every tool's first call (allocations), left out
@@ -315,7 +352,8 @@ def measure_shape(label: str, n: int, numel: int, work: str, rounds: int, tools:
                 for t in state.values():
                     t.add_(1.0)  # a new step's values, the same for every tool in the round
             for name in order:
-                stall, durable, fsync = savers[name].save(r + 1)
+                stall = savers[name].begin(r + 1)
+                durable, fsync = savers[name].end()
                 if r:
                     samples[name]["stall"].append(stall)
                     samples[name]["durable"].append(durable)
@@ -323,6 +361,7 @@ def measure_shape(label: str, n: int, numel: int, work: str, rounds: int, tools:
             if r:
                 floors["copy"].append(copy_floor(state, dst))
                 floors["write_fsync"].append(write_floor(state, floor_file))
+                floors["write_fsync_2"].append(write_floor_parallel(state, floor_file))
                 floors["read"].append(read_floor(dst, floor_file))
             gc.collect()
         final = digest(state)
@@ -332,10 +371,10 @@ def measure_shape(label: str, n: int, numel: int, work: str, rounds: int, tools:
                 "stall_s": median(samples[name]["stall"]),
                 "durable_s": median(samples[name]["durable"]),
                 "fsync_added_s": median(samples[name]["fsync"]),
+                "rounds": samples[name],
                 "fsyncs": saver.fsyncs,
                 "stored_bytes": saver.stored(),
             }
-            saver.close()
             dest = {k: torch.zeros_like(v) for k, v in state.items()}
             t0 = now()
             loaded = saver.restore(dest)
@@ -351,6 +390,9 @@ def measure_shape(label: str, n: int, numel: int, work: str, rounds: int, tools:
             rec["restore_fresh_process_s"] = child["process_s"]
             out["tools"][name] = rec
             gc.collect()
+        for name in tools:  # last: it changes the state
+            progress(f"{label}: {name} with the tensors changed as soon as the stall ends")
+            out["tools"][name]["snapshot_consistent"] = consistent(savers[name], rounds + 2)
     finally:
         for saver in savers.values():
             try:
@@ -358,6 +400,7 @@ def measure_shape(label: str, n: int, numel: int, work: str, rounds: int, tools:
             except Exception:
                 pass
     out["floors"] = {k + "_s": median(v) for k, v in floors.items()}
+    out["floor_rounds"] = floors
     assert want != final  # the rounds changed the state: each save had new values
     return out
 
@@ -367,24 +410,29 @@ def print_shape(res: dict[str, Any], why_not: dict[str, str]) -> None:
     fl = res["floors"]
     print(f"\n{res['label']}: {res['tensors']:,} fp32 tensors, {size / 2**20:,.1f} MiB (medians)")
     print(
-        f"  floors (no tool): copy {fl['copy_s'] * 1e3:.1f} ms, write + fsync {fl['write_fsync_s'] * 1e3:.1f} ms, "
-        f"read {fl['read_s'] * 1e3:.1f} ms"
+        f"  floors (no tool): copy {fl['copy_s'] * 1e3:.1f} ms, write + fsync {fl['write_fsync_s'] * 1e3:.1f} ms "
+        f"(one file; two at once {fl['write_fsync_2_s'] * 1e3:.1f} ms), read {fl['read_s'] * 1e3:.1f} ms"
     )
     print(
-        f"  {'tool':<14}{'stall ms':>10}{'x copy':>8}{'durable ms':>12}{'x write':>8}"
-        f"{'restore ms':>12}{'fresh ms':>10}{'process s':>11}{'stored':>15}"
+        f"  {'tool':<15}{'stall ms':>10}{'x copy':>8}{'durable ms':>12}{'x write':>8}{'snapshot':>9}"
+        f"{'restore ms':>12}{'x read':>8}{'fresh ms':>10}{'process s':>11}{'stored':>15}"
     )
     for name, r in res["tools"].items():
         durable = r["durable_s"] + r["fsync_added_s"]
         note = "" if r["fsyncs"] else f"  (no fsync of its own: {r['durable_s'] * 1e3:.0f} ms + ours)"
         print(
-            f"  {name:<14}{r['stall_s'] * 1e3:>10.1f}{r['stall_s'] / fl['copy_s']:>8.2f}"
+            f"  {name:<15}{r['stall_s'] * 1e3:>10.1f}{r['stall_s'] / fl['copy_s']:>8.2f}"
             f"{durable * 1e3:>12.1f}{durable / fl['write_fsync_s']:>8.2f}"
-            f"{r['restore_in_process_s'] * 1e3:>12.1f}{r['restore_fresh_s'] * 1e3:>10.1f}"
-            f"{r['restore_fresh_process_s']:>11.2f}{r['stored_bytes']:>15,}{note}"
+            f"{'yes' if r['snapshot_consistent'] else 'NO':>9}"
+            f"{r['restore_in_process_s'] * 1e3:>12.1f}{r['restore_in_process_s'] / fl['read_s']:>8.2f}"
+            f"{r['restore_fresh_s'] * 1e3:>10.1f}{r['restore_fresh_process_s']:>11.2f}{r['stored_bytes']:>15,}{note}"
         )
     for name, why in why_not.items():
-        print(f"  {name:<14}{why}")
+        print(f"  {name:<15}{why}")
+    print(
+        "  snapshot: a save made while training changes the tensors right after the stall holds the values "
+        "at the save (NO: it holds what was in memory when written)"
+    )
 
 
 # -------------------------------------------------------------- part 3
@@ -402,7 +450,12 @@ def recovery(args: argparse.Namespace, why_not: dict[str, str]) -> dict[str, Any
             out["torchft"] = anchor_recovery.torchft_recovery(args.steps, args.kill_at, args.step_time)
         except Exception as e:
             out["torchft"] = {"skipped": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    out["NVRx in-process restart"] = {"skipped": why_not.get("NVRx") or anchor_recovery.nvrx_inprocess_unavailable()}
+    if "NVRx" in why_not:
+        out["NVRx in-process restart"] = {"skipped": why_not["NVRx"]}
+    else:
+        import anchor_nvrx
+
+        out["NVRx in-process restart"] = {"skipped": anchor_nvrx.INPROCESS_WHY}
     return out
 
 

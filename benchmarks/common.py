@@ -40,6 +40,18 @@ def rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def disk_bytes_of(path: str) -> int:
+    """Bytes in the files under `path` (as stored: a benchmark's 'bytes on disk')."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # removed while we walked
+    return total
+
+
 def can_drop_caches() -> bool:
     return os.access(DROP_CACHES, os.W_OK)
 

@@ -51,5 +51,6 @@ def test_bench_anchors_without_the_extra_skips_every_anchor_in_one_line_and_stil
         # every byte of the state stored, restored in process and in a fresh one (digests checked there)
         assert ftk["stored_bytes"] >= shape["bytes"]
         assert ftk["restore_in_process_s"] > 0 and ftk["restore_fresh_s"] > 0
+        assert ftk["snapshot_consistent"] is True  # changed right after the stall: the save kept the old values
         assert all(v > 0 for v in shape["floors"].values())
     assert list(tmp_path.iterdir()) == [out]  # its working directory removed
