@@ -203,6 +203,10 @@ def replica_main(a: argparse.Namespace) -> int:
     t_end = time.time() + a.max_seconds
     while manager.current_step() < a.steps and it < max_iters and time.time() < t_end:
         it += 1
+        if a.crash_after is not None and manager.current_step() >= a.crash_after:
+            # --schedule's crash: an exception in the training loop, uncaught, so the process exits non-zero
+            emit("crash", step=manager.current_step())
+            raise RuntimeError(f"injected crash: replica {rid} after committing step {manager.current_step()}")
         t0 = time.time()
         manager.start_quorum()  # = OptimizerWrapper.zero_grad's quorum half
         step = manager.current_step() + 1  # exact in sync mode; async: a healer's is stale (its grads are zeroed)
@@ -257,7 +261,7 @@ class Job:
         self._buf = ""
         self.events: list[dict] = []
 
-    def spawn(self, rid: int, inc: int, final_out: str | None) -> None:
+    def spawn(self, rid: int, inc: int, final_out: str | None, crash_after: int | None = None) -> None:
         a = self.a
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = "1"
@@ -296,6 +300,8 @@ class Job:
             cmd += ["--_final-out", final_out]
         if inc == 0:
             cmd += ["--_go-file", self.go]
+        if crash_after is not None:
+            cmd += ["--_crash-after", str(crash_after)]
         errp = os.path.join(self.d, f"{self.name}.r{rid}.i{inc}.stderr")
         self.stderr[(rid, inc)] = errp
         self.spawn_t[(rid, inc)] = time.time()
@@ -322,6 +328,12 @@ class Job:
         p = self.procs[key]
         try:
             os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def signal(self, key, sig: int) -> None:
+        try:
+            os.killpg(self.procs[key].pid, sig)
         except ProcessLookupError:
             pass
 
@@ -494,6 +506,151 @@ def run_job(a, d: str, name: str, kill_at: int | None, finals: dict[str, str]) -
     return res
 
 
+# ----------------------------------------------------------------------------- --schedule mode
+
+FAULT_KINDS = ("kill", "crash", "hang", "node")
+CRASH_EXIT_BOUND_S = 30.0  # a crashed replica that has not exited by then is SIGKILLed (and this is recorded)
+
+
+def parse_schedule(spec: str, n: int, steps: int) -> list[dict]:
+    """`kind@STEP:replica=R` / `node@STEP:replicas=A+B`, comma-separated; kinds: kill, crash, hang, node."""
+    import re
+
+    faults = []
+    for part in (x.strip() for x in spec.split(",")):
+        if not part:
+            continue
+        m = re.fullmatch(r"([a-z]+)@(\d+):replicas?=(\d+(?:\+\d+)*)", part)
+        if not m:
+            raise ValueError(f"bad fault {part!r}: want kind@STEP:replica=R or node@STEP:replicas=A+B")
+        kind, step, ids = m.group(1), int(m.group(2)), m.group(3)
+        targets = sorted({int(x) for x in ids.split("+")})
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"bad fault {part!r}: kind must be one of {', '.join(FAULT_KINDS)}")
+        if any(t >= n for t in targets):
+            raise ValueError(f"bad fault {part!r}: only replicas 0..{n - 1} exist")
+        if kind != "node" and len(targets) != 1:
+            raise ValueError(f"bad fault {part!r}: only node takes several replicas")
+        if len(targets) == n:
+            raise ValueError(f"bad fault {part!r}: no replica would survive it")
+        if not 1 <= step < steps:
+            raise ValueError(f"bad fault {part!r}: the step must be in 1..{steps - 1}")
+        target = ("replicas=" + "+".join(map(str, targets))) if kind == "node" else f"replica={targets[0]}"
+        faults.append({"kind": kind, "step": step, "targets": targets, "target": target})
+    if not faults:
+        raise ValueError("empty --schedule")
+    return faults
+
+
+def run_schedule_job(a, d: str, name: str, n: int, faults: list[dict], finals: dict[str, str]) -> dict:
+    """n replica groups; each fault in `faults` fires when its (first) target replica has committed its
+    step: kill/node SIGKILL + relaunch at once; hang SIGSTOP, SIGKILL after --hang-kill-after-ms, relaunch;
+    crash: the replica raises at the top of its next step (--_crash-after), relaunched when it exits.
+    `faults` (copies) come back with what happened: t_fault, trigger, new_inc, ... With no faults: fault-free."""
+    fs = [dict(f, fired=False) for f in faults]
+    res: dict = {"name": name, "faults": fs}
+    lh = Lighthouse(a, os.path.join(d, f"{name}.lighthouse.log"))  # a fresh lighthouse per run
+    job = Job(d, lh.addr, a, name)
+    cur = {r: 0 for r in range(n)}  # each replica's live incarnation
+    expected_exit: set = set()  # incarnations we killed, or that crash on purpose
+    hang_due: list[tuple[float, dict, tuple[int, int]]] = []  # SIGKILL the stopped replica at t
+    crash_wait: dict[tuple[int, int], dict] = {}  # crashed, waiting for the process to exit
+
+    def crash_after(r: int) -> int | None:  # a relaunch still carries a crash that has not fired yet
+        return next((f["step"] for f in fs if f["kind"] == "crash" and not f["fired"] and r in f["targets"]), None)
+
+    def relaunch(f: dict, r: int) -> None:
+        cur[r] += 1
+        job.spawn(r, cur[r], finals.get(f"r{r}"), crash_after(r))
+        f.setdefault("new_inc", {})[str(r)] = cur[r]
+        f.setdefault("t_spawn", {})[str(r)] = job.spawn_t[(r, cur[r])]
+
+    try:
+        for r in range(n):
+            job.spawn(r, 0, finals.get(f"r{r}"), crash_after(r))
+        ready: set = set()
+        done: set = set()
+        deadline = time.time() + a.max_seconds + 60
+        while time.time() < deadline:
+            exited = {k for k, p in job.procs.items() if p.poll() is not None}  # before reading the log
+            for ev in job.poll():
+                key = (ev["replica"], ev["inc"])
+                if ev["ev"] == "manager_ready" and ev["inc"] == 0:
+                    ready.add(ev["replica"])
+                    if len(ready) == n:
+                        open(job.go, "w").close()
+                        res["t_go"] = time.time()
+                elif ev["ev"] == "done":
+                    done.add(key)
+                elif ev["ev"] == "crash":
+                    f = next(
+                        (f for f in fs if f["kind"] == "crash" and not f["fired"] and key[0] in f["targets"]), None
+                    )
+                    if f is not None:
+                        f.update(fired=True, t_fault=ev["t"], trigger={"replica": key[0], "step": ev["step"]})
+                        f["live_inc"] = {str(x): i for x, i in cur.items()}
+                        f["old_inc"] = {str(key[0]): key[1]}
+                        expected_exit.add(key)
+                        crash_wait[key] = f
+                elif ev["ev"] == "commit":
+                    for f in fs:
+                        r = ev["replica"]
+                        if f["fired"] or f["kind"] == "crash" or r not in f["targets"] or ev["step"] < f["step"]:
+                            continue
+                        if key != (r, cur[r]):
+                            continue
+                        victims = [(t, cur[t]) for t in f["targets"]]
+                        if f["kind"] == "hang":
+                            job.signal(victims[0], signal.SIGSTOP)
+                            t = time.time()
+                            hang_due.append((t + a.hang_kill_after_ms / 1000.0, f, victims[0]))
+                        else:  # kill, node: SIGKILL the target(s) together, relaunch at once
+                            for v in victims:
+                                job.kill(v)
+                            t = time.time()
+                        expected_exit.update(victims)
+                        f.update(fired=True, t_fault=t, trigger={"replica": r, "step": ev["step"]})
+                        f["live_inc"] = {str(x): i for x, i in cur.items()}
+                        f["old_inc"] = {str(v[0]): v[1] for v in victims}
+                        if f["kind"] != "hang":
+                            for v in victims:
+                                relaunch(f, v[0])
+            now = time.time()
+            for item in [h for h in hang_due if h[0] <= now]:  # the health check gives up on the hung replica
+                hang_due.remove(item)
+                _, f, v = item
+                job.kill(v)
+                f["t_killed"] = time.time()
+                relaunch(f, v[0])
+            for key, f in list(crash_wait.items()):
+                p = job.procs[key]
+                if p.poll() is not None:
+                    f["t_exit"], f["exit_code"] = time.time(), p.returncode
+                    del crash_wait[key]
+                    relaunch(f, key[0])
+                elif now - f["t_fault"] > CRASH_EXIT_BOUND_S and not f.get("forced_kill"):
+                    job.kill(key)
+                    f["forced_kill"] = True
+            if not hang_due and not crash_wait and all(p.poll() is not None for p in job.procs.values()):
+                break
+            died = sorted(k for k in exited if k not in done and k not in expected_exit)
+            if died:  # a child that died unplanned: stop the run
+                res["child_died"] = [f"r{k[0]}.i{k[1]}" for k in died]
+                break
+            time.sleep(0.005)
+        job.poll()
+        res["timed_out"] = any(p.poll() is None for p in job.procs.values())
+        res["exit_codes"] = {f"r{k[0]}.i{k[1]}": p.poll() for k, p in job.procs.items()}
+    finally:
+        job.kill_all()
+        lh.stop()
+    res["events"] = job.events
+    res["lighthouse"] = lh
+    res["spawn_t"] = {f"r{k[0]}.i{k[1]}": v for k, v in job.spawn_t.items()}
+    res["child_errors"] = job.errors()
+    return res
+
+
 # ----------------------------------------------------------------------------- analysis
 
 
@@ -642,6 +799,135 @@ def analyze_fault(res: dict, steps: int) -> dict:
     return out
 
 
+def analyze_fault_free_n(res: dict, n: int) -> dict:
+    evs = res["events"]
+    t_go = res.get("t_go")
+    cs = {r: commits(evs, r) for r in range(n)}
+    step_s = sorted(e["step_s"] for e in cs[0][5:]) or [0.0]
+    last = max((e["t"] for c in cs.values() for e in c), default=None)
+    return {
+        "replicas": n,
+        "committed_steps": {f"r{r}": len(c) for r, c in cs.items()},
+        "discarded": sum(1 for e in evs if e["ev"] == "discard"),
+        "contiguous": all([e["step"] for e in c] == list(range(1, len(c) + 1)) for c in cs.values()),
+        f"participants_always_{n}": all(e["participants"] == n for c in cs.values() for e in c),
+        "quorums_formed": len({e["quorum_id"] for e in evs if e["ev"] == "quorum"}),
+        "median_step_s_excl_sleep": r3(step_s[len(step_s) // 2]),
+        "wall_s_go_to_last_commit": r3(last - t_go) if last and t_go else None,
+        "final_loss_r0": cs[0][-1]["loss"] if cs[0] else None,
+        "timed_out": res["timed_out"],
+        "exit_codes": res["exit_codes"],
+    }
+
+
+def analyze_schedule(res: dict, n: int, steps: int) -> dict:
+    """Per fault: survivors' next commit, the replacement(s)' first commit, committed steps redone;
+    per replica: every step 1..S committed (over its incarnations), none twice."""
+    evs = res["events"]
+    out: dict = {"faults": []}
+    for f in res["faults"]:
+        o: dict = {"kind": f["kind"], "target": f["target"], "step": f["step"]}
+        if not f["fired"]:
+            o["error"] = "never fired"
+            out["faults"].append(o)
+            continue
+        tf, K, targets = f["t_fault"], f["trigger"]["step"], f["targets"]
+        o["fired_after_step"] = K
+        if f["kind"] == "node":
+            o["fired_by_replica"] = f["trigger"]["replica"]
+        # survivors: the other replicas that were training when it fired (not a replacement still starting)
+        live = {r: f["live_inc"][str(r)] for r in range(n) if r not in targets}
+        survivors = [r for r, i in live.items() if any(e["t"] < tf for e in commits(evs, r, i))]
+        o["survivors"] = [f"r{r}" for r in survivors]
+        o["still_recovering_from_earlier_fault"] = [f"r{r}" for r in live if r not in survivors]
+        # (a) survivors: each one's first commit past the step the fault fired after; the figure is the last of them
+        nxt = {}
+        for s in survivors:
+            e = next((e for e in commits(evs, s) if e["t"] > tf and e["step"] > K), None)
+            nxt[s] = e
+        got = [e for e in nxt.values() if e]
+        o["survivors_next_commit_s"] = r3(max(e["t"] for e in got) - tf) if len(got) == len(survivors) else None
+        o["survivors_next_commit_s_each"] = {f"r{s}": (r3(e["t"] - tf) if e else None) for s, e in nxt.items()}
+        o["survivors_next_commit_step"] = max((e["step"] for e in got), default=None)
+        o["survivors_next_commit_participants"] = min((e["participants"] for e in got), default=None)
+        o["survivors_discards_before_it"] = sum(
+            1
+            for e in evs
+            if e["ev"] == "discard"
+            and e["replica"] in nxt
+            and e["t"] > tf
+            and (not nxt[e["replica"]] or e["t"] <= nxt[e["replica"]]["t"])
+        )
+        # (b) the replacement(s): first commit of the incarnation this fault launched
+        rep = {}
+        for r in targets:
+            inc = f.get("new_inc", {}).get(str(r))
+            ri = [e for e in evs if e["replica"] == r and e["inc"] == inc] if inc is not None else []
+            c = [e for e in ri if e["ev"] == "commit"]
+            q1 = next((e for e in ri if e["ev"] == "quorum"), None)
+            hr = next((e for e in ri if e["ev"] == "heal_recv"), None)
+            t_spawn = f.get("t_spawn", {}).get(str(r))
+            # its first quorum's max_step: below the step the fault fired after = no trained peer to heal from
+            done_t = [e["t"] for e in evs if e["ev"] == "done" and e["replica"] in survivors]
+            mr = next((e for e in ri if e["ev"] == "manager_ready"), None)
+            rep[r] = {
+                "first_quorum_max_step": q1["max_step"] if q1 else None,
+                "first_quorum_size": len(q1["replica_ids"]) if q1 else None,
+                "started_without_a_trained_peer": bool(q1 and q1["max_step"] < K),
+                "survivors_had_finished_before_it_was_ready": bool(
+                    mr and survivors and len(done_t) == len(survivors) and max(done_t) < mr["t"]
+                ),
+                "spawn_after_fault_s": r3(t_spawn - tf) if t_spawn else None,
+                "startup_to_first_quorum_s": r3(q1["t"] - t_spawn) if q1 and t_spawn else None,
+                "healed_to_step": hr["step"] if hr else None,
+                "heal_recv_s": r3(hr["t"] - hr["t0"]) if hr else None,
+                "first_commit_step": c[0]["step"] if c else None,
+                "caught_up_s": r3(c[0]["t"] - tf) if c else None,
+            }
+            # (c) steps lost: steps the old incarnation committed that the new one committed again
+            old = {e["step"] for e in commits(evs, r, f["old_inc"][str(r)])}
+            rep[r]["committed_steps_redone"] = sorted(old & {e["step"] for e in c})
+            rep[r]["last_commit_before_fault"] = max(old) if old else None
+        ups = [v["caught_up_s"] for v in rep.values()]
+        o["replacement_caught_up_s"] = max(ups) if ups and None not in ups else None
+        o["steps_lost"] = max(len(v["committed_steps_redone"]) for v in rep.values())
+        o["replacements"] = {f"r{r}": v for r, v in rep.items()}
+        t_back = max((tf + u for u in ups if u is not None), default=None)  # survivors' steps until all were back
+        fewer = sorted(
+            {
+                e["step"]
+                for s in survivors
+                for e in commits(evs, s)
+                if e["t"] > tf and (t_back is None or e["t"] <= t_back) and e["participants"] < n
+            }
+        )
+        o["survivors_steps_with_fewer_than_all"] = fewer
+        if f["kind"] == "hang":
+            o["hung_replica_killed_after_s"] = r3(f["t_killed"] - tf) if f.get("t_killed") else None
+        if f["kind"] == "crash":
+            o["crash_exit_seen_after_s"] = r3(f["t_exit"] - tf) if f.get("t_exit") else None
+            o["crash_exit_code"] = f.get("exit_code")
+            o["crash_exit_forced_by_sigkill"] = bool(f.get("forced_kill"))
+        out["faults"].append(o)
+    per = {}
+    for r in range(n):
+        st = [e["step"] for e in commits(evs, r)]
+        missing = sorted(set(range(1, steps + 1)) - set(st))
+        twice = sorted({s for s in st if st.count(s) > 1})
+        per[f"r{r}"] = {"missing_steps": missing, "steps_committed_twice": twice}
+    out["per_replica"] = per
+    out["every_replica_committed_every_step"] = all(not v["missing_steps"] for v in per.values())
+    out["no_step_committed_twice"] = all(not v["steps_committed_twice"] for v in per.values())
+    # a healed replica gets the state, not the steps it was down for: did some replica commit each step?
+    out["job_committed_every_step"] = {e["step"] for e in evs if e["ev"] == "commit"} >= set(range(1, steps + 1))
+    out["discarded_total"] = sum(1 for e in evs if e["ev"] == "discard")
+    out["timed_out"] = res["timed_out"]
+    out["exit_codes"] = res["exit_codes"]
+    if res.get("child_died"):
+        out["child_died"] = res["child_died"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60)
@@ -664,7 +950,26 @@ def main() -> int:
         action="store_true",
         help="also register torch's RNG state (dropout) with the manager, so a healed replica gets the peer's",
     )
-    p.add_argument("--max-seconds", type=float, default=90.0, help="per-run bound on each replica")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="per-run bound on each replica (default 90; with --schedule 300)",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="replica groups (1 process each); other than 2: --schedule")
+    p.add_argument(
+        "--schedule",
+        help="instead of the single kill: a fault-free and one faulted run of --replicas replicas under this "
+        "schedule, e.g. kill@70:replica=1,hang@160:replica=2,node@250:replicas=0+1,crash@340:replica=3 "
+        "(each fires when its replica has committed the step; node: the first of its replicas)",
+    )
+    p.add_argument(
+        "--hang-kill-after-ms",
+        type=int,
+        default=None,
+        help="hang: the launcher/health check SIGKILLs the stopped replica after this many ms "
+        "(default: --heartbeat-timeout-ms)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, stderr, final states)")
     # child mode
     p.add_argument("--_replica", type=int, dest="replica", default=None, help=argparse.SUPPRESS)
@@ -673,9 +978,18 @@ def main() -> int:
     p.add_argument("--_lighthouse", dest="lighthouse", help=argparse.SUPPRESS)
     p.add_argument("--_final-out", dest="final_out", help=argparse.SUPPRESS)
     p.add_argument("--_go-file", dest="go_file", help=argparse.SUPPRESS)
+    p.add_argument("--_crash-after", type=int, dest="crash_after", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.replica is not None:
         return replica_main(a)
+    if a.max_seconds is None:
+        a.max_seconds = 300.0 if a.schedule else 90.0
+    if a.hang_kill_after_ms is None:
+        a.hang_kill_after_ms = a.heartbeat_timeout_ms
+    if a.schedule:
+        return schedule_main(a)
+    if a.replicas != 2:
+        p.error("--replicas other than 2 needs --schedule")
 
     import shutil
 
@@ -762,6 +1076,141 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     return 0 if "error" not in result else 1
+
+
+def schedule_main(a: argparse.Namespace) -> int:
+    """--schedule: a fault-free run and one faulted run of a.replicas replicas; result["schedule"]."""
+    import shutil
+
+    t_start = time.time()
+    n = a.replicas
+    keys = ("steps", "step_time", "seed", "join_timeout_ms", "heartbeat_timeout_ms", "hang_kill_after_ms")
+    keys += ("pg_timeout", "timeout", "quorum_timeout", "sync_quorum", "transfer_rng", "replicas", "schedule")
+    result: dict = {"tool": "torchft", "config": {k: getattr(a, k) for k in keys}}
+    sched: dict = {"faults": [], "bit_exact": False, "max_abs_param_diff": None}
+    result["schedule"] = sched
+    d = tempfile.mkdtemp(prefix="torchft_schedule_")
+    try:
+        if n < 2:
+            raise ValueError("--schedule needs --replicas 2 or more")
+        faults = parse_schedule(a.schedule, n, a.steps)
+        from importlib.metadata import version
+
+        import torch
+
+        result["versions"] = {"torch": torch.__version__, "torchft": version("torchft")}
+        finals = {run: {f"r{r}": os.path.join(d, f"{run}_r{r}.pt") for r in range(n)} for run in ("ff", "sched")}
+        print(f"[torchft] fault-free run: {n} replicas x {a.steps} steps ...", flush=True)
+        t0 = time.time()
+        ff = run_schedule_job(a, d, "ff", n, [], finals["ff"])
+        result["fault_free"] = analyze_fault_free_n(ff, n)
+        result["fault_free"]["child_errors"] = ff["child_errors"]
+        result["fault_free"]["run_wall_s"] = r3(time.time() - t0)
+        print(f"[torchft] faulted run: {a.schedule} ...", flush=True)
+        t0 = time.time()
+        fr = run_schedule_job(a, d, "sched", n, faults, finals["sched"])
+        sched.update(analyze_schedule(fr, n, a.steps))
+        sched["child_errors"] = fr["child_errors"]
+        sched["run_wall_s"] = r3(time.time() - t0)
+        # final states: every replica of the faulted run against the fault-free run's replica 0
+        st = {}
+        for run, fs in finals.items():
+            for r, path in fs.items():
+                if os.path.exists(path):
+                    st[f"{run}_{r}"] = load_state(path)
+        missing = [k for k in [f"ff_r{r}" for r in range(n)] + [f"sched_r{r}" for r in range(n)] if k not in st]
+        if "ff_r0" in st:
+            ref = st["ff_r0"]
+            result["fault_free"]["replicas_identical"] = all(
+                bit_equal(st[k]["model"], ref["model"]) and bit_equal(st[k]["optim"], ref["optim"])
+                for k in st
+                if k.startswith("ff_")
+            )
+            cmp = {}
+            for r in range(n):
+                x = st.get(f"sched_r{r}")
+                if x is not None:
+                    cmp[f"r{r}"] = {
+                        "model_equal": bit_equal(x["model"], ref["model"]),
+                        "optim_equal": bit_equal(x["optim"], ref["optim"]),
+                        "max_abs_param_diff": max_abs_diff(x, ref),
+                    }
+            sched["final_state_vs_fault_free_r0"] = cmp
+            sched["bit_exact"] = not missing and all(v["model_equal"] and v["optim_equal"] for v in cmp.values())
+            sched["max_abs_param_diff"] = max((v["max_abs_param_diff"] for v in cmp.values()), default=None)
+        if missing:
+            sched["error"] = f"missing final state: {missing}"
+        else:
+            unfired = [f"{f['kind']}@{f['step']}" for f in sched["faults"] if f.get("error")]
+            if unfired:
+                sched["error"] = f"faults never fired: {unfired}"
+            elif fr.get("child_died") or fr["timed_out"]:
+                sched["error"] = f"run incomplete: died {fr.get('child_died')}, timed out {fr['timed_out']}"
+        if a.keep:
+            result["tmpdir"] = d
+    except Exception as e:
+        sched.setdefault("error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    finally:
+        if not a.keep:
+            shutil.rmtree(d, ignore_errors=True)
+    result["wall_s"] = r3(time.time() - t_start)
+    print_schedule_summary(result)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0 if "error" not in sched else 1
+
+
+def print_schedule_summary(r: dict) -> None:
+    c, s = r["config"], r["schedule"]
+    print(
+        f"\n== torchft {r.get('versions', {}).get('torchft', '?')} under a fault schedule (CPU, gloo, "
+        f"{c['replicas']} replica groups x 1 proc), {c['steps']} steps, step-time {c['step_time']} s, "
+        f"{'sync' if c['sync_quorum'] else 'async'} quorum{', RNG transferred' if c.get('transfer_rng') else ''}, "
+        f"heartbeat {c['heartbeat_timeout_ms']} ms, hung replica killed after {c['hang_kill_after_ms']} ms"
+    )
+    ff = r.get("fault_free", {})
+    if ff:
+        print(
+            f"fault-free: commits {ff.get('committed_steps')}, discarded {ff.get('discarded')}, "
+            f"all {c['replicas']} every step {ff.get('participants_always_' + str(c['replicas']))}, "
+            f"replicas identical {ff.get('replicas_identical')}, wall {ff.get('run_wall_s')} s"
+        )
+    for f in s.get("faults", []):
+        if f.get("error"):
+            print(f"  {f['kind']}@{f['step']} {f['target']}: ERROR {f['error']}")
+            continue
+        extra = ""
+        if f["kind"] == "hang":
+            extra = f", SIGKILLed after {f.get('hung_replica_killed_after_s')} s"
+        if f["kind"] == "crash":
+            extra = f", exit {f.get('crash_exit_code')} seen after {f.get('crash_exit_seen_after_s')} s"
+        print(
+            f"  {f['kind']}@{f['step']} {f['target']}{extra}: "
+            f"survivors' next commit {f.get('survivors_next_commit_s')} s"
+            f" (step {f.get('survivors_next_commit_step')}, {f.get('survivors_next_commit_participants')} "
+            f"participant(s)); replacement(s) caught up {f.get('replacement_caught_up_s')} s; "
+            f"steps lost {f.get('steps_lost')}; survivors' steps without all: "
+            f"{len(f.get('survivors_steps_with_fewer_than_all', []))}"
+        )
+        for rk, v in f.get("replacements", {}).items():
+            if v.get("started_without_a_trained_peer"):
+                why = "the survivors had finished" if v.get("survivors_had_finished_before_it_was_ready") else "none"
+                print(
+                    f"    {rk}'s relaunch found no trained peer ({why}): its first quorum was at step "
+                    f"{v.get('first_quorum_max_step')} with {v.get('first_quorum_size')} member(s)"
+                )
+        if f.get("still_recovering_from_earlier_fault"):
+            print(
+                f"    still recovering from an earlier fault when it fired: {f['still_recovering_from_earlier_fault']}"
+            )
+    print(
+        f"every replica committed every step 1..{c['steps']}: {s.get('every_replica_committed_every_step')}; "
+        f"bit-exact vs fault-free: {s.get('bit_exact')} (max abs param diff {s.get('max_abs_param_diff')})"
+    )
+    if s.get("error"):
+        print("ERROR:", s["error"])
+    print(f"wall {r.get('wall_s')} s")
 
 
 def print_summary(r: dict) -> None:

@@ -7,7 +7,7 @@ Run (from the repo root; the anchors are an optional extra)::
     .venv/bin/python benchmarks/bench_anchors.py --gib 0.25 --small 1000 --rounds 2   # quick
     .venv/bin/python benchmarks/bench_anchors.py --only snapshot --json out.json
 
-Three parts, each a table with ftkit's figure, every anchor's and the floor, from one run:
+Four parts, each a table with ftkit's figure, every anchor's and the floor, from one run:
 
 1. **snapshot**: the stall (until training may go on) and the time to durable (until
    the bytes are on disk and fsynced, or the tool says it is done where it does not
@@ -29,6 +29,12 @@ Three parts, each a table with ftkit's figure, every anchor's and the floor, fro
    the replacement's first step, steps lost, and whether the final state equals a
    fault-free run's bit for bit. NVRx's in-process restart: the line says why it
    cannot run here.
+4. **schedule**: `ftkit drill`'s default fault schedule (a kill, a hang, a node of two
+   workers lost, a crash; 4 workers, 400 steps) on ftkit's reference trainer, and the same
+   faults on torchft's 4 replica groups (a hung replica killed and relaunched once its
+   lighthouse's heartbeat timeout has passed, as a health check would): per fault, the
+   seconds until the faulted workers train again and the steps lost; whether the final
+   state is bit-exact against the tool's own fault-free run.
 
 An anchor that is not installed, or cannot run on CPU, gets one line saying why
 (the import error or the missing device) and the rest still runs. Exit status 0
@@ -482,6 +488,100 @@ def print_recovery(res: dict[str, Any], args: argparse.Namespace) -> None:
                 print(f"      {r['note']}")
 
 
+# -------------------------------------------------------------- part 4
+DRILL_SCHEDULE = "kill@70:rank=1,hang@160:rank=2,node@250:node=1,crash@340:rank=3"  # ftkit drill's default
+# The same faults for torchft's 4 replica groups of one process (a node: two groups at once).
+TORCHFT_SCHEDULE = "kill@70:replica=1,hang@160:replica=2,node@250:replicas=0+1,crash@340:replica=3"
+
+
+def schedule(args: argparse.Namespace, why_not: dict[str, str]) -> dict[str, Any]:
+    """ftkit drill's default schedule on 4 workers, through ftkit and through torchft."""
+    out: dict[str, Any] = {}
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        progress("schedule: ftkit drill")
+        cmd = [sys.executable, "-m", "ftkit", "drill", "--steps", "400", "--step-time", str(args.drill_step_time)]
+        done = subprocess.run([*cmd, "--json", path, "--quiet"], capture_output=True, text=True, timeout=1800)
+        res = json.load(open(path)) if os.path.getsize(path) else {}
+        if not res:
+            out["ftkit"] = {"skipped": f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}"}
+        else:
+            out["ftkit"] = {
+                "bit_exact": bool(res.get("bitwise_equal")),
+                "passed": res.get("passed"),
+                "faults": [
+                    {
+                        "fault": f"{f['kind']}@{f['step']}",
+                        "back_s": f["outcome"].get("recovery_s"),
+                        "steps_lost": f["outcome"].get("steps_lost"),
+                    }
+                    for f in res.get("faults", [])
+                ],
+            }
+    finally:
+        os.unlink(path)
+    if "torchft" in why_not:
+        out["torchft"] = {"skipped": why_not["torchft"]}
+        return out
+    for mode, extra in (("torchft", []), ("torchft, sync quorum + RNG", ["--sync-quorum", "--transfer-rng"])):
+        progress(f"schedule: {mode}")
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            cmd = [sys.executable, os.path.join(HERE, "anchor_torchft.py"), "--replicas", "4", "--steps", "400"]
+            cmd += ["--step-time", str(args.drill_step_time), "--schedule", TORCHFT_SCHEDULE, *extra, "--json", path]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO)
+            res = (json.load(open(path)) if os.path.getsize(path) else {}).get("schedule") or {}
+        finally:
+            os.unlink(path)
+        if not res or res.get("error"):
+            why = res.get("error") or (done.stderr.strip().splitlines() or ["?"])[-1]
+            out[mode] = {"skipped": f"failed: {str(why)[:200]}"}
+            continue
+        out[mode] = {
+            "bit_exact": bool(res.get("bit_exact")),
+            "max_abs_param_diff": res.get("max_abs_param_diff"),
+            "faults": [
+                {
+                    "fault": f"{f['kind']}@{f['step']}",
+                    "back_s": f.get("replacement_caught_up_s"),
+                    "survivors_s": f.get("survivors_next_commit_s"),
+                    "steps_lost": f.get("steps_lost"),
+                    "short_handed_steps": len(f.get("survivors_steps_with_fewer_than_all") or []),
+                }
+                for f in res.get("faults", [])
+            ],
+        }
+    return out
+
+
+def print_schedule(res: dict[str, Any], args: argparse.Namespace) -> None:
+    print(
+        f"\nftkit drill's default schedule ({DRILL_SCHEDULE}), 4 workers, 400 steps of "
+        f"+{args.drill_step_time * 1e3:.0f} ms; per fault: seconds until the faulted worker(s) train again, steps lost"
+    )
+    for tool, r in res.items():
+        if "skipped" in r:
+            print(f"  {tool:<30}{r['skipped']}")
+            continue
+        exact = "bit-exact" if r["bit_exact"] else f"NOT bit-exact (max diff {r.get('max_abs_param_diff') or 0:.2g})"
+        print(f"  {tool}: {exact}")
+        for f in r["faults"]:
+            back = "-" if f["back_s"] is None else f"{f['back_s']:.2f} s"
+            line = f"    {f['fault']:<10} back {back}, {f['steps_lost']} step(s) lost"
+            if "short_handed_steps" in f:
+                line += (
+                    f"; the others went on after {f['survivors_s']} s and trained {f['short_handed_steps']} "
+                    "step(s) without the faulted worker(s)"
+                )
+            print(line)
+    print(
+        "  back: ftkit, until the job is back at the step it had reached (the lost step recomputed); torchft,"
+        " until the relaunched worker commits a step"
+    )
+
+
 # ---------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -491,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="recovery: steps of the run")
     p.add_argument("--kill-at", type=int, default=20, help="recovery: the step worker 1 is killed at")
     p.add_argument("--step-time", type=float, default=0.1, help="recovery: extra seconds per step")
-    p.add_argument("--only", choices=("snapshot", "recovery"), help="run one part (snapshot includes restore)")
+    p.add_argument("--drill-step-time", type=float, default=0.05, help="schedule: extra seconds per step")
+    p.add_argument("--only", choices=("snapshot", "recovery", "schedule"), help="one part (snapshot includes restore)")
     p.add_argument("--dir", help="the disk to write to (default: a temporary directory under the repo)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--child-restore", nargs=4, help=argparse.SUPPRESS)
@@ -506,17 +607,17 @@ def main(argv: list[str] | None = None) -> int:
         why_not["NVRx"] = why
     versions = {"torch": torch.__version__, "ftkit": ftkit.__version__}
     for name, mod in ANCHORS.items():
-        if name not in why_not or name == "NVRx":
-            try:
-                from importlib.metadata import version
+        try:
+            from importlib.metadata import version
 
-                versions[name] = version({"NVRx": "nvidia-resiliency-ext"}.get(name, mod))
-            except Exception:
-                pass
+            versions[name] = version({"NVRx": "nvidia-resiliency-ext"}.get(name, mod))
+        except Exception:
+            pass  # not installed: said below
     print(f"load average {os.getloadavg()[0]:.2f}; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     for name, why in why_not.items():
         print(f"{name}: {why}")
     result: dict[str, Any] = {"versions": versions, "unavailable": why_not, "shapes": [], "recovery": None}
+    result["schedule"] = None
     work = tempfile.mkdtemp(prefix="ftkit-bench-anchors-", dir=args.dir or REPO)
     try:
         if args.only in (None, "snapshot"):
@@ -530,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "recovery"):
             result["recovery"] = recovery(args, why_not)
             print_recovery(result["recovery"], args)
+        if args.only in (None, "schedule"):
+            result["schedule"] = schedule(args, why_not)
+            print_schedule(result["schedule"], args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
