@@ -380,8 +380,11 @@ def test_drill_of_the_trainer_example_scripts(tmp_path, trainer):
     assert set(f) == {fault.split("@")[0] for fault in faults.split(",")}
     for kind in ("kill", "hang", "crash"):
         if kind in f:
-            assert f[kind]["outcome"]["steps_lost"] <= 1, (kind, f[kind]["outcome"])
-            assert f[kind]["outcome"]["restored_from"] == "ram"
+            o = f[kind]["outcome"]
+            # The step before the fault, and the snapshot still in flight if the fault struck
+            # before it committed (a loaded machine's pipeline can lag a step; the drill's rule)
+            assert o["steps_lost"] <= 1 + bool(o["snapshot_in_flight"]), (kind, o)
+            assert o["restored_from"] == "ram"
     if "hang" in f:
         assert f["hang"]["outcome"]["detected_by"].startswith("ftkit watchdog")
     term = f["term"]["outcome"]
