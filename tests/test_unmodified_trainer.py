@@ -188,11 +188,13 @@ def test_ftkit_run_ends_and_restarts_a_group_stuck_before_its_first_heartbeat(tm
     assert rc == 0, log[-4000:]
     _check_result(tmp_path, 2, log)
     ended = [json.loads(line) for line in (tmp_path / "run" / "events" / "ftkit-run.jsonl").read_text().splitlines()]
-    assert (0, 1) in {(e["attempt"], e["target"]) for e in ended}
+    # Neither rank of attempt 0 can heartbeat (rank 0 waits for rank 1 inside the group's
+    # forming), so the watch may name either: on a slow hour it named rank 0 first.
+    assert {e["target"] for e in ended if e["attempt"] == 0} <= {0, 1} and any(e["attempt"] == 0 for e in ended)
     assert all(e["event"] == "detect" and e["what"] == "startup" for e in ended)
     milestone = "it had not formed the process group" if phase == "init" else "the process group had formed"
     assert all(milestone in e["why"] for e in ended if e["attempt"] == 0)
-    assert "rank 1 (pid" in log and "no first heartbeat within 8s" in log
+    assert ("rank 1 (pid" in log or "rank 0 (pid" in log) and "no first heartbeat within 8s" in log
     restores = _restores(tmp_path)
     last = max(restores)
     assert last >= 1 and restores[last] == {0}  # attempt 0 never trained: the restart starts fresh
