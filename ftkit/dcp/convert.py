@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ftkit.errors import CaptureError
-from ftkit.format.manifest import Chunk, Manifest, tensor_entry_doc
+from ftkit.format.manifest import Manifest, chunk_doc, tensor_entry_doc
 from ftkit.save import capture as cap
 
 DCP_KEY = "dcp"  # the manifest writer record's key for what DCP needs back
@@ -36,18 +36,6 @@ def encode_value(fqn: str, value: Any) -> Any:
 
 def decode_value(value: Any) -> Any:
     return cap.decode(value, {})
-
-
-def chunk_doc(c: Chunk) -> dict[str, Any]:
-    return {
-        "file": c.file,
-        "offset": c.offset,
-        "length": c.length,
-        "raw_offset": c.raw_offset,
-        "raw_length": c.raw_length,
-        "codec": c.codec,
-        "checksum": c.checksum,
-    }
 
 
 def dtype_name(dtype: torch.dtype) -> str:

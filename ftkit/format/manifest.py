@@ -74,6 +74,19 @@ ITEMSIZE = {
 KINDS = ("replicated", "sharded", "rank-local")
 
 
+def chunk_doc(c: Chunk) -> dict[str, Any]:
+    """A chunk as the manifest stores it."""
+    return {
+        "file": c.file,
+        "offset": c.offset,
+        "length": c.length,
+        "raw_offset": c.raw_offset,
+        "raw_length": c.raw_length,
+        "codec": c.codec,
+        "checksum": c.checksum,
+    }
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
@@ -156,18 +169,7 @@ def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
                 "offsets": list(s.offsets),
                 "lengths": list(s.lengths),
                 "rank": s.rank,
-                "chunks": [
-                    {
-                        "file": c.file,
-                        "offset": c.offset,
-                        "length": c.length,
-                        "raw_offset": c.raw_offset,
-                        "raw_length": c.raw_length,
-                        "codec": c.codec,
-                        "checksum": c.checksum,
-                    }
-                    for c in s.chunks
-                ],
+                "chunks": [chunk_doc(c) for c in s.chunks],
             }
             for s in t.shards
         ],
