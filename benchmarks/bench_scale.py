@@ -21,14 +21,14 @@ found after `dead_after_s`, 3 s), a hung rank (heartbeats go on, its step stops:
 found after its hang bound, 30 s); then `--quiet-s` of nothing. Any
 verdict that is not about the fault in its window counts as false.
 
-Then the commit protocol of a shared tier (save/commit.py: `node_share` on every
+Then the commit protocol of a shared tier (commit/shared.py: `node_share` on every
 simulated leader, `commit_step` on rank 0), three steps: every rank's report on its
 node's real board, a real part file per node and the index, on tmpfs; and restore
 planning (inventories from the node leaders to rank 0, the real planner, the
 candidates published and read). Fields: commit_ms (the step's last node record set
 -> its index written), commit_store_requests_per_step, index_bytes_per_step,
 restore_plan_s (the leaders start -> the candidates published). Then the RAM
-tier's commit (save/node_commit.py, no replicas; `simulate_ram_commits`):
+tier's commit (commit/ram.py, no replicas; `simulate_ram_commits`):
 ram_commit_ms, ram_commit_store_requests_per_step, ram_index_bytes_per_step,
 the CPU of a leader's share and of its retention by rank 0's news (coord/news.py),
 and the most steps a node without the index held (keep=2: 2).
@@ -348,17 +348,17 @@ def commit_worker(idx: int, procs: int, world: int, per: int, port: int, dirs: t
 
 def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str, root: str) -> dict:
     """This worker's nodes commit COMMIT_STEPS steps to a shared tier with the real protocol
-    (save/commit.py): every rank's report is posted to its node's real board, each leader
+    (commit/shared.py): every rank's report is posted to its node's real board, each leader
     runs `node_share` (collect, write its part) and sets its record, rank 0 (worker 0's
     first node) runs `commit_step`. A rank's data file is 64 real bytes of one tensor."""
     os.environ["FTKIT_RAM_DIR"] = ram_dir
     import torch.distributed as dist
 
+    from ftkit.commit.shared import NodeGroup, commit_step, node_share
     from ftkit.coord.dist import DistContext
     from ftkit.coord.nodelocal import NodeBoard, step_message
     from ftkit.format import codec
     from ftkit.format.manifest import step_dir_name
-    from ftkit.save.commit import NodeGroup, commit_step, node_share
     from ftkit.tiers.storage import Storage
 
     raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
@@ -472,7 +472,7 @@ def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: An
 
 def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str) -> dict:
     """This worker's nodes commit COMMIT_STEPS steps to the RAM tier with the real protocol
-    (save/node_commit.py, no replicas): every rank runs `persist_node_local`: rank 0 in a
+    (commit/ram.py, no replicas): every rank runs `persist_node_local`: rank 0 in a
     thread of its own (it posts its report to its node's collector, NodeGroup.collector, and
     waits for every node's record), each node's collector in a thread while the node's other
     ranks post to their node's real board and return; rank 0 then commits and publishes the commit news
@@ -483,14 +483,14 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     os.environ["FTKIT_RAM_DIR"] = ram_dir
     import torch.distributed as dist
 
+    from ftkit.commit import ram as node_commit
+    from ftkit.commit.shared import NodeGroup
     from ftkit.coord.dist import DistContext
     from ftkit.coord.news import NEWS_KEY, CommitNews, Settled, publish
     from ftkit.coord.nodelocal import NodeBoard
     from ftkit.format import codec
     from ftkit.format.manifest import Chunk, Shard, TensorEntry, step_dir_name
     from ftkit.format.reader import scan
-    from ftkit.save import node_commit
-    from ftkit.save.commit import NodeGroup
     from ftkit.save.write import RankWrite
     from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
     from ftkit.tiers.storage import Storage
@@ -516,10 +516,11 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
 
     node_commit.write_share = write_share  # type: ignore[assignment]
     # This process plays hundreds of ranks. A real rank's process keeps the few layouts, checks
-    # and part templates of its own node and its replica partners (save/report_layouts.py,
+    # and part templates of its own node and its replica partners (commit/layouts.py,
     # reports.py, part_template.py); the shared caches get room for all the ranks played here,
     # or every step would refetch and recheck what a real process has kept.
-    from ftkit.save import part_template, report_layouts, reports
+    from ftkit.commit import layouts as report_layouts
+    from ftkit.commit import part_template, reports
 
     report_layouts.book.limit = report_layouts.SENT_LIMIT = reports._checked_reports.limit = 4 * world
     part_template._templates.limit = 4 * world

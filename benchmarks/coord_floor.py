@@ -2,14 +2,14 @@
 documents a rank handles per snapshot, with no ftkit code (bench_dist.py's train phase).
 
 Per snapshot of `["ram", replicas=1]` on 2 simulated nodes, each rank's share of the commit
-(save/node_commit.py) moves these bytes; here each is one plain call (os, json, the c10d
+(commit/ram.py) moves these bytes; here each is one plain call (os, json, the c10d
 store, a socket), on the real payloads of the run's last committed step, with nothing
 waited for (every message received is queued already, every key is set already):
 
     every rank:    its report to its collector (a datagram, as to a mailbox on the node's
                    board, coord/mailbox.py); the relayed peer reports received and parsed
                    (rank 0: its partner's record and its own node's read from the store);
-                   its outcome sent, but by rank 0, which keeps its own (save/commit.py
+                   its outcome sent, but by rank 0, which keeps its own (commit/shared.py
                    NodeGroup has the roles: a node's collector is its first rank, on rank
                    0's node the next)
     a collector:   instead, its ranks' reports received and parsed; its node's part written
@@ -92,7 +92,7 @@ class Floor:
         self.node = rank // per_node
         first = self.node * per_node
         ranks = list(range(first, first + per_node))
-        # The roles of save/commit.py NodeGroup: on rank 0's node another rank collects.
+        # The roles of commit/shared.py NodeGroup: on rank 0's node another rank collects.
         self.collector_rank = ranks[1] if first == 0 and per_node > 1 else first
         self.collector = rank == self.collector_rank
         self.exchanger = rank == next((r for r in ranks if r not in (0, self.collector_rank)), self.collector_rank)
@@ -202,7 +202,7 @@ class HandshakeFloor(Floor):
     caches and TLB): the `Floor` above, which finds everything in place, never sleeps and never
     pays it.
 
-    Per snapshot, in ftkit's order (save/node_commit.py; no replicas are moved, so no wait on
+    Per snapshot, in ftkit's order (commit/ram.py; no replicas are moved, so no wait on
     them): a rank sends its report to its collector; the collector waits for its ranks'
     reports, writes the part, sets its record, gets its partner's (one blocking multi_get),
     relays it to its ranks but rank 0, which gets both records itself (one blocking multi_get);

@@ -237,7 +237,7 @@ def ram_rank0_replication_fails(rank: int, world: int) -> dict:
     """Snapshot steps 1-3 to RAM + peer; rank 0's replication of step 2 fails after its bytes
     moved (a replica that fails its check, say). Rank 0 keeps its own outcome (its node's
     collector never hears it): the step must still not be committed anywhere."""
-    import ftkit.save.node_commit as node_commit
+    import ftkit.commit.ram as node_commit
     from ftkit.errors import StorageError
 
     real = node_commit.replicate

@@ -19,11 +19,11 @@ import xxhash
 from conftest import make_state, run_cli, snapshot_values
 
 import ftkit
+from ftkit.commit.manifests import merge_write_docs, write_part
 from ftkit.errors import FormatError
 from ftkit.format.data import read_tensors
 from ftkit.format.manifest import MANIFEST_NAME, manifest_json, step_dir_name
 from ftkit.format.reader import load_manifest
-from ftkit.save.manifests import merge_write_docs, write_part
 
 NODES = ({0, 1}, {2, 3})
 
@@ -257,14 +257,14 @@ def test_a_leaders_part_check_remembers_layouts_and_still_refuses_what_differs(t
 
 def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, tmp_path, monkeypatch):
     # A leader builds the first part of its ranks' layouts in full and later ones by filling a
-    # template with each step's file tokens and checksums (save/part_template.py): the bytes
+    # template with each step's file tokens and checksums (commit/part_template.py): the bytes
     # are those of the full build, at every step; a report of another layout is built in full.
     import random
 
-    from ftkit.save import part_template
-    from ftkit.save.lru import Lru
-    from ftkit.save.manifests import build_part
-    from ftkit.save.reports import decode_report
+    from ftkit.commit.lru import Lru
+    from ftkit.commit.manifests import build_part
+    from ftkit.commit.reports import decode_report
+    from ftkit.commit import part_template
 
     _root, _index, parts, _ = two_nodes
     part = parts[0]
@@ -321,11 +321,11 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
 
 
 def test_rank_0s_index_bytes_reusing_earlier_skeleton_text_are_json_dumps_of_the_index():
-    """save/index_text.py keeps the JSON of the skeleton's containers seen at earlier steps, by
+    """commit/index_text.py keeps the JSON of the skeleton's containers seen at earlier steps, by
     their marshal bytes. Values that compare equal but encode differently (1, 1.0 and True;
     0.0 and -0.0) must not share a text: every index is json.dumps of its document."""
+    from ftkit.commit.index_text import encode_index_reusing
     from ftkit.format.index import encode_index, index_doc
-    from ftkit.save.index_text import encode_index_reusing
 
     placeholders = {f"layer{i}.weight": {"$tensor": f"model/layer{i}.weight"} for i in range(40)}
     parts = [{"file": "part-00000.json", "bytes": 10, "checksum": "xxh3_64:" + "0" * 16, "ranks": [[0, 1]]}]

@@ -15,10 +15,10 @@ import torch
 from conftest import REPO, run_cli
 
 import ftkit
+from ftkit.commit.manifests import commit
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.reader import committed_steps, scan
 from ftkit.save.layout import Layout
-from ftkit.save.manifests import commit
 from ftkit.save.staging import StagingArena
 from ftkit.save.write import write_data
 from ftkit.tiers.storage import Storage

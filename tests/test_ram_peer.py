@@ -55,7 +55,7 @@ def test_worker_restart_restores_from_node_ram(job):
 @pytest.mark.parametrize("compress", [None, "zstd"])
 def test_lost_node_restores_from_peer_replicas_not_disk(job, compress):
     # Uncompressed, ranks send their tensor layouts once and then only checksums
-    # (save/report_layouts.py); compressed, their chunks move, and reports go whole.
+    # (commit/layouts.py); compressed, their chunks move, and reports go whole.
     job["env"]["FTKIT_TEST_RAM_COMPRESS"] = compress or ""
     _save(job)
     shutil.rmtree(job["node"](1))  # node 1 died: its RAM is gone; its ranks restart elsewhere
@@ -390,11 +390,11 @@ def test_malformed_commit_news_is_ignored_and_nothing_is_dropped(tmp_path, raw):
 
 def test_a_nodes_commit_duties_are_spread_over_its_ranks():
     """The RAM tier's commit gives a node's duties to different ranks where it has them
-    (save/commit.py NodeGroup): the collector (reports, part, records) is the node's first
+    (commit/shared.py NodeGroup): the collector (reports, part, records) is the node's first
     rank but on rank 0's node, which commits, when the job has several nodes; the exchanger
     (the replica sources' parts, the index on a holder) is a third rank, else the collector."""
+    from ftkit.commit.shared import NodeGroup
     from ftkit.coord.dist import DistContext
-    from ftkit.save.commit import NodeGroup
 
     def roles(nodes: list[str]) -> dict[int, tuple[int, int, list[int]]]:
         out = {}

@@ -1,4 +1,4 @@
-"""The RAM tier's reports by reference (save/report_layouts.py): a rank's tensor layout goes
+"""The RAM tier's reports by reference (commit/layouts.py): a rank's tensor layout goes
 once, named by its hash; then only its file's name and its checksums. What a receiver reads
 must be what the whole report said, and anything forged reads as that rank's error."""
 
@@ -8,12 +8,13 @@ import json
 
 import pytest
 
+from ftkit.commit import layouts as report_layouts
+from ftkit.commit import part_template, reports
+from ftkit.commit.layouts import Layout, board_name, from_board, layout_of, lookup
+from ftkit.commit.lru import Lru
+from ftkit.commit.reports import NodeReport, decode_report
 from ftkit.format import codec
 from ftkit.format.manifest import Chunk, Shard, TensorEntry
-from ftkit.save import part_template, report_layouts, reports
-from ftkit.save.lru import Lru
-from ftkit.save.report_layouts import Layout, board_name, from_board, layout_of, lookup
-from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.write import RankWrite
 
 WORLD = 4
@@ -138,12 +139,12 @@ def test_a_leader_reads_its_ranks_layouts_from_the_board(tmp_path, monkeypatch):
 
 def test_a_replica_holder_rebuilds_its_sources_part_byte_for_byte(tmp_path, monkeypatch):
     """The node's record carries its reports and its part's name and checksum; the holder of
-    its replicas rebuilds the part from the reports (save/replicas.py store_parts): the bytes
+    its replicas rebuilds the part from the reports (commit/replicas.py store_parts): the bytes
     its leader wrote, or, when they differ from the checksum, an error and no part written."""
     import ftkit
+    from ftkit.commit.replicas import store_parts
+    from ftkit.commit.shared import NodeGroup
     from ftkit.coord.dist import DistContext
-    from ftkit.save.commit import NodeGroup
-    from ftkit.save.replicas import store_parts
 
     _fresh(monkeypatch)
     leader = ftkit.Tier(str(tmp_path / "node0")).open()

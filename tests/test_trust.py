@@ -385,10 +385,10 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     deleted outside, and the node's record for rank 0 says why the step cannot be committed."""
     import torch.distributed as dist
 
+    from ftkit.commit.ram import persist_node_local
+    from ftkit.commit.shared import NodeGroup, read_node_record
     from ftkit.coord.dist import DistContext
     from ftkit.coord.nodelocal import NodeBoard, step_message
-    from ftkit.save.commit import NodeGroup, read_node_record
-    from ftkit.save.node_commit import persist_node_local
     from ftkit.tiers.storage import Storage
 
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
@@ -420,8 +420,8 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
 
 
 def test_a_report_with_no_tensors_for_its_bytes_is_refused():
+    from ftkit.commit.reports import NodeReport as _Report
     from ftkit.errors import FormatError
-    from ftkit.save.reports import NodeReport as _Report
 
     text = json.dumps({"file": "rank-00001-abcdef01.data", "nbytes": 4096, "error": None, "rng": None}) + "\n[]"
     with pytest.raises(FormatError, match="no tensor for its 4096-byte file"):
@@ -447,8 +447,8 @@ def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
     version, an index without this node's part): it writes no manifest, and says why."""
     import torch.distributed as dist
 
+    from ftkit.commit.ram_index import write_index_copy
     from ftkit.coord.dist import DistContext
-    from ftkit.save.node_index import write_index_copy
     from ftkit.tiers.storage import Storage
 
     store = dist.HashStore()
@@ -472,8 +472,8 @@ def test_what_a_leader_relays_to_its_exchanger_is_checked_like_any_board_message
     step directory, a checksum of another form, or a leader that is not one, is left out."""
     from types import SimpleNamespace
 
-    from ftkit.save.node_commit import _outcome_errors
-    from ftkit.save.replicas import _relayed_part, _relayed_parts
+    from ftkit.commit.ram import _outcome_errors
+    from ftkit.commit.replicas import _relayed_part, _relayed_parts
 
     group = SimpleNamespace(members={0: (0, 1), 2: (2, 3)})
     good = "xxh3_64:" + "1" * 16
@@ -514,11 +514,11 @@ def test_a_report_of_a_layout_checked_before_is_not_parsed_again_but_a_forged_on
     """Every rank validates the reports it receives at every step; a report of the layout of one
     it validated before (only the checksums and its file's token differ) passes at once. A chunk
     naming another file, or a checksum of another form, makes another layout: checked, refused."""
+    from ftkit.commit.reports import NodeReport as _Report
     from ftkit.errors import FormatError
     from ftkit.format import validate
     from ftkit.format.manifest import Chunk, Shard, TensorEntry
-    from ftkit.save import reports
-    from ftkit.save.reports import NodeReport as _Report
+    from ftkit.commit import reports
     from ftkit.save.write import RankWrite
 
     def text(token: str, checksum: str, chunk_token: str | None = None) -> str:

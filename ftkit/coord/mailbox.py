@@ -1,5 +1,5 @@
 """A rank's mailbox on its node's board: a Unix datagram socket, `box-r<rank>` in the board's
-directory, through which the node's ranks hand each other a step's messages (save/commit.py
+directory, through which the node's ranks hand each other a step's messages (commit/shared.py
 NodeGroup: reports, outcomes, the relayed peer reports) in one system call each way.
 
     box = Mailbox.open(address, path)   # the receiving rank, once: binds box-r<rank>

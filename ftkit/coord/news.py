@@ -2,7 +2,7 @@
 store request of its own.
 
 The RAM tier's index (the commit) is written on rank 0's node and the nodes that hold
-its replicas only (save/node_commit.py): the other leaders hand in their node's record
+its replicas only (commit/ram.py): the other leaders hand in their node's record
 and read nothing back. They still must know which of their step directories to keep
 and which to drop (a step that failed, a step retention let go), and they must never
 drop a step rank 0 keeps. So after each step's outcome rank 0 sets one key, the news:

@@ -11,10 +11,10 @@ Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link follo
         preempt.json      a rank was preempted: every rank saves and stops at an agreed step
         all-done.json     every rank of every node has finished
 
-    commit/<job>/<attempt>-<scope>/<node>/    (kind "commit": one per tier, save/commit.py NodeGroup)
+    commit/<job>/<attempt>-<scope>/<node>/    (kind "commit": one per tier, commit/shared.py NodeGroup)
         box-r<rank>       each rank's mailbox, a socket: a step's messages to it (coord/mailbox.py)
         <epoch>-<step>-<what>.json    a message too big for a mailbox, or one it could not take
-        layout-<digest>.json          a rank's chunk layout, posted once (save/report_layouts.py)
+        layout-<digest>.json          a rank's chunk layout, posted once (commit/layouts.py)
 
 `<job>` names the running job (the store's address and torchrun's run id), so two jobs
 on one host never share a board. A leader removes its node's board when it stops and
@@ -65,7 +65,7 @@ def job_names(scope: str, instance: str) -> tuple[str, str]:
 
 class NodeBoard:
     """One node's board. `kind`: "hb" for the watchdog's, "commit" for the reports the
-    node's ranks send their leader when committing a step to a shared tier (save/commit.py)."""
+    node's ranks send their leader when committing a step to a shared tier (commit/shared.py)."""
 
     def __init__(self, scope: str, node: str, leader: bool, instance: str = "0", kind: str = "hb"):
         job, attempt = job_names(scope, instance)

@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.commit.keys import commit_key
 from ftkit.coord.dist import DistContext
 from ftkit.errors import AlreadyCommitted
 from ftkit.save.gcpause import gc_paused
-from ftkit.save.keys import commit_key
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.tiers.opened import OpenedTiers

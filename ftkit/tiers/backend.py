@@ -5,10 +5,10 @@ Two backends:
 
 * :class:`SharedTier` – an fsspec URL every rank reaches (a local path, S3, any
   fsspec URL). Every rank writes its share, each node's leader a part of the
-  manifest, rank 0 the index that commits the step (save/commit.py); rank 0
+  manifest, rank 0 the index that commits the step (commit/shared.py); rank 0
   applies retention and retires superseded steps.
 * :class:`NodeRamTier` – the node's shared memory (tiers/ram.py), bound to one
-  run. Every node commits its own copy (save/node_commit.py); with
+  run. Every node commits its own copy (commit/ram.py); with
   ``replicas=k`` each rank's data file is also kept on k other nodes, sent over
   a dedicated gloo group (tiers/peers.py). Its node leader applies retention
   and drops superseded steps (the RAM tier is a cache of this run, not a record);
@@ -31,15 +31,15 @@ import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+from ftkit.commit.keys import KeyLedger
+from ftkit.commit.manifests import Committed
+from ftkit.commit.ram import persist_node_local, report_skipped_node_local
+from ftkit.commit.ram_index import holds_index
+from ftkit.commit.shared import NodeGroup, persist, report_skipped_shared
 from ftkit.coord.news import UNHEARD_LIMIT, CommitNews, Settled, publish
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
 from ftkit.format.reader import scan
-from ftkit.save.commit import NodeGroup, persist, report_skipped_shared
-from ftkit.save.keys import KeyLedger
-from ftkit.save.manifests import Committed
-from ftkit.save.node_commit import persist_node_local, report_skipped_node_local
-from ftkit.save.node_index import holds_index
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
 from ftkit.tiers.peers import ReplicaLayout
 from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
@@ -80,7 +80,7 @@ class TierBackend(ABC):
 
     @abstractmethod
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        """The ledger of the store keys this rank's commits leave (save/keys.py)."""
+        """The ledger of the store keys this rank's commits leave (commit/keys.py)."""
 
     @abstractmethod
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:

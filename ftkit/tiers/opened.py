@@ -8,12 +8,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ftkit.commit.keys import KeyLedger
+from ftkit.commit.shared import NodeGroup
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
 from ftkit.coord.news import CommitNews
 from ftkit.coord.nodelocal import NodeBoard
-from ftkit.save.commit import NodeGroup
-from ftkit.save.keys import KeyLedger
 from ftkit.tiers.backend import NodeRamTier, SharedTier, TierBackend
 from ftkit.tiers.peers import PeerGroup
 from ftkit.tiers.ram import RunIdentity, SparePool, open_node_dir, run_identity
@@ -61,7 +61,7 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
 
 def _commit_board(ctx: DistContext, tier: int) -> NodeBoard | None:
     """The board the ranks of this node post their reports to when committing to tier `tier`
-    (save/commit.py, save/node_commit.py); its directory is this run instance's (a nonce agreed through
+    (commit/shared.py, commit/ram.py); its directory is this run instance's (a nonce agreed through
     the store), so a rerun at the same address never reads a report of the run before."""
     if not ctx.distributed:
         return None

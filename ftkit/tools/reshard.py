@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
+from ftkit.commit.manifests import commit
 from ftkit.format.data import read_tensors
 from ftkit.format.manifest import Manifest
 from ftkit.save.layout import Layout
-from ftkit.save.manifests import commit
 from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
 from ftkit.save.staging import StagingArena
 from ftkit.save.write import discard, write_data

@@ -1,6 +1,6 @@
 """A rank's tensor layout, sent once and named by its hash, in the RAM tier's commit messages.
 
-From one step to the next a rank's report (save/reports.py NodeReport) differs only in its
+From one step to the next a rank's report (commit/reports.py NodeReport) differs only in its
 data file's name (a new token) and its chunks' checksums: the rest (tensor names, dtypes,
 shapes, shards, chunk offsets and lengths) is its *layout*. Sending, encoding, parsing and
 checking that layout at every step was most of a rank's commit CPU. So a rank that writes
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.commit.lru import Lru
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
-from ftkit.save.lru import Lru
 
 FILE_MARK = '"@ftkit-file@"'
 SUM_MARK = '"@ftkit-sum@"'

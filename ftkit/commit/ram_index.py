@@ -1,4 +1,4 @@
-"""The RAM tier's index (save/node_commit.py): rank 0's commit of a step from every node's
+"""The RAM tier's index (commit/ram.py): rank 0's commit of a step from every node's
 record, and the copies the nodes holding rank 0's replicas keep.
 
 Order of calls for one step: `commit_from_records` on rank 0 once every node's collector has
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ftkit.commit.keys import KeyLedger, delete_keys
+from ftkit.commit.manifests import Committed, check_files_present, commit_index
+from ftkit.commit.shared import NodeGroup, read_node_record
 from ftkit.coord.dist import DistContext
 from ftkit.errors import FormatError, StorageError
 from ftkit.format.index import INDEX_VERSION, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.validate import parse_header
-from ftkit.save.commit import NodeGroup, read_node_record
-from ftkit.save.keys import KeyLedger, delete_keys
-from ftkit.save.manifests import Committed, check_files_present, commit_index
 from ftkit.save.write import discard
 from ftkit.tiers.peers import ReplicaLayout
 from ftkit.tiers.storage import Storage

@@ -1,18 +1,18 @@
 """The RAM tier's commit: node-local, with peer replicas, in O(nodes) store requests.
 
-A node's share of a commit is spread over its ranks (save/commit.py NodeGroup): its
+A node's share of a commit is spread over its ranks (commit/shared.py NodeGroup): its
 *collector* (its first rank; on rank 0's node of a job of several nodes the next one, as
 rank 0 commits) collects the reports and outcomes and writes the part and the records;
 its *exchanger* (a rank that neither collects nor commits, else the collector) writes the
 parts of the nodes whose replicas it holds and, on a node holding rank 0's replicas, the
 index; rank 0 commits. Order of calls for one step (`persist_node_local`; every rank
-calls it; the shared tiers' commit is save/commit.py). The step's manifest has format
+calls it; the shared tiers' commit is commit/shared.py). The step's manifest has format
 version 3, as on a shared tier: one part per node and an index (format/index.py)::
 
     every rank:   write_share(...): its data file, in its node's directory
                   post its report (`NodeReport`) to its collector's mailbox (coord/mailbox.py; no store request)
     collectors:   collect the node's reports; write the node's part (checked, beside its data)
-    with replicas (save/replicas.py):
+    with replicas (commit/replicas.py):
       collectors  set the reports and the part as one record, `key`/w/<node> (a node is named
                   by its first rank); read the records of the k nodes before theirs (whose
                   ranks send this node their replicas) and of the k after; post the reports,
@@ -26,12 +26,12 @@ version 3, as on a shared tier: one part per node and an index (format/index.py)
     collectors:   collect the outcomes (but rank 0's, which it keeps); set the node's record
                   for rank 0, `key`/r/<node>: its part's name, size and checksum (and the parts
                   its exchanger wrote), or the node's errors (a few hundred bytes)
-    rank 0:       (node_index.py) read every node's record (one wait, one multi_get; its own
+    rank 0:       (ram_index.py) read every node's record (one wait, one multi_get; its own
                   node's too, but where it collects it itself), add its own replication errors
                   to its node's, write the index (manifest.json,
                   the commit), delete the step's records; with replicas, set the index under
                   `key`/manifest (or "" when the step is not committed)
-    the exchangers of the k nodes that hold rank 0's node's replicas (node_index.py): read
+    the exchangers of the k nodes that hold rank 0's node's replicas (ram_index.py): read
                   the index, check it names their node's part (as their collector relayed it)
                   and their files are in place, write it
     rank 0, after retention (tiers/backend.py): the commit news (coord/news.py), which
@@ -68,19 +68,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.commit.keys import KeyLedger, older_keys
+from ftkit.commit.layouts import Layout, board_name, from_board, from_store, layout_of, lookup
+from ftkit.commit.manifests import Committed, store_part
+from ftkit.commit.part_template import node_part_bytes
+from ftkit.commit.ram_index import commit_from_records, holds_index, write_index_copy
+from ftkit.commit.replicas import peer_reports, replicate, store_parts
+from ftkit.commit.reports import NodeReport, decode_report, keep_own
+from ftkit.commit.shared import NodeGroup
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
 from ftkit.errors import AlreadyCommitted, FormatError
 from ftkit.format.index import is_part_name
 from ftkit.format.validate import parse_json
-from ftkit.save.commit import NodeGroup
-from ftkit.save.keys import KeyLedger, older_keys
-from ftkit.save.manifests import Committed, store_part
-from ftkit.save.node_index import commit_from_records, holds_index, write_index_copy
-from ftkit.save.part_template import node_part_bytes
-from ftkit.save.replicas import peer_reports, replicate, store_parts
-from ftkit.save.report_layouts import Layout, board_name, from_board, from_store, layout_of, lookup
-from ftkit.save.reports import NodeReport, decode_report, keep_own
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import write_share
@@ -106,7 +106,7 @@ class NodeShare:
     def exchanged(self) -> dict[str, Any]:
         """The record the nodes exchanging replicas with this one read (`key`/w/<leader>): the
         reports, and the part's name and checksum (its holders rebuild its bytes from the
-        reports, save/replicas.py store_parts, and check them against the checksum)."""
+        reports, commit/replicas.py store_parts, and check them against the checksum)."""
         doc: dict[str, Any] = {str(r): t for r, t in self.texts.items()}
         if self.written is not None:
             doc["part"] = {"file": self.written["part"]["file"], "checksum": self.written["part"]["checksum"]}
@@ -249,7 +249,7 @@ def node_part(
 ) -> NodeShare:
     """A leader's part of its node: the ranks' reports checked and written as the node's
     part, beside their data files; or the node's errors. `layouts`: where the layouts of
-    reports sent by reference are found (report_layouts.lookup)."""
+    reports sent by reference are found (layouts.lookup)."""
     reports = [decode_report(r, texts[r], world, layouts) for r in ranks]
     errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
     skipped = any(r.skipped for r in reports)

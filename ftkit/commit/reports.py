@@ -5,10 +5,10 @@ decoding validates them like a manifest (format/validate.py), and one that does
 not validate reads as that rank's error, so every rank sees the same outcome and
 the step is simply not committed.
 
-* shared tiers (save/commit.py): one JSON object per rank, {"write", "error", "rank_state"},
+* shared tiers (commit/shared.py): one JSON object per rank, {"write", "error", "rank_state"},
   posted to the rank's node board and read by its leader;
-* the RAM tier (save/node_commit.py): `NodeReport`, two JSON lines (the second empty when
-  the rank's tensor layout goes by reference, save/report_layouts.py), posted to the rank's
+* the RAM tier (commit/ram.py): `NodeReport`, two JSON lines (the second empty when
+  the rank's tensor layout goes by reference, commit/layouts.py), posted to the rank's
   node board and relayed by its leader in one record for the node.
 """
 
@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.commit.layouts import Layout, is_digest
+from ftkit.commit.lru import Lru
 from ftkit.errors import FormatError
 from ftkit.format.index import LayoutMemo
 from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
-from ftkit.save.lru import Lru
-from ftkit.save.report_layouts import Layout, is_digest
 from ftkit.save.write import RankWrite
 
 _checked_reports = LayoutMemo(limit=64)  # (a rank validates its node's reports and its replica sources')
@@ -56,7 +56,7 @@ class NodeReport:
     """One rank's report of its RAM-tier write, as its leader and its replica partners read it.
 
     Sent as a JSON head line, then the tensor entries: inline (a second JSON line), or, for
-    a layout sent before (save/report_layouts.py), by reference: the head names the layout
+    a layout sent before (commit/layouts.py), by reference: the head names the layout
     and carries the step's checksums, and the second line is empty.
     """
 
@@ -79,7 +79,7 @@ class NodeReport:
         skipped: bool = False,
         ref: tuple[Layout, list[str]] | None = None,
     ) -> str:
-        """The report's text; `ref` (report_layouts.layout_of(write)): by reference, its body
+        """The report's text; `ref` (layouts.layout_of(write)): by reference, its body
         posted where the receivers look first."""
         head = {
             "file": write.file if write else None,
@@ -101,7 +101,7 @@ class NodeReport:
         """A report as read from the board or the store: untrusted, so its head is validated
         here (a file name is a plain name inside the step directory; checksums of the one
         form, as many as its layout has chunks) and its tensors by `tensors()`, the only way
-        they are read. `layouts` (report_layouts.lookup) finds the layout a report names."""
+        they are read. `layouts` (layouts.lookup) finds the layout a report names."""
         where = f"rank {rank}'s report"
         head_text, _, tensors = text.partition("\n")
         h = parse_json(head_text, where, "head")

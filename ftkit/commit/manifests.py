@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.commit.index_text import encode_index_reusing
 from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
 from ftkit.format.index import check_part, index_doc, parse_index, part_file_name, part_json, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
-from ftkit.save.index_text import encode_index_reusing
 from ftkit.save.write import RankWrite
 from ftkit.tiers.storage import Storage
 

@@ -1,4 +1,4 @@
-"""The RAM tier's replica exchange inside a step's commit (save/node_commit.py calls it).
+"""The RAM tier's replica exchange inside a step's commit (commit/ram.py calls it).
 
 A node's collector (NodeGroup.collector: its leader, but on rank 0's node of a job of
 several nodes the next rank) reads, from the store, the records of the k nodes before its
@@ -19,6 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.commit.layouts import Layout
+from ftkit.commit.part_template import node_part_bytes
+from ftkit.commit.reports import NodeReport, decode_report
+from ftkit.commit.shared import MAX_REPORT_BYTES, NodeGroup
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import step_message
@@ -27,10 +31,6 @@ from ftkit.format import codec
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
 from ftkit.format.validate import CHECKSUM_RE, check_file_name, parse_json
-from ftkit.save.commit import MAX_REPORT_BYTES, NodeGroup
-from ftkit.save.part_template import node_part_bytes
-from ftkit.save.report_layouts import Layout
-from ftkit.save.reports import NodeReport, decode_report
 from ftkit.save.staging import Slot
 from ftkit.tiers.peers import PeerGroup, ReplicaLayout, Transfer
 from ftkit.tiers.storage import Storage
@@ -224,7 +224,7 @@ def replicate(
     sends nothing and its targets expect nothing from it; nobody sends to a target
     that skipped the step (its persist thread never runs it). The step will not be
     committed then anyway. `layouts`: where the layouts of reports sent by reference are
-    found (report_layouts.lookup)."""
+    found (layouts.lookup)."""
     import torch
 
     step_dir = step_dir_name(step)

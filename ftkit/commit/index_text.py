@@ -19,7 +19,7 @@ import json
 import marshal
 from typing import Any
 
-from ftkit.save.lru import Lru
+from ftkit.commit.lru import Lru
 
 # marshal bytes of a container -> its JSON text: a step adds a few (what changed, and the
 # levels above it), what every step reuses is put again at each hit and stays.

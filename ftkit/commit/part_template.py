@@ -13,7 +13,7 @@ the template filled with that step's values: byte for byte what the full build g
 
 Order of calls: `node_part_bytes(storage, step, reports, ranks, world)` per step (a node's
 leader for its node; a replica holder for its source nodes, rebuilding the bytes their
-leaders wrote: save/replicas.py); it
+leaders wrote: commit/replicas.py); it
 looks the template up by the reports' layout keys (NodeReport.checked_layout) and the
 ranks' own state, and falls back to the full build (making the template) when there is
 none or a report's values do not fit it.
@@ -29,11 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.commit.lru import Lru
+from ftkit.commit.manifests import build_part, files_and_tensors
+from ftkit.commit.reports import NodeReport
 from ftkit.format.index import part_file_name, part_head, part_json
 from ftkit.format.validate import CHECKSUM_RE
-from ftkit.save.lru import Lru
-from ftkit.save.manifests import build_part, files_and_tensors
-from ftkit.save.reports import NodeReport
 from ftkit.tiers.storage import Storage
 
 _MARK = re.compile(r"@@ftkit-(file|sum)-(\d+)-(\d+)@@")

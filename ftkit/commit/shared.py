@@ -1,7 +1,7 @@
 """Commit a step to a shared tier (any fsspec URL) in O(nodes) store requests.
 
 Order of calls for one step (`persist` does all of it; every rank calls it; the
-RAM tier's node-local commit is save/node_commit.py)::
+RAM tier's node-local commit is commit/ram.py)::
 
     every rank:    write_share(...)       its data file, durable
                    post its report (the file it wrote or its error, its RNG state) to
@@ -31,16 +31,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
+from ftkit.commit.layouts import Published
+from ftkit.commit.manifests import Committed, commit_index, write_part
+from ftkit.commit.reports import shared_report
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import NodeBoard, step_message
 from ftkit.errors import FormatError, StorageError
 from ftkit.format.index import is_part_name, rank_runs
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
-from ftkit.save.keys import KeyLedger, delete_keys, older_keys
-from ftkit.save.manifests import Committed, commit_index, write_part
-from ftkit.save.report_layouts import Published
-from ftkit.save.reports import shared_report
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import discard, write_share
@@ -71,7 +71,7 @@ class NodeGroup:
     def leader(self) -> int:
         return self.ranks[0]
 
-    # The RAM tier's commit (save/node_commit.py) spreads a node's share over its ranks: one rank
+    # The RAM tier's commit (commit/ram.py) spreads a node's share over its ranks: one rank
     # carrying the collector's, the exchanger's and rank 0's duties was the slowest of a commit
     # (bench_dist.py, 2 nodes of 2 ranks: 2.3-2.8 ms of CPU per snapshot on rank 0, 0.5 on rank 1).
     def collector_of(self, node: int) -> int:
@@ -92,7 +92,7 @@ class NodeGroup:
     @functools.cached_property
     def exchanger(self) -> int:
         """The rank that writes the parts of the nodes whose replicas this node holds, and on
-        a node holding rank 0's replicas the index (save/replicas.py): the node's first rank
+        a node holding rank 0's replicas the index (commit/replicas.py): the node's first rank
         that neither collects nor commits; the collector where there is none."""
         return next((r for r in self.ranks if r not in (0, self.collector)), self.collector)
 
