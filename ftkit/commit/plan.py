@@ -1,0 +1,417 @@
+"""The commit plan: for one world, who does what in a step's commit, and the messages each
+rank sends and awaits, in order.
+
+A world is the node of each rank, the kind of tier (a shared tier every rank reaches, or
+the node-RAM tier) and the tier's replicas. The plan is pure data, computed once per world
+from plain values and unit-tested without processes (tests/unit/test_commit_plan.py: every
+message sent is awaited exactly once, nobody waits on itself, the plan runs to the end in
+a simulation, replicas land on other nodes). `ftkit commit-plan` prints it, and
+docs/protocol.md is generated from it (`ftkit commit-plan --markdown`).
+
+The executors run one rank's `steps()` in order: commit/shared.py for a shared tier,
+commit/ram.py for the RAM tier. What a message carries, how it is checked and what a
+failure means are theirs; who sends what to whom, and when, is the plan's. A rank's steps
+are computed on demand from the node tables: O(its node and its replica partners), so a
+rank of a world of 16,384 pays nothing for the others.
+
+Roles, per node (`NodeRoles`):
+
+* leader: the node's first rank; its id in store keys.
+* collector: collects its node's reports, writes the node's part and sends the node's
+  record. On a shared tier, the leader. On the RAM tier the leader too, but on rank 0's
+  node of a job of several nodes the next rank: rank 0 commits, and one rank carrying
+  both duties was the slowest of a commit (bench_dist.py, 2 nodes of 2 ranks: 2.3-2.8 ms
+  of CPU per snapshot on rank 0, 0.5 on rank 1).
+* exchanger (RAM tier with replicas): writes the parts of the nodes whose replicas this
+  node holds, and on a node holding rank 0's replicas the index copy: the node's first
+  rank that neither collects nor commits, else the collector.
+* rank 0 commits: it awaits every node's record and writes the index.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+SHARED = "shared"
+RAM = "ram"
+
+
+class Act(str, Enum):
+    """What one step of a rank's commit does."""
+
+    WRITE = "write"  # write this rank's data file
+    SEND = "send"  # send a message
+    AWAIT = "await"  # wait for a message from each of `peers`
+    PART = "part"  # write the node's part of the manifest from its ranks' reports
+    REPLICATE = "replicate"  # send the data file to the replica targets, keep the sources' copies
+    SOURCE_PARTS = "source-parts"  # write the parts of the nodes whose replicas this node holds
+    COMMIT = "commit"  # write the index: the step is committed
+    INDEX_COPY = "index-copy"  # keep rank 0's index beside rank 0's replicas
+
+
+class Via(str, Enum):
+    """The transport a message goes over."""
+
+    BOARD = "board"  # the node's board (coord/nodelocal.py): inside one node
+    STORE = "store"  # the job's c10d store: between nodes, small
+    PEERS = "peers"  # the replica peer group (tiers/peers.py): data files between nodes
+
+
+class Msg(str, Enum):
+    """The messages of a commit (their bodies: commit/reports.py and the executors)."""
+
+    REPORT = "report"  # a rank's write to its collector: file, sizes, checksums, RNG state, and
+    # its tensor layout, inline or by the name of a layout posted once before (commit/layouts.py)
+    EXCHANGE = "exchange"  # a node's reports and part name, for its replica partners
+    RELAY = "relay"  # the partners' reports, relayed by a collector to its node
+    REPLICA = "replica"  # a data file, to a replica holder
+    OUTCOME = "outcome"  # a rank's replication errors (and the parts it wrote) to its collector
+    RECORD = "record"  # a node's record to rank 0: its part, or its errors
+    INDEX = "index"  # the committed index, from rank 0 to the nodes keeping its copy
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a rank's commit. SEND: to `peers`; AWAIT: from each of `peers`."""
+
+    act: Act
+    msg: Msg | None = None
+    peers: tuple[int, ...] = ()
+    via: Via | None = None
+
+    def __str__(self) -> str:
+        if self.msg is None:
+            return self.act.value
+        arrow = "->" if self.act is Act.SEND else "<-"
+        return f"{self.act.value} {self.msg.value} {arrow} {_ranks(self.peers)} ({self.via.value if self.via else ''})"
+
+
+@dataclass(frozen=True)
+class NodeRoles:
+    """One node's ranks and roles (see the module's docstring)."""
+
+    ranks: tuple[int, ...]
+    collector: int
+    exchanger: int
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """The commit of one world: `nodes[r]` is rank r's node, `tier` SHARED or RAM, `replicas`
+    the RAM tier's copies of each rank's data on other nodes (0: none)."""
+
+    nodes: tuple[str, ...]
+    tier: str = SHARED
+    replicas: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tier not in (SHARED, RAM):
+            raise ValueError(f"unknown tier kind {self.tier!r}")
+        if not self.nodes or self.replicas < 0 or (self.replicas and self.tier != RAM):
+            raise ValueError("a commit plan needs ranks, and replicas only on the RAM tier")
+
+    @staticmethod
+    def of(nodes: Sequence[str], tier: str = SHARED, replicas: int = 0) -> CommitPlan:
+        return CommitPlan(tuple(nodes), tier, replicas)
+
+    # ------------------------------------------------------------------ the world
+    @property
+    def world(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def distributed(self) -> bool:
+        return len(self.nodes) > 1
+
+    @functools.cached_property
+    def order(self) -> tuple[str, ...]:
+        """Node ids in order of their first rank."""
+        return tuple(dict.fromkeys(self.nodes))
+
+    @functools.cached_property
+    def _members(self) -> dict[str, tuple[int, ...]]:
+        members: dict[str, list[int]] = {}
+        for r, n in enumerate(self.nodes):
+            members.setdefault(n, []).append(r)
+        return {n: tuple(m) for n, m in members.items()}
+
+    @functools.cached_property
+    def _position(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.order)}
+
+    @functools.cached_property
+    def _local_index(self) -> tuple[int, ...]:
+        seen: dict[str, int] = {}
+        out = []
+        for n in self.nodes:
+            out.append(seen.get(n, 0))
+            seen[n] = out[-1] + 1
+        return tuple(out)
+
+    @functools.cached_property
+    def members(self) -> Mapping[int, tuple[int, ...]]:
+        """Every node's ranks, by the node's leader."""
+        return {m[0]: m for m in self._members.values()}
+
+    @functools.cached_property
+    def _roles(self) -> dict[str, NodeRoles]:
+        return {}  # filled by roles() for the nodes a rank asks about: its own and its partners
+
+    def roles(self, node: str) -> NodeRoles:
+        hit = self._roles.get(node)
+        if hit is None:
+            ranks = self._members[node]
+            several = self.tier == RAM and node == self.nodes[0] and len(ranks) > 1 and len(self.order) > 1
+            collector = ranks[1] if several else ranks[0]
+            exchanger = next((r for r in ranks if r not in (0, collector)), collector)
+            hit = self._roles[node] = NodeRoles(ranks, collector, exchanger)
+        return hit
+
+    def roles_of(self, rank: int) -> NodeRoles:
+        return self.roles(self.nodes[rank])
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether nodes exchange reports and data files for replicas."""
+        return self.tier == RAM and self.replicas > 0 and self.distributed
+
+    @functools.cached_property
+    def record_senders(self) -> tuple[int, ...]:
+        """The ranks whose node record rank 0 awaits: every node's collector but rank 0."""
+        return tuple(c for c in (self.roles(n).collector for n in self.order) if c != 0)
+
+    # ------------------------------------------------------------------ replicas
+    def _copies(self) -> int:
+        return min(self.replicas, len(self.order) - 1) if self.exchanges else 0
+
+    def target_nodes(self, node: str) -> list[str]:
+        """The nodes `node`'s ranks send their replicas to: the k after it, in node order."""
+        start, count = self._position[node], len(self.order)
+        return [self.order[(start + j) % count] for j in range(1, self._copies() + 1)]
+
+    def source_nodes(self, node: str) -> list[str]:
+        """The nodes whose ranks send `node`'s ranks their replicas: the k before it."""
+        start, count = self._position[node], len(self.order)
+        return [self.order[(start - j) % count] for j in range(1, self._copies() + 1)]
+
+    def replica_targets(self, rank: int) -> list[int]:
+        """The ranks holding `rank`'s replicas: its local index on each target node."""
+        out = []
+        for n in self.target_nodes(self.nodes[rank]):
+            peers = self._members[n]
+            out.append(peers[self._local_index[rank] % len(peers)])
+        return out
+
+    def replica_sources(self, rank: int) -> list[int]:
+        """The ranks whose replicas `rank` holds."""
+        return [src for src, dst in self.transfers(rank) if dst == rank]
+
+    def transfers(self, rank: int) -> list[tuple[int, int]]:
+        """The (source, destination) transfers `rank` takes part in, in the order every rank
+        agrees on (the j-th partner node first, then by source rank), so that messages between
+        the same two ranks match up and no order can deadlock (tiers/peers.py)."""
+        out: list[tuple[int, int, int]] = []  # (j, src, dst)
+        for j, node in enumerate(self.source_nodes(self.nodes[rank])):
+            out += [(j, src, rank) for src in self._members[node] if self.replica_targets(src)[j] == rank]
+        out += [(j, rank, dst) for j, dst in enumerate(self.replica_targets(rank))]
+        return [(src, dst) for _, src, dst in sorted(out)]
+
+    def holds_index(self, node: str) -> bool:
+        """Whether `node` keeps the RAM tier's index: rank 0's node, and (with replicas) the
+        nodes holding rank 0's replicas, where rank 0's data also lives."""
+        return node == self.nodes[0] or node in self.target_nodes(self.nodes[0])
+
+    def index_copiers(self) -> tuple[int, ...]:
+        """The ranks that keep a copy of rank 0's index: the exchangers of the nodes that hold it, but rank 0's."""
+        return tuple(self.roles(n).exchanger for n in self.target_nodes(self.nodes[0]))
+
+    def peer_readers(self, node: str) -> tuple[int, ...]:
+        """The ranks of `node` that read the exchange records of its replica partners from the
+        store: its collector, and rank 0 where another rank collects rank 0's node (rank 0 is
+        never relayed to: it reads for itself, its own node's record with them)."""
+        c = self.roles(node).collector
+        return (c, 0) if node == self.nodes[0] and c != 0 else (c,)
+
+    def relay_receivers(self, node: str) -> tuple[int, ...]:
+        """The ranks of `node` its collector relays the partners' reports to (not itself, not rank 0)."""
+        roles = self.roles(node)
+        return tuple(r for r in roles.ranks if r not in (roles.collector, 0))
+
+    def partners(self, node: str) -> list[str]:
+        """The nodes `node` exchanges replicas with: the k before it (they send it theirs)
+        and the k after it (it sends them its own)."""
+        return list(dict.fromkeys(self.source_nodes(node) + self.target_nodes(node)))
+
+    def exchange_readers(self, node: str) -> tuple[int, ...]:
+        """Who awaits `node`'s exchange record: the peer readers of its partners (the
+        relation is symmetric), and rank 0 for its own node's where it reads for itself."""
+        readers = [r for m in self.partners(node) for r in self.peer_readers(m)]
+        if node == self.nodes[0] and self.roles(node).collector != 0:
+            readers.append(0)
+        return tuple(dict.fromkeys(readers))
+
+    def exchange_sources(self, rank: int) -> tuple[int, ...]:
+        """The collectors whose exchange records `rank` (a peer reader) awaits: its node's
+        partners', and rank 0 its own node's where another rank collects it."""
+        node = self.nodes[rank]
+        out = [self.roles(m).collector for m in self.partners(node)]
+        if rank == 0 and self.roles(node).collector != 0:
+            out.append(self.roles(node).collector)
+        return tuple(dict.fromkeys(out))
+
+    # ------------------------------------------------------------------ the steps
+    def steps(self, rank: int) -> tuple[Step, ...]:
+        """Rank `rank`'s commit, in order."""
+        return tuple(self._ram_steps(rank) if self.tier == RAM else self._shared_steps(rank))
+
+    def _shared_steps(self, rank: int) -> Iterator[Step]:
+        roles = self.roles_of(rank)
+        others = tuple(r for r in roles.ranks if r != rank)
+        yield Step(Act.WRITE)
+        if rank != roles.collector:
+            yield Step(Act.SEND, Msg.REPORT, (roles.collector,), Via.BOARD)
+            return
+        if others:
+            yield Step(Act.AWAIT, Msg.REPORT, others, Via.BOARD)
+        yield Step(Act.PART)
+        if rank != 0:
+            yield Step(Act.SEND, Msg.RECORD, (0,), Via.STORE)
+            return
+        if self.record_senders:
+            yield Step(Act.AWAIT, Msg.RECORD, self.record_senders, Via.STORE)
+        yield Step(Act.COMMIT)
+
+    def _ram_steps(self, rank: int) -> Iterator[Step]:
+        node = self.nodes[rank]
+        roles = self.roles(node)
+        collector = rank == roles.collector
+        yield Step(Act.WRITE)
+        # 1. Reports: to the node's collector, who writes the node's part.
+        if not collector:
+            yield Step(Act.SEND, Msg.REPORT, (roles.collector,), Via.BOARD)
+        else:
+            others = tuple(r for r in roles.ranks if r != rank)
+            if others:
+                yield Step(Act.AWAIT, Msg.REPORT, others, Via.BOARD)
+            yield Step(Act.PART)
+            readers = self.exchange_readers(node) if self.exchanges else ()
+            if readers:
+                yield Step(Act.SEND, Msg.EXCHANGE, readers, Via.STORE)
+        # 2. Replicas: partners' reports (read from the store, or relayed by the collector),
+        #    the transfers, and the sources' parts.
+        if self.exchanges:
+            if rank in self.peer_readers(node):
+                sources = self.exchange_sources(rank)
+                if sources:
+                    yield Step(Act.AWAIT, Msg.EXCHANGE, sources, Via.STORE)
+                relay = self.relay_receivers(node) if collector else ()
+                if relay:
+                    yield Step(Act.SEND, Msg.RELAY, relay, Via.BOARD)
+            else:
+                yield Step(Act.AWAIT, Msg.RELAY, (roles.collector,), Via.BOARD)
+            targets, holds = tuple(self.replica_targets(rank)), tuple(self.replica_sources(rank))
+            if targets:
+                yield Step(Act.SEND, Msg.REPLICA, targets, Via.PEERS)
+            if holds:
+                yield Step(Act.AWAIT, Msg.REPLICA, holds, Via.PEERS)
+            yield Step(Act.REPLICATE)
+            if rank == roles.exchanger:
+                yield Step(Act.SOURCE_PARTS)
+        # 3. Outcomes: to the collector, who sends the node's record to rank 0. Rank 0 keeps
+        #    its own (it commits from that record and adds its errors there).
+        if self.distributed:
+            if not collector:
+                if rank != 0:
+                    yield Step(Act.SEND, Msg.OUTCOME, (roles.collector,), Via.BOARD)
+            else:
+                outcome_from = tuple(r for r in roles.ranks if r not in (rank, 0))
+                if outcome_from:
+                    yield Step(Act.AWAIT, Msg.OUTCOME, outcome_from, Via.BOARD)
+                if rank != 0:
+                    yield Step(Act.SEND, Msg.RECORD, (0,), Via.STORE)
+        # 4. The commit: rank 0 awaits every node's record, writes the index, and sends it
+        #    to the nodes that keep a copy beside its replicas.
+        if rank == 0:
+            if self.record_senders:
+                yield Step(Act.AWAIT, Msg.RECORD, self.record_senders, Via.STORE)
+            yield Step(Act.COMMIT)
+            copiers = self.index_copiers() if self.exchanges else ()
+            if copiers:
+                yield Step(Act.SEND, Msg.INDEX, copiers, Via.STORE)
+        elif self.exchanges and rank in self.index_copiers():
+            yield Step(Act.AWAIT, Msg.INDEX, (0,), Via.STORE)
+            yield Step(Act.INDEX_COPY)
+
+    # ------------------------------------------------------------------ printing
+    def role_names(self, rank: int) -> list[str]:
+        roles = self.roles_of(rank)
+        names = []
+        if rank == roles.leader:
+            names.append("leader")
+        if rank == roles.collector:
+            names.append("collector")
+        if self.exchanges and rank == roles.exchanger:
+            names.append("exchanger")
+        if rank == 0:
+            names.append("committer")
+        if self.exchanges and rank in self.index_copiers():
+            names.append("index holder")
+        return names
+
+    def describe(self) -> str:
+        """The plan as text: each rank's roles and steps."""
+        head = f"commit plan: {self.tier} tier, {self.world} ranks on {len(self.order)} nodes"
+        lines = [head + (f", {self.replicas} replica(s)" if self.replicas else "")]
+        for r in range(self.world):
+            lines.append(f"rank {r} (node {self.nodes[r]}: {', '.join(self.role_names(r)) or 'writer'})")
+            lines += [f"  {i}. {s}" for i, s in enumerate(self.steps(r), 1)]
+        return "\n".join(lines)
+
+    def sequence(self) -> list[tuple[int, Msg, int, Via]]:
+        """Every message of one commit as (sender, message, receiver, transport), in an order
+        the plan can run in: each rank runs its steps while what it awaits has been sent
+        (`Stuck` if the plan cannot finish: a wait nobody answers)."""
+        pending = {r: list(self.steps(r)) for r in range(self.world)}
+        sent: set[tuple[int, Msg, int]] = set()
+        out: list[tuple[int, Msg, int, Via]] = []
+        while any(pending.values()):
+            progressed = False
+            for r, steps in pending.items():
+                while steps:
+                    s = steps[0]
+                    if s.act is Act.AWAIT and not all((p, s.msg, r) in sent for p in s.peers):
+                        break
+                    if s.act is Act.SEND:
+                        assert s.msg is not None and s.via is not None
+                        for p in s.peers:
+                            sent.add((r, s.msg, p))
+                            out.append((r, s.msg, p, s.via))
+                    steps.pop(0)
+                    progressed = True
+            if not progressed:
+                stuck = {r: str(steps[0]) for r, steps in pending.items() if steps}
+                raise Stuck(f"the commit plan cannot finish; waiting: {stuck}")
+        return out
+
+    def mermaid(self) -> str:
+        """The plan's messages as a Mermaid sequence diagram (docs/protocol.md)."""
+        lines = ["sequenceDiagram"]
+        lines += [f"    participant r{r} as rank {r} ({self.nodes[r]})" for r in range(self.world)]
+        for src, msg, dst, via in self.sequence():
+            lines.append(f"    r{src}->>r{dst}: {msg.value} ({via.value})")
+        return "\n".join(lines)
+
+
+class Stuck(Exception):
+    """A plan whose waits cannot all be answered."""
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
