@@ -261,10 +261,10 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
     # are those of the full build, at every step; a report of another layout is built in full.
     import random
 
+    from ftkit.commit import part_template
     from ftkit.commit.lru import Lru
     from ftkit.commit.manifests import build_part
     from ftkit.commit.reports import decode_report
-    from ftkit.commit import part_template
 
     _root, _index, parts, _ = two_nodes
     part = parts[0]

@@ -514,11 +514,11 @@ def test_a_report_of_a_layout_checked_before_is_not_parsed_again_but_a_forged_on
     """Every rank validates the reports it receives at every step; a report of the layout of one
     it validated before (only the checksums and its file's token differ) passes at once. A chunk
     naming another file, or a checksum of another form, makes another layout: checked, refused."""
+    from ftkit.commit import reports
     from ftkit.commit.reports import NodeReport as _Report
     from ftkit.errors import FormatError
     from ftkit.format import validate
     from ftkit.format.manifest import Chunk, Shard, TensorEntry
-    from ftkit.commit import reports
     from ftkit.save.write import RankWrite
 
     def text(token: str, checksum: str, chunk_token: str | None = None) -> str:
