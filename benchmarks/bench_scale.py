@@ -21,8 +21,8 @@ found after `dead_after_s`, 3 s), a hung rank (heartbeats go on, its step stops:
 found after its hang bound, 30 s); then `--quiet-s` of nothing. Any
 verdict that is not about the fault in its window counts as false.
 
-Then the commit protocol of a shared tier (commit/shared.py: `node_share` on every
-simulated leader, `commit_step` on rank 0), three steps: every rank's report on its
+Then the commit protocol of a shared tier (commit/shared.py: `persist` on every
+simulated leader and on rank 0), three steps: every rank's report on its
 node's real board, a real part file per node and the index, on tmpfs; and restore
 planning (inventories from the node leaders to rank 0, the real planner, the
 candidates published and read). Fields: commit_ms (the step's last node record set
@@ -347,85 +347,113 @@ def commit_worker(idx: int, procs: int, world: int, per: int, port: int, dirs: t
 
 
 def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_dir: str, root: str) -> dict:
-    """This worker's nodes commit COMMIT_STEPS steps to a shared tier with the real protocol
-    (commit/shared.py): every rank's report is posted to its node's real board, each leader
-    runs `node_share` (collect, write its part) and sets its record, rank 0 (worker 0's
-    first node) runs `commit_step`. A rank's data file is 64 real bytes of one tensor."""
+    """This worker's nodes commit COMMIT_STEPS steps to a shared tier with the real executor
+    (commit/shared.py `persist` over the real plan): every other rank's report is posted to
+    its node's real board, each leader runs its steps (collect, write its part, set its
+    record), rank 0 (worker 0's first node, in a thread of its own from the start) also
+    awaits every record and commits. A rank's data file is 64 real bytes of one tensor
+    (write_share replaced: the files are written before the step starts)."""
     os.environ["FTKIT_RAM_DIR"] = ram_dir
     import torch.distributed as dist
 
-    from ftkit.commit.shared import NodeGroup, commit_step, node_share
+    from ftkit.commit import shared
+    from ftkit.commit.node import NodeGroup
+    from ftkit.commit.plan import SHARED, CommitPlan
     from ftkit.coord.dist import DistContext
     from ftkit.coord.nodelocal import NodeBoard, step_message
     from ftkit.format import codec
-    from ftkit.format.manifest import step_dir_name
+    from ftkit.format.manifest import Chunk, Shard, TensorEntry, step_dir_name
+    from ftkit.save.write import RankWrite
     from ftkit.tiers.storage import Storage
 
     raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
     prefix = f"commit{world}/"
     store = CountingStore(dist.PrefixStore(prefix, raw.clone()))
+    root_store = CountingStore(dist.PrefixStore(prefix, raw.clone()))  # rank 0's thread: a connection of its own
     storage = Storage(root)
     index_written = _time_index_writes()
     nodes = world // per
     names = [f"n{r // per}" for r in range(world)]
     members = {n * per: tuple(range(n * per, (n + 1) * per)) for n in range(nodes)}
     mine = list(range(idx, nodes, procs))
+    plan = CommitPlan.of(names, SHARED)
+    payload = bytes(range(64))
+    checksum = codec.checksum(payload)
+
+    def file_of(rank: int, step: int) -> str:
+        return f"rank-{rank:05d}-bench{step:03d}.data"
+
+    def write_of(rank: int, step: int) -> RankWrite:
+        chunk = Chunk(file_of(rank, step), 0, 64, 0, 64, "raw", checksum)
+        tensor = TensorEntry("w", "float32", (16 * world,), (Shard((16 * rank,), (16,), (chunk,), rank),), "sharded")
+        return RankWrite(rank, file_of(rank, step), 64, (tensor,))
+
+    shared.write_share = lambda storage, step, slot, pieces, compress, rank: (write_of(rank, step), None)  # type: ignore[assignment]
     groups, ctxs = {}, {}
     for n in mine:
         leader = n * per
-        ctxs[n] = DistContext(leader, world, store, f"n{n}", 120.0, names, prefix)
+        ctxs[n] = DistContext(leader, world, root_store if n == 0 else store, f"n{n}", 120.0, names, prefix)
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
-        groups[n] = NodeGroup(board, members[leader], members)
+        groups[n] = NodeGroup(board, plan, f"n{n}")
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
-    payload = bytes(range(64))
-    checksum = codec.checksum(payload)
     out: dict[str, Any] = {"sets": [], "leader_cpu": [], "requests": [], "commit": []}
     for step in range(1, COMMIT_STEPS + 1):
         at, key = (0, step), f"commit/0/0/{step}"
         step_dir = step_dir_name(step)
-        reports, messages = {}, {}
+        messages = {}
         for n in mine:  # what the ranks did before: their data files and their reports
             messages[n] = []
             for r in members[n * per]:
-                file = f"rank-{r:05d}-bench{step:03d}.data"
-                with open(os.path.join(root, step_dir, file), "wb") as f:
+                with open(os.path.join(root, step_dir, file_of(r, step)), "wb") as f:
                     f.write(payload)
-                chunk = {"file": file, "offset": 0, "length": 64, "raw_offset": 0, "raw_length": 64}
-                chunk.update(codec="raw", checksum=checksum)
-                shard = {"offsets": [16 * r], "lengths": [16], "rank": r, "chunks": [chunk]}
-                tensor = {"name": "w", "dtype": "float32", "shape": [16 * world], "kind": "sharded"}
-                write = {"rank": r, "file": file, "nbytes": 64, "tensors": [{**tensor, "shards": [shard]}]}
-                doc = {"write": write, "error": None, "rng": None}
-                if r == n * per:
-                    reports[n] = doc
-                else:
-                    message = json.dumps(doc, separators=(",", ":")).encode()  # (as NodeGroup.to_leader)
+                if r != n * per:
+                    doc = {"write": write_of(r, step).to_json(), "error": None, "rank_state": {}}
+                    message = json.dumps(doc, separators=(",", ":")).encode()  # (as NodeGroup.send)
                     messages[n].append((step_message(at, f"w-r{r}"), message))
         _barrier(raw, f"{prefix}b{step}", procs)
-        before = store.requests
-        root_record = None
-        for n in mine:
+        before = store.requests + root_store.requests
+
+        def run(n: int, step: int = step, key: str = key, at: tuple[int, int] = at, messages: dict = messages):  # noqa: ANN202
             # The node's other ranks post their reports to its leader's mailbox just before it
             # collects: posted for every node at once, this process's one sending socket would
-            # hold thousands of unread datagrams, past its send buffer (a real rank sends two).
+            # hold thousands of unread datagrams, past its send buffer (a real rank sends one).
             for name, message in messages[n]:
-                groups[n].board.send(name, message, [n * per])
+                groups[n].node_board().send(name, message, [n * per])
+            return shared.persist(
+                storage, step, None, skeleton, compress=None, ctx=ctxs[n], key=key, at=at, group=groups[n]
+            )
+
+        committing: dict[str, Any] = {}
+
+        def commit(committing: dict[str, Any] = committing) -> None:
             c0 = time.thread_time()
-            record = node_share(storage, step, reports[n], groups[n], ctxs[n], at)
-            if n == 0:
-                root_record = record
-            else:
-                ctxs[n].put(f"{key}/n/{n * per}", record)
+            committing["started"] = time.time()
+            try:
+                committing["committed"] = run(0)
+            except BaseException as e:  # (raised again below)
+                committing["error"] = e
+            committing["cpu"] = time.thread_time() - c0
+
+        committer = threading.Thread(target=commit, daemon=True) if 0 in mine else None
+        if committer is not None:
+            committer.start()
+        for n in mine:
+            if n != 0:
+                c0 = time.thread_time()
+                run(n)
                 out["sets"].append(time.time())
-            out["leader_cpu"].append(time.thread_time() - c0)
-        if root_record is not None:
-            c0, w0 = time.thread_time(), time.time()
-            committed = commit_step(storage, step, root_record, groups[0], ctxs[0], key, skeleton)
+                out["leader_cpu"].append(time.thread_time() - c0)
+        if committer is not None:
+            committer.join()
+            if "error" in committing:
+                raise committing["error"]
             # Committed when the index was written (the records' deletion follows it).
-            done = {"done": index_written[step], "started": w0, "cpu": time.thread_time() - c0}
-            out["commit"].append({**done, "index_bytes": len(committed.manifest_json)})
+            done = {"done": index_written[step], "started": committing["started"], "cpu": committing["cpu"]}
+            out["commit"].append({**done, "index_bytes": len(committing["committed"].manifest_json)})
         _barrier(raw, f"{prefix}e{step}", procs)
-        out["requests"].append(store.requests - before)
+        out["requests"].append(store.requests + root_store.requests - before)
+    if 0 in mine:  # restore planning counts its requests on the shared connection
+        ctxs[0] = DistContext(0, world, store, "n0", 120.0, names, prefix)
     out["restore"] = plan_restore(idx, procs, world, per, raw, store, ctxs, mine)
     return out
 
@@ -484,7 +512,8 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     import torch.distributed as dist
 
     from ftkit.commit import ram as node_commit
-    from ftkit.commit.shared import NodeGroup
+    from ftkit.commit.node import NodeGroup
+    from ftkit.commit.plan import RAM, CommitPlan
     from ftkit.coord.dist import DistContext
     from ftkit.coord.news import NEWS_KEY, CommitNews, Settled, publish
     from ftkit.coord.nodelocal import NodeBoard
@@ -525,11 +554,12 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
     report_layouts.book.limit = report_layouts.SENT_LIMIT = reports._checked_reports.limit = 4 * world
     part_template._templates.limit = 4 * world
     storages, groups, news = {}, {}, {}
+    plan = CommitPlan.of(names, RAM)
     index_written = _time_index_writes()
     for n in mine:
         storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
-        groups[n] = NodeGroup(board, members[n * per], members)
+        groups[n] = NodeGroup(board, plan, f"n{n}")
         news[n] = CommitNews()
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
     out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "retention": [], "held": [], "sets": []}

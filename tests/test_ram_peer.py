@@ -316,6 +316,8 @@ def test_only_the_nodes_holding_rank_0s_data_keep_the_index_and_the_rest_follow_
 def _node_tier(tmp_path, rank: int = 2):
     import torch.distributed as dist
 
+    from ftkit.commit.node import NodeGroup
+    from ftkit.commit.plan import RAM
     from ftkit.coord.dist import DistContext
     from ftkit.tiers.backend import NodeRamTier
     from ftkit.tiers.storage import Storage
@@ -323,7 +325,7 @@ def _node_tier(tmp_path, rank: int = 2):
     nodes = ["node0", "node1", "node2", "node3"]
     ctx = DistContext(rank, 4, dist.HashStore(), nodes[rank], 10.0, nodes)
     storage = Storage(str(tmp_path / nodes[rank]))
-    return NodeRamTier(ftkit.Tier("ram", keep=2), storage, 0, None, None, nodes), ctx, storage  # type: ignore[arg-type]
+    return NodeRamTier(ftkit.Tier("ram", keep=2), storage, 0, None, NodeGroup.of(ctx, None, RAM)), ctx, storage
 
 
 def _steps_held(storage) -> list[int]:
@@ -390,16 +392,17 @@ def test_malformed_commit_news_is_ignored_and_nothing_is_dropped(tmp_path, raw):
 
 def test_a_nodes_commit_duties_are_spread_over_its_ranks():
     """The RAM tier's commit gives a node's duties to different ranks where it has them
-    (commit/shared.py NodeGroup): the collector (reports, part, records) is the node's first
+    (commit/plan.py): the collector (reports, part, records) is the node's first
     rank but on rank 0's node, which commits, when the job has several nodes; the exchanger
     (the replica sources' parts, the index on a holder) is a third rank, else the collector."""
-    from ftkit.commit.shared import NodeGroup
+    from ftkit.commit.node import NodeGroup
+    from ftkit.commit.plan import RAM
     from ftkit.coord.dist import DistContext
 
     def roles(nodes: list[str]) -> dict[int, tuple[int, int, list[int]]]:
         out = {}
         for rank in range(len(nodes)):
-            g = NodeGroup.of(DistContext(rank, len(nodes), None, nodes[rank], 1.0, nodes), None)
+            g = NodeGroup.of(DistContext(rank, len(nodes), None, nodes[rank], 1.0, nodes), None, RAM, 1)
             out[rank] = (g.collector, g.exchanger, list(g.record_ids))
         return out
 

@@ -142,14 +142,15 @@ def test_a_replica_holder_rebuilds_its_sources_part_byte_for_byte(tmp_path, monk
     its replicas rebuilds the part from the reports (commit/replicas.py store_parts): the bytes
     its leader wrote, or, when they differ from the checksum, an error and no part written."""
     import ftkit
+    from ftkit.commit.node import NodeGroup
+    from ftkit.commit.plan import RAM
     from ftkit.commit.replicas import store_parts
-    from ftkit.commit.shared import NodeGroup
     from ftkit.coord.dist import DistContext
 
     _fresh(monkeypatch)
     leader = ftkit.Tier(str(tmp_path / "node0")).open()
     holder = ftkit.Tier(str(tmp_path / "node1")).open()
-    group = NodeGroup.of(DistContext(2, WORLD, None, "node1", 10.0, ["node0", "node0", "node1", "node1"]), None)
+    group = NodeGroup.of(DistContext(2, WORLD, None, "node1", 10.0, ["node0", "node0", "node1", "node1"]), None, RAM, 1)
     for step in (1, 2):
         writes = [_write(r, f"{step:07x}{r}", step) for r in (0, 1)]
         texts = {w.rank: NodeReport.encode(w, None, {"python": [step]}, ref=layout_of(w)) for w in writes}

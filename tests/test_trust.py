@@ -385,8 +385,10 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     deleted outside, and the node's record for rank 0 says why the step cannot be committed."""
     import torch.distributed as dist
 
+    from ftkit.commit.node import NodeGroup
+    from ftkit.commit.plan import RAM
     from ftkit.commit.ram import persist_node_local
-    from ftkit.commit.shared import NodeGroup, read_node_record
+    from ftkit.commit.shared import read_node_record
     from ftkit.coord.dist import DistContext
     from ftkit.coord.nodelocal import NodeBoard, step_message
     from ftkit.tiers.storage import Storage
@@ -394,7 +396,7 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
     store = dist.HashStore()
     ctx = DistContext(1, 4, store, "node0", 10.0, ["node0", "node0", "node1", "node1"])
-    group = NodeGroup.of(ctx, NodeBoard("k", "node0", True, "test", kind="commit"))
+    group = NodeGroup.of(ctx, NodeBoard("k", "node0", True, "test", kind="commit"), RAM)
     assert group.collector == 1
     node = tmp_path / "ram" / "job" / "node0"
     storage = Storage(str(node))
@@ -441,27 +443,23 @@ def _index_of(name: str, nbytes: int) -> dict:
     ],
 )
 def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
-    """Node1 holds rank 0's replicas, so it keeps the index too (node_index.holds_index;
+    """Node1 holds rank 0's replicas, so it keeps the index too (CommitPlan.holds_index;
     its exchanger writes it, given the node's part as its leader relayed it); the index it
     reads from the store is forged (a part outside the directory, a document of another
     version, an index without this node's part): it writes no manifest, and says why."""
-    import torch.distributed as dist
 
-    from ftkit.commit.ram_index import write_index_copy
-    from ftkit.coord.dist import DistContext
+    from ftkit.commit.ram import write_index_copy
     from ftkit.tiers.storage import Storage
 
-    store = dist.HashStore()
-    ctx = DistContext(1, 2, store, "node1", 10.0, ["node0", "node1"])
     node = tmp_path / "node1"
     storage = Storage(str(node))
     doc = {"format": "ftkit-checkpoint", "format_version": 3, "step": 1, "world_size": 2, "skeleton": {"entries": {}}}
-    store.set("k/manifest", json.dumps({**doc, **forged}))
+    data = json.dumps({**doc, **forged}).encode()  # as rank 0 sent it through the store
     part = {"file": "part-00001-0badf00d.json", "bytes": 9, "checksum": "xxh3_64:" + "1" * 16}
     with pytest.raises(ftkit.FtkitError, match=why):
-        write_index_copy(storage, 1, ctx, "k", {"part": part, "files": {}})
+        write_index_copy(storage, 1, data, {"part": part, "files": {}})
     with pytest.raises(ftkit.FtkitError, match=why):  # the leader relayed no part (or none that checked)
-        write_index_copy(storage, 1, ctx, "k", None)
+        write_index_copy(storage, 1, data, None)
     assert not list(node.rglob(MANIFEST_NAME))
 
 

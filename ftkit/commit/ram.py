@@ -61,30 +61,33 @@ that has them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from ftkit.commit.keys import KeyLedger, older_keys
+from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
 from ftkit.commit.layouts import Layout, board_name, from_board, from_store, layout_of, lookup
-from ftkit.commit.manifests import Committed, store_part
+from ftkit.commit.manifests import Committed, check_files_present, commit_index, store_part
+from ftkit.commit.node import NodeGroup
 from ftkit.commit.part_template import node_part_bytes
-from ftkit.commit.ram_index import commit_from_records, holds_index, write_index_copy
-from ftkit.commit.replicas import peer_reports, replicate, store_parts
+from ftkit.commit.plan import RAM, Act, Msg, Step
+from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
 from ftkit.commit.reports import NodeReport, decode_report, keep_own
-from ftkit.commit.shared import NodeGroup
+from ftkit.commit.shared import read_node_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
-from ftkit.errors import AlreadyCommitted, FormatError
-from ftkit.format.index import is_part_name
-from ftkit.format.validate import parse_json
+from ftkit.errors import AlreadyCommitted, FormatError, StorageError
+from ftkit.format.index import INDEX_VERSION, is_part_name, parse_index
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.validate import parse_header, parse_json
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
-from ftkit.save.write import write_share
-from ftkit.tiers.peers import PeerGroup, ReplicaLayout
+from ftkit.save.write import RankWrite, discard, write_share
+from ftkit.tiers.peers import PeerGroup
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -129,6 +132,317 @@ class NodeShare:
         return self.files + ([self.written["part"]["file"]] if self.written else []) + self.others
 
 
+def record_key(key: str, leader: int) -> str:
+    """A node's record for rank 0 (KeyLedger.node_local names these keys too)."""
+    return f"{key}/r/{leader}"
+
+
+def exchange_key(key: str, leader: int) -> str:
+    """A node's reports and part, for the nodes it exchanges replicas with."""
+    return f"{key}/w/{leader}"
+
+
+def index_key(key: str) -> str:
+    """Rank 0's committed index, for the nodes that keep a copy ("" when not committed)."""
+    return f"{key}/manifest"
+
+
+# The steps of the replica exchange: a failure there is this rank's error in its outcome (the
+# step is not committed), not an exception, so its node still sends rank 0 its record.
+_EXCHANGE = {
+    (Act.AWAIT, Msg.EXCHANGE),
+    (Act.SEND, Msg.RELAY),
+    (Act.AWAIT, Msg.RELAY),
+    (Act.SEND, Msg.REPLICA),
+    (Act.AWAIT, Msg.REPLICA),
+    (Act.REPLICATE, None),
+    (Act.SOURCE_PARTS, None),
+}
+
+
+class RamCommit:
+    """One rank's commit of one step to the RAM tier: its steps of the plan, run in order by
+    `run`, one handler per kind of step (HANDLERS)."""
+
+    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[RamCommit, Step], None]]] = {}
+
+    def __init__(
+        self,
+        storage: Storage,
+        step: int,
+        slot: Slot,
+        skeleton: dict[str, Any],
+        compress: str | None,
+        pieces: Mapping[str, Piece] | None,
+        rank_state: dict[str, Any] | None,
+        ctx: DistContext,
+        key: str,
+        group: NodeGroup,
+        peers: PeerGroup | None,
+        ledger: KeyLedger | None,
+        at: tuple[int, int],
+        cpu: dict[str, float],
+    ):
+        self.storage, self.step, self.slot, self.skeleton = storage, step, slot, skeleton
+        self.compress, self.pieces, self.rank_state = compress, pieces, rank_state
+        self.ctx, self.key, self.group, self.peers, self.ledger, self.at = ctx, key, group, peers, ledger, at
+        self.cpu = cpu
+        self.plan = group.plan
+        self.collector = ctx.rank == group.collector
+        self.write_: RankWrite | None = None
+        self.error: Exception | None = None  # this rank's write's, raised at the end
+        self.ref: tuple[Layout, list[str]] | None = None  # its layout and checksums, when sent by reference
+        self.text = ""  # its report
+        self.texts: dict[int, str] = {}  # the collector's: its node's reports
+        self.node: NodeShare | None = None  # the collector's: its node's part, or errors
+        self.word: PeerWord | None = None  # the partners' reports
+        self.layouts: Callable[[str], Layout | None] | None = None
+        self.others: list[str] = []  # the exchanger's: the sources' parts it wrote
+        self.errors: list[str] = []  # replication errors: its own, and (a collector) its node's outcomes
+        self.exchange_failed = False
+        self.mine: tuple[dict[str, Any], list[str]] | None = None  # rank 0 collecting: its node's record, files
+        self.records: list[dict[str, Any]] | None = None  # rank 0's: every node's record
+        self.own_record: dict[str, Any] | None = None  # rank 0's: its node's
+        self.record_keys: list[str] = []
+        self.index_data = b""
+        self.committed: Committed | None = None
+
+    def run(self) -> Committed | None:
+        rank = self.ctx.rank
+        with contextlib.ExitStack() as self.stack:
+            try:
+                for step in self.plan.steps(rank):
+                    handler = self.HANDLERS[step.act, step.msg]
+                    if (step.act, step.msg) not in _EXCHANGE:
+                        handler(self, step)
+                    elif not self.exchange_failed:  # (after a failure, the rest of the exchange is skipped)
+                        try:
+                            handler(self, step)
+                        except Exception as e:
+                            self.exchange_failed = True
+                            self.errors.append(f"rank {rank}: replication failed: {e}")
+                            log.error("rank %d: step %d: replication failed: %s", rank, self.step, e)
+            except BaseException:
+                if rank == 0:
+                    self._not_committed()
+                raise
+            finally:
+                if self.record_keys:
+                    self.ctx.delete(*self.record_keys)
+        if rank != 0 and self.error is not None:
+            raise self.error
+        return self.committed
+
+    # ------------------------------------------------------------------ every rank
+    def write(self, _: Step) -> None:
+        c0 = time.thread_time()
+        try:
+            self.write_, self.error = write_share(
+                self.storage, self.step, self.slot, self.pieces, self.compress, self.ctx.rank
+            )
+        except AlreadyCommitted as e:  # this node has the step, another may not: still take part
+            self.write_, self.error = None, e
+        self.cpu["write"] = time.thread_time() - c0
+        # Uncompressed, a rank's chunks keep their places: its layout goes once, by reference.
+        write = self.write_
+        self.ref = layout_of(write) if write is not None and self.compress is None else None
+        error = str(self.error) if self.error else None
+        self.text = NodeReport.encode(write, error, self.rank_state, ref=self.ref)
+
+    def send_report(self, step: Step) -> None:
+        if self.ref is not None:
+            self.group.node_board().post_once(board_name(self.ref[0].digest), self.ref[0].body)
+        self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers)
+
+    def send_outcome(self, step: Step) -> None:
+        outcome: dict[str, Any] = {"errors": self.errors}
+        if self.others:
+            outcome["parts"] = self.others
+        self.group.send(self.at, "r", self.ctx.rank, outcome, step.peers)
+
+    # ------------------------------------------------------------------ a node's collector
+    def await_reports(self, step: Step) -> None:
+        self.texts = _collect_texts(self.group, self.at, "w", self.ctx, step.peers)
+
+    def part(self, _: Step) -> None:
+        ctx, write = self.ctx, self.write_
+        if write is not None and self.error is None:
+            keep_own(self.text, write, self.rank_state, self.ref, ctx.world_size)  # (not parsed back)
+        texts = {ctx.rank: self.text, **self.texts}
+        layouts = lookup(from_board(self.group.board))
+        self.node = node_part(self.storage, self.step, texts, self.group.ranks, ctx.world_size, layouts)
+
+    def send_exchange(self, _: Step) -> None:
+        assert self.node is not None
+        self.group.published.publish(self.ctx.store, self.node.layouts)  # before the record that names them
+        self.ctx.store.set(exchange_key(self.key, self.group.leader), json.dumps(self.node.exchanged()))
+
+    def send_relay(self, step: Step) -> None:
+        assert self.word is not None
+        relay: dict[str, Any] = {str(r): t for r, t in self.word.texts.items()}
+        if self.group.exchanger in step.peers:  # what the exchanger needs besides the reports
+            relay["parts"] = {n: [s, checksum] for n, (s, checksum) in self.word.parts.items()}
+            if self.word.own_part is not None:
+                relay["own"] = self.word.own_part
+        self.group.send_named(step_message(self.at, "peers"), relay, step.peers)
+
+    def await_outcomes(self, step: Step) -> None:
+        assert self.node is not None
+        for r, raw in self.group.collect(self.at, "r", self.ctx.rank, step.peers, self.ctx.timeout_s).items():
+            self.errors += _outcome_errors(r, raw, self.node.others if r == self.group.exchanger else None)
+
+    def send_record(self, _: Step) -> None:
+        assert self.node is not None
+        self.ctx.put(record_key(self.key, self.group.leader), self.node.record(self.errors))
+
+    # ------------------------------------------------------------------ replicas
+    def await_exchanges(self, step: Step) -> None:
+        own_text = self.text if not self.collector else None  # (rank 0, where another rank collects)
+        self.word = read_exchanges(self.group, self.ctx, self.key, step.peers, own_text)
+        if self.collector and self.node is not None and self._keeps_index_copy():
+            self.word.own_part = self.node.written  # the index must name it (its exchanger checks)
+
+    def await_relay(self, step: Step) -> None:
+        exchanger = self.ctx.rank == self.group.exchanger
+        self.word = read_relay(self.group, self.ctx, self.at, exchanger)
+        if self.word is None:  # the collector skipped the step: read the partners' reports here
+            partners = tuple(self.plan.roles(n).collector for n in self.plan.partners(self.group.node))
+            word = read_exchanges(self.group, self.ctx, self.key, partners, None)
+            self.word = PeerWord(word.texts, False, word.parts if exchanger else {})
+
+    def replicate(self, _: Step) -> None:
+        assert self.word is not None and self.peers is not None
+        sending = self.write_ if self.word.may_send and self.error is None else None
+        self.layouts = lookup(from_store(self.ctx.store))
+        c0 = time.thread_time()
+        try:
+            replicate(
+                self.storage,
+                self.step,
+                sending,
+                self.word.texts,
+                self.plan,
+                self.ctx,
+                self.peers,
+                self.slot,
+                self.compress,
+                self.layouts,
+            )
+        finally:
+            self.cpu["replicate"] = time.thread_time() - c0
+
+    def source_parts(self, _: Step) -> None:
+        assert self.word is not None
+        texts, world = self.word.texts, self.ctx.world_size
+        self.others = store_parts(self.storage, self.step, self.word.parts, texts, self.group, world, self.layouts)
+        if self.node is not None:  # (the collector is its node's exchanger)
+            self.node.others = self.others
+
+    # ------------------------------------------------------------------ rank 0 and the index
+    def await_records(self, step: Step) -> None:
+        self._gather_records(step.peers)
+
+    def commit(self, _: Step) -> None:
+        if self.records is None:  # a job of one node: rank 0 collected every report itself
+            self._gather_records(())
+        assert self.records is not None
+        own_errors = [] if self.node is not None else self.errors  # (a collector's are in its record)
+        failures = [e for r in self.records for e in r["errors"]] + own_errors
+        if failures:
+            raise StorageError(f"step {self.step} not committed to the RAM tier: {'; '.join(failures)}")
+        own = self.own_record
+        assert own is not None
+        local = {own["part"]["file"], *own.get("others", [])}  # the parts in rank 0's node's directory
+        world = self.ctx.world_size
+        self.committed = commit_index(self.storage, self.step, world, self.records, self.skeleton, local_parts=local)
+
+    def send_index(self, _: Step) -> None:
+        assert self.committed is not None
+        self.ctx.store.set(index_key(self.key), self.committed.manifest_json)
+        self._ledger_index_key()
+
+    def await_index(self, _: Step) -> None:
+        if self.error is not None:  # this rank wrote nothing to keep the index beside
+            raise self.error
+        self.index_data = self.ctx.get_raw(index_key(self.key))
+
+    def index_copy(self, _: Step) -> None:
+        own_part = self.word.own_part if self.word is not None else None
+        write_index_copy(self.storage, self.step, self.index_data, own_part)
+
+    def _keeps_index_copy(self) -> bool:
+        node = self.group.node
+        return node != self.plan.nodes[0] and self.plan.holds_index(node)
+
+    def _gather_records(self, collectors: tuple[int, ...]) -> None:
+        """Rank 0: its node's record (where it collects it) and every other node's, in one
+        wait and one multi_get; the older keys are deleted once they are all in (every index
+        holder has read the index of a step before it sends its records of the next)."""
+        ctx, members = self.ctx, self.group.members
+        ids = [self.plan.roles_of(c).leader for c in collectors]
+        keys = [record_key(self.key, n) for n in ids]
+        self.record_keys = keys + [exchange_key(self.key, n) for n in members if self.plan.exchanges]
+        older = self.stack.enter_context(older_keys(self.ledger, self.at))
+        if self.node is not None:
+            self.mine = (self.node.record(self.errors), self.node.own_files())
+        self.records = [self.mine[0]] if self.mine is not None else []
+        self.own_record = self.records[0] if self.records else None
+        try:
+            raws = ctx.wait_get(keys) if keys else []
+        except Exception as e:  # a node never answered: the step is not committed
+            raise StorageError(f"step {self.step} not committed to the RAM tier: {e}") from None
+        for n, raw in zip(ids, raws, strict=True):
+            self.records.append(read_node_record(n, raw, members[n], ctx.world_size))
+            if n == 0:
+                self.own_record = self.records[-1]
+        if not any(r["skipped"] for r in self.records):  # nobody reads the older keys any more
+            delete_keys(ctx, older)
+
+    def _not_committed(self) -> None:
+        """Rank 0's failure: remove what the step put in its node's directory, and tell the
+        index holders there is no index to wait for."""
+        if self.records is not None:
+            discard(self.storage, self.step, self.mine[1] if self.mine is not None else _files_of(self.own_record))
+        if self.plan.exchanges and self.committed is None:
+            with contextlib.suppress(Exception):  # (the store is gone: they time out instead)
+                self.ctx.put(index_key(self.key), "")
+                self._ledger_index_key()
+
+    def _ledger_index_key(self) -> None:
+        if self.ledger is not None:  # deleted after the next step's records: every index holder has read it then
+            self.ledger.record_key(self.at, index_key(self.key))
+
+
+def _posted_together(self: RamCommit, _: Step) -> None:
+    """A replica's send and receive: posted all at once by the REPLICATE step (tiers/peers.py)."""
+
+
+RamCommit.HANDLERS.update(
+    {
+        (Act.WRITE, None): RamCommit.write,
+        (Act.SEND, Msg.REPORT): RamCommit.send_report,
+        (Act.AWAIT, Msg.REPORT): RamCommit.await_reports,
+        (Act.PART, None): RamCommit.part,
+        (Act.SEND, Msg.EXCHANGE): RamCommit.send_exchange,
+        (Act.AWAIT, Msg.EXCHANGE): RamCommit.await_exchanges,
+        (Act.SEND, Msg.RELAY): RamCommit.send_relay,
+        (Act.AWAIT, Msg.RELAY): RamCommit.await_relay,
+        (Act.SEND, Msg.REPLICA): _posted_together,
+        (Act.AWAIT, Msg.REPLICA): _posted_together,
+        (Act.REPLICATE, None): RamCommit.replicate,
+        (Act.SOURCE_PARTS, None): RamCommit.source_parts,
+        (Act.SEND, Msg.OUTCOME): RamCommit.send_outcome,
+        (Act.AWAIT, Msg.OUTCOME): RamCommit.await_outcomes,
+        (Act.SEND, Msg.RECORD): RamCommit.send_record,
+        (Act.AWAIT, Msg.RECORD): RamCommit.await_records,
+        (Act.COMMIT, None): RamCommit.commit,
+        (Act.SEND, Msg.INDEX): RamCommit.send_index,
+        (Act.AWAIT, Msg.INDEX): RamCommit.await_index,
+        (Act.INDEX_COPY, None): RamCommit.index_copy,
+    }
+)
+
+
 def persist_node_local(
     storage: Storage,
     step: int,
@@ -141,102 +455,49 @@ def persist_node_local(
     ctx: DistContext,
     key: str,
     group: NodeGroup | None = None,
-    layout: ReplicaLayout | None = None,
     peers: PeerGroup | None = None,
-    replicas: int = 0,
     ledger: KeyLedger | None = None,
     at: tuple[int, int] = (0, 0),
     cpu: dict[str, float] | None = None,
 ) -> Committed | None:
-    """Persist one step to a node-local tier (the RAM tier), with peer replicas; returns
-    what was committed on rank 0, None elsewhere. `cpu`, when given, gets this thread's
-    CPU seconds spent writing the data file ("write") and moving replicas ("replicate"):
-    the rest of the call is the commit's coordination.
+    """Persist one step to the RAM tier, with peer replicas (the plan's, `group.plan`);
+    returns what was committed on rank 0, None elsewhere. `cpu`, when given, gets this
+    thread's CPU seconds spent writing the data file ("write") and moving replicas
+    ("replicate"): the rest of the call is the commit's coordination.
 
     `ledger` (rank 0's): the manifest keys of earlier steps, and every key of a step
-    rank 0 skipped; deleted once this step's records are all in (every index holder reads
-    the index of a step before it sends its records of the next).
+    rank 0 skipped; deleted once this step's records are all in.
     """
-    group = group or NodeGroup.of(ctx, None)
-    cpu = {} if cpu is None else cpu
-    c0 = time.thread_time()
-    try:
-        write, error = write_share(storage, step, slot, pieces, compress, ctx.rank)
-    except AlreadyCommitted as e:  # this node has the step, another may not: still take part below
-        write, error = None, e
-    cpu["write"] = time.thread_time() - c0
-    # Uncompressed, a rank's chunks keep their places: its layout goes once, by reference.
-    ref = layout_of(write) if write is not None and compress is None else None
-    text = NodeReport.encode(write, str(error) if error else None, rank_state, ref=ref)
-    collector = ctx.rank == group.collector  # (the node's leader but on rank 0's node: NodeGroup.collector)
-    node_id = group.ranks[0]  # the node's name in the store's keys
-    exchange = replicas > 0 and peers is not None and ctx.distributed  # nodes swap reports for replicas
-    # A node holding rank 0's replicas keeps its index too (written by the node's exchanger).
-    holder = exchange and ctx.node != ctx.nodes[0] and holds_index(ctx, layout, replicas)
-    node: NodeShare | None = None
-    # 1. Reports: to the node's collector, who writes the node's part and publishes both (one key per node).
-    if ctx.distributed and not collector:
-        if ref is not None:
-            group.node_board().post_once(board_name(ref[0].digest), ref[0].body)
-        group.to_leader(at, "w", ctx.rank, text, to=group.collector)
-    else:
-        if write is not None and error is None:
-            keep_own(text, write, rank_state, ref, ctx.world_size)  # (node_part decodes it: not parsed back)
-        texts = {ctx.rank: text, **(_collect_texts(group, at, "w", ctx) if ctx.distributed else {})}
-        node = node_part(storage, step, texts, group.ranks, ctx.world_size, lookup(from_board(group.board)))
-        if exchange:
-            group.published.publish(ctx.store, node.layouts)  # before the record that names them
-            ctx.store.set(f"{key}/w/{node_id}", json.dumps(node.exchanged()))
-    # 2. Replicas: each rank sends its file to its targets and stores what its sources send;
-    #    the node's exchanger writes the sources' parts (replicas.py).
-    rep_error = None
-    own_part: dict[str, Any] | None = None  # the exchanger's, on an index holder: its node's part
-    others: list[str] = []  # the parts of the ranks whose replicas this node now holds (the exchanger's)
-    if exchange:
-        assert layout is not None and peers is not None
-        try:
-            own = node.written if node is not None and holder else None
-            word = peer_reports(group, layout, replicas, ctx, key, at, collector, own, text)
-            reports, own_part = word.texts, word.own_part
-            sending = write if word.may_send and error is None else None
-            layouts = lookup(from_store(ctx.store))
-            c0 = time.thread_time()
-            try:
-                replicate(storage, step, sending, reports, layout, replicas, ctx, peers, slot, compress, layouts)
-            finally:
-                cpu["replicate"] = time.thread_time() - c0
-            if ctx.rank == group.exchanger:
-                others = store_parts(storage, step, word.parts, reports, group, ctx.world_size, layouts)
-        except Exception as e:
-            rep_error = f"replication failed: {e}"
-            log.error("rank %d: step %d: %s", ctx.rank, step, rep_error)
-    # 3. Outcomes: to the collector, who publishes the node's record. Rank 0 keeps its own: it
-    #    commits from that record and adds its errors there (a message and a wait less on its node,
-    #    and its collector need not wait for rank 0's replicas to be in).
-    errors = [f"rank {ctx.rank}: {rep_error}"] if rep_error else []
-    if ctx.distributed and not collector:
-        if ctx.rank != 0:
-            outcome = {"errors": errors, "parts": others} if others else {"errors": errors}
-            group.to_leader(at, "r", ctx.rank, outcome, to=group.collector)
-    elif ctx.distributed:
-        assert node is not None
-        node.others = others
-        for r, raw in group.collect(at, "r", ctx.rank, ctx.timeout_s, but=(0,)).items():
-            errors += _outcome_errors(r, raw, node.others if r == group.exchanger else None)
-        if ctx.rank != 0:
-            ctx.put(f"{key}/r/{node_id}", node.record(errors))
-    if ctx.rank == 0:
-        with older_keys(ledger, at) as older:
-            mine = (node.record(errors), node.own_files()) if node is not None else None
-            own_errors = [] if node is not None else errors  # (a collector's are in its record)
-            return commit_from_records(
-                storage, step, skeleton, ctx, key, group, mine, older, ledger, at, exchange, own_errors
-            )
-    if error is not None:
-        raise error
-    if holder and ctx.rank == group.exchanger:
-        write_index_copy(storage, step, ctx, key, own_part)
-    return None
+    group = group or NodeGroup.of(ctx, None, RAM)
+    assert group.plan.tier == RAM, "the RAM tier's commit runs a RAM tier's plan"
+    args = (storage, step, slot, skeleton, compress, pieces, rank_state, ctx, key, group, peers, ledger, at)
+    return RamCommit(*args, {} if cpu is None else cpu).run()
+
+
+def write_index_copy(storage: Storage, step: int, data: bytes, written: dict[str, Any] | None) -> None:
+    """An index holder's exchanger writes rank 0's index (`data`) into its node's directory, once
+    it has checked that the index names its node's part as its collector wrote it (`written`:
+    store_part's record) and the node's files are in place."""
+    if data in (b"", b'""'):  # rank 0's "not committed" (put as JSON "")
+        discard(storage, step, [name for name, _ in storage.list_dir(step_dir_name(step))])
+        raise StorageError(f"step {step} was not committed to the RAM tier (rank 0 gave up)")
+    where = f"the index of step {step} from rank 0"
+    doc, version = parse_header(data, where)
+    if version != INDEX_VERSION:
+        raise FormatError(f"{where} has format version {version}, not {INDEX_VERSION}")
+    index = parse_index(doc, where, expect_step=step)
+    mine = written["part"] if written else None
+    if mine is None or not any(p.file == mine["file"] and p.checksum == mine["checksum"] for p in index.parts):
+        raise StorageError(f"step {step}: {where} does not name this node's part")
+    check_files_present(storage, step, {**written["files"], mine["file"]: mine["bytes"]})  # type: ignore[index]
+    storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
+
+
+def _files_of(record: dict[str, Any] | None) -> list[str]:
+    """What a node's record says the step put in its directory (a failed commit removes it)."""
+    if record is None:
+        return []
+    return [*record["files"], *([record["part"]["file"]] if record["part"] else []), *record.get("others", [])]
 
 
 def node_part(
@@ -265,9 +526,11 @@ def node_part(
     return NodeShare(texts, [], skipped, files, written, by_ref)
 
 
-def _collect_texts(group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext) -> dict[int, str]:
+def _collect_texts(
+    group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext, senders: tuple[int, ...]
+) -> dict[int, str]:
     out = {}
-    for r, raw in group.collect(at, what, ctx.rank, ctx.timeout_s).items():
+    for r, raw in group.collect(at, what, ctx.rank, senders, ctx.timeout_s).items():
         text = None
         if raw is not None:
             try:
@@ -309,17 +572,18 @@ def report_skipped_node_local(
     hear it, so nobody waits for it."""
     text = NodeReport.encode(None, reason, None, skipped=True)
     if ctx.rank == 0 and exchange:
-        ctx.put(f"{key}/manifest", "")  # the index holders wait for no index
+        ctx.put(index_key(key), "")  # the index holders wait for no index
+    collector = (group.collector,)
     if ctx.rank != group.collector:
         # (From the training thread: it never waits for room in a mailbox, NodeBoard.send.)
-        group.to_leader(at, "w", ctx.rank, text, to=group.collector, patient=False)
-        if ctx.rank != 0:  # (rank 0's outcome is never collected: persist_node_local)
-            group.to_leader(at, "r", ctx.rank, {"errors": []}, to=group.collector, patient=False)
+        group.send(at, "w", ctx.rank, text, collector, patient=False)
+        if ctx.rank != 0:  # (rank 0's outcome is never collected: the plan)
+            group.send(at, "r", ctx.rank, {"errors": []}, collector, patient=False)
         return
-    group.to_ranks(step_message(at, "skip"), {"reason": reason}, ctx.rank, patient=False)  # no replicas this step
-    node_id = group.ranks[0]
+    others = tuple(r for r in group.ranks if r != ctx.rank)
+    group.send_named(step_message(at, "skip"), {"reason": reason}, others, patient=False)  # no replicas this step
     if exchange:
-        ctx.store.set(f"{key}/w/{node_id}", json.dumps({str(ctx.rank): text}))
+        ctx.store.set(exchange_key(key, group.leader), json.dumps({str(ctx.rank): text}))
     if ctx.rank != 0 or not exchange:
         skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
-        ctx.put(f"{key}/r/{node_id}", skipped.record([]))
+        ctx.put(record_key(key, group.leader), skipped.record([]))

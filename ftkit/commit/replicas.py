@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.commit.layouts import Layout
+from ftkit.commit.node import MAX_REPORT_BYTES, NodeGroup
 from ftkit.commit.part_template import node_part_bytes
+from ftkit.commit.plan import CommitPlan
 from ftkit.commit.reports import NodeReport, decode_report
-from ftkit.commit.shared import MAX_REPORT_BYTES, NodeGroup
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import step_message
@@ -32,7 +33,7 @@ from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
 from ftkit.format.validate import CHECKSUM_RE, check_file_name, parse_json
 from ftkit.save.staging import Slot
-from ftkit.tiers.peers import PeerGroup, ReplicaLayout, Transfer
+from ftkit.tiers.peers import PeerGroup, Transfer
 from ftkit.tiers.storage import Storage
 
 
@@ -66,9 +67,9 @@ def _node_part_ref(doc: dict[str, Any]) -> tuple[str, str] | None:
     return (name, part["checksum"]) if is_part_file(name) and CHECKSUM_RE.fullmatch(part["checksum"]) else None
 
 
-@dataclass(frozen=True)
+@dataclass
 class PeerWord:
-    """What a rank learns of the replica exchange of one step (`peer_reports`)."""
+    """What a rank learns of the replica exchange of one step: the partners' reports."""
 
     texts: dict[int, str]  # the reports of the nodes it exchanges replicas with
     may_send: bool  # whether it sends its own file (its report is in its node's record)
@@ -76,76 +77,57 @@ class PeerWord:
     own_part: dict[str, Any] | None = None  # the exchanger's, on a node holding the index: its node's part
 
 
-def peer_reports(
-    group: NodeGroup,
-    layout: ReplicaLayout,
-    k: int,
-    ctx: DistContext,
-    key: str,
-    at: tuple[int, int],
-    collector: bool,
-    own_part: dict[str, Any] | None = None,
-    own_text: str | None = None,
+def read_exchanges(
+    group: NodeGroup, ctx: DistContext, key: str, collectors: tuple[int, ...], own_text: str | None
 ) -> PeerWord:
-    """The reports of the nodes this node exchanges replicas with (the k before it send,
-    the k after it receive), read from the store by the node's collector (NodeGroup.collector:
-    its leader but on rank 0's node) and relayed to its ranks through the board, with what
-    the node's exchanger (NodeGroup.exchanger) needs: the parts of the nodes that send it
-    replicas, and `own_part` (the collector's, where the node holds rank 0's index: its
-    part's store_part record, which the index must name).
+    """The exchange records the collectors `collectors` set for their nodes (the plan's AWAIT
+    exchange), read from the store in one wait and one multi_get: their ranks' reports, and
+    the names and checksums of the parts of the nodes that send this node replicas.
 
-    When the collector skipped the step, its ranks read the reports themselves (their
-    sources send them replicas all the same) and send nothing (the collector's record, which
-    their targets read, does not hold their reports); the step is not committed then, and
-    nobody writes the sources' parts.
+    Rank 0, where another rank collects its node, reads its own node's record among them
+    (`own_text`: the report it sent) and sends its file only where that record holds its
+    report as it sent it, as its targets decide from that record."""
+    plan = group.plan
+    sources = set(plan.source_nodes(group.node))
+    nodes = [plan.nodes[c] for c in collectors]
+    leaders = [plan.roles(n).leader for n in nodes]
+    raws = ctx.wait_get([f"{key}/w/{leader}" for leader in leaders]) if leaders else []
+    word = PeerWord({}, True, {})
+    for node, leader, raw in zip(nodes, leaders, raws, strict=True):
+        where = f"the reports of the node of rank {leader}"
+        doc = _node_doc(raw, where)
+        if node == group.node:  # rank 0's own node
+            word.may_send = own_text is not None and doc.get("0") == own_text
+            continue
+        word.texts.update(_node_texts(doc, group.members[leader], where))
+        part = _node_part_ref(doc) if node in sources else None
+        if part is not None:
+            word.parts[part[0]] = (leader, part[1])
+    return word
 
-    Rank 0, where another rank collects its node, is never relayed to: it reads the records
-    itself, with its node's own in the same request, and sends its file only where that
-    record holds its report as it sent it (`own_text`), as its targets decide from that record.
-    (Its collector then relays to nobody on a node of two ranks; rank 0 has a request more.)"""
+
+def read_relay(group: NodeGroup, ctx: DistContext, at: tuple[int, int], exchanger: bool) -> PeerWord | None:
+    """The partners' reports as this node's collector relayed them (the plan's AWAIT relay),
+    with what the node's exchanger needs: the parts of the nodes that send it replicas, and
+    (where the node holds rank 0's index) its own part. None when the collector skipped the
+    step: its ranks then read the reports themselves (their sources send them replicas all
+    the same) and send nothing (the collector's record, which their targets read, does not
+    hold their reports); the step is not committed then."""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
-    exchanger = ctx.rank == group.exchanger
-    reads_itself = ctx.rank == 0 and not collector  # (rank 0 is never relayed to)
-    if not collector and not reads_itself:
-        raw = group.node_board().collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
-        if raw is not None:
-            doc = parse_json(raw, "the peer nodes' reports", "")
-            if not isinstance(doc, dict):
-                raise StorageError("this node's collector relayed malformed peer reports")
-            relayed = {int(r): t for r, t in doc.items() if r.isdigit() and isinstance(t, str)}
-            if not exchanger:
-                return PeerWord(relayed, True, {})
-            return PeerWord(relayed, True, _relayed_parts(doc.get("parts"), group), _relayed_part(doc.get("own")))
-        if not group.node_board().has(skip, ctx.rank):
+    board = group.node_board()
+    raw = board.collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
+    if raw is None:
+        if not board.has(skip, ctx.rank):
             who = f"this node's collector (rank {group.collector})"
             raise StorageError(f"{who} sent no word on the replicas to exchange")
-    sources = layout.source_nodes(ctx.rank, ctx.nodes, k)
-    nodes = dict.fromkeys(sources + layout.target_nodes(ctx.rank, ctx.nodes, k))
-    leaders = [layout.members[n][0] for n in nodes]
-    # Rank 0 reads its own node's record too: its targets decide from it whether it sends.
-    keys = [f"{key}/w/{s}" for s in leaders] + ([f"{key}/w/{group.ranks[0]}"] if reads_itself else [])
-    raws = ctx.wait_get(keys) if keys else []
-    texts: dict[int, str] = {}
-    parts: dict[str, tuple[int, str]] = {}
-    source_leaders = {layout.members[n][0] for n in sources}
-    for s, raw in zip(leaders, raws[: len(leaders)], strict=True):
-        where = f"the reports of the node of rank {s}"
-        doc = _node_doc(raw, where)
-        texts.update(_node_texts(doc, group.members[s], where))
-        part = _node_part_ref(doc) if s in source_leaders else None
-        if part is not None:
-            parts[part[0]] = (s, part[1])
-    if reads_itself:
-        mine = _node_doc(raws[-1], "the reports of this node").get("0")
-        return PeerWord(texts, own_text is not None and mine == own_text, {})
-    if collector and any(r not in (ctx.rank, 0) for r in group.ranks):  # (rank 0 reads for itself)
-        relay: dict[str, Any] = {str(r): t for r, t in texts.items()}
-        if not exchanger:
-            relay["parts"] = {n: [s, checksum] for n, (s, checksum) in parts.items()}
-            if own_part is not None:
-                relay["own"] = own_part
-        group.to_ranks(name, relay, ctx.rank, but=(0,))
-    return PeerWord(texts, collector, parts if exchanger else {}, own_part if exchanger else None)
+        return None
+    doc = parse_json(raw, "the peer nodes' reports", "")
+    if not isinstance(doc, dict):
+        raise StorageError("this node's collector relayed malformed peer reports")
+    relayed = {int(r): t for r, t in doc.items() if r.isdigit() and isinstance(t, str)}
+    if not exchanger:
+        return PeerWord(relayed, True, {})
+    return PeerWord(relayed, True, _relayed_parts(doc.get("parts"), group), _relayed_part(doc.get("own")))
 
 
 def _relayed_part(doc: Any) -> dict[str, Any] | None:
@@ -210,8 +192,7 @@ def replicate(
     step: int,
     write,
     reports: dict[int, str],
-    layout: ReplicaLayout,
-    k: int,
+    plan: CommitPlan,
     ctx: DistContext,
     peers: PeerGroup,
     slot: Slot,
@@ -229,19 +210,20 @@ def replicate(
 
     step_dir = step_dir_name(step)
     incoming: dict[str, tuple[list[tuple[str, int, int, str]], int]] = {}
-    plan: list[Transfer] = []
-    for t in layout.transfers_of(ctx.rank, ctx.nodes, k):
+    transfers: list[Transfer] = []
+    for src, dst in plan.transfers(ctx.rank):
+        t = Transfer(src, dst, "")
         if t.src == ctx.rank:
             target = decode_report(t.dst, reports.get(t.dst, ""), ctx.world_size, layouts)  # (kept: often a source too)
             if write is not None and not target.skipped:
-                plan.append(Transfer(t.src, t.dst, write.file))
+                transfers.append(Transfer(t.src, t.dst, write.file))
             continue
         report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size, layouts)
         if report.file is None or report.error:
             continue
         incoming[report.file] = (report.chunks(), report.nbytes)  # validated: checked on arrival
-        plan.append(Transfer(t.src, t.dst, report.file))
-    sizes = {(t.src, t.file): (write.nbytes if t.src == ctx.rank else incoming[t.file][1]) for t in plan}
+        transfers.append(Transfer(t.src, t.dst, report.file))
+    sizes = {(t.src, t.file): (write.nbytes if t.src == ctx.rank else incoming[t.file][1]) for t in transfers}
     own = slot.image() if compress is None else None  # uncompressed, the data file is the slot's image
 
     def read(name: str):
@@ -264,4 +246,4 @@ def replicate(
             f.write(data)
 
     fault_point("replicate", step, ctx.rank)
-    peers.run(plan, read, store, sizes, keep_buffers=True)
+    peers.run(transfers, read, store, sizes, keep_buffers=True)

@@ -1,16 +1,16 @@
-"""Commit a step to a shared tier (any fsspec URL) in O(nodes) store requests.
+"""Commit a step to a shared tier (any fsspec URL) in O(nodes) store requests: the executor
+of a shared tier's commit plan (commit/plan.py; `ftkit commit-plan --tier shared` prints it).
 
-Order of calls for one step (`persist` does all of it; every rank calls it; the
-RAM tier's node-local commit is commit/ram.py)::
+Every rank calls `persist`, which runs its steps of the plan in order::
 
-    every rank:    write_share(...)       its data file, durable
-                   post its report (the file it wrote or its error, its RNG state) to
-                   its node's board: a file in the node's shared memory, not the store
-    node leaders:  collect the node's reports; write_part(...): one part file per node
-                   set one record under `key`/n/<leader>: its part, or the node's errors
-    rank 0:        read every node's record (one wait, one multi_get), then
-                   commit_index(...): manifest.json, the index of the parts (the commit)
-                   delete the records
+    every rank:    WRITE              write_share(...): its data file, durable
+                   SEND report        to its node's leader, over the node's board (no store request)
+    node leaders:  AWAIT report       the node's reports
+                   PART               write_part(...): one part file per node
+                   SEND record        to rank 0, `key`/n/<leader>: its part, or the node's errors
+    rank 0:        AWAIT record       every other node's record (one wait, one multi_get)
+                   COMMIT             commit_index(...): manifest.json, the index of the parts;
+                                      then the records are deleted
 
 Store requests per step: one set per node, rank 0's wait and multi_get, and one
 delete per node: 2 x nodes + 2, whatever the number of ranks or tensors. Rank 0
@@ -24,20 +24,18 @@ step's writers wrote and leaves every committed step untouched.
 
 from __future__ import annotations
 
-import functools
-import json
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
-from ftkit.commit.layouts import Published
 from ftkit.commit.manifests import Committed, commit_index, write_part
+from ftkit.commit.node import NodeGroup
+from ftkit.commit.plan import Act, Msg, Step
 from ftkit.commit.reports import shared_report
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
-from ftkit.coord.nodelocal import NodeBoard, step_message
 from ftkit.errors import FormatError, StorageError
 from ftkit.format.index import is_part_name, rank_runs
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
@@ -48,99 +46,114 @@ from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
 
-MAX_REPORT_BYTES = 256 * 2**20  # one rank's tensor entries: megabytes at most
+
+def record_key(key: str, leader: int) -> str:
+    """Where a node's record for rank 0 goes in the store (KeyLedger.shared names them too)."""
+    return f"{key}/n/{leader}"
 
 
-@dataclass(frozen=True)
-class NodeGroup:
-    """This rank's node as a shared tier's commit sees it (computed once, at start)."""
+class SharedCommit:
+    """One rank's commit of one step to a shared tier: its steps of the plan, run in order by
+    `run`, one handler per kind of step (HANDLERS). Rank 0's failure after its node's part
+    removes what the step wrote; the records' keys are deleted whatever happens."""
 
-    board: NodeBoard | None  # where the node's ranks post their reports (None: a world of one)
-    ranks: tuple[int, ...]  # this node's ranks; the first is its leader
-    members: Mapping[int, tuple[int, ...]]  # every node's ranks, by leader (rank 0 checks records against it)
-    published: Published = field(default_factory=Published, compare=False)  # the RAM tier's layouts in the store
+    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[SharedCommit, Step], None]]] = {}
 
-    @staticmethod
-    def of(ctx: DistContext, board: NodeBoard | None) -> NodeGroup:
-        members: dict[str, list[int]] = {}
-        for r, n in enumerate(ctx.nodes):
-            members.setdefault(n, []).append(r)
-        return NodeGroup(board, tuple(members[ctx.node]), {m[0]: tuple(m) for m in members.values()})
-
-    @property
-    def leader(self) -> int:
-        return self.ranks[0]
-
-    # The RAM tier's commit (commit/ram.py) spreads a node's share over its ranks: one rank
-    # carrying the collector's, the exchanger's and rank 0's duties was the slowest of a commit
-    # (bench_dist.py, 2 nodes of 2 ranks: 2.3-2.8 ms of CPU per snapshot on rank 0, 0.5 on rank 1).
-    def collector_of(self, node: int) -> int:
-        """The rank that collects the reports and outcomes of the node `node` (by its first
-        rank) in the RAM tier's commit and writes its part and records: its leader, but on
-        rank 0's node of a job of several nodes the next rank (rank 0 commits the step). In a
-        job of one node rank 0 keeps it: its commit is small there, and a collector that is
-        not rank 0 ties the two ranks' persists to each other's pace (a step a rank killed
-        mid-persist never finished is one more step lost)."""
-        ranks = self.members[node]
-        return ranks[1] if node == 0 and len(ranks) > 1 and len(self.members) > 1 else ranks[0]
-
-    @functools.cached_property
-    def collector(self) -> int:
-        """This node's collector (`collector_of`)."""
-        return self.collector_of(self.ranks[0])
-
-    @functools.cached_property
-    def exchanger(self) -> int:
-        """The rank that writes the parts of the nodes whose replicas this node holds, and on
-        a node holding rank 0's replicas the index (commit/replicas.py): the node's first rank
-        that neither collects nor commits; the collector where there is none."""
-        return next((r for r in self.ranks if r not in (0, self.collector)), self.collector)
-
-    @functools.cached_property
-    def record_ids(self) -> tuple[int, ...]:
-        """The nodes (by first rank) whose record rank 0 reads from the store in the RAM tier's
-        commit, `key`/r/<id>: every node whose collector is not rank 0."""
-        return tuple(n for n in self.members if self.collector_of(n) != 0)
-
-    def node_board(self) -> NodeBoard:
-        """The node's board, which every commit of a world of several ranks posts through."""
-        assert self.board is not None, "a node of several ranks commits through its board"
-        return self.board
-
-    def to_leader(
+    def __init__(
         self,
+        storage: Storage,
+        step: int,
+        slot: Slot,
+        skeleton: dict[str, Any],
+        compress: str | None,
+        pieces: Mapping[str, Piece] | None,
+        rank_state: dict[str, Any] | None,
+        ctx: DistContext,
+        key: str,
+        ledger: KeyLedger | None,
         at: tuple[int, int],
-        what: str,
-        me: int,
-        message: str | dict[str, Any],
-        to: int | None = None,
-        patient: bool = True,
-    ) -> None:
-        """Post this rank's message `what` of the step at `at` for its leader (`collect`), or
-        for the rank `to` that collects it (the RAM tier's `collector`). `patient` False: from
-        the training thread, which never waits for room in a mailbox (NodeBoard.send)."""
-        name = step_message(at, f"{what}-r{me}")
-        data = message.encode() if isinstance(message, str) else json.dumps(message, separators=(",", ":")).encode()
-        self.node_board().send(name, data, (self.leader if to is None else to,), patient)
+        group: NodeGroup,
+    ):
+        self.storage, self.step, self.slot, self.skeleton = storage, step, slot, skeleton
+        self.compress, self.pieces, self.rank_state = compress, pieces, rank_state
+        self.ctx, self.key, self.ledger, self.at, self.group = ctx, key, ledger, at, group
+        self.error: Exception | None = None  # this rank's write's, raised at the end
+        self.report: dict[str, Any] = {}
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.records: list[dict[str, Any]] = []  # rank 0's: its node's record first
+        self.record_keys: list[str] = []
+        self.committed: Committed | None = None
 
-    def to_ranks(self, name: str, doc: Any, me: int, patient: bool = True, but: tuple[int, ...] = ()) -> None:
-        """Post `doc` as `name` for the node's other ranks but those in `but` (the leader's word to them)."""
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        self.node_board().send(name, data, [r for r in self.ranks if r != me and r not in but], patient)
+    def run(self) -> Committed | None:
+        with contextlib.ExitStack() as self.stack:
+            try:
+                for step in self.group.plan.steps(self.ctx.rank):
+                    self.HANDLERS[step.act, step.msg](self, step)
+            except BaseException:
+                if self.ctx.rank == 0 and self.records:
+                    parts = [r["part"]["file"] for r in self.records if r["part"]]
+                    discard(self.storage, self.step, [f for r in self.records for f in r["files"]] + parts)
+                raise
+            finally:
+                if self.record_keys:
+                    self.ctx.delete(*self.record_keys)
+        if self.error is not None:
+            raise self.error
+        return self.committed
 
-    def collect(
-        self, at: tuple[int, int], what: str, me: int, timeout_s: float, but: tuple[int, ...] = ()
-    ) -> dict[int, bytes | None]:
-        """The leader's wait for message `what` of the step at `at` from each other rank of its
-        node but those in `but` (None: none came within `timeout_s`), then removing them and
-        whatever an earlier step left that nobody collected (a step this leader skipped)."""
-        names = {r: step_message(at, f"{what}-r{r}") for r in self.ranks if r != me and r not in but}
-        if not names:
-            return {}
-        board = self.node_board()
-        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me=me, only_reader=True)
-        board.prune_before(at)
-        return got
+    def write(self, _: Step) -> None:
+        write, self.error = write_share(self.storage, self.step, self.slot, self.pieces, self.compress, self.ctx.rank)
+        fault_point("persist", self.step, self.ctx.rank)  # data written, not yet reported
+        self.report = {
+            "write": write.to_json() if write else None,
+            "error": str(self.error) if self.error else None,
+            "rank_state": self.rank_state or {},
+        }
+
+    def send_report(self, step: Step) -> None:
+        self.group.send(self.at, "w", self.ctx.rank, self.report, step.peers)
+
+    def await_reports(self, step: Step) -> None:
+        timeout = self.ctx.timeout_s
+        for r, raw in self.group.collect(self.at, "w", self.ctx.rank, step.peers, timeout).items():
+            lost = {"error": f"rank {r}: no report within {timeout:.0f}s", "write": None}
+            self.reports[r] = shared_report(r, raw, self.ctx.world_size) if raw is not None else lost
+
+    def part(self, _: Step) -> None:
+        self.reports[self.ctx.rank] = self.report
+        self.records = [_node_record(self.storage, self.step, self.reports, self.group.ranks, self.ctx.world_size)]
+
+    def send_record(self, _: Step) -> None:
+        self.ctx.put(record_key(self.key, self.ctx.rank), self.records[0])
+
+    def await_records(self, step: Step) -> None:
+        leaders = [self.group.plan.roles_of(c).leader for c in step.peers]
+        self.record_keys = [record_key(self.key, leader) for leader in leaders]
+        older = self.stack.enter_context(older_keys(self.ledger, self.at))
+        raws = self.ctx.wait_get(self.record_keys)
+        members, world = self.group.members, self.ctx.world_size
+        self.records += [read_node_record(n, raw, members[n], world) for n, raw in zip(leaders, raws, strict=True)]
+        delete_keys(self.ctx, older)  # every leader sent the records of the steps before first
+
+    def commit(self, _: Step) -> None:
+        failures = [e for r in self.records for e in r["errors"]]
+        if failures:
+            raise StorageError(f"step {self.step} not committed to {self.storage.display_url}: {'; '.join(failures)}")
+        fault_point("commit", self.step, 0)  # every part is durable, the index not yet written
+        self.committed = commit_index(self.storage, self.step, self.ctx.world_size, self.records, self.skeleton)
+
+
+SharedCommit.HANDLERS.update(
+    {
+        (Act.WRITE, None): SharedCommit.write,
+        (Act.SEND, Msg.REPORT): SharedCommit.send_report,
+        (Act.AWAIT, Msg.REPORT): SharedCommit.await_reports,
+        (Act.PART, None): SharedCommit.part,
+        (Act.SEND, Msg.RECORD): SharedCommit.send_record,
+        (Act.AWAIT, Msg.RECORD): SharedCommit.await_records,
+        (Act.COMMIT, None): SharedCommit.commit,
+    }
+)
 
 
 def persist(
@@ -169,74 +182,8 @@ def persist(
     """
     ctx = ctx or DistContext()
     group = group or NodeGroup.of(ctx, None)
-    write, error = write_share(storage, step, slot, pieces, compress, ctx.rank)
-    fault_point("persist", step, ctx.rank)  # data written, not yet reported
-    report: dict[str, Any] = {
-        "write": write.to_json() if write else None,
-        "error": str(error) if error else None,
-        "rank_state": rank_state or {},
-    }
-    if ctx.rank != group.leader:
-        group.to_leader(at, "w", ctx.rank, report)
-    else:
-        record = node_share(storage, step, report, group, ctx, at)
-        if ctx.rank == 0:
-            return commit_step(storage, step, record, group, ctx, key, skeleton, ledger, at)
-        ctx.put(f"{key}/n/{ctx.rank}", record)
-    if error is not None:
-        raise error
-    return None
-
-
-def node_share(
-    storage: Storage, step: int, report: dict[str, Any], group: NodeGroup, ctx: DistContext, at: tuple[int, int]
-) -> dict[str, Any]:
-    """A node leader's part of the commit: its node's reports (its own `report` and the
-    others' from the board), then its part file; returns the node's record for rank 0."""
-    reports = {
-        r: shared_report(r, raw, ctx.world_size)
-        if raw is not None
-        else {"error": f"rank {r}: no report within {ctx.timeout_s:.0f}s", "write": None}
-        for r, raw in group.collect(at, "w", ctx.rank, ctx.timeout_s).items()
-    }
-    reports[ctx.rank] = report
-    return _node_record(storage, step, reports, group.ranks, ctx.world_size)
-
-
-def commit_step(
-    storage: Storage,
-    step: int,
-    record: dict[str, Any],
-    group: NodeGroup,
-    ctx: DistContext,
-    key: str,
-    skeleton: dict[str, Any],
-    ledger: KeyLedger | None = None,
-    at: tuple[int, int] = (0, 0),
-) -> Committed:
-    """Rank 0's part: every other node's record (one wait, one multi_get), then the index."""
-    leaders = [leader for leader in group.members if leader != 0]
-    keys = [f"{key}/n/{leader}" for leader in leaders]
-    with older_keys(ledger, at) as older:
-        records = [record]
-        try:
-            raws = ctx.wait_get(keys) if keys else []
-            records += [
-                read_node_record(leader, raw, group.members[leader], ctx.world_size)
-                for leader, raw in zip(leaders, raws, strict=True)
-            ]
-            delete_keys(ctx, older)
-            failures = [e for r in records for e in r["errors"]]
-            if failures:
-                raise StorageError(f"step {step} not committed to {storage.display_url}: {'; '.join(failures)}")
-            fault_point("commit", step, 0)  # every part is durable, the index not yet written
-            return commit_index(storage, step, ctx.world_size, records, skeleton)
-        except BaseException:
-            parts = [r["part"]["file"] for r in records if r["part"]]
-            discard(storage, step, [f for r in records for f in r["files"]] + parts)
-            raise
-        finally:
-            ctx.delete(*keys)
+    args = (storage, step, slot, skeleton, compress, pieces, rank_state, ctx, key, ledger, at, group)
+    return SharedCommit(*args).run()
 
 
 def _node_record(
@@ -308,7 +255,7 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
     leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
     report: dict[str, Any] = {"write": None, "error": reason, "rank_state": {}}
     if ctx.rank != group.leader:
-        group.to_leader(at, "w", ctx.rank, report, patient=False)  # (the training thread: never waits)
+        group.send(at, "w", ctx.rank, report, (group.leader,), patient=False)  # (the training thread: never waits)
     elif ctx.rank != 0:
         errors = [f"rank {ctx.rank}: {reason}"]
-        ctx.put(f"{key}/n/{ctx.rank}", {"part": None, "files": {}, "stored": 0, "errors": errors})
+        ctx.put(record_key(key, ctx.rank), {"part": None, "files": {}, "stored": 0, "errors": errors})

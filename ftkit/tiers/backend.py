@@ -33,15 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from ftkit.commit.keys import KeyLedger
 from ftkit.commit.manifests import Committed
+from ftkit.commit.node import NodeGroup
 from ftkit.commit.ram import persist_node_local, report_skipped_node_local
-from ftkit.commit.ram_index import holds_index
-from ftkit.commit.shared import NodeGroup, persist, report_skipped_shared
+from ftkit.commit.shared import persist, report_skipped_shared
 from ftkit.coord.news import UNHEARD_LIMIT, CommitNews, Settled, publish
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
 from ftkit.format.reader import scan
 from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
-from ftkit.tiers.peers import ReplicaLayout
 from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
 
 log = logging.getLogger("ftkit")
@@ -169,14 +168,11 @@ class NodeRamTier(TierBackend):
     node_local = True
     superseded_verb = "dropped"
 
-    def __init__(
-        self, tier: Tier, storage: Storage, replicas: int, peers: PeerGroup | None, group: NodeGroup, nodes: list[str]
-    ):
+    def __init__(self, tier: Tier, storage: Storage, replicas: int, peers: PeerGroup | None, group: NodeGroup):
         super().__init__(tier, storage)
         self.replicas = replicas  # copies of each rank's data on other nodes
         self.peers = peers  # the dedicated gloo group replicas travel over (None: one process)
-        self.group = group  # this rank's node and its board: the commit's first level
-        self.layout = ReplicaLayout.of(nodes)  # who sends whom replicas: O(ranks) once, here
+        self.group = group  # this rank's node in the commit plan (who sends whom replicas), and its board
         self.last_cpu: dict[str, float] = {}  # the last persist's CPU split (persist_details)
         self.news = CommitNews()  # rank 0's word on which steps it keeps (the watchdog feeds it)
 
@@ -198,9 +194,7 @@ class NodeRamTier(TierBackend):
                 job.slot,
                 job.skeleton,
                 group=self.group,
-                layout=self.layout,
                 peers=self.peers,
-                replicas=self.replicas,
                 cpu=self.last_cpu,
                 **args,
             )
@@ -210,11 +204,11 @@ class NodeRamTier(TierBackend):
             raise
 
     def retain(self, ctx: DistContext, job: Any) -> list[int]:
-        """A node with the index (node_index.holds_index) follows it; rank 0 then tells the
+        """A node with the index (CommitPlan.holds_index) follows it; rank 0 then tells the
         others what it keeps (coord/news.py). A node without the index drops only what the
         news of this epoch says is settled and not kept, and asks for news itself when it
         holds more than UNHEARD_LIMIT steps it has heard nothing of."""
-        if holds_index(ctx, self.layout if self._exchanges(ctx) else None, self.replicas):
+        if self.group.plan.holds_index(ctx.node):
             removed = self.apply_retention(protect=job.step)
             if ctx.rank == 0 and ctx.distributed:
                 self._tell(ctx, job)
@@ -242,8 +236,8 @@ class NodeRamTier(TierBackend):
         report_skipped_node_local(ctx, self.group, key, at, reason, self._exchanges(ctx))
 
     def _exchanges(self, ctx: DistContext) -> bool:
-        """Whether the nodes exchange reports through the store for replicas (persist_node_local's rule)."""
-        return self.replicas > 0 and self.peers is not None and ctx.distributed
+        """Whether the nodes exchange reports through the store for replicas (the plan's rule)."""
+        return self.group.plan.exchanges
 
     def persist_details(self) -> dict[str, Any]:
         run = self.peers.last_run if self.peers is not None else None

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ftkit.commit.keys import KeyLedger
-from ftkit.commit.shared import NodeGroup
+from ftkit.commit.node import NodeGroup
+from ftkit.commit.plan import RAM
 from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
 from ftkit.coord.news import CommitNews
@@ -53,8 +54,8 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         if replicas and len(set(ctx.nodes)) < 2:
             log.warning("RAM tier replicas: all ranks are on one node (%s); no replica can survive its loss", ctx.node)
         log.info("ftkit: RAM tier of run %s (from %s) at %s", ram_identity.name, ram_identity.source, storage.root)
-        group = NodeGroup.of(ctx, _commit_board(ctx, i))
-        backends.append(NodeRamTier(t, storage, replicas, peers, group, list(ctx.nodes)))
+        group = NodeGroup.of(ctx, _commit_board(ctx, i), RAM, replicas if peers is not None else 0)
+        backends.append(NodeRamTier(t, storage, replicas, peers, group))
     keys = {i: b.new_ledger(ctx) for i, b in enumerate(backends)}
     return OpenedTiers(backends, ram_identity, keys)
 

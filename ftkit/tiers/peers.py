@@ -1,9 +1,9 @@
 """Peer replication: copies of each rank's RAM-tier data on other nodes.
 
-Placement (pure): rank r's file goes to the ranks at r's local index on the
-next k nodes in node order, so a single node failure never holds both a shard
-and all of its replicas. With fewer than k+1 nodes, as many distinct nodes as
-exist are used (and the shortfall is logged once).
+Placement (pure, the commit plan's: commit/plan.py): rank r's file goes to the ranks at
+r's local index on the next k nodes in node order, so a single node failure never holds
+both a shard and all of its replicas. With fewer than k+1 nodes, as many distinct nodes
+as exist are used (and the shortfall is logged once).
 
 Transport: a dedicated gloo process group created for this (never the training
 group), used only from ftkit's background thread while persisting and from
@@ -25,6 +25,7 @@ from datetime import timedelta
 
 import torch
 
+from ftkit.commit.plan import RAM, CommitPlan
 from ftkit.errors import PeerTransferError
 
 log = logging.getLogger("ftkit")
@@ -39,81 +40,22 @@ class Transfer:
     file: str
 
 
-def node_order(nodes: Sequence[str]) -> list[str]:
-    """Distinct node ids in order of their first rank."""
-    return list(dict.fromkeys(nodes))
-
-
-@dataclass(frozen=True)
-class ReplicaLayout:
-    """Nodes in order, their ranks, and each rank's node position and local index: O(ranks) once."""
-
-    order: tuple[str, ...]
-    members: dict[str, tuple[int, ...]]
-    position: dict[str, int]
-    local_index: tuple[int, ...]
-
-    @staticmethod
-    def of(nodes: Sequence[str]) -> ReplicaLayout:
-        members: dict[str, list[int]] = {}
-        local = []
-        for r, n in enumerate(nodes):
-            group = members.setdefault(n, [])
-            local.append(len(group))
-            group.append(r)
-        order = tuple(members)
-        return ReplicaLayout(
-            order, {n: tuple(m) for n, m in members.items()}, {n: i for i, n in enumerate(order)}, tuple(local)
-        )
-
-    def targets(self, rank: int, nodes: Sequence[str], k: int) -> list[int]:
-        start, count = self.position[nodes[rank]], len(self.order)
-        out = []
-        for j in range(1, min(k, count - 1) + 1):
-            peers = self.members[self.order[(start + j) % count]]
-            out.append(peers[self.local_index[rank] % len(peers)])
-        return out
-
-    def source_nodes(self, rank: int, nodes: Sequence[str], k: int) -> list[str]:
-        """The nodes whose ranks send `rank` their replicas: the k before its node."""
-        start, count = self.position[nodes[rank]], len(self.order)
-        return [self.order[(start - j) % count] for j in range(1, min(k, count - 1) + 1)]
-
-    def target_nodes(self, rank: int, nodes: Sequence[str], k: int) -> list[str]:
-        """The nodes `rank` sends its replicas to: the k after its node."""
-        start, count = self.position[nodes[rank]], len(self.order)
-        return [self.order[(start + j) % count] for j in range(1, min(k, count - 1) + 1)]
-
-    def transfers_of(self, rank: int, nodes: Sequence[str], k: int) -> list[Transfer]:
-        """The transfers of `replication_plan` that `rank` sends or receives, in the plan's
-        order (file names left empty: the caller knows them), from O(ranks per node)
-        work: what one rank needs, without the plan of every rank."""
-        mine = self.members[nodes[rank]]
-        out: list[tuple[int, int, int]] = []  # (j, src, dst)
-        for j, node in enumerate(self.source_nodes(rank, nodes, k)):
-            for src in self.members[node]:
-                if mine[self.local_index[src] % len(mine)] == rank:
-                    out.append((j, src, rank))
-        for j, dst in enumerate(self.targets(rank, nodes, k)):
-            out.append((j, rank, dst))
-        return [Transfer(src, dst, "") for _, src, dst in sorted(out)]
-
-
 def replica_targets(rank: int, nodes: Sequence[str], k: int) -> list[int]:
-    """The ranks that hold replicas of `rank`'s data: one per other node, k at most."""
-    return ReplicaLayout.of(nodes).targets(rank, nodes, k)
+    """The ranks that hold replicas of `rank`'s data: one per other node, k at most (the
+    commit plan's placement, commit/plan.py)."""
+    return CommitPlan.of(nodes, RAM, k).replica_targets(rank)
 
 
 def replication_plan(files: Sequence[str | None], nodes: Sequence[str], k: int) -> list[Transfer]:
     """Every rank's file to its replica targets, in one order all ranks agree on."""
-    layout = ReplicaLayout.of(nodes)
-    targets = [layout.targets(rank, nodes, k) if name is not None else [] for rank, name in enumerate(files)]
-    plan = []
+    plan = CommitPlan.of(nodes, RAM, k)
+    targets = [plan.replica_targets(rank) if name is not None else [] for rank, name in enumerate(files)]
+    out = []
     for j in range(k):
         for rank, name in enumerate(files):
             if name is not None and j < len(targets[rank]):
-                plan.append(Transfer(rank, targets[rank][j], name))
-    return plan
+                out.append(Transfer(rank, targets[rank][j], name))
+    return out
 
 
 class PeerGroup:
