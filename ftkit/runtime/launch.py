@@ -1,4 +1,4 @@
-"""The worker-side launcher of ``ftkit run``: ``python -m ftkit.tools.launch [--module] TARGET [ARGS...]``.
+"""The worker-side launcher of ``ftkit run``: ``python -m ftkit.runtime.launch [--module] TARGET [ARGS...]``.
 
 ``ftkit run`` has torchrun start every worker through this module instead of
 the script itself. Before the script runs it
@@ -7,7 +7,7 @@ the script itself. Before the script runs it
    so a trainer that calls plain ``init_process_group`` works across torchrun
    restarts even if it imports ftkit late or not at all;
 2. reports the worker's start-up milestones to ``ftkit run``'s startup watch
-   (ftkit/tools/supervise.py) when ``$FTKIT_STARTUP_DIR`` is set: a small daemon
+   (ftkit/runtime/supervise.py) when ``$FTKIT_STARTUP_DIR`` is set: a small daemon
    thread writes ``<dir>/<pid>.json`` with the phase reached, ``started``
    (this module runs), ``group`` (the default process group exists) and
    ``heartbeat`` (a Checkpointer's watchdog runs, i.e. it has published its
@@ -29,9 +29,9 @@ import threading
 import time
 
 from ftkit.coord import boot
-from ftkit.coord.generation import torchrun_attempt
 from ftkit.coord.rendezvous import install
-from ftkit.warm.client import LAUNCHER_PID_ENV  # a warm worker's client: the process torchrun started
+from ftkit.runtime.generation import torchrun_attempt
+from ftkit.runtime.warm.client import LAUNCHER_PID_ENV  # a warm worker's client: the process torchrun started
 
 STARTUP_DIR_ENV = "FTKIT_STARTUP_DIR"
 PHASES = ("started", "group", "heartbeat", "single")  # in order; the last two count as started up
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if module:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m ftkit.tools.launch [--module] TARGET [ARGS...]", file=sys.stderr)
+        print("usage: python -m ftkit.runtime.launch [--module] TARGET [ARGS...]", file=sys.stderr)
         sys.exit(2)
     install()
     start_reporting()
