@@ -299,6 +299,12 @@ def test_launcher_runs_the_script_as_python_would(tmp_path):
     )
     assert mod.returncode == 3, mod.stderr
     assert json.loads(mod.stdout)["argv"] == [str(tmp_path / "job.py"), "a"]
+    # The launcher's old path (docs showed it) still runs the script, and says where the launcher went.
+    old = subprocess.run(
+        [sys.executable, "-m", "ftkit.tools.launch", str(script)], capture_output=True, text=True, cwd=REPO
+    )
+    assert old.returncode == 3 and json.loads(old.stdout)["argv"] == [str(script)], old.stderr
+    assert "ftkit.tools.launch is deprecated: it is ftkit.runtime.launch now" in old.stderr
 
 
 def test_ftkit_run_command_line_rewrite():
