@@ -35,9 +35,9 @@ REPO = os.path.dirname(HERE)
 import bench_recovery  # noqa: E402  (benchmarks/ is first on sys.path)
 
 from ftkit.drill.verify import compare_states  # noqa: E402
+from ftkit.runtime.warm import zygote as warm  # noqa: E402
+from ftkit.runtime.warm.client import REPLACE_ENV  # noqa: E402
 from ftkit.tools.report import analyze, epoch  # noqa: E402
-from ftkit.warm import zygote as warm  # noqa: E402
-from ftkit.warm.client import REPLACE_ENV  # noqa: E402
 
 
 def _ftkit_run(zygote: warm.Zygote, steps: int, kill_at: int | None, step_time: float, replaced: bool) -> dict:

@@ -17,7 +17,7 @@ step) six ways and prints:
 
 the faults each three times in the same run: workers started cold (every restart a
 new interpreter importing torch: how ftkit restarted before warm starts), warm
-(forked from a zygote, ftkit/warm: torchrun restarts the group), and replaced (warm,
+(forked from a zygote, ftkit/runtime/warm: torchrun restarts the group), and replaced (warm,
 the trainer inside ``ftkit.run_in_process`` with ``FTKIT_REPLACE_DEAD=1``, as under
 ``ftkit run --replace-dead 1``: the killed rank's client forks a new worker, the
 others recover in process), each with its recovery's breakdown (`ftkit report`).
@@ -40,9 +40,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from ftkit.coord.events import read_events  # noqa: E402
+from ftkit.runtime.warm import zygote as warm  # noqa: E402
+from ftkit.runtime.warm.client import REPLACE_ENV  # noqa: E402
 from ftkit.tools.report import analyze, epoch, phases_text  # noqa: E402
-from ftkit.warm import zygote as warm  # noqa: E402
-from ftkit.warm.client import REPLACE_ENV  # noqa: E402
 
 
 def launch(

@@ -25,8 +25,8 @@ from ftkit.errors import (  # noqa: E402
     UnsafeRamDirError,
     UsageError,
 )
-from ftkit.inprocess import Generation, RecoveryFailed, run_in_process  # noqa: E402
 from ftkit.integrations.sampler import ResumableDistributedSampler  # noqa: E402
+from ftkit.runtime.inprocess import Generation, RecoveryFailed, run_in_process  # noqa: E402
 from ftkit.save.capture import RankLocal  # noqa: E402
 
 # torchrun restarts of a plain init_process_group("gloo"/"nccl") read no stale

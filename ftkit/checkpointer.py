@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ftkit.config import Tier, resolve_tiers
-from ftkit.coord import boot, generation
+from ftkit.coord import boot
 from ftkit.coord.dist import DistContext
 from ftkit.coord.ending import exit_unless_gone, time_first_gradient
 from ftkit.coord.events import EventLog
@@ -38,13 +38,14 @@ from ftkit.coord.watchdog import Watchdog, WatchdogConfig
 from ftkit.errors import FtkitError
 from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
+from ftkit.runtime import generation
+from ftkit.runtime.warm.client import LAUNCHER_PID_ENV
 from ftkit.save import capture as cap
 from ftkit.save.pipeline import PersistJob, PersistPipeline, Stats
 from ftkit.save.sharding import planned
 from ftkit.save.staging import Slot, StagingArena
 from ftkit.tiers.opened import open_tiers
 from ftkit.tiers.redact import redact_url
-from ftkit.warm.client import LAUNCHER_PID_ENV
 
 log = logging.getLogger("ftkit")
 

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FTKIT_EXTRAS=${FTKIT_EXTRAS:-test} scripts/setup.sh
-.venv/bin/python -m ftkit.drill.demo "$@"
+.venv/bin/python scripts/demo.py "$@"
 echo
 echo "== 5. a failure drill: kill, hang, lose a node and crash a 4-rank torchrun job"
 exec .venv/bin/ftkit drill

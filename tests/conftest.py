@@ -107,16 +107,16 @@ def run_cli(
 
 @pytest.fixture(scope="session")
 def zygote():
-    """One warm-start zygote (ftkit/warm) per test worker, as `ftkit run` keeps one per node.
+    """One warm-start zygote (ftkit/runtime/warm) per test worker, as `ftkit run` keeps one per node.
 
     The torchrun tests hand it to warm_target(): torchrun (the real launcher and
     elastic agent) starts thin clients and every worker of every attempt is forked
     with torch imported, instead of a new interpreter importing it again (seconds per
     worker on this 2-core machine); torchrun itself starts through it too
-    (ftkit.warm.zygote.torchrun_command). Tests of cold starts and plain torchrun stay
+    (ftkit.runtime.warm.zygote.torchrun_command). Tests of cold starts and plain torchrun stay
     cold, and so do those that kill an agent's process tree (test_elastic.py).
     """
-    from ftkit.warm import zygote as warm
+    from ftkit.runtime.warm import zygote as warm
 
     z = warm.start(preload=("torch.distributed.fsdp", "torch.distributed.run", "ftkit.drill.reference"))
     yield z
@@ -126,7 +126,7 @@ def zygote():
 def warm_target(zygote, target: list[str]) -> list[str]:
     """SCRIPT ARGS (or -m MODULE ARGS), rewritten to start through `zygote`'s thin
     client, as `ftkit run` rewrites them; the job's environment needs zygote.env() too."""
-    from ftkit.warm.zygote import client_path
+    from ftkit.runtime.warm.zygote import client_path
 
     if target[0] in ("-m", "--module"):
         return [client_path(), "--module", *target[1:]]

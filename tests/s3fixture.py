@@ -23,8 +23,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-from ftkit.drill.s3server import S3Server  # noqa: E402
-from ftkit.drill.weed import find_weed  # noqa: E402
+from ftkit.drill.s3server import S3Server, find_weed  # noqa: E402
 
 
 @pytest.fixture(scope="session")

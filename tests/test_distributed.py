@@ -16,7 +16,7 @@ from ranks import run_ranks
 
 import ftkit
 from ftkit.format.reader import committed_steps, scan
-from ftkit.warm.zygote import torchrun_command
+from ftkit.runtime.warm.zygote import torchrun_command
 
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
 

@@ -19,7 +19,7 @@ from conftest import REPO, run_cli, warm_target
 
 from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
-from ftkit.warm.zygote import torchrun_command
+from ftkit.runtime.warm.zygote import torchrun_command
 
 TRAINER = os.path.join(REPO, "tests", "inprocess_trainer.py")
 

@@ -24,7 +24,7 @@ from drillkit import by_kind, drill
 
 import ftkit
 from ftkit.format.reader import committed_steps, newest_manifest
-from ftkit.warm.zygote import torchrun_command
+from ftkit.runtime.warm.zygote import torchrun_command
 
 JOB = os.path.join(REPO, "tests", "lightning_ddp_job.py")
 HF_JOB = os.path.join(REPO, "tests", "huggingface_ddp_job.py")
@@ -33,7 +33,7 @@ SAMPLES, BATCH = 48, 4  # lightning_ddp_job.py's
 
 @pytest.fixture(scope="module")
 def lightning_zygote():
-    from ftkit.warm import zygote as warm
+    from ftkit.runtime.warm import zygote as warm
 
     z = warm.start(preload=("lightning.pytorch", "transformers.trainer", "transformers.models.gpt2"))
     yield z

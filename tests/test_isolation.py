@@ -27,8 +27,8 @@ from conftest import REPO, warm_target
 import ftkit
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
 from ftkit.format.reader import committed_steps
+from ftkit.runtime.warm.zygote import torchrun_command
 from ftkit.tiers.ram import IDENTITY_FILE, existing_job_dir, job_dir, remove_job, run_identity, validate_job_id
-from ftkit.warm.zygote import torchrun_command
 
 IDENTITY_VARS = (
     "FTKIT_JOB_ID",

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 import ftkit
-from ftkit.drill.faults import set_faults
+from ftkit.drill.faults import register, set_faults
 from ftkit.format.reader import committed_steps
 
 
@@ -43,6 +46,7 @@ def _restore(url):
 
 @pytest.fixture
 def faulty(tmp_path):
+    register()  # faulty:// exists only where a drill (or a test) registers it
     root = str(tmp_path / "ckpt")
     return f"faulty://{root}", root
 
@@ -89,3 +93,20 @@ def test_silent_damage_is_caught_on_restore(faulty, caplog, fault, needle):
     with caplog.at_level(logging.WARNING, logger="ftkit"):
         assert _restore(url) == 1
     assert any("step 2" in r.message and needle in r.message for r in caplog.records)
+
+
+def test_faulty_is_registered_only_where_a_drill_asks():
+    # A fresh interpreter: ftkit, its checkpointer, tiers and CLI, and the drill package itself
+    # leave fsspec without faulty://; the drills' reference trainer registers it (faults.register).
+    code = (
+        "import fsspec, ftkit, ftkit.checkpointer, ftkit.tiers.opened, ftkit.tools.cli, ftkit.drill\n"
+        "try:\n"
+        "    fsspec.get_filesystem_class('faulty')\n"
+        "    print('registered')\n"
+        "except ValueError:\n"
+        "    from ftkit.drill.faults import register\n"
+        "    register()\n"
+        "    print(fsspec.get_filesystem_class('faulty').__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["FaultyFileSystem"], out.stdout + out.stderr

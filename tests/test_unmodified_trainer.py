@@ -152,7 +152,7 @@ def test_ftkit_run_protects_a_trainer_that_imports_ftkit_only_after_its_group(tm
     ]
     rc, log = _run(tmp_path, cmd, timeout=110)
     assert rc == 0, log[-4000:]
-    assert "ftkit/warm/client.py" in log  # torchrun was told to start the workers warm, through the launcher
+    assert "ftkit/runtime/warm/client.py" in log  # torchrun was told to start the workers warm, through the launcher
     _check_result(tmp_path, 2, log)
     restores = _restores(tmp_path)
     assert sorted(restores) == [0, 2, 3], restores
@@ -277,7 +277,10 @@ def test_launcher_runs_the_script_as_python_would(tmp_path):
         "sys.exit(3)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-m", "ftkit.tools.launch", str(script), "--x", "1"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "ftkit.runtime.launch", str(script), "--x", "1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert out.returncode == 3, out.stderr
     doc = json.loads(out.stdout)
@@ -289,18 +292,24 @@ def test_launcher_runs_the_script_as_python_would(tmp_path):
         "ftkit": True,
     }
     mod = subprocess.run(
-        [sys.executable, "-m", "ftkit.tools.launch", "--module", "job", "a"],
+        [sys.executable, "-m", "ftkit.runtime.launch", "--module", "job", "a"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
     )
     assert mod.returncode == 3, mod.stderr
     assert json.loads(mod.stdout)["argv"] == [str(tmp_path / "job.py"), "a"]
+    # The launcher's old path (docs showed it) still runs the script, and says where the launcher went.
+    old = subprocess.run(
+        [sys.executable, "-m", "ftkit.tools.launch", str(script)], capture_output=True, text=True, cwd=REPO
+    )
+    assert old.returncode == 3 and json.loads(old.stdout)["argv"] == [str(script)], old.stderr
+    assert "ftkit.tools.launch is deprecated: it is ftkit.runtime.launch now" in old.stderr
 
 
 def test_ftkit_run_command_line_rewrite():
-    from ftkit.tools.supervise import plan
-    from ftkit.warm.zygote import client_path
+    from ftkit.runtime.supervise import plan
+    from ftkit.runtime.warm.zygote import client_path
 
     defaults = ["--max-restarts", "3", "--monitor-interval", "0.5", "--standalone"]
     argv = ["--nproc-per-node", "2", "--startup-timeout", "30", "train.py", "--run-dir", "x", "--max-restarts=9"]
@@ -311,12 +320,12 @@ def test_ftkit_run_command_line_rewrite():
     script = ["train.py", "--run-dir", "x", "--max-restarts=9"]
     assert p.torchrun_args == [*defaults, "--nproc-per-node", "2", client_path(), *script]
     p = plan(["--cold", *argv])
-    assert not p.warm and p.torchrun_args == [*defaults, "--nproc-per-node", "2", "-m", "ftkit.tools.launch", *script]
+    assert not p.warm and p.torchrun_args == [*defaults, "--nproc-per-node", "2", "-m", "ftkit.runtime.launch", *script]
     p = plan(["--run-dir=r", "--preload", "numpy,json", "--replace-dead", "2", "-m", "pkg.train", "--lr", "1"])
     assert p.run_dir == "r" and p.preload == ("numpy", "json") and p.replace_dead == 2
     assert p.torchrun_args == [*defaults, client_path(), "--module", "pkg.train", "--lr", "1"]
     p = plan(["--run-dir=r", "--cold", "-m", "pkg.train", "--lr", "1"])
-    assert p.torchrun_args[-6:] == ["-m", "ftkit.tools.launch", "--module", "pkg.train", "--lr", "1"]
+    assert p.torchrun_args[-6:] == ["-m", "ftkit.runtime.launch", "--module", "pkg.train", "--lr", "1"]
     p = plan(["--no-python", "--max-restarts", "1", "./run.sh"])
     assert not p.launched and not p.warm and p.notes and p.torchrun_args[-1] == "./run.sh"
     assert plan(["--nproc-per-node"]).torchrun_args == ["--nproc-per-node"]  # torchrun reports the error
@@ -338,13 +347,13 @@ def test_ftkit_run_rejects_a_negative_startup_timeout():
 
 
 def test_the_launcher_sees_a_checkpointer_watchdog_as_the_first_heartbeat():
-    # ftkit.tools.launch reports "heartbeat" once a watchdog thread runs: keep the two in step
+    # ftkit.runtime.launch reports "heartbeat" once a watchdog thread runs: keep the two in step
     import torch.distributed as dist
 
     from ftkit.coord.dist import DistContext
     from ftkit.coord.events import EventLog
     from ftkit.coord.watchdog import Watchdog
-    from ftkit.tools.launch import _heartbeat_running
+    from ftkit.runtime.launch import _heartbeat_running
 
     assert not _heartbeat_running()
     wd = Watchdog(DistContext(rank=0, world_size=2, store=dist.HashStore()), EventLog(None, 0))

@@ -1,6 +1,6 @@
 """A verdict kills the process its heartbeat came from, never another that got its pid since:
 each heartbeat records when its process started (ftkit/coord/beatslots.py), and the verdict
-(ftkit/coord/verdict_actions.py) kills only a live process that started then.
+(ftkit/runtime/verdict_actions.py) kills only a live process that started then.
 
 Real processes: a real watchdog (rank 0 of 2, its node's leader) reads rank 1's heartbeat slot,
 which names a live ``sleep`` process, finds rank 1 silent, and acts on its verdict.
@@ -20,7 +20,7 @@ import pytest
 
 from ftkit.coord.beatslots import MAX_HOST, BeatSlots, pack_beat, unpack_beat
 from ftkit.coord.judge import Beat
-from ftkit.warm.client import process_start
+from ftkit.runtime.warm.client import process_start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat
 from ftkit.coord.nodelocal import NodeBoard
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig
-from ftkit.warm.client import process_start
+from ftkit.runtime.warm.client import process_start
 
 logging.basicConfig(level=logging.INFO)
 pid, start = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2]))

@@ -1,4 +1,4 @@
-"""Warm starts (ftkit/warm): a worker forked from the zygote behaves as a cold one would.
+"""Warm starts (ftkit/runtime/warm): a worker forked from the zygote behaves as a cold one would.
 
 Real processes throughout: one zygote for the module, real clients started as
 torchrun starts them (``python -u .../client.py SCRIPT ARGS``), real signals.
@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from ftkit.warm import client as wire
-from ftkit.warm import zygote
+from ftkit.runtime.warm import client as wire
+from ftkit.runtime.warm import zygote
 
 SCRIPT = """
 import json, os, random, signal, sys, time
@@ -207,7 +207,7 @@ def test_a_worker_is_replaced_only_when_killed_inside_an_in_process_loop_and_not
     signal from torchrun, replacements left. Anything else is passed on to torchrun as before."""
     import signal as sig
 
-    from ftkit.warm.client import _replaceable
+    from ftkit.runtime.warm.client import _replaceable
 
     mark = tmp_path / "replaceable-1"
     mark.touch()
@@ -222,11 +222,11 @@ def test_a_worker_is_replaced_only_when_killed_inside_an_in_process_loop_and_not
 
 
 def test_the_warm_agents_method_name_names_the_frame_torchs_does():
-    # ftkit/warm/agent.py replaces the dynamic rendezvous's get_method_name (inspect.stack(), slow
+    # ftkit/runtime/warm/agent.py replaces the dynamic rendezvous's get_method_name (inspect.stack(), slow
     # in an interpreter with a zygote's modules) for a warm torchrun agent: same frame, same name.
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
 
-    from ftkit.warm.agent import method_name
+    from ftkit.runtime.warm.agent import method_name
 
     def record(name_of):  # as the rendezvous's _record calls it: the name of its own caller
         return name_of()

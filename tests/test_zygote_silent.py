@@ -1,4 +1,4 @@
-"""The zygote (ftkit/warm/zygote.py) reads requests as they arrive: connections that send
+"""The zygote (ftkit/runtime/warm/zygote.py) reads requests as they arrive: connections that send
 nothing, or half a request, are dropped at their own deadline and hold up no warm start.
 
 Real processes: a zygote of its own, raw connections to its socket, a real client started
@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from ftkit.warm import zygote
+from ftkit.runtime.warm import zygote
 
 SCRIPT = """
 import os, sys

@@ -10,7 +10,7 @@ import time
 
 from conftest import REPO, warm_target
 
-from ftkit.warm.zygote import torchrun_command
+from ftkit.runtime.warm.zygote import torchrun_command
 
 
 class Job:

@@ -14,13 +14,13 @@ has no ``rendezvous``):
 
     process     the process torchrun started began (the warm client's start, else the
                 OS's create time of this process)
-    forked      a warm start: the zygote forked this worker (ftkit/warm/zygote.py)
+    forked      a warm start: the zygote forked this worker (ftkit/runtime/warm/zygote.py)
     launch      the imports are done: ftkit's launcher is about to run the script, or (a
                 script started without it) ``import ftkit`` has finished
     rendezvous  init_process_group's env:// rendezvous began
     store       the rendezvous store is connected; the process group is built next
 
-and, for a generation started by an in-process recovery (ftkit/inprocess.py) in the
+and, for a generation started by an in-process recovery (ftkit/runtime/inprocess.py) in the
 same process, instead of those:
 
     failed      the failure reached the recovery wrapper on this rank (its loop unwound)
@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import time
 
-from ftkit.warm.client import PROCESS_T_ENV  # the start of the process torchrun started
+from ftkit.runtime.warm.client import PROCESS_T_ENV  # the start of the process torchrun started
 
 MILESTONES = ("process", "forked", "launch", "rendezvous", "store", "failed", "torn_down", "regrouped")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftkit.coord import generation
 from ftkit.errors import PeerTimeout, RecoveryRequested
 from ftkit.format.validate import parse_json, parse_message
+from ftkit.runtime import generation
 
 
 def node_id(rank: int) -> str:
@@ -121,7 +121,7 @@ class DistContext:
 
         # Keys are namespaced per torchrun attempt so a restarted group never reads
         # what the previous attempt left in a store that outlives it.
-        # (and per in-process recovery: coord/generation.py)
+        # (and per in-process recovery: runtime/generation.py)
         attempt = (generation.torchrun_attempt() or "0") + generation.suffix()
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())

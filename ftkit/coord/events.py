@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from ftkit.coord import generation
+from ftkit.runtime import generation
 from ftkit.tiers.redact import redact_url
 
 log = logging.getLogger("ftkit")

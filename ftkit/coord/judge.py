@@ -89,7 +89,7 @@ class Beat:
     failed: bool = False
     preempt: bool = False
     stopped: bool = False  # its watchdog has stopped: the rank's last beat
-    # When its process started (clock ticks since boot, warm/client.py process_start): with `pid`,
+    # When its process started (clock ticks since boot, runtime/warm/client.py process_start): with `pid`,
     # which process a verdict may kill (a pid reused since is another's). None: not recorded.
     start: int | None = None
 

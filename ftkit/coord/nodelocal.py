@@ -36,10 +36,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ftkit.coord import generation
 from ftkit.coord.beatslots import BeatSlots
 from ftkit.coord.mailbox import Addresses, Mailbox, box_name, message_frame, notice_frame, post
 from ftkit.format.validate import parse_message
+from ftkit.runtime import generation
 from ftkit.tiers.ram import private_subdir
 
 MAX_BYTES = 64 * 1024  # a verdict or a preemption notice is a few hundred bytes

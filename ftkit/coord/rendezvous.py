@@ -24,7 +24,7 @@ handler is swapped in torch's handler table (keeping the original, which still
 builds the store: nothing else changes). This happens when ftkit is imported
 (``install()`` from ``ftkit/__init__``): importing ftkit before
 ``init_process_group`` is enough, with plain torchrun. ``ftkit run`` also
-installs it in every worker before the script starts (``ftkit.tools.launch``), so a
+installs it in every worker before the script starts (``ftkit.runtime.launch``), so a
 trainer that imports ftkit late, or not at all, is covered too.
 
 Measured (torch 2.13, 3 gloo ranks on 2 cores, tests/unmodified_trainer.py): 5
@@ -57,9 +57,9 @@ Scope and limits:
 * A torchrun restart after a membership change (a node joins a c10d
   rendezvous) keeps ``TORCHELASTIC_RESTART_COUNT``, which may also differ
   between agents; torchrun gives the workers nothing that tells those groups
-  apart. ftkit's own agent (``ftkit run``, ftkit/warm/agent.py) exports the
+  apart. ftkit's own agent (``ftkit run``, ftkit/runtime/warm/agent.py) exports the
   rendezvous round, the same on every node and new at every round, and the
-  namespace is named after it (coord/generation.py ``torchrun_attempt``); under
+  namespace is named after it (runtime/generation.py ``torchrun_attempt``); under
   plain torchrun such a re-formed group shares its attempt's namespace (as it
   shares torch's keys without this).
 """
@@ -71,7 +71,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ftkit.coord.generation import torchrun_attempt
+from ftkit.runtime.generation import torchrun_attempt
 
 log = logging.getLogger("ftkit")
 

@@ -22,7 +22,7 @@ never the global store. Then:
   dead aggregator is found by its own node as well as by its ring watchers.
 
 A verdict is posted once to one store key (compare-and-set: the first judge
-wins, later ones join it; coord/verdict_actions.py). Every rank that learns it records it, kills the
+wins, later ones join it; runtime/verdict_actions.py). Every rank that learns it records it, kills the
 target if it is a process on this host (same host name, boot id and pid
 namespace: dist.host_identity; and still the process that beat, by the start time its
 heartbeat recorded; a stopped process would hold up the restart) and
@@ -64,9 +64,9 @@ from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, Wat
 from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
 from ftkit.coord.preemption import parse_preemption_notice, preemption_notice
-from ftkit.coord.verdict_actions import VERDICT, VerdictActions
 from ftkit.format.validate import rank_key
-from ftkit.warm.client import process_start, process_stopped  # (the warm client asks the same of its worker)
+from ftkit.runtime.verdict_actions import VERDICT, VerdictActions
+from ftkit.runtime.warm.client import process_start, process_stopped  # (the warm client asks the same of its worker)
 
 log = logging.getLogger("ftkit")
 PREEMPT, DONE = "wd/preempt", "wd/done"

@@ -8,17 +8,12 @@ job.py       torchrun under drill, fault points, the injectors
 verify.py    faults matched to recoveries; states and checkpoints checked
 run.py       the order of a drill, its reports
 cli.py       the command line and the printed summary
+reference.py the trainer a drill runs; it registers faults.py's faulty:// with fsspec (faults.register)
+s3server.py  the drill's own S3 server (SeaweedFS) for --tiers ...,s3; also scripts/s3_server.py
 """
 
-import fsspec
-
-# The drills' fault-injecting filesystem (faults.py), as faulty:// for fsspec: registered where a
-# drill runs (this package: its CLI, its reference trainer, the tests that inject storage faults),
-# not for every user of fsspec on the machine, as an installed entry point would be.
-fsspec.register_implementation("faulty", "ftkit.drill.faults.FaultyFileSystem", clobber=True)
-
-from ftkit.drill.cli import main  # noqa: E402
-from ftkit.drill.run import DEFAULT_FAULTS, run_drill  # noqa: E402
-from ftkit.drill.schedule import Fault, parse_faults, random_faults  # noqa: E402
+from ftkit.drill.cli import main
+from ftkit.drill.run import DEFAULT_FAULTS, run_drill
+from ftkit.drill.schedule import Fault, parse_faults, random_faults
 
 __all__ = ["DEFAULT_FAULTS", "Fault", "main", "parse_faults", "random_faults", "run_drill"]

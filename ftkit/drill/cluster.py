@@ -1,7 +1,7 @@
 """A training job over emulated hosts: one torchrun agent per host, as jobs are deployed.
 
 Each host (ftkit/drill/hosts.py: its own network, hostname, /dev/shm and /tmp) runs its
-own zygote (warm workers, ftkit/warm) and its own torchrun agent; the agents meet in a
+own zygote (warm workers, ftkit/runtime/warm) and its own torchrun agent; the agents meet in a
 dynamic rendezvous: torch's ``etcd-v2`` backend on a real etcd running on a host of its
 own (the default: it outlives every training host), or ``c10d`` hosted by the first
 host's agent (which dies with that host: docs/operations.md). Node identity comes from
@@ -34,9 +34,9 @@ from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.etcd import Etcd
 from ftkit.drill.hosts import Fabric, Host
 from ftkit.drill.job import latest_attempt, starts
+from ftkit.runtime.warm.zygote import Zygote, client_path, torchrun_command
+from ftkit.runtime.warm.zygote import start as start_zygote
 from ftkit.tools.report import epoch
-from ftkit.warm.zygote import Zygote, client_path, torchrun_command
-from ftkit.warm.zygote import start as start_zygote
 
 C10D_PORT = 29400
 # The rendezvous's timing: a lost host is out of the next round within keep_alive_interval x
@@ -203,7 +203,7 @@ class Cluster:
         return proc
 
     def kill_agent(self, name: str) -> None:
-        """Kill only `name`'s torchrun agent (SIGKILL): its workers end with it (ftkit/warm/client.py)."""
+        """Kill only `name`'s torchrun agent (SIGKILL): its workers end with it (ftkit/runtime/warm/client.py)."""
         proc = self.agents[name]
         if proc.poll() is None:
             proc.kill()

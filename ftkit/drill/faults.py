@@ -19,9 +19,9 @@ what checksums and size checks must catch on the way back.
 Fault points (ftkit/coord/faultpoints.py) are the other half: places inside a
 snapshot, a persist, a replication and a commit where a drill can freeze a rank.
 
-The filesystem is registered with fsspec under ``faulty://`` through the
-``fsspec.specs`` entry point in pyproject.toml: nothing in ftkit's storage code
-knows about it.
+fsspec knows the filesystem as ``faulty://`` only where :func:`register` ran: the drills'
+reference trainer (the job a drill starts) and the tests that inject storage faults. Importing
+ftkit, its tiers or its CLI does not register it, and nothing in ftkit's storage code knows it.
 """
 
 from __future__ import annotations
@@ -162,4 +162,6 @@ class _FaultyWriter(io.RawIOBase):
         super().close()
 
 
-fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
+def register() -> None:
+    """Make ``faulty://`` URLs open a FaultyFileSystem in this process (idempotent)."""
+    fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)

@@ -37,10 +37,10 @@ from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _check_schedule, _entry
 from ftkit.drill.schedule import HOST_KINDS, Fault, parse_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream
 from ftkit.errors import UsageError
+from ftkit.runtime.warm.client import REPLACE_ENV
+from ftkit.runtime.warm.zygote import Zygote
+from ftkit.runtime.warm.zygote import start as start_zygote
 from ftkit.tools.report import analyze, epoch, to_html
-from ftkit.warm.client import REPLACE_ENV
-from ftkit.warm.zygote import Zygote
-from ftkit.warm.zygote import start as start_zygote
 
 DEFAULT_HOST_FAULTS = "host@20:host=rank0,partition@45:host=2:for=15"
 

@@ -24,8 +24,8 @@ from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.faults import set_faults
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.runtime.warm.zygote import Zygote, client_path, torchrun_command
 from ftkit.tools.report import epoch
-from ftkit.warm.zygote import Zygote, client_path, torchrun_command
 
 _STORAGE_SWITCH = {
     "enospc": "enospc",
@@ -110,7 +110,7 @@ class RunLog:
 class Job(RunLog):
     """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``).
 
-    With a `zygote` (ftkit/warm) torchrun starts each worker as a warm client that has
+    With a `zygote` (ftkit/runtime/warm) torchrun starts each worker as a warm client that has
     the zygote fork it; the drill's faults go to the forked workers (the pids their
     ``start`` events name), as they would to cold ones.
     """

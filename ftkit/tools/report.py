@@ -20,13 +20,13 @@ milestone a launcher did not see is counted in the next one:
 
     teardown         torchrun sees the failure, stops the group, its agents meet again, and
                      the new processes begin
-    process start    a warm worker's client starts and the zygote forks it (ftkit/warm)
+    process start    a warm worker's client starts and the zygote forks it (ftkit/runtime/warm)
     imports          -> ftkit's launcher runs the script (a cold worker imports torch here)
     set-up           -> the script calls init_process_group (its own imports and set-up)
     rendezvous       -> the rendezvous store is connected
     group and model  -> the Checkpointer starts (the process group, the model, the optimizer)
 
-and for an in-process recovery (ftkit/inprocess.py: no process starts, the group re-forms)
+and for an in-process recovery (ftkit/runtime/inprocess.py: no process starts, the group re-forms)
 
     unwind           -> the failure reached every rank's recovery wrapper
     group teardown   -> every rank destroyed the failed generation's process group

@@ -12,7 +12,7 @@
 
 Order of calls: :func:`run_in_process` creates the default process group if there
 is none (``init_process_group(backend)``, env://), marks the process as recovering in
-process (coord/generation.py) and calls ``fn(Generation(...))``. When ``fn`` raises
+process (generation.py) and calls ``fn(Generation(...))``. When ``fn`` raises
 an ``Exception`` on any rank:
 
 1. that rank's Checkpointer closes as failed and posts the verdict (its watchdog);
@@ -40,14 +40,14 @@ an ``Exception`` on any rank:
 Nothing of a surviving rank exits, and its pid and imports stay. A rank that is
 dead or hung (no Python left to run) cannot take part itself. Under ``ftkit run
 --replace-dead N`` it is replaced instead: the judge on its host kills it if it is
-still there, its warm client (ftkit/warm/client.py) asks the zygote for a new
+still there, its warm client (ftkit/runtime/warm/client.py) asks the zygote for a new
 worker rather than ending, and the survivors recover in process as from an
 exception. The new worker (``$FTKIT_REJOIN``) does not create the first group: it
 waits for the survivors' next generation (``ftkit-gen/latest``, set as each rank
 advances, with fewer arrivals than the world), meets them there, and ``fn`` runs
 in it (its ``restore()`` reads node RAM like theirs). Otherwise, and for a lost
 node (no client left to replace its ranks), those verdicts end the workers as
-before and torchrun restarts the group (warm, ftkit/warm). So do a
+before and torchrun restarts the group (warm, ftkit/runtime/warm). So do a
 recovery that does not come together within ``recovery_timeout_s`` (a second fault
 while the group re-forms: a rank that never arrives), more than ``max_recoveries``
 recoveries, and ``KeyboardInterrupt``/``SystemExit``, which are never caught.
@@ -68,11 +68,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
-from ftkit.coord import boot, generation
+from ftkit.coord import boot
 from ftkit.coord.faultpoints import fault_point
-from ftkit.coord.verdict_actions import EXIT_CODE  # (torchrun restarts the group)
 from ftkit.errors import FtkitError, one_line
-from ftkit.warm.client import REJOIN_ENV, REPLACEABLE_ENV
+from ftkit.runtime import generation
+from ftkit.runtime.verdict_actions import EXIT_CODE  # (torchrun restarts the group)
+from ftkit.runtime.warm.client import REJOIN_ENV, REPLACEABLE_ENV
 
 LATEST_KEY = "ftkit-gen/latest"  # the generation the ranks advanced to last (a replacement joins it)
 
@@ -221,7 +222,7 @@ def _rejoin(backend: str, timeout: timedelta, wait_s: float) -> tuple[Any, set[t
 def _namespace(store: Any) -> Any:
     """The wrapper's keys (generation counters, each generation's group): a namespace of the job's
     store itself, below whatever prefixes torch or ftkit's launcher added, so a replacement that
-    never made the first group (ftkit/warm/client.py) finds the same keys through its own
+    never made the first group (ftkit/runtime/warm/client.py) finds the same keys through its own
     connection; one per torchrun attempt, whose processes count generations from 0 again."""
     import torch.distributed as dist
 

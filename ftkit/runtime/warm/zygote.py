@@ -2,10 +2,10 @@
 
 Order of calls: the starter (``ftkit run``, the drill) calls :func:`start`, which
 binds the listening socket itself (so clients can connect at once and wait in
-the backlog while the zygote imports) and starts ``python -m ftkit.warm.zygote``
-with it; torchrun then starts its workers as ftkit/warm/client.py, each of which
+the backlog while the zygote imports) and starts ``python -m ftkit.runtime.warm.zygote``
+with it; torchrun then starts its workers as ftkit/runtime/warm/client.py, each of which
 sends its request; :func:`serve` forks one worker per request; the forked child
-leaves the serving loop and runs the script through ``ftkit.tools.launch``
+leaves the serving loop and runs the script through ``ftkit.runtime.launch``
 (:func:`main`); finally the starter calls :meth:`Zygote.stop`.
 
 The zygote is single-threaded (a selector loop), never initialises CUDA and never
@@ -48,17 +48,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.warm import agent
-from ftkit.warm import client as wire
+from ftkit.runtime.warm import agent
+from ftkit.runtime.warm import client as wire
 
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "ftkit", "ftkit.tools.launch")
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "ftkit", "ftkit.runtime.launch")
 REQUEST_TIMEOUT_S = 5.0  # a client sends its request as soon as it connects: one silent this long is dropped
 MAX_PENDING = 64  # requests read at once; more connections wait in the listener's backlog (bounded fds)
 
 
 @dataclass(frozen=True)
 class Task:
-    """What a forked worker runs: ftkit.tools.launch with the client's arguments."""
+    """What a forked worker runs: ftkit.runtime.launch with the client's arguments."""
 
     argv: list[str]
 
@@ -96,7 +96,7 @@ def client_path() -> str:
 
 def torchrun_command(zygote: Zygote | None, torchrun_args: list[str]) -> list[str]:
     """torchrun's command line: its launcher and elastic agent, ``torch.distributed.run``'s
-    own ``main`` with one logging helper of torch's made cheap (ftkit/warm/agent.py: a
+    own ``main`` with one logging helper of torch's made cheap (ftkit/runtime/warm/agent.py: a
     restart's rendezvous without it spends ~0.2 s here naming methods for log records).
     Without a zygote the agent is a new interpreter that runs agent.py by path (no ftkit
     import: ~0.4 s less at the job's start). With one it starts through the thin client,
@@ -105,7 +105,7 @@ def torchrun_command(zygote: Zygote | None, torchrun_args: list[str]) -> list[st
     signals on and ends as it ends. The job's environment needs zygote.env()."""
     if zygote is None:
         return [sys.executable, agent.__file__, *torchrun_args]
-    return [sys.executable, "-u", client_path(), "--module", "ftkit.warm.agent", *torchrun_args]
+    return [sys.executable, "-u", client_path(), "--module", "ftkit.runtime.warm.agent", *torchrun_args]
 
 
 def start(
@@ -126,7 +126,7 @@ def start(
     try:
         listener.bind(path)
         listener.listen(512)
-        cmd = [sys.executable, "-m", "ftkit.warm.zygote", "--fd", str(listener.fileno())]
+        cmd = [sys.executable, "-m", "ftkit.runtime.warm.zygote", "--fd", str(listener.fileno())]
         if preload:
             cmd += ["--preload", ",".join(preload)]
         proc = spawn(
@@ -436,7 +436,7 @@ def _kill_group(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ftkit.warm.zygote")
+    p = argparse.ArgumentParser(prog="python -m ftkit.runtime.warm.zygote")
     p.add_argument("--fd", type=int, required=True, help="the listening Unix socket, bound by the starter")
     p.add_argument("--preload", default="", help="more modules to import, comma-separated")
     args = p.parse_args(argv)
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     task = serve(listener)
     if task is None:
         return
-    from ftkit.tools.launch import main as launch
+    from ftkit.runtime.launch import main as launch
 
     launch(task.argv)  # the script's SystemExit, exceptions and exit are the worker's own
 

@@ -2,7 +2,7 @@
 
 torchrun numbers its attempts (``torchrun_attempt``: the rendezvous round, or
 ``TORCHELASTIC_RESTART_COUNT``); an in-process
-recovery (ftkit/inprocess.py) re-forms the process group without a new attempt,
+recovery (ftkit/runtime/inprocess.py) re-forms the process group without a new attempt,
 so everything namespaced per attempt is namespaced per (attempt, generation):
 the Checkpointer's store keys (coord/dist.py), the node boards (coord/nodelocal.py),
 the event log's ``gen`` field (coord/events.py). Generation 0 adds nothing, so
@@ -29,7 +29,7 @@ _requested: Any = None  # the verdict that asked for a recovery of the current g
 _instances: dict[int, int] = {}  # Checkpointers created so far, by generation
 
 
-ROUND_ENV = "FTKIT_RDZV_ROUND"  # exported by ftkit's torchrun agent (ftkit/warm/agent.py)
+ROUND_ENV = "FTKIT_RDZV_ROUND"  # exported by ftkit's torchrun agent (ftkit/runtime/warm/agent.py)
 
 
 def torchrun_attempt(environ: Mapping[str, str] = os.environ) -> str | None:

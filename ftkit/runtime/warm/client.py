@@ -1,8 +1,8 @@
-"""The thin worker torchrun starts for a warm start: ``python -u .../ftkit/warm/client.py [--module] TARGET ARGS``.
+"""The thin worker torchrun starts for a warm start: ``python -u .../runtime/warm/client.py [--module] TARGET ARGS``.
 
 Standard library only, and run by its path (not ``-m ftkit...``, which would
 import ftkit and with it torch): it starts in ~40 ms. It asks this node's
-zygote (``$FTKIT_ZYGOTE``, ftkit/warm/zygote.py) to fork a worker that runs
+zygote (``$FTKIT_ZYGOTE``, ftkit/runtime/warm/zygote.py) to fork a worker that runs
 TARGET with this process's arguments, environment, working directory and
 standard streams (passed as file descriptors), then stands in for it towards
 torchrun:
@@ -17,7 +17,7 @@ torchrun:
   worker with it, as above): workers never train on without an agent.
 
 Without a zygote (no ``$FTKIT_ZYGOTE``, or it does not answer) the worker starts
-cold: this process becomes ``python -m ftkit.tools.launch`` in place (exec).
+cold: this process becomes ``python -m ftkit.runtime.launch`` in place (exec).
 
 **Replacing a killed worker** (``$FTKIT_REPLACE_DEAD`` = N > 0, set by ``ftkit run
 --replace-dead N``): when the worker dies by SIGKILL (an OOM kill, a drill's kill, the
@@ -26,7 +26,7 @@ keeps the file ``$FTKIT_REPLACEABLE`` while it runs), and no ending signal came 
 torchrun, this client asks the zygote for a new worker instead of ending, at most N
 times: torchrun's agent never sees a death, so the other ranks keep their processes
 and re-form the group in process; the new worker (``$FTKIT_REJOIN`` set) joins their
-next generation (ftkit/inprocess.py) and restores from node RAM.
+next generation (ftkit/runtime/inprocess.py) and restores from node RAM.
 
 The wire format (shared with the zygote): each message is a 4-byte big-endian
 length and a JSON object; the request carries the three standard streams as
@@ -116,7 +116,7 @@ def _cold(argv: list[str]) -> NoReturn:
     torchrun agent's own client put in the environment (its start, its pid) is not this worker's."""
     os.environ.pop(PROCESS_T_ENV, None)
     os.environ.pop(LAUNCHER_PID_ENV, None)
-    os.execv(sys.executable, [sys.executable, "-u", "-m", "ftkit.tools.launch", *argv])
+    os.execv(sys.executable, [sys.executable, "-u", "-m", "ftkit.runtime.launch", *argv])
 
 
 def _die_like(status: dict) -> NoReturn:

@@ -1,7 +1,7 @@
 """`ftkit run`: torchrun with fault-tolerance defaults, the restart-safe launcher and the startup watch.
 
-The command line is planned by tools/supervise.py (`plan`), the workers start
-through tools/launch.py, and the startup watch (`StartupWatch`) ends a group
+The command line is planned by supervise.py (`plan`), the workers start
+through launch.py, and the startup watch (`StartupWatch`) ends a group
 whose workers never sent their first heartbeat.
 """
 
@@ -15,11 +15,11 @@ import sys
 import tempfile
 
 from ftkit.errors import UsageError
+from ftkit.runtime.supervise import StartupWatch, plan, startup_env
+from ftkit.runtime.warm.client import REPLACE_ENV
+from ftkit.runtime.warm.zygote import start as start_zygote
+from ftkit.runtime.warm.zygote import torchrun_command
 from ftkit.tools.cliutil import EXIT_OK, EXIT_USAGE
-from ftkit.tools.supervise import StartupWatch, plan, startup_env
-from ftkit.warm.client import REPLACE_ENV
-from ftkit.warm.zygote import start as start_zygote
-from ftkit.warm.zygote import torchrun_command
 
 RUN_HELP = """usage: ftkit run [--run-dir DIR] [--startup-timeout S] [--cold] [--preload MODULES]
                  [--replace-dead N] [torchrun options] script.py [script args]
@@ -31,7 +31,7 @@ trainers as they are:
     unless a rendezvous endpoint or --nnodes is given;
   * FTKIT_RUN_DIR is set to --run-dir (default ./ftkit-run) so Checkpointers log
     events there; `ftkit report DIR` reads them afterwards;
-  * every worker starts through ftkit.tools.launch, which makes a plain
+  * every worker starts through ftkit.runtime.launch, which makes a plain
     init_process_group() (init_method env://, the default) safe across torchrun
     restarts: each attempt gets its own namespace in torchrun's store, so no
     worker reads a dead attempt's rendezvous keys. The script needs no change,

@@ -24,12 +24,12 @@ import signal
 import threading
 from collections.abc import Callable
 
-from ftkit.coord import generation
 from ftkit.coord.dist import DistContext
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, Verdict, WatchdogConfig, decode_json
 from ftkit.coord.nodelocal import NodeBoard
-from ftkit.warm.client import process_start, replacements_allowed
+from ftkit.runtime import generation
+from ftkit.runtime.warm.client import process_start, replacements_allowed
 
 log = logging.getLogger("ftkit")
 EXIT_CODE = 75  # what an aborting rank exits with (EX_TEMPFAIL: try again)
@@ -71,7 +71,7 @@ def kill_if_same(pid: int, start: int | None) -> str | None:
 
 def replaceable(verdict: Verdict, me: int) -> bool:
     """A dead or hung rank judged on its own host, in a job whose warm clients replace killed
-    workers (``ftkit run --replace-dead``, ftkit/warm/client.py): the others recover in process."""
+    workers (``ftkit run --replace-dead``, ftkit/runtime/warm/client.py): the others recover in process."""
     return verdict.what in ("dead", "hung") and verdict.local and verdict.target != me and replacements_allowed() > 0
 
 

@@ -1,7 +1,7 @@
 """torchrun's launcher and elastic agent, as ftkit starts it (``zygote.torchrun_command``):
 ``torch.distributed.run``'s own ``main``, with one helper of torch's replaced. ``ftkit run``
 and a drill without a zygote run this file by path in a new interpreter (it imports no
-ftkit); a drill or a test with a zygote forks it warm (``--module ftkit.warm.agent``).
+ftkit); a drill or a test with a zygote forks it warm (``--module ftkit.runtime.warm.agent``).
 
 torch's dynamic rendezvous names the method behind each of its log records with
 ``inspect.stack()``, twice per record (``get_method_name``). That resolves the module of

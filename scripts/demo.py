@@ -1,6 +1,7 @@
+#!/usr/bin/env python3
 """The README's demo: train, get killed, inspect and restore from the CLI, resume.
 
-    python -m ftkit.drill.demo [--run-dir DIR] [--steps 40] [--kill-at 23]
+    python scripts/demo.py [--run-dir DIR] [--steps 40] [--kill-at 23]   (scripts/demo.sh sets up .venv first)
 
 1. starts the reference trainer with snapshots to a local directory;
 2. SIGKILLs it mid-run (as an OOM killer or a lost node would);

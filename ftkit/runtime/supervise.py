@@ -3,7 +3,7 @@
 torchrun stays the launcher and the elastic agent; ``ftkit run`` only
 
 1. rewrites the command so torchrun starts each worker as
-   ``python -u -m ftkit.tools.launch SCRIPT ARGS`` (ftkit/tools/launch.py): the restart-safe
+   ``python -u -m ftkit.runtime.launch SCRIPT ARGS`` (ftkit/runtime/launch.py): the restart-safe
    ``env://`` rendezvous is in place before the script runs, whether or not
    the script imports ftkit, and each worker reports its start-up milestones;
 2. watches start-up (:class:`StartupWatch`): every worker of a group must
@@ -37,7 +37,7 @@ other agents follow through torchrun's rendezvous. It records a ``detect``
 event (``what: "startup"``, rank -1, beside the ranks' own) in the run's event
 log, so ``ftkit report`` shows the incident.
 
-The bound applies to workers started through ``ftkit.tools.launch``; with
+The bound applies to workers started through ``ftkit.runtime.launch``; with
 ``--no-python`` or ``--run-path`` the workers are not, and the watch is off.
 A trainer whose workers never start a Checkpointer watchdog (no Checkpointer,
 or ``watchdog=False``) never reaches a first heartbeat: run it with
@@ -55,9 +55,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ftkit.coord.generation import torchrun_attempt
 from ftkit.errors import UsageError
-from ftkit.tools.launch import STARTUP_DIR_ENV
+from ftkit.runtime.generation import torchrun_attempt
+from ftkit.runtime.launch import STARTUP_DIR_ENV
 
 RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"  # across hosts, see plan()
 
@@ -76,10 +76,10 @@ class Plan:
     torchrun_args: list[str]
     run_dir: str = "ftkit-run"
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
-    launched: bool = True  # workers start through ftkit.tools.launch
-    warm: bool = True  # ... forked from a zygote (ftkit/warm), torchrun starting their thin clients
+    launched: bool = True  # workers start through ftkit.runtime.launch
+    warm: bool = True  # ... forked from a zygote (ftkit/runtime/warm), torchrun starting their thin clients
     preload: tuple[str, ...] = ()  # modules the zygote imports besides torch and ftkit
-    replace_dead: int = 0  # times a warm client may replace its killed worker (ftkit/warm/client.py)
+    replace_dead: int = 0  # times a warm client may replace its killed worker (ftkit/runtime/warm/client.py)
     notes: list[str] = field(default_factory=list)
 
 
@@ -171,22 +171,22 @@ def plan(argv: list[str]) -> Plan:
     if ns.no_python or ns.run_path:
         out.launched = False
         out.notes.append(
-            "with --no-python or --run-path the workers do not start through ftkit.tools.launch: "
+            "with --no-python or --run-path the workers do not start through ftkit.runtime.launch: "
             "restarts are safe only if the script imports ftkit before init_process_group, "
             "and the startup watch is off"
         )
         out.warm = False
         out.torchrun_args = [*defaults, *options, *script]
-    elif out.warm:  # torchrun runs `python -u .../ftkit/warm/client.py [--module] SCRIPT ARGS`
-        from ftkit.warm.zygote import client_path
+    elif out.warm:  # torchrun runs `python -u .../ftkit/runtime/warm/client.py [--module] SCRIPT ARGS`
+        from ftkit.runtime.warm.zygote import client_path
 
         module = ["--module"] if ns.module else []
         plain = [o for o in options if o not in ("-m", "--module")]
         out.torchrun_args = [*defaults, *plain, client_path(), *module, *script]
-    elif ns.module:  # torchrun runs `python -m ftkit.tools.launch --module MODULE ARGS`
-        out.torchrun_args = [*defaults, *options, "ftkit.tools.launch", "--module", *script]
-    else:  # torchrun runs `python -m ftkit.tools.launch SCRIPT ARGS`
-        out.torchrun_args = [*defaults, *options, "-m", "ftkit.tools.launch", *script]
+    elif ns.module:  # torchrun runs `python -m ftkit.runtime.launch --module MODULE ARGS`
+        out.torchrun_args = [*defaults, *options, "ftkit.runtime.launch", "--module", *script]
+    else:  # torchrun runs `python -m ftkit.runtime.launch SCRIPT ARGS`
+        out.torchrun_args = [*defaults, *options, "-m", "ftkit.runtime.launch", *script]
     return out
 
 
@@ -203,7 +203,7 @@ class StartupWatch:
     """Ends (SIGKILLs) this node's worker group when a worker is not started up within `bound_s`.
 
     Polls torchrun's direct children (the workers) every `interval_s` and the
-    status files ftkit.tools.launch writes to `status_dir` (one per worker pid).
+    status files ftkit.runtime.launch writes to `status_dir` (one per worker pid).
     """
 
     def __init__(self, agent_pid: int, status_dir: str, bound_s: float, run_dir: str | None, interval_s: float = 0.5):
@@ -288,7 +288,7 @@ class StartupWatch:
             phase = {
                 "started": "it had not formed the process group",
                 "group": "the process group had formed; no Checkpointer watchdog yet",
-            }.get(status.get("phase"), "it had not even reached ftkit.tools.launch")
+            }.get(status.get("phase"), "it had not even reached ftkit.runtime.launch")
             why = f"no first heartbeat within {self.bound_s:g}s of its start ({phase})"
             print(
                 f"ftkit run: rank {rank} (pid {w.pid}, attempt {attempt}): {why}; ending this node's "
