@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA path, checked on a GPU in one go (about 4-5 minutes, at most 7.5):
-#   tests/test_cuda.py, tests/test_staging_paths.py and in-process recovery on CUDA (2 ranks, gloo on
+#   tests/unit/test_cuda.py, tests/unit/test_staging_paths.py and in-process recovery on CUDA (2 ranks, gloo on
 #   one GPU; NCCL where there are two), then benchmarks/bench_gpu.py
 #   at 1 GiB and 8 GiB, then a short summary. Without a CUDA device it says so and exits 0.
 #
@@ -54,7 +54,7 @@ if [ -z "$PY" ]; then
   torch_v=$( (.venv/bin/python -c "import torch; print(torch.__version__)" || python3 -c "import torch; print(torch.__version__)") 2>/dev/null || echo "not installed")
   gpus=$(nvidia-smi -L 2>/dev/null | head -3 || true)
   echo "gpu-check: no CUDA device on this machine (torch ${torch_v}; nvidia-smi: ${gpus:-none}): nothing to check."
-  echo "gpu-check: tests/test_cuda.py skips here; tests/test_staging_paths.py drives the same code with a simulated device."
+  echo "gpu-check: tests/unit/test_cuda.py skips here; tests/unit/test_staging_paths.py drives the same code with a simulated device."
   exit 0
 fi
 
@@ -105,9 +105,9 @@ T0=$(date +%s)
 } 2>&1 | tee "$OUTDIR/env.txt"
 
 status=0
-echo "== tests (tests/test_cuda.py, tests/test_staging_paths.py, in-process recovery on CUDA)"
-timeout 180 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_cuda.py tests/test_staging_paths.py \
-  "tests/test_inprocess.py::test_in_process_recovery_on_cuda_keeps_the_context" 2>&1 | tee "$OUTDIR/tests.log"
+echo "== tests (tests/unit/test_cuda.py, tests/unit/test_staging_paths.py, in-process recovery on CUDA)"
+timeout 180 "$PY" -m pytest -q -ra -p no:cacheprovider tests/unit/test_cuda.py tests/unit/test_staging_paths.py \
+  "tests/drills/test_inprocess.py::test_in_process_recovery_on_cuda_keeps_the_context" 2>&1 | tee "$OUTDIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" = 0 ] || status=1
 

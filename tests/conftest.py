@@ -13,28 +13,33 @@ import torch
 from s3fixture import s3_server, s3_url  # noqa: F401  (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
 
-# The files that take longest (minutes of drills and torchrun restarts), longest first.
-# scripts/test.sh runs two workers, one file at a time each, in collection order
-# (--no-loadscope-reorder): the first two start at once, the next as a worker frees, and the
-# short files fill in around them,
+# The files that take longest (minutes of drills and torchrun restarts), longest first, by
+# their path below tests/. scripts/test.sh runs two workers, one file at a time each, in
+# collection order (--no-loadscope-reorder): the first two start at once, the next as a worker
+# frees, and the short files fill in around them,
 # instead of a drill starting last and running alone at the end (a minute of the CI run).
 SLOW_FILES = (
-    "test_hosts_drill.py",  # (two drills over emulated hosts, ~80 s each)
-    "test_drill_faults.py",
-    "test_drill.py",
-    "test_integrations_multiprocess.py",
-    "test_unmodified_trainer.py",
-    "test_watchdog.py",
-    "test_inprocess.py",
-    "test_isolation.py",
-    "test_ram_peer.py",
+    "drills/test_hosts_drill.py",  # (two drills over emulated hosts, ~80 s each)
+    "drills/test_drill_faults.py",
+    "drills/test_drill.py",
+    "drills/test_integrations_multiprocess.py",
+    "drills/test_unmodified_trainer.py",
+    "drills/test_watchdog.py",
+    "drills/test_inprocess.py",
+    "processes/test_isolation.py",
+    "processes/test_ram_peer.py",
 )
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # (stable: the rest keep their order)
+    missing = [f for f in SLOW_FILES if not os.path.isfile(os.path.join(TESTS, f))]
+    if missing:  # a file moved or renamed: it would silently lose its early start
+        raise pytest.UsageError(f"tests/conftest.py SLOW_FILES names files that are not there: {missing}")
+    rank = {os.path.realpath(os.path.join(TESTS, f)): i for i, f in enumerate(SLOW_FILES)}
+    place = {path: rank.get(os.path.realpath(path), len(SLOW_FILES)) for path in {item.path for item in items}}
+    items.sort(key=lambda item: place[item.path])  # (stable: the rest keep their order)
 
 
 def make_state(seed: int = 0, width: int = 16):

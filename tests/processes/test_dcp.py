@@ -1,0 +1,135 @@
+"""ftkit under PyTorch Distributed Checkpoint (issue 38): `dcp.save`, `dcp.async_save` and
+`dcp.load`, called as a DCP trainer calls them, write and read ftkit steps through
+`FtkitStorageWriter` / `FtkitStorageReader`: checksummed, committed last, retained, no pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import REPO, run_cli
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ftkit.dcp import FtkitStorageReader, FtkitStorageWriter, step_of
+from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
+from ftkit.format.reader import committed_steps, load_manifest
+from ftkit.tiers.storage import Storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _model(seed: int):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    m(torch.randn(3, 8)).square().mean().backward()
+    opt.step()
+    return m, opt
+
+
+def _state(m, opt, step):
+    msd, osd = get_state_dict(m, opt)
+    return {"model": msd, "optim": osd, "step": step, "note": {"lr": [0.1, 0.2], "name": "run"}}
+
+
+def test_a_dcp_save_is_an_ftkit_step_and_loads_back_exactly(tmp_path):
+    root = str(tmp_path / "ckpt")
+    m, opt = _model(0)
+    dcp.save(_state(m, opt, 7), storage_writer=FtkitStorageWriter([root]), checkpoint_id=7)
+    # An ordinary ftkit step: the CLI lists and verifies it; its files hold no pickle.
+    assert committed_steps(Storage(root)) == [7]
+    assert run_cli("verify", root).returncode == 0
+    step_dir = tmp_path / "ckpt" / step_dir_name(7)
+    for f in step_dir.iterdir():
+        assert not f.read_bytes().startswith(b"\x80"), f"{f.name} looks pickled"  # (pickle protocol 2+)
+    manifest = load_manifest(Storage(root), 7)
+    assert {t.name for t in manifest.tensors} >= {"model.0.weight", "optim.state.0.weight.exp_avg"}
+    m2, opt2 = _model(1)
+    state = _state(m2, opt2, 0)
+    state["note"] = {"lr": [0.0, 0.0], "name": ""}
+    reader = FtkitStorageReader([root])
+    assert reader.latest_step() == 7
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert state["step"] == 7 and state["note"] == {"lr": [0.1, 0.2], "name": "run"}
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg"], opt2.state[b]["exp_avg"])
+
+
+def test_steps_tiers_and_retention(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    writer = FtkitStorageWriter([{"url": fast, "keep": 2}, {"url": slow, "every": 2, "keep": None}])
+    m, opt = _model(0)
+    for step in range(1, 6):
+        dcp.save(_state(m, opt, step), storage_writer=writer, checkpoint_id=f"{tmp_path}/run/step-{step}")
+    assert committed_steps(Storage(fast)) == [4, 5] and committed_steps(Storage(slow)) == [2, 4]
+    state = _state(*_model(1), 0)
+    dcp.load(state, storage_reader=FtkitStorageReader([slow, fast]), checkpoint_id=2)
+    assert state["step"] == 2
+    assert step_of("s3://bucket/run/step-000120/") == 120 and step_of(9) == 9
+
+
+def test_a_corrupt_or_partial_newest_step_is_not_read(tmp_path):
+    root = str(tmp_path / "ckpt")
+    writer = FtkitStorageWriter([{"url": root, "keep": None}])
+    m, opt = _model(0)
+    for step in (1, 2, 3):
+        dcp.save(_state(m, opt, step), storage_writer=writer, checkpoint_id=step)
+    (tmp_path / "ckpt" / step_dir_name(3) / MANIFEST_NAME).unlink()  # a save that never committed
+    data = next((tmp_path / "ckpt" / step_dir_name(2)).glob("*.data"))
+    data.write_bytes(data.read_bytes()[:-8])  # a torn file: its size no longer what the manifest says
+    reader = FtkitStorageReader([root])
+    assert reader.latest_step() == 1
+    state = _state(*_model(1), 0)
+    dcp.load(state, storage_reader=reader)
+    assert state["step"] == 1
+    # A flipped byte is caught where it is read: the load fails naming the file, never loads it.
+    one = next((tmp_path / "ckpt" / step_dir_name(1)).glob("*.data"))
+    raw = bytearray(one.read_bytes())
+    raw[0] ^= 1
+    one.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException, match="checksum mismatch"):  # (DCP's: a BaseException)
+        dcp.load(_state(*_model(1), 0), storage_reader=FtkitStorageReader([root]))
+
+
+def test_a_value_only_pickle_could_hold_is_refused_naming_it(tmp_path):
+    class Opaque:
+        pass
+
+    m, opt = _model(0)
+    state = {**_state(m, opt, 1), "hook": Opaque()}
+    with pytest.raises(CheckpointException, match="cannot store 'hook'"):
+        dcp.save(state, storage_writer=FtkitStorageWriter([str(tmp_path / "ckpt")]), checkpoint_id=1)
+    assert committed_steps(Storage(str(tmp_path / "ckpt"))) == []
+
+
+def _torchrun(tmp_path, name: str, tiers: list, steps: int, die_at: int | None) -> str:
+    out = str(tmp_path / f"{name}.pt")
+    env = {**os.environ, "FTKIT_RAM_DIR": str(tmp_path / f"{name}-shm"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "1" if die_at else "0", os.path.join(REPO, "tests", "support", "dcp_job.py")]
+    cmd += [json.dumps(tiers), str(steps), out] + ([str(die_at)] if die_at else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_an_fsdp2_job_on_dcp_async_save_killed_and_restarted_ends_bit_exact(tmp_path):
+    """Two FSDP2 ranks call dcp.async_save every step and dcp.load at start, with ftkit's writer
+    and reader on node RAM and a disk tier; rank 1 is SIGKILLed after step 4 and torchrun
+    restarts the group: the final model and optimizer equal an uninterrupted run's bit for bit."""
+    clean = torch.load(_torchrun(tmp_path, "clean", [str(tmp_path / "clean-disk")], 8, None))
+    disk = str(tmp_path / "disk")
+    faulted = torch.load(_torchrun(tmp_path, "faulted", ["ram", {"url": disk, "keep": 3}], 8, die_at=4))
+    assert clean["model"].keys() == faulted["model"].keys() and clean["optim"].keys() == faulted["optim"].keys()
+    assert all(torch.equal(clean["model"][k], faulted["model"][k]) for k in clean["model"])
+    assert all(torch.equal(clean["optim"][k], faulted["optim"][k]) for k in clean["optim"])
+    assert committed_steps(Storage(disk)) == [6, 7, 8]  # retention on the disk tier: keep 3

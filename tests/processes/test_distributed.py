@@ -1,0 +1,135 @@
+"""Multi-rank snapshots with real processes: gloo on CPU, and torchrun for a crash.
+
+4 ranks save; 4, 2 and 3 ranks restore, and every restored tensor, gathered to
+full size, equals the saved one (DDP-replicated and FSDP2-sharded state).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import dist_worker
+import pytest
+from conftest import REPO, run_cli, warm_target
+from ranks import run_ranks
+
+import ftkit
+from ftkit.format.reader import committed_steps, scan
+from ftkit.runtime.warm.zygote import torchrun_command
+
+WORKER = os.path.join(REPO, "tests", "support", "dist_worker.py")
+
+
+def torchrun(zygote, nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    target = warm_target(zygote, [WORKER, *args])
+    cmd = torchrun_command(zygote, ["--standalone", f"--nproc-per-node={nproc}", *target])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **zygote.env()}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_save_on_4_restore_on_4_2_3(tmp_path, parallel):
+    ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")
+    run_ranks(4, dist_worker.save, parallel, ckpt, ref)
+    manifest = ftkit.format.reader.newest_manifest(ftkit.Tier(ckpt).open())
+    assert manifest.world_size == 4 and manifest.step == 3
+    writers = {s.rank for t in manifest.tensors for s in t.shards}
+    assert writers == {0, 1, 2, 3}  # every rank persisted a share
+    if parallel == "ddp":
+        big = manifest.tensor("model/module.2.weight")
+        assert big.kind == "replicated" and len(big.shards) == 4  # split, written once in total
+    else:
+        assert manifest.tensor("model/2.weight").kind == "sharded"
+    for world in (4, 2, 3):
+        out = run_ranks(world, dist_worker.restore, parallel, ckpt, ref)
+        assert out == [f"RESTORED rank={r} world={world} step=3" for r in range(world)]
+    # Offline: rewrite the step for 3 ranks, then 3 ranks restore from that copy.
+    resharded = str(tmp_path / "ckpt3")
+    r = run_cli("restore", ckpt, "--out", resharded, "--world-size", "3")
+    assert r.returncode == 0, r.stderr
+    m3 = ftkit.format.reader.newest_manifest(ftkit.Tier(resharded).open())
+    assert m3.world_size == 3 and {s.rank for t in m3.tensors for s in t.shards} == {0, 1, 2}
+    out = run_ranks(3, dist_worker.restore, parallel, resharded, ref)
+    assert out == [f"RESTORED rank={r} world=3 step=3" for r in range(3)]
+    r = run_cli("restore", ckpt, "--out", resharded, "--world-size", "3")
+    assert r.returncode == 2 and "already holds step 3" in r.stderr
+
+
+def test_step_one_rank_never_finished_is_invisible(tmp_path, zygote):
+    ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")
+    r = torchrun(
+        zygote, 4, "--mode", "save", "--ckpt", ckpt, "--ref", ref, "--die", "2:2", "--commit-timeout", "10", "--sync"
+    )
+    assert r.returncode != 0 and "DYING rank=2 step=2" in r.stdout
+    storage = ftkit.Tier(ckpt).open()
+    assert committed_steps(storage) == [1]
+    partial = [d.step for d in scan(storage) if not d.committed]
+    assert partial in ([], [2])  # other ranks' step-2 data may be there, never a manifest
+
+
+def test_rank0_skipping_a_durable_step_leaves_no_store_keys(tmp_path):
+    """Rank 0 deletes each step's reports once read; the reports of a step it skipped
+    are read by nobody, so its next commit deletes them, or a job under policy "skip"
+    would grow torchrun's store by a report per rank at every skip."""
+    out = run_ranks(4, dist_worker.durable_skip_on_rank0, str(tmp_path / "disk"), timeout=90)
+    assert [o["skipped"] for o in out] == [1, 0, 0, 0]
+    assert out[0]["committed"] == [1, 2, 4]  # step 3 is on no tier
+    assert out[0]["new_keys"] == 0
+
+
+@pytest.mark.parametrize("skipper", [1, 2, 3])
+def test_any_rank_skipping_a_shared_tier_step_costs_nobody_a_wait(tmp_path, skipper):
+    """Two nodes of two ranks; a non-leader (1, 3) or a node's leader (2) skips step 2: its
+    leader, or rank 0, hears it at once through the node board or the leader's record;
+    step 2 exists nowhere, the others do, and the store holds no key more at the end."""
+    env = {"FTKIT_RANKS_PER_NODE": "2"}
+    out = run_ranks(4, dist_worker.skip_one_step, str(tmp_path / "disk"), skipper, env=env, timeout=90)
+    assert [o["skipped"] for o in out] == [int(r == skipper) for r in range(4)]
+    assert out[0]["committed"] == [1, 3, 4]
+    assert out[0]["new_keys"] == 0
+
+
+def test_agreement_reports_every_ranks_failure_to_the_deciders_only():
+    out = run_ranks(3, dist_worker.agreement, timeout=60)
+    for rank, o in enumerate(out):
+        assert o["values"] == [0, 10, 20]
+        assert o["failures"] == [(1, "disk full")]
+        assert o["first"] == ("disk full" if rank == 1 else "disk full (on rank 1)")
+        assert o["only0"] == (rank == 0)
+    assert out[0]["raised"] == ["step 3 not committed: rank 1: bad 1; rank 2: bad 2", [(1, "bad 1"), (2, "bad 2")]]
+
+
+def test_a_persist_threads_own_connection_waits_itself_and_times_out_like_a_wait():
+    """DistContext.own_connection gives its thread a store client whose timeout is the
+    context's, so a read of keys is one multi_get that waits for them (no wait request of
+    ours first); a key that never comes is a PeerTimeout naming it, as from our own wait; the
+    connection it was cloned from keeps its timeout."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext
+    from ftkit.errors import PeerTimeout
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    base = dist.PrefixStore("job/", server)
+    ctx = DistContext(0, 2, base, "node0", 1.0, ["node0", "node1"]).scoped("ck1/")
+    own = ctx.own_connection()
+    assert own.waits_itself and not ctx.waits_itself
+    assert own.scoped("sub/").waits_itself
+    assert base.timeout == timedelta(seconds=30)  # the original's callers keep theirs
+    ctx.store.set("here", "1")
+    late = threading.Timer(0.3, lambda: ctx.store.set("late", "2"))
+    late.start()
+    t0 = time.monotonic()
+    assert own.wait_get(["here", "late"]) == [b"1", b"2"]  # waited for the late one
+    assert time.monotonic() - t0 >= 0.25
+    assert own.get("here") == 1 and own.get_raw("late") == b"2"
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeout, match="'never'"):
+        own.wait_get(["here", "never"])
+    assert time.monotonic() - t0 < 10
+    assert own.wait_get(["here"]) == [b"1"]  # the connection still answers after a timeout

@@ -1,0 +1,434 @@
+"""A training job for the distributed tests, run under torchrun (gloo, CPU).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/support/dist_worker.py \
+        --mode save|restore --parallel ddp|fsdp --ckpt URL --ref FILE [--steps 3]
+
+save:    train a small model for --steps steps with a snapshot each step, then
+         rank 0 writes the full (unsharded) model and optimizer tensors to --ref.
+restore: build the model with another seed, ck.restore(), and compare every
+         tensor, gathered to full size, with --ref; prints "RESTORED step=S"
+         and exits 1 on any difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ftkit
+
+
+def build(parallel: str, seed: int, device: str = "cpu"):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 1024), nn.ReLU(), nn.Linear(1024, 7))
+    model = model.to(device)
+    if parallel == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def own(rank: int) -> dict:
+    """A rank's own state (ftkit.RankLocal): different on every rank, tensors and plain values."""
+    return {"rank": rank, "seen": torch.arange(3) + 10 * rank, "note": f"rank {rank}"}
+
+
+def check_own(mine: dict, rank: int, saved_world: int) -> None:
+    """Rank r restored its own entry; a rank the checkpoint had none for kept its live one."""
+    want = own(rank) if rank < saved_world else {"rank": -1, "seen": torch.zeros(3, dtype=torch.long), "note": ""}
+    if mine["rank"] != want["rank"] or not torch.equal(mine["seen"], want["seen"]) or mine["note"] != want["note"]:
+        raise AssertionError(f"rank {rank}: rank-local state {mine} is not {want}")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": full(v).detach().clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"optim/{pid}/{k}"] = full(v).detach().clone()
+    return out
+
+
+def save(
+    rank: int,
+    world: int,
+    parallel: str,
+    ckpt: str,
+    ref: str,
+    steps: int = 3,
+    die: tuple[int, int] = (-1, -1),
+    commit_timeout: float = 300.0,
+    sync: bool = False,
+) -> str:
+    """Train and snapshot; `sync` waits for each step's commit on every rank."""
+    model, opt = build(parallel, seed=1)
+    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}, "own": ftkit.RankLocal(own(rank))}
+    with ftkit.Checkpointer(state, [ftkit.Tier(ckpt, keep=5)], commit_timeout_s=commit_timeout) as ck:
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(step * 100 + rank)
+            x = torch.randn(8, 16, generator=g)
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if (rank, step) == die:
+                print(f"DYING rank={rank} step={step}", flush=True)
+                os._exit(17)  # no flush, no goodbye: a crashed process
+            ck.snapshot(step)
+            if sync:
+                ck.wait()
+                dist.barrier()  # rank 0 has committed this step before anyone goes on
+        ck.wait()
+        full_ref = full_state(model, opt)
+    if rank == 0:
+        torch.save(full_ref, ref)
+    return f"SAVED rank={rank} world={world}"
+
+
+def restore(rank: int, world: int, parallel: str, ckpt: str, ref: str, saved_world: int = 4) -> str:
+    model, opt = build(parallel, seed=1000 + rank)
+    mine = {"rank": -1, "seen": torch.zeros(3, dtype=torch.long), "note": ""}
+    state = {"model": model, "optim": opt, "meta": {}, "own": ftkit.RankLocal(mine)}
+    with ftkit.Checkpointer(state, [ftkit.Tier(ckpt, keep=5)]) as ck:
+        step = ck.restore()
+    check_own(mine, rank, saved_world)
+    got = full_state(model, opt)
+    expect = torch.load(ref, weights_only=True)
+    bad = [k for k in expect if k not in got or not torch.equal(expect[k], got[k])]
+    if bad or set(got) != set(expect) or state["meta"] != {"parallel": parallel}:
+        raise AssertionError(f"rank {rank}: differs: {bad[:5]}, extra {sorted(set(got) - set(expect))[:5]}")
+    return f"RESTORED rank={rank} world={world} step={step}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=("save", "restore"), required=True)
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ref", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--die", help="RANK:STEP: that rank exits abruptly before snapshotting STEP")
+    p.add_argument("--commit-timeout", type=float, default=300.0)
+    p.add_argument("--sync", action="store_true", help="wait for every step's commit")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.mode == "save":
+        die = tuple(map(int, args.die.split(":"))) if args.die else (-1, -1)
+        print(
+            save(rank, world, args.parallel, args.ckpt, args.ref, args.steps, die, args.commit_timeout, args.sync),
+            flush=True,
+        )
+    else:
+        print(restore(rank, world, args.parallel, args.ckpt, args.ref), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# ------------------------------------------------------- RAM and peer tiers
+def ram_tiers(disk: str, disk_every: int):
+    compress = os.environ.get("FTKIT_TEST_RAM_COMPRESS") or None  # zstd: reports go inline, not by layout
+    return [ftkit.Tier("ram", replicas=1, compress=compress), ftkit.Tier(disk, every=disk_every, keep=5)]
+
+
+def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: int = 3, disk_every: int = 100) -> str:
+    """Snapshot every step to RAM (+ a peer replica) and disk every `disk_every`; refs per step."""
+    model, opt = build(parallel, seed=1)
+    state = {"model": model, "optim": opt, "meta": {"parallel": parallel}, "own": ftkit.RankLocal(own(rank))}
+    with ftkit.Checkpointer(state, ram_tiers(disk, disk_every)) as ck:
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(step * 100 + rank)
+            loss = model(torch.randn(8, 16, generator=g)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ck.snapshot(step)
+            ck.wait()
+            ref = full_state(model, opt)
+            if rank == 0:
+                torch.save(ref, f"{refs}/ref-{step}.pt")
+            dist.barrier()  # every rank's RAM tier holds this step now
+        assert ck.stats.failed == 0
+    return f"SAVED rank={rank}"
+
+
+def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -> tuple[int, int]:
+    """Snapshot every step to RAM + peer; the store's key count after steps[0] and after steps[1]."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    model, opt = build("ddp", seed=1)
+    counts = []
+    with ftkit.Checkpointer({"model": model, "optim": opt}, ram_tiers(disk, 10**6)) as ck:
+        for step in range(1, steps[1] + 1):
+            loss = model(torch.randn(8, 16)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ck.snapshot(step)
+            if step in steps:
+                ck.wait()
+                dist.barrier()
+                counts.append(_get_default_store().num_keys())
+                dist.barrier()
+        assert ck.stats.failed == 0
+    return counts[0], counts[1]
+
+
+def ram_committed_steps(rank: int) -> list[int]:
+    """The steps with an index (manifest.json) in the RAM tier of `rank`'s simulated node (2 ranks a node)."""
+    from ftkit.tiers.ram import node_dir
+
+    node = node_dir(f"node{rank // 2}")
+    return sorted(
+        int(d.name[5:])
+        for d in os.scandir(node)
+        if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, "manifest.json"))
+    )
+
+
+def ram_skip_on_rank0(rank: int, world: int) -> dict:
+    """policy "skip" where only rank 0 runs out of staging slots at step 2."""
+    import time
+
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
+    budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
+    with ftkit.Checkpointer(
+        state, [ftkit.Tier("ram", replicas=1)], policy="skip", rng=False, max_staging_bytes=budget
+    ) as ck:
+        if rank == 1:
+            time.sleep(2)  # rank 0's persist of step 1 waits for this rank's report meanwhile
+        ck.snapshot(1)
+        ck.snapshot(2)  # rank 0's only slot is still busy with step 1: it skips step 2
+        try:
+            ck.wait()
+        except ftkit.FtkitError:  # step 2 was not committed: the node leaders say so
+            pass
+        ck.snapshot(3)
+        ck.wait()
+        skipped = ck.stats.skipped
+    dist.barrier()
+    committed = ram_committed_steps(rank)
+    return {"skipped": skipped, "committed": committed}
+
+
+def ram_rank0_replication_fails(rank: int, world: int) -> dict:
+    """Snapshot steps 1-3 to RAM + peer; rank 0's replication of step 2 fails after its bytes
+    moved (a replica that fails its check, say). Rank 0 keeps its own outcome (its node's
+    collector never hears it): the step must still not be committed anywhere."""
+    import ftkit.commit.ram as node_commit
+    from ftkit.errors import StorageError
+
+    real = node_commit.replicate
+
+    def failing(storage, step, *args, **kwargs):
+        real(storage, step, *args, **kwargs)
+        if step == 2:
+            raise StorageError("injected: a replica failed its check")
+
+    if rank == 0:
+        node_commit.replicate = failing
+    state = {"w": torch.zeros(1 << 16)}
+    errors = []
+    try:
+        with ftkit.Checkpointer(state, [ftkit.Tier("ram", replicas=1)], rng=False) as ck:
+            for step in (1, 2, 3):
+                state["w"].fill_(step)
+                ck.snapshot(step)
+                try:
+                    ck.wait()
+                except ftkit.FtkitError as e:
+                    errors.append(str(e))
+                dist.barrier()
+    finally:
+        node_commit.replicate = real
+    committed = ram_committed_steps(rank)
+    return {"committed": committed, "errors": errors}
+
+
+def durable_skip_on_rank0(rank: int, world: int, disk: str) -> dict:
+    """policy "skip" on a disk tier where only rank 0 skips step 3: the store's key
+    count after step 1 and after step 4, and the steps committed."""
+    import time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ftkit.format.reader import committed_steps
+
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB, split in 1 MiB shares
+    budget = 3 << 19 if rank == 0 else None  # rank 0: room for one 1 MiB staging slot only
+    counts = []
+    with ftkit.Checkpointer(
+        state, [ftkit.Tier(disk, keep=5)], policy="skip", rng=False, max_staging_bytes=budget
+    ) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        dist.barrier()
+        counts.append(_get_default_store().num_keys())
+        dist.barrier()
+        if rank == 1:
+            time.sleep(2)  # rank 0's persist of step 2 waits for this rank's report meanwhile
+        ck.snapshot(2)
+        ck.snapshot(3)  # rank 0's only slot is still busy with step 2: it skips step 3
+        ck.wait()
+        ck.snapshot(4)  # rank 0's commit of step 4 deletes the reports of step 3
+        ck.wait()
+        skipped = ck.stats.skipped
+    dist.barrier()
+    counts.append(_get_default_store().num_keys())
+    return {
+        "skipped": skipped,
+        "new_keys": counts[1] - counts[0],
+        "committed": committed_steps(ftkit.Tier(disk).open()),
+    }
+
+
+def ram_rewind_and_redo(rank: int, world: int) -> dict:
+    """Snapshot steps 1-3, restore step 1 in the same process, snapshot 2-3 again with
+    other values; then a new Checkpointer restores the newest step."""
+    state = {"w": torch.zeros(1 << 18)}
+    tiers = [ftkit.Tier("ram", keep=5, replicas=1)]
+    with ftkit.Checkpointer(state, tiers, rng=False) as ck:
+        for step in (1, 2, 3):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+        assert ck.restore(1) == 1 and float(state["w"][0]) == 1.0
+        for step in (2, 3):  # the same step numbers, new values: a new timeline
+            state["w"].fill_(10 * step)
+            ck.snapshot(step)
+            ck.wait()
+    state["w"].zero_()
+    with ftkit.Checkpointer(state, tiers, rng=False) as ck:
+        step = ck.restore()
+    return {"step": step, "value": float(state["w"][0]), "all_equal": bool((state["w"] == state["w"][0]).all())}
+
+
+def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk_every: int = 100):
+    """Restore; compare with the reference of the restored step; report the source."""
+    model, opt = build(parallel, seed=1000 + rank)
+    mine = {"rank": -1, "seen": torch.zeros(3, dtype=torch.long), "note": ""}
+    state = {"model": model, "optim": opt, "meta": {}, "own": ftkit.RankLocal(mine)}
+    with ftkit.Checkpointer(state, ram_tiers(disk, disk_every)) as ck:
+        step = ck.restore()
+        info = dict(ck.last_restore)
+    check_own(mine, rank, 4)
+    got = full_state(model, opt)
+    expect = torch.load(f"{refs}/ref-{step}.pt", weights_only=True)
+    bad = [k for k in expect if not torch.equal(expect[k], got[k])]
+    if bad:
+        raise AssertionError(f"rank {rank}: step {step} differs: {bad[:5]}")
+    return {
+        "step": step,
+        "source": info["source"],
+        "from_peers": info.get("files_from_peers", 0),
+        "received": sorted(info.get("received", [])),
+    }
+
+
+# ------------------------------------------------------------ data position
+def sampler_run(rank: int, world: int, ckpt: str, steps: int, n: int = 50, batch: int = 4):
+    """Train-loop shape with a prefetching DataLoader; return the batches consumed, by step."""
+    from torch.utils.data import DataLoader
+
+    sampler = ftkit.ResumableDistributedSampler(n, seed=7)
+    loader = DataLoader(list(range(n)), batch_size=batch, sampler=sampler, num_workers=2)
+    consumed = []
+    with ftkit.Checkpointer({"sampler": sampler}, [ftkit.Tier(ckpt, keep=3)], rng=False) as ck:
+        step = ck.restore()
+        while step < steps:
+            sampler.set_epoch(sampler.epoch)
+            for b in loader:
+                sampler.advance(len(b))
+                step += 1
+                consumed.append((step, b.tolist()))
+                ck.snapshot(step)
+                if step == steps:
+                    break
+    return consumed
+
+
+def agreement(rank: int, world: int) -> dict:
+    """coord/agree.py on real ranks: everyone decides, then only rank 0 decides."""
+    from ftkit.coord.agree import agree
+    from ftkit.coord.dist import DistContext
+    from ftkit.errors import AgreementError
+
+    ctx = DistContext.detect(timeout_s=30).scoped("agree-test/")
+    every = agree(ctx, "all", error="disk full" if rank == 1 else None, value=rank * 10)
+    only0 = agree(ctx, "r0", error=f"bad {rank}" if rank else None, decider=0)
+    raised = None
+    if only0 is not None:
+        try:
+            only0.raise_if_failed("step 3 not committed")
+        except AgreementError as e:
+            raised = [str(e), e.failures]
+    return {
+        "values": every.values,
+        "failures": every.failures,
+        "first": every.first_failure(rank),
+        "only0": only0 is not None,
+        "raised": raised,
+    }
+
+
+def skip_one_step(rank: int, world: int, tier: str, skipper: int) -> dict:
+    """policy "skip" where rank `skipper` finds no free staging slot at step 2 (forced), on
+    two simulated nodes of two ranks: the store's key count after step 1 and at the end,
+    and the steps each node committed."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ftkit.format.reader import committed_steps
+
+    state = {"w": torch.zeros(1 << 18)}
+    tiers = [ftkit.Tier(tier, keep=5, **({"replicas": 1} if tier == "ram" else {}))]
+    counts = []
+    with ftkit.Checkpointer(state, tiers, policy="skip", rng=False) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        dist.barrier()
+        counts.append(_get_default_store().num_keys())
+        dist.barrier()
+        if rank == skipper:
+            acquire = ck._arena.acquire
+            ck._arena.acquire = lambda *a, **k: None  # every staging slot busy, for this step
+            ck.snapshot(2)
+            ck._arena.acquire = acquire
+        else:
+            ck.snapshot(2)
+        try:
+            ck.wait()
+        except ftkit.FtkitError:  # step 2 was not committed: the ranks that commit say so
+            pass
+        for step in (3, 4):
+            ck.snapshot(step)
+            ck.wait()
+        skipped = ck.stats.skipped
+    dist.barrier()
+    counts.append(_get_default_store().num_keys())
+    if tier == "ram":
+        committed = ram_committed_steps(rank)
+    else:
+        committed = committed_steps(ftkit.Tier(tier).open())
+    return {"skipped": skipped, "new_keys": counts[1] - counts[0], "committed": committed}
