@@ -17,6 +17,7 @@ from ftkit.errors import (
     FtkitError,
     UsageError,
 )
+from ftkit.tools import protocol
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from ftkit.tools.commands import cmd_inspect, cmd_ls, cmd_report, cmd_restore, cmd_verify
 from ftkit.tools.gc import cmd_gc
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--json", action="store_true", help="machine-readable output")
     rp.add_argument("--html", metavar="FILE", help="write a page with the timeline")
     rp.set_defaults(func=cmd_report)
+    protocol.add_parser(sub)
     sub.add_parser("run", help="torchrun with fault-tolerance defaults (ftkit run --help)", add_help=False)
     sub.add_parser(
         "drill",

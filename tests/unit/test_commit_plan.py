@@ -147,3 +147,35 @@ def test_describe_and_mermaid_name_every_rank_and_message():
     diagram = plan.mermaid()
     assert diagram.count("->>") == len(plan.sequence())
     assert "r1->>r0: record (store)" in diagram and "r0->>r3: index (store)" in diagram
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=ids)
+def test_the_executor_of_the_tier_has_a_handler_for_every_step(plan):
+    from ftkit.commit.ram import RamCommit
+    from ftkit.commit.shared import SharedCommit
+
+    handlers = RamCommit.HANDLERS if plan.tier == RAM else SharedCommit.HANDLERS
+    for r in range(plan.world):
+        assert all((s.act, s.msg) in handlers for s in plan.steps(r)), r
+
+
+def test_docs_protocol_md_is_generated_from_the_plan():
+    from pathlib import Path
+
+    from ftkit.tools.protocol import protocol_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+    assert doc.read_text() == protocol_markdown(), "regenerate it: ftkit commit-plan --markdown > docs/protocol.md"
+
+
+def test_the_commit_plan_command_prints_a_world_as_json(capsys):
+    import json
+
+    from ftkit.tools.cli import main
+
+    assert main(["commit-plan", "--nodes", "3", "--ranks-per-node", "2", "--replicas", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in doc["ranks"]] == list(range(6))
+    assert doc["ranks"][0]["roles"] == ["leader", "committer"] and doc["ranks"][0]["steps"][-2] == "commit"
+    assert main(["commit-plan", "--nodes", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
