@@ -10,7 +10,7 @@ of the encode): a key seen before gives back its JSON text; on a miss a small di
 kind and value, a state dict's two halves) is taken apart in turn. `marshal` is exact where
 `==` is not (1, 1.0 and True, 0.0 and -0.0 are equal but encode differently): equal bytes,
 equal values, equal text. The result is byte for byte
-`format.index.encode_index(doc)` (tests/test_format_index.py).
+`format.index.encode_index(doc)` (tests/unit/test_format_index.py).
 """
 
 from __future__ import annotations

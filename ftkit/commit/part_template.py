@@ -9,7 +9,7 @@ was about a third of a leader's commit CPU. So the first part of a set of layout
 and checked in full (`build_part`), and a template is made of the same build run with
 markers in place of each rank's file and checksums; a later part of the same layouts is
 the template filled with that step's values: byte for byte what the full build gives
-(tests/test_format_index.py), and of a layout already checked (same verdict).
+(tests/unit/test_format_index.py), and of a layout already checked (same verdict).
 
 Order of calls: `node_part_bytes(storage, step, reports, ranks, world)` per step (a node's
 leader for its node; a replica holder for its source nodes, rebuilding the bytes their

@@ -1,39 +1,36 @@
-"""The RAM tier's commit: node-local, with peer replicas, in O(nodes) store requests.
+"""The RAM tier's commit: node-local, with peer replicas, in O(nodes) store requests: the
+executor of a RAM tier's commit plan (commit/plan.py; `ftkit commit-plan` prints it, and
+docs/protocol.md shows it for a few worlds). `persist_node_local` runs this rank's steps of
+the plan in order (`RamCommit`, one handler per kind of step). The step's manifest has
+format version 3, as on a shared tier: one part per node and an index (format/index.py)::
 
-A node's share of a commit is spread over its ranks (commit/shared.py NodeGroup): its
-*collector* (its first rank; on rank 0's node of a job of several nodes the next one, as
-rank 0 commits) collects the reports and outcomes and writes the part and the records;
-its *exchanger* (a rank that neither collects nor commits, else the collector) writes the
-parts of the nodes whose replicas it holds and, on a node holding rank 0's replicas, the
-index; rank 0 commits. Order of calls for one step (`persist_node_local`; every rank
-calls it; the shared tiers' commit is commit/shared.py). The step's manifest has format
-version 3, as on a shared tier: one part per node and an index (format/index.py)::
-
-    every rank:   write_share(...): its data file, in its node's directory
-                  post its report (`NodeReport`) to its collector's mailbox (coord/mailbox.py; no store request)
-    collectors:   collect the node's reports; write the node's part (checked, beside its data)
+    every rank:   WRITE           write_share(...): its data file, in its node's directory
+                  SEND report     its `NodeReport` to its collector (the board; no store request)
+    collectors:   AWAIT report    the node's reports
+                  PART            the node's part, checked, beside its data
     with replicas (commit/replicas.py):
-      collectors  set the reports and the part as one record, `key`/w/<node> (a node is named
-                  by its first rank); read the records of the k nodes before theirs (whose
-                  ranks send this node their replicas) and of the k after; post the reports,
-                  the names and checksums of the sources' parts and (on an index holder) the
-                  node's own part's, on the board, for every rank of the node but rank 0
-      rank 0      (where another rank collects) reads those records, and its node's, itself
-      every rank  sends its file to its targets, stores verified copies of what its sources
-                  send (tiers/peers.py), posts its outcome to the board (rank 0 keeps its own)
-      exchangers  write the parts of the k nodes before theirs (a node keeps the parts of the
-                  ranks whose files it holds), and name them in their outcome
-    collectors:   collect the outcomes (but rank 0's, which it keeps); set the node's record
-                  for rank 0, `key`/r/<node>: its part's name, size and checksum (and the parts
-                  its exchanger wrote), or the node's errors (a few hundred bytes)
-    rank 0:       (ram_index.py) read every node's record (one wait, one multi_get; its own
-                  node's too, but where it collects it itself), add its own replication errors
-                  to its node's, write the index (manifest.json,
-                  the commit), delete the step's records; with replicas, set the index under
-                  `key`/manifest (or "" when the step is not committed)
-    the exchangers of the k nodes that hold rank 0's node's replicas (ram_index.py): read
-                  the index, check it names their node's part (as their collector relayed it)
-                  and their files are in place, write it
+      collectors  SEND exchange   the reports and the part as one record, `key`/w/<node> (a node
+                                  is named by its first rank), for the k nodes before and after
+                  AWAIT exchange  those nodes' records
+                  SEND relay      their reports, the names and checksums of the sources' parts
+                                  and (on an index holder) the node's own part's, to the node
+      rank 0      AWAIT exchange  (where another rank collects) those records, and its node's
+      every rank  REPLICATE       sends its file to its targets, stores verified copies of what
+                                  its sources send (tiers/peers.py)
+      exchangers  SOURCE_PARTS    the parts of the k nodes before theirs (a node keeps the parts
+                                  of the ranks whose files it holds)
+    every rank:   SEND outcome    its replication errors (and the parts it wrote) to its
+                                  collector; rank 0 keeps its own
+    collectors:   AWAIT outcome, SEND record: the node's record for rank 0, `key`/r/<node>: its
+                                  part's name, size and checksum (and the parts its exchanger
+                                  wrote), or the node's errors (a few hundred bytes)
+    rank 0:       AWAIT record    every node's record (one wait, one multi_get)
+                  COMMIT          the index (manifest.json, the commit); the records deleted
+                  SEND index      with replicas, the index under `key`/manifest ("" when the
+                                  step is not committed)
+    the exchangers of the k nodes that hold rank 0's node's replicas:
+                  AWAIT index, INDEX_COPY: check it names their node's part and their files are
+                                  in place, write it
     rank 0, after retention (tiers/backend.py): the commit news (coord/news.py), which
                   the other leaders hear with their heartbeats and keep or drop steps by
 

@@ -1,5 +1,5 @@
 """Judging heartbeats, as pure functions of what one node's leader sees (coord/watchdog.py
-runs them; tests/test_judge.py drives them at 1,024 simulated ranks without processes).
+runs them; tests/unit/test_judge.py drives them at 1,024 simulated ranks without processes).
 
 Two judges, so no party reads O(world) heartbeats:
 

@@ -293,7 +293,7 @@ def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:
 
 
 def _attempt_order(name: str) -> tuple[int, int] | None:
-    """(torchrun attempt, in-process generation) from "3" or "3.g2" (coord/generation.py)."""
+    """(torchrun attempt, in-process generation) from "3" or "3.g2" (runtime/generation.py)."""
     m = re.fullmatch(r"(\d+)(?:\.g(\d+))?", name)
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 

@@ -27,14 +27,14 @@ builds the store: nothing else changes). This happens when ftkit is imported
 installs it in every worker before the script starts (``ftkit.runtime.launch``), so a
 trainer that imports ftkit late, or not at all, is covered too.
 
-Measured (torch 2.13, 3 gloo ranks on 2 cores, tests/unmodified_trainer.py): 5
+Measured (torch 2.13, 3 gloo ranks on 2 cores, tests/support/unmodified_trainer.py): 5
 runs, each with up to 5 SIGKILLs of a random worker at random times (startup,
 group formation, training) and one restart allowed per kill: without this,
 0 of 5 finished (4 used up their restarts on "Connection refused", 1 hung in
 init_process_group until killed); with ``import ftkit`` before the group under
 plain torchrun, 5 of 5 finished with the exact final values, and 5 of 5 under
 ``ftkit run`` with ftkit imported only after the group. The provoked scenario
-of tests/test_unmodified_trainer.py (a kill during formation, a late rank):
+of tests/drills/test_unmodified_trainer.py (a kill during formation, a late rank):
 0 of 8 without (4 refused, 4 hung), every run with. The handler costs one PrefixStore per group
 (each store call prepends a short string) and ~1 ms of import time.
 

@@ -4,7 +4,7 @@ Inputs are what the ranks and tiers reported (inventories of the RAM tier per
 rank, committed steps per shared tier, the node of every rank); outputs are the
 candidates to try, in order, and which files move between nodes. Everything here
 is unit-tested with made-up inventories of 4 to 1,024 ranks
-(tests/test_planners.py).
+(tests/unit/test_planners.py).
 
 Order of calls (restore/__init__.py)::
 

@@ -23,7 +23,7 @@ worker waiting in gloo's rendezvous does release the GIL: measured, a Python
 thread kept ticking at 10 Hz through a 4 s wait inside ``init_process_group``;
 that is how the milestone thread can report ``group`` and ``heartbeat``.)
 
-Measured (tests/test_unmodified_trainer.py, 2 ranks, --startup-timeout 15): a
+Measured (tests/drills/test_unmodified_trainer.py, 2 ranks, --startup-timeout 15): a
 rank hanging before ``init_process_group`` (its peer waits inside it) or after
 it in a collective before any Checkpointer: the watch ends the group 15 s after
 the workers started, torchrun restarts it and the job finishes with the exact

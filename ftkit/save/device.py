@@ -3,7 +3,7 @@
 The staging arena takes its device operations from ``ftkit.save.staging.DEVICE``
 (a :class:`DeviceOps` unless a test put something else there, read when an arena
 is made), so tests on machines without a GPU drive the same staging logic with a
-simulated device that has these methods (tests/fakedevice.py) and check which
+simulated device that has these methods (tests/support/fakedevice.py) and check which
 stream each copy goes on and what the fence and the background wait for.
 """
 
@@ -20,7 +20,7 @@ class DeviceOps:
     The arena takes its device operations from here (the module's ``DEVICE``, read
     when an arena is made), so tests without a GPU can hand it a simulated device
     with the same methods and check which stream each copy goes on and what the
-    fence and the background wait for (tests/fakedevice.py).
+    fence and the background wait for (tests/support/fakedevice.py).
     """
 
     def available(self) -> bool:

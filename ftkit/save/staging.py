@@ -58,8 +58,8 @@ What is and is not guarded against in-place writes racing the copy:
   ``in_order``, between ``fill`` and the next fence, made outside a fenced
   optimizer step: ``p.data.mul_()``, an EMA or weight projection run before the
   step, an optimizer without the hook. Such code must call the fence first, or
-  the write may reach the tensor before it is copied (tests/test_cuda.py shows
-  both on a GPU; tests/test_staging_paths.py with a simulated device).
+  the write may reach the tensor before it is copied (tests/unit/test_cuda.py shows
+  both on a GPU; tests/unit/test_staging_paths.py with a simulated device).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ every frame on the stack, and a frame without a module file (``<frozen runpy>``)
 ``inspect`` scan all of ``sys.modules``: 23 ms a call in a new agent here (1,266 modules),
 more in an interpreter that imported what a zygote imports (torch._dynamo, FSDP, ftkit,
 the job's modules), where a restart's rendezvous took 0.86 s against 0.24 s in a fresh
-one. ``sys._getframe`` names the same frame without the scan (tests/test_warm.py checks
+one. ``sys._getframe`` names the same frame without the scan (tests/processes/test_warm.py checks
 they agree). A restart's teardown with it, `ftkit drill --cold --no-replace --faults
 node@30:node=1,kill@70:rank=1 --steps 100 --step-time 0.05` (two runs each, four
 restarts): 0.31-0.50 s against 0.42-0.86 s with torch's helper.
