@@ -544,22 +544,19 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         return RankWrite(rank, file, 64, (tensor,)), None
 
     node_commit.write_share = write_share  # type: ignore[assignment]
-    # This process plays hundreds of ranks. A real rank's process keeps the few layouts, checks
-    # and part templates of its own node and its replica partners (commit/layouts.py,
-    # reports.py, part_template.py); the shared caches get room for all the ranks played here,
-    # or every step would refetch and recheck what a real process has kept.
-    from ftkit.commit import layouts as report_layouts
-    from ftkit.commit import part_template, reports
+    # This process plays hundreds of ranks, a node's ranks sharing one NodeGroup. A real rank
+    # keeps the few layouts, checks and part templates of its own node and its replica
+    # partners (commit/memo.py): a node's memo here gets room for all of its ranks', or every
+    # step would refetch and recheck what a real rank has kept.
+    from ftkit.commit.memo import CommitMemo
 
-    report_layouts.book.limit = report_layouts.SENT_LIMIT = reports._checked_reports.limit = 4 * world
-    part_template._templates.limit = 4 * world
     storages, groups, news = {}, {}, {}
     plan = CommitPlan.of(names, RAM)
     index_written = _time_index_writes()
     for n in mine:
         storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
-        groups[n] = NodeGroup(board, plan, f"n{n}")
+        groups[n] = NodeGroup(board, plan, f"n{n}", memo=CommitMemo(scale=per))
         news[n] = CommitNews()
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
     out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "retention": [], "held": [], "sets": []}

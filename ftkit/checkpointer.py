@@ -145,6 +145,7 @@ class Checkpointer:
         self.ram_identity = opened.ram_identity
         self._backends = opened.backends
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
+        self._plans: dict[tuple, Any] = {}  # the latest sharding plan (save/sharding.py planned)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
         self._closed = False
@@ -253,7 +254,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         ctx = self._ctx
         captured = cap.capture(self.state, rng=self.rng, rng_path=f"{cap.RNG_KEY}/r{ctx.rank}")
-        pieces, layout = planned(captured.tensors, ctx.rank, ctx.world_size)
+        pieces, layout = planned(
+            captured.tensors, ctx.rank, ctx.world_size, plans=self._plans, layouts=self._arena.layouts
+        )
         named = [(p.name, src) for p, src in pieces]
         slot = self._arena.acquire(layout, wait=self.policy == "wait")
         if slot is None:  # policy "skip", every slot busy: the others hear it now (on this thread)

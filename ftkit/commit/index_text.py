@@ -19,11 +19,8 @@ import json
 import marshal
 from typing import Any
 
-from ftkit.commit.lru import Lru
+from ftkit.commit.memo import Lru
 
-# marshal bytes of a container -> its JSON text: a step adds a few (what changed, and the
-# levels above it), what every step reuses is put again at each hit and stays.
-_texts: Lru[bytes, str] = Lru(16)
 _DEPTH = 6  # how far down a skeleton's small dicts are taken apart
 _KEYED_BELOW = 5  # the skeleton and its entries are only taken apart (one change anywhere changes them)
 _FEW = 8  # a dict of this many keys or fewer is structure (entries, an entry, a state dict's halves): taken apart
@@ -35,14 +32,14 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
-def _text(value: Any, depth: int) -> str:
+def _text(value: Any, depth: int, texts: Lru[bytes, str]) -> str:
     """`value`'s JSON text. A container is looked up by its marshal bytes; on a miss a small
     dict is taken apart, so that its unchanged children are found again."""
     if type(value) not in (dict, list):
         return _dumps(value)
     small = depth > 0 and type(value) is dict and len(value) <= _FEW and all(type(k) is str for k in value)
     if small and depth >= _KEYED_BELOW:
-        return _join(value, depth)
+        return _join(value, depth, texts)
     try:
         key = marshal.dumps(value)
     except ValueError:  # not plain data: json.dumps says what is wrong
@@ -50,20 +47,22 @@ def _text(value: Any, depth: int) -> str:
     if len(key) < _SMALL:
         return _dumps(value)
     if len(key) > _LARGE:
-        return _join(value, depth) if small else _dumps(value)
-    text = _texts.get(key)
+        return _join(value, depth, texts) if small else _dumps(value)
+    text = texts.get(key)
     if text is None:
-        text = _join(value, depth) if small else _dumps(value)
-    _texts.put(key, text)  # (a hit too: what every step reuses stays)
+        text = _join(value, depth, texts) if small else _dumps(value)
+    texts.put(key, text)  # (a hit too: what every step reuses stays)
     return text
 
 
-def _join(value: dict[str, Any], depth: int) -> str:
-    return "{" + ",".join(f"{_dumps(k)}:{_text(v, depth - 1)}" for k, v in value.items()) + "}"
+def _join(value: dict[str, Any], depth: int, texts: Lru[bytes, str]) -> str:
+    return "{" + ",".join(f"{_dumps(k)}:{_text(v, depth - 1, texts)}" for k, v in value.items()) + "}"
 
 
-def encode_index_reusing(doc: dict[str, Any]) -> bytes:
+def encode_index_reusing(doc: dict[str, Any], texts: Lru[bytes, str]) -> bytes:
     """format.index.encode_index(doc) (format.index.index_doc's: its keys are strings), the
-    skeleton's unchanged containers from memory."""
-    items = (f"{_dumps(k)}:{_text(v, _DEPTH) if k == 'skeleton' else _dumps(v)}" for k, v in doc.items())
+    skeleton's unchanged containers from `texts` (marshal bytes of a container -> its JSON
+    text: a step adds a few, what changed and the levels above it; what every step reuses
+    is put again at each hit and stays; CommitMemo.index_texts)."""
+    items = (f"{_dumps(k)}:{_text(v, _DEPTH, texts) if k == 'skeleton' else _dumps(v)}" for k, v in doc.items())
     return ("{" + ",".join(items) + "}").encode()

@@ -20,24 +20,25 @@ and a report by reference is validated as the report it stands for (its layout o
 byte count and world size; its file name and checksums at every step). A report whose
 layout cannot be found reads as that rank's error: the step is simply not committed.
 
-Order of calls: a sender `layout_of(write)` -> (Layout, checksums) or None (send inline);
+Order of calls: a sender `layout_of(write, memo)` -> (Layout, checksums) or None (send inline);
 a non-leader posts `layout.body` to its board (NodeBoard.post_once) before its report; a
 leader publishes its node's bodies in the store (`Published`) before the record naming them.
 A receiver decodes reports with `lookup(from_board(...))` or `lookup(from_store(...))`, which
-returns known layouts from this process's book and fetches, checks and keeps unknown ones.
+returns known layouts from the tier's memo (commit/memo.py) and fetches, checks and keeps
+unknown ones.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.commit.lru import Lru
+from ftkit.commit.memo import CommitMemo, Lru
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
 
@@ -97,29 +98,25 @@ class Layout:
         except ValueError as e:
             raise FormatError(f"layout {self.digest[:12]} is not JSON ({e})") from None
 
+    @functools.cached_property
     def spans(self) -> tuple[tuple[str, int, int], ...]:
         """(tensor name, offset, length) of each chunk, in checksum order: the same whatever
         the file's name, so worked out once per layout (a replica holder checks the chunks of
         every file it receives; each step's file has a new name)."""
-        hit = _span_cache.get(self.digest)
-        if hit is None:
-            hit = tuple(
-                (str(t["name"]), int(c["offset"]), int(c["length"]))
-                for t in self.docs("f")
-                for s in t["shards"]
-                for c in s["chunks"]
-            )
-            _span_cache.put(self.digest, hit)
-        return hit
+        return tuple(
+            (str(t["name"]), int(c["offset"]), int(c["length"]))
+            for t in self.docs("f")
+            for s in t["shards"]
+            for c in s["chunks"]
+        )
 
 
-_span_cache: Lru[str, tuple[tuple[str, int, int], ...]] = Lru(64)
-book: Lru[str, Layout] = Lru(256)  # the layouts this process knows, by name
-
-
-def lookup(fetch: Callable[[str], bytes | None] | None) -> Callable[[str], Layout | None]:
-    """A resolver for NodeReport.decode: the book's layout of a name, else the body `fetch`
+def lookup(
+    fetch: Callable[[str], bytes | None] | None, memo: CommitMemo | None = None
+) -> Callable[[str], Layout | None]:
+    """A resolver for NodeReport.decode: the memo's layout of a name, else the body `fetch`
     gets for it (checked against its name, then kept), else None."""
+    book = memo.layouts if memo is not None else Lru[str, Layout](256)
 
     def resolve(digest: str) -> Layout | None:
         hit = book.get(digest)
@@ -139,16 +136,11 @@ def lookup(fetch: Callable[[str], bytes | None] | None) -> Callable[[str], Layou
 
 
 # ------------------------------------------------------------------ the sender's side
-SENT_LIMIT = 8  # structures of writes remembered (a process has a rank or two; bench_scale plays hundreds)
-_sent: list[tuple[list[Any], Layout | None]] = []  # the last few structures of writes, newest last
-_lock = threading.Lock()  # (of _sent: every Checkpointer's persist thread encodes)
-
-
-def layout_of(write: Any) -> tuple[Layout, list[str]] | None:
+def layout_of(write: Any, memo: CommitMemo) -> tuple[Layout, list[str]] | None:
     """(the layout of `write`, its checksums in chunk order), or None when it is not to be sent
     by reference (a chunk in another file, or a tensor named like a marker). Per step this
-    walks the chunks once into a flat list, compared with the last few (no hashing); the
-    body is built and hashed only for a structure not seen before."""
+    walks the chunks once into a flat tuple, looked up among the last few structures sent;
+    the body is built and hashed only for a structure not seen before."""
     shape: list[Any] = [write.rank]
     sums = []
     for t in write.tensors:
@@ -160,17 +152,15 @@ def layout_of(write: Any) -> tuple[Layout, list[str]] | None:
                     return None
                 shape += (c.offset, c.length, c.raw_offset, c.raw_length, c.codec)
                 sums.append(c.checksum)
-    with _lock:
-        hit = next((entry for entry in reversed(_sent) if entry[0] == shape), None)
+    key = tuple(shape)
+    hit = memo.sent.get(key)
     if hit is None:
-        hit = (shape, _body_of(write))
-        with _lock:
-            _sent.append(hit)
-            del _sent[:-SENT_LIMIT]
-    layout = hit[1]
+        hit = (_body_of(write),)
+        memo.sent.put(key, hit)
+    layout = hit[0]
     if layout is None:
         return None
-    book.put(layout.digest, layout)  # this rank's own: its leader (maybe itself) needs no fetch
+    memo.layouts.put(layout.digest, layout)  # this rank's own: its leader (maybe itself) needs no fetch
     return layout, sums
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.commit.index_text import encode_index_reusing
+from ftkit.commit.memo import Lru
 from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
-from ftkit.format.index import check_part, index_doc, parse_index, part_file_name, part_json, part_ref
+from ftkit.format.index import LayoutMemo, check_part, index_doc, parse_index, part_file_name, part_json, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from ftkit.save.write import RankWrite
 from ftkit.tiers.storage import Storage
@@ -96,11 +97,13 @@ def write_part(
     rank_state: dict[str, Any],
     ranks: list[int],
     world_size: int,
+    checked: LayoutMemo | None = None,
 ) -> dict[str, Any]:
     """A node leader's share of the commit: its ranks' entries as one part file, checked
     and durable. Returns the node's record for rank 0: {"part": the index's entry for
-    it, "files": {data file: bytes}, "stored": bytes}."""
-    name, data, files = build_part(storage, step, writes, rank_state, ranks, world_size)
+    it, "files": {data file: bytes}, "stored": bytes}. `checked`: the part layouts the
+    tier has validated (CommitMemo.checked_parts)."""
+    name, data, files = build_part(storage, step, writes, rank_state, ranks, world_size, checked)
     return store_part(storage, step, name, data, files, ranks)
 
 
@@ -111,12 +114,14 @@ def build_part(
     rank_state: dict[str, Any],
     ranks: list[int],
     world_size: int,
+    checked: LayoutMemo | None = None,
 ) -> tuple[str, bytes, dict[str, dict[str, Any]]]:
     """(its file name, its bytes, {data file: info}) of a node's part, checked as a reader
     checks one part alone."""
     files, tensors = files_and_tensors(writes, storage.where(step_dir_name(step)))
     data = part_json(step, ranks, files, tensors, rank_state)
-    check_part(data, step, ranks, world_size, f"the part of ranks {ranks[0]}-{ranks[-1]} of step {step}")
+    where = f"the part of ranks {ranks[0]}-{ranks[-1]} of step {step}"
+    check_part(data, step, ranks, world_size, where, checked)
     return part_file_name(min(ranks)), data, files
 
 
@@ -158,18 +163,20 @@ def commit_index(
     skeleton: dict[str, Any],
     local_parts: set[str] | None = None,
     writer_extra: dict[str, Any] | None = None,
+    texts: Lru[bytes, str] | None = None,
 ) -> Committed:
     """Rank 0's share: the index naming every node's part, written last (the commit).
     `records` are write_part()'s, one per node, validated by the caller's protocol.
     `local_parts`: the parts that must be in the step directory now (all, by default;
-    a node of the RAM tier holds only its own and its replica sources')."""
+    a node of the RAM tier holds only its own and its replica sources'). `texts`: the index
+    texts of the steps before (CommitMemo.index_texts; commit/index_text.py)."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
     parts = sorted((r["part"] for r in records), key=lambda p: p["ranks"][0][0])
     doc = index_doc(step, world_size, parts, skeleton, time.time(), {**(writer_extra or {}), **writer_info()})
     parse_index(doc, storage.where(rel), step)  # (its parts came from records checked one by one)
-    data = encode_index_reusing(doc)
+    data = encode_index_reusing(doc, texts if texts is not None else Lru(16))
     check_files_present(
         storage, step, {p["file"]: p["bytes"] for p in parts if local_parts is None or p["file"] in local_parts}
     )

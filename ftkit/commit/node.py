@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.commit.layouts import Published
+from ftkit.commit.memo import CommitMemo
 from ftkit.commit.plan import SHARED, CommitPlan, NodeRoles
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import NodeBoard, step_message
@@ -25,6 +26,7 @@ class NodeGroup:
     plan: CommitPlan
     node: str
     published: Published = field(default_factory=Published, compare=False)  # the RAM tier's layouts in the store
+    memo: CommitMemo = field(default_factory=CommitMemo, compare=False)  # what this tier's commit keeps between steps
 
     @staticmethod
     def of(ctx: DistContext, board: NodeBoard | None, tier: str = SHARED, replicas: int = 0) -> NodeGroup:

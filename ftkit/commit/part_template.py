@@ -11,7 +11,7 @@ markers in place of each rank's file and checksums; a later part of the same lay
 the template filled with that step's values: byte for byte what the full build gives
 (tests/unit/test_format_index.py), and of a layout already checked (same verdict).
 
-Order of calls: `node_part_bytes(storage, step, reports, ranks, world)` per step (a node's
+Order of calls: `node_part_bytes(storage, step, reports, ranks, world, memo)` per step (a node's
 leader for its node; a replica holder for its source nodes, rebuilding the bytes their
 leaders wrote: commit/replicas.py); it
 looks the template up by the reports' layout keys (NodeReport.checked_layout) and the
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.commit.lru import Lru
 from ftkit.commit.manifests import build_part, files_and_tensors
+from ftkit.commit.memo import CommitMemo
 from ftkit.commit.reports import NodeReport
 from ftkit.format.index import part_file_name, part_head, part_json
 from ftkit.format.validate import CHECKSUM_RE
@@ -131,15 +131,13 @@ class PartTemplate:
         return operator.itemgetter(*at) if at else (lambda values: ())
 
 
-_templates: Lru[Any, PartTemplate] = Lru(8)  # the last few templates, by layout
-
-
 def node_part_bytes(
     storage: Storage,
     step: int,
     reports: Sequence[NodeReport],
     ranks: Sequence[int],
     world: int,
+    memo: CommitMemo,
     name: str | None = None,
 ) -> tuple[str, bytes, dict[str, dict[str, Any]]]:
     """(file name, bytes, {data file: info}) of the part of a node whose ranks sent `reports`
@@ -152,16 +150,16 @@ def node_part_bytes(
     except (TypeError, ValueError):  # not JSON: the full build says what is wrong
         own = None
     key = (tuple(ranks), world, tuple((r.rank, r.checked_layout()) for r, _ in written), own)
-    template = _templates.get(key) if own is not None else None
+    template = memo.templates.get(key) if own is not None else None
     if template is not None:
         data = template.fill(step, [f for _, f in written], [r.checksums() for r, _ in written])
         if data is not None:
             files: dict[str, dict[str, Any]] = {f: {"bytes": r.nbytes, "rank": r.rank} for r, f in written}
             return name or part_file_name(min(ranks)), data, files
     writes = [r.write_doc() for r, _ in written]
-    built, data, files = build_part(storage, step, writes, rank_state, list(ranks), world)
+    built, data, files = build_part(storage, step, writes, rank_state, list(ranks), world, memo.checked_parts)
     if own is not None:
         made = PartTemplate.of(writes, rank_state, ranks)
         if made is not None:
-            _templates.put(key, made)
+            memo.templates.put(key, made)
     return name or built, data, files

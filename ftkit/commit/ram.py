@@ -69,6 +69,7 @@ from typing import Any, ClassVar
 from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
 from ftkit.commit.layouts import Layout, board_name, from_board, from_store, layout_of, lookup
 from ftkit.commit.manifests import Committed, check_files_present, commit_index, store_part
+from ftkit.commit.memo import CommitMemo
 from ftkit.commit.node import NodeGroup
 from ftkit.commit.part_template import node_part_bytes
 from ftkit.commit.plan import RAM, Act, Msg, Step
@@ -242,7 +243,7 @@ class RamCommit:
         self.cpu["write"] = time.thread_time() - c0
         # Uncompressed, a rank's chunks keep their places: its layout goes once, by reference.
         write = self.write_
-        self.ref = layout_of(write) if write is not None and self.compress is None else None
+        self.ref = layout_of(write, self.group.memo) if write is not None and self.compress is None else None
         error = str(self.error) if self.error else None
         self.text = NodeReport.encode(write, error, self.rank_state, ref=self.ref)
 
@@ -264,10 +265,11 @@ class RamCommit:
     def part(self, _: Step) -> None:
         ctx, write = self.ctx, self.write_
         if write is not None and self.error is None:
-            keep_own(self.text, write, self.rank_state, self.ref, ctx.world_size)  # (not parsed back)
+            keep_own(self.text, write, self.rank_state, self.ref, ctx.world_size, self.group.memo)  # (not parsed back)
         texts = {ctx.rank: self.text, **self.texts}
-        layouts = lookup(from_board(self.group.board))
-        self.node = node_part(self.storage, self.step, texts, self.group.ranks, ctx.world_size, layouts)
+        memo = self.group.memo
+        layouts = lookup(from_board(self.group.board), memo)
+        self.node = node_part(self.storage, self.step, texts, self.group.ranks, ctx.world_size, memo, layouts)
 
     def send_exchange(self, _: Step) -> None:
         assert self.node is not None
@@ -310,7 +312,7 @@ class RamCommit:
     def replicate(self, _: Step) -> None:
         assert self.word is not None and self.peers is not None
         sending = self.write_ if self.word.may_send and self.error is None else None
-        self.layouts = lookup(from_store(self.ctx.store))
+        self.layouts = lookup(from_store(self.ctx.store), self.group.memo)
         c0 = time.thread_time()
         try:
             replicate(
@@ -323,6 +325,7 @@ class RamCommit:
                 self.peers,
                 self.slot,
                 self.compress,
+                self.group.memo,
                 self.layouts,
             )
         finally:
@@ -331,7 +334,8 @@ class RamCommit:
     def source_parts(self, _: Step) -> None:
         assert self.word is not None
         texts, world = self.word.texts, self.ctx.world_size
-        self.others = store_parts(self.storage, self.step, self.word.parts, texts, self.group, world, self.layouts)
+        parts = self.word.parts
+        self.others = store_parts(self.storage, self.step, parts, texts, self.group, world, self.layouts)
         if self.node is not None:  # (the collector is its node's exchanger)
             self.node.others = self.others
 
@@ -351,7 +355,10 @@ class RamCommit:
         assert own is not None
         local = {own["part"]["file"], *own.get("others", [])}  # the parts in rank 0's node's directory
         world = self.ctx.world_size
-        self.committed = commit_index(self.storage, self.step, world, self.records, self.skeleton, local_parts=local)
+        texts = self.group.memo.index_texts
+        self.committed = commit_index(
+            self.storage, self.step, world, self.records, self.skeleton, local_parts=local, texts=texts
+        )
 
     def send_index(self, _: Step) -> None:
         assert self.committed is not None
@@ -503,19 +510,20 @@ def node_part(
     texts: dict[int, str],
     ranks: tuple[int, ...],
     world: int,
+    memo: CommitMemo,
     layouts: Callable[[str], Layout | None] | None = None,
 ) -> NodeShare:
     """A leader's part of its node: the ranks' reports checked and written as the node's
     part, beside their data files; or the node's errors. `layouts`: where the layouts of
     reports sent by reference are found (layouts.lookup)."""
-    reports = [decode_report(r, texts[r], world, layouts) for r in ranks]
+    reports = [decode_report(r, texts[r], world, layouts, memo) for r in ranks]
     errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
     skipped = any(r.skipped for r in reports)
     files = [r.file for r in reports if r.file is not None]
     if errors:
         return NodeShare(texts, errors, skipped, files)
     try:
-        name, data, entries = node_part_bytes(storage, step, reports, ranks, world)
+        name, data, entries = node_part_bytes(storage, step, reports, ranks, world, memo)
         written = store_part(storage, step, name, data, entries, list(ranks))
     except Exception as e:  # a malformed report or a storage failure: the node's error
         return NodeShare(texts, [f"node of rank {ranks[0]}: {e}"], skipped, files)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.commit.layouts import Layout
+from ftkit.commit.memo import CommitMemo
 from ftkit.commit.node import MAX_REPORT_BYTES, NodeGroup
 from ftkit.commit.part_template import node_part_bytes
 from ftkit.commit.plan import CommitPlan
@@ -176,11 +177,11 @@ def store_parts(
     step_dir = step_dir_name(step)
     for name, (leader, checksum) in parts.items():
         ranks = group.members[leader]
-        reports = [decode_report(r, texts.get(r, ""), world, layouts) for r in ranks]
+        reports = [decode_report(r, texts.get(r, ""), world, layouts, group.memo) for r in ranks]
         failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
         if failed:
             raise StorageError(f"the part of the node of rank {leader} cannot be rebuilt: {'; '.join(failed)}")
-        _, data, _ = node_part_bytes(storage, step, reports, ranks, world, name=name)
+        _, data, _ = node_part_bytes(storage, step, reports, ranks, world, group.memo, name=name)
         if codec.checksum(data) != checksum:
             raise StorageError(f"the part of the node of rank {leader} rebuilt here differs from its leader's")
         storage.write_bytes_atomic(f"{step_dir}/{name}", data)
@@ -197,6 +198,7 @@ def replicate(
     peers: PeerGroup,
     slot: Slot,
     compress: str | None,
+    memo: CommitMemo,
     layouts: Callable[[str], Layout | None] | None = None,
 ) -> None:
     """Send this rank's file (`write`; None: nothing to send) to its replica targets; store
@@ -214,11 +216,13 @@ def replicate(
     for src, dst in plan.transfers(ctx.rank):
         t = Transfer(src, dst, "")
         if t.src == ctx.rank:
-            target = decode_report(t.dst, reports.get(t.dst, ""), ctx.world_size, layouts)  # (kept: often a source too)
+            target = decode_report(
+                t.dst, reports.get(t.dst, ""), ctx.world_size, layouts, memo
+            )  # (kept: often a source too)
             if write is not None and not target.skipped:
                 transfers.append(Transfer(t.src, t.dst, write.file))
             continue
-        report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size, layouts)
+        report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size, layouts, memo)
         if report.file is None or report.error:
             continue
         incoming[report.file] = (report.chunks(), report.nbytes)  # validated: checked on arrival

@@ -17,18 +17,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftkit.commit.layouts import Layout, is_digest
-from ftkit.commit.lru import Lru
+from ftkit.commit.memo import CommitMemo
 from ftkit.errors import FormatError
 from ftkit.format.index import LayoutMemo
 from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.validate import MAX_INT, check_file_name, parse_json, report_tensors
 from ftkit.save.write import RankWrite
 
-_checked_reports = LayoutMemo(limit=64)  # (a rank validates its node's reports and its replica sources')
 _CHUNK_SUM = re.compile(r'"checksum": ?"(xxh3_64:[0-9a-f]{16})"')  # a chunk's, as json.dumps writes it
 _SUMS = re.compile(r"(?:xxh3_64:[0-9a-f]{16},)*")  # a report's checksums, joined (one C call, not one each)
 
@@ -70,6 +69,8 @@ class NodeReport:
     world_size: int = 1
     layout: Layout | None = None  # by reference: the tensor list is this layout's, with `sums`
     sums: tuple[str, ...] = ()
+    # The layouts the decoding tier has validated (CommitMemo.checked_reports); None: check every time.
+    checked: LayoutMemo | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def encode(
@@ -96,7 +97,11 @@ class NodeReport:
 
     @staticmethod
     def decode(
-        rank: int, text: str, world_size: int, layouts: Callable[[str], Layout | None] | None = None
+        rank: int,
+        text: str,
+        world_size: int,
+        layouts: Callable[[str], Layout | None] | None = None,
+        checked: LayoutMemo | None = None,
     ) -> NodeReport:
         """A report as read from the board or the store: untrusted, so its head is validated
         here (a file name is a plain name inside the step directory; checksums of the one
@@ -128,6 +133,7 @@ class NodeReport:
             world_size,
             layout,
             sums,
+            checked,
         )
 
     def tensors(self, validate: bool = True) -> list[dict[str, Any]]:
@@ -150,12 +156,13 @@ class NodeReport:
         (format/index.py LayoutMemo; the file leads the masked bytes, so a chunk naming
         another file is another layout)."""
         assert self.file is not None
+        memo = self.checked if self.checked is not None else LayoutMemo()
         meta = (self.nbytes, self.world_size)
         if self.layout is not None:
             layout = f"ref {self.layout.digest} {self.nbytes} {self.world_size}".encode()
         else:
-            layout = _checked_reports.key(f"{json.dumps(self.file)}\n{self.tensors_json}".encode(), meta)
-        if layout not in _checked_reports:
+            layout = memo.key(f"{json.dumps(self.file)}\n{self.tensors_json}".encode(), meta)
+        if layout not in memo:
             where = f"rank {self.rank}'s report"
             if self.layout is not None:
                 docs = self.layout.docs(self.file)
@@ -164,7 +171,7 @@ class NodeReport:
             entries = report_tensors(docs, self.file, self.nbytes, self.world_size, where)
             if not entries and self.nbytes:
                 raise FormatError(f"rank {self.rank}'s report lists no tensor for its {self.nbytes}-byte file")
-            _checked_reports.add(layout)
+            memo.add(layout)
         return layout
 
     def checksums(self) -> list[str]:
@@ -180,7 +187,7 @@ class NodeReport:
         self.checked_layout()
         if self.layout is not None:
             assert self.file is not None
-            spans = self.layout.spans()
+            spans = self.layout.spans
             return [(name, off, n, s) for (name, off, n), s in zip(spans, self.sums, strict=True)]
         return [
             (t["name"], c["offset"], c["length"], c["checksum"])
@@ -217,25 +224,32 @@ def _by_reference(
 
 
 def decode_report(
-    rank: int, text: str, world_size: int, layouts: Callable[[str], Layout | None] | None = None
+    rank: int,
+    text: str,
+    world_size: int,
+    layouts: Callable[[str], Layout | None] | None = None,
+    memo: CommitMemo | None = None,
 ) -> NodeReport:
     """A report, or (when it does not even parse) an error report in its place, so that
     every rank sees the same outcome and the step is simply not committed. A leader decodes
     a replica source's reports twice in a step (to check the replicas, to rebuild the part):
     the last few that decoded are kept."""
     key = (rank, world_size, text)
-    hit = _decoded.get(key)
+    hit = memo.decoded.get(key) if memo is not None else None
     if hit is not None:
         return hit
     try:
-        report = NodeReport.decode(rank, text, world_size, layouts)
+        report = NodeReport.decode(rank, text, world_size, layouts, memo.checked_reports if memo else None)
     except FormatError as e:  # (not kept: a layout not found now may be found later)
         return NodeReport(rank, None, 0, f"unreadable report: {e}", {}, "[]", False, world_size)
-    _decoded.put(key, report)
+    if memo is not None:
+        memo.decoded.put(key, report)
     return report
 
 
-def keep_own(text: str, write: RankWrite, rank_state: Any, ref: tuple[Layout, list[str]] | None, world: int) -> None:
+def keep_own(
+    text: str, write: RankWrite, rank_state: Any, ref: tuple[Layout, list[str]] | None, world: int, memo: CommitMemo
+) -> None:
     """Keep this rank's own report (`text`, just encoded from these values, with no error) as
     decoded: where this rank collects its node, decode_report finds it and nothing is parsed
     back. It holds what decoding the text gives (the JSON of its rank state is the same text),
@@ -243,9 +257,16 @@ def keep_own(text: str, write: RankWrite, rank_state: Any, ref: tuple[Layout, li
     layout, sums = ref if ref is not None else (None, [])
     tensors = "[]" if ref is not None else (text.partition("\n")[2] or "[]")
     report = NodeReport(
-        write.rank, write.file, write.nbytes, None, rank_state or {}, tensors, False, world, layout, tuple(sums)
+        write.rank,
+        write.file,
+        write.nbytes,
+        None,
+        rank_state or {},
+        tensors,
+        False,
+        world,
+        layout,
+        tuple(sums),
+        memo.checked_reports,
     )
-    _decoded.put((write.rank, world, text), report)
-
-
-_decoded: Lru[tuple[int, int, str], NodeReport] = Lru(16)
+    memo.decoded.put((write.rank, world, text), report)

@@ -37,7 +37,7 @@ from ftkit.commit.reports import shared_report
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import FormatError, StorageError
-from ftkit.format.index import is_part_name, rank_runs
+from ftkit.format.index import LayoutMemo, is_part_name, rank_runs
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
@@ -121,7 +121,8 @@ class SharedCommit:
 
     def part(self, _: Step) -> None:
         self.reports[self.ctx.rank] = self.report
-        self.records = [_node_record(self.storage, self.step, self.reports, self.group.ranks, self.ctx.world_size)]
+        args = (self.storage, self.step, self.reports, self.group.ranks, self.ctx.world_size)
+        self.records = [_node_record(*args, self.group.memo.checked_parts)]
 
     def send_record(self, _: Step) -> None:
         self.ctx.put(record_key(self.key, self.ctx.rank), self.records[0])
@@ -140,7 +141,10 @@ class SharedCommit:
         if failures:
             raise StorageError(f"step {self.step} not committed to {self.storage.display_url}: {'; '.join(failures)}")
         fault_point("commit", self.step, 0)  # every part is durable, the index not yet written
-        self.committed = commit_index(self.storage, self.step, self.ctx.world_size, self.records, self.skeleton)
+        texts = self.group.memo.index_texts
+        self.committed = commit_index(
+            self.storage, self.step, self.ctx.world_size, self.records, self.skeleton, texts=texts
+        )
 
 
 SharedCommit.HANDLERS.update(
@@ -187,7 +191,12 @@ def persist(
 
 
 def _node_record(
-    storage: Storage, step: int, reports: Mapping[int, dict[str, Any]], ranks: Sequence[int], world: int
+    storage: Storage,
+    step: int,
+    reports: Mapping[int, dict[str, Any]],
+    ranks: Sequence[int],
+    world: int,
+    checked: LayoutMemo,
 ) -> dict[str, Any]:
     """The leader's record of its node for rank 0: the part it wrote, or the node's errors."""
     writes = [reports[r]["write"] for r in ranks if reports[r].get("write")]
@@ -196,7 +205,7 @@ def _node_record(
     if not errors:
         try:
             rank_state = {str(r): reports[r].get("rank_state", {}) for r in ranks}
-            return {**write_part(storage, step, writes, rank_state, list(ranks), world), "errors": []}
+            return {**write_part(storage, step, writes, rank_state, list(ranks), world, checked), "errors": []}
         except Exception as e:  # a malformed report or a storage failure: the node's error
             errors = [f"node of rank {ranks[0]}: {e}"]
     return {"part": None, "files": files, "stored": 0, "errors": errors}

@@ -11,7 +11,7 @@ Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link follo
         preempt.json      a rank was preempted: every rank saves and stops at an agreed step
         all-done.json     every rank of every node has finished
 
-    commit/<job>/<attempt>-<scope>/<node>/    (kind "commit": one per tier, commit/shared.py NodeGroup)
+    commit/<job>/<attempt>-<scope>/<node>/    (kind "commit": one per tier, commit/node.py NodeGroup)
         box-r<rank>       each rank's mailbox, a socket: a step's messages to it (coord/mailbox.py)
         <epoch>-<step>-<what>.json    a message too big for a mailbox, or one it could not take
         layout-<digest>.json          a rank's chunk layout, posted once (commit/layouts.py)

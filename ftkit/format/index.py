@@ -299,33 +299,28 @@ class LayoutMemo:
                 del self._seen[next(iter(self._seen))]
 
 
-_checked_parts = LayoutMemo()
-
-
 def part_head(step: int) -> str:
     """What every part of `step` begins with, as part_json writes it (its step is there only)."""
     return f'{{"format":"{PART_FORMAT}","step":{step},'
 
 
-def _part_layout(data: bytes, step: int, ranks: list[int], world_size: int) -> bytes | None:
-    """A part's layout key: its step masked too (only where part_json puts it, the expected one)."""
-    head = part_head(step).encode()
-    if not data.startswith(head):
-        return None
-    return _checked_parts.key(data[len(head) :], (sorted(ranks), world_size))
-
-
-def check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:
+def check_part(
+    data: bytes, step: int, ranks: list[int], world_size: int, where: str, checked: LayoutMemo | None = None
+) -> None:
     """What a node's leader checks of the part it is about to write (its ranks' reports came
     through its node's board: untrusted): everything a reader checks of one part alone.
     That the parts together tile every tensor is checked when a reader assembles them.
-    A part of a layout checked before passes at once (see LayoutMemo)."""
-    layout = _part_layout(data, step, ranks, world_size)
-    if layout is not None and layout in _checked_parts:
-        return
+    A part of a layout in `checked` (the writer's memo of the layouts it checked before)
+    passes at once (see LayoutMemo)."""
+    head = part_head(step).encode()  # its step masked too (only where part_json puts it, the expected one)
+    layout = None
+    if checked is not None and data.startswith(head):
+        layout = checked.key(data[len(head) :], (sorted(ranks), world_size))
+        if layout in checked:
+            return
     _check_part(data, step, ranks, world_size, where)
-    if layout is not None:
-        _checked_parts.add(layout)
+    if checked is not None and layout is not None:
+        checked.add(layout)
 
 
 def _check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:

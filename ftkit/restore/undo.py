@@ -60,7 +60,7 @@ class UndoCopy:
         captured = cap.capture(state, rng=rng, rng_path=f"{cap.RNG_KEY}/r{rank}")
         named = [(n, _local(t)) for n, t in captured.tensors]
         with ExitStack() as stack:
-            slot = stack.enter_context(arena.borrow(Layout.of(named)))
+            slot = stack.enter_context(arena.borrow(Layout.of(named, arena.layouts)))
             slot.fill(named)
             slot.ready()
             undo = UndoCopy(state, captured, slot)

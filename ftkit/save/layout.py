@@ -27,15 +27,16 @@ class Layout:
     total_bytes: int
 
     @staticmethod
-    def of(named: Sequence[tuple[str, torch.Tensor]]) -> Layout:
-        """The layout of `named`: the same object as last time when the names, shapes and
-        dtypes are the same. Building one costs ~5 us a tensor and comparing two equal ones
-        ~1 us (a slot compares its layout with the new one); the key ~1.3 us. A snapshot of
+    def of(named: Sequence[tuple[str, torch.Tensor]], memo: dict[tuple, Layout] | None = None) -> Layout:
+        """The layout of `named`; with `memo` (its owner's: a StagingArena's, kept with it),
+        the same object as last time when the names, shapes and dtypes are the same. Building
+        one costs ~5 us a tensor and comparing two equal ones ~1 us (a slot compares its
+        layout with the new one); the key ~1.3 us. A snapshot of
         plain tensors gets its layout with its cached plan (save/sharding.py `planned`) and
         comes here only when the plan changes; a state of DTensors, whose plan is made anew
         each time, and the device staging buffers come here every time."""
-        key = tuple((name, t.shape, t.dtype) for name, t in named)
-        cached = _LAST.get(key)
+        key = tuple((name, t.shape, t.dtype) for name, t in named) if memo is not None else ()
+        cached = memo.get(key) if memo is not None else None
         if cached is not None:
             return cached
         entries, offset = [], 0
@@ -44,9 +45,7 @@ class Layout:
             entries.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
             offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         layout = Layout(tuple(entries), offset)
-        _LAST.clear()  # one state per process is the rule: keep only the latest layout
-        _LAST[key] = layout
+        if memo is not None:
+            memo.clear()  # one state per owner: keep only the latest layout
+            memo[key] = layout
         return layout
-
-
-_LAST: dict[tuple, Layout] = {}

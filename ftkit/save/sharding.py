@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,33 +87,37 @@ def plan_pieces(
 
 
 def planned(
-    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int, rng_prefix: str = "_rng/"
+    named: Sequence[tuple[str, torch.Tensor]],
+    rank: int,
+    world_size: int,
+    rng_prefix: str = "_rng/",
+    plans: dict[tuple, Any] | None = None,
+    layouts: dict[tuple, Layout] | None = None,
 ) -> tuple[list[tuple[Piece, torch.Tensor]], Layout]:
     """The pieces (as `plan_pieces`) and where their sources go in a staging buffer
     (save/layout.py). Without DTensors both depend only on names, shapes and dtypes, which
     stay the same from one snapshot to the next: they are made once and kept under one
     key (its ~1.3 us a tensor is the cost of a snapshot of many small tensors), and then
-    only the sources are sliced."""
+    only the sources are sliced. `plans` and `layouts`: where they are kept (the
+    Checkpointer's and its StagingArena's); None: made anew."""
     if any(is_dtensor(t) for _, t in named):
         pieces = _plan_pieces(named, rank, world_size, rng_prefix)
-        return pieces, Layout.of([(p.name, src) for p, src in pieces])
+        return pieces, Layout.of([(p.name, src) for p, src in pieces], layouts)
     signature = (rank, world_size, rng_prefix, tuple((n, t.shape, t.dtype) for n, t in named))
-    cached = _PLAN_CACHE.get(signature)
+    cached = plans.get(signature) if plans is not None else None
     if cached is None:
         index = {n: i for i, (n, _) in enumerate(named)}
         pieces = _plan_pieces(named, rank, world_size, rng_prefix)
         steps = [(p, index[p.name], p.offsets[0] if p.lengths != p.global_shape else None) for p, _ in pieces]
         cached = (steps, Layout.of([(p.name, src) for p, src in pieces]))
-        _PLAN_CACHE.clear()  # one state per process is the rule; keep only the latest plan
-        _PLAN_CACHE[signature] = cached
+        if plans is not None:
+            plans.clear()  # one state per Checkpointer: keep only the latest plan
+            plans[signature] = cached
     steps, layout = cached
     sources = [
         (p, named[i][1] if start is None else named[i][1][start : start + p.lengths[0]]) for p, i, start in steps
     ]
     return sources, layout
-
-
-_PLAN_CACHE: dict[tuple, tuple[list[tuple[Piece, int, int | None]], Layout]] = {}
 
 
 def _plan_pieces(

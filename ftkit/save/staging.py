@@ -278,6 +278,7 @@ class StagingArena:
         if slots < 1:
             raise ValueError("the staging arena needs at least one slot")
         self.max_slots = slots
+        self.layouts: dict[tuple, Layout] = {}  # the latest layout, so slots compare it by identity (Layout.of)
         self.budget_bytes = budget_bytes
         self.ops = ops if ops is not None else DEVICE
         self.pin = self.ops.available() if pin is None else pin
@@ -392,7 +393,7 @@ class StagingArena:
             return
         host_bytes = sum(t.numel() * t.element_size() for n, t in targets.items() if n not in device)
         spare = torch.empty((), dtype=torch.uint8).expand(host_bytes + (1 << 20))  # no memory: a size
-        layout = Layout.of([*device.items(), ("\0spare", spare)])
+        layout = Layout.of([*device.items(), ("\0spare", spare)], self.layouts)
         with self.borrow(layout) as slot:
             yield {**targets, **{n: slot.views[n] for n in device}}
             slot.upload(device)

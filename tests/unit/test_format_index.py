@@ -244,14 +244,14 @@ def test_a_leaders_part_check_remembers_layouts_and_still_refuses_what_differs(t
     full_checks = []
     real = fmt._check_part
     monkeypatch.setattr(fmt, "_check_part", lambda *a: full_checks.append(a[1]) or real(*a))
-    monkeypatch.setattr(fmt, "_checked_parts", fmt.LayoutMemo())
-    fmt.check_part(text(7, "aaaaaaaa"), 7, [0, 1], 4, "step 7")
-    fmt.check_part(text(8, "bbbbbbbb"), 8, [0, 1], 4, "step 8")  # same layout: not parsed again
+    checked = fmt.LayoutMemo()  # the writer's memo of the layouts it checked
+    fmt.check_part(text(7, "aaaaaaaa"), 7, [0, 1], 4, "step 7", checked)
+    fmt.check_part(text(8, "bbbbbbbb"), 8, [0, 1], 4, "step 8", checked)  # same layout: not parsed again
     assert full_checks == [7]
     with pytest.raises(FormatError, match="step 9"):  # shards name a file the part does not list
-        fmt.check_part(text(9, "cccccccc", shard_token="dddddddd"), 9, [0, 1], 4, "step 9")
+        fmt.check_part(text(9, "cccccccc", shard_token="dddddddd"), 9, [0, 1], 4, "step 9", checked)
     with pytest.raises(FormatError, match="step 10"):  # a checksum of another form
-        fmt.check_part(text(10, "eeeeeeee", checksum="XXH3_64:"), 10, [0, 1], 4, "step 10")
+        fmt.check_part(text(10, "eeeeeeee", checksum="XXH3_64:"), 10, [0, 1], 4, "step 10", checked)
     assert full_checks == [7, 9, 10]
 
 
@@ -262,8 +262,8 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
     import random
 
     from ftkit.commit import part_template
-    from ftkit.commit.lru import Lru
     from ftkit.commit.manifests import build_part
+    from ftkit.commit.memo import CommitMemo
     from ftkit.commit.reports import decode_report
 
     _root, _index, parts, _ = two_nodes
@@ -272,7 +272,7 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
     built = []
     real_build = part_template.build_part
     monkeypatch.setattr(part_template, "build_part", lambda *a: built.append(a[1]) or real_build(*a))
-    monkeypatch.setattr(part_template, "_templates", Lru(8))
+    memo = CommitMemo()  # the leader's tier's
     rng = random.Random(0)
 
     def reports(step: int, rows: int | None = None, own: dict | None = None) -> list:
@@ -302,7 +302,7 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
         return out
 
     def check(step: int, got: list) -> None:
-        name, data, files = part_template.node_part_bytes(storage, step, got, [0, 1], 4)
+        name, data, files = part_template.node_part_bytes(storage, step, got, [0, 1], 4, memo)
         writes = [r.write_doc() for r in got]
         rank_state = {str(r.rank): r.rank_state for r in got}
         _, want, want_files = build_part(storage, step, writes, rank_state, [0, 1], 4)
@@ -317,7 +317,7 @@ def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, t
     check(11, reports(11, own=own))
     assert built == [7, 10]
     with pytest.raises(FormatError):  # a shape its shards do not fit: refused, not filled in
-        part_template.node_part_bytes(storage, 12, reports(12, rows=3), [0, 1], 4)
+        part_template.node_part_bytes(storage, 12, reports(12, rows=3), [0, 1], 4, memo)
 
 
 def test_rank_0s_index_bytes_reusing_earlier_skeleton_text_are_json_dumps_of_the_index():
@@ -325,8 +325,10 @@ def test_rank_0s_index_bytes_reusing_earlier_skeleton_text_are_json_dumps_of_the
     their marshal bytes. Values that compare equal but encode differently (1, 1.0 and True;
     0.0 and -0.0) must not share a text: every index is json.dumps of its document."""
     from ftkit.commit.index_text import encode_index_reusing
+    from ftkit.commit.memo import CommitMemo
     from ftkit.format.index import encode_index, index_doc
 
+    texts = CommitMemo().index_texts  # rank 0's tier's, kept from one step to the next
     placeholders = {f"layer{i}.weight": {"$tensor": f"model/layer{i}.weight"} for i in range(40)}
     parts = [{"file": "part-00000.json", "bytes": 10, "checksum": "xxh3_64:" + "0" * 16, "ranks": [[0, 1]]}]
     seen = set()
@@ -340,7 +342,7 @@ def test_rank_0s_index_bytes_reusing_earlier_skeleton_text_are_json_dumps_of_the
             }
         }
         doc = index_doc(step, 1, parts, skeleton, 1.5, {"ftkit": "test"})
-        data = encode_index_reusing(doc)
+        data = encode_index_reusing(doc, texts)
         assert data == encode_index(doc)
         assert json.loads(data)["skeleton"]["entries"]["optim"]["value"]["param_groups"][0]["lr"] == v
         assert type(json.loads(data)["skeleton"]["entries"]["optim"]["value"]["param_groups"][0]["lr"]) is type(v)

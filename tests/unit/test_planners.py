@@ -192,11 +192,12 @@ def test_plan_pieces_on_one_rank_saves_everything_whole():
 
 def test_the_staging_layout_comes_with_the_plan_and_changes_when_a_shape_does():
     named = [("big", torch.zeros(1024, 512)), ("s", torch.zeros(100, dtype=torch.float16))]
-    pieces, layout = planned(named, 1, 4)  # rank 1: its row block of "big", maybe "s"
+    plans: dict = {}  # a Checkpointer's
+    pieces, layout = planned(named, 1, 4, plans=plans)  # rank 1: its row block of "big", maybe "s"
     assert layout == Layout.of([(p.name, src) for p, src in pieces])  # where the sliced sources go
-    again, same = planned([(n, t.clone()) for n, t in named], 1, 4)  # new tensors, same names and shapes
+    again, same = planned([(n, t.clone()) for n, t in named], 1, 4, plans=plans)  # new tensors, same shapes
     assert same is layout and [p for p, _ in again] == [p for p, _ in pieces]
-    grown, other = planned([("big", torch.zeros(2048, 512)), named[1]], 1, 4)
+    grown, other = planned([("big", torch.zeros(2048, 512)), named[1]], 1, 4, plans=plans)
     assert other == Layout.of([(p.name, src) for p, src in grown]) and other.total_bytes > layout.total_bytes
     half = planned(named, 0, 1)[1]
     single = planned([named[0], ("s", torch.zeros(100, dtype=torch.float32))], 0, 1)[1]

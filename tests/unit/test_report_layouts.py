@@ -8,10 +8,9 @@ import json
 
 import pytest
 
-from ftkit.commit import layouts as report_layouts
 from ftkit.commit import part_template, reports
 from ftkit.commit.layouts import Layout, board_name, from_board, layout_of, lookup
-from ftkit.commit.lru import Lru
+from ftkit.commit.memo import CommitMemo
 from ftkit.commit.reports import NodeReport, decode_report
 from ftkit.format import codec
 from ftkit.format.manifest import Chunk, Shard, TensorEntry
@@ -31,45 +30,43 @@ def _write(rank: int, token: str, step: int = 0, names=("w", "b"), elsewhere: bo
     return RankWrite(rank, file, 128, tuple(tensors))
 
 
-def _fresh(monkeypatch) -> None:
-    """A process that has seen no layout and decoded no report."""
-    monkeypatch.setattr(report_layouts, "book", Lru(256))
-    monkeypatch.setattr(report_layouts, "_sent", [])
-    monkeypatch.setattr(reports, "_decoded", Lru(16))
+def _fresh() -> CommitMemo:
+    """A tier's commit that has seen no layout and decoded no report."""
+    return CommitMemo()
 
 
 def test_a_report_by_reference_reads_as_the_whole_report(monkeypatch):
-    _fresh(monkeypatch)
+    memo = _fresh()
     for step in (1, 2, 3):
         write = _write(1, f"{step:08x}", step)
-        ref = layout_of(write)
+        ref = layout_of(write, memo)
         assert ref is not None
         by_ref = NodeReport.encode(write, None, {"python": None}, ref=ref)
         whole = NodeReport.encode(write, None, {"python": None})
         assert len(by_ref) < len(whole) / 2 and by_ref.endswith("\n")
-        a, b = decode_report(1, by_ref, WORLD, lookup(None)), decode_report(1, whole, WORLD)
+        a, b = decode_report(1, by_ref, WORLD, lookup(None, memo)), decode_report(1, whole, WORLD)
         assert a.error is None and b.error is None
         assert a.tensors() == b.tensors() and a.checksums() == b.checksums() and a.chunks() == b.chunks()
         assert a.write_doc() == b.write_doc() == write.to_json()
-    assert len(report_layouts._sent) == 1  # one layout for the three steps
+    assert len(memo.sent) == 1  # one layout for the three steps
 
 
 def test_a_new_structure_is_a_new_layout_and_markers_in_names_go_whole(monkeypatch):
-    _fresh(monkeypatch)
-    one, two = layout_of(_write(1, "aaaaaaaa")), layout_of(_write(1, "bbbbbbbb", names=("w", "c")))
+    memo = _fresh()
+    one, two = layout_of(_write(1, "aaaaaaaa"), memo), layout_of(_write(1, "bbbbbbbb", names=("w", "c")), memo)
     assert one is not None and two is not None and one[0].digest != two[0].digest
-    assert layout_of(_write(1, "cccccccc", names=("w", "@ftkit-sum@"))) is None  # sent whole, not confused
-    assert layout_of(_write(1, "dddddddd", elsewhere=True)) is None  # a chunk in another file
+    assert layout_of(_write(1, "cccccccc", names=("w", "@ftkit-sum@")), memo) is None  # sent whole, not confused
+    assert layout_of(_write(1, "dddddddd", elsewhere=True), memo) is None  # a chunk in another file
 
 
 def test_a_layout_is_fetched_once_and_a_forged_body_is_not_taken(monkeypatch):
-    _fresh(monkeypatch)
+    memo = _fresh()
     write = _write(2, "aaaaaaaa")
-    ref = layout_of(write)
+    ref = layout_of(write, memo)
     assert ref is not None
     layout = ref[0]
     text = NodeReport.encode(write, None, None, ref=ref)
-    _fresh(monkeypatch)  # a receiver that has never seen it
+    memo = _fresh()  # a receiver that has never seen it
     fetched = []
     forged = layout.body.replace('"float32"', '"float16"')
 
@@ -77,11 +74,11 @@ def test_a_layout_is_fetched_once_and_a_forged_body_is_not_taken(monkeypatch):
         fetched.append(digest)
         return forged.encode()
 
-    bad = decode_report(2, text, WORLD, lookup(fetch))
+    bad = decode_report(2, text, WORLD, lookup(fetch, memo))
     assert bad.file is None and "which was not to be found" in (bad.error or "")
-    good = decode_report(2, text, WORLD, lookup(lambda d: fetched.append(d) or layout.body.encode()))
+    good = decode_report(2, text, WORLD, lookup(lambda d: fetched.append(d) or layout.body.encode(), memo))
     assert good.error is None and good.tensors() == json.loads(NodeReport.encode(write, None, None).split("\n")[1])
-    assert decode_report(2, text, WORLD, lookup(lambda d: None)).error is None  # kept: no second fetch
+    assert decode_report(2, text, WORLD, lookup(lambda d: None, memo)).error is None  # kept: no second fetch
     assert fetched == [layout.digest, layout.digest]
 
 
@@ -98,43 +95,43 @@ def test_a_layout_is_fetched_once_and_a_forged_body_is_not_taken(monkeypatch):
     ],
 )
 def test_a_forged_report_by_reference_reads_as_that_ranks_error(monkeypatch, change, why):
-    _fresh(monkeypatch)
+    memo = _fresh()
     write = _write(3, "aaaaaaaa")
-    head = json.loads(NodeReport.encode(write, None, None, ref=layout_of(write)))
-    got = decode_report(3, json.dumps(change(head)) + "\n", WORLD, lookup(None))
+    head = json.loads(NodeReport.encode(write, None, None, ref=layout_of(write, memo)))
+    got = decode_report(3, json.dumps(change(head)) + "\n", WORLD, lookup(None, memo))
     assert got.file is None and why in (got.error or "")
 
 
 def test_a_layout_that_does_not_validate_is_refused_at_every_step(monkeypatch):
     """A layout whose chunks run past the file the report names: refused when first used, and
     again at the next step (a refused layout is never remembered as checked)."""
-    _fresh(monkeypatch)
+    memo = _fresh()
     write = _write(1, "aaaaaaaa")
-    text = NodeReport.encode(write, None, None, ref=layout_of(write))
+    text = NodeReport.encode(write, None, None, ref=layout_of(write, memo))
     short = json.dumps({**json.loads(text), "nbytes": 100}) + "\n"  # 128 bytes of chunks in a 100-byte file
     for _ in range(2):
         with pytest.raises(Exception, match="rank 1's report"):
-            decode_report(1, short, WORLD, lookup(None)).tensors()
+            decode_report(1, short, WORLD, lookup(None, memo)).tensors()
 
 
 def test_a_leader_reads_its_ranks_layouts_from_the_board(tmp_path, monkeypatch):
     from ftkit.coord.nodelocal import NodeBoard
 
-    _fresh(monkeypatch)
+    memo = _fresh()
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path))
     board = NodeBoard("scope", "node0", True, "t", kind="commit")
     write = _write(1, "aaaaaaaa")
-    ref = layout_of(write)
+    ref = layout_of(write, memo)
     assert ref is not None
     board.post_once(board_name(ref[0].digest), ref[0].body)
     text = NodeReport.encode(write, None, None, ref=ref)
-    _fresh(monkeypatch)  # the leader's process
-    assert decode_report(1, text, WORLD, lookup(from_board(board))).error is None
-    _fresh(monkeypatch)
+    memo = _fresh()  # the leader's
+    assert decode_report(1, text, WORLD, lookup(from_board(board), memo)).error is None
+    memo = _fresh()
     (tmp_path / board.path / board_name(ref[0].digest)).unlink()  # gone: the rank's error, not a hang
-    assert "not to be found" in (decode_report(1, text, WORLD, lookup(from_board(board))).error or "")
+    assert "not to be found" in (decode_report(1, text, WORLD, lookup(from_board(board), memo)).error or "")
     board.post_once(board_name(ref[0].digest), ref[0].body)  # posted again, since it is gone
-    assert decode_report(1, text, WORLD, lookup(from_board(board))).error is None
+    assert decode_report(1, text, WORLD, lookup(from_board(board), memo)).error is None
 
 
 def test_a_replica_holder_rebuilds_its_sources_part_byte_for_byte(tmp_path, monkeypatch):
@@ -147,21 +144,21 @@ def test_a_replica_holder_rebuilds_its_sources_part_byte_for_byte(tmp_path, monk
     from ftkit.commit.replicas import store_parts
     from ftkit.coord.dist import DistContext
 
-    _fresh(monkeypatch)
+    memo = _fresh()
     leader = ftkit.Tier(str(tmp_path / "node0")).open()
     holder = ftkit.Tier(str(tmp_path / "node1")).open()
     group = NodeGroup.of(DistContext(2, WORLD, None, "node1", 10.0, ["node0", "node0", "node1", "node1"]), None, RAM, 1)
     for step in (1, 2):
         writes = [_write(r, f"{step:07x}{r}", step) for r in (0, 1)]
-        texts = {w.rank: NodeReport.encode(w, None, {"python": [step]}, ref=layout_of(w)) for w in writes}
-        reports = [decode_report(r, texts[r], WORLD, lookup(None)) for r in (0, 1)]
-        name, data, _ = part_template.node_part_bytes(leader, step, reports, (0, 1), WORLD)
-        written = store_parts(holder, step, {name: (0, codec.checksum(data))}, texts, group, WORLD, lookup(None))
+        texts = {w.rank: NodeReport.encode(w, None, {"python": [step]}, ref=layout_of(w, memo)) for w in writes}
+        reports = [decode_report(r, texts[r], WORLD, lookup(None, memo)) for r in (0, 1)]
+        name, data, _ = part_template.node_part_bytes(leader, step, reports, (0, 1), WORLD, memo)
+        written = store_parts(holder, step, {name: (0, codec.checksum(data))}, texts, group, WORLD, lookup(None, memo))
         assert written == [name]
         assert (tmp_path / "node1" / f"step-{step:012d}" / name).read_bytes() == data
     with pytest.raises(ftkit.StorageError, match="differs from its leader's"):
         store_parts(
-            holder, 3, {"part-00000-0badf00d.json": (0, "xxh3_64:" + "0" * 16)}, texts, group, WORLD, lookup(None)
+            holder, 3, {"part-00000-0badf00d.json": (0, "xxh3_64:" + "0" * 16)}, texts, group, WORLD, lookup(None, memo)
         )
     assert not (tmp_path / "node1" / "step-000000000003" / "part-00000-0badf00d.json").exists()
 
@@ -181,17 +178,18 @@ def test_a_collectors_own_report_kept_unparsed_is_the_report_its_holders_decode(
     byte for byte the part the replica holders rebuild from the text."""
     import ftkit
 
-    _fresh(monkeypatch)
+    memo = _fresh()
     storage = ftkit.Tier(str(tmp_path / "node0")).open()
     # A rank state whose Python form is not its JSON form (a tuple, an int key, a float).
     state = {"rng": {"numpy": {"$tuple": ("MT19937", 623, 0.0)}, 7: [1.5, None, True]}}
     write = _write(1, "aaaaaaaa", 1)
-    ref = layout_of(write) if by_reference else None
+    ref = layout_of(write, memo) if by_reference else None
     text = NodeReport.encode(write, None, state, ref=ref)
-    reports.keep_own(text, write, state, ref, WORLD)
-    kept = decode_report(1, text, WORLD, lookup(None))
-    monkeypatch.setattr(reports, "_decoded", Lru(16))
-    parsed = decode_report(1, text, WORLD, lookup(None))
+    reports.keep_own(text, write, state, ref, WORLD, memo)
+    kept = decode_report(1, text, WORLD, lookup(None, memo), memo)
+    other_memo = CommitMemo()  # another rank's: it knows the layout, and decodes the text
+    other_memo.layouts = memo.layouts
+    parsed = decode_report(1, text, WORLD, lookup(None, other_memo), other_memo)
     assert kept is not parsed and kept.error is None and parsed.error is None
     assert (kept.file, kept.nbytes, kept.layout, kept.sums, kept.tensors_json) == (
         parsed.file,
@@ -202,8 +200,6 @@ def test_a_collectors_own_report_kept_unparsed_is_the_report_its_holders_decode(
     )
     assert kept.write_doc() == parsed.write_doc() and kept.chunks() == parsed.chunks()
     other = decode_report(0, NodeReport.encode(_write(0, "bbbbbbbb", 1), None, {}), WORLD)
-    monkeypatch.setattr(part_template, "_templates", Lru(8))
-    _, from_kept, _ = part_template.node_part_bytes(storage, 1, [other, kept], (0, 1), WORLD)
-    monkeypatch.setattr(part_template, "_templates", Lru(8))
-    _, from_text, _ = part_template.node_part_bytes(storage, 1, [other, parsed], (0, 1), WORLD)
+    _, from_kept, _ = part_template.node_part_bytes(storage, 1, [other, kept], (0, 1), WORLD, CommitMemo())
+    _, from_text, _ = part_template.node_part_bytes(storage, 1, [other, parsed], (0, 1), WORLD, CommitMemo())
     assert from_kept == from_text

@@ -528,12 +528,12 @@ def test_a_report_of_a_layout_checked_before_is_not_parsed_again_but_a_forged_on
     full = []
     real = validate.report_tensors
     monkeypatch.setattr(reports, "report_tensors", lambda *a: full.append(a[1]) or real(*a))
-    monkeypatch.setattr(reports, "_checked_reports", reports.LayoutMemo())
-    _Report.decode(1, text("aaaaaaaa", "xxh3_64:" + "1" * 16), 2).tensors()
-    _Report.decode(1, text("bbbbbbbb", "xxh3_64:" + "2" * 16), 2).tensors()  # same layout
+    checked = reports.LayoutMemo()  # a tier's memo of the layouts it validated
+    _Report.decode(1, text("aaaaaaaa", "xxh3_64:" + "1" * 16), 2, None, checked).tensors()
+    _Report.decode(1, text("bbbbbbbb", "xxh3_64:" + "2" * 16), 2, None, checked).tensors()  # same layout
     assert full == ["rank-00001-aaaaaaaa.data"]
     with pytest.raises(FormatError, match="rank 1's report"):  # a chunk in a file it does not report
-        _Report.decode(1, text("cccccccc", "xxh3_64:" + "3" * 16, chunk_token="dddddddd"), 2).tensors()
+        _Report.decode(1, text("cccccccc", "xxh3_64:" + "3" * 16, chunk_token="dddddddd"), 2, None, checked).tensors()
     with pytest.raises(FormatError, match="rank 1's report"):  # a checksum of another form
-        _Report.decode(1, text("eeeeeeee", "XXH3_64:" + "4" * 16), 2).tensors()
+        _Report.decode(1, text("eeeeeeee", "XXH3_64:" + "4" * 16), 2, None, checked).tensors()
     assert len(full) == 3
