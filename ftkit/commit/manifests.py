@@ -20,6 +20,7 @@ from typing import Any
 
 from ftkit.commit.index_text import encode_index_reusing
 from ftkit.commit.memo import Lru
+from ftkit.commit.messages import PartEntry, Record, Written
 from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
 from ftkit.format.index import LayoutMemo, check_part, index_doc, parse_index, part_file_name, part_json, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
@@ -52,11 +53,12 @@ def commit(
     from ftkit.save.write import discard
 
     docs = [w.to_json() for w in writes]
-    record = write_part(storage, step, docs, rank_state or {}, list(range(world_size)), world_size)
+    written = write_part(storage, step, docs, rank_state or {}, list(range(world_size)), world_size)
     try:
+        record = Record(written.part, written.files, written.stored)
         commit_index(storage, step, world_size, [record], skeleton, writer_extra=writer_extra)
     except BaseException:
-        discard(storage, step, [record["part"]["file"]])
+        discard(storage, step, [written.part.file])
         raise
     return load_manifest(storage, step)
 
@@ -98,11 +100,9 @@ def write_part(
     ranks: list[int],
     world_size: int,
     checked: LayoutMemo | None = None,
-) -> dict[str, Any]:
+) -> Written:
     """A node leader's share of the commit: its ranks' entries as one part file, checked
-    and durable. Returns the node's record for rank 0: {"part": the index's entry for
-    it, "files": {data file: bytes}, "stored": bytes}. `checked`: the part layouts the
-    tier has validated (CommitMemo.checked_parts)."""
+    and durable. `checked`: the part layouts the tier has validated (CommitMemo.checked_parts)."""
     name, data, files = build_part(storage, step, writes, rank_state, ranks, world_size, checked)
     return store_part(storage, step, name, data, files, ranks)
 
@@ -127,8 +127,9 @@ def build_part(
 
 def store_part(
     storage: Storage, step: int, name: str, data: bytes, files: dict[str, dict[str, Any]], ranks: list[int]
-) -> dict[str, Any]:
-    """Write a built part once its node's data files are in place; returns write_part's record."""
+) -> Written:
+    """Write a built part once its node's data files are in place: the index's entry for it,
+    the node's data files and their sizes, the bytes stored."""
     step_dir = step_dir_name(step)
     sizes = _sizes(storage, step_dir, list(files))
     for f, info in files.items():
@@ -138,7 +139,7 @@ def store_part(
             raise StorageError(f"step {step} not committed to {storage.display_url}: data file {f} {what}")
     storage.write_bytes_atomic(f"{step_dir}/{name}", data)
     stored = sum(info["bytes"] for info in files.values())
-    return {"part": part_ref(name, data, ranks), "files": {f: i["bytes"] for f, i in files.items()}, "stored": stored}
+    return Written(PartEntry.of(part_ref(name, data, ranks)), {f: i["bytes"] for f, i in files.items()}, stored)
 
 
 def _sizes(storage: Storage, step_dir: str, names: list[str]) -> dict[str, int]:
@@ -159,21 +160,21 @@ def commit_index(
     storage: Storage,
     step: int,
     world_size: int,
-    records: list[dict[str, Any]],
+    records: list[Record],
     skeleton: dict[str, Any],
     local_parts: set[str] | None = None,
     writer_extra: dict[str, Any] | None = None,
     texts: Lru[bytes, str] | None = None,
 ) -> Committed:
     """Rank 0's share: the index naming every node's part, written last (the commit).
-    `records` are write_part()'s, one per node, validated by the caller's protocol.
+    `records`: one per node, each naming its part, validated by the caller's protocol.
     `local_parts`: the parts that must be in the step directory now (all, by default;
     a node of the RAM tier holds only its own and its replica sources'). `texts`: the index
     texts of the steps before (CommitMemo.index_texts; commit/index_text.py)."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
-    parts = sorted((r["part"] for r in records), key=lambda p: p["ranks"][0][0])
+    parts = sorted((r.part.doc() for r in records if r.part is not None), key=lambda p: p["ranks"][0][0])
     doc = index_doc(step, world_size, parts, skeleton, time.time(), {**(writer_extra or {}), **writer_info()})
     parse_index(doc, storage.where(rel), step)  # (its parts came from records checked one by one)
     data = encode_index_reusing(doc, texts if texts is not None else Lru(16))
@@ -181,7 +182,7 @@ def commit_index(
         storage, step, {p["file"]: p["bytes"] for p in parts if local_parts is None or p["file"] in local_parts}
     )
     storage.write_bytes_atomic(rel, data)
-    return Committed(sum(r["stored"] for r in records), data)
+    return Committed(sum(r.stored for r in records), data)
 
 
 def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -> None:

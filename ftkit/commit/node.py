@@ -4,10 +4,8 @@ board (coord/nodelocal.py) that the node's messages go over. Computed once, at s
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ftkit.commit.layouts import Published
 from ftkit.commit.memo import CommitMemo
@@ -73,7 +71,7 @@ class NodeGroup:
         at: tuple[int, int],
         what: str,
         me: int,
-        message: str | dict[str, Any],
+        message: str | bytes,
         to: tuple[int, ...],
         patient: bool = True,
     ) -> None:
@@ -81,12 +79,12 @@ class NodeGroup:
         `patient` False: from the training thread, which never waits for room in a mailbox
         (NodeBoard.send)."""
         name = step_message(at, f"{what}-r{me}")
-        data = message.encode() if isinstance(message, str) else json.dumps(message, separators=(",", ":")).encode()
+        data = message.encode() if isinstance(message, str) else message
         self.node_board().send(name, data, to, patient)
 
-    def send_named(self, name: str, doc: Any, to: tuple[int, ...], patient: bool = True) -> None:
-        """Post `doc` as `name` to the ranks `to` (a collector's word to its node)."""
-        self.node_board().send(name, json.dumps(doc, separators=(",", ":")).encode(), to, patient)
+    def send_named(self, name: str, data: bytes, to: tuple[int, ...], patient: bool = True) -> None:
+        """Post `data` as `name` to the ranks `to` (a collector's word to its node)."""
+        self.node_board().send(name, data, to, patient)
 
     def collect(
         self, at: tuple[int, int], what: str, me: int, senders: tuple[int, ...], timeout_s: float

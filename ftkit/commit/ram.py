@@ -59,7 +59,6 @@ that has them.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -70,6 +69,7 @@ from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
 from ftkit.commit.layouts import Layout, board_name, from_board, from_store, layout_of, lookup
 from ftkit.commit.manifests import Committed, check_files_present, commit_index, store_part
 from ftkit.commit.memo import CommitMemo
+from ftkit.commit.messages import Exchange, Outcome, Record, Relay, Written
 from ftkit.commit.node import NodeGroup
 from ftkit.commit.part_template import node_part_bytes
 from ftkit.commit.plan import RAM, Act, Msg, Step
@@ -79,9 +79,9 @@ from ftkit.commit.shared import read_node_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
 from ftkit.errors import AlreadyCommitted, FormatError, StorageError
-from ftkit.format.index import INDEX_VERSION, is_part_name, parse_index
+from ftkit.format.index import INDEX_VERSION, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
-from ftkit.format.validate import parse_header, parse_json
+from ftkit.format.validate import parse_header
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import RankWrite, discard, write_share
@@ -100,34 +100,27 @@ class NodeShare:
     errors: list[str]
     skipped: bool  # a rank of the node skipped the step (policy "skip")
     files: list[str] = field(default_factory=list)  # the data files its ranks reported
-    written: dict[str, Any] | None = None  # store_part's record of the node's part
+    written: Written | None = None  # the node's part as store_part wrote it
     layouts: list[Layout] = field(default_factory=list)  # of the reports sent by reference
     others: list[str] = field(default_factory=list)  # parts of the replica sources, written here
 
-    def exchanged(self) -> dict[str, Any]:
-        """The record the nodes exchanging replicas with this one read (`key`/w/<leader>): the
+    def exchanged(self) -> Exchange:
+        """What the nodes exchanging replicas with this one read (`key`/w/<leader>): the
         reports, and the part's name and checksum (its holders rebuild its bytes from the
         reports, commit/replicas.py store_parts, and check them against the checksum)."""
-        doc: dict[str, Any] = {str(r): t for r, t in self.texts.items()}
-        if self.written is not None:
-            doc["part"] = {"file": self.written["part"]["file"], "checksum": self.written["part"]["checksum"]}
-        return doc
+        part = (self.written.part.file, self.written.part.checksum) if self.written is not None else None
+        return Exchange(dict(self.texts), part)
 
-    def record(self, errors: list[str]) -> dict[str, Any]:
-        """The node's record for rank 0 (`key`/r/<leader>; commit.read_node_record reads it)."""
+    def record(self, errors: list[str]) -> Record:
+        """The node's record for rank 0 (`key`/r/<leader>)."""
         w = self.written
-        return {
-            "part": w["part"] if w and not errors else None,
-            "files": w["files"] if w else {},
-            "stored": w["stored"] if w else 0,
-            "errors": self.errors + errors,
-            "skipped": self.skipped,
-            **({"others": self.others} if self.others else {}),
-        }
+        part = w.part if w is not None and not errors else None
+        files, stored = (w.files, w.stored) if w is not None else ({}, 0)
+        return Record(part, files, stored, tuple(self.errors + errors), self.skipped, tuple(self.others))
 
     def own_files(self) -> list[str]:
         """What this step put in the node's directory that a failed commit removes."""
-        return self.files + ([self.written["part"]["file"]] if self.written else []) + self.others
+        return self.files + ([self.written.part.file] if self.written else []) + self.others
 
 
 def record_key(key: str, leader: int) -> str:
@@ -198,9 +191,9 @@ class RamCommit:
         self.others: list[str] = []  # the exchanger's: the sources' parts it wrote
         self.errors: list[str] = []  # replication errors: its own, and (a collector) its node's outcomes
         self.exchange_failed = False
-        self.mine: tuple[dict[str, Any], list[str]] | None = None  # rank 0 collecting: its node's record, files
-        self.records: list[dict[str, Any]] | None = None  # rank 0's: every node's record
-        self.own_record: dict[str, Any] | None = None  # rank 0's: its node's
+        self.mine: tuple[Record, list[str]] | None = None  # rank 0 collecting: its node's record, files
+        self.records: list[Record] | None = None  # rank 0's: every node's record
+        self.own_record: Record | None = None  # rank 0's: its node's
         self.record_keys: list[str] = []
         self.index_data = b""
         self.committed: Committed | None = None
@@ -253,10 +246,8 @@ class RamCommit:
         self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers)
 
     def send_outcome(self, step: Step) -> None:
-        outcome: dict[str, Any] = {"errors": self.errors}
-        if self.others:
-            outcome["parts"] = self.others
-        self.group.send(self.at, "r", self.ctx.rank, outcome, step.peers)
+        outcome = Outcome(tuple(self.errors), tuple(self.others))
+        self.group.send(self.at, "r", self.ctx.rank, outcome.encode(), step.peers)
 
     # ------------------------------------------------------------------ a node's collector
     def await_reports(self, step: Step) -> None:
@@ -274,16 +265,14 @@ class RamCommit:
     def send_exchange(self, _: Step) -> None:
         assert self.node is not None
         self.group.published.publish(self.ctx.store, self.node.layouts)  # before the record that names them
-        self.ctx.store.set(exchange_key(self.key, self.group.leader), json.dumps(self.node.exchanged()))
+        self.ctx.store.set(exchange_key(self.key, self.group.leader), self.node.exchanged().encode())
 
     def send_relay(self, step: Step) -> None:
         assert self.word is not None
-        relay: dict[str, Any] = {str(r): t for r, t in self.word.texts.items()}
+        relay = Relay(self.word.texts)
         if self.group.exchanger in step.peers:  # what the exchanger needs besides the reports
-            relay["parts"] = {n: [s, checksum] for n, (s, checksum) in self.word.parts.items()}
-            if self.word.own_part is not None:
-                relay["own"] = self.word.own_part
-        self.group.send_named(step_message(self.at, "peers"), relay, step.peers)
+            relay = Relay(self.word.texts, self.word.parts, self.word.own_part)
+        self.group.send_named(step_message(self.at, "peers"), relay.encode(), step.peers)
 
     def await_outcomes(self, step: Step) -> None:
         assert self.node is not None
@@ -292,7 +281,7 @@ class RamCommit:
 
     def send_record(self, _: Step) -> None:
         assert self.node is not None
-        self.ctx.put(record_key(self.key, self.group.leader), self.node.record(self.errors))
+        self.ctx.store.set(record_key(self.key, self.group.leader), self.node.record(self.errors).encode())
 
     # ------------------------------------------------------------------ replicas
     def await_exchanges(self, step: Step) -> None:
@@ -348,12 +337,12 @@ class RamCommit:
             self._gather_records(())
         assert self.records is not None
         own_errors = [] if self.node is not None else self.errors  # (a collector's are in its record)
-        failures = [e for r in self.records for e in r["errors"]] + own_errors
+        failures = [e for r in self.records for e in r.errors] + own_errors
         if failures:
             raise StorageError(f"step {self.step} not committed to the RAM tier: {'; '.join(failures)}")
         own = self.own_record
-        assert own is not None
-        local = {own["part"]["file"], *own.get("others", [])}  # the parts in rank 0's node's directory
+        assert own is not None and own.part is not None
+        local = {own.part.file, *own.others}  # the parts in rank 0's node's directory
         world = self.ctx.world_size
         texts = self.group.memo.index_texts
         self.committed = commit_index(
@@ -396,17 +385,19 @@ class RamCommit:
         except Exception as e:  # a node never answered: the step is not committed
             raise StorageError(f"step {self.step} not committed to the RAM tier: {e}") from None
         for n, raw in zip(ids, raws, strict=True):
-            self.records.append(read_node_record(n, raw, members[n], ctx.world_size))
+            self.records.append(read_node_record(n, raw, members[n]))
             if n == 0:
                 self.own_record = self.records[-1]
-        if not any(r["skipped"] for r in self.records):  # nobody reads the older keys any more
+        if not any(r.skipped for r in self.records):  # nobody reads the older keys any more
             delete_keys(ctx, older)
 
     def _not_committed(self) -> None:
         """Rank 0's failure: remove what the step put in its node's directory, and tell the
         index holders there is no index to wait for."""
         if self.records is not None:
-            discard(self.storage, self.step, self.mine[1] if self.mine is not None else _files_of(self.own_record))
+            own = self.own_record
+            files = self.mine[1] if self.mine is not None else own.local_files() if own is not None else []
+            discard(self.storage, self.step, files)
         if self.plan.exchanges and self.committed is None:
             with contextlib.suppress(Exception):  # (the store is gone: they time out instead)
                 self.ctx.put(index_key(self.key), "")
@@ -478,7 +469,7 @@ def persist_node_local(
     return RamCommit(*args, {} if cpu is None else cpu).run()
 
 
-def write_index_copy(storage: Storage, step: int, data: bytes, written: dict[str, Any] | None) -> None:
+def write_index_copy(storage: Storage, step: int, data: bytes, written: Written | None) -> None:
     """An index holder's exchanger writes rank 0's index (`data`) into its node's directory, once
     it has checked that the index names its node's part as its collector wrote it (`written`:
     store_part's record) and the node's files are in place."""
@@ -490,18 +481,15 @@ def write_index_copy(storage: Storage, step: int, data: bytes, written: dict[str
     if version != INDEX_VERSION:
         raise FormatError(f"{where} has format version {version}, not {INDEX_VERSION}")
     index = parse_index(doc, where, expect_step=step)
-    mine = written["part"] if written else None
-    if mine is None or not any(p.file == mine["file"] and p.checksum == mine["checksum"] for p in index.parts):
+    mine = written.part if written else None
+    if (
+        written is None
+        or mine is None
+        or not any(p.file == mine.file and p.checksum == mine.checksum for p in index.parts)
+    ):
         raise StorageError(f"step {step}: {where} does not name this node's part")
-    check_files_present(storage, step, {**written["files"], mine["file"]: mine["bytes"]})  # type: ignore[index]
+    check_files_present(storage, step, {**written.files, mine.file: mine.nbytes})
     storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
-
-
-def _files_of(record: dict[str, Any] | None) -> list[str]:
-    """What a node's record says the step put in its directory (a failed commit removes it)."""
-    if record is None:
-        return []
-    return [*record["files"], *([record["part"]["file"]] if record["part"] else []), *record.get("others", [])]
 
 
 def node_part(
@@ -554,18 +542,12 @@ def _outcome_errors(rank: int, raw: bytes | None, parts: list[str] | None = None
     if raw is None:
         return [f"rank {rank}: no replication outcome"]
     try:
-        doc = parse_json(raw, f"rank {rank}'s outcome", "")
+        outcome = Outcome.decode(raw, f"rank {rank}'s outcome")
     except FormatError as e:
         return [f"rank {rank}: {e}"]
-    errors = doc.get("errors") if isinstance(doc, dict) else None
-    if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
-        return [f"rank {rank}: a malformed replication outcome"]
     if parts is not None:
-        named = doc.get("parts", [])
-        if not isinstance(named, list) or not all(is_part_name(n) for n in named):
-            return [*errors, f"rank {rank}: a malformed list of the parts it wrote"]
-        parts += named
-    return errors
+        parts += outcome.parts
+    return list(outcome.errors)
 
 
 def report_skipped_node_local(
@@ -583,12 +565,12 @@ def report_skipped_node_local(
         # (From the training thread: it never waits for room in a mailbox, NodeBoard.send.)
         group.send(at, "w", ctx.rank, text, collector, patient=False)
         if ctx.rank != 0:  # (rank 0's outcome is never collected: the plan)
-            group.send(at, "r", ctx.rank, {"errors": []}, collector, patient=False)
+            group.send(at, "r", ctx.rank, Outcome().encode(), collector, patient=False)
         return
     others = tuple(r for r in group.ranks if r != ctx.rank)
-    group.send_named(step_message(at, "skip"), {"reason": reason}, others, patient=False)  # no replicas this step
+    group.send_named(step_message(at, "skip"), reason.encode(), others, patient=False)  # no replicas this step
     if exchange:
-        ctx.store.set(exchange_key(key, group.leader), json.dumps({str(ctx.rank): text}))
+        ctx.store.set(exchange_key(key, group.leader), Exchange({ctx.rank: text}).encode())
     if ctx.rank != 0 or not exchange:
         skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
-        ctx.put(record_key(key, group.leader), skipped.record([]))
+        ctx.store.set(record_key(key, group.leader), skipped.record([]).encode())

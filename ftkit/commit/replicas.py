@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ftkit.commit.layouts import Layout
 from ftkit.commit.memo import CommitMemo
+from ftkit.commit.messages import Exchange, Relay, Written
 from ftkit.commit.node import MAX_REPORT_BYTES, NodeGroup
 from ftkit.commit.part_template import node_part_bytes
 from ftkit.commit.plan import CommitPlan
@@ -30,42 +30,21 @@ from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import step_message
 from ftkit.errors import CorruptCheckpointError, FormatError, StorageError
 from ftkit.format import codec
-from ftkit.format.index import is_part_file
 from ftkit.format.manifest import step_dir_name
-from ftkit.format.validate import CHECKSUM_RE, check_file_name, parse_json
 from ftkit.save.staging import Slot
 from ftkit.tiers.peers import PeerGroup, Transfer
 from ftkit.tiers.storage import Storage
 
 
-def _node_doc(raw: bytes, where: str) -> dict[str, Any]:
+def _exchange(raw: bytes, ranks: tuple[int, ...], where: str) -> Exchange:
+    """A node's exchange record as read from the store (untrusted): one that does not decode
+    has no part, and every rank of the node it lacks reads as an error report."""
     try:
-        doc = parse_json(raw, where, "")
+        got = Exchange.decode(raw, where)
     except FormatError:
-        doc = None
-    return doc if isinstance(doc, dict) else {}
-
-
-def _node_texts(doc: dict[str, Any], ranks: tuple[int, ...], where: str) -> dict[int, str]:
-    """A node's reports as read from the store (untrusted): one text per rank of the node;
-    one missing or malformed reads as an error report."""
-    out = {}
-    for r in ranks:
-        t = doc.get(str(r))
-        out[r] = t if isinstance(t, str) else NodeReport.encode(None, f"no report in {where}", None)
-    return out
-
-
-def _node_part_ref(doc: dict[str, Any]) -> tuple[str, str] | None:
-    """(file name, checksum) of the part in a node's record, if it names one properly."""
-    part = doc.get("part")
-    if not isinstance(part, dict) or not isinstance(part.get("checksum"), str):
-        return None
-    try:
-        name = check_file_name(part.get("file"))
-    except FormatError:
-        return None
-    return (name, part["checksum"]) if is_part_file(name) and CHECKSUM_RE.fullmatch(part["checksum"]) else None
+        got = Exchange({})
+    lost = NodeReport.encode(None, f"no report in {where}", None)
+    return Exchange({r: got.reports.get(r, lost) for r in ranks}, got.part)
 
 
 @dataclass
@@ -75,7 +54,7 @@ class PeerWord:
     texts: dict[int, str]  # the reports of the nodes it exchanges replicas with
     may_send: bool  # whether it sends its own file (its report is in its node's record)
     parts: dict[str, tuple[int, str]]  # the exchanger's: the sources' parts, {file: (their leader, checksum)}
-    own_part: dict[str, Any] | None = None  # the exchanger's, on a node holding the index: its node's part
+    own_part: Written | None = None  # the exchanger's, on a node holding the index: its node's part
 
 
 def read_exchanges(
@@ -95,15 +74,13 @@ def read_exchanges(
     raws = ctx.wait_get([f"{key}/w/{leader}" for leader in leaders]) if leaders else []
     word = PeerWord({}, True, {})
     for node, leader, raw in zip(nodes, leaders, raws, strict=True):
-        where = f"the reports of the node of rank {leader}"
-        doc = _node_doc(raw, where)
+        got = _exchange(raw, group.members[leader], f"the reports of the node of rank {leader}")
         if node == group.node:  # rank 0's own node
-            word.may_send = own_text is not None and doc.get("0") == own_text
+            word.may_send = own_text is not None and got.reports.get(0) == own_text
             continue
-        word.texts.update(_node_texts(doc, group.members[leader], where))
-        part = _node_part_ref(doc) if node in sources else None
-        if part is not None:
-            word.parts[part[0]] = (leader, part[1])
+        word.texts.update(got.reports)
+        if node in sources and got.part is not None:
+            word.parts[got.part[0]] = (leader, got.part[1])
     return word
 
 
@@ -122,44 +99,14 @@ def read_relay(group: NodeGroup, ctx: DistContext, at: tuple[int, int], exchange
             who = f"this node's collector (rank {group.collector})"
             raise StorageError(f"{who} sent no word on the replicas to exchange")
         return None
-    doc = parse_json(raw, "the peer nodes' reports", "")
-    if not isinstance(doc, dict):
-        raise StorageError("this node's collector relayed malformed peer reports")
-    relayed = {int(r): t for r, t in doc.items() if r.isdigit() and isinstance(t, str)}
-    if not exchanger:
-        return PeerWord(relayed, True, {})
-    return PeerWord(relayed, True, _relayed_parts(doc.get("parts"), group), _relayed_part(doc.get("own")))
-
-
-def _relayed_part(doc: Any) -> dict[str, Any] | None:
-    """The node's own part as its collector relayed it (store_part's record: {"part": {"file",
-    "bytes", "checksum", ...}, "files": {name: bytes}}), checked; None if it is not one."""
     try:
-        part, files = doc["part"], doc["files"]
-        check_file_name(part["file"])
-        ok = (
-            type(part["bytes"]) is int
-            and part["bytes"] > 0
-            and isinstance(part["checksum"], str)
-            and CHECKSUM_RE.fullmatch(part["checksum"]) is not None
-            and isinstance(files, dict)
-            and all(type(n) is int and n >= 0 and check_file_name(f) for f, n in files.items())
-        )
-    except (TypeError, KeyError, FormatError):
-        return None
-    return {"part": part, "files": files} if ok else None
-
-
-def _relayed_parts(doc: Any, group: NodeGroup) -> dict[str, tuple[int, str]]:
-    """The sources' parts as the collector relayed them (untrusted, from the board): a malformed
-    one is left out, and the commit then finds it missing where the index names it."""
-    parts: dict[str, tuple[int, str]] = {}
-    for n, ref in (doc if isinstance(doc, dict) else {}).items():
-        if isinstance(ref, list) and len(ref) == 2 and type(ref[0]) is int and ref[0] in group.members:
-            got = _node_part_ref({"part": {"file": n, "checksum": ref[1]}})
-            if got is not None:
-                parts[got[0]] = (ref[0], got[1])
-    return parts
+        relay = Relay.decode(raw, "the peer nodes' reports as this node's collector relayed them")
+    except FormatError as e:
+        raise StorageError(str(e)) from None
+    if not exchanger:
+        return PeerWord(relay.reports, True, {})
+    parts = {n: ref for n, ref in relay.parts.items() if ref[0] in group.members}  # (others: found missing)
+    return PeerWord(relay.reports, True, parts, relay.own)
 
 
 def store_parts(

@@ -25,20 +25,21 @@ step's writers wrote and leaves every committed step untouched.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
 from ftkit.commit.manifests import Committed, commit_index, write_part
+from ftkit.commit.messages import Record
 from ftkit.commit.node import NodeGroup
 from ftkit.commit.plan import Act, Msg, Step
 from ftkit.commit.reports import shared_report
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import FormatError, StorageError
-from ftkit.format.index import LayoutMemo, is_part_name, rank_runs
-from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name, parse_json
+from ftkit.format.index import LayoutMemo
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import discard, write_share
@@ -80,7 +81,7 @@ class SharedCommit:
         self.error: Exception | None = None  # this rank's write's, raised at the end
         self.report: dict[str, Any] = {}
         self.reports: dict[int, dict[str, Any]] = {}
-        self.records: list[dict[str, Any]] = []  # rank 0's: its node's record first
+        self.records: list[Record] = []  # rank 0's: its node's record first
         self.record_keys: list[str] = []
         self.committed: Committed | None = None
 
@@ -91,8 +92,7 @@ class SharedCommit:
                     self.HANDLERS[step.act, step.msg](self, step)
             except BaseException:
                 if self.ctx.rank == 0 and self.records:
-                    parts = [r["part"]["file"] for r in self.records if r["part"]]
-                    discard(self.storage, self.step, [f for r in self.records for f in r["files"]] + parts)
+                    discard(self.storage, self.step, [f for r in self.records for f in r.local_files()])
                 raise
             finally:
                 if self.record_keys:
@@ -111,7 +111,8 @@ class SharedCommit:
         }
 
     def send_report(self, step: Step) -> None:
-        self.group.send(self.at, "w", self.ctx.rank, self.report, step.peers)
+        report = json.dumps(self.report, separators=(",", ":"))  # (the format's vocabulary: RankWrite.to_json)
+        self.group.send(self.at, "w", self.ctx.rank, report, step.peers)
 
     def await_reports(self, step: Step) -> None:
         timeout = self.ctx.timeout_s
@@ -125,19 +126,19 @@ class SharedCommit:
         self.records = [_node_record(*args, self.group.memo.checked_parts)]
 
     def send_record(self, _: Step) -> None:
-        self.ctx.put(record_key(self.key, self.ctx.rank), self.records[0])
+        self.ctx.store.set(record_key(self.key, self.ctx.rank), self.records[0].encode())
 
     def await_records(self, step: Step) -> None:
         leaders = [self.group.plan.roles_of(c).leader for c in step.peers]
         self.record_keys = [record_key(self.key, leader) for leader in leaders]
         older = self.stack.enter_context(older_keys(self.ledger, self.at))
         raws = self.ctx.wait_get(self.record_keys)
-        members, world = self.group.members, self.ctx.world_size
-        self.records += [read_node_record(n, raw, members[n], world) for n, raw in zip(leaders, raws, strict=True)]
+        members = self.group.members
+        self.records += [read_node_record(n, raw, members[n]) for n, raw in zip(leaders, raws, strict=True)]
         delete_keys(self.ctx, older)  # every leader sent the records of the steps before first
 
     def commit(self, _: Step) -> None:
-        failures = [e for r in self.records for e in r["errors"]]
+        failures = [e for r in self.records for e in r.errors]
         if failures:
             raise StorageError(f"step {self.step} not committed to {self.storage.display_url}: {'; '.join(failures)}")
         fault_point("commit", self.step, 0)  # every part is durable, the index not yet written
@@ -197,7 +198,7 @@ def _node_record(
     ranks: Sequence[int],
     world: int,
     checked: LayoutMemo,
-) -> dict[str, Any]:
+) -> Record:
     """The leader's record of its node for rank 0: the part it wrote, or the node's errors."""
     writes = [reports[r]["write"] for r in ranks if reports[r].get("write")]
     files = {w["file"]: w.get("nbytes") for w in writes}
@@ -205,58 +206,21 @@ def _node_record(
     if not errors:
         try:
             rank_state = {str(r): reports[r].get("rank_state", {}) for r in ranks}
-            return {**write_part(storage, step, writes, rank_state, list(ranks), world, checked), "errors": []}
+            written = write_part(storage, step, writes, rank_state, list(ranks), world, checked)
+            return Record(written.part, written.files, written.stored)
         except Exception as e:  # a malformed report or a storage failure: the node's error
             errors = [f"node of rank {ranks[0]}: {e}"]
-    return {"part": None, "files": files, "stored": 0, "errors": errors}
+    return Record.failed(errors, {f: n for f, n in files.items() if isinstance(n, int)})
 
 
-def read_node_record(leader: int, raw: bytes, ranks: Sequence[int], world: int) -> dict[str, Any]:
+def read_node_record(leader: int, raw: bytes, ranks: Sequence[int]) -> Record:
     """A node's record as rank 0 reads it from the store (both tiers' commits): untrusted.
-    One that does not validate reads as that node's error, and the step is simply not
-    committed. "skipped": whether a rank of the node skipped the step (the RAM tier's)."""
+    One that does not decode reads as that node's error, and the step is simply not committed."""
     where = f"the record of the node of rank {leader}"
     try:
-        doc = parse_json(raw, where, "")
-        if not isinstance(doc, dict):
-            raise FormatError(f"{where} is not an object")
-        errors, files, part = doc.get("errors"), doc.get("files"), doc.get("part")
-        if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
-            raise FormatError(f"{where} has malformed errors")
-        if not isinstance(files, dict):
-            raise FormatError(f"{where} has malformed files")
-        for name in files:
-            check_file_name(name)
-        stored = doc.get("stored")
-        if type(stored) is not int or not 0 <= stored <= MAX_INT:
-            raise FormatError(f"{where} has a bad byte count")
-        if part is None:
-            if not errors:
-                raise FormatError(f"{where} has neither a part nor an error")
-        elif not (
-            isinstance(part, dict)
-            and check_file_name(part.get("file"))
-            and type(part.get("bytes")) is int
-            and 0 < part["bytes"] <= MAX_INT
-            and isinstance(part.get("checksum"), str)
-            and CHECKSUM_RE.match(part["checksum"])
-            and part.get("ranks") == rank_runs(list(ranks))
-        ):
-            raise FormatError(f"{where} names no valid part of its ranks")
-        others = doc.get("others", [])  # (the RAM tier's: parts of other nodes its exchanger wrote there)
-        if not isinstance(others, list) or not all(is_part_name(o) for o in others):
-            raise FormatError(f"{where} names malformed parts of other nodes")
-        return {
-            "part": part,
-            "files": files,
-            "stored": stored,
-            "errors": errors,
-            "skipped": doc.get("skipped") is True,
-            "others": others,
-        }
+        return Record.decode(raw, ranks, where)
     except FormatError as e:
-        errors = [f"unreadable record: {e}"]
-        return {"part": None, "files": {}, "stored": 0, "errors": errors, "skipped": False, "others": []}
+        return Record.failed([f"unreadable record: {e}"])
 
 
 def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:
@@ -264,7 +228,7 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
     leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
     report: dict[str, Any] = {"write": None, "error": reason, "rank_state": {}}
     if ctx.rank != group.leader:
-        group.send(at, "w", ctx.rank, report, (group.leader,), patient=False)  # (the training thread: never waits)
+        text = json.dumps(report, separators=(",", ":"))
+        group.send(at, "w", ctx.rank, text, (group.leader,), patient=False)  # (the training thread: never waits)
     elif ctx.rank != 0:
-        errors = [f"rank {ctx.rank}: {reason}"]
-        ctx.put(record_key(key, ctx.rank), {"part": None, "files": {}, "stored": 0, "errors": errors})
+        ctx.store.set(record_key(key, ctx.rank), Record.failed([f"rank {ctx.rank}: {reason}"]).encode())

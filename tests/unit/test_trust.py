@@ -403,7 +403,6 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     (tmp_path / "escaped.data").write_text("precious")
     forged = json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None}) + "\n[]"
     group.board.write_text(step_message((0, 0), "w-r0"), forged)
-    group.board.write(step_message((0, 0), "r-r0"), {"errors": []})
     arena, slot = _staged(1.0)
     try:
         persist_node_local(
@@ -412,9 +411,9 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     finally:
         arena.release(slot)
         arena.close()
-    record = read_node_record(0, store.get("k/r/0"), (0, 1), 2)
-    assert record["part"] is None
-    assert any("unreadable report" in e and "outside its step directory" in e for e in record["errors"]), record
+    record = read_node_record(0, store.get("k/r/0"), (0, 1))
+    assert record.part is None
+    assert any("unreadable report" in e and "outside its step directory" in e for e in record.errors), record
     assert (tmp_path / "escaped.data").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["escaped.data", "ram", "shm"]
     assert not list(tmp_path.rglob("*.data.tmp-*")) and not list((tmp_path / "ram").rglob(MANIFEST_NAME))
@@ -448,6 +447,7 @@ def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
     reads from the store is forged (a part outside the directory, a document of another
     version, an index without this node's part): it writes no manifest, and says why."""
 
+    from ftkit.commit.messages import PartEntry, Written
     from ftkit.commit.ram import write_index_copy
     from ftkit.tiers.storage import Storage
 
@@ -455,9 +455,9 @@ def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
     storage = Storage(str(node))
     doc = {"format": "ftkit-checkpoint", "format_version": 3, "step": 1, "world_size": 2, "skeleton": {"entries": {}}}
     data = json.dumps({**doc, **forged}).encode()  # as rank 0 sent it through the store
-    part = {"file": "part-00001-0badf00d.json", "bytes": 9, "checksum": "xxh3_64:" + "1" * 16}
+    part = PartEntry("part-00001-0badf00d.json", 9, "xxh3_64:" + "1" * 16, ((1, 2),))
     with pytest.raises(ftkit.FtkitError, match=why):
-        write_index_copy(storage, 1, data, {"part": part, "files": {}})
+        write_index_copy(storage, 1, data, Written(part, {}, 0))
     with pytest.raises(ftkit.FtkitError, match=why):  # the leader relayed no part (or none that checked)
         write_index_copy(storage, 1, data, None)
     assert not list(node.rglob(MANIFEST_NAME))
@@ -465,47 +465,58 @@ def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
 
 def test_what_a_leader_relays_to_its_exchanger_is_checked_like_any_board_message():
     """The node's exchanger writes the parts of its replica sources and (on an index holder)
-    the index, from what its leader relayed on the node's board, and tells the leader which
-    parts it wrote: a shared directory's files are untrusted, so a part named outside the
-    step directory, a checksum of another form, or a leader that is not one, is left out."""
-    from types import SimpleNamespace
-
+    the index, from what its collector relayed on the node's board, and tells the collector
+    which parts it wrote: a board's messages are untrusted, so a part named outside the step
+    directory, a checksum of another form, or a name that is not a part's refuses the message
+    (the exchange fails: the step is not committed), and a leader that is not one is left out."""
+    from ftkit.commit.messages import Outcome, PartEntry, Relay, Written
+    from ftkit.commit.node import NodeGroup
+    from ftkit.commit.plan import RAM
     from ftkit.commit.ram import _outcome_errors
-    from ftkit.commit.replicas import _relayed_part, _relayed_parts
+    from ftkit.commit.replicas import read_relay
+    from ftkit.coord.dist import DistContext
+    from ftkit.coord.nodelocal import NodeBoard, step_message
 
-    group = SimpleNamespace(members={0: (0, 1), 2: (2, 3)})
     good = "xxh3_64:" + "1" * 16
-    relayed = {
-        "part-00000-0badf00d.json": [0, good],
-        "../part-00002-evil.json": [2, good],
-        "part-00002-0badf00d.json": [2, "md5:1234"],
-        "part-00004-0badf00d.json": [4, good],
-        "part-00006-0badf00d.json": [True, good],
-        "manifest.json": [0, good],
-    }
-    assert _relayed_parts(relayed, group) == {"part-00000-0badf00d.json": (0, good)}
-    assert _relayed_parts(["not", "a", "dict"], group) == {}
-    part = {"file": "part-00002-0badf00d.json", "bytes": 9, "checksum": good}
-    assert _relayed_part({"part": part, "files": {"r2-0badf00d.bin": 64}}) == {
-        "part": part,
-        "files": {"r2-0badf00d.bin": 64},
-    }
-    for bad in (
-        {"part": {**part, "file": "../x.json"}, "files": {}},
-        {"part": {**part, "bytes": -1}, "files": {}},
-        {"part": part, "files": {"../r2.bin": 64}},
-        {"part": part, "files": {"r2.bin": "64"}},
-        {"part": part},
-        "part",
-        None,
+    own = Written(PartEntry("part-00002-0badf00d.json", 9, good, ((2, 4),)), {"rank-00002-0badf00d.data": 64}, 64)
+    relay = Relay({2: "a report"}, {"part-00000-0badf00d.json": (0, good), "part-00004-0badf00d.json": (4, good)}, own)
+    assert Relay.decode(relay.encode(), "relay") == relay
+    for parts in (
+        {"../part-00002-evil.json": (2, good)},
+        {"part-00002-0badf00d.json": (2, "md5:1234")},
+        {"manifest.json": (0, good)},
     ):
-        assert _relayed_part(bad) is None, bad
-    # The exchanger's outcome names the parts it wrote: the leader takes only plain part names.
+        with pytest.raises(ftkit.FormatError):
+            Relay.decode(Relay({}, parts).encode(), "relay")
+    for bad in (
+        Written(PartEntry("../x.json", 9, good, ((2, 4),)), {}, 0),
+        Written(PartEntry("part-00002-0badf00d.json", 0, good, ((2, 4),)), {}, 0),
+        Written(own.part, {"../r2.data": 64}, 64),
+    ):
+        with pytest.raises(ftkit.FormatError):
+            Relay.decode(Relay({}, {}, bad).encode(), "relay")
+    # On the board: the exchanger (rank 3 of node1) takes the parts of real nodes only.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FTKIT_RAM_DIR", d)
+        nodes = ["node0", "node0", "node1", "node1"]
+        group = NodeGroup.of(DistContext(3, 4, None, "node1", 5.0, nodes), None, RAM, 1)
+        board = NodeBoard("k", "node1", False, "test", kind="commit")
+        group = NodeGroup(board, group.plan, "node1")
+        board.write_bytes(step_message((0, 1), "peers"), relay.encode())
+        word = read_relay(group, DistContext(3, 4, None, "node1", 5.0, nodes), (0, 1), exchanger=True)
+        assert word is not None and word.parts == {"part-00000-0badf00d.json": (0, good)} and word.own_part == own
+        board.write_bytes(step_message((0, 2), "peers"), b'{"2": "a report"}')  # not a commit message
+        with pytest.raises(ftkit.StorageError, match="not a commit message"):
+            read_relay(group, DistContext(3, 4, None, "node1", 5.0, nodes), (0, 2), exchanger=True)
+    # The exchanger's outcome names the parts it wrote: the collector takes only plain part names.
     parts: list[str] = []
-    assert _outcome_errors(1, json.dumps({"errors": [], "parts": ["part-00002-0badf00d.json"]}).encode(), parts) == []
+    assert _outcome_errors(1, Outcome((), ("part-00002-0badf00d.json",)).encode(), parts) == []
     assert parts == ["part-00002-0badf00d.json"]
-    errors = _outcome_errors(1, json.dumps({"errors": [], "parts": ["../../etc/passwd"]}).encode(), parts)
-    assert errors == ["rank 1: a malformed list of the parts it wrote"] and parts == ["part-00002-0badf00d.json"]
+    errors = _outcome_errors(1, Outcome((), ("../../etc/passwd",)).encode(), parts)
+    assert errors == ["rank 1: rank 1's outcome names malformed parts"] and parts == ["part-00002-0badf00d.json"]
+    assert _outcome_errors(1, b'{"errors": []}', parts) == ["rank 1: rank 1's outcome is not a commit message"]
 
 
 def test_a_report_of_a_layout_checked_before_is_not_parsed_again_but_a_forged_one_is_refused(monkeypatch):

@@ -1,0 +1,68 @@
+"""The commit's messages (ftkit/commit/messages.py): each decodes to what was encoded, and
+anything else (another version, another kind, cut short, bytes left over, a file outside its
+step directory, a part of other ranks) is a FormatError that names the message."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from ftkit.commit.messages import VERSION, Exchange, Outcome, PartEntry, Record, Relay, Written
+from ftkit.errors import FormatError
+
+SUM = "xxh3_64:" + "ab" * 8
+PART = PartEntry("part-00002-0badf00d.json", 512, SUM, ((2, 4),))
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        Record(PART, {"rank-00002-aaaaaaaa.data": 64, "rank-00003-bbbbbbbb.data": 0}, 64),
+        Record(PART, {}, 0, (), True, ("part-00000-0badf00d.json",)),
+        Record.failed(["rank 3: no report within 10s", "é"], {"rank-00002-aaaaaaaa.data": 64}),
+    ],
+)
+def test_a_record_decodes_to_what_was_encoded(record):
+    assert Record.decode(record.encode(), (2, 3), "r") == record
+
+
+def test_the_other_messages_decode_to_what_was_encoded():
+    for message in (
+        Outcome(("rank 1: replication failed: x",), ("part-00000-0badf00d.json",)),
+        Exchange({2: "line\none", 3: ""}, ("part-00002-0badf00d.json", SUM)),
+        Exchange({}),
+        Relay({0: "r"}, {"part-00000-0badf00d.json": (0, SUM)}, Written(PART, {"rank-00002-a.data": 1}, 1)),
+    ):
+        assert type(message).decode(message.encode(), "m") == message
+
+
+def test_a_message_that_is_not_this_version_or_kind_or_is_cut_or_padded_is_refused():
+    data = Record(PART, {}, 0).encode()
+    with pytest.raises(FormatError, match="the record of node 2 is not a commit message"):
+        Record.decode(b'{"part": null}', (2, 3), "the record of node 2")
+    with pytest.raises(FormatError, match=f"message version {VERSION + 1}, not {VERSION}"):
+        Record.decode(data[:4] + bytes([VERSION + 1]) + data[5:], (2, 3), "r")
+    with pytest.raises(FormatError, match="another kind"):
+        Outcome.decode(data, "r")
+    for cut in range(6, len(data)):
+        with pytest.raises(FormatError, match="cut short"):
+            Record.decode(data[:cut], (2, 3), "r")
+    with pytest.raises(FormatError, match="1 bytes more"):
+        Record.decode(data + b"\0", (2, 3), "r")
+
+
+def test_a_forged_record_reads_as_an_error_not_as_a_part():
+    with pytest.raises(FormatError, match="no valid part of its ranks"):
+        Record.decode(Record(PART, {}, 0).encode(), (2, 3, 4), "r")  # the part of other ranks
+    with pytest.raises(FormatError, match="neither a part nor an error"):
+        Record.decode(Record(None, {}, 0).encode(), (2, 3), "r")
+    with pytest.raises(FormatError, match="outside its step directory"):
+        Record.decode(Record.failed(["x"], {"../../etc/passwd": 1}).encode(), (2, 3), "r")
+    with pytest.raises(FormatError, match="malformed checksum"):
+        Record.decode(Record(PartEntry(PART.file, 1, "md5:00", PART.ranks), {}, 0).encode(), (2, 3), "r")
+    with pytest.raises(FormatError, match="malformed parts of other nodes"):
+        Record.decode(Record(PART, {}, 0, others=("../x",)).encode(), (2, 3), "r")
+    huge = Record.failed(["x"]).encode()[:6] + b"\0" + struct.pack("<I", 1 << 30)  # a list of 2**30 files
+    with pytest.raises(FormatError, match="entries"):
+        Record.decode(huge, (2, 3), "r")
