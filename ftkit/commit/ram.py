@@ -186,7 +186,8 @@ class RamCommit:
         self.text = ""  # its report
         self.texts: dict[int, str] = {}  # the collector's: its node's reports
         self.node: NodeShare | None = None  # the collector's: its node's part, or errors
-        self.word: PeerWord | None = None  # the partners' reports
+        # The partners' reports: none where the node has no partner (a job of one node).
+        self.word = PeerWord({}, True, {})
         self.layouts: Callable[[str], Layout | None] | None = None
         self.others: list[str] = []  # the exchanger's: the sources' parts it wrote
         self.errors: list[str] = []  # replication errors: its own, and (a collector) its node's outcomes
@@ -268,7 +269,6 @@ class RamCommit:
         self.ctx.store.set(exchange_key(self.key, self.group.leader), self.node.exchanged().encode())
 
     def send_relay(self, step: Step) -> None:
-        assert self.word is not None
         relay = Relay(self.word.texts)
         if self.group.exchanger in step.peers:  # what the exchanger needs besides the reports
             relay = Relay(self.word.texts, self.word.parts, self.word.own_part)
@@ -292,14 +292,15 @@ class RamCommit:
 
     def await_relay(self, step: Step) -> None:
         exchanger = self.ctx.rank == self.group.exchanger
-        self.word = read_relay(self.group, self.ctx, self.at, exchanger)
-        if self.word is None:  # the collector skipped the step: read the partners' reports here
+        relayed = read_relay(self.group, self.ctx, self.at, exchanger)
+        if relayed is None:  # the collector skipped the step: read the partners' reports here
             partners = tuple(self.plan.roles(n).collector for n in self.plan.partners(self.group.node))
             word = read_exchanges(self.group, self.ctx, self.key, partners, None)
-            self.word = PeerWord(word.texts, False, word.parts if exchanger else {})
+            relayed = PeerWord(word.texts, False, word.parts if exchanger else {})
+        self.word = relayed
 
     def replicate(self, _: Step) -> None:
-        assert self.word is not None and self.peers is not None
+        assert self.peers is not None
         sending = self.write_ if self.word.may_send and self.error is None else None
         self.layouts = lookup(from_store(self.ctx.store), self.group.memo)
         c0 = time.thread_time()
@@ -321,7 +322,6 @@ class RamCommit:
             self.cpu["replicate"] = time.thread_time() - c0
 
     def source_parts(self, _: Step) -> None:
-        assert self.word is not None
         texts, world = self.word.texts, self.ctx.world_size
         parts = self.word.parts
         self.others = store_parts(self.storage, self.step, parts, texts, self.group, world, self.layouts)
@@ -360,8 +360,7 @@ class RamCommit:
         self.index_data = self.ctx.get_raw(index_key(self.key))
 
     def index_copy(self, _: Step) -> None:
-        own_part = self.word.own_part if self.word is not None else None
-        write_index_copy(self.storage, self.step, self.index_data, own_part)
+        write_index_copy(self.storage, self.step, self.index_data, self.word.own_part)
 
     def _keeps_index_copy(self) -> bool:
         node = self.group.node

@@ -52,6 +52,15 @@ def test_worker_restart_restores_from_node_ram(job):
     assert {o["source"] for o in out} == {"ram"}
 
 
+def test_replicas_in_a_job_of_one_node_commit_every_step_to_its_ram(job):
+    """Peer replicas configured and every rank on one node (a laptop, a job shrunk to one host):
+    no replica can be kept elsewhere, and every step still commits to the node's RAM tier."""
+    job["env"]["FTKIT_RANKS_PER_NODE"] = "4"
+    _save(job)
+    out = _restore(job)
+    assert [o["step"] for o in out] == [3] * 4 and {o["source"] for o in out} == {"ram"}
+
+
 @pytest.mark.parametrize("compress", [None, "zstd"])
 def test_lost_node_restores_from_peer_replicas_not_disk(job, compress):
     # Uncompressed, ranks send their tensor layouts once and then only checksums
