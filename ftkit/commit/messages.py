@@ -11,6 +11,7 @@ the executors read as that node's or rank's error, so the step is simply not com
 * `Outcome`: a rank's replication outcome for its collector (the RAM tier).
 * `Exchange`: a node's reports and part, for the nodes it exchanges replicas with.
 * `Relay`: the partners' reports as a collector relays them to its node's ranks.
+* `Settled`: rank 0's commit news, which RAM-tier steps it keeps (coord/news.py).
 
 A rank's report (commit/reports.py) travels inside Exchange and Relay as the text it was
 sent as. Version 1 is the only version; a message of another version is refused by name.
@@ -18,6 +19,7 @@ sent as. Version 1 is the only version; a message of another version is refused 
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,12 +28,15 @@ from typing import Any
 
 from ftkit.errors import FormatError
 from ftkit.format.index import is_part_name, rank_runs
+from ftkit.format.manifest import SAFE_FILE_RE
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name
 
 MAGIC = b"FTKM"
 VERSION = 1
 MAX_COUNT = 1 << 20  # entries in one list: a node's files, a few ranks' reports
 MAX_TEXT = 256 * 2**20  # one string: a report of a rank's tensor entries at most
+_NAME = SAFE_FILE_RE.pattern.strip("^$")  # a plain file name inside a step directory
+_NAMES = re.compile(f"{_NAME}(?:\0{_NAME})*")  # several, NUL-separated
 
 
 class Kind(IntEnum):
@@ -39,6 +44,10 @@ class Kind(IntEnum):
     OUTCOME = 2
     EXCHANGE = 3
     RELAY = 4
+    NEWS = 5
+
+
+_RECORD_HEADER = MAGIC + bytes((VERSION, Kind.RECORD))
 
 
 # ------------------------------------------------------------------ the encoding
@@ -75,7 +84,7 @@ class _Reader:
         if data[5] != kind:
             raise FormatError(f"{where} is a message of another kind ({data[5]}, not {int(kind)})")
 
-    def _take(self, n: int) -> memoryview:
+    def take(self, n: int) -> memoryview:
         if n > len(self.data) - self.at:
             raise FormatError(f"{self.where} is cut short")
         piece = self.data[self.at : self.at + n]
@@ -83,29 +92,29 @@ class _Reader:
         return piece
 
     def u64(self, limit: int = MAX_INT) -> int:
-        (v,) = struct.unpack("<Q", self._take(8))
+        (v,) = struct.unpack("<Q", self.take(8))
         if v > limit:
             raise FormatError(f"{self.where} has a number out of range ({v})")
         return v
 
     def flag(self) -> bool:
-        v = self._take(1)[0]
+        v = self.take(1)[0]
         if v > 1:
             raise FormatError(f"{self.where} has a malformed flag")
         return v == 1
 
     def count(self) -> int:
-        (n,) = struct.unpack("<I", self._take(4))
+        (n,) = struct.unpack("<I", self.take(4))
         if n > MAX_COUNT:
             raise FormatError(f"{self.where} has a list of {n} entries")
         return n
 
     def text(self) -> str:
-        (n,) = struct.unpack("<I", self._take(4))
+        (n,) = struct.unpack("<I", self.take(4))
         if n > MAX_TEXT:
             raise FormatError(f"{self.where} has a string of {n} bytes")
         try:
-            return str(self._take(n), "utf-8")
+            return str(self.take(n), "utf-8")
         except UnicodeDecodeError:
             raise FormatError(f"{self.where} has a string that is not UTF-8") from None
 
@@ -187,37 +196,78 @@ class Record:
         """What the step put in the node's directory (a failed commit removes it)."""
         return [*self.files, *([self.part.file] if self.part else []), *self.others]
 
+    # Rank 0 decodes one record per node at every step: its fields go as one struct of
+    # counts, the numbers as packed arrays, and every string in one blob split on NUL (no
+    # file name holds one; an error's are escaped), so a record is a few C calls each way.
+    _HEAD = struct.Struct("<BQQIIII")  # flags (1: a part, 2: skipped), part bytes, stored, counts
+
     def encode(self) -> bytes:
-        w = _Writer(Kind.RECORD)
-        w.flag(self.part is not None)
-        if self.part is not None:
-            self.part._write(w)
-        w.texts(list(self.files))
-        for n in self.files.values():
-            w.u64(n)
-        w.u64(self.stored)
-        w.texts(self.errors)
-        w.flag(self.skipped)
-        w.texts(self.others)
-        return w.data()
+        part = self.part
+        runs = [x for run in part.ranks for x in run] if part else []
+        strings = [part.file, part.checksum] if part else []
+        strings += [*self.files, *(e.replace("\0", "\\0") for e in self.errors), *self.others]
+        blob = "\0".join(strings).encode()
+        flags = (1 if part else 0) | (2 if self.skipped else 0)
+        counts = (len(runs) // 2, len(self.files), len(self.errors), len(self.others))
+        return b"".join(
+            (
+                _RECORD_HEADER,
+                self._HEAD.pack(flags, part.nbytes if part else 0, self.stored, *counts),
+                struct.pack(f"<{len(runs) + len(self.files)}Q", *runs, *self.files.values()),
+                struct.pack("<I", len(blob)),
+                blob,
+            )
+        )
 
     @staticmethod
     def decode(data: bytes, ranks: Sequence[int], where: str) -> Record:
         """A record of the node of `ranks`: its part must be of exactly those ranks."""
-        r = _Reader(data, Kind.RECORD, where)
-        part = PartEntry._read(r) if r.flag() else None
-        names = [check_file_name(n) for n in r.texts()]
-        files = {n: r.u64() for n in names}
-        stored, errors, skipped = r.u64(), tuple(r.texts()), r.flag()
-        others = tuple(r.texts())
-        r.end()
+        if data[:6] != _RECORD_HEADER:
+            _Reader(data, Kind.RECORD, where)  # (says which way it is not one)
+        head = Record._HEAD
+        try:
+            flags, nbytes, stored, n_runs, n_files, n_errors, n_others = head.unpack_from(data, 6)
+            if max(n_runs, n_files, n_errors, n_others) > MAX_COUNT:
+                raise FormatError(f"{where} has a list of more than {MAX_COUNT} entries")
+            k = 2 * n_runs + n_files
+            numbers = struct.unpack_from(f"<{k}Q", data, 6 + head.size)
+            at = 6 + head.size + 8 * k
+            (n,) = struct.unpack_from("<I", data, at)
+        except struct.error:
+            raise FormatError(f"{where} is cut short") from None
+        if len(data) != at + 4 + n:
+            raise FormatError(f"{where} is cut short or has bytes more than its fields")
+        if flags > 3 or max(nbytes, stored, *numbers) > MAX_INT:
+            raise FormatError(f"{where} is malformed")
+        try:
+            strings = data[at + 4 :].decode().split("\0") if n else []
+        except UnicodeDecodeError:
+            raise FormatError(f"{where} has a string that is not UTF-8") from None
+        has_part = flags & 1
+        if len(strings) != 2 * has_part + n_files + n_errors + n_others:
+            raise FormatError(f"{where} has {len(strings)} strings, not what its counts say")
+        part = None
+        if has_part:
+            runs = tuple(zip(numbers[0 : 2 * n_runs : 2], numbers[1 : 2 * n_runs : 2], strict=True))
+            part = PartEntry(strings[0], nbytes, strings[1], runs)
+            if not is_part_name(part.file) or not CHECKSUM_RE.match(part.checksum) or nbytes == 0:
+                raise FormatError(f"{where} names no valid part")
+            if [list(x) for x in runs] != rank_runs(list(ranks)):
+                raise FormatError(f"{where} names no valid part of its ranks")
+        first = 2 * has_part
+        names = strings[first : first + n_files]
+        joined = "\0".join(names)  # (checked in one go: a record names a node's files, every step)
+        if names and (not _NAMES.fullmatch(joined) or ".." in joined):
+            raise FormatError(f"{where} names a file outside its step directory")
+        errors = tuple(e.replace("\\0", "\0") for e in strings[first + n_files : first + n_files + n_errors])
+        others = tuple(strings[first + n_files + n_errors :])
         if part is None and not errors:
             raise FormatError(f"{where} has neither a part nor an error")
-        if part is not None and [list(x) for x in part.ranks] != rank_runs(list(ranks)):
-            raise FormatError(f"{where} names no valid part of its ranks")
         if not all(is_part_name(o) for o in others):
             raise FormatError(f"{where} names malformed parts of other nodes")
-        return Record(part, files, stored, errors, skipped, others)
+        return Record(
+            part, dict(zip(names, numbers[2 * n_runs :], strict=True)), stored, errors, bool(flags & 2), others
+        )
 
 
 @dataclass(frozen=True)
@@ -325,6 +375,33 @@ class Relay:
         if not all(is_part_name(n) for n in parts):
             raise FormatError(f"{where} names malformed parts")
         return Relay(reports, parts, own)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Rank 0's word on one restore epoch's RAM-tier steps: every step up to `settled` is
+    decided, and `kept` are those still committed (coord/news.py)."""
+
+    epoch: int
+    settled: int
+    kept: frozenset[int]
+
+    def encode(self) -> bytes:
+        w = _Writer(Kind.NEWS)
+        w.u64(self.epoch)
+        w.u64(self.settled)
+        w.u64(len(self.kept))
+        for step in sorted(self.kept):
+            w.u64(step)
+        return w.data()
+
+    @staticmethod
+    def decode(data: bytes, where: str = "the RAM tier's commit news") -> Settled:
+        r = _Reader(data, Kind.NEWS, where)
+        epoch, settled = r.u64(), r.u64()
+        kept = frozenset(r.u64(settled) for _ in range(r.u64(MAX_COUNT)))
+        r.end()
+        return Settled(epoch, settled, kept)
 
 
 def _write_reports(w: _Writer, reports: dict[int, str]) -> None:

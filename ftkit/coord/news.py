@@ -7,7 +7,8 @@ and read nothing back. They still must know which of their step directories to k
 and which to drop (a step that failed, a step retention let go), and they must never
 drop a step rank 0 keeps. So after each step's outcome rank 0 sets one key, the news:
 
-    {"epoch": <the restore epoch>, "settled": <newest step decided>, "kept": [committed steps kept]}
+    Settled(epoch: the restore epoch, settled: the newest step decided, kept: the committed
+    steps kept), a typed message (commit/messages.py)
 
 and every node's watchdog leader reads it in the multi_get it makes every heartbeat
 interval anyway (coord/watchdog.py). A leader drops a directory only when news of its
@@ -22,51 +23,19 @@ malformed is ignored (keeping, never deleting, is the safe side).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
-from ftkit.format.validate import parse_message
+from ftkit.commit.messages import Settled
+from ftkit.errors import FormatError
+
+__all__ = ["NEWS_KEY", "UNHEARD_LIMIT", "CommitNews", "Settled", "publish"]
 
 log = logging.getLogger("ftkit")
 
 NEWS_KEY = "commit/ram-news"  # below the Checkpointer's store scope
 UNHEARD_LIMIT = 2  # steps a leader holds unheard of before it asks itself
-MAX_KEPT = 100_000  # a longer list is not news but garbage
-
-
-@dataclass(frozen=True)
-class Settled:
-    """Rank 0's word on one epoch's RAM steps: every step up to `settled` is decided,
-    and `kept` are those still committed."""
-
-    epoch: int
-    settled: int
-    kept: frozenset[int]
-
-    def to_json(self) -> str:
-        return json.dumps({"epoch": self.epoch, "settled": self.settled, "kept": sorted(self.kept)})
-
-    @staticmethod
-    def parse(raw: bytes | str) -> Settled | None:
-        """The news in `raw`, or None when it is empty or malformed."""
-        doc: Any = parse_message(raw)
-        if not isinstance(doc, dict):
-            return None
-        epoch: Any = doc.get("epoch")
-        settled: Any = doc.get("settled")
-        kept: Any = doc.get("kept")
-        if not (_is_int(epoch) and _is_int(settled) and isinstance(kept, list) and len(kept) <= MAX_KEPT):
-            return None
-        if not all(_is_int(s) and s <= settled for s in kept):
-            return None
-        return Settled(epoch, settled, frozenset(kept))
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class CommitNews:
@@ -76,9 +45,13 @@ class CommitNews:
         self._lock = threading.Lock()
         self._latest: Settled | None = None
 
-    def heard(self, raw: bytes | str) -> None:
-        news = Settled.parse(raw)
-        if news is None:
+    def heard(self, raw: bytes) -> None:
+        if not raw:  # the key as the watchdog created it: no news yet
+            return
+        try:
+            news = Settled.decode(raw)
+        except FormatError as e:  # (ignored: keeping, never deleting, is the safe side)
+            log.debug("ftkit: ignored the RAM commit news: %s", e)
             return
         with self._lock:
             old = self._latest
@@ -102,4 +75,4 @@ class CommitNews:
 
 def publish(store: Any, news: Settled) -> None:
     """Rank 0, after a RAM step's outcome (committed and retained, or failed)."""
-    store.set(NEWS_KEY, news.to_json())
+    store.set(NEWS_KEY, news.encode())

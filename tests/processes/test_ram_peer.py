@@ -9,6 +9,7 @@ import pytest
 from ranks import run_ranks
 
 import ftkit
+from ftkit.commit.messages import Settled
 
 
 @pytest.fixture
@@ -353,45 +354,42 @@ def test_a_node_without_the_index_drops_only_what_rank_0s_news_settled_and_did_n
         storage.write_bytes_atomic(f"step-{s:012d}/rank-00002-x.data", b"x")
     job = SimpleNamespace(epoch=1, step=3)
     assert tier.retain(ctx, job) == [] and _steps_held(storage) == [1, 2, 3]  # no news: nothing goes
-    tier.news.heard(Settled(0, 3, frozenset({3})).to_json())  # another epoch's (before a restore)
+    tier.news.heard(Settled(0, 3, frozenset({3})).encode())  # another epoch's (before a restore)
     assert tier.retain(ctx, job) == [] and _steps_held(storage) == [1, 2, 3]
-    tier.news.heard(Settled(1, 2, frozenset({1})).to_json())  # step 2 failed, 1 committed, 3 in flight
+    tier.news.heard(Settled(1, 2, frozenset({1})).encode())  # step 2 failed, 1 committed, 3 in flight
     assert tier.retain(ctx, job) == [2] and _steps_held(storage) == [1, 3]
-    tier.news.heard(Settled(1, 1, frozenset({1})).to_json())  # older news of the epoch changes nothing
+    tier.news.heard(Settled(1, 1, frozenset({1})).encode())  # older news of the epoch changes nothing
     assert tier.news.of_epoch(1).settled == 2
     # Snapshots outpace the heartbeats: more than UNHEARD_LIMIT steps unheard of -> it asks the store.
     for s in (4, 5):
         storage.write_bytes_atomic(f"step-{s:012d}/rank-00002-x.data", b"x")
-    ctx.store.set(NEWS_KEY, Settled(1, 4, frozenset({3, 4})).to_json())
+    ctx.store.set(NEWS_KEY, Settled(1, 4, frozenset({3, 4})).encode())
     assert tier.retain(ctx, SimpleNamespace(epoch=1, step=5)) == [1] and _steps_held(storage) == [3, 4, 5]
     # The node of rank 0 follows its index instead, and tells the others what it keeps.
     tier0, ctx0, storage0 = _node_tier(tmp_path, rank=0)
     storage0.write_bytes_atomic("step-000000000007/manifest.json", b"{}")
     tier0.retain(ctx0, SimpleNamespace(epoch=1, step=7))
-    assert Settled.parse(ctx0.store.get(NEWS_KEY)) == Settled(1, 7, frozenset({7}))
+    assert Settled.decode(ctx0.store.get(NEWS_KEY)) == Settled(1, 7, frozenset({7}))
 
 
 @pytest.mark.parametrize(
     "raw",
     [
         b"",
-        b"not json",
-        b"[1, 2]",
-        b'{"epoch": 1, "settled": 5}',
-        b'{"epoch": -1, "settled": 5, "kept": []}',
-        b'{"epoch": true, "settled": 5, "kept": []}',
-        b'{"epoch": 1, "settled": 5, "kept": [6]}',
-        b'{"epoch": 1, "settled": 5, "kept": ["4"]}',
-        b'{"epoch": 1, "settled": "5", "kept": [4]}',
+        b"not a message",
+        b'{"epoch": 1, "settled": 5, "kept": [4]}',  # the news as JSON, before typed messages
+        Settled(1, 5, frozenset({6})).encode(),  # a step kept that is not settled
+        Settled(1, 5, frozenset({4})).encode()[:-1],  # cut short
+        Settled(1, 5, frozenset({4})).encode() + b"\0",
+        b"FTKM\x02" + Settled(1, 5, frozenset({4})).encode()[5:],  # another version
     ],
 )
 def test_malformed_commit_news_is_ignored_and_nothing_is_dropped(tmp_path, raw):
     """The news comes through the store: anything malformed is no news, and no news keeps."""
     from types import SimpleNamespace
 
-    from ftkit.coord.news import Settled
-
-    assert Settled.parse(raw) is None
+    with pytest.raises(ftkit.FormatError):
+        Settled.decode(raw)
     tier, ctx, storage = _node_tier(tmp_path)
     for s in (1, 2):
         storage.write_bytes_atomic(f"step-{s:012d}/rank-00002-x.data", b"x")
