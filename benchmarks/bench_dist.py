@@ -1110,12 +1110,14 @@ def coord_floor_cpu(
     a: argparse.Namespace, R: Ranks, kind: str, train_step, first_step: int, waits: bool = False
 ) -> float:
     """The floor under this rank's RAM-tier commit coordination (coord_floor.py): its share of
-    the files, store requests and JSON of one snapshot, on the payloads of the newest step;
+    the files, store requests and messages of one snapshot, on the payloads of the newest step;
     `waits`: with the commit's handshakes, each message waited for (coord_floor.HandshakeFloor)."""
     import glob
 
     from coord_floor import Floor, HandshakeFloor, measure
     from torch.distributed import distributed_c10d
+
+    from ftkit.commit.messages import Exchange, Outcome, PartEntry, Record
 
     node = R.rank // R.per_node
     ranks = range(node * R.per_node, (node + 1) * R.per_node)
@@ -1132,14 +1134,13 @@ def coord_floor_cpu(
         head = {"file": file, "nbytes": doc["files"][file]["bytes"], "error": None}
         head.update(rank_state=doc["rank_state"].get(str(r), {}), skipped=False, layout="0" * 40, sums=sums)
         reports[str(r)] = json.dumps(head) + "\n"
-    ref = {k: mine[k] for k in ("file", "checksum")}
-    record = {"part": {**mine}, "files": {f: i["bytes"] for f, i in doc["files"].items()}, "errors": []}
-    payloads = {
+    files = {f: i["bytes"] for f, i in doc["files"].items()}
+    payloads = {  # the messages as the commit encodes them (commit/messages.py)
         "report": reports[str(ranks[-1])].encode(),
-        "outcome": b'{"errors":[]}',
+        "outcome": Outcome().encode(),
         "part": part,
-        "record": json.dumps({**reports, "part": ref}).encode(),
-        "node_record": json.dumps({**record, "stored": 0, "skipped": False}).encode(),
+        "record": Exchange({int(r): t for r, t in reports.items()}, (mine["file"], mine["checksum"])).encode(),
+        "node_record": Record(PartEntry.of(mine), files, sum(files.values())).encode(),
         "index": index,
     }
     kind_of_floor = HandshakeFloor if waits else Floor

@@ -268,8 +268,15 @@ class CommitPlan:
 
     # ------------------------------------------------------------------ the steps
     def steps(self, rank: int) -> tuple[Step, ...]:
-        """Rank `rank`'s commit, in order."""
-        return tuple(self._ram_steps(rank) if self.tier == RAM else self._shared_steps(rank))
+        """Rank `rank`'s commit, in order (worked out once per rank: an executor asks every step)."""
+        hit = self._steps.get(rank)
+        if hit is None:
+            hit = self._steps[rank] = tuple(self._ram_steps(rank) if self.tier == RAM else self._shared_steps(rank))
+        return hit
+
+    @functools.cached_property
+    def _steps(self) -> dict[int, tuple[Step, ...]]:
+        return {}
 
     def _shared_steps(self, rank: int) -> Iterator[Step]:
         roles = self.roles_of(rank)
