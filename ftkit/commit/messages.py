@@ -1,11 +1,16 @@
 """The messages between the ranks of a commit, typed, each with one versioned binary encoding.
 
-A message is ``b"FTKM" | version (u8) | kind (u8) | fields``: integers little-endian, strings
-UTF-8 after their u32 length, lists after their u32 count, an absent value a 0 flag. What is
-read is untrusted (anyone who can write the job's store or a node's board can forge it):
-`decode` checks the header, every length against what is left and against a bound, every
-file name and checksum, and that nothing is left over; anything else is a FormatError, which
-the executors read as that node's or rank's error, so the step is simply not committed.
+Every message is ``b"FTKM" | version (u8) | kind (u8) | count (u32) | count x u64 | strings
+(u32) | length (u32) | blob``: its numbers (sizes, ranks, counts of what follows) as one packed array
+and its strings as one UTF-8 blob split on NUL (no file name or report holds one; an
+error's is replaced), so a message is a few C calls each way: decoding runs on every
+rank at every step, on a thread whose every call costs more than it does alone.
+
+What is read is untrusted (anyone who can write the job's store or a node's board can forge
+it): `decode` checks the header, that the counts match what is there and are bounded, every
+file name, part name and checksum, and that nothing is left over; anything else is a
+FormatError, which the executors read as that node's or rank's error, so the step is simply
+not committed.
 
 * `Record`: a node's record for rank 0 (both tiers): its part, or its errors.
 * `Outcome`: a rank's replication outcome for its collector (the RAM tier).
@@ -27,16 +32,16 @@ from enum import IntEnum
 from typing import Any
 
 from ftkit.errors import FormatError
-from ftkit.format.index import is_part_name, rank_runs
+from ftkit.format.index import is_part_file, rank_runs
 from ftkit.format.manifest import SAFE_FILE_RE
-from ftkit.format.validate import CHECKSUM_RE, MAX_INT, check_file_name
+from ftkit.format.validate import CHECKSUM_RE, MAX_INT
 
 MAGIC = b"FTKM"
 VERSION = 1
-MAX_COUNT = 1 << 20  # entries in one list: a node's files, a few ranks' reports
-MAX_TEXT = 256 * 2**20  # one string: a report of a rank's tensor entries at most
+MAX_COUNT = 1 << 20  # numbers in one message, entries in one list: a node's files, a few ranks' reports
 _NAME = SAFE_FILE_RE.pattern.strip("^$")  # a plain file name inside a step directory
 _NAMES = re.compile(f"{_NAME}(?:\0{_NAME})*")  # several, NUL-separated
+_U32 = struct.Struct("<I")
 
 
 class Kind(IntEnum):
@@ -47,92 +52,111 @@ class Kind(IntEnum):
     NEWS = 5
 
 
-_RECORD_HEADER = MAGIC + bytes((VERSION, Kind.RECORD))
-
-
 # ------------------------------------------------------------------ the encoding
-class _Writer:
-    def __init__(self, kind: Kind) -> None:
-        self.out = [MAGIC, bytes((VERSION, kind))]
-
-    def u64(self, v: int) -> None:
-        self.out.append(struct.pack("<Q", v))
-
-    def flag(self, v: bool) -> None:
-        self.out.append(b"\1" if v else b"\0")
-
-    def text(self, s: str) -> None:
-        data = s.encode()
-        self.out += [struct.pack("<I", len(data)), data]
-
-    def texts(self, items: list[str] | tuple[str, ...]) -> None:
-        self.out.append(struct.pack("<I", len(items)))
-        for s in items:
-            self.text(s)
-
-    def data(self) -> bytes:
-        return b"".join(self.out)
+def _pack(kind: Kind, numbers: list[int], strings: list[str]) -> bytes:
+    blob = "\0".join(strings).encode()
+    return b"".join(
+        (
+            MAGIC,
+            bytes((VERSION, kind)),
+            _U32.pack(len(numbers)),
+            struct.pack(f"<{len(numbers)}Q", *numbers),
+            _U32.pack(len(strings)),
+            _U32.pack(len(blob)),
+            blob,
+        )
+    )
 
 
-class _Reader:
+def _unpack(data: bytes, kind: Kind, where: str) -> tuple[tuple[int, ...], list[str]]:
+    """(the numbers, the strings) of a message of `kind`, its frame checked."""
+    if data[:4] != MAGIC or len(data) < 6:
+        raise FormatError(f"{where} is not a commit message")
+    if data[4] != VERSION:
+        raise FormatError(f"{where} has message version {data[4]}, not {VERSION}")
+    if data[5] != kind:
+        raise FormatError(f"{where} is a message of another kind ({data[5]}, not {int(kind)})")
+    try:
+        (n,) = _U32.unpack_from(data, 6)
+        if n > MAX_COUNT:
+            raise FormatError(f"{where} has {n} numbers")
+        numbers = struct.unpack_from(f"<{n}Q", data, 10)
+        count, length = struct.unpack_from("<II", data, 10 + 8 * n)
+    except struct.error:
+        raise FormatError(f"{where} is cut short") from None
+    start = 18 + 8 * n
+    if len(data) != start + length:
+        what = "is cut short" if len(data) < start + length else f"has {len(data) - start - length} bytes more"
+        raise FormatError(f"{where} {what} than its fields")
+    try:
+        strings = data[start:].decode().split("\0") if count else []
+    except UnicodeDecodeError:
+        raise FormatError(f"{where} has a string that is not UTF-8") from None
+    if len(strings) != count:
+        raise FormatError(f"{where} has {len(strings)} strings, not the {count} it says")
+    return numbers, strings
+
+
+class _Fields:
+    """The numbers and strings of a message, taken in order (running out is a FormatError)."""
+
     def __init__(self, data: bytes, kind: Kind, where: str) -> None:
-        self.data, self.at, self.where = memoryview(data), 6, where
-        if bytes(self.data[:4]) != MAGIC or len(data) < 6:
-            raise FormatError(f"{where} is not a commit message")
-        if data[4] != VERSION:
-            raise FormatError(f"{where} has message version {data[4]}, not {VERSION}")
-        if data[5] != kind:
-            raise FormatError(f"{where} is a message of another kind ({data[5]}, not {int(kind)})")
+        self.numbers, self.strings = _unpack(data, kind, where)
+        self.n = self.s = 0
+        self.where = where
 
-    def take(self, n: int) -> memoryview:
-        if n > len(self.data) - self.at:
-            raise FormatError(f"{self.where} is cut short")
-        piece = self.data[self.at : self.at + n]
-        self.at += n
-        return piece
-
-    def u64(self, limit: int = MAX_INT) -> int:
-        (v,) = struct.unpack("<Q", self.take(8))
+    def num(self, limit: int = MAX_INT) -> int:
+        if self.n >= len(self.numbers):
+            raise FormatError(f"{self.where} has fewer numbers than its fields")
+        v = self.numbers[self.n]
+        self.n += 1
         if v > limit:
             raise FormatError(f"{self.where} has a number out of range ({v})")
         return v
 
-    def flag(self) -> bool:
-        v = self.take(1)[0]
-        if v > 1:
-            raise FormatError(f"{self.where} has a malformed flag")
-        return v == 1
+    def nums(self, count: int) -> tuple[int, ...]:
+        if count > len(self.numbers) - self.n:
+            raise FormatError(f"{self.where} has fewer numbers than its fields")
+        out = self.numbers[self.n : self.n + count]
+        self.n += count
+        if out and max(out) > MAX_INT:
+            raise FormatError(f"{self.where} has a number out of range")
+        return out
 
-    def count(self) -> int:
-        (n,) = struct.unpack("<I", self.take(4))
-        if n > MAX_COUNT:
-            raise FormatError(f"{self.where} has a list of {n} entries")
-        return n
+    def strs(self, count: int) -> list[str]:
+        if count > len(self.strings) - self.s:
+            raise FormatError(f"{self.where} has fewer strings than its fields")
+        out = self.strings[self.s : self.s + count]
+        self.s += count
+        return out
 
-    def text(self) -> str:
-        (n,) = struct.unpack("<I", self.take(4))
-        if n > MAX_TEXT:
-            raise FormatError(f"{self.where} has a string of {n} bytes")
-        try:
-            return str(self.take(n), "utf-8")
-        except UnicodeDecodeError:
-            raise FormatError(f"{self.where} has a string that is not UTF-8") from None
+    def names(self, count: int) -> list[str]:
+        """`count` plain file names inside a step directory, checked in one go."""
+        out = self.strs(count)
+        joined = "\0".join(out)
+        if out and (not _NAMES.fullmatch(joined) or ".." in joined):
+            raise FormatError(f"{self.where} names a file outside its step directory")
+        return out
 
-    def texts(self) -> list[str]:
-        return [self.text() for _ in range(self.count())]
+    def parts(self, count: int) -> list[str]:
+        out = self.names(count)
+        if not all(is_part_file(n) for n in out):
+            raise FormatError(f"{self.where} names malformed parts")
+        return out
 
-    def file(self) -> str:
-        return check_file_name(self.text())
-
-    def checksum(self) -> str:
-        s = self.text()
-        if not CHECKSUM_RE.match(s):
+    def checksums(self, count: int) -> list[str]:
+        out = self.strs(count)
+        if not all(CHECKSUM_RE.match(c) for c in out):
             raise FormatError(f"{self.where} has a malformed checksum")
-        return s
+        return out
 
     def end(self) -> None:
-        if self.at != len(self.data):
-            raise FormatError(f"{self.where} has {len(self.data) - self.at} bytes more than its fields")
+        if self.n != len(self.numbers) or self.s != len(self.strings):
+            raise FormatError(f"{self.where} has fields more than its kind")
+
+
+def _text(s: str) -> str:
+    return s.replace("\0", "\ufffd")  # (an error message with a NUL: the string separator)
 
 
 # ------------------------------------------------------------------ the messages
@@ -150,29 +174,21 @@ class PartEntry:
         return PartEntry(doc["file"], doc["bytes"], doc["checksum"], tuple((a, b) for a, b in doc["ranks"]))
 
     def doc(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "bytes": self.nbytes,
-            "checksum": self.checksum,
-            "ranks": [list(r) for r in self.ranks],
-        }
+        ranks = [list(r) for r in self.ranks]
+        return {"file": self.file, "bytes": self.nbytes, "checksum": self.checksum, "ranks": ranks}
 
-    def _write(self, w: _Writer) -> None:
-        w.text(self.file)
-        w.u64(self.nbytes)
-        w.text(self.checksum)
-        w.u64(len(self.ranks))
-        for a, b in self.ranks:
-            w.u64(a)
-            w.u64(b)
+    def _put(self, numbers: list[int], strings: list[str]) -> None:
+        numbers += [self.nbytes, len(self.ranks), *(x for run in self.ranks for x in run)]
+        strings += [self.file, self.checksum]
 
     @staticmethod
-    def _read(r: _Reader) -> PartEntry:
-        file, nbytes, checksum = r.file(), r.u64(), r.checksum()
-        if not is_part_name(file) or nbytes == 0:
-            raise FormatError(f"{r.where} names no valid part")
-        runs = tuple((r.u64(), r.u64()) for _ in range(r.u64(MAX_COUNT)))
-        return PartEntry(file, nbytes, checksum, runs)
+    def _take(f: _Fields) -> PartEntry:
+        nbytes, n_runs = f.num(), f.num(MAX_COUNT)
+        runs = f.nums(2 * n_runs)
+        (file,), (checksum,) = f.parts(1), f.checksums(1)
+        if nbytes == 0:
+            raise FormatError(f"{f.where} names an empty part")
+        return PartEntry(file, nbytes, checksum, tuple(zip(runs[0::2], runs[1::2], strict=True)))
 
 
 @dataclass(frozen=True)
@@ -196,78 +212,32 @@ class Record:
         """What the step put in the node's directory (a failed commit removes it)."""
         return [*self.files, *([self.part.file] if self.part else []), *self.others]
 
-    # Rank 0 decodes one record per node at every step: its fields go as one struct of
-    # counts, the numbers as packed arrays, and every string in one blob split on NUL (no
-    # file name holds one; an error's are escaped), so a record is a few C calls each way.
-    _HEAD = struct.Struct("<BQQIIII")  # flags (1: a part, 2: skipped), part bytes, stored, counts
-
     def encode(self) -> bytes:
-        part = self.part
-        runs = [x for run in part.ranks for x in run] if part else []
-        strings = [part.file, part.checksum] if part else []
-        strings += [*self.files, *(e.replace("\0", "\\0") for e in self.errors), *self.others]
-        blob = "\0".join(strings).encode()
-        flags = (1 if part else 0) | (2 if self.skipped else 0)
-        counts = (len(runs) // 2, len(self.files), len(self.errors), len(self.others))
-        return b"".join(
-            (
-                _RECORD_HEADER,
-                self._HEAD.pack(flags, part.nbytes if part else 0, self.stored, *counts),
-                struct.pack(f"<{len(runs) + len(self.files)}Q", *runs, *self.files.values()),
-                struct.pack("<I", len(blob)),
-                blob,
-            )
-        )
+        numbers = [int(self.part is not None), int(self.skipped), self.stored]
+        strings: list[str] = []
+        if self.part is not None:
+            self.part._put(numbers, strings)
+        numbers += [len(self.files), *self.files.values(), len(self.errors), len(self.others)]
+        strings += [*self.files, *map(_text, self.errors), *self.others]
+        return _pack(Kind.RECORD, numbers, strings)
 
     @staticmethod
     def decode(data: bytes, ranks: Sequence[int], where: str) -> Record:
         """A record of the node of `ranks`: its part must be of exactly those ranks."""
-        if data[:6] != _RECORD_HEADER:
-            _Reader(data, Kind.RECORD, where)  # (says which way it is not one)
-        head = Record._HEAD
-        try:
-            flags, nbytes, stored, n_runs, n_files, n_errors, n_others = head.unpack_from(data, 6)
-            if max(n_runs, n_files, n_errors, n_others) > MAX_COUNT:
-                raise FormatError(f"{where} has a list of more than {MAX_COUNT} entries")
-            k = 2 * n_runs + n_files
-            numbers = struct.unpack_from(f"<{k}Q", data, 6 + head.size)
-            at = 6 + head.size + 8 * k
-            (n,) = struct.unpack_from("<I", data, at)
-        except struct.error:
-            raise FormatError(f"{where} is cut short") from None
-        if len(data) != at + 4 + n:
-            raise FormatError(f"{where} is cut short or has bytes more than its fields")
-        if flags > 3 or max(nbytes, stored, *numbers) > MAX_INT:
-            raise FormatError(f"{where} is malformed")
-        try:
-            strings = data[at + 4 :].decode().split("\0") if n else []
-        except UnicodeDecodeError:
-            raise FormatError(f"{where} has a string that is not UTF-8") from None
-        has_part = flags & 1
-        if len(strings) != 2 * has_part + n_files + n_errors + n_others:
-            raise FormatError(f"{where} has {len(strings)} strings, not what its counts say")
-        part = None
-        if has_part:
-            runs = tuple(zip(numbers[0 : 2 * n_runs : 2], numbers[1 : 2 * n_runs : 2], strict=True))
-            part = PartEntry(strings[0], nbytes, strings[1], runs)
-            if not is_part_name(part.file) or not CHECKSUM_RE.match(part.checksum) or nbytes == 0:
-                raise FormatError(f"{where} names no valid part")
-            if [list(x) for x in runs] != rank_runs(list(ranks)):
-                raise FormatError(f"{where} names no valid part of its ranks")
-        first = 2 * has_part
-        names = strings[first : first + n_files]
-        joined = "\0".join(names)  # (checked in one go: a record names a node's files, every step)
-        if names and (not _NAMES.fullmatch(joined) or ".." in joined):
-            raise FormatError(f"{where} names a file outside its step directory")
-        errors = tuple(e.replace("\\0", "\0") for e in strings[first + n_files : first + n_files + n_errors])
-        others = tuple(strings[first + n_files + n_errors :])
+        f = _Fields(data, Kind.RECORD, where)
+        has_part, skipped, stored = f.num(1), f.num(1), f.num()
+        part = PartEntry._take(f) if has_part else None
+        if part is not None and [list(x) for x in part.ranks] != rank_runs(list(ranks)):
+            raise FormatError(f"{where} names no valid part of its ranks")
+        n_files = f.num(MAX_COUNT)
+        sizes = f.nums(n_files)
+        n_errors, n_others = f.num(MAX_COUNT), f.num(MAX_COUNT)
+        files = dict(zip(f.names(n_files), sizes, strict=True))
+        errors, others = tuple(f.strs(n_errors)), tuple(f.parts(n_others))
+        f.end()
         if part is None and not errors:
             raise FormatError(f"{where} has neither a part nor an error")
-        if not all(is_part_name(o) for o in others):
-            raise FormatError(f"{where} names malformed parts of other nodes")
-        return Record(
-            part, dict(zip(names, numbers[2 * n_runs :], strict=True)), stored, errors, bool(flags & 2), others
-        )
+        return Record(part, files, stored, errors, bool(skipped), others)
 
 
 @dataclass(frozen=True)
@@ -279,19 +249,15 @@ class Outcome:
     parts: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
-        w = _Writer(Kind.OUTCOME)
-        w.texts(self.errors)
-        w.texts(self.parts)
-        return w.data()
+        return _pack(Kind.OUTCOME, [len(self.errors), len(self.parts)], [*map(_text, self.errors), *self.parts])
 
     @staticmethod
     def decode(data: bytes, where: str) -> Outcome:
-        r = _Reader(data, Kind.OUTCOME, where)
-        errors, parts = tuple(r.texts()), tuple(r.texts())
-        r.end()
-        if not all(is_part_name(p) for p in parts):
-            raise FormatError(f"{where} names malformed parts")
-        return Outcome(errors, parts)
+        f = _Fields(data, Kind.OUTCOME, where)
+        n_errors, n_parts = f.num(MAX_COUNT), f.num(MAX_COUNT)
+        outcome = Outcome(tuple(f.strs(n_errors)), tuple(f.parts(n_parts)))
+        f.end()
+        return outcome
 
 
 @dataclass(frozen=True)
@@ -304,23 +270,18 @@ class Exchange:
     part: tuple[str, str] | None = None  # (file, checksum)
 
     def encode(self) -> bytes:
-        w = _Writer(Kind.EXCHANGE)
-        _write_reports(w, self.reports)
-        w.flag(self.part is not None)
-        if self.part is not None:
-            w.text(self.part[0])
-            w.text(self.part[1])
-        return w.data()
+        numbers = [int(self.part is not None), len(self.reports), *self.reports]
+        return _pack(Kind.EXCHANGE, numbers, [*(self.part or ()), *self.reports.values()])
 
     @staticmethod
     def decode(data: bytes, where: str) -> Exchange:
-        r = _Reader(data, Kind.EXCHANGE, where)
-        reports = _read_reports(r)
-        part = (r.file(), r.checksum()) if r.flag() else None
-        r.end()
-        if part is not None and not is_part_name(part[0]):
-            raise FormatError(f"{where} names no valid part")
-        return Exchange(reports, part)
+        f = _Fields(data, Kind.EXCHANGE, where)
+        has_part, n = f.num(1), f.num(MAX_COUNT)
+        ranks = f.nums(n)
+        part = (f.parts(1)[0], f.checksums(1)[0]) if has_part else None
+        exchange = Exchange(dict(zip(ranks, f.strs(n), strict=True)), part)
+        f.end()
+        return exchange
 
 
 @dataclass(frozen=True)
@@ -344,36 +305,31 @@ class Relay:
     own: Written | None = None
 
     def encode(self) -> bytes:
-        w = _Writer(Kind.RELAY)
-        _write_reports(w, self.reports)
-        w.texts(list(self.parts))
-        for leader, checksum in self.parts.values():
-            w.u64(leader)
-            w.text(checksum)
-        w.flag(self.own is not None)
+        numbers = [len(self.reports), *self.reports, len(self.parts), *(leader for leader, _ in self.parts.values())]
+        strings = [*self.reports.values(), *self.parts, *(checksum for _, checksum in self.parts.values())]
+        numbers.append(int(self.own is not None))
         if self.own is not None:
-            self.own.part._write(w)
-            w.texts(list(self.own.files))
-            for n in self.own.files.values():
-                w.u64(n)
-            w.u64(self.own.stored)
-        return w.data()
+            self.own.part._put(numbers, strings)
+            numbers += [self.own.stored, len(self.own.files), *self.own.files.values()]
+            strings += self.own.files
+        return _pack(Kind.RELAY, numbers, strings)
 
     @staticmethod
     def decode(data: bytes, where: str) -> Relay:
-        r = _Reader(data, Kind.RELAY, where)
-        reports = _read_reports(r)
-        names = r.texts()
-        parts = {check_file_name(n): (r.u64(), r.checksum()) for n in names}
+        f = _Fields(data, Kind.RELAY, where)
+        ranks = f.nums(f.num(MAX_COUNT))
+        n_parts = f.num(MAX_COUNT)
+        leaders = f.nums(n_parts)
+        reports = dict(zip(ranks, f.strs(len(ranks)), strict=True))
+        names, checksums = f.parts(n_parts), f.checksums(n_parts)
+        parts = dict(zip(names, zip(leaders, checksums, strict=True), strict=True))
         own = None
-        if r.flag():
-            part = PartEntry._read(r)
-            files = {check_file_name(n): 0 for n in r.texts()}
-            files = {n: r.u64() for n in files}
-            own = Written(part, files, r.u64())
-        r.end()
-        if not all(is_part_name(n) for n in parts):
-            raise FormatError(f"{where} names malformed parts")
+        if f.num(1):
+            part = PartEntry._take(f)
+            stored, n_files = f.num(), f.num(MAX_COUNT)
+            sizes = f.nums(n_files)
+            own = Written(part, dict(zip(f.names(n_files), sizes, strict=True)), stored)
+        f.end()
         return Relay(reports, parts, own)
 
 
@@ -387,29 +343,14 @@ class Settled:
     kept: frozenset[int]
 
     def encode(self) -> bytes:
-        w = _Writer(Kind.NEWS)
-        w.u64(self.epoch)
-        w.u64(self.settled)
-        w.u64(len(self.kept))
-        for step in sorted(self.kept):
-            w.u64(step)
-        return w.data()
+        return _pack(Kind.NEWS, [self.epoch, self.settled, len(self.kept), *sorted(self.kept)], [])
 
     @staticmethod
     def decode(data: bytes, where: str = "the RAM tier's commit news") -> Settled:
-        r = _Reader(data, Kind.NEWS, where)
-        epoch, settled = r.u64(), r.u64()
-        kept = frozenset(r.u64(settled) for _ in range(r.u64(MAX_COUNT)))
-        r.end()
-        return Settled(epoch, settled, kept)
-
-
-def _write_reports(w: _Writer, reports: dict[int, str]) -> None:
-    w.u64(len(reports))
-    for rank, text in reports.items():
-        w.u64(rank)
-        w.text(text)
-
-
-def _read_reports(r: _Reader) -> dict[int, str]:
-    return {r.u64(MAX_INT): r.text() for _ in range(r.u64(MAX_COUNT))}
+        f = _Fields(data, Kind.NEWS, where)
+        epoch, settled = f.num(), f.num()
+        kept = f.nums(f.num(MAX_COUNT))
+        f.end()
+        if kept and max(kept) > settled:
+            raise FormatError(f"{where} keeps a step it has not settled")
+        return Settled(epoch, settled, frozenset(kept))

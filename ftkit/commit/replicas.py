@@ -43,6 +43,8 @@ def _exchange(raw: bytes, ranks: tuple[int, ...], where: str) -> Exchange:
         got = Exchange.decode(raw, where)
     except FormatError:
         got = Exchange({})
+    if all(r in got.reports for r in ranks):
+        return Exchange({r: got.reports[r] for r in ranks}, got.part)
     lost = NodeReport.encode(None, f"no report in {where}", None)
     return Exchange({r: got.reports.get(r, lost) for r in ranks}, got.part)
 

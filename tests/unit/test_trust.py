@@ -515,7 +515,8 @@ def test_what_a_leader_relays_to_its_exchanger_is_checked_like_any_board_message
     assert _outcome_errors(1, Outcome((), ("part-00002-0badf00d.json",)).encode(), parts) == []
     assert parts == ["part-00002-0badf00d.json"]
     errors = _outcome_errors(1, Outcome((), ("../../etc/passwd",)).encode(), parts)
-    assert errors == ["rank 1: rank 1's outcome names malformed parts"] and parts == ["part-00002-0badf00d.json"]
+    assert errors == ["rank 1: rank 1's outcome names a file outside its step directory"]
+    assert parts == ["part-00002-0badf00d.json"]
     assert _outcome_errors(1, b'{"errors": []}', parts) == ["rank 1: rank 1's outcome is not a commit message"]
 
 
