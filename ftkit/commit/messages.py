@@ -223,21 +223,51 @@ class Record:
 
     @staticmethod
     def decode(data: bytes, ranks: Sequence[int], where: str) -> Record:
-        """A record of the node of `ranks`: its part must be of exactly those ranks."""
-        f = _Fields(data, Kind.RECORD, where)
-        has_part, skipped, stored = f.num(1), f.num(1), f.num()
-        part = PartEntry._take(f) if has_part else None
-        if part is not None and [list(x) for x in part.ranks] != rank_runs(list(ranks)):
-            raise FormatError(f"{where} names no valid part of its ranks")
-        n_files = f.num(MAX_COUNT)
-        sizes = f.nums(n_files)
-        n_errors, n_others = f.num(MAX_COUNT), f.num(MAX_COUNT)
-        files = dict(zip(f.names(n_files), sizes, strict=True))
-        errors, others = tuple(f.strs(n_errors)), tuple(f.parts(n_others))
-        f.end()
+        """A record of the node of `ranks`: its part must be of exactly those ranks. (Rank 0
+        reads one per node at every step: its fields are taken by index, not one call each.)"""
+        nums, strs = _unpack(data, Kind.RECORD, where)
+        try:
+            has_part, skipped, stored = nums[0], nums[1], nums[2]
+            at, part = 3, None
+            if has_part:
+                nbytes, n_runs = nums[3], nums[4]
+                runs = nums[5 : 5 + 2 * n_runs]
+                at = 5 + 2 * n_runs
+                part = PartEntry(strs[0], nbytes, strs[1], tuple(zip(runs[0::2], runs[1::2], strict=True)))
+            n_files = nums[at]
+            sizes = nums[at + 1 : at + 1 + n_files]
+            n_errors, n_others = nums[at + 1 + n_files], nums[at + 2 + n_files]
+        except (IndexError, ValueError):
+            raise FormatError(f"{where} has fewer numbers than its fields") from None
+        first = 2 if has_part else 0
+        if (
+            has_part > 1
+            or skipped > 1
+            or len(sizes) != n_files
+            or len(nums) != at + 3 + n_files
+            or len(strs) != first + n_files + n_errors + n_others
+        ):
+            raise FormatError(f"{where} is malformed")
+        if max((stored, *sizes)) > MAX_INT:
+            raise FormatError(f"{where} has a number out of range")
+        if part is not None:
+            if not (is_part_file(part.file) and _NAMES.fullmatch(part.file) and CHECKSUM_RE.match(part.checksum)):
+                raise FormatError(f"{where} names no valid part")
+            if part.nbytes == 0 or part.nbytes > MAX_INT:
+                raise FormatError(f"{where} names an empty part")
+            if [list(x) for x in part.ranks] != rank_runs(list(ranks)):
+                raise FormatError(f"{where} names no valid part of its ranks")
+        names = strs[first : first + n_files]
+        joined = "\0".join(names)
+        if names and (not _NAMES.fullmatch(joined) or ".." in joined):
+            raise FormatError(f"{where} names a file outside its step directory")
+        errors = tuple(strs[first + n_files : first + n_files + n_errors])
+        others = tuple(strs[first + n_files + n_errors :])
         if part is None and not errors:
             raise FormatError(f"{where} has neither a part nor an error")
-        return Record(part, files, stored, errors, bool(skipped), others)
+        if not all(is_part_file(o) and _NAMES.fullmatch(o) and ".." not in o for o in others):
+            raise FormatError(f"{where} names a file outside its step directory")
+        return Record(part, dict(zip(names, sizes, strict=True)), stored, errors, bool(skipped), others)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def test_a_forged_record_reads_as_an_error_not_as_a_part():
         Record.decode(Record(None, {}, 0).encode(), (2, 3), "r")
     with pytest.raises(FormatError, match="outside its step directory"):
         Record.decode(Record.failed(["x"], {"../../etc/passwd": 1}).encode(), (2, 3), "r")
-    with pytest.raises(FormatError, match="malformed checksum"):
+    with pytest.raises(FormatError, match="no valid part"):  # a checksum of another form
         Record.decode(Record(PartEntry(PART.file, 1, "md5:00", PART.ranks), {}, 0).encode(), (2, 3), "r")
     with pytest.raises(FormatError, match="names a file outside its step directory"):
         Record.decode(Record(PART, {}, 0, others=("../x",)).encode(), (2, 3), "r")
