@@ -22,6 +22,27 @@ def commit_key(tier: int, epoch: int, step: int) -> str:
     return f"commit/{tier}/{epoch}/{step}"
 
 
+# One step's keys under `commit_key`: a node is named by its leader (its first rank).
+def shared_record_key(key: str, leader: int) -> str:
+    """A node's record for rank 0 on a shared tier (commit/shared.py)."""
+    return f"{key}/n/{leader}"
+
+
+def ram_record_key(key: str, leader: int) -> str:
+    """A node's record for rank 0 on the RAM tier (commit/ram.py)."""
+    return f"{key}/r/{leader}"
+
+
+def exchange_key(key: str, leader: int) -> str:
+    """A node's reports and part, for the nodes it exchanges replicas with (commit/replicas.py)."""
+    return f"{key}/w/{leader}"
+
+
+def index_key(key: str) -> str:
+    """Rank 0's committed index, for the nodes that keep a copy ("" when not committed)."""
+    return f"{key}/manifest"
+
+
 class KeyLedger:
     """Store keys that calls of one tier's commit left behind, each with the (restore
     epoch, step) it belongs to; a later call deletes those of earlier steps once it
@@ -39,14 +60,16 @@ class KeyLedger:
         NodeGroup.record_ids), which rank 0 would have deleted, and its word on the manifest."""
         return KeyLedger(
             lambda key: (
-                [f"{key}/w/{r}" for r in nodes if exchange] + [f"{key}/r/{r}" for r in records] + [f"{key}/manifest"]
+                [exchange_key(key, r) for r in nodes if exchange]
+                + [ram_record_key(key, r) for r in records]
+                + [index_key(key)]
             )
         )
 
     @staticmethod
     def shared(leaders: list[int]) -> KeyLedger:
         """persist's keys of a step rank 0 skipped: every node's record, which rank 0 would have deleted."""
-        return KeyLedger(lambda key: [f"{key}/n/{r}" for r in leaders if r != 0])
+        return KeyLedger(lambda key: [shared_record_key(key, r) for r in leaders if r != 0])
 
     def record(self, at: tuple[int, int], key: str) -> None:
         """Every key a call with `key` leaves (a skipped step's)."""

@@ -251,7 +251,12 @@ class Record:
         if max((stored, *sizes)) > MAX_INT:
             raise FormatError(f"{where} has a number out of range")
         if part is not None:
-            if not (is_part_file(part.file) and _NAMES.fullmatch(part.file) and CHECKSUM_RE.match(part.checksum)):
+            if not (
+                is_part_file(part.file)
+                and _NAMES.fullmatch(part.file)
+                and ".." not in part.file
+                and CHECKSUM_RE.match(part.checksum)
+            ):
                 raise FormatError(f"{where} names no valid part")
             if part.nbytes == 0 or part.nbytes > MAX_INT:
                 raise FormatError(f"{where} names an empty part")

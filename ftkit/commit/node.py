@@ -1,17 +1,28 @@
 """A rank's node as a commit sees it: the world's commit plan (commit/plan.py) and the node's
-board (coord/nodelocal.py) that the node's messages go over. Computed once, at start, per tier."""
+board (coord/nodelocal.py) that the node's messages go over, computed once, at start, per
+tier; and `StepExecutor`, what both tiers' executors share: one step's inputs, and running
+a rank's steps of the plan in order."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ftkit.commit.layouts import Published
 from ftkit.commit.memo import CommitMemo
-from ftkit.commit.plan import SHARED, CommitPlan, NodeRoles
+from ftkit.commit.plan import SHARED, Act, CommitPlan, Msg, NodeRoles, Step
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import NodeBoard, step_message
+
+if TYPE_CHECKING:
+    from ftkit.commit.keys import KeyLedger
+    from ftkit.commit.manifests import Committed
+    from ftkit.save.sharding import Piece
+    from ftkit.save.staging import Slot
+    from ftkit.tiers.storage import Storage
 
 MAX_REPORT_BYTES = 256 * 2**20  # one rank's tensor entries: megabytes at most
 
@@ -99,3 +110,58 @@ class NodeGroup:
         got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me=me, only_reader=True)
         board.prune_before(at)
         return got
+
+
+class StepExecutor:
+    """One rank's commit of one step: its steps of the plan, run in order by `run`, one
+    handler per kind of step (a subclass's HANDLERS). On rank 0, a failure calls
+    `not_committed` before it is raised; the keys in `record_keys` are deleted whatever
+    happens; this rank's own write error is raised at the end (rank 0's has already made
+    its commit fail)."""
+
+    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[Any, Step], None]]] = {}  # (each subclass its own)
+
+    def __init__(
+        self,
+        storage: Storage,
+        step: int,
+        slot: Slot,
+        skeleton: dict[str, Any],
+        compress: str | None,
+        pieces: Mapping[str, Piece] | None,
+        rank_state: dict[str, Any] | None,
+        ctx: DistContext,
+        key: str,
+        ledger: KeyLedger | None,
+        at: tuple[int, int],
+        group: NodeGroup,
+    ):
+        self.storage, self.step, self.slot, self.skeleton = storage, step, slot, skeleton
+        self.compress, self.pieces, self.rank_state = compress, pieces, rank_state
+        self.ctx, self.key, self.ledger, self.at, self.group = ctx, key, ledger, at, group
+        self.plan = group.plan
+        self.error: Exception | None = None  # this rank's write's, raised at the end
+        self.record_keys: list[str] = []  # rank 0's: the step's keys it deletes
+        self.committed: Committed | None = None
+
+    def run(self) -> Committed | None:
+        with contextlib.ExitStack() as self.stack:
+            try:
+                for step in self.plan.steps(self.ctx.rank):
+                    self.do(step)
+            except BaseException:
+                if self.ctx.rank == 0:
+                    self.not_committed()
+                raise
+            finally:
+                if self.record_keys:
+                    self.ctx.delete(*self.record_keys)
+        if self.ctx.rank != 0 and self.error is not None:
+            raise self.error
+        return self.committed
+
+    def do(self, step: Step) -> None:
+        self.HANDLERS[step.act, step.msg](self, step)
+
+    def not_committed(self) -> None:
+        """Rank 0's failure: remove what the step put where rank 0 can remove it."""

@@ -65,12 +65,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
+from ftkit.commit.keys import KeyLedger, delete_keys, exchange_key, index_key, older_keys, ram_record_key
 from ftkit.commit.layouts import Layout, board_name, from_board, from_store, layout_of, lookup
 from ftkit.commit.manifests import Committed, check_files_present, commit_index, store_part
 from ftkit.commit.memo import CommitMemo
 from ftkit.commit.messages import Exchange, Outcome, Record, Relay, Written
-from ftkit.commit.node import NodeGroup
+from ftkit.commit.node import NodeGroup, StepExecutor
 from ftkit.commit.part_template import node_part_bytes
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
@@ -123,21 +123,6 @@ class NodeShare:
         return self.files + ([self.written.part.file] if self.written else []) + self.others
 
 
-def record_key(key: str, leader: int) -> str:
-    """A node's record for rank 0 (KeyLedger.node_local names these keys too)."""
-    return f"{key}/r/{leader}"
-
-
-def exchange_key(key: str, leader: int) -> str:
-    """A node's reports and part, for the nodes it exchanges replicas with."""
-    return f"{key}/w/{leader}"
-
-
-def index_key(key: str) -> str:
-    """Rank 0's committed index, for the nodes that keep a copy ("" when not committed)."""
-    return f"{key}/manifest"
-
-
 # The steps of the replica exchange: a failure there is this rank's error in its outcome (the
 # step is not committed), not an exception, so its node still sends rank 0 its record.
 _EXCHANGE = {
@@ -151,37 +136,17 @@ _EXCHANGE = {
 }
 
 
-class RamCommit:
-    """One rank's commit of one step to the RAM tier: its steps of the plan, run in order by
-    `run`, one handler per kind of step (HANDLERS)."""
+class RamCommit(StepExecutor):
+    """One rank's commit of one step to the RAM tier (StepExecutor). A failure in the replica
+    exchange is this rank's error in its outcome, and the rest of the exchange is skipped."""
 
     HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[RamCommit, Step], None]]] = {}
 
-    def __init__(
-        self,
-        storage: Storage,
-        step: int,
-        slot: Slot,
-        skeleton: dict[str, Any],
-        compress: str | None,
-        pieces: Mapping[str, Piece] | None,
-        rank_state: dict[str, Any] | None,
-        ctx: DistContext,
-        key: str,
-        group: NodeGroup,
-        peers: PeerGroup | None,
-        ledger: KeyLedger | None,
-        at: tuple[int, int],
-        cpu: dict[str, float],
-    ):
-        self.storage, self.step, self.slot, self.skeleton = storage, step, slot, skeleton
-        self.compress, self.pieces, self.rank_state = compress, pieces, rank_state
-        self.ctx, self.key, self.group, self.peers, self.ledger, self.at = ctx, key, group, peers, ledger, at
-        self.cpu = cpu
-        self.plan = group.plan
-        self.collector = ctx.rank == group.collector
+    def __init__(self, *args: Any, peers: PeerGroup | None, cpu: dict[str, float]):
+        super().__init__(*args)
+        self.peers, self.cpu = peers, cpu
+        self.collector = self.ctx.rank == self.group.collector
         self.write_: RankWrite | None = None
-        self.error: Exception | None = None  # this rank's write's, raised at the end
         self.ref: tuple[Layout, list[str]] | None = None  # its layout and checksums, when sent by reference
         self.text = ""  # its report
         self.texts: dict[int, str] = {}  # the collector's: its node's reports
@@ -195,35 +160,18 @@ class RamCommit:
         self.mine: tuple[Record, list[str]] | None = None  # rank 0 collecting: its node's record, files
         self.records: list[Record] | None = None  # rank 0's: every node's record
         self.own_record: Record | None = None  # rank 0's: its node's
-        self.record_keys: list[str] = []
         self.index_data = b""
-        self.committed: Committed | None = None
 
-    def run(self) -> Committed | None:
-        rank = self.ctx.rank
-        with contextlib.ExitStack() as self.stack:
+    def do(self, step: Step) -> None:
+        if (step.act, step.msg) not in _EXCHANGE:
+            super().do(step)
+        elif not self.exchange_failed:  # (after a failure, the rest of the exchange is skipped)
             try:
-                for step in self.plan.steps(rank):
-                    handler = self.HANDLERS[step.act, step.msg]
-                    if (step.act, step.msg) not in _EXCHANGE:
-                        handler(self, step)
-                    elif not self.exchange_failed:  # (after a failure, the rest of the exchange is skipped)
-                        try:
-                            handler(self, step)
-                        except Exception as e:
-                            self.exchange_failed = True
-                            self.errors.append(f"rank {rank}: replication failed: {e}")
-                            log.error("rank %d: step %d: replication failed: %s", rank, self.step, e)
-            except BaseException:
-                if rank == 0:
-                    self._not_committed()
-                raise
-            finally:
-                if self.record_keys:
-                    self.ctx.delete(*self.record_keys)
-        if rank != 0 and self.error is not None:
-            raise self.error
-        return self.committed
+                super().do(step)
+            except Exception as e:
+                self.exchange_failed = True
+                self.errors.append(f"rank {self.ctx.rank}: replication failed: {e}")
+                log.error("rank %d: step %d: replication failed: %s", self.ctx.rank, self.step, e)
 
     # ------------------------------------------------------------------ every rank
     def write(self, _: Step) -> None:
@@ -281,7 +229,7 @@ class RamCommit:
 
     def send_record(self, _: Step) -> None:
         assert self.node is not None
-        self.ctx.store.set(record_key(self.key, self.group.leader), self.node.record(self.errors).encode())
+        self.ctx.store.set(ram_record_key(self.key, self.group.leader), self.node.record(self.errors).encode())
 
     # ------------------------------------------------------------------ replicas
     def await_exchanges(self, step: Step) -> None:
@@ -372,7 +320,7 @@ class RamCommit:
         holder has read the index of a step before it sends its records of the next)."""
         ctx, members = self.ctx, self.group.members
         ids = [self.plan.roles_of(c).leader for c in collectors]
-        keys = [record_key(self.key, n) for n in ids]
+        keys = [ram_record_key(self.key, n) for n in ids]
         self.record_keys = keys + [exchange_key(self.key, n) for n in members if self.plan.exchanges]
         older = self.stack.enter_context(older_keys(self.ledger, self.at))
         if self.node is not None:
@@ -390,7 +338,7 @@ class RamCommit:
         if not any(r.skipped for r in self.records):  # nobody reads the older keys any more
             delete_keys(ctx, older)
 
-    def _not_committed(self) -> None:
+    def not_committed(self) -> None:
         """Rank 0's failure: remove what the step put in its node's directory, and tell the
         index holders there is no index to wait for."""
         if self.records is not None:
@@ -464,8 +412,8 @@ def persist_node_local(
     """
     group = group or NodeGroup.of(ctx, None, RAM)
     assert group.plan.tier == RAM, "the RAM tier's commit runs a RAM tier's plan"
-    args = (storage, step, slot, skeleton, compress, pieces, rank_state, ctx, key, group, peers, ledger, at)
-    return RamCommit(*args, {} if cpu is None else cpu).run()
+    args = (storage, step, slot, skeleton, compress, pieces, rank_state, ctx, key, ledger, at, group)
+    return RamCommit(*args, peers=peers, cpu={} if cpu is None else cpu).run()
 
 
 def write_index_copy(storage: Storage, step: int, data: bytes, written: Written | None) -> None:
@@ -572,4 +520,4 @@ def report_skipped_node_local(
         ctx.store.set(exchange_key(key, group.leader), Exchange({ctx.rank: text}).encode())
     if ctx.rank != 0 or not exchange:
         skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
-        ctx.store.set(record_key(key, group.leader), skipped.record([]).encode())
+        ctx.store.set(ram_record_key(key, group.leader), skipped.record([]).encode())

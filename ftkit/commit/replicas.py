@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ftkit.commit.keys import exchange_key
 from ftkit.commit.layouts import Layout
 from ftkit.commit.memo import CommitMemo
 from ftkit.commit.messages import Exchange, Relay, Written
@@ -73,7 +74,7 @@ def read_exchanges(
     sources = set(plan.source_nodes(group.node))
     nodes = [plan.nodes[c] for c in collectors]
     leaders = [plan.roles(n).leader for n in nodes]
-    raws = ctx.wait_get([f"{key}/w/{leader}" for leader in leaders]) if leaders else []
+    raws = ctx.wait_get([exchange_key(key, leader) for leader in leaders]) if leaders else []
     word = PeerWord({}, True, {})
     for node, leader, raw in zip(nodes, leaders, raws, strict=True):
         got = _exchange(raw, group.members[leader], f"the reports of the node of rank {leader}")

@@ -24,16 +24,15 @@ step's writers wrote and leaves every committed step untouched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from ftkit.commit.keys import KeyLedger, delete_keys, older_keys
+from ftkit.commit.keys import KeyLedger, delete_keys, older_keys, shared_record_key
 from ftkit.commit.manifests import Committed, commit_index, write_part
 from ftkit.commit.messages import Record
-from ftkit.commit.node import NodeGroup
+from ftkit.commit.node import NodeGroup, StepExecutor
 from ftkit.commit.plan import Act, Msg, Step
 from ftkit.commit.reports import shared_report
 from ftkit.coord.dist import DistContext
@@ -48,58 +47,21 @@ from ftkit.tiers.storage import Storage
 log = logging.getLogger(__name__)
 
 
-def record_key(key: str, leader: int) -> str:
-    """Where a node's record for rank 0 goes in the store (KeyLedger.shared names them too)."""
-    return f"{key}/n/{leader}"
-
-
-class SharedCommit:
-    """One rank's commit of one step to a shared tier: its steps of the plan, run in order by
-    `run`, one handler per kind of step (HANDLERS). Rank 0's failure after its node's part
-    removes what the step wrote; the records' keys are deleted whatever happens."""
+class SharedCommit(StepExecutor):
+    """One rank's commit of one step to a shared tier (StepExecutor). Rank 0's failure after
+    its node's part removes what the step wrote."""
 
     HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[SharedCommit, Step], None]]] = {}
 
-    def __init__(
-        self,
-        storage: Storage,
-        step: int,
-        slot: Slot,
-        skeleton: dict[str, Any],
-        compress: str | None,
-        pieces: Mapping[str, Piece] | None,
-        rank_state: dict[str, Any] | None,
-        ctx: DistContext,
-        key: str,
-        ledger: KeyLedger | None,
-        at: tuple[int, int],
-        group: NodeGroup,
-    ):
-        self.storage, self.step, self.slot, self.skeleton = storage, step, slot, skeleton
-        self.compress, self.pieces, self.rank_state = compress, pieces, rank_state
-        self.ctx, self.key, self.ledger, self.at, self.group = ctx, key, ledger, at, group
-        self.error: Exception | None = None  # this rank's write's, raised at the end
+    def __init__(self, *args: Any):
+        super().__init__(*args)
         self.report: dict[str, Any] = {}
         self.reports: dict[int, dict[str, Any]] = {}
         self.records: list[Record] = []  # rank 0's: its node's record first
-        self.record_keys: list[str] = []
-        self.committed: Committed | None = None
 
-    def run(self) -> Committed | None:
-        with contextlib.ExitStack() as self.stack:
-            try:
-                for step in self.group.plan.steps(self.ctx.rank):
-                    self.HANDLERS[step.act, step.msg](self, step)
-            except BaseException:
-                if self.ctx.rank == 0 and self.records:
-                    discard(self.storage, self.step, [f for r in self.records for f in r.local_files()])
-                raise
-            finally:
-                if self.record_keys:
-                    self.ctx.delete(*self.record_keys)
-        if self.error is not None:
-            raise self.error
-        return self.committed
+    def not_committed(self) -> None:
+        if self.records:
+            discard(self.storage, self.step, [f for r in self.records for f in r.local_files()])
 
     def write(self, _: Step) -> None:
         write, self.error = write_share(self.storage, self.step, self.slot, self.pieces, self.compress, self.ctx.rank)
@@ -126,11 +88,11 @@ class SharedCommit:
         self.records = [_node_record(*args, self.group.memo.checked_parts)]
 
     def send_record(self, _: Step) -> None:
-        self.ctx.store.set(record_key(self.key, self.ctx.rank), self.records[0].encode())
+        self.ctx.store.set(shared_record_key(self.key, self.ctx.rank), self.records[0].encode())
 
     def await_records(self, step: Step) -> None:
         leaders = [self.group.plan.roles_of(c).leader for c in step.peers]
-        self.record_keys = [record_key(self.key, leader) for leader in leaders]
+        self.record_keys = [shared_record_key(self.key, leader) for leader in leaders]
         older = self.stack.enter_context(older_keys(self.ledger, self.at))
         raws = self.ctx.wait_get(self.record_keys)
         members = self.group.members
@@ -231,4 +193,4 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
         text = json.dumps(report, separators=(",", ":"))
         group.send(at, "w", ctx.rank, text, (group.leader,), patient=False)  # (the training thread: never waits)
     elif ctx.rank != 0:
-        ctx.store.set(record_key(key, ctx.rank), Record.failed([f"rank {ctx.rank}: {reason}"]).encode())
+        ctx.store.set(shared_record_key(key, ctx.rank), Record.failed([f"rank {ctx.rank}: {reason}"]).encode())
