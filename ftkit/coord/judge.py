@@ -163,9 +163,6 @@ class RankJudge:
             c.changed += gap
             c.step_changed += gap
 
-    def hang_bound(self, intervals: list[float]) -> float:
-        return self._bound(statistics.median(intervals) if intervals else 0.0)
-
     def _bound(self, median_step: float) -> float:
         cfg = self.cfg
         return min(max(cfg.hang_factor * median_step, cfg.hang_floor_s), cfg.hang_ceiling_s)

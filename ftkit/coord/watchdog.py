@@ -166,7 +166,6 @@ class Watchdog:
         self._heard_preempt = False  # a peer's preemption was passed on to on_peer_preempted
         self._thread: threading.Thread | None = None
         now = time.monotonic()
-        self._started = now
         # The hierarchy: this node's ranks and leader, and the nodes this leader watches.
         order, watched = ring(ctx.nodes, cfg.watch)
         self.nodes = len(order)

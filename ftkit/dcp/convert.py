@@ -20,6 +20,7 @@ import torch
 from ftkit.errors import CaptureError
 from ftkit.format.manifest import Manifest, chunk_doc, tensor_entry_doc
 from ftkit.save import capture as cap
+from ftkit.save.write import dtype_name
 
 DCP_KEY = "dcp"  # the manifest writer record's key for what DCP needs back
 
@@ -36,10 +37,6 @@ def encode_value(fqn: str, value: Any) -> Any:
 
 def decode_value(value: Any) -> Any:
     return cap.decode(value, {})
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def manifest_parts(

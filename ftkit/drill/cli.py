@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS
+from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS, run_host_drill
 from ftkit.drill.run import DEFAULT_FAULTS, DEFAULT_TIERS, run_drill
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
 from ftkit.errors import UsageError
@@ -152,8 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main_hosts(p: argparse.ArgumentParser, args: Any) -> int:
     """`ftkit drill --hosts N`: the drill over emulated hosts (hostdrill.py)."""
-    from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS, run_host_drill
-
     if args.hosts < 2 or args.ranks_per_host < 1 or args.spare_hosts < 0:
         p.error("--hosts must be at least 2, --ranks-per-host at least 1, --spare-hosts at least 0")
     if args.script:
@@ -161,12 +160,14 @@ def _main_hosts(p: argparse.ArgumentParser, args: Any) -> int:
     if args.no_peer:
         args.tiers = args.tiers or "ram,disk"
     args.faults = DEFAULT_HOST_FAULTS if args.faults is None else args.faults
+    return _run(run_host_drill, args)
+
+
+def _run(drill: Callable[[Any], dict[str, Any]], args: Any) -> int:
+    """Run the drill and print its summary: 0 passed, 1 failed or broke, 2 misused."""
     try:
-        result = run_host_drill(args)
-    except UsageError as e:
-        print(f"ftkit: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:
+        result = drill(args)
+    except (UsageError, ValueError) as e:
         print(f"ftkit: error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError) as e:
@@ -202,14 +203,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ftkit: error: no such script: {args.script}", file=sys.stderr)
             return 2
         args.script = os.path.abspath(args.script)
-    try:
-        result = run_drill(args)
-    except ValueError as e:
-        print(f"ftkit: error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, OSError) as e:
-        print(f"ftkit: error: {e}", file=sys.stderr)
-        return 1
-    if not args.quiet:
-        print_summary(result)
-    return 0 if result["passed"] else 1
+    return _run(run_drill, args)

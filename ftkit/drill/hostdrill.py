@@ -17,15 +17,12 @@ Order of a host drill (run_host_drill):
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict
 from typing import Any
 
 from ftkit.coord.events import read_events
@@ -33,14 +30,14 @@ from ftkit.drill.cluster import Cluster
 from ftkit.drill.etcd import etcd_unavailable
 from ftkit.drill.hosts import hosts_unavailable
 from ftkit.drill.job import Injector, Job, RunLog, _signal
-from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _check_schedule, _entry
+from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _check_schedule, _entry, _finish
 from ftkit.drill.schedule import HOST_KINDS, Fault, parse_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream
 from ftkit.errors import UsageError
 from ftkit.runtime.warm.client import REPLACE_ENV
 from ftkit.runtime.warm.zygote import Zygote
 from ftkit.runtime.warm.zygote import start as start_zygote
-from ftkit.tools.report import analyze, epoch, to_html
+from ftkit.tools.report import analyze, epoch
 
 DEFAULT_HOST_FAULTS = "host@20:host=rank0,partition@45:host=2:for=15"
 
@@ -250,9 +247,7 @@ def run_host_drill(args) -> dict[str, Any]:
     nproc = hosts * rph
     tiers = TierPlan.parse(args.tiers or DEFAULT_TIERS)
     faults = parse_faults(args.faults, nproc, rph, hosts=hosts)
-    if faults and faults[-1].step >= args.steps - 2:
-        raise ValueError(f"the last fault must come before step {args.steps - 2} (--steps {args.steps})")
-    _check_schedule(faults, tiers)
+    _check_schedule(faults, tiers, args.steps)
     if tiers.durable == "s3":
         raise ValueError("--hosts: the durable tier is a directory every host sees (disk) or a URL")
     root = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="ftkit-drill-"))
@@ -327,29 +322,7 @@ def run_host_drill(args) -> dict[str, Any]:
         "same_sample_stream": clean_stream is not None
         and compare_streams(consumed_stream(events), clean_stream, errors),
     }
-    recovered = [f.outcome for f in faults if f.restarts and "recovery_s" in f.outcome]
-    detect = [o["detect_s"] for o in recovered if o["detect_s"] is not None]
-    result.update(
-        {
-            "passed": not errors,
-            "errors": errors,
-            "goodput": report.goodput if report else 0.0,
-            "wall_s": report.wall_s if report else 0.0,
-            "final_step": report.final_step if report else 0,
-            "attempts": report.attempts if report else 0,
-            "mean_detect_s": statistics.mean(detect) if detect else None,
-            "mean_recovery_s": statistics.mean(o["recovery_s"] for o in recovered) if recovered else None,
-            "steps_lost": sum(o["steps_lost"] for o in recovered),
-            "faults": [asdict(f) for f in faults],
-        }
-    )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
-    if args.html and report:
-        with open(args.html, "w") as fh:
-            fh.write(to_html(report, events, title=f"ftkit drill --hosts: {'PASS' if result['passed'] else 'FAIL'}"))
-    return result
+    return _finish(args, result, faults, report, events, errors, "ftkit drill --hosts")
 
 
 def _wait_final(cluster: Cluster, final_pt: str, timeout: float) -> bool:

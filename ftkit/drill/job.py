@@ -24,6 +24,7 @@ from ftkit.coord.events import read_events
 from ftkit.coord.faultpoints import FAULT_POINTS_ENV
 from ftkit.drill.faults import set_faults
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
+from ftkit.runtime.warm.client import process_start, process_stopped
 from ftkit.runtime.warm.zygote import Zygote, client_path, torchrun_command
 from ftkit.tools.report import epoch
 
@@ -191,24 +192,8 @@ def _read_json(path: str) -> dict[str, Any] | None:
 def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
     """Until the kernel reports `pid` stopped (it signals itself right after the record)."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return
-        if state in ("T", "t"):
-            return
+    while time.monotonic() < end and os.path.exists(f"/proc/{pid}") and not process_stopped(pid):
         time.sleep(0.005)
-
-
-def _start_time(pid: int) -> str | None:
-    """When `pid`'s process started (clock ticks since boot, /proc/PID/stat field 22), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -315,9 +300,9 @@ def _throttle(pid: int, factor: float, seconds: float) -> None:
     """Run `pid` at 1/factor speed: stopped for (1 - 1/factor) of every 100 ms; until its
     process ends (a later fault, a restart), never a new process that got its pid."""
     end = time.monotonic() + seconds
-    born = _start_time(pid)
+    born = process_start(pid)
     try:
-        while time.monotonic() < end and born is not None and _start_time(pid) == born:
+        while time.monotonic() < end and born is not None and process_start(pid) == born:
             os.kill(pid, signal.SIGSTOP)
             time.sleep(0.1 * (1 - 1 / factor))
             os.kill(pid, signal.SIGCONT)

@@ -79,7 +79,9 @@ class TierPlan:
         return self.durable, None
 
 
-def _check_schedule(faults: list[Fault], tiers: TierPlan | None) -> None:
+def _check_schedule(faults: list[Fault], tiers: TierPlan | None, steps: int) -> None:
+    if faults and faults[-1].step >= steps - 2:
+        raise ValueError(f"the last fault must come before step {steps - 2} (--steps {steps})")
     for f in faults:
         if tiers is None:  # a user's script
             if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS:
@@ -179,9 +181,7 @@ def run_drill(args) -> dict[str, Any]:
         )
     else:
         faults = parse_faults(args.faults, args.nproc, rpn)
-    if faults and faults[-1].step >= args.steps - 2:
-        raise ValueError(f"the last fault must come before step {args.steps - 2} (--steps {args.steps})")
-    _check_schedule(faults, tiers)
+    _check_schedule(faults, tiers, args.steps)
     root = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="ftkit-drill-"))
     faulted = os.path.join(root, "faulted")
     shutil.rmtree(faulted, ignore_errors=True)
@@ -272,6 +272,11 @@ def run_drill(args) -> dict[str, Any]:
         result["same_sample_stream"] = clean_stream is not None and compare_streams(
             consumed_stream(events), clean_stream, errors
         )
+    return _finish(args, result, faults, report, events, errors, "ftkit drill")
+
+
+def _finish(args, result: dict[str, Any], faults: list[Fault], report, events, errors: list[str], title: str) -> dict:
+    """`result` completed with the verdict and the recoveries' figures, and written as --json and --html."""
     recovered = [f.outcome for f in faults if f.restarts and "recovery_s" in f.outcome]
     detect = [o["detect_s"] for o in recovered if o["detect_s"] is not None]
     result.update(
@@ -293,5 +298,5 @@ def run_drill(args) -> dict[str, Any]:
             json.dump(result, fh, indent=2, default=str)
     if args.html and report:
         with open(args.html, "w") as fh:
-            fh.write(to_html(report, events, title=f"ftkit drill: {'PASS' if result['passed'] else 'FAIL'}"))
+            fh.write(to_html(report, events, title=f"{title}: {'PASS' if result['passed'] else 'FAIL'}"))
     return result

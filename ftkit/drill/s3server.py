@@ -80,8 +80,8 @@ class S3Server:
     ``start()`` picks ports, writes the credentials config and waits until an
     actual s3fs write/read/delete succeeds; ``stop()`` terminates the process
     and removes the data dir if this object created it.  For failure
-    injection, ``stop_process()`` / ``start_process()`` / ``restart()`` take
-    the server down and bring it back on the same ports and data dir.
+    injection, ``stop_process()`` / ``start_process()`` take the server down
+    and bring it back on the same ports and data dir.
     """
 
     def __init__(
@@ -280,12 +280,6 @@ class S3Server:
                 self._log_file = None
             if proc is not None:
                 self._remove_stale_sockets()
-
-    def restart(self, kill: bool = False, downtime: float = 0.0) -> None:
-        """``stop_process(kill)``, sleep ``downtime`` seconds, ``start_process()``."""
-        self.stop_process(kill=kill)
-        time.sleep(downtime)
-        self.start_process()
 
     # -------------------------------------------------------------- helpers
 

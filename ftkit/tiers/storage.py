@@ -99,20 +99,10 @@ class Storage:
                         return [(e.name, _local_kind(e)) for e in it]
                 except FileNotFoundError:
                     return []
-        with self._errors("listing", rel):
-            self.fs.invalidate_cache(self.path(rel))
-            try:
-                entries = self.fs.ls(self.path(rel), detail=True)
-            except FileNotFoundError:
-                return []
-        base = self.path(rel).rstrip("/")
-        out = []
-        for e in entries:
-            name = e["name"].rstrip("/").rsplit("/", 1)[-1]
-            if e["name"].rstrip("/") == base:
-                continue  # the prefix itself (an object store's directory marker)
-            out.append((name, "directory" if e.get("type") == "directory" else "file"))
-        return out
+        return [
+            (e["name"].rstrip("/").rsplit("/", 1)[-1], "directory" if e.get("type") == "directory" else "file")
+            for e in self._ls(rel)
+        ]
 
     def list_sizes(self, rel: str = "", names: list[str] | None = None) -> dict[str, int]:
         """{name: bytes} of the regular files directly below `rel` (one listing), or of `names`
@@ -132,19 +122,24 @@ class Storage:
                         }
                 except FileNotFoundError:
                     return {}
+        listed = {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in self._ls(rel)
+            if e.get("type") != "directory"
+        }
+        return listed if names is None else {n: listed[n] for n in names if n in listed}
+
+    def _ls(self, rel: str) -> list[dict[str, Any]]:
+        """fsspec's fresh listing below `rel` ([] when it does not exist), less the prefix itself
+        (an object store's directory marker)."""
         with self._errors("listing", rel):
             self.fs.invalidate_cache(self.path(rel))
             try:
                 entries = self.fs.ls(self.path(rel), detail=True)
             except FileNotFoundError:
-                return {}
+                return []
         base = self.path(rel).rstrip("/")
-        listed = {
-            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-            for e in entries
-            if e.get("type") != "directory" and e["name"].rstrip("/") != base
-        }
-        return listed if names is None else {n: listed[n] for n in names if n in listed}
+        return [e for e in entries if e["name"].rstrip("/") != base]
 
     def modified(self, rel: str) -> float | None:
         """The newest modification time (Unix seconds) of `rel` or of the files directly in it."""

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func, help_: str, *, json_flag: bool = True, step: bool = True) -> argparse.ArgumentParser:
+    def add(name: str, func, help_: str, *, step: bool = True) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("url", help="tier URL: a local path, file://..., s3://bucket/prefix, any fsspec URL")
         sp.add_argument(
@@ -40,8 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if step:
             sp.add_argument("--step", type=int, help="a step (default: the newest)")
-        if json_flag:
-            sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.set_defaults(func=func)
         return sp
 

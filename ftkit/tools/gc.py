@@ -61,7 +61,6 @@ class Collected:
 
 def survey(
     storage: Storage,
-    verify_steps: bool = True,
     progress: Callable[[int, int], Callable[[int], None] | None] | None = None,
 ) -> tuple[list[StepInfo], dict[int, str]]:
     """StepInfo for every step directory, verifying committed steps newest first
@@ -70,7 +69,7 @@ def survey(
     infos: list[StepInfo] = []
     failed: dict[int, str] = {}
     dirs = scan(storage, include_empty=True)
-    found_good = not verify_steps
+    found_good = False
     verdict: dict[int, bool] = {}
     for d in sorted((d for d in dirs if d.committed), key=lambda d: -d.step):
         if found_good:
@@ -87,7 +86,7 @@ def survey(
         if not d.committed and d.status != "link":
             changed = storage.modified(step_dir_name(d.step))
             age = None if changed is None else max(0.0, now - changed)
-        infos.append(StepInfo(d.step, d.status, verdict.get(d.step, None if verify_steps else True), age))
+        infos.append(StepInfo(d.step, d.status, verdict.get(d.step), age))
     return infos, failed
 
 
@@ -129,8 +128,6 @@ def collect(
 
 # ------------------------------------------------------------ the command
 def cmd_gc(args) -> int:
-    from ftkit.tools.gc import collect
-
     if args.url == "ram":
         return _gc_ram(args)
     if args.keep is None:
