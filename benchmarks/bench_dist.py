@@ -1117,7 +1117,8 @@ def coord_floor_cpu(
     from coord_floor import Floor, HandshakeFloor, measure
     from torch.distributed import distributed_c10d
 
-    from ftkit.commit.messages import Exchange, Outcome, PartEntry, Record
+    from ftkit.commit.messages import CODECS, Exchange, Outcome, PartEntry, Record, Report
+    from ftkit.format.part import decode_part
 
     node = R.rank // R.per_node
     ranks = range(node * R.per_node, (node + 1) * R.per_node)
@@ -1126,20 +1127,22 @@ def coord_floor_cpu(
     step_dir = os.path.dirname(indexes[-1])
     mine = [p for p in json.loads(index)["parts"] if p["ranks"][0][0] == node * R.per_node][0]
     part = open(os.path.join(step_dir, mine["file"]), "rb").read()  # noqa: SIM115
-    doc = json.loads(part)
+    doc = decode_part(part, mine["file"])
     reports = {}
     for r in ranks:
         (file,) = [f for f, info in doc["files"].items() if info["rank"] == r]
-        sums = [c["checksum"] for t in doc["tensors"] for s in t["shards"] if s["rank"] == r for c in s["chunks"]]
-        head = {"file": file, "nbytes": doc["files"][file]["bytes"], "error": None}
-        head.update(rank_state=doc["rank_state"].get(str(r), {}), skipped=False, layout="0" * 40, sums=sums)
-        reports[str(r)] = json.dumps(head) + "\n"
+        chunks = [c for t in doc["tensors"] for s in t["shards"] if s["rank"] == r for c in s["chunks"]]
+        values = [tuple(c[k] for c in chunks) for k in ("offset", "length")]
+        codecs = tuple(CODECS.index(c["codec"]) for c in chunks)
+        state = json.dumps(doc["rank_state"].get(str(r), {}), separators=(",", ":"))
+        sums = tuple(c["checksum"] for c in chunks)
+        reports[r] = Report(file, doc["files"][file]["bytes"], "0" * 40, *values, codecs, sums, state).encode()
     files = {f: i["bytes"] for f, i in doc["files"].items()}
     payloads = {  # the messages as the commit encodes them (commit/messages.py)
-        "report": reports[str(ranks[-1])].encode(),
+        "report": reports[ranks[-1]],
         "outcome": Outcome().encode(),
         "part": part,
-        "record": Exchange({int(r): t for r, t in reports.items()}, (mine["file"], mine["checksum"])).encode(),
+        "record": Exchange(reports, (mine["file"], mine["checksum"])).encode(),
         "node_record": Record(PartEntry.of(mine), files, sum(files.values())).encode(),
         "index": index,
     }

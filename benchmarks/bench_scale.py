@@ -217,7 +217,7 @@ def simulate_nodes(idx: int, procs: int, world: int, per: int, port: int, ram_di
     build_s = time.perf_counter() - t_build
     origin = time.monotonic()
     for wd in leaders:  # the simulated clock starts where the judges' did
-        wd.rank_judge.started = wd.ring_judge.started = wd._started = origin
+        wd.rank_judge.started = wd.ring_judge.started = origin
     seq = {r: 0 for n in mine for r in range(n * per + 1, (n + 1) * per)}
     step = dict(seq)
     last_round = max(f["heal"] for f in faults) + 1
@@ -357,6 +357,8 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
     import torch.distributed as dist
 
     from ftkit.commit import shared
+    from ftkit.commit.layouts import board_name, layout_of
+    from ftkit.commit.memo import CommitMemo
     from ftkit.commit.node import NodeGroup
     from ftkit.commit.plan import SHARED, CommitPlan
     from ftkit.coord.dist import DistContext
@@ -394,7 +396,8 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
         leader = n * per
         ctxs[n] = DistContext(leader, world, root_store if n == 0 else store, f"n{n}", 120.0, names, prefix)
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
-        groups[n] = NodeGroup(board, plan, f"n{n}")
+        groups[n] = NodeGroup(board, plan, f"n{n}", memo=CommitMemo(scale=per))
+    sender_memo = CommitMemo(scale=world)  # (the other ranks' own: each keeps its layout)
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
     out: dict[str, Any] = {"sets": [], "leader_cpu": [], "requests": [], "commit": []}
     for step in range(1, COMMIT_STEPS + 1):
@@ -406,10 +409,10 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
             for r in members[n * per]:
                 with open(os.path.join(root, step_dir, file_of(r, step)), "wb") as f:
                     f.write(payload)
-                if r != n * per:
-                    doc = {"write": write_of(r, step).to_json(), "error": None, "rank_state": {}}
-                    message = json.dumps(doc, separators=(",", ":")).encode()  # (as NodeGroup.send)
-                    messages[n].append((step_message(at, f"w-r{r}"), message))
+                if r != n * per:  # its layout posted once, then its report (SharedCommit.send_report)
+                    layout, report = layout_of(write_of(r, step), sender_memo)
+                    groups[n].node_board().post_once(board_name(layout.digest), layout.body)
+                    messages[n].append((step_message(at, f"w-r{r}"), report.encode()))
         _barrier(raw, f"{prefix}b{step}", procs)
         before = store.requests + root_store.requests
 

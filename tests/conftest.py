@@ -156,17 +156,22 @@ def manifest_doc(path) -> dict:
     on disk: a version-3 index is merged with its one part (steps saved by one process)."""
     import json
 
+    from ftkit.format.part import decode_part
+
     doc = json.loads(open(path).read())
-    if doc.get("format_version") != 3:
+    if doc.get("format_version") not in (3, 4):
         return doc
     (ref,) = doc.pop("parts")
-    part = json.loads(open(os.path.join(os.path.dirname(path), ref["file"])).read())
+    raw = open(os.path.join(os.path.dirname(path), ref["file"]), "rb").read()
+    part = decode_part(raw, ref["file"]) if doc["format_version"] == 4 else json.loads(raw)
     return {**doc, "tensors": part["tensors"], "files": part["files"], "rank_state": part["rank_state"]}
 
 
 def write_manifest_doc(path, doc: dict, transform=None) -> None:
-    """Write back what manifest_doc() gave (maybe edited): as a version-3 index and its part
-    when it says version 3, rehashing the part so the edit reaches the validation behind it.
+    """Write back what manifest_doc() gave (maybe edited): as an index and its part when it
+    says version 3 or 4, rehashing the part so the edit reaches the validation behind it. A
+    version-4 part holds only what its three lines can say: an edit they cannot (a list where
+    the files go) is written as a version-3 part and index, which readers still read.
     `transform`: applied to each JSON text before it is written (to inject what json.dumps
     cannot write, such as 1e400)."""
     import json
@@ -174,15 +179,23 @@ def write_manifest_doc(path, doc: dict, transform=None) -> None:
 
     import xxhash
 
+    from ftkit.format.part import encode_part_docs
+
     transform = transform or (lambda text: text)
-    if doc.get("format_version") != 3:
+    if doc.get("format_version") not in (3, 4):
         open(path, "w").write(transform(json.dumps(doc)))
         return
     split = ("tensors", "files", "rank_state")
     world = doc.get("world_size") if isinstance(doc.get("world_size"), int) and doc["world_size"] > 0 else 1
     part = {"format": "ftkit-checkpoint-part", "step": doc.get("step"), "ranks": [[0, world]]}
     part.update({k: doc[k] for k in split if k in doc})
-    data = transform(json.dumps(part)).encode()
+    data = None
+    if doc["format_version"] == 4:
+        try:
+            data = transform(encode_part_docs(doc["step"], list(range(world)), *(doc[k] for k in split)).decode())
+        except Exception:  # not what a version-4 part can say
+            doc = {**doc, "format_version": 3}
+    data = (data if data is not None else transform(json.dumps(part))).encode()
     name = f"part-00000-{uuid.uuid4().hex[:8]}.json"
     for old in os.listdir(os.path.dirname(path)):
         if old.startswith("part-"):

@@ -1,31 +1,28 @@
-"""A rank's tensor layout, sent once and named by its hash, in the RAM tier's commit messages.
+"""A rank's tensor layout, sent once and named by its hash, in the commit's reports.
 
-From one step to the next a rank's report (commit/reports.py NodeReport) differs only in its
-data file's name (a new token) and its chunks' checksums: the rest (tensor names, dtypes,
-shapes, shards, chunk offsets and lengths) is its *layout*. Sending, encoding, parsing and
-checking that layout at every step was most of a rank's commit CPU. So a rank that writes
-uncompressed (its chunks keep their places from step to step) sends its layout once, as a
-*body* named by its hash, and then per step only its file's name and the checksums, in
-chunk order (`NodeReport` "by reference")::
+From one step to the next a rank's write differs only in its data file's name (a new token)
+and, per chunk, where the chunk is in the file, its codec and its checksum: the rest (tensor
+names, dtypes, shapes, shards, the chunks' places in their tensors) is its *layout*. So a rank
+sends its layout once, as a *body* named by its hash, and then per step a `Report`
+(commit/messages.py) of only those values, in the layout's chunk order::
 
-    body:    the tensor list's JSON, with "@ftkit-file@" where the data file's name goes and
-             "@ftkit-sum@" where each checksum goes (in the order of the chunks)
+    body:    the rank's tensor entries as a format-4 part's layout line holds them
+             (format/part.py layout_docs: each chunk only its raw_offset and raw_length), JSON
     name:    blake2b-160 of the body, hex
-    where:   on the rank's node board as layout-<name>.json (its leader reads it),
-             in the store under layout/<name> (set by its leader before the first record of
-             the node's reports that the replica partners read; never deleted: a few per rank)
+    where:   on the rank's node board as layout-<name>.json (its collector reads it),
+             in the store under layout/<name> (set by its collector before the first exchange
+             that names it, which the replica partners read; never deleted: a few per rank)
 
-Bodies are untrusted like every message: a body is taken only when it hashes to its name,
-and a report by reference is validated as the report it stands for (its layout once per
-byte count and world size; its file name and checksums at every step). A report whose
-layout cannot be found reads as that rank's error: the step is simply not committed.
+Bodies are untrusted like every message: a body is taken only when it hashes to its name and
+has the shape of a layout; what it says is validated with the part it becomes part of
+(commit/parts.py), once per layout. A report whose layout cannot be found reads as that
+rank's error: the step is simply not committed.
 
-Order of calls: a sender `layout_of(write, memo)` -> (Layout, checksums) or None (send inline);
-a non-leader posts `layout.body` to its board (NodeBoard.post_once) before its report; a
-leader publishes its node's bodies in the store (`Published`) before the record naming them.
-A receiver decodes reports with `lookup(from_board(...))` or `lookup(from_store(...))`, which
-returns known layouts from the tier's memo (commit/memo.py) and fetches, checks and keeps
-unknown ones.
+Order of calls: a sender `layout_of(write, memo)` -> (Layout, its Report); a rank posts
+`layout.body` to its board (NodeBoard.post_once) before its report; a collector publishes its
+node's bodies in the store (`Published`) before the exchange naming them. A receiver resolves
+a report's layout with `lookup(from_board(...))` or `lookup(from_store(...))`, which returns
+known layouts from the tier's memo (commit/memo.py) and fetches, checks and keeps unknown ones.
 """
 
 from __future__ import annotations
@@ -39,13 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.commit.memo import CommitMemo, Lru
+from ftkit.commit.messages import CODECS, Report
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
+from ftkit.format.part import layout_docs
+from ftkit.format.validate import parse_json
 
-FILE_MARK = '"@ftkit-file@"'
-SUM_MARK = '"@ftkit-sum@"'
 MAX_BODY_BYTES = 64 * 2**20  # one rank's tensor list: megabytes at most
-_DUMMY_SUM = "xxh3_64:" + "0" * 16
+_CODEC = {name: i for i, name in enumerate(CODECS)}
 
 
 def board_name(digest: str) -> str:
@@ -65,56 +63,43 @@ def is_digest(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout: its body, its name, and what a receiver needs of it at every step."""
+    """One layout: its body and its name."""
 
     digest: str
     body: str
-    n_sums: int
 
     @staticmethod
     def of_body(body: str, digest: str | None = None) -> Layout:
-        """A layout from its body (untrusted): it must hash to `digest`, when given, and have
-        its markers only where values go (each checksum's place once; the file's anywhere)."""
+        """A layout from its body (untrusted): it must hash to `digest`, when given, and be
+        a list of tensor entries with shards and chunks (checked here, once per layout)."""
         d = hashlib.blake2b(body.encode(), digest_size=20).hexdigest()
         if digest is not None and d != digest:
             raise FormatError(f"layout {digest[:12]} does not hash to its name")
-        return Layout(d, body, body.count(SUM_MARK))
-
-    def text(self, file: str, sums: list[str] | tuple[str, ...]) -> str:
-        """The tensor list as it reads with `file` and `sums` (json-safe file names only)."""
-        pieces = self.body.split(SUM_MARK)
-        if len(sums) != len(pieces) - 1:
-            raise FormatError(f"{len(sums)} checksums for a layout of {len(pieces) - 1} chunks")
-        out = [pieces[0]]
-        for s, piece in zip(sums, pieces[1:], strict=True):
-            out += [json.dumps(s), piece]
-        return "".join(out).replace(FILE_MARK, json.dumps(file))
-
-    def docs(self, file: str, sums: list[str] | tuple[str, ...] | None = None) -> Any:
-        """The tensor list parsed (`sums` None: placeholders of the right form)."""
-        text = self.text(file, sums if sums is not None else [_DUMMY_SUM] * self.n_sums)
-        try:
-            return json.loads(text)
-        except ValueError as e:
-            raise FormatError(f"layout {self.digest[:12]} is not JSON ({e})") from None
+        layout = Layout(d, body)
+        _ = layout.chunk_names  # its shape, checked
+        return layout
 
     @functools.cached_property
-    def spans(self) -> tuple[tuple[str, int, int], ...]:
-        """(tensor name, offset, length) of each chunk, in checksum order: the same whatever
-        the file's name, so worked out once per layout (a replica holder checks the chunks of
-        every file it receives; each step's file has a new name)."""
-        return tuple(
-            (str(t["name"]), int(c["offset"]), int(c["length"]))
-            for t in self.docs("f")
-            for s in t["shards"]
-            for c in s["chunks"]
-        )
+    def docs(self) -> list[dict[str, Any]]:
+        """The rank's tensor entries without their per-step values (format/part.py)."""
+        docs = parse_json(self.body, f"layout {self.digest[:12]}", "body")
+        if not isinstance(docs, list) or not all(isinstance(t, dict) for t in docs):
+            raise FormatError(f"layout {self.digest[:12]} is not a list of tensor entries")
+        return docs
+
+    @functools.cached_property
+    def chunk_names(self) -> tuple[str, ...]:
+        """The tensor name of each chunk, in the layout's order (what a report's values follow)."""
+        try:
+            return tuple(str(t["name"]) for t in self.docs for s in t["shards"] for _ in s["chunks"])
+        except (TypeError, KeyError) as e:
+            raise FormatError(f"layout {self.digest[:12]} has malformed entries ({type(e).__name__})") from None
 
 
 def lookup(
     fetch: Callable[[str], bytes | None] | None, memo: CommitMemo | None = None
 ) -> Callable[[str], Layout | None]:
-    """A resolver for NodeReport.decode: the memo's layout of a name, else the body `fetch`
+    """A resolver of a report's layout: the memo's layout of a name, else the body `fetch`
     gets for it (checked against its name, then kept), else None."""
     book = memo.layouts if memo is not None else Lru[str, Layout](256)
 
@@ -136,48 +121,35 @@ def lookup(
 
 
 # ------------------------------------------------------------------ the sender's side
-def layout_of(write: Any, memo: CommitMemo) -> tuple[Layout, list[str]] | None:
-    """(the layout of `write`, its checksums in chunk order), or None when it is not to be sent
-    by reference (a chunk in another file, or a tensor named like a marker). Per step this
-    walks the chunks once into a flat tuple, looked up among the last few structures sent;
-    the body is built and hashed only for a structure not seen before."""
+def layout_of(write: Any, memo: CommitMemo, state: Any = None) -> tuple[Layout, Report]:
+    """(the layout of `write`, a RankWrite; its report for the step, with the rank's own
+    `state`). Per step this walks the chunks once into a flat tuple, looked up among the
+    last few structures sent; the body is built and hashed only for a structure not seen
+    before."""
     shape: list[Any] = [write.rank]
-    sums = []
+    offsets, lengths, codecs, sums = [], [], [], []
     for t in write.tensors:
         shape += (t.name, t.dtype, t.shape, t.kind)
         for s in t.shards:
             shape += (s.offsets, s.lengths, s.rank)
             for c in s.chunks:
                 if c.file != write.file:
-                    return None
-                shape += (c.offset, c.length, c.raw_offset, c.raw_length, c.codec)
+                    raise ValueError(f"rank {write.rank} wrote a chunk of {t.name!r} to another file")
+                shape += (c.raw_offset, c.raw_length)
+                offsets.append(c.offset)
+                lengths.append(c.length)
+                codecs.append(_CODEC[c.codec])
                 sums.append(c.checksum)
     key = tuple(shape)
-    hit = memo.sent.get(key)
-    if hit is None:
-        hit = (_body_of(write),)
-        memo.sent.put(key, hit)
-    layout = hit[0]
+    layout = memo.sent.get(key)
     if layout is None:
-        return None
-    memo.layouts.put(layout.digest, layout)  # this rank's own: its leader (maybe itself) needs no fetch
-    return layout, sums
-
-
-def _body_of(write: Any) -> Layout | None:
-    docs = [tensor_entry_doc(t) for t in write.tensors]
-    n = 0
-    for t in docs:
-        for s in t["shards"]:
-            for c in s["chunks"]:
-                c["file"], c["checksum"] = "@ftkit-file@", "@ftkit-sum@"
-                n += 1
-    body = json.dumps(docs)
-    layout = Layout.of_body(body)
-    # Markers only where this put them: a tensor named like one would make another layout.
-    if layout.n_sums != n or body.count(FILE_MARK) != n:
-        return None
-    return layout
+        body = json.dumps(layout_docs([tensor_entry_doc(t) for t in write.tensors]), separators=(",", ":"))
+        layout = Layout.of_body(body)
+        memo.sent.put(key, layout)
+    memo.layouts.put(layout.digest, layout)  # this rank's own: its collector (maybe itself) needs no fetch
+    text = json.dumps(state or {}, separators=(",", ":"), allow_nan=False)
+    values = (tuple(offsets), tuple(lengths), tuple(codecs), tuple(sums))
+    return layout, Report(write.file, write.nbytes, layout.digest, *values, text)
 
 
 # ------------------------------------------------------------------ where bodies are

@@ -1,18 +1,16 @@
 """A step's manifest, built from the ranks' reports of what they wrote and written last.
 
-Format version 3 on every tier (FORMAT.md): each node's leader writes a part with
-its ranks' entries (`write_part`, or `build_part` then `store_part`); rank 0
-writes the index naming the parts (`commit_index`). Rank 0 handles one small
-record per node, whatever the number of tensors or ranks.
-
-Reports are plain JSON documents (RankWrite.to_json()) that came through the
-store or a node's board: untrusted. What is written is validated first, as a
-reader would validate it, and the data files it names must be in place.
+Format version 4 on every tier (FORMAT.md): each node's collector writes a part with
+its ranks' entries (commit/parts.py `build_part`, then `store_part`); rank 0 writes
+the index naming the parts (`commit_index`). Rank 0 handles one small record per
+node, whatever the number of tensors or ranks. What is written is validated first,
+as a reader would validate it, and the data files it names must be in place.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import socket
 import time
 from dataclasses import dataclass
@@ -20,9 +18,9 @@ from typing import Any
 
 from ftkit.commit.index_text import encode_index_reusing
 from ftkit.commit.memo import Lru
-from ftkit.commit.messages import PartEntry, Record, Written
-from ftkit.errors import AlreadyCommitted, FormatError, FtkitError, StorageError
-from ftkit.format.index import LayoutMemo, check_part, index_doc, parse_index, part_file_name, part_json, part_ref
+from ftkit.commit.messages import PartEntry, Record, Report, Written
+from ftkit.errors import AlreadyCommitted, StorageError
+from ftkit.format.index import index_doc, parse_index, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from ftkit.save.write import RankWrite
 from ftkit.tiers.storage import Storage
@@ -49,11 +47,24 @@ def commit(
     part, then the index. `writer_extra`: records kept in the index's "writer" field beside
     ftkit's own (a DCP-written step's planner data, carried across a reshard). Returns the
     manifest as a reader reads it back."""
+    from ftkit.commit.layouts import layout_of
+    from ftkit.commit.memo import CommitMemo
+    from ftkit.commit.parts import build_part
+    from ftkit.commit.reports import RankReport
     from ftkit.format.reader import load_manifest
     from ftkit.save.write import discard
 
-    docs = [w.to_json() for w in writes]
-    written = write_part(storage, step, docs, rank_state or {}, list(range(world_size)), world_size)
+    memo, by_rank = CommitMemo(), {w.rank: w for w in writes}
+    states = rank_state or {}
+    reports = []
+    for r in range(world_size):
+        if r in by_rank:
+            layout, report = layout_of(by_rank[r], memo, states.get(str(r)))
+            reports.append(RankReport(r, report, layout))
+        else:
+            reports.append(RankReport(r, Report(None, state=json.dumps(states.get(str(r), {})))))
+    name, data, files = build_part(step, reports, world_size, memo)
+    written = store_part(storage, step, name, data, files, list(range(world_size)))
     try:
         record = Record(written.part, written.files, written.stored)
         commit_index(storage, step, world_size, [record], skeleton, writer_extra=writer_extra)
@@ -63,83 +74,18 @@ def commit(
     return load_manifest(storage, step)
 
 
-def merge_write_docs(writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One tensor entry per tensor, holding the shards every rank wrote of it."""
-    merged: dict[str, dict[str, Any]] = {}
-    for w in sorted(writes, key=lambda w: w["rank"]):
-        for t in w["tensors"]:
-            prev = merged.get(t["name"])
-            if prev is None:
-                merged[t["name"]] = {**t, "shards": list(t["shards"])}
-            elif (prev["dtype"], prev["shape"], prev["kind"]) != (t["dtype"], t["shape"], t["kind"]):
-                raise FtkitError(
-                    f"ranks disagree about tensor {t['name']!r}: {prev['dtype']}{prev['shape']} "
-                    f"vs {t['dtype']}{t['shape']}"
-                )
-            else:
-                prev["shards"].extend(t["shards"])
-    return list(merged.values())
-
-
-def files_and_tensors(
-    writes: list[dict[str, Any]], where: str
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """(files, tensor entries) of the ranks' writes."""
-    try:
-        files = {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in writes}
-        return files, merge_write_docs(writes)
-    except (KeyError, TypeError, AttributeError) as e:  # reports that do not have the reports' shape
-        raise FormatError(f"{where}: a rank's report is malformed ({type(e).__name__}: {e})") from None
-
-
-def write_part(
-    storage: Storage,
-    step: int,
-    writes: list[dict[str, Any]],
-    rank_state: dict[str, Any],
-    ranks: list[int],
-    world_size: int,
-    checked: LayoutMemo | None = None,
-) -> Written:
-    """A node leader's share of the commit: its ranks' entries as one part file, checked
-    and durable. `checked`: the part layouts the tier has validated (CommitMemo.checked_parts)."""
-    name, data, files = build_part(storage, step, writes, rank_state, ranks, world_size, checked)
-    return store_part(storage, step, name, data, files, ranks)
-
-
-def build_part(
-    storage: Storage,
-    step: int,
-    writes: list[dict[str, Any]],
-    rank_state: dict[str, Any],
-    ranks: list[int],
-    world_size: int,
-    checked: LayoutMemo | None = None,
-) -> tuple[str, bytes, dict[str, dict[str, Any]]]:
-    """(its file name, its bytes, {data file: info}) of a node's part, checked as a reader
-    checks one part alone."""
-    files, tensors = files_and_tensors(writes, storage.where(step_dir_name(step)))
-    data = part_json(step, ranks, files, tensors, rank_state)
-    where = f"the part of ranks {ranks[0]}-{ranks[-1]} of step {step}"
-    check_part(data, step, ranks, world_size, where, checked)
-    return part_file_name(min(ranks)), data, files
-
-
-def store_part(
-    storage: Storage, step: int, name: str, data: bytes, files: dict[str, dict[str, Any]], ranks: list[int]
-) -> Written:
-    """Write a built part once its node's data files are in place: the index's entry for it,
-    the node's data files and their sizes, the bytes stored."""
+def store_part(storage: Storage, step: int, name: str, data: bytes, files: dict[str, int], ranks: list[int]) -> Written:
+    """Write a built part once its node's data files ({name: size}) are in place: the index's
+    entry for it, the node's data files and their sizes, the bytes stored."""
     step_dir = step_dir_name(step)
     sizes = _sizes(storage, step_dir, list(files))
-    for f, info in files.items():
+    for f, nbytes in files.items():
         size = sizes.get(f)
-        if size != info["bytes"]:
-            what = "is gone" if size is None else f"is {size} bytes, not {info['bytes']}"
+        if size != nbytes:
+            what = "is gone" if size is None else f"is {size} bytes, not {nbytes}"
             raise StorageError(f"step {step} not committed to {storage.display_url}: data file {f} {what}")
     storage.write_bytes_atomic(f"{step_dir}/{name}", data)
-    stored = sum(info["bytes"] for info in files.values())
-    return Written(PartEntry.of(part_ref(name, data, ranks)), {f: i["bytes"] for f, i in files.items()}, stored)
+    return Written(PartEntry.of(part_ref(name, data, ranks)), dict(files), sum(files.values()))
 
 
 def _sizes(storage: Storage, step_dir: str, names: list[str]) -> dict[str, int]:

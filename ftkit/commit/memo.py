@@ -16,12 +16,10 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ftkit.format.index import LayoutMemo
-
 if TYPE_CHECKING:
     from ftkit.commit.layouts import Layout
-    from ftkit.commit.part_template import PartTemplate
-    from ftkit.commit.reports import NodeReport
+    from ftkit.commit.parts import NodeLayout
+    from ftkit.commit.reports import RankReport
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -55,9 +53,8 @@ class CommitMemo:
 
     def __init__(self, scale: int = 1) -> None:
         self.layouts: Lru[str, Layout] = Lru(256 * scale)  # layouts known, by name
-        self.sent: Lru[tuple[Any, ...], tuple[Layout | None]] = Lru(8 * scale)  # structures of this rank's writes
-        self.checked_reports = LayoutMemo(limit=64 * scale)  # report layouts validated
-        self.checked_parts = LayoutMemo(limit=16 * scale)  # part layouts validated
-        self.decoded: Lru[tuple[int, int, str], NodeReport] = Lru(16 * scale)  # reports decoded
-        self.templates: Lru[Any, PartTemplate] = Lru(8 * scale)  # part templates, by layout
+        self.sent: Lru[tuple[Any, ...], Layout] = Lru(8 * scale)  # this rank's layouts, by structure
+        self.decoded: Lru[tuple[int, bytes], RankReport] = Lru(16 * scale)  # reports decoded
+        self.node_layouts: Lru[tuple[str, ...], NodeLayout] = Lru(8 * scale)  # parts' layout lines
+        self.checked_parts: Lru[tuple[Any, ...], bool] = Lru(16 * scale)  # parts validated, by geometry
         self.index_texts: Lru[bytes, str] = Lru(16 * scale)  # the index's containers' JSON, by marshal bytes

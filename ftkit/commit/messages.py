@@ -1,10 +1,12 @@
 """The messages between the ranks of a commit, typed, each with one versioned binary encoding.
 
 Every message is ``b"FTKM" | version (u8) | kind (u8) | count (u32) | count x u64 | strings
-(u32) | length (u32) | blob``: its numbers (sizes, ranks, counts of what follows) as one packed array
-and its strings as one UTF-8 blob split on NUL (no file name or report holds one; an
-error's is replaced), so a message is a few C calls each way: decoding runs on every
-rank at every step, on a thread whose every call costs more than it does alone.
+(u32) | length (u32) | blob | messages (u32) | their lengths (u32 each) | their bytes``: its
+numbers (sizes, ranks, counts of what follows) as one packed array, its strings as one UTF-8
+blob split on NUL (no file name holds one; an error's is replaced), and the messages it
+carries (a node's reports) as they were sent, so a message is a few C calls each way:
+decoding runs on every rank at every step, on a thread whose every call costs more than it
+does alone.
 
 What is read is untrusted (anyone who can write the job's store or a node's board can forge
 it): `decode` checks the header, that the counts match what is there and are bounded, every
@@ -12,14 +14,17 @@ file name, part name and checksum, and that nothing is left over; anything else 
 FormatError, which the executors read as that node's or rank's error, so the step is simply
 not committed.
 
+* `Report`: a rank's report of its write to the rank that writes its node's part (both tiers):
+  its data file, the name of its tensor layout (sent once, commit/layouts.py) and per chunk
+  only what changes from step to step: offset, length, codec, checksum.
 * `Record`: a node's record for rank 0 (both tiers): its part, or its errors.
 * `Outcome`: a rank's replication outcome for its collector (the RAM tier).
 * `Exchange`: a node's reports and part, for the nodes it exchanges replicas with.
 * `Relay`: the partners' reports as a collector relays them to its node's ranks.
 * `Settled`: rank 0's commit news, which RAM-tier steps it keeps (coord/news.py).
 
-A rank's report (commit/reports.py) travels inside Exchange and Relay as the text it was
-sent as. Version 1 is the only version; a message of another version is refused by name.
+A rank's report travels inside Exchange and Relay as the bytes it was sent as. Version 2 is
+the only version; a message of another version is refused by name.
 """
 
 from __future__ import annotations
@@ -37,14 +42,18 @@ from ftkit.format.manifest import SAFE_FILE_RE
 from ftkit.format.validate import CHECKSUM_RE, MAX_INT
 
 MAGIC = b"FTKM"
-VERSION = 1
+VERSION = 2
 MAX_COUNT = 1 << 20  # numbers in one message, entries in one list: a node's files, a few ranks' reports
 _NAME = SAFE_FILE_RE.pattern.strip("^$")  # a plain file name inside a step directory
 _NAMES = re.compile(f"{_NAME}(?:\0{_NAME})*")  # several, NUL-separated
 _U32 = struct.Struct("<I")
 
 
+CODECS = ("raw", "zstd")  # a chunk's codec, by its number in a Report
+
+
 class Kind(IntEnum):
+    REPORT = 6
     RECORD = 1
     OUTCOME = 2
     EXCHANGE = 3
@@ -53,7 +62,7 @@ class Kind(IntEnum):
 
 
 # ------------------------------------------------------------------ the encoding
-def _pack(kind: Kind, numbers: list[int], strings: list[str]) -> bytes:
+def _pack(kind: Kind, numbers: list[int], strings: list[str], carried: Sequence[bytes] = ()) -> bytes:
     blob = "\0".join(strings).encode()
     return b"".join(
         (
@@ -64,12 +73,15 @@ def _pack(kind: Kind, numbers: list[int], strings: list[str]) -> bytes:
             _U32.pack(len(strings)),
             _U32.pack(len(blob)),
             blob,
+            _U32.pack(len(carried)),
+            struct.pack(f"<{len(carried)}I", *map(len, carried)),
+            *carried,
         )
     )
 
 
-def _unpack(data: bytes, kind: Kind, where: str) -> tuple[tuple[int, ...], list[str]]:
-    """(the numbers, the strings) of a message of `kind`, its frame checked."""
+def _unpack(data: bytes, kind: Kind, where: str) -> tuple[tuple[int, ...], list[str], list[bytes]]:
+    """(the numbers, the strings, the messages carried) of a message of `kind`, its frame checked."""
     if data[:4] != MAGIC or len(data) < 6:
         raise FormatError(f"{where} is not a commit message")
     if data[4] != VERSION:
@@ -82,26 +94,35 @@ def _unpack(data: bytes, kind: Kind, where: str) -> tuple[tuple[int, ...], list[
             raise FormatError(f"{where} has {n} numbers")
         numbers = struct.unpack_from(f"<{n}Q", data, 10)
         count, length = struct.unpack_from("<II", data, 10 + 8 * n)
+        at = 18 + 8 * n + length
+        (m,) = _U32.unpack_from(data, at)
+        if m > MAX_COUNT:
+            raise FormatError(f"{where} carries {m} messages")
+        lengths = struct.unpack_from(f"<{m}I", data, at + 4)
     except struct.error:
         raise FormatError(f"{where} is cut short") from None
-    start = 18 + 8 * n
-    if len(data) != start + length:
-        what = "is cut short" if len(data) < start + length else f"has {len(data) - start - length} bytes more"
+    start, end = 18 + 8 * n, at + 4 + 4 * m
+    if len(data) != end + sum(lengths):
+        what = "is cut short" if len(data) < end + sum(lengths) else f"has {len(data) - end - sum(lengths)} bytes more"
         raise FormatError(f"{where} {what} than its fields")
     try:
-        strings = data[start:].decode().split("\0") if count else []
+        strings = data[start:at].decode().split("\0") if count else []
     except UnicodeDecodeError:
         raise FormatError(f"{where} has a string that is not UTF-8") from None
     if len(strings) != count:
         raise FormatError(f"{where} has {len(strings)} strings, not the {count} it says")
-    return numbers, strings
+    carried = []
+    for size in lengths:
+        carried.append(data[end : end + size])
+        end += size
+    return numbers, strings, carried
 
 
 class _Fields:
     """The numbers and strings of a message, taken in order (running out is a FormatError)."""
 
     def __init__(self, data: bytes, kind: Kind, where: str) -> None:
-        self.numbers, self.strings = _unpack(data, kind, where)
+        self.numbers, self.strings, self.carried = _unpack(data, kind, where)
         self.n = self.s = 0
         self.where = where
 
@@ -150,6 +171,12 @@ class _Fields:
             raise FormatError(f"{self.where} has a malformed checksum")
         return out
 
+    def messages(self, count: int) -> list[bytes]:
+        """The `count` messages carried (all of them: a message carries one list)."""
+        if count != len(self.carried):
+            raise FormatError(f"{self.where} carries {len(self.carried)} messages, not {count}")
+        return self.carried
+
     def end(self) -> None:
         if self.n != len(self.numbers) or self.s != len(self.strings):
             raise FormatError(f"{self.where} has fields more than its kind")
@@ -191,6 +218,70 @@ class PartEntry:
         return PartEntry(file, nbytes, checksum, tuple(zip(runs[0::2], runs[1::2], strict=True)))
 
 
+_SUMS = re.compile(r"(?:xxh3_64:[0-9a-f]{16}\0)*")  # checksums, each followed by a NUL
+_DIGEST = re.compile(r"[0-9a-f]{40}")
+
+
+@dataclass(frozen=True)
+class Report:
+    """A rank's report of its write for the step, to its node's collector (both tiers) and,
+    inside an Exchange, to its replica partners: its data file and its size, the name of its
+    tensor layout (commit/layouts.py: the tensors, shards and chunks' places in the tensors,
+    sent once), and per chunk, in the layout's order, what changes from step to step: where
+    it is in the file, its codec and its checksum. Or its error. `state` is the rank's own
+    state (its manifest `rank_state` entry) as JSON text."""
+
+    file: str | None
+    nbytes: int = 0
+    layout: str | None = None  # the layout's name (blake2b-160, hex)
+    offsets: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
+    codecs: tuple[int, ...] = ()  # CODECS' numbers
+    checksums: tuple[str, ...] = ()
+    state: str = "{}"
+    error: str | None = None
+    skipped: bool = False  # sent by the training thread (policy "skip"), not by a persist thread
+
+    @staticmethod
+    def failed(error: str, skipped: bool = False) -> Report:
+        return Report(None, error=error, skipped=skipped)
+
+    def encode(self) -> bytes:
+        n = len(self.offsets)
+        flags = [int(self.file is not None), int(self.layout is not None), int(self.error is not None)]
+        numbers = [*flags, int(self.skipped), self.nbytes, n, *self.offsets, *self.lengths, *self.codecs]
+        strings = [*((self.file,) if self.file is not None else ()), *((self.layout,) if self.layout else ())]
+        strings += [*((_text(self.error),) if self.error is not None else ()), self.state, *self.checksums]
+        return _pack(Kind.REPORT, numbers, strings)
+
+    @staticmethod
+    def decode(data: bytes, where: str) -> Report:
+        """A report as read from a board or the store: its fields in range, its file a plain
+        name, its chunks inside its file, its checksums of the one form."""
+        f = _Fields(data, Kind.REPORT, where)
+        has_file, has_layout, has_error, skipped = f.num(1), f.num(1), f.num(1), f.num(1)
+        nbytes, n = f.num(), f.num(MAX_COUNT)
+        offsets, lengths, codecs = f.nums(n), f.nums(n), f.nums(n)
+        file = f.names(1)[0] if has_file else None
+        layout = f.strs(1)[0] if has_layout else None
+        error = f.strs(1)[0] if has_error else None
+        state, sums = f.strs(1)[0], f.strs(n)
+        f.end()
+        if layout is not None and not _DIGEST.fullmatch(layout):
+            raise FormatError(f"{where} names a malformed layout")
+        if file is not None and layout is None and error is None:
+            raise FormatError(f"{where} names a file but no layout")
+        if n and (file is None or max(codecs) >= len(CODECS) or min(lengths) == 0):
+            raise FormatError(f"{where} has malformed chunks")
+        if file is not None and nbytes and not n:  # (a replica of it would be stored unchecked)
+            raise FormatError(f"{where} lists no chunk for its {nbytes}-byte file")
+        if any(o + length > nbytes for o, length in zip(offsets, lengths, strict=True)):
+            raise FormatError(f"{where} has a chunk beyond its {nbytes}-byte file")
+        if not _SUMS.fullmatch("\0".join(sums) + "\0" if sums else ""):
+            raise FormatError(f"{where} has a malformed checksum")
+        return Report(file, nbytes, layout, offsets, lengths, codecs, tuple(sums), state, error, bool(skipped))
+
+
 @dataclass(frozen=True)
 class Record:
     """A node's record for rank 0: the part its collector wrote (None: the node's `errors`
@@ -225,7 +316,7 @@ class Record:
     def decode(data: bytes, ranks: Sequence[int], where: str) -> Record:
         """A record of the node of `ranks`: its part must be of exactly those ranks. (Rank 0
         reads one per node at every step: its fields are taken by index, not one call each.)"""
-        nums, strs = _unpack(data, Kind.RECORD, where)
+        nums, strs, carried = _unpack(data, Kind.RECORD, where)
         try:
             has_part, skipped, stored = nums[0], nums[1], nums[2]
             at, part = 3, None
@@ -241,7 +332,8 @@ class Record:
             raise FormatError(f"{where} has fewer numbers than its fields") from None
         first = 2 if has_part else 0
         if (
-            has_part > 1
+            carried
+            or has_part > 1
             or skipped > 1
             or len(sizes) != n_files
             or len(nums) != at + 3 + n_files
@@ -297,16 +389,16 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Exchange:
-    """A node's reports (rank -> its report's text) and the name and checksum of its part,
+    """A node's reports (rank -> its `Report` as sent) and the name and checksum of its part,
     for its replica partners: the holders of its ranks' replicas rebuild the part from the
     reports (commit/replicas.py store_parts) and check it against the checksum."""
 
-    reports: dict[int, str]
+    reports: dict[int, bytes]
     part: tuple[str, str] | None = None  # (file, checksum)
 
     def encode(self) -> bytes:
         numbers = [int(self.part is not None), len(self.reports), *self.reports]
-        return _pack(Kind.EXCHANGE, numbers, [*(self.part or ()), *self.reports.values()])
+        return _pack(Kind.EXCHANGE, numbers, [*(self.part or ())], list(self.reports.values()))
 
     @staticmethod
     def decode(data: bytes, where: str) -> Exchange:
@@ -314,7 +406,7 @@ class Exchange:
         has_part, n = f.num(1), f.num(MAX_COUNT)
         ranks = f.nums(n)
         part = (f.parts(1)[0], f.checksums(1)[0]) if has_part else None
-        exchange = Exchange(dict(zip(ranks, f.strs(n), strict=True)), part)
+        exchange = Exchange(dict(zip(ranks, f.messages(n), strict=True)), part)
         f.end()
         return exchange
 
@@ -335,19 +427,19 @@ class Relay:
     also the parts of the nodes that send this node replicas ({file: (their leader, checksum)})
     and, where the node holds rank 0's index, the node's own part as written (`own`)."""
 
-    reports: dict[int, str]
+    reports: dict[int, bytes]
     parts: dict[str, tuple[int, str]] = field(default_factory=dict)
     own: Written | None = None
 
     def encode(self) -> bytes:
         numbers = [len(self.reports), *self.reports, len(self.parts), *(leader for leader, _ in self.parts.values())]
-        strings = [*self.reports.values(), *self.parts, *(checksum for _, checksum in self.parts.values())]
+        strings = [*self.parts, *(checksum for _, checksum in self.parts.values())]
         numbers.append(int(self.own is not None))
         if self.own is not None:
             self.own.part._put(numbers, strings)
             numbers += [self.own.stored, len(self.own.files), *self.own.files.values()]
             strings += self.own.files
-        return _pack(Kind.RELAY, numbers, strings)
+        return _pack(Kind.RELAY, numbers, strings, list(self.reports.values()))
 
     @staticmethod
     def decode(data: bytes, where: str) -> Relay:
@@ -355,7 +447,7 @@ class Relay:
         ranks = f.nums(f.num(MAX_COUNT))
         n_parts = f.num(MAX_COUNT)
         leaders = f.nums(n_parts)
-        reports = dict(zip(ranks, f.strs(len(ranks)), strict=True))
+        reports = dict(zip(ranks, f.messages(len(ranks)), strict=True))
         names, checksums = f.parts(n_parts), f.checksums(n_parts)
         parts = dict(zip(names, zip(leaders, checksums, strict=True), strict=True))
         own = None

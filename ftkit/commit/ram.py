@@ -2,10 +2,11 @@
 executor of a RAM tier's commit plan (commit/plan.py; `ftkit commit-plan` prints it, and
 docs/protocol.md shows it for a few worlds). `persist_node_local` runs this rank's steps of
 the plan in order (`RamCommit`, one handler per kind of step). The step's manifest has
-format version 3, as on a shared tier: one part per node and an index (format/index.py)::
+format version 4, as on a shared tier: one part per node and an index (format/index.py)::
 
     every rank:   WRITE           write_share(...): its data file, in its node's directory
-                  SEND report     its `NodeReport` to its collector (the board; no store request)
+                  SEND report     its `Report` to its collector (the board; no store request): its
+                                  layout once (commit/layouts.py), then its per-step values
     collectors:   AWAIT report    the node's reports
                   PART            the node's part, checked, beside its data
     with replicas (commit/replicas.py):
@@ -69,12 +70,12 @@ from ftkit.commit.keys import KeyLedger, delete_keys, exchange_key, index_key, o
 from ftkit.commit.layouts import Layout, board_name, from_board, from_store, layout_of, lookup
 from ftkit.commit.manifests import Committed, check_files_present, commit_index, store_part
 from ftkit.commit.memo import CommitMemo
-from ftkit.commit.messages import Exchange, Outcome, Record, Relay, Written
+from ftkit.commit.messages import Exchange, Outcome, Record, Relay, Report, Written
 from ftkit.commit.node import NodeGroup, StepExecutor
-from ftkit.commit.part_template import node_part_bytes
+from ftkit.commit.parts import build_part
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
-from ftkit.commit.reports import NodeReport, decode_report, keep_own
+from ftkit.commit.reports import RankReport, decode_report, failed
 from ftkit.commit.shared import read_node_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
@@ -96,7 +97,7 @@ class NodeShare:
     """A leader's view of its node's share of a step: the ranks' reports, the part it
     wrote of them (or the node's errors), and the parts of other nodes it wrote."""
 
-    texts: dict[int, str]
+    texts: dict[int, bytes]  # the ranks' reports, as sent
     errors: list[str]
     skipped: bool  # a rank of the node skipped the step (policy "skip")
     files: list[str] = field(default_factory=list)  # the data files its ranks reported
@@ -147,9 +148,9 @@ class RamCommit(StepExecutor):
         self.peers, self.cpu = peers, cpu
         self.collector = self.ctx.rank == self.group.collector
         self.write_: RankWrite | None = None
-        self.ref: tuple[Layout, list[str]] | None = None  # its layout and checksums, when sent by reference
-        self.text = ""  # its report
-        self.texts: dict[int, str] = {}  # the collector's: its node's reports
+        self.own: RankReport | None = None  # its report
+        self.text = b""  # its report, as sent
+        self.texts: dict[int, bytes] = {}  # the collector's: its node's reports
         self.node: NodeShare | None = None  # the collector's: its node's part, or errors
         # The partners' reports: none where the node has no partner (a job of one node).
         self.word = PeerWord({}, True, {})
@@ -183,15 +184,17 @@ class RamCommit(StepExecutor):
         except AlreadyCommitted as e:  # this node has the step, another may not: still take part
             self.write_, self.error = None, e
         self.cpu["write"] = time.thread_time() - c0
-        # Uncompressed, a rank's chunks keep their places: its layout goes once, by reference.
-        write = self.write_
-        self.ref = layout_of(write, self.group.memo) if write is not None and self.compress is None else None
-        error = str(self.error) if self.error else None
-        self.text = NodeReport.encode(write, error, self.rank_state, ref=self.ref)
+        if self.write_ is not None:
+            layout, report = layout_of(self.write_, self.group.memo, self.rank_state)
+            self.own = RankReport(self.ctx.rank, report, layout)
+        else:
+            self.own = failed(self.ctx.rank, str(self.error))
+        self.text = self.own.report.encode()
 
     def send_report(self, step: Step) -> None:
-        if self.ref is not None:
-            self.group.node_board().post_once(board_name(self.ref[0].digest), self.ref[0].body)
+        assert self.own is not None
+        if self.own.layout is not None:
+            self.group.node_board().post_once(board_name(self.own.layout.digest), self.own.layout.body)
         self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers)
 
     def send_outcome(self, step: Step) -> None:
@@ -203,11 +206,10 @@ class RamCommit(StepExecutor):
         self.texts = _collect_texts(self.group, self.at, "w", self.ctx, step.peers)
 
     def part(self, _: Step) -> None:
-        ctx, write = self.ctx, self.write_
-        if write is not None and self.error is None:
-            keep_own(self.text, write, self.rank_state, self.ref, ctx.world_size, self.group.memo)  # (not parsed back)
+        ctx, memo = self.ctx, self.group.memo
+        assert self.own is not None
+        memo.decoded.put((ctx.rank, self.text), self.own)  # its own: not parsed back
         texts = {ctx.rank: self.text, **self.texts}
-        memo = self.group.memo
         layouts = lookup(from_board(self.group.board), memo)
         self.node = node_part(self.storage, self.step, texts, self.group.ranks, ctx.world_size, memo, layouts)
 
@@ -442,7 +444,7 @@ def write_index_copy(storage: Storage, step: int, data: bytes, written: Written 
 def node_part(
     storage: Storage,
     step: int,
-    texts: dict[int, str],
+    texts: dict[int, bytes],
     ranks: tuple[int, ...],
     world: int,
     memo: CommitMemo,
@@ -451,36 +453,26 @@ def node_part(
     """A leader's part of its node: the ranks' reports checked and written as the node's
     part, beside their data files; or the node's errors. `layouts`: where the layouts of
     reports sent by reference are found (layouts.lookup)."""
-    reports = [decode_report(r, texts[r], world, layouts, memo) for r in ranks]
+    reports = [decode_report(r, texts[r], layouts, memo) for r in ranks]
     errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
     skipped = any(r.skipped for r in reports)
     files = [r.file for r in reports if r.file is not None]
     if errors:
         return NodeShare(texts, errors, skipped, files)
     try:
-        name, data, entries = node_part_bytes(storage, step, reports, ranks, world, memo)
+        name, data, entries = build_part(step, reports, world, memo)
         written = store_part(storage, step, name, data, entries, list(ranks))
     except Exception as e:  # a malformed report or a storage failure: the node's error
         return NodeShare(texts, [f"node of rank {ranks[0]}: {e}"], skipped, files)
-    by_ref = list({r.layout.digest: r.layout for r in reports if r.layout is not None}.values())
-    return NodeShare(texts, [], skipped, files, written, by_ref)
+    layouts_sent = list({r.layout.digest: r.layout for r in reports if r.layout is not None}.values())
+    return NodeShare(texts, [], skipped, files, written, layouts_sent)
 
 
 def _collect_texts(
     group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext, senders: tuple[int, ...]
-) -> dict[int, str]:
-    out = {}
-    for r, raw in group.collect(at, what, ctx.rank, senders, ctx.timeout_s).items():
-        text = None
-        if raw is not None:
-            try:
-                text = raw.decode()
-            except UnicodeDecodeError:
-                pass
-        if text is None:
-            text = NodeReport.encode(None, f"no report within {ctx.timeout_s:.0f}s", None)
-        out[r] = text
-    return out
+) -> dict[int, bytes]:
+    lost = Report.failed(f"no report within {ctx.timeout_s:.0f}s").encode()
+    return {r: raw or lost for r, raw in group.collect(at, what, ctx.rank, senders, ctx.timeout_s).items()}
 
 
 def _outcome_errors(rank: int, raw: bytes | None, parts: list[str] | None = None) -> list[str]:
@@ -504,7 +496,7 @@ def report_skipped_node_local(
     thread says so at once, while the step's commit may run): its leader, or, from a leader,
     rank 0 and (`exchange`: the tier keeps replicas) the leaders that take its node's replicas,
     hear it, so nobody waits for it."""
-    text = NodeReport.encode(None, reason, None, skipped=True)
+    text = Report.failed(reason, skipped=True).encode()
     if ctx.rank == 0 and exchange:
         ctx.put(index_key(key), "")  # the index holders wait for no index
     collector = (group.collector,)

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from ftkit.commit.keys import exchange_key
 from ftkit.commit.layouts import Layout
 from ftkit.commit.memo import CommitMemo
-from ftkit.commit.messages import Exchange, Relay, Written
+from ftkit.commit.messages import Exchange, Relay, Report, Written
 from ftkit.commit.node import MAX_REPORT_BYTES, NodeGroup
-from ftkit.commit.part_template import node_part_bytes
+from ftkit.commit.parts import build_part
 from ftkit.commit.plan import CommitPlan
-from ftkit.commit.reports import NodeReport, decode_report
+from ftkit.commit.reports import decode_report
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.nodelocal import step_message
@@ -46,7 +46,7 @@ def _exchange(raw: bytes, ranks: tuple[int, ...], where: str) -> Exchange:
         got = Exchange({})
     if all(r in got.reports for r in ranks):
         return Exchange({r: got.reports[r] for r in ranks}, got.part)
-    lost = NodeReport.encode(None, f"no report in {where}", None)
+    lost = Report.failed(f"no report in {where}").encode()
     return Exchange({r: got.reports.get(r, lost) for r in ranks}, got.part)
 
 
@@ -54,14 +54,14 @@ def _exchange(raw: bytes, ranks: tuple[int, ...], where: str) -> Exchange:
 class PeerWord:
     """What a rank learns of the replica exchange of one step: the partners' reports."""
 
-    texts: dict[int, str]  # the reports of the nodes it exchanges replicas with
+    texts: dict[int, bytes]  # the reports of the nodes it exchanges replicas with
     may_send: bool  # whether it sends its own file (its report is in its node's record)
     parts: dict[str, tuple[int, str]]  # the exchanger's: the sources' parts, {file: (their leader, checksum)}
     own_part: Written | None = None  # the exchanger's, on a node holding the index: its node's part
 
 
 def read_exchanges(
-    group: NodeGroup, ctx: DistContext, key: str, collectors: tuple[int, ...], own_text: str | None
+    group: NodeGroup, ctx: DistContext, key: str, collectors: tuple[int, ...], own_text: bytes | None
 ) -> PeerWord:
     """The exchange records the collectors `collectors` set for their nodes (the plan's AWAIT
     exchange), read from the store in one wait and one multi_get: their ranks' reports, and
@@ -116,22 +116,22 @@ def store_parts(
     storage: Storage,
     step: int,
     parts: dict[str, tuple[int, str]],
-    texts: dict[int, str],
+    texts: dict[int, bytes],
     group: NodeGroup,
     world: int,
     layouts: Callable[[str], Layout | None] | None,
 ) -> list[str]:
     """Write the parts of the nodes whose replicas this node holds: each rebuilt from its
-    node's reports (`texts`) as its leader built it (part_template.py: the same bytes), and
+    node's reports (`texts`) as its collector built it (parts.py: the same bytes), and
     checked against the checksum its leader sent, which is the index's."""
     step_dir = step_dir_name(step)
     for name, (leader, checksum) in parts.items():
         ranks = group.members[leader]
-        reports = [decode_report(r, texts.get(r, ""), world, layouts, group.memo) for r in ranks]
+        reports = [decode_report(r, texts.get(r, b""), layouts, group.memo) for r in ranks]
         failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
         if failed:
             raise StorageError(f"the part of the node of rank {leader} cannot be rebuilt: {'; '.join(failed)}")
-        _, data, _ = node_part_bytes(storage, step, reports, ranks, world, group.memo, name=name)
+        _, data, _ = build_part(step, reports, world, group.memo, name=name)
         if codec.checksum(data) != checksum:
             raise StorageError(f"the part of the node of rank {leader} rebuilt here differs from its leader's")
         storage.write_bytes_atomic(f"{step_dir}/{name}", data)
@@ -142,7 +142,7 @@ def replicate(
     storage: Storage,
     step: int,
     write,
-    reports: dict[int, str],
+    reports: dict[int, bytes],
     plan: CommitPlan,
     ctx: DistContext,
     peers: PeerGroup,
@@ -166,13 +166,11 @@ def replicate(
     for src, dst in plan.transfers(ctx.rank):
         t = Transfer(src, dst, "")
         if t.src == ctx.rank:
-            target = decode_report(
-                t.dst, reports.get(t.dst, ""), ctx.world_size, layouts, memo
-            )  # (kept: often a source too)
+            target = decode_report(t.dst, reports.get(t.dst, b""), layouts, memo)  # (kept: often a source too)
             if write is not None and not target.skipped:
                 transfers.append(Transfer(t.src, t.dst, write.file))
             continue
-        report = decode_report(t.src, reports.get(t.src, ""), ctx.world_size, layouts, memo)
+        report = decode_report(t.src, reports.get(t.src, b""), layouts, memo)
         if report.file is None or report.error:
             continue
         incoming[report.file] = (report.chunks(), report.nbytes)  # validated: checked on arrival

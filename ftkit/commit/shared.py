@@ -4,9 +4,10 @@ of a shared tier's commit plan (commit/plan.py; `ftkit commit-plan --tier shared
 Every rank calls `persist`, which runs its steps of the plan in order::
 
     every rank:    WRITE              write_share(...): its data file, durable
-                   SEND report        to its node's leader, over the node's board (no store request)
+                   SEND report        to its node's leader, over the node's board (no store request):
+                                      its layout once (commit/layouts.py), then its per-step values
     node leaders:  AWAIT report       the node's reports
-                   PART               write_part(...): one part file per node
+                   PART               build_part(...), store_part(...): one part file per node
                    SEND record        to rank 0, `key`/n/<leader>: its part, or the node's errors
     rank 0:        AWAIT record       every other node's record (one wait, one multi_get)
                    COMMIT             commit_index(...): manifest.json, the index of the parts;
@@ -24,21 +25,22 @@ step's writers wrote and leaves every committed step untouched.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ftkit.commit.keys import KeyLedger, delete_keys, older_keys, shared_record_key
-from ftkit.commit.manifests import Committed, commit_index, write_part
-from ftkit.commit.messages import Record
+from ftkit.commit.layouts import board_name, from_board, layout_of, lookup
+from ftkit.commit.manifests import Committed, commit_index, store_part
+from ftkit.commit.memo import CommitMemo
+from ftkit.commit.messages import Record, Report
 from ftkit.commit.node import NodeGroup, StepExecutor
+from ftkit.commit.parts import build_part
 from ftkit.commit.plan import Act, Msg, Step
-from ftkit.commit.reports import shared_report
+from ftkit.commit.reports import RankReport, decode_report, failed
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import FormatError, StorageError
-from ftkit.format.index import LayoutMemo
 from ftkit.save.sharding import Piece
 from ftkit.save.staging import Slot
 from ftkit.save.write import discard, write_share
@@ -55,8 +57,8 @@ class SharedCommit(StepExecutor):
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        self.report: dict[str, Any] = {}
-        self.reports: dict[int, dict[str, Any]] = {}
+        self.own: RankReport | None = None
+        self.reports: dict[int, RankReport] = {}
         self.records: list[Record] = []  # rank 0's: its node's record first
 
     def not_committed(self) -> None:
@@ -66,26 +68,30 @@ class SharedCommit(StepExecutor):
     def write(self, _: Step) -> None:
         write, self.error = write_share(self.storage, self.step, self.slot, self.pieces, self.compress, self.ctx.rank)
         fault_point("persist", self.step, self.ctx.rank)  # data written, not yet reported
-        self.report = {
-            "write": write.to_json() if write else None,
-            "error": str(self.error) if self.error else None,
-            "rank_state": self.rank_state or {},
-        }
+        if write is not None:
+            layout, report = layout_of(write, self.group.memo, self.rank_state)
+            self.own = RankReport(self.ctx.rank, report, layout)
+        else:
+            self.own = failed(self.ctx.rank, str(self.error))
 
     def send_report(self, step: Step) -> None:
-        report = json.dumps(self.report, separators=(",", ":"))  # (the format's vocabulary: RankWrite.to_json)
-        self.group.send(self.at, "w", self.ctx.rank, report, step.peers)
+        assert self.own is not None
+        if self.own.layout is not None:
+            self.group.node_board().post_once(board_name(self.own.layout.digest), self.own.layout.body)
+        self.group.send(self.at, "w", self.ctx.rank, self.own.report.encode(), step.peers)
 
     def await_reports(self, step: Step) -> None:
         timeout = self.ctx.timeout_s
+        layouts = lookup(from_board(self.group.board), self.group.memo)
         for r, raw in self.group.collect(self.at, "w", self.ctx.rank, step.peers, timeout).items():
-            lost = {"error": f"rank {r}: no report within {timeout:.0f}s", "write": None}
-            self.reports[r] = shared_report(r, raw, self.ctx.world_size) if raw is not None else lost
+            lost = failed(r, f"no report within {timeout:.0f}s")
+            self.reports[r] = decode_report(r, raw, layouts, self.group.memo) if raw is not None else lost
 
     def part(self, _: Step) -> None:
-        self.reports[self.ctx.rank] = self.report
-        args = (self.storage, self.step, self.reports, self.group.ranks, self.ctx.world_size)
-        self.records = [_node_record(*args, self.group.memo.checked_parts)]
+        assert self.own is not None
+        self.reports[self.ctx.rank] = self.own
+        reports = [self.reports[r] for r in self.group.ranks]
+        self.records = [_node_record(self.storage, self.step, reports, self.ctx.world_size, self.group.memo)]
 
     def send_record(self, _: Step) -> None:
         self.ctx.store.set(shared_record_key(self.key, self.ctx.rank), self.records[0].encode())
@@ -153,26 +159,17 @@ def persist(
     return SharedCommit(*args).run()
 
 
-def _node_record(
-    storage: Storage,
-    step: int,
-    reports: Mapping[int, dict[str, Any]],
-    ranks: Sequence[int],
-    world: int,
-    checked: LayoutMemo,
-) -> Record:
+def _node_record(storage: Storage, step: int, reports: Sequence[RankReport], world: int, memo: CommitMemo) -> Record:
     """The leader's record of its node for rank 0: the part it wrote, or the node's errors."""
-    writes = [reports[r]["write"] for r in ranks if reports[r].get("write")]
-    files = {w["file"]: w.get("nbytes") for w in writes}
-    errors = [f"rank {r}: {reports[r]['error']}" for r in ranks if reports[r].get("error")]
+    errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
     if not errors:
         try:
-            rank_state = {str(r): reports[r].get("rank_state", {}) for r in ranks}
-            written = write_part(storage, step, writes, rank_state, list(ranks), world, checked)
+            name, data, files = build_part(step, reports, world, memo)
+            written = store_part(storage, step, name, data, files, [r.rank for r in reports])
             return Record(written.part, written.files, written.stored)
         except Exception as e:  # a malformed report or a storage failure: the node's error
-            errors = [f"node of rank {ranks[0]}: {e}"]
-    return Record.failed(errors, {f: n for f, n in files.items() if isinstance(n, int)})
+            errors = [f"node of rank {reports[0].rank}: {e}"]
+    return Record.failed(errors, {r.file: r.nbytes for r in reports if r.file is not None})
 
 
 def read_node_record(leader: int, raw: bytes, ranks: Sequence[int]) -> Record:
@@ -188,9 +185,8 @@ def read_node_record(leader: int, raw: bytes, ranks: Sequence[int]) -> Record:
 def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:
     """Policy "skip" on a shared tier: this rank will not write the step of `key`; tell its
     leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
-    report: dict[str, Any] = {"write": None, "error": reason, "rank_state": {}}
     if ctx.rank != group.leader:
-        text = json.dumps(report, separators=(",", ":"))
-        group.send(at, "w", ctx.rank, text, (group.leader,), patient=False)  # (the training thread: never waits)
+        report = Report.failed(reason).encode()
+        group.send(at, "w", ctx.rank, report, (group.leader,), patient=False)  # (the training thread: never waits)
     elif ctx.rank != 0:
         ctx.store.set(shared_record_key(key, ctx.rank), Record.failed([f"rank {ctx.rank}: {reason}"]).encode())

@@ -63,8 +63,9 @@ from ftkit.errors import (
 )
 from ftkit.format import codec
 from ftkit.format.data import check_file_sizes, read_regions
-from ftkit.format.index import encode_index, index_doc, part_file_name, part_json, part_ref
+from ftkit.format.index import encode_index, index_doc, part_file_name, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
 from ftkit.tiers.lifecycle import delete_step
 from ftkit.tiers.retention import plan_retention
@@ -278,7 +279,7 @@ def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, r
     step_dir = step_dir_name(step)
     ranks = list(range(world))
     name = part_file_name(0)
-    data = part_json(step, ranks, files, tensors, {})
+    data = encode_part_docs(step, ranks, files, tensors, {})
     writer = {"ftkit": _version(), "torch": torch.__version__, convert.DCP_KEY: record}
     index = encode_index(index_doc(step, world, [part_ref(name, data, ranks)], skeleton, time.time(), writer))
     # Checked before anything is committed: the validator every reader uses.

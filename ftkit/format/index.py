@@ -1,4 +1,4 @@
-"""Format version 3: a step's manifest as a small index plus one part per node.
+"""Format versions 3 and 4: a step's manifest as a small index plus one part per node.
 
 A shared tier's step at thousands of ranks would otherwise carry one manifest of
 every rank's tensor entries, assembled and rewritten by rank 0 at every step. In
@@ -18,15 +18,16 @@ checksum checked before it is parsed), and assembles one manifest that it
 validates exactly as a version-2 manifest (format/validate.py): so every
 invariant of FORMAT.md holds across parts too. Parts are untrusted like the
 index: a part may only describe its own ranks' files, shards and RNG state.
+
+A version-3 part is one JSON document; a version-4 part (what is written) is three JSON
+lines, its layout apart from its values (format/part.py). The index's format_version says
+which its parts are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import re
-import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from ftkit.errors import FormatError
 from ftkit.format import codec
 from ftkit.format.manifest import FORMAT_NAME, Manifest
+from ftkit.format.part import PART_FORMAT, PART_VERSION, decode_part, rank_runs
 from ftkit.format.skeleton_values import check_rank_state
 from ftkit.format.tiling import check_no_shared_bytes
 from ftkit.format.validate import (
@@ -50,8 +52,8 @@ from ftkit.format.validate import (
     tensor_entry,
 )
 
-INDEX_VERSION = 3
-PART_FORMAT = "ftkit-checkpoint-part"
+FIRST_INDEX_VERSION = 3  # manifest.json is an index of parts from this version on
+INDEX_VERSION = PART_VERSION  # the version written: 4, parts of three JSON lines (format/part.py)
 # A part lists one node's tensor entries (about 250 bytes a shard): megabytes even for
 # eight ranks of a model of tens of thousands of tensors, never a gigabyte. The index
 # (or a single-document manifest of versions 1-2) is smaller still, but for a skeleton
@@ -75,35 +77,6 @@ def is_part_name(name: Any) -> bool:
         return is_part_file(check_file_name(name))
     except FormatError:
         return False
-
-
-def rank_runs(ranks: list[int]) -> list[list[int]]:
-    """Sorted ranks as [start, stop) runs: a node's ranks are usually one run."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and runs[-1][1] == r:
-            runs[-1][1] = r + 1
-        else:
-            runs.append([r, r + 1])
-    return runs
-
-
-def part_json(
-    step: int,
-    ranks: list[int],
-    files: dict[str, dict[str, Any]],
-    tensors: list[dict[str, Any]],
-    rank_state: dict[str, Any],
-) -> bytes:
-    doc = {
-        "format": PART_FORMAT,
-        "step": step,
-        "ranks": rank_runs(ranks),
-        "files": files,
-        "tensors": tensors,
-        "rank_state": rank_state,
-    }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def part_ref(name: str, data: bytes, ranks: list[int]) -> dict[str, Any]:
@@ -152,7 +125,7 @@ class Index:
 
 
 def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
-    """A version-3 index (format and version already checked): its parts are plain file
+    """An index of version 3 or 4 (format and version already checked): its parts are plain file
     names, with sizes, checksums, and ranks that cover the world exactly once."""
     try:
         step = _int(doc.get("step"), "step", 0, MAX_STEP)
@@ -197,6 +170,12 @@ def _ranks(runs: Any, world: int, what: str) -> frozenset[int]:
     return frozenset(out)
 
 
+def parse_part(data: bytes, version: int, where: str) -> Any:
+    """A part's document as its index's `version` has it (3: one JSON document; 4: three
+    lines, decoded to the same dict), not yet validated; FormatError naming `where`."""
+    return decode_part(data, where) if version >= PART_VERSION else parse_json(data, where, "part")
+
+
 def check_part_bytes(ref: PartRef, data: bytes, where: str) -> None:
     if len(data) != ref.nbytes:
         raise FormatError(f"{where}: part is {len(data)} bytes, the index says {ref.nbytes}")
@@ -209,9 +188,10 @@ def assemble(index: Index, parts: list[bytes], where: str) -> Manifest:
     files: dict[str, dict[str, Any]] = {}
     tensors: dict[str, dict[str, Any]] = {}
     rank_state: dict[str, Any] = {}
+    version = index.doc.get("format_version", FIRST_INDEX_VERSION)
     for ref, data in zip(index.parts, parts, strict=True):
         pwhere = f"{where}: part {ref.file}"
-        doc = parse_json(data, pwhere, "part")
+        doc = parse_part(data, version, pwhere)
         try:
             _merge_part(doc, ref, index, files, tensors, rank_state)
         except FormatError as e:
@@ -262,75 +242,21 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
         rank_state[r] = st
 
 
-class LayoutMemo:
-    """Layouts this process checked: documents that, from one step to the next, differ only in
-    their checksums and their data files' random tokens (a leader checks its node's part, and
-    every rank the reports it receives, at every step: re-checking the same layout was a third
-    of a leader's commit CPU).
-
-    A layout is the bytes with those masked: each well-formed checksum, each data file's token
-    (numbered in order of first appearance, so which names are equal is kept). A check whose
-    verdict depends on them only through their form and their equalities (check_part,
-    validate.report_tensors) gives the same verdict for every document of one layout; anything
-    else that differs gives another layout, checked in full. Bounded: the last `limit` layouts.
-    """
-
-    CHECKSUM = re.compile(rb'"xxh3_64:[0-9a-f]{16}"')
-    DATA_TOKEN = re.compile(rb'(?<="rank-\d{5}-)[0-9a-f]{8}(?=\.data")')
-
-    def __init__(self, limit: int = 16) -> None:
-        self.limit = limit
-        self._seen: dict[bytes, None] = {}
-        self._lock = threading.Lock()  # (every Checkpointer's persist thread checks)
-
-    def key(self, data: bytes, meta: object) -> bytes:
-        masked = self.CHECKSUM.sub(b'"C"', data)  # (no Python call per match: C speed)
-        for i, token in enumerate(dict.fromkeys(self.DATA_TOKEN.findall(masked))):  # a few: a node's files
-            masked = masked.replace(b"-" + token + b".data", b"-#%d.data" % i)
-        return hashlib.blake2b(repr(meta).encode() + b"\0" + masked, digest_size=20).digest()
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._seen
-
-    def add(self, key: bytes) -> None:
-        with self._lock:
-            self._seen[key] = None
-            while len(self._seen) > self.limit:
-                del self._seen[next(iter(self._seen))]
+def check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:
+    """What a node's collector checks of the (version-4) part it is about to write (its ranks'
+    reports came through its node's board: untrusted): everything a reader checks of one part
+    alone. That the parts together tile every tensor is checked when a reader assembles them."""
+    _check_part(data, step, ranks, world_size, where, PART_VERSION)
 
 
-def part_head(step: int) -> str:
-    """What every part of `step` begins with, as part_json writes it (its step is there only)."""
-    return f'{{"format":"{PART_FORMAT}","step":{step},'
-
-
-def check_part(
-    data: bytes, step: int, ranks: list[int], world_size: int, where: str, checked: LayoutMemo | None = None
-) -> None:
-    """What a node's leader checks of the part it is about to write (its ranks' reports came
-    through its node's board: untrusted): everything a reader checks of one part alone.
-    That the parts together tile every tensor is checked when a reader assembles them.
-    A part of a layout in `checked` (the writer's memo of the layouts it checked before)
-    passes at once (see LayoutMemo)."""
-    head = part_head(step).encode()  # its step masked too (only where part_json puts it, the expected one)
-    layout = None
-    if checked is not None and data.startswith(head):
-        layout = checked.key(data[len(head) :], (sorted(ranks), world_size))
-        if layout in checked:
-            return
-    _check_part(data, step, ranks, world_size, where)
-    if checked is not None and layout is not None:
-        checked.add(layout)
-
-
-def _check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:
+def _check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str, version: int) -> None:
     ref = PartRef("", len(data), "", frozenset(ranks))
     index = Index(step, world_size, (ref,), {})
     files: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
     states: dict[str, Any] = {}
     try:
-        _merge_part(parse_json(data, where, "part"), ref, index, files, tensors, states)
+        _merge_part(parse_part(data, version, where), ref, index, files, tensors, states)
         checked = _files(files, world_size)
         entries = [tensor_entry(t, checked, world_size, whole=False) for t in tensors.values()]
         check_no_shared_bytes(entries)

@@ -23,8 +23,9 @@ from typing import Any
 
 FORMAT_NAME = "ftkit-checkpoint"
 # 2: Python's RNG state as a tensor (FORMAT.md, the skeleton); 3: an index of per-node
-# parts (format/index.py), what every tier writes (single documents are still read).
-FORMAT_VERSION = 3
+# parts (format/index.py); 4: the same with each part as three JSON lines, its layout apart
+# from its values (format/part.py), what every tier writes. Every older version is still read.
+FORMAT_VERSION = 4
 SINGLE_DOC_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 RETIRED_MANIFEST = "manifest.retired.json"  # a step superseded by a restore of an older one (tiers/lifecycle.py)
@@ -140,7 +141,7 @@ class Manifest:
     writer: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT_NAME
     format_version: int = SINGLE_DOC_VERSION
-    parts: dict[str, dict[str, Any]] = field(default_factory=dict)  # version 3: part file -> {"bytes", "checksum"}
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)  # versions 3-4: part file -> {"bytes", "checksum"}
 
     @property
     def total_raw_bytes(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
 from ftkit.format.index import (
-    INDEX_VERSION,
+    FIRST_INDEX_VERSION,
     MAX_MANIFEST_BYTES,
     MAX_PART_BYTES,
     Index,
@@ -82,12 +82,12 @@ def committed_steps(storage: Storage) -> list[int]:
 
 def load_manifest(storage: Storage, step: int) -> Manifest:
     """The validated manifest of `step`: the single document of versions 1-2, or the
-    index of version 3 with its parts (format/index.py), read and assembled."""
+    index of version 3 or 4 with its parts (format/index.py), read and assembled."""
     return manifest_from(storage, step, *load_index(storage, step))
 
 
 def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
-    """The bytes of `step`'s manifest.json and, for version 3, its index, validated (None:
+    """The bytes of `step`'s manifest.json and, for versions 3-4, its index, validated (None:
     a single document of versions 1-2, to be validated by manifest_from_json)."""
     step_dir = step_dir_name(step)
     rel = f"{step_dir}/{MANIFEST_NAME}"
@@ -103,9 +103,9 @@ def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
 
 
 def parse_manifest_header(data: bytes, where: str, step: int) -> Index | None:
-    """The index of a version-3 manifest.json, validated; None for a single document."""
+    """The index of a manifest.json of version 3 or 4, validated; None for a single document."""
     doc, version = parse_header(data, where)
-    return parse_index(doc, where, expect_step=step) if version >= INDEX_VERSION else None
+    return parse_index(doc, where, expect_step=step) if version >= FIRST_INDEX_VERSION else None
 
 
 def manifest_from(

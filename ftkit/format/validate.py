@@ -36,6 +36,7 @@ from ftkit.format.manifest import (
     ITEMSIZE,
     KINDS,
     SAFE_FILE_RE,
+    SINGLE_DOC_VERSION,
     Chunk,
     Manifest,
     Shard,
@@ -61,9 +62,9 @@ NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cann
 # ----------------------------------------------------------------- manifests
 def parse_manifest(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
     """Parse and validate a single-document manifest (versions 1 and 2); raise FormatError
-    naming `where` on any problem. An index (version 3) is read with its parts (reader.py)."""
+    naming `where` on any problem. An index (version 3 on) is read with its parts (reader.py)."""
     doc, version = parse_header(data, where)
-    if version >= 3:
+    if version > SINGLE_DOC_VERSION:
         raise FormatError(f"{where}: an index of manifest parts (format version {version}), not a whole manifest")
     try:
         m = manifest_from_doc(doc)

@@ -381,7 +381,7 @@ def test_a_node_without_the_index_drops_only_what_rank_0s_news_settled_and_did_n
         Settled(1, 5, frozenset({6})).encode(),  # a step kept that is not settled
         Settled(1, 5, frozenset({4})).encode()[:-1],  # cut short
         Settled(1, 5, frozenset({4})).encode() + b"\0",
-        b"FTKM\x02" + Settled(1, 5, frozenset({4})).encode()[5:],  # another version
+        b"FTKM\x09" + Settled(1, 5, frozenset({4})).encode()[5:],  # another version
     ],
 )
 def test_malformed_commit_news_is_ignored_and_nothing_is_dropped(tmp_path, raw):

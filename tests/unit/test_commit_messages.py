@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from ftkit.commit.messages import VERSION, Exchange, Outcome, PartEntry, Record, Relay, Written
+from ftkit.commit.messages import VERSION, Exchange, Outcome, PartEntry, Record, Relay, Report, Written
 from ftkit.errors import FormatError
 
 SUM = "xxh3_64:" + "ab" * 8
@@ -30,11 +30,14 @@ def test_a_record_decodes_to_what_was_encoded(record):
 def test_the_other_messages_decode_to_what_was_encoded():
     for message in (
         Outcome(("rank 1: replication failed: x",), ("part-00000-0badf00d.json",)),
-        Exchange({2: "line\none", 3: ""}, ("part-00002-0badf00d.json", SUM)),
+        Exchange({2: b"line\none\0", 3: b""}, ("part-00002-0badf00d.json", SUM)),
         Exchange({}),
-        Exchange({7: ""}),
+        Exchange({7: Report.failed("x").encode()}),
+        Report("rank-00002-aaaaaaaa.data", 64, "ab" * 20, (0, 32), (32, 32), (0, 1), (SUM, SUM), '{"a":1}'),
+        Report.failed("no report within 10s", skipped=True),
+        Report("rank-00002-aaaaaaaa.data", 0, "ab" * 20),
         Outcome(("",)),
-        Relay({0: "r"}, {"part-00000-0badf00d.json": (0, SUM)}, Written(PART, {"rank-00002-a.data": 1}, 1)),
+        Relay({0: b"r", 1: b""}, {"part-00000-0badf00d.json": (0, SUM)}, Written(PART, {"rank-00002-a.data": 1}, 1)),
     ):
         assert type(message).decode(message.encode(), "m") == message
 
@@ -53,7 +56,7 @@ def test_a_message_that_is_not_this_version_or_kind_or_is_cut_or_padded_is_refus
     with pytest.raises(FormatError, match="1 bytes more"):
         Record.decode(data + b"\0", (2, 3), "r")
     with pytest.raises(FormatError, match="fields more than its kind"):  # a number more, framed right
-        Outcome.decode(Outcome().encode()[:6] + struct.pack("<I3QII", 3, 0, 0, 0, 0, 0), "o")
+        Outcome.decode(Outcome().encode()[:6] + struct.pack("<I3QIII", 3, 0, 0, 0, 0, 0, 0), "o")
 
 
 def test_a_forged_record_reads_as_an_error_not_as_a_part():

@@ -19,10 +19,10 @@ import xxhash
 from conftest import make_state, run_cli, snapshot_values
 
 import ftkit
-from ftkit.commit.manifests import merge_write_docs, write_part
 from ftkit.errors import FormatError
 from ftkit.format.data import read_tensors
 from ftkit.format.manifest import MANIFEST_NAME, manifest_json, step_dir_name
+from ftkit.format.part import decode_part, encode_part_docs
 from ftkit.format.reader import load_manifest
 
 NODES = ({0, 1}, {2, 3})
@@ -54,7 +54,8 @@ def _write_parts(step_dir, index: dict, parts: list[dict], ranks=None) -> None:
         f.unlink()
     refs = []
     for i, p in enumerate(parts):
-        data = json.dumps(p).encode()
+        ranks_of = [r for a, b in p["ranks"] for r in range(a, b)]
+        data = encode_part_docs(p["step"], ranks_of, p["files"], p["tensors"], p["rank_state"])
         name = f"part-{i:05d}-{uuid.uuid4().hex[:8]}.json"
         (step_dir / name).write_bytes(data)
         r = ranks[i] if ranks else p["ranks"]
@@ -77,7 +78,7 @@ def two_nodes(tmp_path):
     step_dir = root / step_dir_name(1)
     index = json.loads((step_dir / MANIFEST_NAME).read_text())
     (ref,) = index["parts"]
-    whole = json.loads((step_dir / ref["file"]).read_text())
+    whole = decode_part((step_dir / ref["file"]).read_bytes(), ref["file"])
     parts = [_split(whole, n) for n in NODES]
     _write_parts(step_dir, index, parts)
     return root, index, parts, snapshot_values(state)
@@ -101,7 +102,7 @@ def _load(root):
 def test_a_step_of_two_parts_reads_whole_and_restores(two_nodes):
     root, index, parts, values = two_nodes
     m = _load(root)
-    assert m.format_version == 3 and m.world_size == 4 and len(m.parts) == 2
+    assert m.format_version == 4 and m.world_size == 4 and len(m.parts) == 2
     assert {f["rank"] for f in m.files.values()} == {0, 1, 2, 3}
     got = read_tensors(ftkit.Tier(str(root)).open(), m)
     _assert_restores(root, values)
@@ -180,22 +181,11 @@ def test_parts_that_cover_a_tensor_twice_are_refused(two_nodes):
     root, index, parts, _ = two_nodes
     t0 = next(t for t in parts[0]["tensors"] if t["name"] == "big")
     t1 = next(t for t in parts[1]["tensors"] if t["name"] == "big")
-    t1["shards"] = [{**s, "rank": 2} for s in t0["shards"]]  # node 1 repeats node 0's region
+    (own,) = [f for f, i in parts[1]["files"].items() if i["rank"] == 2]
+    copied = [{**s, "rank": 2, "chunks": [{**c, "file": own} for c in s["chunks"]]} for s in t0["shards"]]
+    t1["shards"] = copied  # node 1 repeats node 0's region
     _write_parts(root / step_dir_name(1), index, parts)
     _refused(root, "cover|overlap|more than|volume")
-
-
-def test_a_leader_refuses_to_write_a_part_for_another_nodes_rank(two_nodes):
-    root, index, parts, _ = two_nodes
-    storage = ftkit.Tier(str(root)).open()
-    m = _load(root)
-    write = next(f for f, i in m.files.items() if i["rank"] == 2)
-    entries = [{**t, "shards": [s for s in t["shards"] if s["rank"] == 2]} for t in parts[1]["tensors"] if t["shards"]]
-    report = {"rank": 2, "file": write, "nbytes": m.files[write]["bytes"], "tensors": entries}
-    before = sorted(os.listdir(root / step_dir_name(1)))
-    with pytest.raises(FormatError, match="another part"):
-        write_part(storage, 1, [report], {}, [0, 1], 4)  # node 0's leader given rank 2's report
-    assert sorted(os.listdir(root / step_dir_name(1))) == before  # no part written
 
 
 def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
@@ -212,112 +202,16 @@ def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
     for f in step_dir.glob("*.json"):
         f.unlink()
     files = {w["file"]: {"bytes": w["nbytes"], "rank": w["rank"]} for w in whole}
-    data = manifest_json(1, 4, merge_write_docs(whole), index["skeleton"], files, rank_state, 0.0, {})
+    tensors: dict = {}
+    for w in whole:  # one entry per tensor, holding every rank's shards of it
+        for t in w["tensors"]:
+            tensors.setdefault(t["name"], {**t, "shards": []})["shards"] += t["shards"]
+    data = manifest_json(1, 4, list(tensors.values()), index["skeleton"], files, rank_state, 0.0, {})
     (step_dir / MANIFEST_NAME).write_bytes(data)
     doc = json.loads((step_dir / MANIFEST_NAME).read_text())
     assert doc["format_version"] == 2 and "tensors" in doc
     assert _load(root).format_version == 2
     _assert_restores(root, values)
-
-
-def test_a_leaders_part_check_remembers_layouts_and_still_refuses_what_differs(two_nodes, monkeypatch):
-    # A leader checks its node's part at every step; from one step to the next only the step,
-    # the data files' tokens and the checksums change. The same layout is checked once; a part
-    # that differs anywhere else (a shard naming a file the part does not list, a malformed
-    # checksum) is checked in full and refused, whatever was checked before.
-    from ftkit.format import index as fmt
-
-    _root, _index, parts, _ = two_nodes
-    part = parts[0]
-
-    def text(step: int, token: str, checksum: str = "", shard_token: str = "") -> bytes:
-        doc = json.dumps({k: part[k] for k in ("files", "tensors", "rank_state")})
-        for name in part["files"]:
-            old = name.split("-")[-1].split(".")[0]
-            doc = doc.replace(f'"{name}"', f'"{name.replace(old, token)}"', 1)  # the files' key
-            doc = doc.replace(old, shard_token or token)  # and every shard's reference
-        if checksum:
-            doc = doc.replace('"xxh3_64:', f'"{checksum}', 1)
-        d = json.loads(doc)
-        return fmt.part_json(step, [0, 1], d["files"], d["tensors"], d["rank_state"])
-
-    full_checks = []
-    real = fmt._check_part
-    monkeypatch.setattr(fmt, "_check_part", lambda *a: full_checks.append(a[1]) or real(*a))
-    checked = fmt.LayoutMemo()  # the writer's memo of the layouts it checked
-    fmt.check_part(text(7, "aaaaaaaa"), 7, [0, 1], 4, "step 7", checked)
-    fmt.check_part(text(8, "bbbbbbbb"), 8, [0, 1], 4, "step 8", checked)  # same layout: not parsed again
-    assert full_checks == [7]
-    with pytest.raises(FormatError, match="step 9"):  # shards name a file the part does not list
-        fmt.check_part(text(9, "cccccccc", shard_token="dddddddd"), 9, [0, 1], 4, "step 9", checked)
-    with pytest.raises(FormatError, match="step 10"):  # a checksum of another form
-        fmt.check_part(text(10, "eeeeeeee", checksum="XXH3_64:"), 10, [0, 1], 4, "step 10", checked)
-    assert full_checks == [7, 9, 10]
-
-
-def test_a_leaders_part_from_its_template_is_the_part_built_in_full(two_nodes, tmp_path, monkeypatch):
-    # A leader builds the first part of its ranks' layouts in full and later ones by filling a
-    # template with each step's file tokens and checksums (commit/part_template.py): the bytes
-    # are those of the full build, at every step; a report of another layout is built in full.
-    import random
-
-    from ftkit.commit import part_template
-    from ftkit.commit.manifests import build_part
-    from ftkit.commit.memo import CommitMemo
-    from ftkit.commit.reports import decode_report
-
-    _root, _index, parts, _ = two_nodes
-    part = parts[0]
-    storage = ftkit.Tier(str(tmp_path / "leader")).open()
-    built = []
-    real_build = part_template.build_part
-    monkeypatch.setattr(part_template, "build_part", lambda *a: built.append(a[1]) or real_build(*a))
-    memo = CommitMemo()  # the leader's tier's
-    rng = random.Random(0)
-
-    def reports(step: int, rows: int | None = None, own: dict | None = None) -> list:
-        out = []
-        for r in (0, 1):
-            (old,) = [f for f, i in part["files"].items() if i["rank"] == r]
-            new = old.rsplit("-", 1)[0] + f"-{rng.getrandbits(32):08x}.data"
-            tensors = []
-            for t in part["tensors"]:
-                shards = [s for s in t["shards"] if s["rank"] == r]
-                for s in shards:
-                    for c in s["chunks"]:
-                        c["file"], c["checksum"] = new, f"xxh3_64:{rng.getrandbits(64):016x}"
-                if shards:
-                    tensors.append({**t, "shards": shards})
-            if rows is not None:
-                tensors[0] = {**tensors[0], "shape": [rows, *tensors[0]["shape"][1:]]}
-            head = {
-                "file": new,
-                "nbytes": part["files"][old]["bytes"],
-                "error": None,
-                "rank_state": own if own is not None and r == 0 else part["rank_state"].get(str(r), {}),
-                "skipped": False,
-            }
-            part["files"][new] = part["files"].pop(old)
-            out.append(decode_report(r, json.dumps(head) + "\n" + json.dumps(tensors), 4))
-        return out
-
-    def check(step: int, got: list) -> None:
-        name, data, files = part_template.node_part_bytes(storage, step, got, [0, 1], 4, memo)
-        writes = [r.write_doc() for r in got]
-        rank_state = {str(r.rank): r.rank_state for r in got}
-        _, want, want_files = build_part(storage, step, writes, rank_state, [0, 1], 4)
-        assert data == want and files == want_files and name.startswith("part-00000-")
-
-    for step in (7, 8, 9):
-        check(step, reports(step))
-    assert built == [7]  # steps 8 and 9 came from the template
-    own = json.loads(json.dumps(part["rank_state"]["0"]).replace('"gauss": null', '"gauss": 0.25'))
-    assert own != part["rank_state"]["0"]
-    check(10, reports(10, own=own))  # the ranks' own state changed (Python's RNG): built in full
-    check(11, reports(11, own=own))
-    assert built == [7, 10]
-    with pytest.raises(FormatError):  # a shape its shards do not fit: refused, not filled in
-        part_template.node_part_bytes(storage, 12, reports(12, rows=3), [0, 1], 4, memo)
 
 
 def test_rank_0s_index_bytes_reusing_earlier_skeleton_text_are_json_dumps_of_the_index():

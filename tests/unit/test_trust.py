@@ -401,8 +401,11 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     node = tmp_path / "ram" / "job" / "node0"
     storage = Storage(str(node))
     (tmp_path / "escaped.data").write_text("precious")
-    forged = json.dumps({"file": "../../../escaped.data", "nbytes": 8, "error": None, "rng": None}) + "\n[]"
-    group.board.write_text(step_message((0, 0), "w-r0"), forged)
+    from ftkit.commit.messages import Report
+
+    sums = ("xxh3_64:" + "0" * 16,)
+    forged = Report("../../../escaped.data", 8, "ab" * 20, (0,), (8,), (0,), sums).encode()
+    group.board.write_bytes(step_message((0, 0), "w-r0"), forged)
     arena, slot = _staged(1.0)
     try:
         persist_node_local(
@@ -421,12 +424,12 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
 
 
 def test_a_report_with_no_tensors_for_its_bytes_is_refused():
-    from ftkit.commit.reports import NodeReport as _Report
+    from ftkit.commit.messages import Report
     from ftkit.errors import FormatError
 
-    text = json.dumps({"file": "rank-00001-abcdef01.data", "nbytes": 4096, "error": None, "rng": None}) + "\n[]"
-    with pytest.raises(FormatError, match="no tensor for its 4096-byte file"):
-        _Report.decode(1, text, 2).tensors()  # a replica target would store 4096 unchecked bytes
+    data = Report("rank-00001-abcdef01.data", 4096, "ab" * 20).encode()
+    with pytest.raises(FormatError, match="no chunk for its 4096-byte file"):
+        Report.decode(data, "rank 1's report")  # a replica target would store 4096 unchecked bytes
 
 
 def _index_of(name: str, nbytes: int) -> dict:
@@ -437,7 +440,7 @@ def _index_of(name: str, nbytes: int) -> dict:
     "forged, why",
     [
         (_index_of("../../evil.json", 1), "outside its step directory"),
-        ({"format_version": 2, "tensors": [], "files": {}, "rank_state": {}}, "format version 2, not 3"),
+        ({"format_version": 2, "tensors": [], "files": {}, "rank_state": {}}, "format version 2, not 4"),
         (_index_of("part-00000-0badf00d.json", 9), "does not name this node's part"),
     ],
 )
@@ -453,7 +456,7 @@ def test_an_index_holder_validates_the_index_it_receives(tmp_path, forged, why):
 
     node = tmp_path / "node1"
     storage = Storage(str(node))
-    doc = {"format": "ftkit-checkpoint", "format_version": 3, "step": 1, "world_size": 2, "skeleton": {"entries": {}}}
+    doc = {"format": "ftkit-checkpoint", "format_version": 4, "step": 1, "world_size": 2, "skeleton": {"entries": {}}}
     data = json.dumps({**doc, **forged}).encode()  # as rank 0 sent it through the store
     part = PartEntry("part-00001-0badf00d.json", 9, "xxh3_64:" + "1" * 16, ((1, 2),))
     with pytest.raises(ftkit.FtkitError, match=why):
@@ -479,7 +482,7 @@ def test_what_a_leader_relays_to_its_exchanger_is_checked_like_any_board_message
 
     good = "xxh3_64:" + "1" * 16
     own = Written(PartEntry("part-00002-0badf00d.json", 9, good, ((2, 4),)), {"rank-00002-0badf00d.data": 64}, 64)
-    relay = Relay({2: "a report"}, {"part-00000-0badf00d.json": (0, good), "part-00004-0badf00d.json": (4, good)}, own)
+    relay = Relay({2: b"a report"}, {"part-00000-0badf00d.json": (0, good), "part-00004-0badf00d.json": (4, good)}, own)
     assert Relay.decode(relay.encode(), "relay") == relay
     for parts in (
         {"../part-00002-evil.json": (2, good)},
@@ -518,34 +521,3 @@ def test_what_a_leader_relays_to_its_exchanger_is_checked_like_any_board_message
     assert errors == ["rank 1: rank 1's outcome names a file outside its step directory"]
     assert parts == ["part-00002-0badf00d.json"]
     assert _outcome_errors(1, b'{"errors": []}', parts) == ["rank 1: rank 1's outcome is not a commit message"]
-
-
-def test_a_report_of_a_layout_checked_before_is_not_parsed_again_but_a_forged_one_is_refused(monkeypatch):
-    """Every rank validates the reports it receives at every step; a report of the layout of one
-    it validated before (only the checksums and its file's token differ) passes at once. A chunk
-    naming another file, or a checksum of another form, makes another layout: checked, refused."""
-    from ftkit.commit import reports
-    from ftkit.commit.reports import NodeReport as _Report
-    from ftkit.errors import FormatError
-    from ftkit.format import validate
-    from ftkit.format.manifest import Chunk, Shard, TensorEntry
-    from ftkit.save.write import RankWrite
-
-    def text(token: str, checksum: str, chunk_token: str | None = None) -> str:
-        file, chunk_file = f"rank-00001-{token}.data", f"rank-00001-{chunk_token or token}.data"
-        chunk = Chunk(chunk_file, 0, 64, 0, 64, "raw", checksum)
-        tensor = TensorEntry("w", "float32", (32,), (Shard((16,), (16,), (chunk,), 1),), "sharded")
-        return _Report.encode(RankWrite(1, file, 64, (tensor,)), None, None)
-
-    full = []
-    real = validate.report_tensors
-    monkeypatch.setattr(reports, "report_tensors", lambda *a: full.append(a[1]) or real(*a))
-    checked = reports.LayoutMemo()  # a tier's memo of the layouts it validated
-    _Report.decode(1, text("aaaaaaaa", "xxh3_64:" + "1" * 16), 2, None, checked).tensors()
-    _Report.decode(1, text("bbbbbbbb", "xxh3_64:" + "2" * 16), 2, None, checked).tensors()  # same layout
-    assert full == ["rank-00001-aaaaaaaa.data"]
-    with pytest.raises(FormatError, match="rank 1's report"):  # a chunk in a file it does not report
-        _Report.decode(1, text("cccccccc", "xxh3_64:" + "3" * 16, chunk_token="dddddddd"), 2, None, checked).tensors()
-    with pytest.raises(FormatError, match="rank 1's report"):  # a checksum of another form
-        _Report.decode(1, text("eeeeeeee", "XXH3_64:" + "4" * 16), 2, None, checked).tensors()
-    assert len(full) == 3
