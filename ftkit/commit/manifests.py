@@ -16,11 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.commit.index_text import encode_index_reusing
-from ftkit.commit.memo import Lru
 from ftkit.commit.messages import PartEntry, Record, Report, Written
 from ftkit.errors import AlreadyCommitted, StorageError
-from ftkit.format.index import index_doc, parse_index, part_ref
+from ftkit.format.index import encode_index, index_doc, parse_index, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from ftkit.save.write import RankWrite
 from ftkit.tiers.storage import Storage
@@ -110,20 +108,18 @@ def commit_index(
     skeleton: dict[str, Any],
     local_parts: set[str] | None = None,
     writer_extra: dict[str, Any] | None = None,
-    texts: Lru[bytes, str] | None = None,
 ) -> Committed:
     """Rank 0's share: the index naming every node's part, written last (the commit).
     `records`: one per node, each naming its part, validated by the caller's protocol.
     `local_parts`: the parts that must be in the step directory now (all, by default;
-    a node of the RAM tier holds only its own and its replica sources'). `texts`: the index
-    texts of the steps before (CommitMemo.index_texts; commit/index_text.py)."""
+    a node of the RAM tier holds only its own and its replica sources')."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
     parts = sorted((r.part.doc() for r in records if r.part is not None), key=lambda p: p["ranks"][0][0])
     doc = index_doc(step, world_size, parts, skeleton, time.time(), {**(writer_extra or {}), **writer_info()})
     parse_index(doc, storage.where(rel), step)  # (its parts came from records checked one by one)
-    data = encode_index_reusing(doc, texts if texts is not None else Lru(16))
+    data = encode_index(doc)
     check_files_present(
         storage, step, {p["file"]: p["bytes"] for p in parts if local_parts is None or p["file"] in local_parts}
     )

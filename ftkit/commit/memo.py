@@ -1,8 +1,7 @@
 """What one tier's commit keeps on this rank from one step to the next, so that a step costs
 the values that changed, not the layouts that did not: the layouts it knows and sent
-(commit/layouts.py), the reports and parts it checked (commit/reports.py, format/index.py
-LayoutMemo), the reports it decoded, the part templates (commit/part_template.py) and
-the index's texts (commit/index_text.py).
+(commit/layouts.py), the reports it decoded (commit/reports.py), its node's layout lines and
+the parts it checked (commit/parts.py).
 
 One `CommitMemo` per tier of one Checkpointer (commit/node.py NodeGroup holds it): it goes
 away with them, and nothing is kept per process. Bounded: the least recently put entry goes
@@ -57,4 +56,3 @@ class CommitMemo:
         self.decoded: Lru[tuple[int, bytes], RankReport] = Lru(16 * scale)  # reports decoded
         self.node_layouts: Lru[tuple[str, ...], NodeLayout] = Lru(8 * scale)  # parts' layout lines
         self.checked_parts: Lru[tuple[Any, ...], bool] = Lru(16 * scale)  # parts validated, by geometry
-        self.index_texts: Lru[bytes, str] = Lru(16 * scale)  # the index's containers' JSON, by marshal bytes

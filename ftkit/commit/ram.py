@@ -294,10 +294,7 @@ class RamCommit(StepExecutor):
         assert own is not None and own.part is not None
         local = {own.part.file, *own.others}  # the parts in rank 0's node's directory
         world = self.ctx.world_size
-        texts = self.group.memo.index_texts
-        self.committed = commit_index(
-            self.storage, self.step, world, self.records, self.skeleton, local_parts=local, texts=texts
-        )
+        self.committed = commit_index(self.storage, self.step, world, self.records, self.skeleton, local_parts=local)
 
     def send_index(self, _: Step) -> None:
         assert self.committed is not None

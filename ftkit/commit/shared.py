@@ -110,10 +110,7 @@ class SharedCommit(StepExecutor):
         if failures:
             raise StorageError(f"step {self.step} not committed to {self.storage.display_url}: {'; '.join(failures)}")
         fault_point("commit", self.step, 0)  # every part is durable, the index not yet written
-        texts = self.group.memo.index_texts
-        self.committed = commit_index(
-            self.storage, self.step, self.ctx.world_size, self.records, self.skeleton, texts=texts
-        )
+        self.committed = commit_index(self.storage, self.step, self.ctx.world_size, self.records, self.skeleton)
 
 
 SharedCommit.HANDLERS.update(

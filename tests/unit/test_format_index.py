@@ -212,33 +212,3 @@ def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
     assert doc["format_version"] == 2 and "tensors" in doc
     assert _load(root).format_version == 2
     _assert_restores(root, values)
-
-
-def test_rank_0s_index_bytes_reusing_earlier_skeleton_text_are_json_dumps_of_the_index():
-    """commit/index_text.py keeps the JSON of the skeleton's containers seen at earlier steps, by
-    their marshal bytes. Values that compare equal but encode differently (1, 1.0 and True;
-    0.0 and -0.0) must not share a text: every index is json.dumps of its document."""
-    from ftkit.commit.index_text import encode_index_reusing
-    from ftkit.commit.memo import CommitMemo
-    from ftkit.format.index import encode_index, index_doc
-
-    texts = CommitMemo().index_texts  # rank 0's tier's, kept from one step to the next
-    placeholders = {f"layer{i}.weight": {"$tensor": f"model/layer{i}.weight"} for i in range(40)}
-    parts = [{"file": "part-00000.json", "bytes": 10, "checksum": "xxh3_64:" + "0" * 16, "ranks": [[0, 1]]}]
-    seen = set()
-    for step, v in enumerate([1, 1.0, True, 0.0, -0.0, 1, [1, 2], {"x": None}, 1, "1"]):
-        group = {"lr": v, "params": list(range(100)), "note": "é"}  # (big enough to be kept)
-        skeleton = {
-            "entries": {
-                "model": {"kind": "state_dict", "value": placeholders},
-                "optim": {"kind": "stateful", "value": {"state": {"$items": []}, "param_groups": [group]}},
-                "sched": {"kind": "stateful", "value": {"last_epoch": step}},
-            }
-        }
-        doc = index_doc(step, 1, parts, skeleton, 1.5, {"ftkit": "test"})
-        data = encode_index_reusing(doc, texts)
-        assert data == encode_index(doc)
-        assert json.loads(data)["skeleton"]["entries"]["optim"]["value"]["param_groups"][0]["lr"] == v
-        assert type(json.loads(data)["skeleton"]["entries"]["optim"]["value"]["param_groups"][0]["lr"]) is type(v)
-        seen.add(data)
-    assert len(seen) == 10
