@@ -163,7 +163,7 @@ class Floor:
                 self._send(b"r\0" + p["outcome"])
         else:
             for _ in self.mates:
-                json.loads(self._receive().partition(b"\n")[0])
+                _fields(self._receive())
             _atomic_write(os.path.join(d, "part.json"), p["part"], self.sync)
             store.set(f"floor/w/{node}", p["record"])
             store.wait([f"floor/w/{self.partner}"], timedelta(seconds=60))
@@ -267,7 +267,7 @@ class HandshakeFloor(Floor):
                 self._send_to(self.collector_rank, f"o-{self.rank}-{r}", p["outcome"])
         else:
             for q in self.mates:
-                json.loads(self._wait_for(f"w-{q}-{r}").partition(b"\n")[0])
+                _fields(self._wait_for(f"w-{q}-{r}"))
             _atomic_write(os.path.join(d, "part.json"), p["part"], self.sync)
             store.set(f"floorw/{r}/w/{node}", p["record"])
             (record,) = store.multi_get([f"floorw/{r}/w/{self.partner}"])  # (it waits for the key)

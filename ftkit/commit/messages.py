@@ -29,6 +29,7 @@ the only version; a message of another version is refused by name.
 
 from __future__ import annotations
 
+import operator
 import re
 import struct
 from collections.abc import Sequence
@@ -275,7 +276,7 @@ class Report:
             raise FormatError(f"{where} has malformed chunks")
         if file is not None and nbytes and not n:  # (a replica of it would be stored unchecked)
             raise FormatError(f"{where} lists no chunk for its {nbytes}-byte file")
-        if any(o + length > nbytes for o, length in zip(offsets, lengths, strict=True)):
+        if n and max(map(operator.add, offsets, lengths)) > nbytes:
             raise FormatError(f"{where} has a chunk beyond its {nbytes}-byte file")
         if not _SUMS.fullmatch("\0".join(sums) + "\0" if sums else ""):
             raise FormatError(f"{where} has a malformed checksum")

@@ -11,6 +11,7 @@ committed. What the layout says is validated with the part it becomes part of
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,13 +55,11 @@ class RankReport:
             raise FormatError(f"rank {self.rank}'s report has a rank state that is not an object")
         return state
 
-    def values(self, file_index: int) -> list[list[Any]]:
-        """Its chunks as a format-4 part's values list them: [file, offset, length, codec, checksum]."""
+    def values(self, file_index: int) -> list[tuple[Any, ...]]:
+        """Its chunks as a format-4 part's values list them: (file, offset, length, codec, checksum)."""
         r = self.report
-        return [
-            [file_index, o, n, CODECS[c], s]
-            for o, n, c, s in zip(r.offsets, r.lengths, r.codecs, r.checksums, strict=True)
-        ]
+        codecs = map(CODECS.__getitem__, r.codecs)
+        return list(zip(itertools.repeat(file_index), r.offsets, r.lengths, codecs, r.checksums))
 
     def chunks(self) -> list[tuple[str, int, int, str]]:
         """(tensor name, offset, length, checksum) of each chunk in its file: what a replica of
