@@ -7,13 +7,10 @@ test_integrations_multiprocess.py."""
 from __future__ import annotations
 
 import pytest
+from accelerate.data_loader import SeedableRandomSampler  # the test extra installs it: missing is a failure
+from torch.utils.data import BatchSampler
 
-pytest.importorskip("accelerate")
-
-from accelerate.data_loader import SeedableRandomSampler  # noqa: E402
-from torch.utils.data import BatchSampler  # noqa: E402
-
-from ftkit.integrations._hf_stream import (  # noqa: E402
+from ftkit.integrations._hf_stream import (
     ContinuedSampler,
     Layout,
     StreamPosition,
