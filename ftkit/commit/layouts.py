@@ -31,7 +31,6 @@ import functools
 import hashlib
 import json
 import operator
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,13 +53,6 @@ def board_name(digest: str) -> str:
 
 def store_key(digest: str) -> str:
     return f"layout/{digest}"
-
-
-_DIGEST = re.compile(r"[0-9a-f]{40}")
-
-
-def is_digest(v: Any) -> bool:
-    return isinstance(v, str) and _DIGEST.fullmatch(v) is not None
 
 
 @dataclass(frozen=True)

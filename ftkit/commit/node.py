@@ -11,9 +11,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ftkit.commit.layouts import Published
+from ftkit.commit.layouts import Published, board_name, layout_of
 from ftkit.commit.memo import CommitMemo
 from ftkit.commit.plan import SHARED, Act, CommitPlan, Msg, NodeRoles, Step
+from ftkit.commit.reports import RankReport, failed
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import NodeBoard, step_message
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ftkit.commit.manifests import Committed
     from ftkit.save.sharding import Piece
     from ftkit.save.staging import Slot
+    from ftkit.save.write import RankWrite
     from ftkit.tiers.storage import Storage
 
 MAX_REPORT_BYTES = 256 * 2**20  # one rank's tensor entries: megabytes at most
@@ -143,6 +145,8 @@ class StepExecutor:
         self.error: Exception | None = None  # this rank's write's, raised at the end
         self.record_keys: list[str] = []  # rank 0's: the step's keys it deletes
         self.committed: Committed | None = None
+        self.own: RankReport | None = None  # this rank's report of its write
+        self.text = b""  # that report, as sent
 
     def run(self) -> Committed | None:
         with contextlib.ExitStack() as self.stack:
@@ -162,6 +166,22 @@ class StepExecutor:
 
     def do(self, step: Step) -> None:
         self.HANDLERS[step.act, step.msg](self, step)
+
+    def report_write(self, write: RankWrite | None) -> None:
+        """This rank's report of its write (None: its error), its layout found (layouts.py)."""
+        if write is not None:
+            layout, report = layout_of(write, self.group.memo, self.rank_state)
+            self.own = RankReport(self.ctx.rank, report, layout)
+        else:
+            self.own = failed(self.ctx.rank, str(self.error))
+        self.text = self.own.report.encode()
+
+    def send_report(self, step: Step) -> None:
+        """SEND report: its layout posted once on the node's board, then the report itself."""
+        assert self.own is not None
+        if self.own.layout is not None:
+            self.group.node_board().post_once(board_name(self.own.layout.digest), self.own.layout.body)
+        self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers)
 
     def not_committed(self) -> None:
         """Rank 0's failure: remove what the step put where rank 0 can remove it."""

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ftkit.commit.keys import KeyLedger, delete_keys, exchange_key, index_key, older_keys, ram_record_key
-from ftkit.commit.layouts import Layout, board_name, from_board, from_store, layout_of, lookup
+from ftkit.commit.layouts import Layout, from_board, from_store, lookup
 from ftkit.commit.manifests import Committed, check_files_present, commit_index, store_part
 from ftkit.commit.memo import CommitMemo
 from ftkit.commit.messages import Exchange, Outcome, Record, Relay, Report, Written
@@ -75,7 +75,7 @@ from ftkit.commit.node import NodeGroup, StepExecutor
 from ftkit.commit.parts import build_part
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
-from ftkit.commit.reports import RankReport, decode_report, failed
+from ftkit.commit.reports import decode_report
 from ftkit.commit.shared import read_node_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
@@ -148,8 +148,6 @@ class RamCommit(StepExecutor):
         self.peers, self.cpu = peers, cpu
         self.collector = self.ctx.rank == self.group.collector
         self.write_: RankWrite | None = None
-        self.own: RankReport | None = None  # its report
-        self.text = b""  # its report, as sent
         self.texts: dict[int, bytes] = {}  # the collector's: its node's reports
         self.node: NodeShare | None = None  # the collector's: its node's part, or errors
         # The partners' reports: none where the node has no partner (a job of one node).
@@ -184,18 +182,7 @@ class RamCommit(StepExecutor):
         except AlreadyCommitted as e:  # this node has the step, another may not: still take part
             self.write_, self.error = None, e
         self.cpu["write"] = time.thread_time() - c0
-        if self.write_ is not None:
-            layout, report = layout_of(self.write_, self.group.memo, self.rank_state)
-            self.own = RankReport(self.ctx.rank, report, layout)
-        else:
-            self.own = failed(self.ctx.rank, str(self.error))
-        self.text = self.own.report.encode()
-
-    def send_report(self, step: Step) -> None:
-        assert self.own is not None
-        if self.own.layout is not None:
-            self.group.node_board().post_once(board_name(self.own.layout.digest), self.own.layout.body)
-        self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers)
+        self.report_write(self.write_)
 
     def send_outcome(self, step: Step) -> None:
         outcome = Outcome(tuple(self.errors), tuple(self.others))

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ftkit.commit.keys import KeyLedger, delete_keys, older_keys, shared_record_key
-from ftkit.commit.layouts import board_name, from_board, layout_of, lookup
+from ftkit.commit.layouts import from_board, lookup
 from ftkit.commit.manifests import Committed, commit_index, store_part
 from ftkit.commit.memo import CommitMemo
 from ftkit.commit.messages import Record, Report
@@ -57,7 +57,6 @@ class SharedCommit(StepExecutor):
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        self.own: RankReport | None = None
         self.reports: dict[int, RankReport] = {}
         self.records: list[Record] = []  # rank 0's: its node's record first
 
@@ -68,17 +67,7 @@ class SharedCommit(StepExecutor):
     def write(self, _: Step) -> None:
         write, self.error = write_share(self.storage, self.step, self.slot, self.pieces, self.compress, self.ctx.rank)
         fault_point("persist", self.step, self.ctx.rank)  # data written, not yet reported
-        if write is not None:
-            layout, report = layout_of(write, self.group.memo, self.rank_state)
-            self.own = RankReport(self.ctx.rank, report, layout)
-        else:
-            self.own = failed(self.ctx.rank, str(self.error))
-
-    def send_report(self, step: Step) -> None:
-        assert self.own is not None
-        if self.own.layout is not None:
-            self.group.node_board().post_once(board_name(self.own.layout.digest), self.own.layout.body)
-        self.group.send(self.at, "w", self.ctx.rank, self.own.report.encode(), step.peers)
+        self.report_write(write)
 
     def await_reports(self, step: Step) -> None:
         timeout = self.ctx.timeout_s

@@ -22,8 +22,6 @@ from ftkit.format.validate import MAX_STEP, _int, _list, parse_json
 
 PART_VERSION = 4
 PART_FORMAT = "ftkit-checkpoint-part"
-# What every version-4 part begins with (encode_part writes the head's fields in this order).
-HEAD_PREFIX = b'{"format":"ftkit-checkpoint-part","format_version":4,'
 
 
 def _line(doc: Any) -> bytes:
