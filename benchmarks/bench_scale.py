@@ -337,6 +337,12 @@ COMMIT_STEPS = 3
 
 
 def commit_worker(idx: int, procs: int, world: int, per: int, port: int, dirs: tuple[str, str], q: Any) -> None:
+    import resource
+
+    # Each simulated node's mailbox and a connection to it each way: three descriptors a node.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 16, hard))
     try:
         shared = simulate_commits(idx, procs, world, per, port, *dirs)
         q.put({**shared, "ram": simulate_ram_commits(idx, procs, world, per, port, dirs[0])})
@@ -397,6 +403,7 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
         ctxs[n] = DistContext(leader, world, root_store if n == 0 else store, f"n{n}", 120.0, names, prefix)
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
         groups[n] = NodeGroup(board, plan, f"n{n}", memo=CommitMemo(scale=per))
+        board.mailbox(n * per)  # listening from the start, as tiers/opened.py has it
     sender_memo = CommitMemo(scale=world)  # (the other ranks' own: each keeps its layout)
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
     out: dict[str, Any] = {"sets": [], "leader_cpu": [], "requests": [], "commit": []}
@@ -409,17 +416,16 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
             for r in members[n * per]:
                 with open(os.path.join(root, step_dir, file_of(r, step)), "wb") as f:
                     f.write(payload)
-                if r != n * per:  # its layout posted once, then its report (SharedCommit.send_report)
+                if r != n * per:  # its layout sent once, then its report (StepExecutor.send_report)
                     layout, report = layout_of(write_of(r, step), sender_memo)
-                    groups[n].node_board().post_once(board_name(layout.digest), layout.body)
+                    groups[n].node_board().send_once(board_name(layout.digest), layout.body.encode(), [n * per])
                     messages[n].append((step_message(at, f"w-r{r}"), report.encode()))
         _barrier(raw, f"{prefix}b{step}", procs)
         before = store.requests + root_store.requests
 
         def run(n: int, step: int = step, key: str = key, at: tuple[int, int] = at, messages: dict = messages):  # noqa: ANN202
-            # The node's other ranks post their reports to its leader's mailbox just before it
-            # collects: posted for every node at once, this process's one sending socket would
-            # hold thousands of unread datagrams, past its send buffer (a real rank sends one).
+            # The node's other ranks send their reports to its leader's mailbox just before it
+            # collects (a real rank sends one; here one process sends for all of them).
             for name, message in messages[n]:
                 groups[n].node_board().send(name, message, [n * per])
             return shared.persist(
@@ -560,6 +566,7 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         storages[n] = Storage(os.path.join(ram_dir, "tier", f"n{n}"))
         board = NodeBoard(f"{prefix}commit/0", f"n{n}", True, "bench", kind="commit")
         groups[n] = NodeGroup(board, plan, f"n{n}", memo=CommitMemo(scale=per))
+        board.mailbox(groups[n].collector)  # listening from the start, as tiers/opened.py has it
         news[n] = CommitNews()
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
     out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "retention": [], "held": [], "sets": []}
@@ -609,7 +616,7 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
 
         for n in mine:  # each node's collector, in a thread, while the node's other ranks post and return
             collector = threading.Thread(target=collect, args=(n,), daemon=True) if groups[n].collector != 0 else None
-            if collector is not None:  # (a mailbox queues a few messages: a node's ranks send it 2 each)
+            if collector is not None:
                 collector.start()
             for r in members[n * per]:
                 if r not in (0, groups[n].collector):

@@ -1,8 +1,10 @@
 """What one message between two ranks of a node costs: ftkit's board (coord/nodelocal.py
-NodeBoard.send / collect, through the receiver's mailbox, coord/mailbox.py) beside its floor
-(the same datagram with a bare `sendto` and `select` + `recv`, no ftkit code) and beside the
-transport the board used before (a file written and renamed, a byte down the receiver's named
-pipe; the receiver looks, sleeps in `select`, reads the file and removes it).
+NodeBoard.send / collect, down a kept connection to the receiver's mailbox, coord/mailbox.py)
+beside its floor (the same frame down a bare Unix stream connection: `sendall`, `poll` +
+`recv`, no ftkit code), beside a bare datagram (the board's transport before, with a file
+for what a datagram could not take) and beside files (a file written and renamed, a byte
+down the receiver's named pipe; the receiver looks, sleeps in `select`, reads the file and
+removes it: the transport before the datagrams).
 
 Two processes take turns: one sends, the other (asleep in its wait) receives, every 2 ms.
 Printed: CPU microseconds per message on each side (thread CPU; the receiver's includes its
@@ -18,6 +20,7 @@ import os
 import select
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -35,11 +38,31 @@ def _board_side(me: int, root: str, n: int, payload: bytes) -> tuple[float, floa
         me,
         n,
         lambda i: board.send(step_message((0, i), f"w-r{me}"), payload, [1 - me]),
-        lambda i: board.collect({1 - me: step_message((0, i), f"w-r{1 - me}")}, 30.0, 1 << 20, me=me, only_reader=True),
+        lambda i: board.collect({1 - me: step_message((0, i), f"w-r{1 - me}")}, 30.0, 1 << 20, me),
     )
 
 
 def _floor_side(me: int, root: str, n: int, payload: bytes) -> tuple[float, float]:
+    mine, theirs = os.path.join(root, f"box-{me}"), os.path.join(root, f"box-{1 - me}")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(mine)
+    listener.listen(8)
+    time.sleep(0.2)  # both listening
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    out.connect(theirs)
+    conn, _ = listener.accept()
+    poll = select.poll()
+    poll.register(conn, select.POLLIN)
+
+    def receive(i: int) -> None:
+        poll.poll(30e3)
+        conn.recv(1 << 18)
+
+    message = struct.pack("!I", len(payload) + 14) + b"0-0-w-r0.json\0" + payload
+    return _turns(me, n, lambda i: out.sendall(message), receive)
+
+
+def _datagram_side(me: int, root: str, n: int, payload: bytes) -> tuple[float, float]:
     mine, theirs = os.path.join(root, f"box-{me}"), os.path.join(root, f"box-{1 - me}")
     box = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     box.bind(mine)
@@ -132,9 +155,10 @@ def main() -> None:
     a = ap.parse_args()
     payload = b"x" * a.bytes
     sides = {
-        "ftkit board (mailbox)": _board_side,
-        "floor (bare datagram)": _floor_side,
-        "files + pipe (before)": _files_side,
+        "ftkit board (connection)": _board_side,
+        "floor (bare stream connection)": _floor_side,
+        "bare datagram (before)": _datagram_side,
+        "files + pipe (before that)": _files_side,
     }
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
     for _ in range(a.rounds):
@@ -144,7 +168,7 @@ def main() -> None:
     for name, runs in results.items():
         send = statistics.median(s for s, _ in runs) * 1e6
         recv = statistics.median(g for _, g in runs) * 1e6
-        print(f"  {name:24s} send {send:6.1f} us   receive (with its wake) {recv:6.1f} us   both {send + recv:6.1f} us")
+        print(f"  {name:30s} send {send:6.1f} us   receive (with its wake) {recv:6.1f} us   both {send + recv:6.1f} us")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ Per snapshot of `["ram", replicas=1]` on 2 simulated nodes, each rank's share of
 store, a socket), on the real payloads of the run's last committed step, with nothing
 waited for (every message received is queued already, every key is set already):
 
-    every rank:    its report to its collector (a datagram, as to a mailbox on the node's
-                   board, coord/mailbox.py); the relayed peer reports received and parsed
+    every rank:    its report to its collector (a datagram: the cheapest message between two
+                   processes; ftkit's board keeps a stream connection to each mailbox,
+                   coord/mailbox.py, which benchmarks/board_messages.py sets beside it);
+                   the relayed peer reports received and parsed
                    (rank 0: its partner's record and its own node's read from the store);
                    its outcome sent, but by rank 0, which keeps its own (commit/shared.py
                    NodeGroup has the roles: a node's collector is its first rank, on rank
@@ -77,7 +79,7 @@ def _atomic_write(path: str, data: bytes, sync: bool) -> None:
 
 
 def _box(path: str) -> socket.socket:
-    """A datagram socket bound at `path`, as a rank's mailbox on its node's board is."""
+    """A datagram socket bound at `path`: a rank's mailbox at its cheapest."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -9,7 +9,8 @@ sends its layout once, as a *body* named by its hash, and then per step a `Repor
     body:    the rank's tensor entries as a format-4 part's layout line holds them
              (format/part.py layout_docs: each chunk only its raw_offset and raw_length), JSON
     name:    blake2b-160 of the body, hex
-    where:   on the rank's node board as layout-<name>.json (its collector reads it),
+    where:   sent to the rank's collector as the board message layout-<name>.json, ahead of
+             the first report naming it over each connection (coord/mailbox.py), and
              in the store under layout/<name> (set by its collector before the first exchange
              that names it, which the replica partners read; never deleted: a few per rank)
 
@@ -18,8 +19,8 @@ has the shape of a layout; what it says is validated with the part it becomes pa
 (commit/parts.py), once per layout. A report whose layout cannot be found reads as that
 rank's error: the step is simply not committed.
 
-Order of calls: a sender `layout_of(write, memo)` -> (Layout, its Report); a rank posts
-`layout.body` to its board (NodeBoard.post_once) before its report; a collector publishes its
+Order of calls: a sender `layout_of(write, memo)` -> (Layout, its Report); a rank sends
+`layout.body` to its collector (NodeBoard.send_once) before its report; a collector publishes its
 node's bodies in the store (`Published`) before the exchange naming them. A receiver resolves
 a report's layout with `lookup(from_board(...))` or `lookup(from_store(...))`, which returns
 known layouts from the tier's memo (commit/memo.py) and fetches, checks and keeps unknown ones.
@@ -145,9 +146,9 @@ def layout_of(write: Any, memo: CommitMemo, state: Any = None) -> tuple[Layout, 
 
 
 # ------------------------------------------------------------------ where bodies are
-def from_board(board: Any) -> Callable[[str], bytes | None]:
-    """Fetch a body from a node's board (coord/nodelocal.py NodeBoard), as its ranks post them."""
-    return lambda digest: board.read_bytes(board_name(digest), MAX_BODY_BYTES) if board is not None else None
+def from_board(board: Any, me: int) -> Callable[[str], bytes | None]:
+    """Fetch a body sent to `me` on a node's board (coord/nodelocal.py NodeBoard.send_once)."""
+    return lambda digest: board.take(board_name(digest), me, MAX_BODY_BYTES) if board is not None else None
 
 
 def from_store(store: Any) -> Callable[[str], bytes | None]:

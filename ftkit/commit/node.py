@@ -109,7 +109,7 @@ class NodeGroup:
         if not names:
             return {}
         board = self.node_board()
-        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me=me, only_reader=True)
+        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me)
         board.prune_before(at)
         return got
 
@@ -177,10 +177,11 @@ class StepExecutor:
         self.text = self.own.report.encode()
 
     def send_report(self, step: Step) -> None:
-        """SEND report: its layout posted once on the node's board, then the report itself."""
+        """SEND report: its layout (once per connection to the collector), then the report itself."""
         assert self.own is not None
         if self.own.layout is not None:
-            self.group.node_board().post_once(board_name(self.own.layout.digest), self.own.layout.body)
+            layout = self.own.layout
+            self.group.node_board().send_once(board_name(layout.digest), layout.body.encode(), step.peers)
         self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers)
 
     def not_committed(self) -> None:

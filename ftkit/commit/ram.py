@@ -197,7 +197,7 @@ class RamCommit(StepExecutor):
         assert self.own is not None
         memo.decoded.put((ctx.rank, self.text), self.own)  # its own: not parsed back
         texts = {ctx.rank: self.text, **self.texts}
-        layouts = lookup(from_board(self.group.board), memo)
+        layouts = lookup(from_board(self.group.board, ctx.rank), memo)
         self.node = node_part(self.storage, self.step, texts, self.group.ranks, ctx.world_size, memo, layouts)
 
     def send_exchange(self, _: Step) -> None:

@@ -1,27 +1,31 @@
-"""A rank's mailbox on its node's board: a Unix datagram socket, `box-r<rank>` in the board's
-directory, through which the node's ranks hand each other a step's messages (commit/shared.py
-NodeGroup: reports, outcomes, the relayed peer reports) in one system call each way.
+"""A rank's mailbox on its node's board: a Unix stream socket listening at `box-r<rank>` in the
+board's directory, over which the node's ranks hand each other a step's messages
+(commit/node.py NodeGroup: layouts, reports, outcomes, the relayed peer reports).
 
-    box = Mailbox.open(address, path)   # the receiving rank, once: binds box-r<rank>
-    box.wait(timeout_s)                 # True when a message came (else the timeout, at most FALLBACK_S)
-    box.drain()                         # every message waiting: [(name, payload or None)]
-    post(address, frame)                # a peer: one datagram (message_frame / notice_frame)
+    box = Mailbox.open(address, path)   # the receiving rank, once: listens at box-r<rank>
+    box.wait(timeout_s)                 # True when something came, False at the timeout
+    box.drain()                         # every whole message waiting: [(name, payload)]
+    link = Link(address)                # a sender, one per mailbox it sends to, kept
+    link.send(frame(name, payload), patience_s)   # True once written whole
 
-Why not files: a message posted as a file, then a byte in a doorbell pipe, cost its sender a
-temporary file, a rename and the pipe's open, write and close, and its receiver a failed look,
-the wake, the open, stat, read and close of the file and its unlink: about 155 us of CPU per
-message on this VM, both sides, against 120 through the mailboxes and 65 for a bare datagram
-(benchmarks/board_messages.py). A datagram arrives whole or not at all: nothing to frame.
+One transport, no fallback. A sender keeps one connection per mailbox, opened at its first
+message, and writes each message as one length-prefixed frame; a connection keeps its
+messages in order (a rank's layout arrives before the report naming it). The connection's
+kernel buffer (net.core.wmem_default, 208 KiB here: hundreds of a step's messages) is the
+backpressure: a mailbox whose rank does not read makes its senders wait, up to their
+patience (the training thread's: none). A frame not written whole then closes the
+connection (its receiver drops the piece it got at the end of the stream: whole frames
+only) and the message is lost, as one to a rank that is gone: the receiver's wait ends at
+its timeout and the step is not committed. A mailbox not listening yet (its rank still
+opening its tiers) is waited for, up to the same patience.
 
-A mailbox queues a few messages (net.unix.max_dgram_qlen, 10 by default); a sender finding it
-full waits for room, up to PATIENCE_S (once: a mailbox that made it wait in vain gets no more
-waiting until it takes a message again). A message bigger than MAX_FRAME, or one a mailbox
-cannot take (not bound yet, still full, its rank gone), is posted as a file on the board with,
-where possible, a notice naming it; the receiver reads the board's files at its first look
-after binding and whenever FALLBACK_S pass with nothing in its mailbox, so no message is
-lost, only later. The board's directory is private (0700, this user's: tiers/ram.py); what
-arrives is untrusted all the same: a datagram that does not parse is dropped, and payloads
-decode through the caller's checks.
+Why a connection (benchmarks/board_messages.py: CPU per message, both sides, on this VM):
+a frame is one `send` and, woken by `poll`, one `recv`, as a datagram's, without a datagram's
+limits (a size under the socket buffer, a queue of ten: net.unix.max_dgram_qlen), which made
+the datagram mailboxes fall back to files on the board, a second path. The board's directory
+is private (0700, this user's: tiers/ram.py); what arrives is untrusted all the same: a frame
+longer than MAX_MESSAGE ends its connection, a frame whose name does not parse is dropped, and
+payloads decode through the caller's checks.
 """
 
 from __future__ import annotations
@@ -38,36 +42,54 @@ import threading
 import time
 import weakref
 
-FALLBACK_S = 0.02  # the longest a receiver sleeps between two looks at the board's files
-PATIENCE_S = 1.0  # the longest a sender waits for room in a full mailbox before posting a file
-MAX_FRAME = 60 * 1024  # a datagram at most (under the default socket buffers); bigger goes as a file
-MESSAGE, NOTICE = b"M", b"F"  # a frame's kind: the message itself, or "it is a file on the board"
-MAX_DRAIN = 4096  # datagrams read by one drain (a flood stops there)
+PATIENCE_S = 5.0  # the longest a sender waits for room in a mailbox, or for it to listen
+MAX_MESSAGE = 256 * 2**20 + 256  # a frame's name and payload at most; longer ends its connection
+MAX_CONNECTIONS = 1024  # connections a mailbox keeps (a node's ranks open one each, per tier)
+READ_BYTES = 1 << 18  # one recv
+MAX_DRAIN_READS = 64  # recvs per connection in one drain (a flood stops there, the rest waits)
+_HEADER = struct.Struct("!I")
 _NAME_RE = re.compile(rb"[A-Za-z0-9._-]{1,128}")
 _AF_UNIX_PATH_MAX = 100  # sun_path holds 108 bytes; longer addresses go through /proc/self/fd
+_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a gone receiver is an error, never a SIGPIPE
 
 
 def box_name(rank: int) -> str:
     return f"box-r{rank}"
 
 
-def message_frame(name: str, payload: bytes) -> bytes:
-    return MESSAGE + name.encode() + b"\0" + payload
+def frame(name: str, payload: bytes) -> bytes:
+    """One message as it goes down a connection: its length, its name, a NUL, its payload."""
+    head = name.encode() + b"\0"
+    return _HEADER.pack(len(head) + len(payload)) + head + payload
 
 
-def notice_frame(name: str) -> bytes:
-    return NOTICE + name.encode() + b"\0"
-
-
-def parse_frame(frame: bytes) -> tuple[str, bytes | None] | None:
-    """(name, payload; None for a notice) of one datagram; None if it is not a frame."""
-    kind, sep_at = frame[:1], frame.find(b"\0", 1)
-    if kind not in (MESSAGE, NOTICE) or sep_at < 0 or not _NAME_RE.fullmatch(frame, 1, sep_at):
+def parse_body(body: bytes) -> tuple[str, bytes] | None:
+    """(name, payload) of one frame's body (after its length); None if its name does not parse."""
+    sep_at = body.find(b"\0", 0, 130)
+    if sep_at < 1 or not _NAME_RE.fullmatch(body, 0, sep_at):
         return None
-    name = frame[1:sep_at].decode()
-    if kind == NOTICE:
-        return (name, None) if sep_at == len(frame) - 1 else None
-    return name, frame[sep_at + 1 :]
+    return body[:sep_at].decode(), body[sep_at + 1 :]
+
+
+def split_frames(buf: bytearray) -> tuple[list[tuple[str, bytes]], bool]:
+    """The whole frames at the front of `buf`, taken out of it, and whether what follows can
+    still be a frame (False: a length over MAX_MESSAGE, the connection is not to be read on)."""
+    got: list[tuple[str, bytes]] = []
+    at = 0
+    while len(buf) - at >= _HEADER.size:
+        (n,) = _HEADER.unpack_from(buf, at)
+        if n > MAX_MESSAGE:
+            del buf[:at]
+            return got, False
+        end = at + _HEADER.size + n
+        if end > len(buf):
+            break
+        message = parse_body(bytes(buf[at + _HEADER.size : end]))
+        if message is not None:
+            got.append(message)
+        at = end
+    del buf[:at]
+    return got, True
 
 
 class Addresses:
@@ -106,19 +128,21 @@ class Addresses:
 
 
 class Mailbox:
-    """The receiving end of one rank's mailbox. One per (directory, rank) in a process
-    (`Mailbox.open` hands out the same one again while it lives)."""
+    """The receiving end of one rank's mailbox: its listening socket and the connections its
+    senders opened. One per (directory, rank) in a process (`Mailbox.open` hands out the same
+    one again while it lives)."""
 
     _open: weakref.WeakValueDictionary[str, Mailbox] = weakref.WeakValueDictionary()
     _open_lock = threading.Lock()
 
-    def __init__(self, sock: socket.socket, path: str, inode: int):
-        self._sock = sock
+    def __init__(self, listener: socket.socket, path: str, inode: int):
+        self._listener = listener
         self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
-        self._buf = bytearray(MAX_FRAME + 1)
-        self.fresh = True  # nothing looked at yet: messages posted before it was bound are files
-        self._finalizer = weakref.finalize(self, _close_box, sock, path, inode)
+        self._poll.register(listener, select.POLLIN)
+        # The senders' connections, by descriptor: the socket, and what it sent not parsed yet.
+        self._conns: dict[int, tuple[socket.socket, bytearray]] = {}
+        self._ready: list[tuple[int, int]] | None = None  # what the last `wait` found ready, not drained yet
+        self._finalizer = weakref.finalize(self, _close_box, listener, self._conns, path, inode)
 
     @classmethod
     def open(cls, address: str, path: str) -> Mailbox | None:
@@ -128,15 +152,15 @@ class Mailbox:
         with cls._open_lock:
             box = cls._open.get(path)
             if box is None:
-                box = cls._bind(address, path)
+                box = cls._listen(address, path)
                 if box is not None:
                     cls._open[path] = box
             return box
 
     @staticmethod
-    def _bind(address: str, path: str) -> Mailbox | None:
+    def _listen(address: str, path: str) -> Mailbox | None:
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         except (OSError, AttributeError):
             return None
         try:
@@ -149,6 +173,7 @@ class Mailbox:
                     raise
                 os.unlink(path)
                 sock.bind(address)
+            sock.listen(128)
             sock.setblocking(False)
             return Mailbox(sock, path, os.lstat(path).st_ino)
         except OSError:
@@ -156,85 +181,162 @@ class Mailbox:
             return None
 
     def fileno(self) -> int:
-        return self._sock.fileno()
+        return self._listener.fileno()
 
     def wait(self, timeout_s: float) -> bool:
-        """Until a message is waiting (True) or `timeout_s`, at most FALLBACK_S, passes (False)."""
-        pause = max(0.0, min(timeout_s, FALLBACK_S))
+        """Until something came (a connection, a message, a sender gone: True) or `timeout_s`
+        passes (False)."""
+        pause = max(0.0, timeout_s)
         try:  # (poll, not select: a training process can hold more than 1024 descriptors)
-            ready = self._poll.poll(pause * 1e3) if self._sock.fileno() >= 0 else None
+            ready = self._poll.poll(pause * 1e3) if self._listener.fileno() >= 0 else None
         except OSError:
             ready = None
-        if ready == []:  # the pause passed
+        if ready is None:  # closed under it: nothing will come
+            time.sleep(pause)
             return False
-        if ready and any(events & select.POLLIN for _, events in ready):
-            return True
-        time.sleep(pause)  # closed under it, or in error: wait all the same, the board's files remain
-        return False
+        self._ready = ready
+        return bool(ready)
 
-    def drain(self) -> list[tuple[str, bytes | None]]:
-        """Every message waiting, in arrival order: (name, payload), payload None for a notice
-        (the message is a file on the board). A datagram that is not a frame is dropped."""
-        got = []
-        for _ in range(MAX_DRAIN):
+    def drain(self) -> list[tuple[str, bytes]]:
+        """Every whole message waiting, in each connection's order: (name, payload). A frame
+        whose name does not parse is dropped; a connection that sent a frame too long to be
+        one, or ended inside a frame, is closed and the piece dropped."""
+        ready, self._ready = self._ready, None
+        if ready is None:  # (not just woken by `wait`: what is ready now)
             try:
-                n = self._sock.recv_into(self._buf)
+                ready = self._poll.poll(0) if self._listener.fileno() >= 0 else []
             except OSError:
-                break
-            frame = parse_frame(bytes(memoryview(self._buf)[:n])) if n <= MAX_FRAME else None
-            if frame is not None:
-                got.append(frame)
+                ready = []
+        got: list[tuple[str, bytes]] = []
+        fds = [fd for fd, _ in ready]
+        if self._listener.fileno() in fds:
+            fds += self._accept()  # (read at once: a new sender's first message is there already)
+        for fd in fds:
+            if fd in self._conns:
+                got += self._read(fd)
         return got
+
+    def _read(self, fd: int) -> list[tuple[str, bytes]]:
+        conn, buf = self._conns[fd]
+        open_ = True
+        for _ in range(MAX_DRAIN_READS):
+            try:
+                data = conn.recv(READ_BYTES)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                data = b""
+            if not data:
+                open_ = False
+                break
+            buf += data
+            if len(data) < READ_BYTES:
+                break
+        frames, sound = split_frames(buf)
+        if not (open_ and sound):
+            self._drop(fd)
+        return frames
+
+    def _accept(self) -> list[int]:
+        """The connections opened since the last look, taken in: their descriptors."""
+        new = []
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # (BlockingIOError: none waiting; a closed mailbox: none to come)
+                return new
+            if len(self._conns) >= MAX_CONNECTIONS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._conns[conn.fileno()] = (conn, bytearray())
+            self._poll.register(conn, select.POLLIN)
+            new.append(conn.fileno())
+
+    def _drop(self, fd: int) -> None:
+        conn, _ = self._conns.pop(fd)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._poll.unregister(fd)
+        conn.close()
 
     def close(self) -> None:
         self._finalizer()
 
 
-_sender: socket.socket | None = None
-_sender_lock = threading.Lock()
-# Mailboxes that kept this process waiting PATIENCE_S in vain (a rank alive but not reading):
-# no more waiting on them until one takes a message again, so a stuck rank costs its
-# senders one wait, not one per message.
-_unheeded: set[str] = set()
+class Link:
+    """A sender's connection to one mailbox, opened at its first message and kept; safe to
+    share between threads. `once`: the names sent `once` over this connection (a rank's
+    layout: sent again only over a new connection, which may reach a new receiver)."""
 
+    def __init__(self, address: str | None):
+        self.address = address
+        self.once: set[str] = set()
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
 
-def post(address: str | None, frame: bytes, patient: bool = True) -> bool:
-    """Send one frame to the mailbox at `address`; False where it cannot take it (none bound
-    there, too big, or its queue still full after PATIENCE_S: a node's ranks can send its
-    collector more at once than a mailbox queues): the sender posts a file instead.
-    `patient` False: not even that wait (the training thread's sends), nor where this mailbox
-    already let a sender wait in vain and has taken nothing since."""
-    if address is None or len(frame) > MAX_FRAME:
-        return False
-    sender = _sender or _open_sender()
-    if sender is None:
-        return False
-    patient = patient and address not in _unheeded
-    try:
-        sent = sender.sendto(frame, 0 if patient else socket.MSG_DONTWAIT, address)
-    except OSError as e:  # ENOENT / ECONNREFUSED: nobody there; EAGAIN: still full; ENOTSOCK and the like: not a box
-        if patient and e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-            _unheeded.add(address)
-        return False
-    _unheeded.discard(address)
-    return sent == len(frame)
+    def send(self, data: bytes, patience_s: float) -> bool:
+        """Write the frame `data` whole, waiting for room (or for the mailbox to listen) up to
+        `patience_s`; False where it could not (the connection is then closed)."""
+        if self.address is None:
+            return False
+        with self._lock:
+            deadline = time.monotonic() + patience_s
+            sock = self._sock or self._connect(deadline)
+            if sock is not None and _write(sock, data, deadline):
+                return True
+            self._close()  # full, or its rank gone: a piece written is dropped at the other end
+            return False
 
-
-def _open_sender() -> socket.socket | None:
-    """This process's sending socket: blocking, for at most PATIENCE_S (SO_SNDTIMEO), while a
-    mailbox's queue is full; a mailbox not bound, or whose rank is gone, refuses at once."""
-    global _sender
-    with _sender_lock:
-        if _sender is None:
+    def _connect(self, deadline: float) -> socket.socket | None:
+        """A new connection, or None: no mailbox there (its rank not listening yet: tried again
+        until `deadline`; refused: its rank is gone)."""
+        assert self.address is not None
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                whole = int(PATIENCE_S)
-                patience = struct.pack("ll", whole, int((PATIENCE_S - whole) * 1e6))  # (a struct timeval)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, patience)
-            except (OSError, AttributeError, struct.error):
-                return None
-            _sender = s
-        return _sender
+                sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                sock.connect(self.address)
+            except OSError as e:
+                sock.close()
+                left = deadline - time.monotonic()
+                if e.errno != errno.ENOENT or left <= 0:
+                    return None
+                time.sleep(min(0.005, left))
+                continue
+            sock.setblocking(False)  # (every write tries at once: one system call, `_write`)
+            self._sock, self.once = sock, set()
+            return sock
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+
+def _write(sock: socket.socket, data: bytes, deadline: float) -> bool:
+    """Write `data` down the non-blocking `sock`, waiting for room until `deadline`."""
+    view = memoryview(data)
+    poll: select.poll | None = None
+    while view:
+        try:
+            view = view[sock.send(view, _FLAGS) :]
+            continue
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            return False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if poll is None:
+            poll = select.poll()
+            poll.register(sock, select.POLLOUT)
+        poll.poll(left * 1e3)
+    return True
 
 
 def _close_fd(fd: int) -> None:
@@ -242,8 +344,11 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
-def _close_box(sock: socket.socket, path: str, inode: int) -> None:
-    sock.close()
+def _close_box(listener: socket.socket, conns: dict[int, tuple[socket.socket, bytearray]], path: str, ino: int) -> None:
+    listener.close()
+    for conn, _ in conns.values():
+        conn.close()
+    conns.clear()
     with contextlib.suppress(OSError):
-        if os.lstat(path).st_ino == inode:  # still the socket this box bound
+        if os.lstat(path).st_ino == ino:  # still the socket this box bound
             os.unlink(path)

@@ -1,7 +1,7 @@
 """A node's board: the ranks of one node tell their leader (and hear from it) through the
 node's private shared memory, never through the global store: small files (heartbeats,
-verdicts), and for a commit's messages each rank's mailbox, a datagram socket there
-(coord/mailbox.py).
+verdicts), and for a commit's messages each rank's mailbox, a socket there that the node's
+ranks keep a connection to (coord/mailbox.py).
 
 Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link followed)::
 
@@ -12,9 +12,8 @@ Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link follo
         all-done.json     every rank of every node has finished
 
     commit/<job>/<attempt>-<scope>/<node>/    (kind "commit": one per tier, commit/node.py NodeGroup)
-        box-r<rank>       each rank's mailbox, a socket: a step's messages to it (coord/mailbox.py)
-        <epoch>-<step>-<what>.json    a message too big for a mailbox, or one it could not take
-        layout-<digest>.json          a rank's chunk layout, posted once (commit/layouts.py)
+        box-r<rank>       each rank's mailbox, a listening socket: a step's messages to it,
+                          a rank's layout once (coord/mailbox.py, commit/layouts.py)
 
 `<job>` names the running job (the store's address and torchrun's run id), so two jobs
 on one host never share a board. A leader removes its node's board when it stops and
@@ -28,23 +27,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import stat
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 from ftkit.coord.beatslots import BeatSlots
-from ftkit.coord.mailbox import Addresses, Mailbox, box_name, message_frame, notice_frame, post
+from ftkit.coord.mailbox import PATIENCE_S, Addresses, Link, Mailbox, box_name, frame
 from ftkit.format.validate import parse_message
 from ftkit.runtime import generation
 from ftkit.tiers.ram import private_subdir
 
 MAX_BYTES = 64 * 1024  # a verdict or a preemption notice is a few hundred bytes
 MAX_INBOX = 4096  # messages kept for later takers (a node's ranks send a few per step)
-PRUNE_EVERY = 16  # steps between two looks for the messages a skipped step left (NodeBoard.prune_before)
+
+log = logging.getLogger("ftkit")
 
 
 def _safe(name: str) -> str:
@@ -74,10 +76,9 @@ class NodeBoard:
         self.path = private_subdir(kind, job, attempt, _safe(node))
         self._addresses = Addresses(self.path)  # of the ranks' mailboxes here (coord/mailbox.py)
         self._boxes: dict[int, Mailbox | None] = {}  # this process's mailboxes here, by rank
-        self._to: dict[int, str | None] = {}  # the addresses of the ranks' mailboxes, by rank
-        self._inbox: dict[str, bytes | None] = {}  # drained from them, not taken yet, by name (None: a notice)
-        self._posted: set[str] = set()  # what post_once wrote
-        self._pruned: tuple[int, int] | None = None  # the step prune_before last ran for
+        self._links: dict[int, Link] = {}  # this process's connections to the ranks' mailboxes, by rank
+        self._inbox: dict[str, bytes] = {}  # drained from this process's mailboxes, not taken yet, by name
+        weakref.finalize(self, _close_links, self._links)
 
     # ------------------------------------------------------------- files
     def write(self, name: str, doc: Any) -> None:
@@ -95,14 +96,6 @@ class NodeBoard:
         finally:
             os.close(fd)
         os.replace(tmp, os.path.join(self.path, name))
-
-    def post_once(self, name: str, text: str) -> None:
-        """`name` holds `text`, which never changes (it is named by its hash): written the first
-        time, and again only if it is gone."""
-        if name in self._posted and os.path.exists(os.path.join(self.path, name)):
-            return
-        self.write_text(name, text)
-        self._posted.add(name)
 
     def read(self, name: str) -> Any:
         """The JSON document `name`, or None (missing, a link, too big, not JSON)."""
@@ -138,125 +131,87 @@ class NodeBoard:
 
     # ------------------------------------------------- a step's messages (commits)
     def send(self, name: str, data: bytes, to: Iterable[int], patient: bool = True) -> None:
-        """Hand the message `name` to the ranks `to` of the node, into their mailboxes
-        (coord/mailbox.py); where one cannot take it (too big, not bound yet, still full after
-        mailbox.PATIENCE_S; `patient` False: full at all), it is a file on the board instead,
-        named to them by a notice where that gets through."""
-        frame = message_frame(name, data)
-        missed = [r for r in to if not post(self._address(r), frame, patient)]
-        if missed:
-            self.write_bytes(name, data)
-            notice = notice_frame(name)
-            for r in missed:
-                post(self._address(r), notice, patient=False)
+        """Hand the message `name` to the ranks `to` of the node, down this process's connection
+        to each one's mailbox (coord/mailbox.py), waiting for room up to mailbox.PATIENCE_S
+        (`patient` False: the training thread's sends, which never wait). A message that could
+        not be handed over is lost, as to a rank that is gone: its receiver's wait times out."""
+        message = frame(name, data)
+        for r in to:
+            if not self._link(r).send(message, PATIENCE_S if patient else 0.0):
+                log.info("ftkit: %s not handed to rank %d: its mailbox is gone, or took nothing", name, r)
+
+    def send_once(self, name: str, data: bytes, to: Iterable[int]) -> None:
+        """`send`, but once per connection: what never changes (a layout, named by its hash)."""
+        for r in to:
+            link = self._link(r)
+            if name not in link.once and link.send(frame(name, data), PATIENCE_S):
+                link.once.add(name)
 
     def collect(
-        self,
-        names: dict[int, str],
-        timeout_s: float,
-        max_bytes: int,
-        give_up: str | None = None,
-        me: int = -1,
-        only_reader: bool = False,
+        self, names: dict[int, str], timeout_s: float, max_bytes: int, me: int, give_up: str | None = None
     ) -> dict[int, bytes | None]:
-        """Wait for the messages `names` ({rank: name}) sent to `me`, for at most `timeout_s`;
-        their bytes by rank, None for one that never came, is unreadable or is over
+        """Wait for the messages `names` ({rank: name}) sent to `me`, for at most `timeout_s`,
+        and take them; their bytes by rank, None for one that never came or is over
         `max_bytes`. `give_up`: a message whose arrival ends the wait at once (a skip; it stays
-        for `has`). Messages come through `me`'s mailbox; the board's files are looked at the
-        first time and whenever nothing came for mailbox.FALLBACK_S (a message posted as a
-        file). Without a mailbox (`me` < 0, or none can be made) the board is polled, every
-        0.2 ms backing off to 2 ms. `only_reader`: the messages were sent to `me` alone, so
-        those that came as files are removed once read (else the leader's prune_before does)."""
-        box = self.mailbox(me) if me >= 0 else None
+        for `has`)."""
+        box = self.mailbox(me)
         got: dict[int, bytes | None] = {}
-        deadline, pause = time.monotonic() + timeout_s, 0.0002
-        look = box is None or box.fresh  # at the board's files
-        if box is not None and box.fresh:
-            box.fresh = False
+        deadline = time.monotonic() + timeout_s
+        if box is not None:
             self._sort(box)
         while True:
             for r, name in names.items():
-                if r in got:
-                    continue
-                if name in self._inbox and (data := self._take(name, max_bytes, only_reader)) is not None:
-                    got[r] = data
-                elif look and (data := self._take_file(name, max_bytes, only_reader)) is not None:
-                    got[r] = data
+                if r not in got and name in self._inbox:
+                    payload = self._inbox.pop(name)
+                    got[r] = payload if len(payload) <= max_bytes else None
             left = deadline - time.monotonic()
-            if len(got) == len(names) or left < 0:
+            if len(got) == len(names) or left < 0 or (give_up is not None and give_up in self._inbox):
                 break
-            if give_up is not None and self._has(give_up, look):
-                break
-            if box is not None:
-                look = not box.wait(left)
-                self._sort(box)  # all that came (a burst, from the node's ranks); after a timeout, a no-op recv
-            else:
-                time.sleep(pause)
-                pause = min(pause * 1.5, 0.002)
+            if box is None:  # (no mailbox to listen at: nothing can come)
+                time.sleep(left)
+                continue
+            box.wait(left)
+            self._sort(box)  # all that came (a burst, from the node's ranks)
         return {r: got.get(r) for r in names}
 
+    def take(self, name: str, me: int, max_bytes: int) -> bytes | None:
+        """The message `name`, if it came to `me` (a layout, sent ahead of the report naming it)."""
+        if (box := self.mailbox(me)) is not None:
+            self._sort(box)
+        payload = self._inbox.pop(name, None)
+        return payload if payload is not None and len(payload) <= max_bytes else None
+
     def has(self, name: str, me: int) -> bool:
-        """Whether the message `name` came to `me` (in its mailbox or as a file), without taking it."""
-        box = self.mailbox(me) if me >= 0 else None
+        """Whether the message `name` came to `me`, without taking it."""
+        box = self.mailbox(me)
         if box is not None:
             self._sort(box)
-        return self._has(name, True)
+        return name in self._inbox
 
     def mailbox(self, rank: int) -> Mailbox | None:
-        """`rank`'s mailbox on this board (this process's rank: bound on first use)."""
+        """`rank`'s mailbox on this board (this process's rank: listening from its first use)."""
         if rank not in self._boxes:
             address = self._addresses.of(rank)
             path = os.path.join(self.path, box_name(rank))
             self._boxes[rank] = Mailbox.open(address, path) if address is not None else None
         return self._boxes[rank]
 
-    def _address(self, rank: int) -> str | None:
-        if rank not in self._to:
-            self._to[rank] = self._addresses.of(rank)
-        return self._to[rank]
+    def _link(self, rank: int) -> Link:
+        link = self._links.get(rank)
+        if link is None:
+            link = self._links.setdefault(rank, Link(self._addresses.of(rank)))
+        return link
 
     def _sort(self, box: Mailbox) -> None:
-        """Move what waits in `box` to the inbox (by name; a notice as None)."""
+        """Move what waits in `box` to the inbox, by name."""
         for name, payload in box.drain():
-            self._keep(name, payload)
-
-    def _keep(self, name: str, payload: bytes | None) -> None:
-        if payload is not None or name not in self._inbox:
             self._inbox[name] = payload
-        if len(self._inbox) > MAX_INBOX:  # a flood (nothing of ftkit's sends that many): the oldest go
-            self._inbox.pop(next(iter(self._inbox)))
-
-    def _take(self, name: str, max_bytes: int, remove: bool) -> bytes | None:
-        payload = self._inbox.pop(name)
-        if payload is None:  # a notice: the message is a file
-            return self._take_file(name, max_bytes, remove)
-        return payload if len(payload) <= max_bytes else None
-
-    def _take_file(self, name: str, max_bytes: int, remove: bool) -> bytes | None:
-        data = self.read_bytes(name, max_bytes)
-        if data is not None and remove:
-            self.discard(name)
-        return data
-
-    def _has(self, name: str, look: bool) -> bool:
-        return name in self._inbox or (look and os.path.lexists(os.path.join(self.path, name)))
-
-    def discard(self, *names: str) -> None:
-        for name in names:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.path, name))
+            if len(self._inbox) > MAX_INBOX:  # a flood (nothing of ftkit's sends that many): the oldest go
+                self._inbox.pop(next(iter(self._inbox)))
 
     def prune_before(self, at: tuple[int, int]) -> None:
-        """Remove the messages of steps before `at` ((restore epoch, step)): what a skipped
-        step left, which nobody collected. At most once every PRUNE_EVERY steps of an epoch (a
-        collector collects twice a step, and a listing of the board at every step found
-        nothing but when a step was skipped; what one leaves is a few small files)."""
-        last = self._pruned
-        if last is not None and last[0] == at[0] and last[1] <= at[1] < last[1] + PRUNE_EVERY:
-            return
-        self._pruned = at
-        stale = [n for n in self.names() if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]
-        self.discard(*stale)
+        """Drop the messages of steps before `at` ((restore epoch, step)) that nobody took:
+        what a skipped step left."""
         for n in [n for n in self._inbox if (m := _STEP_MSG_RE.match(n)) and (int(m[1]), int(m[2])) < at]:
             del self._inbox[n]
 
@@ -275,6 +230,11 @@ class NodeBoard:
         with contextlib.suppress(OSError):
             if not os.path.islink(self.path):
                 shutil.rmtree(self.path)
+
+
+def _close_links(links: dict[int, Link]) -> None:
+    for link in links.values():
+        link.close()
 
 
 def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:

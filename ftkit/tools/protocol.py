@@ -72,7 +72,7 @@ Roles, per node:
 - **committer**: rank 0. It awaits every node's record and writes the index.
 
 Transports: `board` is the node's board (coord/nodelocal.py: a mailbox per rank in the
-node's shared memory, never the store); `store` the job's c10d store (small records
+node's shared memory, a connection kept to it per sender, never the store); `store` the job's c10d store (small records
 between nodes, O(nodes) requests per step); `peers` the replica peer group (data files).
 A rank's `replicate` step posts its replica sends and receives all at once.
 """

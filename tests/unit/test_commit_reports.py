@@ -127,19 +127,25 @@ def test_a_forged_report_reads_as_that_ranks_error(change, why):
 
 
 def test_a_collector_reads_its_ranks_layouts_from_the_board(tmp_path, monkeypatch):
+    """A rank sends its layout once per connection, ahead of its reports; its collector takes
+    it from its mailbox and keeps it. One it never got reads as that rank's error, not a hang."""
     from ftkit.coord.nodelocal import NodeBoard
 
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path))
-    board = NodeBoard("scope", "node0", True, "t", kind="commit")
+    collector = NodeBoard("scope", "node0", True, "t", kind="commit")
+    rank = NodeBoard("scope", "node0", False, "t", kind="commit")
+    collector.mailbox(0)
     layout, report = layout_of(_write(1, "aaaaaaaa"), CommitMemo())
-    board.post_once(board_name(layout.digest), layout.body)
     data = report.encode()
-    assert decode_report(1, data, lookup(from_board(board), CommitMemo())).error is None
     memo = CommitMemo()
-    (tmp_path / board.path / board_name(layout.digest)).unlink()  # gone: the rank's error, not a hang
-    assert "not to be found" in (decode_report(1, data, lookup(from_board(board), memo)).error or "")
-    board.post_once(board_name(layout.digest), layout.body)  # posted again, since it is gone
-    assert decode_report(1, data, lookup(from_board(board), memo)).error is None
+    assert "not to be found" in (decode_report(1, data, lookup(from_board(collector, 0), memo)).error or "")
+    rank.send_once(board_name(layout.digest), layout.body.encode(), [0])
+    rank.send_once(board_name(layout.digest), layout.body.encode(), [0])  # (once per connection)
+    rank.send("0-1-w-r1.json", data, [0])
+    assert collector.collect({1: "0-1-w-r1.json"}, 5.0, 1 << 20, 0) == {1: data}
+    assert decode_report(1, data, lookup(from_board(collector, 0), memo)).error is None
+    assert decode_report(1, data, lookup(None, memo)).error is None  # kept
+    assert collector.take(board_name(layout.digest), 0, 1 << 20) is None  # taken once, sent once
 
 
 def _node(step: int, memo: CommitMemo, state=None) -> tuple[dict[int, bytes], list[RankReport]]:

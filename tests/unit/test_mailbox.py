@@ -1,26 +1,20 @@
 """The node board's mailboxes (ftkit/coord/mailbox.py): a step's messages between the ranks of
-a node, one datagram each, with the board's files behind them for what a mailbox cannot take."""
+a node, as frames down one kept connection per sender and mailbox; no other path."""
 
 from __future__ import annotations
 
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 
 import pytest
 
-from ftkit.coord.mailbox import (
-    MAX_FRAME,
-    Addresses,
-    Mailbox,
-    message_frame,
-    notice_frame,
-    parse_frame,
-    post,
-)
-from ftkit.coord.nodelocal import PRUNE_EVERY, NodeBoard, step_message
+from ftkit.coord import mailbox
+from ftkit.coord.mailbox import MAX_MESSAGE, Addresses, Link, Mailbox, frame, split_frames
+from ftkit.coord.nodelocal import NodeBoard, step_message
 
 
 @pytest.fixture
@@ -34,111 +28,135 @@ def boards(tmp_path, monkeypatch):
 
 def _collect_in_thread(board: NodeBoard, names: dict, **kw) -> tuple[threading.Thread, dict]:
     got: dict = {}
-    t = threading.Thread(target=lambda: got.update(board.collect(names, 60.0, 1 << 20, me=0, **kw)))
+    t = threading.Thread(target=lambda: got.update(board.collect(names, 60.0, 1 << 30, 0, **kw)))
     t.start()
     return t, got
 
 
-def test_frames_round_trip_and_anything_else_is_not_a_frame():
-    assert parse_frame(message_frame("0-3-w-r1.json", b'{"a":1}')) == ("0-3-w-r1.json", b'{"a":1}')
-    assert parse_frame(message_frame("0-3-w-r1.json", b"")) == ("0-3-w-r1.json", b"")
-    assert parse_frame(notice_frame("0-3-peers.json")) == ("0-3-peers.json", None)
-    for junk in (
-        b"",
-        b"M",
-        b"Mname",
-        b"X0-3-w.json\0x",
-        b"M../up\0x",
-        b"M\0x",
-        b"F0-3-w.json\0extra",
-        b"M" + b"a" * 200 + b"\0",
-    ):
-        assert parse_frame(junk) is None, junk
+def _raw_connection(board: NodeBoard, rank: int) -> socket.socket:
+    """A connection to `rank`'s mailbox with no ftkit code on the sending side."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.open(board.path, os.O_RDONLY | os.O_DIRECTORY)  # (tmp_path is too long for a socket address)
+    try:
+        s.connect(f"/proc/self/fd/{fd}/box-r{rank}")
+    finally:
+        os.close(fd)
+    return s
 
 
-def test_a_collecting_leader_gets_every_message_from_its_mailbox(boards):
+def test_frames_split_whole_and_in_order_and_a_piece_waits_for_the_rest():
+    stream = frame("0-3-w-r1.json", b'{"a":1}') + frame("0-3-r-r1.json", b"") + frame("0-4-w-r1.json", b"xyz")
+    buf = bytearray(stream[:-2])
+    got, sound = split_frames(buf)
+    assert sound and got == [("0-3-w-r1.json", b'{"a":1}'), ("0-3-r-r1.json", b"")]
+    buf += stream[-2:]
+    assert split_frames(buf) == ([("0-4-w-r1.json", b"xyz")], True) and buf == bytearray()
+    for junk in (b"", b"../up", b"a" * 200, b"sp ace"):  # names that do not parse: the frame is dropped, not the stream
+        body = junk + b"\0payload"
+        buf = bytearray(struct.pack("!I", len(body)) + body + frame("ok.json", b"1"))
+        assert split_frames(buf) == ([("ok.json", b"1")], True), junk
+    too_long = bytearray(struct.pack("!I", MAX_MESSAGE + 1) + b"x" * 10)
+    assert split_frames(too_long) == ([], False)
+
+
+def test_a_collecting_leader_gets_every_message_from_its_mailbox_and_nothing_is_a_file(boards):
     leader, peer = boards
     leader.mailbox(0)
-    t, got = _collect_in_thread(leader, {1: "w-r1", 2: "w-r2"}, only_reader=True)
+    t, got = _collect_in_thread(leader, {1: "w-r1", 2: "w-r2"})
     peer.send("w-r1", b"one", [0])
     peer.send("w-r2", b'{"two":2}', [0])
     t.join(60)
     assert got == {1: b"one", 2: b'{"two":2}'}
     box = os.path.join(leader.path, "box-r0")
     assert stat.S_ISSOCK(os.lstat(box).st_mode)  # the leader's mailbox: a socket on its board
-    assert sorted(n for n in leader.names() if not n.startswith("box-")) == []  # no message went as a file
+    assert leader.names() == ["box-r0"]
 
 
-def test_a_message_too_big_for_a_datagram_goes_as_a_file_with_a_notice(boards):
+def test_a_message_far_bigger_than_the_socket_buffer_goes_down_the_same_connection(boards):
     leader, peer = boards
     leader.mailbox(0)
-    big = os.urandom(MAX_FRAME + 10)
-    peer.send("0-1-w-r1.json", big, [0])
-    assert "0-1-w-r1.json" in leader.names()  # the file, posted before its notice
-    box = leader.mailbox(0)
-    assert box is not None and box.wait(5.0)  # the notice woke the leader
-    box.fresh = False  # not its first look at the board: only the notice can lead it to the file
-    got = leader.collect({1: "0-1-w-r1.json"}, 5.0, 1 << 20, me=0, only_reader=True)
+    big = os.urandom(3 * 2**20 + 7)
+    t, got = _collect_in_thread(leader, {1: "0-1-w-r1.json"})
+    peer.send("0-1-w-r1.json", big, [0])  # waits for the collector to read, piece by piece
+    t.join(60)
     assert got == {1: big}
-    assert "0-1-w-r1.json" not in leader.names()  # read by its only reader: removed
+    assert leader.names() == ["box-r0"]
 
 
-def test_a_message_sent_before_the_mailbox_is_bound_is_a_file_found_at_the_first_look(boards):
+def test_a_message_sent_before_the_mailbox_listens_waits_for_it(boards):
+    """A rank may send before its collector has opened its tiers: the sender waits for the
+    mailbox to listen, up to its patience, and the message arrives."""
     leader, peer = boards
-    peer.send("0-1-r-r1.json", b'{"errors":[]}', [0])  # nobody bound box-r0 yet
-    assert "0-1-r-r1.json" in leader.names()
-    assert leader.collect({1: "0-1-r-r1.json"}, 5.0, 1024, me=0) == {1: b'{"errors":[]}'}
+
+    def late_collector() -> None:
+        time.sleep(0.3)
+        leader.mailbox(0)
+
+    t = threading.Thread(target=late_collector)
+    t.start()
+    peer.send("0-1-r-r1.json", b'{"errors":[]}', [0])  # nobody listens at box-r0 yet
+    t.join(60)
+    assert leader.collect({1: "0-1-r-r1.json"}, 5.0, 1024, 0) == {1: b'{"errors":[]}'}
 
 
-def test_a_message_a_full_mailbox_cannot_take_arrives_through_the_board(boards):
-    """Past its queue a mailbox refuses datagrams (EAGAIN): the sender posts a file, which the
-    receiver reads once nothing came for FALLBACK_S."""
+def test_a_mailbox_that_is_not_read_makes_a_sender_wait_its_patience_then_loses_only_that_message(boards, monkeypatch):
+    """Backpressure: a rank alive but not reading (hung in a kernel, say) lets its connection's
+    buffer fill. A sender waits for room up to PATIENCE_S, then closes the connection: the
+    receiver gets every message written whole before it, never a piece of the last. The
+    training thread's sends (patient False) never wait."""
+    monkeypatch.setattr(mailbox, "PATIENCE_S", 0.3)
     leader, peer = boards
     box = leader.mailbox(0)
     assert box is not None
     addresses = Addresses(leader.path)  # (its addresses hold while it lives)
-    filled, address = 0, addresses.of(0)
-    while post(address, message_frame(f"0-0-x{filled}.json", b"filler")):
-        filled += 1
-        assert filled < 100_000
-    peer.send("0-1-w-r1.json", b"late", [0])
-    assert "0-1-w-r1.json" in leader.names()
-    box.fresh = False
-    got = leader.collect({1: "0-1-w-r1.json"}, 10.0, 1024, me=0)
-    assert got == {1: b"late"}
-    assert filled >= 1
-
-
-def test_a_mailbox_that_is_not_read_costs_its_senders_one_wait_not_one_per_message(boards, monkeypatch):
-    """A rank alive but not reading (hung in a kernel, say) lets its mailbox fill: the first
-    sender to find it full waits PATIENCE_S for room, in vain; later messages to it go
-    straight to files, until it takes one again and senders wait for it as before."""
-    from ftkit.coord import mailbox
-
-    monkeypatch.setattr(mailbox, "PATIENCE_S", 0.5)
-    monkeypatch.setattr(mailbox, "_sender", None)  # a sending socket with that patience
-    monkeypatch.setattr(mailbox, "_unheeded", set())
-    leader, _ = boards
-    box = leader.mailbox(0)
-    assert box is not None
-    addresses = Addresses(leader.path)  # (its addresses hold while it lives)
-    filled, address = 0, addresses.of(0)
-    while post(address, message_frame(f"0-0-x{filled}.json", b"filler"), patient=False):
-        filled += 1
-        assert filled < 100_000
+    link = Link(addresses.of(0))
+    chunk = b"x" * 4096
+    sent = 0
     t0 = time.monotonic()
-    assert not post(address, message_frame("0-1-a.json", b"a"))  # waits, in vain
+    while link.send(frame(f"0-0-x{sent}.json", chunk), 0.3):
+        sent += 1
+        assert sent < 100_000
     waited = time.monotonic() - t0
+    assert sent >= 10 and waited >= 0.25  # a buffer's worth went at once, then it waited
     t1 = time.monotonic()
-    for i in range(20):
-        assert not post(address, message_frame(f"0-1-b{i}.json", b"b"))
-    again = time.monotonic() - t1
-    assert waited >= 0.4 and again < 0.4  # one wait for the whole run, not twenty-one
-    assert len(box.drain()) == filled  # the rank reads again: it gets patience again
-    assert post(address, message_frame("0-1-c.json", b"c"))
-    assert address not in mailbox._unheeded
-    assert mailbox._sender is not None
-    mailbox._sender.close()
+    assert link.send(frame("0-1-a.json", chunk), 0.0)  # a new connection has room
+    while link.send(frame("0-1-b.json", chunk), 0.0):
+        pass
+    assert time.monotonic() - t1 < 0.25  # the training thread's sends: never a wait
+    got = []
+    while box.wait(0.2):
+        got += box.drain()
+    names = [n for n, _ in got]
+    assert names[:sent] == [f"0-0-x{i}.json" for i in range(sent)]  # whole and in order, the piece dropped
+    assert all(p == chunk for _, p in got)
+    peer.send("0-2-w-r1.json", b"after", [0])  # the rank reads again: messages flow as before
+    assert leader.collect({1: "0-2-w-r1.json"}, 5.0, 1024, 0) == {1: b"after"}
+    link.close()
+
+
+def test_a_sender_gone_mid_frame_leaves_no_piece_and_others_go_on(boards):
+    leader, peer = boards
+    box = leader.mailbox(0)
+    assert box is not None
+    raw = _raw_connection(leader, 0)
+    whole = frame("0-1-w-r2.json", b"whole")
+    raw.sendall(whole + frame("0-1-r-r2.json", b"cut short")[:12])
+    raw.close()
+    peer.send("0-1-w-r1.json", b"real", [0])
+    got = leader.collect({1: "0-1-w-r1.json", 2: "0-1-w-r2.json"}, 5.0, 1024, 0)
+    assert got == {1: b"real", 2: b"whole"}
+    assert not leader.has("0-1-r-r2.json", 0)
+
+
+def test_a_stream_that_is_not_frames_is_dropped_and_the_messages_still_arrive(boards):
+    leader, peer = boards
+    leader.mailbox(0)
+    for junk in (b"\xff" * 100, struct.pack("!I", 5) + b"../x\0" + frame("0-1-w-r1.json", b"forged")[:3]):
+        raw = _raw_connection(leader, 0)
+        raw.sendall(junk)
+        raw.close()
+    peer.send("0-1-w-r1.json", b"real", [0])
+    assert leader.collect({1: "0-1-w-r1.json"}, 5.0, 1024, 0) == {1: b"real"}
 
 
 def test_a_mailbox_past_descriptor_1024_still_wakes_its_rank(tmp_path, monkeypatch):
@@ -172,38 +190,21 @@ def test_a_mailbox_past_descriptor_1024_still_wakes_its_rank(tmp_path, monkeypat
 
 
 def test_a_closed_mailbox_waits_instead_of_spinning(boards):
-    """A mailbox closed under its rank reports nothing waiting and still sleeps its pause,
-    so a collect goes on looking at the board's files instead of spinning."""
-    from ftkit.coord.mailbox import FALLBACK_S
-
     leader, _ = boards
     box = leader.mailbox(0)
     assert box is not None
     box.close()
     t0 = time.monotonic()
-    assert [box.wait(1.0) for _ in range(3)] == [False, False, False]
-    assert time.monotonic() - t0 >= 3 * FALLBACK_S * 0.9
+    assert [box.wait(0.05) for _ in range(3)] == [False, False, False]
+    assert time.monotonic() - t0 >= 0.14
     assert box.drain() == []
-
-
-def test_datagrams_that_are_not_frames_are_dropped_and_the_messages_still_arrive(boards):
-    leader, peer = boards
-    addresses = Addresses(leader.path)
-    address = addresses.of(0)
-    leader.mailbox(0)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    for junk in (b"garbage", b"M../../etc/passwd\0x", b"\xff" * 100, b"F0-1-w-r1.json\0x"):
-        s.sendto(junk, address)
-    s.close()
-    peer.send("0-1-w-r1.json", b"real", [0])
-    assert leader.collect({1: "0-1-w-r1.json"}, 5.0, 1024, me=0) == {1: b"real"}
 
 
 def test_over_max_bytes_is_refused_like_a_missing_message(boards):
     leader, peer = boards
     leader.mailbox(0)
     peer.send("0-1-w-r1.json", b"x" * 100, [0])
-    assert leader.collect({1: "0-1-w-r1.json"}, 0.1, 50, me=0) == {1: None}
+    assert leader.collect({1: "0-1-w-r1.json"}, 0.5, 50, 0) == {1: None}
 
 
 def test_something_else_at_the_mailbox_name_is_no_mailbox_and_is_left_alone(boards, tmp_path):
@@ -213,31 +214,32 @@ def test_something_else_at_the_mailbox_name_is_no_mailbox_and_is_left_alone(boar
         f.write(b"not a socket")
     assert leader.mailbox(0) is None
     target = tmp_path / "elsewhere.sock"
-    elsewhere = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    elsewhere = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     elsewhere.bind(str(target))
     os.symlink(target, os.path.join(leader.path, "box-r1"))
     assert peer.mailbox(1) is None  # never bound through a link
     elsewhere.close()
+    t0 = time.monotonic()
+    peer.send("0-1-w-r1.json", b"lost", [0])  # refused at once: no wait on what is not a mailbox
+    assert time.monotonic() - t0 < mailbox.PATIENCE_S
     with open(planted, "rb") as f:
         assert f.read() == b"not a socket"
-    # Without a mailbox the board's files carry the messages, polled.
-    t, got = _collect_in_thread(leader, {1: "0-1-w-r1.json"}, only_reader=True)
-    peer.send("0-1-w-r1.json", b"by file", [0])
-    t.join(60)
-    assert got == {1: b"by file"}
+    assert leader.collect({1: "0-1-w-r1.json"}, 0.2, 1024, 0) == {1: None}
 
 
 def test_a_mailbox_left_by_an_earlier_one_of_the_rank_is_replaced_and_one_per_process(tmp_path):
     path = str(tmp_path / "box-r0")
     first = Mailbox.open(path, path)
     assert first is not None and Mailbox.open(path, path) is first  # one per name in a process
-    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(tmp_path / "box-r1"))
     stale.close()  # its socket file stays
     again = Mailbox.open(str(tmp_path / "box-r1"), str(tmp_path / "box-r1"))
     assert again is not None
-    assert post(str(tmp_path / "box-r1"), message_frame("a.json", b"1"))
+    link = Link(str(tmp_path / "box-r1"))
+    assert link.send(frame("a.json", b"1"), 5.0)
     assert again.wait(5.0) and again.drain() == [("a.json", b"1")]
+    link.close()
     again.close()
     assert not os.path.exists(tmp_path / "box-r1")  # closed: its socket removed
     first.close()
@@ -251,8 +253,13 @@ def test_a_board_deeper_than_a_socket_address_allows_is_reached_through_its_desc
     assert address is not None and address.startswith("/proc/self/fd/") and len(address) < 100
     box = Mailbox.open(address, str(deep / "box-r3"))
     assert box is not None and stat.S_ISSOCK(os.lstat(deep / "box-r3").st_mode)
-    assert post(address, message_frame("a.json", b"deep"))
-    assert box.wait(5.0) and box.drain() == [("a.json", b"deep")]
+    link = Link(address)
+    assert link.send(frame("a.json", b"deep"), 5.0)
+    got = []
+    while not got and box.wait(5.0):
+        got += box.drain()
+    assert got == [("a.json", b"deep")]
+    link.close()
     box.close()
     addresses.close()
 
@@ -261,57 +268,65 @@ def test_a_skip_ends_the_wait_and_stays_for_has(boards):
     leader, peer = boards
     peer.mailbox(1)
     leader.send("0-4-skip.json", b'{"reason":"x"}', [1])
-    got = peer.collect({0: "0-4-peers.json"}, 60.0, 1024, give_up="0-4-skip.json", me=1)
+    got = peer.collect({0: "0-4-peers.json"}, 60.0, 1024, 1, give_up="0-4-skip.json")
     assert got == {0: None}
     assert peer.has("0-4-skip.json", 1)
     assert not peer.has("0-5-skip.json", 1)
 
 
-def test_what_a_skipped_step_left_on_the_board_is_removed_within_prune_every_steps(boards):
-    """A collector looks for the messages of steps nobody collected (a skipped step) once every
-    PRUNE_EVERY steps of an epoch, not at every collect; what it finds of earlier steps goes,
-    in its inbox and on the board; the current step's messages and an earlier epoch's look
-    stay put until then."""
+def test_what_a_skipped_step_left_is_dropped_at_a_later_steps_collect(boards):
     board, peer = boards
     board.mailbox(0)
-    board.prune_before((0, 10))  # the first look
-    board.write_text(step_message((0, 11), "w-r1"), "left by a skipped step")
-    board.write_text(step_message((0, 12), "w-r1"), "this step's")
-    peer.send(step_message((0, 11), "r-r1"), b"a mailed one, never collected", [0])
+    peer.send(step_message((0, 11), "r-r1"), b"never collected", [0])
+    peer.send(step_message((0, 12), "w-r1"), b"this step's", [0])
     assert board.has(step_message((0, 11), "r-r1"), 0)
     board.prune_before((0, 12))
-    assert step_message((0, 11), "w-r1") in board.names()  # not looked for yet
-    board.prune_before((0, 10 + PRUNE_EVERY))
-    assert step_message((0, 11), "w-r1") not in board.names()
-    assert step_message((0, 12), "w-r1") not in board.names()  # before the step looked at: gone too
-    assert not board.has(step_message((0, 11), "r-r1"), 0)  # and from the inbox
-    board.write_text(step_message((0, 30), "w-r1"), "left before a restore")
-    board.prune_before((1, 2))  # a new epoch (a restore): looked at at once
-    assert step_message((0, 30), "w-r1") not in board.names()
+    assert not board.has(step_message((0, 11), "r-r1"), 0)
+    assert board.has(step_message((0, 12), "w-r1"), 0)
+    board.prune_before((1, 2))  # a new epoch (a restore): everything of the earlier one goes
+    assert not board.has(step_message((0, 12), "w-r1"), 0)
 
 
-def test_a_burst_bigger_than_a_mailbox_queues_waits_for_room_and_goes_through_the_mailbox(boards, monkeypatch):
-    """Seven ranks send a report and an outcome each at once (a node of eight without replicas)
-    to a collector busy with something else for a moment: more than a mailbox queues
-    (net.unix.max_dgram_qlen, 10 by default). The senders wait for room; everything arrives,
-    and nothing had to go as a file."""
+def test_what_never_changes_goes_once_per_connection(boards):
+    """A rank's layout goes once down a connection, ahead of its reports; a new connection
+    (its collector's mailbox made anew: a new process may hold it) carries it again."""
     leader, peer = boards
     leader.mailbox(0)
-    as_files: list[str] = []
-    monkeypatch.setattr(peer, "write_bytes", lambda name, data: as_files.append(name))
+    for _ in range(3):
+        peer.send_once("layout-ab.json", b"[layout]", [0])
+    assert leader.take("layout-ab.json", 0, 1024) == b"[layout]"
+    time.sleep(0.1)
+    assert leader.take("layout-ab.json", 0, 1024) is None  # sent once
+    leader.mailbox(0).close()
+    leader._boxes.clear()
+    peer.send("0-1-w-r1.json", b"into the void", [0])  # the old connection: broken now, or soon
+    time.sleep(0.1)
+    leader.mailbox(0)  # a new mailbox at the name
+    for i in range(3):
+        peer.send(f"0-{2 + i}-w-r1.json", b"x", [0])
+    peer.send_once("layout-ab.json", b"[layout]", [0])
+    assert leader.collect({1: "0-4-w-r1.json"}, 5.0, 1024, 0) == {1: b"x"}
+    assert leader.take("layout-ab.json", 0, 1024) == b"[layout]"
+
+
+def test_a_burst_of_every_ranks_messages_at_once_arrives_whole(boards):
+    """Seven ranks send a report and an outcome each at once (a node of eight without replicas)
+    to a collector busy with something else for a moment: everything arrives."""
+    leader, peer = boards
+    leader.mailbox(0)
     names = {r: step_message((0, 1), f"w-r{r}") for r in range(1, 8)}
     names.update({10 + r: step_message((0, 1), f"r-r{r}") for r in range(1, 8)})
+    ranks = {r: NodeBoard("scope", "node0", leader=False, kind="commit") for r in range(1, 8)}
 
     def rank(r: int) -> None:
-        peer.send(names[r], f"report {r}".encode(), [0])
-        peer.send(names[10 + r], f"outcome {r}".encode(), [0])
+        ranks[r].send(names[r], f"report {r}".encode(), [0])
+        ranks[r].send(names[10 + r], f"outcome {r}".encode(), [0])
 
     senders = [threading.Thread(target=rank, args=(r,)) for r in range(1, 8)]
     for t in senders:
         t.start()
-    time.sleep(0.2)  # the collector is busy: the burst fills its mailbox
-    got = leader.collect(names, 10.0, 1024, me=0, only_reader=True)
+    time.sleep(0.2)  # the collector is busy
+    got = leader.collect(names, 10.0, 1024, 0)
     for t in senders:
         t.join(60)
     assert got == {k: (f"report {k}" if k < 10 else f"outcome {k - 10}").encode() for k in names}
-    assert as_files == []

@@ -405,7 +405,8 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
 
     sums = ("xxh3_64:" + "0" * 16,)
     forged = Report("../../../escaped.data", 8, "ab" * 20, (0,), (8,), (0,), sums).encode()
-    group.board.write_bytes(step_message((0, 0), "w-r0"), forged)
+    group.board.mailbox(1)  # (the collector listens from the start: tiers/opened.py)
+    NodeBoard("k", "node0", False, "test", kind="commit").send(step_message((0, 0), "w-r0"), forged, [1])
     arena, slot = _staged(1.0)
     try:
         persist_node_local(
@@ -507,10 +508,12 @@ def test_what_a_leader_relays_to_its_exchanger_is_checked_like_any_board_message
         group = NodeGroup.of(DistContext(3, 4, None, "node1", 5.0, nodes), None, RAM, 1)
         board = NodeBoard("k", "node1", False, "test", kind="commit")
         group = NodeGroup(board, group.plan, "node1")
-        board.write_bytes(step_message((0, 1), "peers"), relay.encode())
+        board.mailbox(3)
+        collector = NodeBoard("k", "node1", True, "test", kind="commit")  # (rank 2's)
+        collector.send(step_message((0, 1), "peers"), relay.encode(), [3])
         word = read_relay(group, DistContext(3, 4, None, "node1", 5.0, nodes), (0, 1), exchanger=True)
         assert word is not None and word.parts == {"part-00000-0badf00d.json": (0, good)} and word.own_part == own
-        board.write_bytes(step_message((0, 2), "peers"), b'{"2": "a report"}')  # not a commit message
+        collector.send(step_message((0, 2), "peers"), b'{"2": "a report"}', [3])  # not a commit message
         with pytest.raises(ftkit.StorageError, match="not a commit message"):
             read_relay(group, DistContext(3, 4, None, "node1", 5.0, nodes), (0, 2), exchanger=True)
     # The exchanger's outcome names the parts it wrote: the collector takes only plain part names.
