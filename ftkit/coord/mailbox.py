@@ -239,7 +239,7 @@ class Mailbox:
 
     def _accept(self) -> list[int]:
         """The connections opened since the last look, taken in: their descriptors."""
-        new = []
+        new: list[int] = []
         while True:
             try:
                 conn, _ = self._listener.accept()
