@@ -473,6 +473,7 @@ def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: An
     the node before it; rank 0's also lists the 16,384 files its manifest names, the
     others a digest), rank 0 plans the candidates and publishes them, and every node's
     leader reads them (each rank does, once)."""
+    from ftkit.commit.messages import Held, Inventory
     from ftkit.format import codec
     from ftkit.restore.plan import Candidate, order_candidates, ram_candidates
 
@@ -488,11 +489,12 @@ def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: An
         ctx = ctxs[n]
         prev = (n - 1) % nodes
         have = files[n * per : (n + 1) * per] + files[prev * per : (prev + 1) * per]
-        inv = {"7": {"have": have, "need": sorted(files) if n == 0 else None, "digest": digest}}
-        got = ctx.gather_to_root("restore/inv", inv, leaders)
+        inv = Inventory((Held(7, tuple(have), tuple(sorted(files)) if n == 0 else None, digest),))
+        got = ctx.gather_to_root("restore/inv", inv.encode(), leaders, raw=True)
         if n == 0:
             leader_of = {names[r]: r for r in got}
-            inventories = [got[leader_of[node]] for node in names]
+            decoded = {r: Inventory.decode(raw, f"rank {r}'s inventory") for r, raw in got.items()}
+            inventories = [decoded[leader_of[node]] for node in names]
             ram = ram_candidates(inventories, names, 0, True)
             planned = order_candidates(None, ram, [(1, [3, 5])])
             listing = {"candidates": [c.to_json(holders=False) for c in planned], "unreachable": []}

@@ -22,6 +22,7 @@ not committed.
 * `Exchange`: a node's reports and part, for the nodes it exchanges replicas with.
 * `Relay`: the partners' reports as a collector relays them to its node's ranks.
 * `Settled`: rank 0's commit news, which RAM-tier steps it keeps (coord/news.py).
+* `Inventory`: what a node holds in the RAM tier, for rank 0's restore plan (restore/plan.py).
 
 A rank's report travels inside Exchange and Relay as the bytes it was sent as. Version 2 is
 the only version; a message of another version is refused by name.
@@ -60,6 +61,7 @@ class Kind(IntEnum):
     EXCHANGE = 3
     RELAY = 4
     NEWS = 5
+    INVENTORY = 7
 
 
 # ------------------------------------------------------------------ the encoding
@@ -482,3 +484,64 @@ class Settled:
         if kept and max(kept) > settled:
             raise FormatError(f"{where} keeps a step it has not settled")
         return Settled(epoch, settled, frozenset(kept))
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a node holds of one RAM-tier step: its files (data files and parts), and from a
+    node with the whole manifest the files it names (`need`; rank 0's only, the others send
+    `digest`, its checksum), or from a node with the index but not every part the index's
+    checksum and the parts it names (`index`, `parts`)."""
+
+    step: int
+    have: tuple[str, ...]
+    need: tuple[str, ...] | None = None
+    digest: str | None = None
+    index: str | None = None
+    parts: tuple[str, ...] | None = None
+
+    @property
+    def whole(self) -> bool:
+        """Whether the node has the whole manifest."""
+        return self.need is not None or self.digest is not None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A node's RAM tier as its leader lists it at a restore (restore/inventory.py)."""
+
+    steps: tuple[Held, ...] = ()
+
+    def without_lists(self) -> Inventory:
+        """The same, less the lists only rank 0's inventory need carry (O(nodes) bytes in all)."""
+        return Inventory(tuple(Held(h.step, h.have, None, h.digest, h.index, None) for h in self.steps))
+
+    def encode(self) -> bytes:
+        numbers, strings = [len(self.steps)], []
+        for h in self.steps:
+            lists = (h.have, h.need or (), h.parts or ())
+            numbers += [h.step, len(h.have), _count(h.need), _count(h.parts), int(h.digest is not None)]
+            numbers.append(int(h.index is not None))
+            strings += [*lists[0], *lists[1], *lists[2], *filter(None, (h.digest, h.index))]
+        return _pack(Kind.INVENTORY, numbers, strings)
+
+    @staticmethod
+    def decode(data: bytes, where: str) -> Inventory:
+        f = _Fields(data, Kind.INVENTORY, where)
+        steps = []
+        for _ in range(f.num(MAX_COUNT)):
+            step, n_have, n_need, n_parts = f.num(), f.num(MAX_COUNT), f.num(MAX_COUNT + 1), f.num(MAX_COUNT + 1)
+            has_digest, has_index = f.num(1), f.num(1)
+            have = tuple(f.names(n_have))
+            need = tuple(f.names(n_need - 1)) if n_need else None
+            parts = tuple(f.parts(n_parts - 1)) if n_parts else None
+            digest = f.checksums(1)[0] if has_digest else None
+            index = f.checksums(1)[0] if has_index else None
+            steps.append(Held(step, have, need, digest, index, parts))
+        f.end()
+        return Inventory(tuple(steps))
+
+
+def _count(names: tuple[str, ...] | None) -> int:
+    """A list that may be absent, counted: 0 for none, else one more than its length."""
+    return 0 if names is None else len(names) + 1

@@ -217,19 +217,23 @@ class DistContext:
         self._wait(keys, timeout_s)
         return [parse_message(v) for v in self.store.multi_get(keys)]  # (malformed: None, as silence)
 
-    def gather_to_root(self, key: str, value: Any, ranks: Sequence[int], timeout_s: float | None = None) -> Any:
+    def gather_to_root(
+        self, key: str, value: Any, ranks: Sequence[int], timeout_s: float | None = None, raw: bool = False
+    ) -> Any:
         """`value` of each of `ranks` ({rank: value}) on rank 0 only; None elsewhere. Every
         rank calls it; only `ranks` send (rank 0's own value needs no message): O(len(ranks))
-        messages, where `gather` costs O(world) on every rank."""
+        messages, where `gather` costs O(world) on every rank. `raw`: the values are bytes
+        (a typed message, commit/messages.py), sent as they are, else JSON."""
         if self.rank != 0:
             if self.rank in ranks:
-                self.put(f"{key}/{self.rank}", value)
+                self.store.set(f"{key}/{self.rank}", value) if raw else self.put(f"{key}/{self.rank}", value)
             return None
         others = [r for r in ranks if r != 0]
         keys = [f"{key}/{r}" for r in others]
         if keys:
             self._wait(keys, timeout_s)
-        got = dict(zip(others, (parse_message(v) for v in self.store.multi_get(keys)))) if keys else {}
+        values = self.store.multi_get(keys) if keys else []
+        got = dict(zip(others, values if raw else map(parse_message, values)))
         return {**got, **({0: value} if 0 in ranks else {})}
 
     def leaders(self) -> list[int]:

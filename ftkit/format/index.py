@@ -71,14 +71,6 @@ def is_part_file(name: str) -> bool:
     return name.startswith("part-") and name.endswith(".json")
 
 
-def is_part_name(name: Any) -> bool:
-    """Whether untrusted `name` is a part's plain file name inside its step directory."""
-    try:
-        return is_part_file(check_file_name(name))
-    except FormatError:
-        return False
-
-
 def part_ref(name: str, data: bytes, ranks: list[int]) -> dict[str, Any]:
     """The index's entry for a part written as `data`."""
     return {"file": name, "bytes": len(data), "checksum": codec.checksum(data), "ranks": rank_runs(ranks)}

@@ -52,7 +52,6 @@ MAX_NDIM = 64
 MAX_NAME = 4096
 MAX_NUMBER_CHARS = 400
 RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,7})$")  # ASCII only: str.isdigit() takes "²", which int() refuses
-STEP_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,11})$")
 MAX_CREATED_AT = 2.0**40  # seconds since 1970: tens of thousands of years
 ZSTD_MAX_RATIO = 32768  # a zstd block of <= 128 KiB needs >= 4 stored bytes
 CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
@@ -347,21 +346,6 @@ def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> None:
     raise FormatError(f"a chunk of {what} is malformed")  # not reached
 
 
-# --------------------------------------------------------------- store reports
-def report_tensors(docs: Any, file: str, nbytes: Any, world: int, where: str) -> tuple[TensorEntry, ...]:
-    """The tensor entries one rank reported, through the store, for its data file.
-
-    Validated like a manifest's, except that the shards of one report need not
-    cover their tensors (other ranks hold the rest: the commit checks coverage)."""
-    try:
-        files = {check_file_name(file): {"bytes": _int(nbytes, "the reported byte count", 0, MAX_INT)}}
-        out = tuple(tensor_entry(t, files, world, whole=False) for t in _list(docs, "the reported tensors"))
-        check_no_shared_bytes(out)
-        return out
-    except FormatError as e:
-        raise FormatError(f"{where}: {e}") from None
-
-
 # -------------------------------------------------------------------- basics
 def rank_key(key: Any, world: int | None = None) -> int | None:
     """A rank written as an object key ("12"), below `world` when given; None if it is not one."""
@@ -369,11 +353,6 @@ def rank_key(key: Any, world: int | None = None) -> int | None:
         return None
     rank = int(key)
     return rank if world is None or rank < world else None
-
-
-def step_key(key: Any) -> int | None:
-    """A step written as an object key ("120"); None if it is not one."""
-    return int(key) if isinstance(key, str) and STEP_KEY_RE.match(key) else None
 
 
 def _int(v: Any, what: str, lo: int, hi: int) -> int:

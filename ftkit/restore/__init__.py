@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.commit.messages import Inventory
 from ftkit.coord.agree import agree
 from ftkit.errors import (
     CheckpointNotFoundError,
@@ -85,6 +86,16 @@ class Superseded:
     listed: dict[int, list[int]] = field(default_factory=dict)
 
 
+def _inventory(leader: int, raw: bytes) -> Inventory | None:
+    """A node's inventory as rank 0 got it through the store (untrusted): None, the node
+    holding nothing, when it does not decode."""
+    try:
+        return Inventory.decode(raw, f"the RAM tier inventory of the node of rank {leader}")
+    except FormatError as e:
+        log.warning("%s", e)
+        return None
+
+
 def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[str, Any], Superseded | None]:
     """Restore `step` (None: the newest usable) into rc.state; every rank calls it with
     the same `key` (the store namespace of this call). Returns (step restored or 0,
@@ -94,8 +105,8 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     inventory, manifests = ram_inventory(rc)
     # The ranks of a node see one directory: its leader's view stands for all (O(nodes) messages).
     # Only rank 0 sends the files (and parts) its manifests name; the others a digest.
-    sent = inventory if ctx.rank == 0 else {s: {**e, "need": None, "parts": None} for s, e in inventory.items()}
-    by_leader = ctx.gather_to_root(f"{key}/inv", sent, ctx.leaders()) if rc.ram is not None else None
+    sent = (inventory if ctx.rank == 0 else inventory.without_lists()).encode()
+    by_leader = ctx.gather_to_root(f"{key}/inv", sent, ctx.leaders(), raw=True) if rc.ram is not None else None
     listing = None
     listings: list[tuple[int, list[int]]] = []
     planned: list[Candidate] = []
@@ -103,7 +114,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
         ram = {}
         if rc.ram is not None and by_leader is not None:
             leader_of = {ctx.nodes[r]: r for r in by_leader}
-            inventories = [by_leader[leader_of[n]] for n in ctx.nodes]
+            inventories = [_inventory(leader_of[n], by_leader[leader_of[n]]) for n in ctx.nodes]
             ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch)
         listings, unreachable = shared_listings(rc)
         planned = order_candidates(step, ram, listings)

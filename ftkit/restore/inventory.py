@@ -4,8 +4,8 @@ planning over it is restore/plan.py)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from ftkit.commit.messages import Held, Inventory
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ftkit.format import codec
 from ftkit.format.manifest import Manifest
@@ -15,19 +15,18 @@ from ftkit.restore.context import RestoreContext
 log = logging.getLogger("ftkit")
 
 
-def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifest]]:
-    """What this rank's node holds in the RAM tier: {step: {"have": [...], "need": [...],
-    "digest": ..., "index": ..., "parts": ...}} (restore/plan.py, ram_candidates), and the manifests
-    parsed on the way (the read of a candidate reuses them). A node holds the parts of
-    the manifest that describe its files, not always all: "index" (its checksum) says
-    that it has the index, but not every part, so the step cannot be read here alone;
-    "parts" lists the parts the index names then."""
+def ram_inventory(rc: RestoreContext) -> tuple[Inventory, dict[int, Manifest]]:
+    """What this rank's node holds in the RAM tier (commit/messages.py Inventory, for
+    restore/plan.py ram_candidates), and the manifests parsed on the way (the read of a
+    candidate reuses them). A node holds the parts of the manifest that describe its files,
+    not always all: then it lists the index's checksum and the parts it names, and the step
+    cannot be read here alone."""
     i = rc.ram
     manifests: dict[int, Manifest] = {}
     if i is None:
-        return {}, manifests
+        return Inventory(), manifests
     backend = rc.backends[i]
-    out: dict[str, Any] = {}
+    held = []
     try:
         for step, (have, committed) in backend.inventory().items():
             need = digest = index = parts = None
@@ -36,17 +35,17 @@ def ram_inventory(rc: RestoreContext) -> tuple[dict[str, Any], dict[int, Manifes
                     data, parsed = load_index(backend.storage, step)
                     if parsed is not None and missing_parts(backend.storage, step, parsed.parts):
                         index = codec.checksum(data)
-                        parts = sorted(ref.file for ref in parsed.parts)
+                        parts = tuple(sorted(ref.file for ref in parsed.parts))
                     else:
                         manifests[step] = manifest_from(backend.storage, step, data, parsed)
-                        need = sorted(manifests[step].files)
+                        need = tuple(sorted(manifests[step].files))
                         digest = codec.checksum("\n".join(need).encode())
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                     log.warning("RAM tier manifest of step %d is unusable: %s", step, e)
-            out[str(step)] = {"have": have, "need": need, "digest": digest, "index": index, "parts": parts}
+            held.append(Held(step, tuple(have), need, digest, index, parts))
     except StorageError as e:
         log.warning("cannot list the RAM tier: %s", e)
-    return out, manifests
+    return Inventory(tuple(held)), manifests
 
 
 def shared_listings(rc: RestoreContext) -> tuple[list[tuple[int, list[int]]], list[str]]:

@@ -20,11 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftkit.commit.messages import Inventory
 from ftkit.errors import FormatError, one_line
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import Manifest
 from ftkit.format.tiling import overlap
-from ftkit.format.validate import MAX_STEP, MAX_WORLD, _int, check_file_name, step_key
+from ftkit.format.validate import MAX_STEP, MAX_WORLD, _int, check_file_name
 from ftkit.tiers.peers import Transfer
 
 
@@ -66,38 +67,6 @@ class Candidate:
             raise FormatError(f"a malformed restore candidate from rank 0 ({one_line(e, 80)})") from None
 
 
-def _inventory_entries(inv: Any):
-    """(step, files held, files the manifest needs or None, the manifest's digest or None,
-    whether the node has the index but not every part, the parts the index names or None)
-    of one rank's inventory, skipping anything malformed: inventories come through the store,
-    so steps and file names pass the same checks as names read from disk (a name that would
-    leave its step directory, "part-/../../x.json", is no name)."""
-    if not isinstance(inv, Mapping):
-        return
-    for s, info in inv.items():
-        step = step_key(s)
-        if step is None or not isinstance(info, Mapping):
-            continue
-        have, need, digest, parts = info.get("have"), info.get("need"), info.get("digest"), info.get("parts")
-        if not _names(have) or (need is not None and not _names(need)) or (parts is not None and not _names(parts)):
-            continue
-        if parts is not None and not all(is_part_file(f) for f in parts):
-            continue
-        yield step, have, need, digest if isinstance(digest, str) else None, isinstance(info.get("index"), str), parts
-
-
-def _names(files: Any) -> bool:
-    """Whether `files` is a list of plain file names inside a step directory."""
-    if not isinstance(files, list):
-        return False
-    try:
-        for f in files:
-            check_file_name(f)
-    except FormatError:
-        return False
-    return True
-
-
 def _new_entry() -> dict[str, Any]:
     # holders: file -> ranks; need/parts: the lists one inventory sent; whole/index: the first
     # rank with the whole manifest / with only its index; lacking: a node has no whole manifest
@@ -105,37 +74,35 @@ def _new_entry() -> dict[str, Any]:
 
 
 def ram_candidates(
-    inventories: Sequence[Any], nodes: Sequence[str], ram_tier: int, can_fetch: bool
+    inventories: Sequence[Inventory | None], nodes: Sequence[str], ram_tier: int, can_fetch: bool
 ) -> dict[int, Candidate]:
     """RAM-tier steps that can be restored: every file the manifest names is on some
     node (when files can be fetched between nodes, `can_fetch`), or on every node.
 
-    `inventories[r]` is rank r's view of its node: {"<step>": {"have": [data files and
-    manifest parts], "need": [files the manifest names] or None, "digest": of that list,
-    or None when the node has no whole manifest, "index": set when it has the index but
-    not every part, "parts": the parts the index names}}. Only one inventory need carry
-    the lists (restore sends rank 0's, the others send the digest: O(nodes) bytes, not
-    O(nodes x ranks)); a step whose manifest no list came with is tried unchecked, and
-    its read proves it. A step whose index names a part held nowhere is no candidate.
-    When a node lacks the manifest or some of its parts, the candidate names a holder
-    of each part (a part missing everywhere unlisted fails the read at once)."""
-    parsed = [{s: rest for s, *rest in _inventory_entries(inv)} for inv in inventories]
+    `inventories[r]` is rank r's view of its node (commit/messages.py Inventory, decoded and
+    checked; None: nothing usable came). Only one inventory need carry the lists (restore
+    sends rank 0's, the others send the digest: O(nodes) bytes, not O(nodes x ranks)); a step
+    whose manifest no list came with is tried unchecked, and its read proves it. A step whose
+    index names a part held nowhere is no candidate. When a node lacks the manifest or some
+    of its parts, the candidate names a holder of each part (a part missing everywhere
+    unlisted fails the read at once)."""
+    parsed = [{h.step: h for h in inv.steps} if inv is not None else {} for inv in inventories]
     by_step: dict[int, dict[str, Any]] = {}
     for rank, inv in enumerate(parsed):
-        for s, (have, need, digest, index, parts) in inv.items():
+        for s, held in inv.items():
             entry = by_step.setdefault(s, _new_entry())
-            for f in have:
+            for f in held.have:
                 entry["holders"].setdefault(f, []).append(rank)
-            entry["nodes"].setdefault(nodes[rank], set()).update(have)
-            if need is not None and entry["need"] is None:
-                entry["need"] = need
-            if parts is not None and entry["parts"] is None:
-                entry["parts"] = parts
-            if (need is not None or digest is not None) and entry["whole"] is None:
+            entry["nodes"].setdefault(nodes[rank], set()).update(held.have)
+            if held.need is not None and entry["need"] is None:
+                entry["need"] = held.need
+            if held.parts is not None and entry["parts"] is None:
+                entry["parts"] = held.parts
+            if held.whole and entry["whole"] is None:
                 entry["whole"] = rank
-            if index and entry["index"] is None:
+            if held.index is not None and entry["index"] is None:
                 entry["index"] = rank
-            entry["lacking"] |= need is None and digest is None
+            entry["lacking"] |= not held.whole
     all_nodes = set(nodes)
     out = {}
     for s, e in by_step.items():

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -407,13 +408,13 @@ def _crafted_inventory_job(rank: int, world: int, root: str, restore_now: bool):
             real = restore_module.ram_inventory
 
             def crafted(rc):
+                from ftkit.commit.messages import Held, Inventory
+
                 inventory, manifests = real(rc)
-                inventory["\u00b2"] = {"have": ["x.data"], "need": None, "digest": None, "index": None, "parts": None}
-                for entry in inventory.values():
-                    entry["have"] = [*entry["have"], "part-/../../../etc/passwd.json"]
-                inventory["3"] = {"have": ["../x.data"], "need": ["../x.data"], "digest": "d", "index": None}
-                inventory["4"] = {"have": [], "need": None, "digest": None, "index": "i", "parts": ["part-/../x.json"]}
-                return inventory, manifests
+                steps = [replace(h, have=(*h.have, "part-/../../../etc/passwd.json")) for h in inventory.steps]
+                steps.append(Held(3, ("../x.data",), ("../x.data",), "d"))
+                steps.append(Held(4, (), None, None, "i", ("part-/../x.json",)))
+                return Inventory(tuple(steps)), manifests
 
             restore_module.ram_inventory = crafted
         step = ck.restore()

@@ -319,29 +319,39 @@ def test_random_mutations_never_reach_the_live_state(tmp_path):
 
 def test_random_store_messages_are_refused_or_skipped_never_raised():
     """Inventories, candidates and fetch requests as rank 0 reads them from the store, mutated:
-    the planner skips what is malformed, a candidate is a FormatError, nothing else escapes."""
+    an inventory (a typed message, its bytes flipped, cut or grown) decodes to names that stay
+    in their step directory or is a FormatError; a candidate is a FormatError; the planner
+    skips what is malformed; nothing else escapes."""
+    from ftkit.commit.messages import Held, Inventory
     from ftkit.format.validate import parse_message
     from ftkit.restore.plan import Candidate, ram_candidates
     from ftkit.restore.read import _request
 
-    inventory = {
-        "3": {"have": ["rank-00000-0a0b0c0d.data", "part-00000-01020304.json"], "need": ["rank-00000-0a0b0c0d.data"]},
-        "2": {"have": ["rank-00000-1a0b0c0d.data"], "need": None, "digest": "xxh3_64:0", "index": "i", "parts": []},
-    }
+    inventory = Inventory(
+        (
+            Held(3, ("rank-00000-0a0b0c0d.data", "part-00000-01020304.json"), ("rank-00000-0a0b0c0d.data",)),
+            Held(2, ("rank-00000-1a0b0c0d.data",), None, None, "xxh3_64:0123456789abcdef", ()),
+        )
+    ).encode()
     candidate = Candidate(3, 0, {"rank-00000-0a0b0c0d.data": (0, 1)}, 1, {"part-00000-01020304.json": 0}).to_json()
     request = {"missing": ["rank-00000-0a0b0c0d.data"], "mismatch": False}
-    message = {"inventory": inventory, "candidate": candidate, "request": request}
+    message = {"candidate": candidate, "request": request}
     rng, strings = random.Random(6), _strings(message) + ["part-/../../x.json", "../x.data", "\u00b2"]
     for i in range(ITERATIONS * 4):
         doc, what = _mutate(message, rng, strings)
         raw = _raw_numbers(json.dumps(doc)).encode()
         ctx = f"iteration {i}: {what}"
         parsed = parse_message(raw)
+        inv_bytes = _mutate_bytes(inventory, rng)
         try:
-            part = parsed if isinstance(parsed, dict) else {}
-            plan = ram_candidates([part.get("inventory"), part.get("inventory")], ["a", "b"], 0, True)
+            try:
+                inv = Inventory.decode(inv_bytes, "a mutated inventory")
+            except FormatError:
+                inv = None
+            plan = ram_candidates([inv, inv], ["a", "b"], 0, True)
             for cand in plan.values():
                 assert all(".." not in f and "/" not in f for f in [*cand.holders, *cand.part_holders]), ctx
+            part = parsed if isinstance(parsed, dict) else {}
             assert all(".." not in f for f in _request(part.get("request")).get("missing", [])), ctx
             try:
                 Candidate.from_json(part.get("candidate"))
@@ -349,3 +359,19 @@ def test_random_store_messages_are_refused_or_skipped_never_raised():
                 pass
         except Exception as e:  # noqa: BLE001 - the property under test
             pytest.fail(f"{ctx}: {type(e).__name__}: {e}")
+
+
+def _mutate_bytes(data: bytes, rng: random.Random) -> bytes:
+    """`data` with a few bytes flipped, or cut short, or grown, or a name swapped for another."""
+    b = bytearray(data)
+    how = rng.randrange(4)
+    if how == 0:
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    elif how == 1:
+        del b[rng.randrange(len(b)) :]
+    elif how == 2:
+        b[rng.randrange(len(b)) : rng.randrange(len(b))] = rng.randbytes(rng.randint(1, 16))
+    else:
+        b = bytearray(bytes(b).replace(b"rank-00000-0a0b0c0d.data", rng.choice([b"../../x.data", b"a/b", b"\xc3"])))
+    return bytes(b)

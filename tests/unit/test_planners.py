@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from ftkit.commit.messages import Held, Inventory
+from ftkit.errors import FormatError
 from ftkit.format.manifest import Chunk, Manifest, Shard, TensorEntry
 from ftkit.restore.plan import Candidate, fetch_plan, files_for, order_candidates, ram_candidates
 from ftkit.save.layout import Layout
@@ -24,7 +28,7 @@ def _files(world: int) -> list[str]:
 
 def _inventories(
     world: int, per_node: int, steps: dict[int, set[str]], replicas: int = 1, lost: set[str] = frozenset()
-) -> list[dict]:
+) -> list[Inventory]:
     """What each rank reports: its node holds its ranks' files of every step, plus the
     replicas it received (placement as peers.replica_targets), and the manifest; a
     lost node holds nothing."""
@@ -38,12 +42,21 @@ def _inventories(
     out = []
     for r in range(world):
         node = nodes[r]
-        inv = {}
+        inv = []
         if node not in lost:
             for s, need in steps.items():
-                inv[str(s)] = {"have": sorted(held[node] & need), "need": sorted(need)}
-        out.append(inv)
+                inv.append(Held(s, tuple(sorted(held[node] & need)), tuple(sorted(need))))
+        out.append(Inventory(tuple(inv)))
     return out
+
+
+def _with(inv: Inventory, step: int, **change) -> Inventory:
+    """`inv` with the entry of `step` changed (dataclasses.replace of each field in `change`)."""
+    return Inventory(tuple(replace(h, **change) if h.step == step else h for h in inv.steps))
+
+
+def _held(inv: Inventory, step: int) -> Held:
+    return next(h for h in inv.steps if h.step == step)
 
 
 @pytest.mark.parametrize("world, per_node", [(4, 2), (64, 8), (1024, 8)])
@@ -76,8 +89,7 @@ def test_a_step_missing_a_file_everywhere_is_no_candidate():
     need = set(_files(world))
     inv = _inventories(world, per_node, {5: need}, replicas=0)
     victim = _files(world)[9]
-    for i in inv:
-        i["5"]["have"] = [f for f in i["5"]["have"] if f != victim]
+    inv = [_with(i, 5, have=tuple(f for f in _held(i, 5).have if f != victim)) for i in inv]
     assert ram_candidates(inv, _nodes(world, per_node), 0, can_fetch=True) == {}
 
 
@@ -94,13 +106,15 @@ def test_nodes_lacking_manifest_parts_are_sent_each_part_by_one_holder(world, pe
         n = r // per_node
         held = {parts[n], parts[(n - 1) % count]}
         whole = len(held) == count  # two nodes: each holds both parts and reads the step alone
-        i["4"] = {
-            "have": i["4"]["have"] + sorted(held),
-            "need": i["4"]["need"] if whole and r == 0 else None,
-            "digest": "d" if whole else None,
-            "index": None if whole else "xxh3_64:0123456789abcdef",
-            "parts": None if whole or r else parts,  # only rank 0 sends the index's list
-        }
+        inv[r] = _with(
+            i,
+            4,
+            have=_held(i, 4).have + tuple(sorted(held)),
+            need=_held(i, 4).need if whole and r == 0 else None,
+            digest="xxh3_64:fedcba9876543210" if whole else None,
+            index=None if whole else "xxh3_64:0123456789abcdef",
+            parts=None if whole or r else tuple(parts),  # only rank 0 sends the index's list
+        )
     c = ram_candidates(inv, nodes, 0, can_fetch=True)[4]
     if count == 2:
         assert c.manifest_rank is None and c.part_holders == {}  # nothing through the store
@@ -110,19 +124,35 @@ def test_nodes_lacking_manifest_parts_are_sent_each_part_by_one_holder(world, pe
         assert parts.index(name) in (rank // per_node, (rank // per_node - 1) % count)
     assert not any(f.startswith("part-") for f in c.holders)  # data files only: no part is fetched as data
     assert Candidate.from_json(c.to_json(holders=False)).part_holders == c.part_holders
-    for i in inv:  # both nodes that held node 1's part lost it: the step cannot be read from RAM
-        i["4"]["have"] = [f for f in i["4"]["have"] if f != parts[1]]
+    # Both nodes that held node 1's part lost it: the step cannot be read from RAM.
+    inv = [_with(i, 4, have=tuple(f for f in _held(i, 4).have if f != parts[1])) for i in inv]
     assert ram_candidates(inv, nodes, 0, can_fetch=True) == {}
 
 
-def test_malformed_inventories_from_the_store_are_skipped():
+def test_inventories_cross_the_store_as_typed_messages_and_forged_ones_are_refused_whole():
+    """A node's inventory goes to rank 0 as a typed message (commit/messages.py Inventory):
+    what decodes is what was sent; a forged one (a name leaving its step directory, a part
+    that is no part, a malformed checksum, bytes cut short) is refused whole, and rank 0
+    plans without that node, as if it held nothing."""
     world, per_node = 4, 2
     nodes = _nodes(world, per_node)
     need = set(_files(world))
     inv = _inventories(world, per_node, {3: need})
-    inv[1] = {"3": {"have": "not a list", "need": None}, "x": {}, "4": [1]}
-    inv[3] = ["not", "a", "dict"]
-    got = ram_candidates(inv, nodes, 0, can_fetch=True)
+    sent = [Inventory.decode(i.encode(), f"rank {r}") for r, i in enumerate(inv)]
+    assert sent == inv
+    assert Inventory.decode(inv[1].without_lists().encode(), "x") == _with(inv[1], 3, need=None)
+    for forged in (
+        _with(inv[1], 3, have=("../../etc/passwd",)),
+        _with(inv[1], 3, parts=("rank-00000-00000000.data",)),
+        _with(inv[1], 3, parts=("part-/../x.json",)),
+        _with(inv[1], 3, digest="d"),
+    ):
+        with pytest.raises(FormatError):
+            Inventory.decode(forged.encode(), "a forged inventory")
+    for cut in (inv[1].encode()[:-3], inv[1].encode() + b"x", b"{}"):
+        with pytest.raises(FormatError):
+            Inventory.decode(cut, "a cut inventory")
+    got = ram_candidates([inv[0], None, inv[2], None], nodes, 0, can_fetch=True)
     assert list(got) == [3] and got[3].manifest_rank == 0  # ranks 1 and 3 said nothing usable
 
 
