@@ -22,7 +22,10 @@ def test_the_watchdog_at_1024_ranks_costs_two_store_requests_per_node_and_finds_
     finally:
         server.close()
     assert row["nodes"] == 128
-    assert row["store_requests_per_interval"] == 2 * 128  # a set and a multi_get per node; nothing per rank
+    # A set and a multi_get per node, nothing per rank (which would be thousands): the median
+    # interval; a leader descheduled across an interval's edge on a loaded 2-core machine
+    # moves its pair into the next one (255 was seen once in CI), never adds one.
+    assert 2 * 128 - 2 <= row["store_requests_per_interval"] <= 2 * 128
     assert row["false_verdicts"] == 0, row["false_examples"]
     assert row["detect_dead_s"] <= 0.5  # a killed process: its leader sees it gone within an interval
     # A silent leader: dead_after_s after its watchers last saw its key move (up to an interval
