@@ -34,7 +34,7 @@ import operator
 import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
@@ -514,15 +514,13 @@ class Inventory:
 
     def without_lists(self) -> Inventory:
         """The same, less the lists only rank 0's inventory need carry (O(nodes) bytes in all)."""
-        return Inventory(tuple(Held(h.step, h.have, None, h.digest, h.index, None) for h in self.steps))
+        return Inventory(tuple(replace(h, need=None, parts=None) for h in self.steps))
 
     def encode(self) -> bytes:
         numbers, strings = [len(self.steps)], []
         for h in self.steps:
-            lists = (h.have, h.need or (), h.parts or ())
-            numbers += [h.step, len(h.have), _count(h.need), _count(h.parts), int(h.digest is not None)]
-            numbers.append(int(h.index is not None))
-            strings += [*lists[0], *lists[1], *lists[2], *filter(None, (h.digest, h.index))]
+            numbers += [h.step, len(h.have), _count(h.need), _count(h.parts), h.digest is not None, h.index is not None]
+            strings += [*h.have, *(h.need or ()), *(h.parts or ()), *filter(None, (h.digest, h.index))]
         return _pack(Kind.INVENTORY, numbers, strings)
 
     @staticmethod

@@ -226,7 +226,7 @@ class DistContext:
         (a typed message, commit/messages.py), sent as they are, else JSON."""
         if self.rank != 0:
             if self.rank in ranks:
-                self.store.set(f"{key}/{self.rank}", value) if raw else self.put(f"{key}/{self.rank}", value)
+                self.store.set(f"{key}/{self.rank}", value if raw else json.dumps(value))
             return None
         others = [r for r in ranks if r != 0]
         keys = [f"{key}/{r}" for r in others]

@@ -305,13 +305,15 @@ class Link:
                 time.sleep(min(0.005, left))
                 continue
             sock.setblocking(False)  # (every write tries at once: one system call, `_write`)
-            self._sock, self.once = sock, set()
+            self._sock = sock
             return sock
 
     def _close(self) -> None:
+        """Close the connection; what went `once` over it goes again over the next one."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self.once.clear()
 
     def close(self) -> None:
         with self._lock:

@@ -330,3 +330,20 @@ def test_a_burst_of_every_ranks_messages_at_once_arrives_whole(boards):
     for t in senders:
         t.join(60)
     assert got == {k: (f"report {k}" if k < 10 else f"outcome {k - 10}").encode() for k in names}
+
+
+def test_a_layout_goes_again_after_a_connection_broke_even_before_the_next_one_opens(boards):
+    """A connection that broke forgets what it carried `once`: the next `send_once` opens the
+    new connection with it, ahead of the reports that name it."""
+    leader, peer = boards
+    leader.mailbox(0)
+    peer.send_once("layout-ab.json", b"[layout]", [0])
+    assert leader.take("layout-ab.json", 0, 1024) == b"[layout]"
+    leader.mailbox(0).close()
+    leader._boxes.clear()
+    peer.send("0-1-w-r1.json", b"into the void", [0])  # fails: the connection closes
+    leader.mailbox(0)
+    peer.send_once("layout-ab.json", b"[layout]", [0])  # the first message of the new connection
+    peer.send("0-2-w-r1.json", b"report", [0])
+    assert leader.collect({1: "0-2-w-r1.json"}, 5.0, 1024, 0) == {1: b"report"}
+    assert leader.take("layout-ab.json", 0, 1024) == b"[layout]"
