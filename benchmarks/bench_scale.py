@@ -68,7 +68,7 @@ from common import rmtree
 
 INTERVAL = 0.5
 SETTLE = 2  # rounds after a fault heals before its verdict is cleared (its watchers see it back first)
-COUNTED = ("set", "get", "check", "multi_get", "add", "compare_set", "wait", "delete_key")
+COUNTED = ("set", "get", "check", "multi_get", "add", "append", "compare_set", "wait", "delete_key")
 
 
 class CountingStore:
@@ -483,10 +483,10 @@ def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: An
     nodes, leaders = world // per, set(range(0, world, per))
     names = [f"n{r // per}" for r in range(world)]
     _barrier(raw, f"{prefix}r0", procs)
-    before, t0, c0 = store.requests, time.time(), time.thread_time()
-    published = None
+    before, t0 = store.requests, time.time()
+    published, root_cpu = None, 0.0
     for n in sorted(mine, reverse=True):  # rank 0 (node 0) last: it waits for the others
-        ctx = ctxs[n]
+        ctx, c0 = ctxs[n], time.thread_time()
         prev = (n - 1) % nodes
         have = files[n * per : (n + 1) * per] + files[prev * per : (prev + 1) * per]
         inv = Inventory((Held(7, tuple(have), tuple(sorted(files)) if n == 0 else None, digest),))
@@ -501,7 +501,7 @@ def plan_restore(idx: int, procs: int, world: int, per: int, raw: Any, store: An
             ctx.broadcast("restore/candidates", listing)
             published = time.time()
             assert planned[0].step == 7 and len(planned[0].holders) == world
-    root_cpu = time.thread_time() - c0
+            root_cpu = time.thread_time() - c0  # rank 0's own: not the sends of the leaders this process plays
     for n in mine:  # every node's leader reads the plan (every rank does, O(1) each)
         got_listing = ctxs[n].broadcast("restore/candidates") if n != 0 else listing
         assert Candidate.from_json(got_listing["candidates"][0]).step == 7

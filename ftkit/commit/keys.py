@@ -12,7 +12,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-from ftkit.coord.dist import DistContext
+from ftkit.coord.dist import DistContext, to_root_keys
 
 
 def commit_key(tier: int, epoch: int, step: int) -> str:
@@ -23,14 +23,15 @@ def commit_key(tier: int, epoch: int, step: int) -> str:
 
 
 # One step's keys under `commit_key`: a node is named by its leader (its first rank).
-def shared_record_key(key: str, leader: int) -> str:
-    """A node's record for rank 0 on a shared tier (commit/shared.py)."""
-    return f"{key}/n/{leader}"
+def shared_records_key(key: str) -> str:
+    """The nodes' records for rank 0 on a shared tier (commit/shared.py), sent with
+    DistContext.send_to_root: each from its node's leader."""
+    return f"{key}/n"
 
 
-def ram_record_key(key: str, leader: int) -> str:
-    """A node's record for rank 0 on the RAM tier (commit/ram.py)."""
-    return f"{key}/r/{leader}"
+def ram_records_key(key: str) -> str:
+    """The nodes' records for rank 0 on the RAM tier (commit/ram.py), as shared_records_key."""
+    return f"{key}/r"
 
 
 def exchange_key(key: str, leader: int) -> str:
@@ -54,22 +55,21 @@ class KeyLedger:
         self._keys: list[tuple[tuple[int, int], str]] = []
 
     @staticmethod
-    def node_local(nodes: list[int], records: list[int], exchange: bool) -> KeyLedger:
-        """persist_node_local's keys of a step rank 0 skipped: every node's records (`nodes`, by
-        first rank: the reports exchanged for replicas, `exchange`; `records`: those for rank 0,
-        NodeGroup.record_ids), which rank 0 would have deleted, and its word on the manifest."""
-        return KeyLedger(
-            lambda key: (
-                [exchange_key(key, r) for r in nodes if exchange]
-                + [ram_record_key(key, r) for r in records]
-                + [index_key(key)]
-            )
-        )
+    def node_local(nodes: list[int], exchange: bool) -> KeyLedger:
+        """persist_node_local's keys of a step rank 0 skipped: the nodes' records (and, where the
+        tier keeps replicas, `exchange`, the reports each node of `nodes`, by first rank,
+        exchanged), which rank 0 would have deleted, and its word on the manifest."""
+        exchanged = nodes if exchange else []
+
+        def names(key: str) -> list[str]:
+            return [*(exchange_key(key, r) for r in exchanged), *to_root_keys(ram_records_key(key)), index_key(key)]
+
+        return KeyLedger(names)
 
     @staticmethod
-    def shared(leaders: list[int]) -> KeyLedger:
-        """persist's keys of a step rank 0 skipped: every node's record, which rank 0 would have deleted."""
-        return KeyLedger(lambda key: [shared_record_key(key, r) for r in leaders if r != 0])
+    def shared() -> KeyLedger:
+        """persist's keys of a step rank 0 skipped: the nodes' records, which rank 0 would have deleted."""
+        return KeyLedger(lambda key: to_root_keys(shared_records_key(key)))
 
     def record(self, at: tuple[int, int], key: str) -> None:
         """Every key a call with `key` leaves (a skipped step's)."""

@@ -22,11 +22,12 @@ format version 4, as on a shared tier: one part per node and an index (format/in
                                   of the ranks whose files it holds)
     every rank:   SEND outcome    its replication errors (and the parts it wrote) to its
                                   collector; rank 0 keeps its own
-    collectors:   AWAIT outcome, SEND record: the node's record for rank 0, `key`/r/<node>: its
-                                  part's name, size and checksum (and the parts its exchanger
-                                  wrote), or the node's errors (a few hundred bytes)
-    rank 0:       AWAIT record    every node's record (one wait, one multi_get)
-                  COMMIT          the index (manifest.json, the commit); the records deleted
+    collectors:   AWAIT outcome, SEND record: the node's record for rank 0, appended to `key`/r
+                                  (DistContext.send_to_root): its part's name, size and checksum
+                                  (and the parts its exchanger wrote), or the node's errors
+    rank 0:       AWAIT record    every node's record: one wait and one read of that key, which
+                                  it then deletes (DistContext.collect_at_root)
+                  COMMIT          the index (manifest.json, the commit)
                   SEND index      with replicas, the index under `key`/manifest ("" when the
                                   step is not committed)
     the exchangers of the k nodes that hold rank 0's node's replicas:
@@ -43,13 +44,14 @@ store from a node that has it (restore/read.py), as it gets the parts it lacks.
 Why three roles: one rank carrying them all was the slowest of a commit (bench_dist.py,
 2 nodes of 2 ranks, the same hour: 2.6-3.1 ms of coordination CPU per snapshot on rank 0
 and 2.3-2.8 on the other leader, 0.6-0.7 on the other ranks; 1.7-2.1 on every rank with
-the roles spread). A rank with no role makes no store request; a collector one (its
-node's record for rank 0), with replicas three more (its reports; the records of the k
-nodes before and after it, in one wait and one multi_get); an exchanger of the k index
-holders two (a wait and a get of the index); rank 0 one delete for every node's record
-(two with replicas) and the news, with replicas two more where it does not collect (a wait
-and a multi_get of its partners' records and its node's). Per step: 2 x nodes + 3 requests
-without replicas, 6 x nodes + 2k + 6 with (four fewer where rank 0 collects its own node). A wait and the read
+the roles spread). A rank with no role makes no store request; a collector two (its
+node's record for rank 0: an append and an add, and the last of them a set), with replicas
+three more (its reports; the records of the k nodes before and after it, in one wait and
+one multi_get); an exchanger of the k index holders two (a wait and a get of the index);
+rank 0 a wait, a read and three deletes for the records, with replicas a delete for every
+node's exchange and two more where it does not collect (a wait and a multi_get of its
+partners' records and its node's), and the news. Per step: 2 x nodes + 7 requests without
+replicas, 6 x nodes + 2k + 10 with (fewer where rank 0 collects its own node). A wait and the read
 after it count as two: on the persist thread's own connection they are one multi_get, which
 waits itself (DistContext.wait_get). Rank 0 handles O(nodes) bytes, a collector its node's
 entries and those of k other nodes. A node holds the parts of the ranks whose files it
@@ -66,7 +68,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ftkit.commit.keys import KeyLedger, delete_keys, exchange_key, index_key, older_keys, ram_record_key
+from ftkit.commit.keys import KeyLedger, delete_keys, exchange_key, index_key, older_keys, ram_records_key
 from ftkit.commit.layouts import Layout, from_board, from_store, lookup
 from ftkit.commit.manifests import Committed, check_files_present, commit_index, store_part
 from ftkit.commit.memo import CommitMemo
@@ -76,7 +78,7 @@ from ftkit.commit.parts import build_part
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
 from ftkit.commit.reports import decode_report
-from ftkit.commit.shared import read_node_record
+from ftkit.commit.shared import gather_records, send_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
 from ftkit.errors import AlreadyCommitted, FormatError, StorageError
@@ -218,7 +220,7 @@ class RamCommit(StepExecutor):
 
     def send_record(self, _: Step) -> None:
         assert self.node is not None
-        self.ctx.store.set(ram_record_key(self.key, self.group.leader), self.node.record(self.errors).encode())
+        send_record(self.ctx, self.group, ram_records_key(self.key), self.node.record(self.errors))
 
     # ------------------------------------------------------------------ replicas
     def await_exchanges(self, step: Step) -> None:
@@ -301,28 +303,24 @@ class RamCommit(StepExecutor):
         return node != self.plan.nodes[0] and self.plan.holds_index(node)
 
     def _gather_records(self, collectors: tuple[int, ...]) -> None:
-        """Rank 0: its node's record (where it collects it) and every other node's, in one
-        wait and one multi_get; the older keys are deleted once they are all in (every index
-        holder has read the index of a step before it sends its records of the next)."""
-        ctx, members = self.ctx, self.group.members
-        ids = [self.plan.roles_of(c).leader for c in collectors]
-        keys = [ram_record_key(self.key, n) for n in ids]
-        self.record_keys = keys + [exchange_key(self.key, n) for n in members if self.plan.exchanges]
+        """Rank 0: its node's record (where it collects it) and every other node's, from one
+        exchange (commit/shared.py gather_records); the older keys are deleted once they are
+        all in (every index holder has read the index of a step before it sends its records
+        of the next)."""
+        members = self.group.members
+        self.record_keys = [exchange_key(self.key, n) for n in members if self.plan.exchanges]
         older = self.stack.enter_context(older_keys(self.ledger, self.at))
         if self.node is not None:
             self.mine = (self.node.record(self.errors), self.node.own_files())
         self.records = [self.mine[0]] if self.mine is not None else []
         self.own_record = self.records[0] if self.records else None
-        try:
-            raws = ctx.wait_get(keys) if keys else []
-        except Exception as e:  # a node never answered: the step is not committed
-            raise StorageError(f"step {self.step} not committed to the RAM tier: {e}") from None
-        for n, raw in zip(ids, raws, strict=True):
-            self.records.append(read_node_record(n, raw, members[n]))
-            if n == 0:
-                self.own_record = self.records[-1]
+        got = gather_records(self.ctx, self.group, ram_records_key(self.key), collectors)
+        for c, record in zip(collectors, got, strict=True):
+            self.records.append(record)
+            if self.plan.roles_of(c).leader == 0:
+                self.own_record = record
         if not any(r.skipped for r in self.records):  # nobody reads the older keys any more
-            delete_keys(ctx, older)
+            delete_keys(self.ctx, older)
 
     def not_committed(self) -> None:
         """Rank 0's failure: remove what the step put in its node's directory, and tell the
@@ -496,4 +494,4 @@ def report_skipped_node_local(
         ctx.store.set(exchange_key(key, group.leader), Exchange({ctx.rank: text}).encode())
     if ctx.rank != 0 or not exchange:
         skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
-        ctx.store.set(ram_record_key(key, group.leader), skipped.record([]).encode())
+        send_record(ctx, group, ram_records_key(key), skipped.record([]))

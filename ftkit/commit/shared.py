@@ -8,14 +8,16 @@ Every rank calls `persist`, which runs its steps of the plan in order::
                                       its layout once (commit/layouts.py), then its per-step values
     node leaders:  AWAIT report       the node's reports
                    PART               build_part(...), store_part(...): one part file per node
-                   SEND record        to rank 0, `key`/n/<leader>: its part, or the node's errors
-    rank 0:        AWAIT record       every other node's record (one wait, one multi_get)
-                   COMMIT             commit_index(...): manifest.json, the index of the parts;
-                                      then the records are deleted
+                   SEND record        to rank 0, appended to `key`/n (DistContext.send_to_root):
+                                      its part, or the node's errors
+    rank 0:        AWAIT record       every other node's record: one wait and one read of that
+                                      key, which it then deletes (DistContext.collect_at_root)
+                   COMMIT             commit_index(...): manifest.json, the index of the parts
 
-Store requests per step: one set per node, rank 0's wait and multi_get, and one
-delete per node: 2 x nodes + 2, whatever the number of ranks or tensors. Rank 0
-handles one small record per node; the tensor entries stay in the parts.
+Store requests per step: an append and an add per node but rank 0's, a set by the last,
+rank 0's wait and multi_get and three deletes: 2 x nodes + 4, whatever the number of
+ranks or tensors. Rank 0 makes five of them, and handles one small record per node; the
+tensor entries stay in the parts.
 
 Data file names carry a random token, so a crashed or concurrent writer can never
 overwrite bytes that a committed manifest points at, and a step that already has
@@ -29,7 +31,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from ftkit.commit.keys import KeyLedger, delete_keys, older_keys, shared_record_key
+from ftkit.commit.keys import KeyLedger, delete_keys, older_keys, shared_records_key
 from ftkit.commit.layouts import from_board, lookup
 from ftkit.commit.manifests import Committed, commit_index, store_part
 from ftkit.commit.memo import CommitMemo
@@ -83,15 +85,11 @@ class SharedCommit(StepExecutor):
         self.records = [_node_record(self.storage, self.step, reports, self.ctx.world_size, self.group.memo)]
 
     def send_record(self, _: Step) -> None:
-        self.ctx.store.set(shared_record_key(self.key, self.ctx.rank), self.records[0].encode())
+        send_record(self.ctx, self.group, shared_records_key(self.key), self.records[0])
 
     def await_records(self, step: Step) -> None:
-        leaders = [self.group.plan.roles_of(c).leader for c in step.peers]
-        self.record_keys = [shared_record_key(self.key, leader) for leader in leaders]
         older = self.stack.enter_context(older_keys(self.ledger, self.at))
-        raws = self.ctx.wait_get(self.record_keys)
-        members = self.group.members
-        self.records += [read_node_record(n, raw, members[n]) for n, raw in zip(leaders, raws, strict=True)]
+        self.records += gather_records(self.ctx, self.group, shared_records_key(self.key), step.peers)
         delete_keys(self.ctx, older)  # every leader sent the records of the steps before first
 
     def commit(self, _: Step) -> None:
@@ -158,6 +156,27 @@ def _node_record(storage: Storage, step: int, reports: Sequence[RankReport], wor
     return Record.failed(errors, {r.file: r.nbytes for r in reports if r.file is not None})
 
 
+def send_record(ctx: DistContext, group: NodeGroup, key: str, record: Record) -> None:
+    """A node's record to rank 0 (both tiers' commits), sent by its collector under `key`."""
+    ctx.send_to_root(key, group.leader, record.encode(), len(group.record_ids))
+
+
+def gather_records(ctx: DistContext, group: NodeGroup, key: str, collectors: Sequence[int]) -> list[Record]:
+    """Rank 0: the record of the node of each of `collectors` (the plan's AWAIT RECORD), in
+    their order, from one exchange under `key` (DistContext.collect_at_root). A record that
+    did not come, or does not decode, is that node's error: the step is not committed."""
+    leaders = [group.plan.roles_of(c).leader for c in collectors]
+    try:
+        raws = ctx.collect_at_root(key, leaders)
+        lost = f"no record within {ctx.timeout_s:.0f}s"
+    except FormatError as e:
+        raws, lost = dict.fromkeys(leaders), f"unreadable records: {e}"
+    return [
+        read_node_record(n, raw, group.members[n]) if raw is not None else Record.failed([f"node of rank {n}: {lost}"])
+        for n, raw in ((n, raws[n]) for n in leaders)
+    ]
+
+
 def read_node_record(leader: int, raw: bytes, ranks: Sequence[int]) -> Record:
     """A node's record as rank 0 reads it from the store (both tiers' commits): untrusted.
     One that does not decode reads as that node's error, and the step is simply not committed."""
@@ -175,4 +194,4 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
         report = Report.failed(reason).encode()
         group.send(at, "w", ctx.rank, report, (group.leader,), patient=False)  # (the training thread: never waits)
     elif ctx.rank != 0:
-        ctx.store.set(shared_record_key(key, ctx.rank), Record.failed([f"rank {ctx.rank}: {reason}"]).encode())
+        send_record(ctx, group, shared_records_key(key), Record.failed([f"rank {ctx.rank}: {reason}"]))

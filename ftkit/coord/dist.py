@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftkit.errors import PeerTimeout, RecoveryRequested
+from ftkit.errors import FormatError, PeerTimeout, RecoveryRequested
 from ftkit.format.validate import parse_json, parse_message
 from ftkit.runtime import generation
 
@@ -63,6 +64,13 @@ def host_identity() -> str | None:
 # torchrun's --rdzv-id when none is given (every such job gets the same one).
 _DEFAULT_RDZV_IDS = ("", "none")
 WAIT_POLL_MAX_S = 0.05  # under run_in_process: the training thread's store waits poll at most this far apart
+_FRAME = struct.Struct("<II")  # (sender, length) ahead of each value sent to rank 0 (DistContext.send_to_root)
+
+
+def to_root_keys(key: str) -> list[str]:
+    """The store keys of one `send_to_root` / `collect_at_root` exchange: the values appended
+    one after another, the count of senders so far, and the mark the last sender sets."""
+    return [f"{key}/all", f"{key}/count", f"{key}/done"]
 
 
 def process_gone(pid: Any) -> bool:
@@ -217,23 +225,66 @@ class DistContext:
         self._wait(keys, timeout_s)
         return [parse_message(v) for v in self.store.multi_get(keys)]  # (malformed: None, as silence)
 
+    def send_to_root(self, key: str, sender: int, value: bytes, senders: int) -> None:
+        """`value` from `sender` (one of `senders` in all) for rank 0's `collect_at_root(key)`.
+
+        The values of all senders go to one key (an append each), and the sender that makes
+        the count whole marks it done: rank 0 then waits for, reads and deletes three keys
+        whatever the number of senders, where a key each would cost it a delete each (2,048
+        a step at 16,384 ranks). A sender makes two requests, the last three."""
+        all_, count, done = to_root_keys(key)
+        self.store.append(all_, _FRAME.pack(sender, len(value)) + value)
+        if self.store.add(count, 1) == senders:  # (its append is in: the store serves requests in order)
+            self.store.set(done, b"")
+
+    def collect_at_root(
+        self, key: str, senders: Sequence[int], timeout_s: float | None = None
+    ) -> dict[int, bytes | None]:
+        """Rank 0: the value each of `senders` sent with `send_to_root(key)`, None where none
+        came within `timeout_s` (or a value another sender sent twice took its place); the
+        exchange's keys are deleted. A later value from the same sender replaces an earlier one.
+        FormatError where the values do not unpack (the store is untrusted input)."""
+        if not senders:
+            return {}
+        all_, _, done = names = to_root_keys(key)
+        try:
+            try:
+                data = self.wait_get([done, all_], timeout_s)[1]
+            except PeerTimeout:  # whatever came, and None for the rest
+                data = self.store.get(all_) if self._has(all_) else b""
+            got: dict[int, bytes | None] = dict.fromkeys(senders)
+            at = 0
+            while at < len(data):
+                if at + _FRAME.size > len(data):
+                    raise FormatError(f"store key {all_!r} is cut short")
+                sender, length = _FRAME.unpack_from(data, at)
+                at += _FRAME.size + length
+                if at > len(data):
+                    raise FormatError(f"store key {all_!r} is cut short")
+                if sender in got:  # (another's: ignored)
+                    got[sender] = bytes(data[at - length : at])
+            return got
+        finally:
+            self.delete(*names)
+
     def gather_to_root(
         self, key: str, value: Any, ranks: Sequence[int], timeout_s: float | None = None, raw: bool = False
     ) -> Any:
         """`value` of each of `ranks` ({rank: value}) on rank 0 only; None elsewhere. Every
-        rank calls it; only `ranks` send (rank 0's own value needs no message): O(len(ranks))
-        messages, where `gather` costs O(world) on every rank. `raw`: the values are bytes
-        (a typed message, commit/messages.py), sent as they are, else JSON."""
+        rank calls it; only `ranks` send (rank 0's own value needs no message), with
+        `send_to_root`. `raw`: the values are bytes (a typed message, commit/messages.py),
+        sent as they are, else JSON. PeerTimeout naming the ranks that sent nothing."""
+        others = [r for r in ranks if r != 0]
         if self.rank != 0:
             if self.rank in ranks:
-                self.store.set(f"{key}/{self.rank}", value if raw else json.dumps(value))
+                self.send_to_root(key, self.rank, value if raw else json.dumps(value).encode(), len(others))
             return None
-        others = [r for r in ranks if r != 0]
-        keys = [f"{key}/{r}" for r in others]
-        if keys:
-            self._wait(keys, timeout_s)
-        values = self.store.multi_get(keys) if keys else []
-        got = dict(zip(others, values if raw else map(parse_message, values)))
+        values = self.collect_at_root(key, others, timeout_s)
+        missing = [r for r, v in values.items() if v is None]
+        if missing:
+            within = f"{timeout_s or self.timeout_s:.0f}s"
+            raise PeerTimeout(f"rank 0: nothing from rank(s) {_ranks_text(missing)} for {key!r} within {within}")
+        got = {r: v if raw else parse_message(v) for r, v in values.items()}
         return {**got, **({0: value} if 0 in ranks else {})}
 
     def leaders(self) -> list[int]:
@@ -349,3 +400,9 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwarg
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """Ranks for an error message: the first eight, and how many in all."""
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown if len(ranks) <= 8 else f"{shown}, ... ({len(ranks)} in all)"

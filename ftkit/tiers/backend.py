@@ -151,7 +151,7 @@ class SharedTier(TierBackend):
         return ctx.rank == 0
 
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        return KeyLedger.shared(list(self.group.members))
+        return KeyLedger.shared()
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         args = self._commit_args(job, ctx, key, ledger)
@@ -180,7 +180,7 @@ class NodeRamTier(TierBackend):
         return ctx.rank == self.group.leader
 
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        return KeyLedger.node_local(list(self.group.members), list(self.group.record_ids), self._exchanges(ctx))
+        return KeyLedger.node_local(list(self.group.members), self._exchanges(ctx))
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         if self.peers is not None:

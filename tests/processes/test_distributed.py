@@ -133,3 +133,74 @@ def test_a_persist_threads_own_connection_waits_itself_and_times_out_like_a_wait
         own.wait_get(["here", "never"])
     assert time.monotonic() - t0 < 10
     assert own.wait_get(["here"]) == [b"1"]  # the connection still answers after a timeout
+
+
+def test_values_sent_to_rank_0_come_in_one_exchange_its_keys_deleted_after():
+    """DistContext.send_to_root / collect_at_root over a real TCPStore, each sender a client of
+    its own: rank 0 gets every sender's bytes (binary, empty, large), by sender; the store keeps
+    no key of the exchange afterwards; a sender that never sends is None once the wait is over,
+    and what the others sent still arrives; a second value from one sender replaces its first;
+    a cut-short value is a FormatError, not bytes taken as someone's."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext, to_root_keys
+    from ftkit.errors import FormatError
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    view = dist.PrefixStore("job/", server)  # (what the contexts below see)
+    nodes = [f"n{r}" for r in range(6)]
+
+    def ctx(rank: int, timeout_s: float = 10.0) -> DistContext:
+        client = dist.TCPStore("127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=30))
+        return DistContext(rank, 6, dist.PrefixStore("job/", client), nodes[rank], timeout_s, nodes)
+
+    values = {1: b"\x00\x01binary", 2: b"", 3: bytes(range(256)) * 400, 5: b"five"}
+    senders = [threading.Thread(target=ctx(r).send_to_root, args=("k", r, v, len(values))) for r, v in values.items()]
+    for t in senders:
+        t.start()
+    root = ctx(0)
+    assert root.collect_at_root("k", [1, 2, 3, 5]) == values
+    for t in senders:
+        t.join()
+    assert not any(view.check([k]) for k in to_root_keys("k"))
+
+    late = ctx(0, timeout_s=1.0)
+    ctx(1).send_to_root("t", 1, b"one", 2)  # rank 2 never sends
+    assert late.collect_at_root("t", [1, 2]) == {1: b"one", 2: None}
+    assert not any(view.check([k]) for k in to_root_keys("t"))
+
+    sender = ctx(1)
+    sender.send_to_root("d", 1, b"first", 2)
+    sender.send_to_root("d", 1, b"again", 2)  # counts as two: rank 2's place is taken
+    assert ctx(0, timeout_s=1.0).collect_at_root("d", [1, 2]) == {1: b"again", 2: None}
+
+    view.append("c/all", b"\x01\x00\x00\x00\xff\x00\x00\x00abc")  # says 255 bytes, has 3
+    view.set("c/done", b"")
+    with pytest.raises(FormatError, match="is cut short"):
+        root.collect_at_root("c", [1])
+    assert not any(view.check([k]) for k in to_root_keys("c"))
+
+
+def test_gather_to_root_names_the_ranks_that_sent_nothing():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ftkit.coord.dist import DistContext
+    from ftkit.errors import PeerTimeout
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    nodes = ["a"] * 4
+    for r in (1, 3):
+        assert DistContext(r, 4, store, "a", 1.0, nodes).gather_to_root("g", {"r": r}, [0, 1, 3]) is None
+    assert DistContext(0, 4, store, "a", 1.0, nodes).gather_to_root("g", {"r": 0}, [0, 1, 3]) == {
+        0: {"r": 0},
+        1: {"r": 1},
+        3: {"r": 3},
+    }
+    DistContext(1, 4, store, "a", 1.0, nodes).gather_to_root("h", b"x", [1, 2, 3], raw=True)
+    with pytest.raises(PeerTimeout, match=r"nothing from rank\(s\) 2, 3 for 'h' within 1s"):
+        DistContext(0, 4, store, "a", 1.0, nodes).gather_to_root("h", b"x", [1, 2, 3], raw=True)

@@ -45,19 +45,22 @@ def test_a_shared_tier_commit_at_1024_ranks_costs_two_store_requests_per_node():
         row = run_commits(1024, 8, 2, server.port)
     finally:
         server.close()
-    # A record set and deleted per node (rank 0's own is neither), rank 0's wait and multi_get.
-    assert row["commit_store_requests_per_step"] == 2 * 127 + 2 <= 2 * 128 + 10
+    # A record appended and counted per node (rank 0's own is neither), the last one's mark,
+    # rank 0's wait and multi_get and three deletes (DistContext.send_to_root / collect_at_root).
+    assert row["commit_store_requests_per_step"] == 2 * 127 + 1 + 2 + 3 <= 2 * 128 + 10
     # The index: ~110 bytes per node's part and the skeleton, nothing per rank or tensor.
     assert 100 * 128 < row["index_bytes_per_step"] < 120 * 128 + 1000
-    # Inventories: a put per leader but rank 0's; rank 0's wait, multi_get and the plan's set;
-    # each other leader reads the plan (a wait and a get). No request per rank of a node.
-    assert row["restore_plan_store_requests"] == 127 + 3 + 2 * 127
-    # The RAM tier without replicas: each node's collector sets its record and reads nothing
-    # back (rank 0's node's too: rank 1 collects it, NodeGroup.collector); rank 0 reads every
-    # record at once (a wait and a multi_get), deletes them and publishes the commit news,
+    # Inventories: an append and an add per leader but rank 0's and the last one's mark; rank
+    # 0's wait, multi_get, three deletes and the plan's set; each other leader reads the plan
+    # (a wait and a get). No request per rank of a node.
+    assert row["restore_plan_store_requests"] == 2 * 127 + 1 + 2 + 3 + 1 + 2 * 127
+    # The RAM tier without replicas: each node's collector appends and counts its record and
+    # reads nothing back (rank 0's node's too: rank 1 collects it, NodeGroup.collector); rank 0
+    # reads every record at once (a wait and a multi_get), deletes the three keys they came
+    # under and publishes the commit news,
     # which the leaders hear with their heartbeats (coord/news.py). Nothing per rank, the
     # index as small as a shared tier's (the entries stay in the nodes' parts), and a node
     # without the index holds no more steps than retention keeps (2).
-    assert row["ram_commit_store_requests_per_step"] == 128 + 2 + 128 + 1 <= 2 * 128 + 10
+    assert row["ram_commit_store_requests_per_step"] == 2 * 128 + 1 + 2 + 3 + 1 <= 2 * 128 + 10
     assert 100 * 128 < row["ram_index_bytes_per_step"] < 120 * 128 + 1000
     assert row["ram_leader_steps_held"] == 2

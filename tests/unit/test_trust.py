@@ -415,7 +415,8 @@ def test_a_forged_report_cannot_write_outside_the_ram_directory(tmp_path, monkey
     finally:
         arena.release(slot)
         arena.close()
-    record = read_node_record(0, store.get("k/r/0"), (0, 1))
+    root = DistContext(0, 4, store, "node0", 1.0, ["node0", "node0", "node1", "node1"])
+    record = read_node_record(0, root.collect_at_root("k/r", [0])[0], (0, 1))
     assert record.part is None
     assert any("unreadable report" in e and "outside its step directory" in e for e in record.errors), record
     assert (tmp_path / "escaped.data").read_text() == "precious"
