@@ -100,16 +100,16 @@ class NodeGroup:
         self.node_board().send(name, data, to, patient)
 
     def collect(
-        self, at: tuple[int, int], what: str, me: int, senders: tuple[int, ...], timeout_s: float
+        self, at: tuple[int, int], what: str, ctx: DistContext, senders: tuple[int, ...], timeout_s: float
     ) -> dict[int, bytes | None]:
-        """Wait for message `what` of the step at `at` from each of `senders` (None: none came
-        within `timeout_s`), then remove them and whatever an earlier step left that nobody
-        collected (a step this rank skipped)."""
+        """Wait for message `what` of the step at `at` from each of `senders` to `ctx`'s rank
+        (None: none came within `timeout_s`, NodeBoard.collect), then remove them and whatever
+        an earlier step left that nobody collected (a step this rank skipped)."""
         names = {r: step_message(at, f"{what}-r{r}") for r in senders}
         if not names:
             return {}
         board = self.node_board()
-        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, me)
+        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, ctx.rank, serves=ctx.generation)
         board.prune_before(at)
         return got
 

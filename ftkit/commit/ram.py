@@ -215,7 +215,7 @@ class RamCommit(StepExecutor):
 
     def await_outcomes(self, step: Step) -> None:
         assert self.node is not None
-        for r, raw in self.group.collect(self.at, "r", self.ctx.rank, step.peers, self.ctx.timeout_s).items():
+        for r, raw in self.group.collect(self.at, "r", self.ctx, step.peers, self.ctx.timeout_s).items():
             self.errors += _outcome_errors(r, raw, self.node.others if r == self.group.exchanger else None)
 
     def send_record(self, _: Step) -> None:
@@ -454,7 +454,7 @@ def _collect_texts(
     group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext, senders: tuple[int, ...]
 ) -> dict[int, bytes]:
     lost = Report.failed(f"no report within {ctx.timeout_s:.0f}s").encode()
-    return {r: raw or lost for r, raw in group.collect(at, what, ctx.rank, senders, ctx.timeout_s).items()}
+    return {r: raw or lost for r, raw in group.collect(at, what, ctx, senders, ctx.timeout_s).items()}
 
 
 def _outcome_errors(rank: int, raw: bytes | None, parts: list[str] | None = None) -> list[str]:

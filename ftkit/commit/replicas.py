@@ -96,7 +96,7 @@ def read_relay(group: NodeGroup, ctx: DistContext, at: tuple[int, int], exchange
     hold their reports); the step is not committed then."""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
     board = group.node_board()
-    raw = board.collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, give_up=skip, me=ctx.rank)[0]
+    raw = board.collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, ctx.rank, skip, ctx.generation)[0]
     if raw is None:
         if not board.has(skip, ctx.rank):
             who = f"this node's collector (rank {group.collector})"

@@ -74,7 +74,7 @@ class SharedCommit(StepExecutor):
     def await_reports(self, step: Step) -> None:
         timeout = self.ctx.timeout_s
         layouts = lookup(from_board(self.group.board, self.ctx.rank), self.group.memo)
-        for r, raw in self.group.collect(self.at, "w", self.ctx.rank, step.peers, timeout).items():
+        for r, raw in self.group.collect(self.at, "w", self.ctx, step.peers, timeout).items():
             lost = failed(r, f"no report within {timeout:.0f}s")
             self.reports[r] = decode_report(r, raw, layouts, self.group.memo) if raw is not None else lost
 

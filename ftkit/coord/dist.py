@@ -16,6 +16,7 @@ question: see :func:`host_identity`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -149,35 +150,14 @@ class DistContext:
         store = self.store.clone() if self.store is not None else None
         if store is not None:  # (a clone's timeout is its own: the original's callers keep theirs)
             store.set_timeout(timedelta(seconds=self.timeout_s))
-        return DistContext(
-            self.rank,
-            self.world_size,
-            store,
-            self.node,
-            self.timeout_s,
-            list(self.nodes),
-            self.scope,
-            self.generation,
-            waits_itself=store is not None,
-        )
+        return dataclasses.replace(self, store=store, nodes=list(self.nodes), waits_itself=store is not None)
 
     def scoped(self, prefix: str) -> DistContext:
         """The same context with its keys below `prefix` (one Checkpointer's namespace)."""
         import torch.distributed as dist
 
         store = dist.PrefixStore(prefix, self.store) if self.store is not None else None
-        nodes = list(self.nodes)
-        return DistContext(
-            self.rank,
-            self.world_size,
-            store,
-            self.node,
-            self.timeout_s,
-            nodes,
-            self.scope + prefix,
-            self.generation,
-            waits_itself=self.waits_itself,
-        )
+        return dataclasses.replace(self, store=store, nodes=list(self.nodes), scope=self.scope + prefix)
 
     @property
     def distributed(self) -> bool:

@@ -39,6 +39,7 @@ from typing import Any
 
 from ftkit.coord.beatslots import BeatSlots
 from ftkit.coord.mailbox import PATIENCE_S, Addresses, Link, Mailbox, box_name, frame
+from ftkit.errors import RecoveryRequested
 from ftkit.format.validate import parse_message
 from ftkit.runtime import generation
 from ftkit.tiers.ram import private_subdir
@@ -148,15 +149,25 @@ class NodeBoard:
                 link.once.add(name)
 
     def collect(
-        self, names: dict[int, str], timeout_s: float, max_bytes: int, me: int, give_up: str | None = None
+        self,
+        names: dict[int, str],
+        timeout_s: float,
+        max_bytes: int,
+        me: int,
+        give_up: str | None = None,
+        serves: int | None = None,
     ) -> dict[int, bytes | None]:
         """Wait for the messages `names` ({rank: name}) sent to `me`, for at most `timeout_s`,
         and take them; their bytes by rank, None for one that never came or is over
         `max_bytes`. `give_up`: a message whose arrival ends the wait at once (a skip; it stays
-        for `has`)."""
+        for `has`). `serves`: the in-process generation the wait is for (DistContext.generation):
+        under run_in_process it waits in slices of a second and raises RecoveryRequested once
+        a recovery is asked for or that generation is over, as the store's waits do, so a
+        failed generation's persist thread ends with it, not at its commit's timeout."""
         box = self.mailbox(me)
         got: dict[int, bytes | None] = {}
         deadline = time.monotonic() + timeout_s
+        sliced = serves is not None and generation.active()
         if box is not None:
             self._sort(box)
         while True:
@@ -167,6 +178,11 @@ class NodeBoard:
             left = deadline - time.monotonic()
             if len(got) == len(names) or left < 0 or (give_up is not None and give_up in self._inbox):
                 break
+            if sliced:
+                generation.raise_if_requested()
+                if generation.current() != serves:
+                    raise RecoveryRequested("a newer generation: recovering in process")
+                left = min(left, 1.0)
             if box is None:  # (no mailbox to listen at: nothing can come)
                 time.sleep(left)
                 continue

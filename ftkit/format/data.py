@@ -10,6 +10,7 @@ allocated on the manifest's word.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -213,7 +214,7 @@ def read_regions(
             ov = overlap(offs, lens, shard.offsets, shard.lengths)
             if ov is None:
                 continue
-            covered += _numel(ov[1])
+            covered += math.prod(ov[1])
             if tuple(shard.offsets) == tuple(offs) and tuple(shard.lengths) == tuple(lens):
                 shards.append((shard, "exact", None))
             elif _row_block_inside(shard, offs, lens):  # whole rows inside the region: decode into its rows
@@ -221,7 +222,7 @@ def read_regions(
             else:
                 shards.append((shard, "part", ov))
             files.update(c.file for c in shard.chunks)
-        if covered != _numel(lens):
+        if covered != math.prod(lens):
             raise CorruptCheckpointError(
                 f"{step_where}: the saved shards of {name!r} do not cover the region to restore"
             )
@@ -305,8 +306,8 @@ def _new_bytes(entries, regions, plans, given) -> int:
     for name, shards in plans:
         itemsize = torch_dtype(entries[name].dtype).itemsize
         if name not in given:
-            total += _numel(regions[name][1]) * itemsize
-        total += sum(_numel(shard.lengths) * itemsize for shard, how, _ in shards if how == "part")
+            total += math.prod(regions[name][1]) * itemsize
+        total += sum(math.prod(shard.lengths) * itemsize for shard, how, _ in shards if how == "part")
     return total
 
 
@@ -326,13 +327,6 @@ def _row_block_inside(shard, offs, lens) -> bool:
         and offs[0] <= shard.offsets[0]
         and shard.offsets[0] + shard.lengths[0] <= offs[0] + lens[0]
     )
-
-
-def _numel(lengths) -> int:
-    n = 1
-    for x in lengths:
-        n *= x
-    return n
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:

@@ -34,25 +34,6 @@ STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
 SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 CODECS = ("raw", "zstd")
-DTYPES = (
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "bool",
-    "complex64",
-    "complex128",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float8_e4m3fn",
-    "float8_e5m2",
-)
 ITEMSIZE = {
     "float64": 8,
     "float32": 4,
@@ -72,6 +53,7 @@ ITEMSIZE = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }
+DTYPES = tuple(ITEMSIZE)  # the names a manifest may give a tensor's dtype
 KINDS = ("replicated", "sharded", "rank-local")
 
 

@@ -347,3 +347,27 @@ def test_a_layout_goes_again_after_a_connection_broke_even_before_the_next_one_o
     peer.send("0-2-w-r1.json", b"report", [0])
     assert leader.collect({1: "0-2-w-r1.json"}, 5.0, 1024, 0) == {1: b"report"}
     assert leader.take("layout-ab.json", 0, 1024) == b"[layout]"
+
+
+def test_a_wait_of_a_generation_that_is_over_ends_within_a_second(boards, monkeypatch):
+    """Under run_in_process, a board wait for generation g (a commit's persist thread) raises
+    RecoveryRequested soon after g is over, as the store's waits do, not at the commit's timeout
+    (a failed generation's thread lingering until the process exits); outside run_in_process,
+    and for a generation still current, it waits as asked."""
+    from ftkit.errors import RecoveryRequested
+    from ftkit.runtime import generation
+
+    leader, _ = boards
+    monkeypatch.setattr(generation, "_active", True)
+    monkeypatch.setattr(generation, "_requested", None)
+    g = generation.current()
+    t0 = time.monotonic()
+    assert leader.collect({1: "0-1-w-r1.json"}, 1.5, 1024, 0, serves=g) == {1: None}  # still current
+    assert time.monotonic() - t0 >= 1.4
+    monkeypatch.setattr(generation, "_generation", g + 1)
+    t0 = time.monotonic()
+    with pytest.raises(RecoveryRequested, match="a newer generation"):
+        leader.collect({1: "0-1-w-r1.json"}, 60.0, 1024, 0, serves=g)
+    assert time.monotonic() - t0 < 5
+    monkeypatch.setattr(generation, "_active", False)  # outside run_in_process: generations do not end waits
+    assert leader.collect({1: "0-1-w-r1.json"}, 0.3, 1024, 0, serves=g) == {1: None}
