@@ -143,7 +143,7 @@ class StepExecutor:
         self.ctx, self.key, self.ledger, self.at, self.group = ctx, key, ledger, at, group
         self.plan = group.plan
         self.error: Exception | None = None  # this rank's write's, raised at the end
-        self.record_keys: list[str] = []  # rank 0's: the step's keys it deletes
+        self.record_keys: list[str] = []  # rank 0's: the step's keys it deletes (with replicas, the exchanges)
         self.committed: Committed | None = None
         self.own: RankReport | None = None  # this rank's report of its write
         self.text = b""  # that report, as sent

@@ -115,7 +115,7 @@ class NodeShare:
         return Exchange(dict(self.texts), part)
 
     def record(self, errors: list[str]) -> Record:
-        """The node's record for rank 0 (`key`/r/<leader>)."""
+        """The node's record for rank 0 (sent under `key`/r: shared.send_record)."""
         w = self.written
         part = w.part if w is not None and not errors else None
         files, stored = (w.files, w.stored) if w is not None else ({}, 0)

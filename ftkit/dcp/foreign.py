@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -202,22 +204,37 @@ def load_into(state: MutableMapping[str, Any], url: str, storage_options: Mappin
             state[key] = sd[key]
 
 
-def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None) -> None:
+def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None, overwrite: bool = False) -> None:
     """Write a committed ftkit step as a DCP checkpoint directory at `out` (DCP's own writer),
-    the state as the training code held it (``{"model": {...}, "optim": {...}}``)."""
+    the state as the training code held it (``{"model": {...}, "optim": {...}}``). `overwrite`
+    (``--force``): what is at `out` is replaced, but only once the new directory is whole
+    (written beside it, then swapped in); a failed export leaves it as it was."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
     from ftkit.format.data import read_tensors
     from ftkit.tools.export import to_nested
 
-    if os.path.exists(out) and os.listdir(out):
-        raise FtkitError(f"{out} already exists and is not empty; choose another --out")
+    taken = os.path.isfile(out) or (os.path.isdir(out) and bool(os.listdir(out)))
+    if taken and not overwrite:
+        raise FtkitError(f"{out} already exists and is not empty; remove it or pass --force")
     sd = to_nested(manifest, read_tensors(storage, manifest, progress=progress))
     sd.pop("_ftkit", None)
+    beside = os.path.dirname(os.path.abspath(out))
+    target = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=beside) if taken else out
     try:
-        _save_state_dict(sd, storage_writer=FileSystemWriter(out), no_dist=True)
+        _save_state_dict(sd, storage_writer=FileSystemWriter(target), no_dist=True)
     except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if taken:
+            shutil.rmtree(target, ignore_errors=True)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise FtkitError(f"{out}: DCP could not write the step: {_cause(e)}") from None
+    if taken:  # the old one aside, the new one in, the old one gone
+        old = f"{target}.old"
+        os.rename(out, old)
+        os.rename(target, out)
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        else:
+            os.remove(old)

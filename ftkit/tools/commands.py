@@ -176,7 +176,7 @@ def _to_dcp(args, storage: Storage, m: Manifest) -> int:
     from ftkit.dcp.foreign import export_step
 
     with progress_bar(m.total_raw_bytes, f"export step {m.step}") as update:
-        export_step(storage, m, args.out, progress=update)
+        export_step(storage, m, args.out, progress=update, overwrite=args.force)
     emit(
         args,
         {"step": m.step, "out": args.out, "format": "dcp", "bytes": m.total_raw_bytes},

@@ -157,9 +157,28 @@ def test_a_checkpointer_step_exported_to_dcp_is_read_by_dcp_load_and_dcp_to_torc
     dcp_to_torch_save(out, str(tmp_path / "converted.pt"))
     converted = torch.load(tmp_path / "converted.pt", weights_only=False)
     _assert_equal(converted["model"], model.state_dict())
-    # Never over a directory that holds something.
+    # Never over a directory that holds something, nor over a file, unless --force: then the
+    # step replaces it whole (a newer step's export, read back by DCP), and nothing is left beside.
     r = run_cli("export", ckpt, "--format", "dcp", "--out", out)
+    assert r.returncode != 0 and "already exists" in r.stderr and "--force" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "a-file").write_text("precious")
+    r = run_cli("export", ckpt, "--format", "dcp", "--out", str(tmp_path / "a-file"))
     assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "a-file").read_text() == "precious"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with ftkit.Checkpointer(state, tiers=[ckpt]) as ck:
+        ck.snapshot(13)
+    (tmp_path / "dcp" / "stale-leftover").write_text("x")
+    r = run_cli("export", ckpt, "--format", "dcp", "--out", out, "--force", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"] == 13
+    assert not (tmp_path / "dcp" / "stale-leftover").exists()
+    again = {"model": _trained(7)[0].state_dict()}
+    dcp.load(again, checkpoint_id=out, no_dist=True)
+    _assert_equal(again["model"], model.state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a-file", "ckpt", "converted.pt", "dcp"])
 
 
 def test_a_dcp_written_ftkit_step_exports_with_its_nesting_across_a_reshard(tmp_path):
