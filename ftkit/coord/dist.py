@@ -90,6 +90,30 @@ def process_gone(pid: Any) -> bool:
         return False
 
 
+_settling = threading.Lock()
+_settle_registered = False
+EXIT_SETTLE_S = 0.2
+
+
+def _settle_collectives_at_exit() -> None:
+    """At exit, give gloo's worker threads a moment to let go of finished collectives while the
+    interpreter can still take them. A worker thread drops its reference to a collective after
+    the caller has moved on; if that is the last one, the collective's tensors are freed there,
+    which takes the GIL, and once the interpreter is finalizing that thread is ended mid-C++
+    and the process aborts ("terminate called without an active exception", exit -6; torch's
+    AsyncAllgatherWork in a core dump of bench_dist.py's rank 1, after its last all_gather). A
+    worker preempted on a busy machine holds on for milliseconds; atexit runs before the
+    interpreter finalizes, and a sleep there lets it finish. Registered once, by a
+    distributed DistContext."""
+    global _settle_registered
+    with _settling:
+        if not _settle_registered:
+            import atexit
+
+            atexit.register(time.sleep, EXIT_SETTLE_S)
+            _settle_registered = True
+
+
 def rendezvous_id() -> str | None:
     """The rendezvous (run) id torchrun was given, or None if it is torchrun's default or absent.
 
@@ -137,6 +161,7 @@ class DistContext:
         rank = dist.get_rank()
         ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s, scope=f"ftkit/{run}/{attempt}/")
         ctx.nodes = ctx.gather("nodes", ctx.node)
+        _settle_collectives_at_exit()
         return ctx
 
     def own_connection(self) -> DistContext:
