@@ -78,10 +78,10 @@ from ftkit.commit.parts import build_part
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
 from ftkit.commit.reports import decode_report
-from ftkit.commit.shared import gather_records, send_record
+from ftkit.commit.shared import gather_records, not_committed, send_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
-from ftkit.errors import AlreadyCommitted, FormatError, StorageError
+from ftkit.errors import AlreadyCommitted, FormatError, RecoveryRequested, StorageError
 from ftkit.format.index import INDEX_VERSION, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.validate import parse_header
@@ -169,6 +169,8 @@ class RamCommit(StepExecutor):
         elif not self.exchange_failed:  # (after a failure, the rest of the exchange is skipped)
             try:
                 super().do(step)
+            except RecoveryRequested:  # (the generation is over: not this step's replication error)
+                raise
             except Exception as e:
                 self.exchange_failed = True
                 self.errors.append(f"rank {self.ctx.rank}: replication failed: {e}")
@@ -276,9 +278,7 @@ class RamCommit(StepExecutor):
             self._gather_records(())
         assert self.records is not None
         own_errors = [] if self.node is not None else self.errors  # (a collector's are in its record)
-        failures = [e for r in self.records for e in r.errors] + own_errors
-        if failures:
-            raise StorageError(f"step {self.step} not committed to the RAM tier: {'; '.join(failures)}")
+        not_committed(self.step, "the RAM tier", self.records, own_errors)
         own = self.own_record
         assert own is not None and own.part is not None
         local = {own.part.file, *own.others}  # the parts in rank 0's node's directory
@@ -314,12 +314,12 @@ class RamCommit(StepExecutor):
             self.mine = (self.node.record(self.errors), self.node.own_files())
         self.records = [self.mine[0]] if self.mine is not None else []
         self.own_record = self.records[0] if self.records else None
-        got = gather_records(self.ctx, self.group, ram_records_key(self.key), collectors)
+        got, complete = gather_records(self.ctx, self.group, ram_records_key(self.key), collectors)
         for c, record in zip(collectors, got, strict=True):
             self.records.append(record)
             if self.plan.roles_of(c).leader == 0:
                 self.own_record = record
-        if not any(r.skipped for r in self.records):  # nobody reads the older keys any more
+        if complete and not any(r.skipped for r in self.records):  # nobody reads the older keys any more
             delete_keys(self.ctx, older)
 
     def not_committed(self) -> None:
@@ -477,7 +477,8 @@ def report_skipped_node_local(
     """Policy "skip" on the RAM tier: this rank will not write the step of `key` (the training
     thread says so at once, while the step's commit may run): its leader, or, from a leader,
     rank 0 and (`exchange`: the tier keeps replicas) the leaders that take its node's replicas,
-    hear it, so nobody waits for it."""
+    hear it, so nobody waits for it. (A collector's record costs the training thread one store
+    round trip: its count, shared.send_record.)"""
     text = Report.failed(reason, skipped=True).encode()
     if ctx.rank == 0 and exchange:
         ctx.put(index_key(key), "")  # the index holders wait for no index
@@ -492,6 +493,6 @@ def report_skipped_node_local(
     group.send_named(step_message(at, "skip"), reason.encode(), others, patient=False)  # no replicas this step
     if exchange:
         ctx.store.set(exchange_key(key, group.leader), Exchange({ctx.rank: text}).encode())
-    if ctx.rank != 0 or not exchange:
+    if ctx.rank != 0:  # (rank 0 collecting its own node awaits no record)
         skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
         send_record(ctx, group, ram_records_key(key), skipped.record([]))

@@ -89,13 +89,13 @@ class SharedCommit(StepExecutor):
 
     def await_records(self, step: Step) -> None:
         older = self.stack.enter_context(older_keys(self.ledger, self.at))
-        self.records += gather_records(self.ctx, self.group, shared_records_key(self.key), step.peers)
-        delete_keys(self.ctx, older)  # every leader sent the records of the steps before first
+        records, complete = gather_records(self.ctx, self.group, shared_records_key(self.key), step.peers)
+        self.records += records
+        if complete:  # every leader sent the records of the steps before first
+            delete_keys(self.ctx, older)
 
     def commit(self, _: Step) -> None:
-        failures = [e for r in self.records for e in r.errors]
-        if failures:
-            raise StorageError(f"step {self.step} not committed to {self.storage.display_url}: {'; '.join(failures)}")
+        not_committed(self.step, self.storage.display_url, self.records)
         fault_point("commit", self.step, 0)  # every part is durable, the index not yet written
         self.committed = commit_index(self.storage, self.step, self.ctx.world_size, self.records, self.skeleton)
 
@@ -161,20 +161,33 @@ def send_record(ctx: DistContext, group: NodeGroup, key: str, record: Record) ->
     ctx.send_to_root(key, group.leader, record.encode(), len(group.record_ids))
 
 
-def gather_records(ctx: DistContext, group: NodeGroup, key: str, collectors: Sequence[int]) -> list[Record]:
+def gather_records(
+    ctx: DistContext, group: NodeGroup, key: str, collectors: Sequence[int]
+) -> tuple[list[Record], bool]:
     """Rank 0: the record of the node of each of `collectors` (the plan's AWAIT RECORD), in
-    their order, from one exchange under `key` (DistContext.collect_at_root). A record that
-    did not come, or does not decode, is that node's error: the step is not committed."""
+    their order, from one exchange under `key` (DistContext.collect_at_root), and whether every
+    one came. A record that did not come, or does not decode, is that node's error: the step
+    is not committed."""
     leaders = [group.plan.roles_of(c).leader for c in collectors]
     try:
         raws = ctx.collect_at_root(key, leaders)
         lost = f"no record within {ctx.timeout_s:.0f}s"
     except FormatError as e:
         raws, lost = dict.fromkeys(leaders), f"unreadable records: {e}"
-    return [
+    records = [
         read_node_record(n, raw, group.members[n]) if raw is not None else Record.failed([f"node of rank {n}: {lost}"])
         for n, raw in ((n, raws[n]) for n in leaders)
     ]
+    return records, all(raw is not None for raw in raws.values())
+
+
+def not_committed(step: int, where: str, records: Sequence[Record], own_errors: Sequence[str] = ()) -> None:
+    """Raise StorageError if any node's record (or rank 0's own `own_errors`) holds an error:
+    the step is not committed. The message names the first few, and how many in all."""
+    failures = list(dict.fromkeys([e for r in records for e in r.errors] + list(own_errors)))
+    if failures:
+        more = f" ({len(failures)} errors in all)" if len(failures) > 8 else ""
+        raise StorageError(f"step {step} not committed to {where}: {'; '.join(failures[:8])}{more}")
 
 
 def read_node_record(leader: int, raw: bytes, ranks: Sequence[int]) -> Record:
@@ -189,7 +202,8 @@ def read_node_record(leader: int, raw: bytes, ranks: Sequence[int]) -> Record:
 
 def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tuple[int, int], reason: str) -> None:
     """Policy "skip" on a shared tier: this rank will not write the step of `key`; tell its
-    leader at once (a leader tells rank 0, with its node's record), so nobody waits."""
+    leader at once (a leader tells rank 0, with its node's record), so nobody waits. (A
+    leader's record costs the training thread one store round trip: its count, send_record.)"""
     if ctx.rank != group.leader:
         report = Report.failed(reason).encode()
         group.send(at, "w", ctx.rank, report, (group.leader,), patient=False)  # (the training thread: never waits)

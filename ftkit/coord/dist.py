@@ -278,13 +278,17 @@ class DistContext:
         """`value` of each of `ranks` ({rank: value}) on rank 0 only; None elsewhere. Every
         rank calls it; only `ranks` send (rank 0's own value needs no message), with
         `send_to_root`. `raw`: the values are bytes (a typed message, commit/messages.py),
-        sent as they are, else JSON. PeerTimeout naming the ranks that sent nothing."""
+        sent as they are, else JSON (a value that is not: None). PeerTimeout naming the ranks
+        that sent nothing; values that do not unpack come as empty bytes (raw) or None."""
         others = [r for r in ranks if r != 0]
         if self.rank != 0:
             if self.rank in ranks:
                 self.send_to_root(key, self.rank, value if raw else json.dumps(value).encode(), len(others))
             return None
-        values = self.collect_at_root(key, others, timeout_s)
+        try:
+            values = self.collect_at_root(key, others, timeout_s)
+        except FormatError:  # (the store is untrusted input: what does not unpack reads as malformed)
+            values = dict.fromkeys(others, b"")
         missing = [r for r, v in values.items() if v is None]
         if missing:
             within = f"{timeout_s or self.timeout_s:.0f}s"

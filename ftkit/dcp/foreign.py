@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -215,13 +215,14 @@ def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None,
     from ftkit.format.data import read_tensors
     from ftkit.tools.export import to_nested
 
-    taken = os.path.isfile(out) or (os.path.isdir(out) and bool(os.listdir(out)))
+    taken = os.path.lexists(out) and not (os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out))
     if taken and not overwrite:
         raise FtkitError(f"{out} already exists and is not empty; remove it or pass --force")
+    if taken:
+        _check_replaceable(storage, out)
     sd = to_nested(manifest, read_tensors(storage, manifest, progress=progress))
     sd.pop("_ftkit", None)
-    beside = os.path.dirname(os.path.abspath(out))
-    target = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=beside) if taken else out
+    target = _beside(out) if taken else out
     try:
         _save_state_dict(sd, storage_writer=FileSystemWriter(target), no_dist=True)
     except BaseException as e:  # (DCP's CheckpointException is a BaseException)
@@ -230,11 +231,49 @@ def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None,
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise FtkitError(f"{out}: DCP could not write the step: {_cause(e)}") from None
-    if taken:  # the old one aside, the new one in, the old one gone
-        old = f"{target}.old"
+    if taken:
+        _swap_in(target, out)
+
+
+def _check_replaceable(storage: Storage, out: str) -> None:
+    """What `--force` may replace: not a link or a mount point (a rename cannot move it), and
+    nothing that holds the tier read from or lies inside it."""
+    if os.path.islink(out) or os.path.ismount(out):
+        raise FtkitError(f"{out} is a symbolic link or a mount point; --force cannot replace it, choose another --out")
+    if storage.is_local:
+        tier, there = os.path.realpath(storage.root), os.path.realpath(out)
+        if os.path.commonpath([tier, there]) in (tier, there):
+            raise FtkitError(f"{out} holds or lies inside the checkpoint tier {storage.root}; choose another --out")
+
+
+def _beside(out: str) -> str:
+    """A new directory next to `out` (same filesystem: a rename swaps it in), made with the
+    process's umask as any export directory is."""
+    parent = os.path.dirname(os.path.abspath(out))
+    path = os.path.join(parent, f".{os.path.basename(out)}.tmp-{secrets.token_hex(4)}")
+    try:
+        os.mkdir(path)
+    except OSError as e:
+        raise FtkitError(f"{out}: cannot write beside it in {parent}: {e.strerror}") from None
+    return path
+
+
+def _swap_in(new: str, out: str) -> None:
+    """The old `out` aside, `new` in its place, the old one removed; if the second rename
+    fails, the old one goes back."""
+    old = f"{new}.old"
+    try:
         os.rename(out, old)
-        os.rename(target, out)
-        if os.path.isdir(old):
-            shutil.rmtree(old)
-        else:
-            os.remove(old)
+    except OSError as e:
+        shutil.rmtree(new, ignore_errors=True)
+        raise FtkitError(f"{out}: cannot be moved aside to replace it: {e.strerror}") from None
+    try:
+        os.rename(new, out)
+    except OSError as e:
+        os.rename(old, out)
+        shutil.rmtree(new, ignore_errors=True)
+        raise FtkitError(f"{out}: the new export could not take its place: {e.strerror}") from None
+    if os.path.isdir(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.remove(old)

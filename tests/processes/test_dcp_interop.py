@@ -179,6 +179,17 @@ def test_a_checkpointer_step_exported_to_dcp_is_read_by_dcp_load_and_dcp_to_torc
     dcp.load(again, checkpoint_id=out, no_dist=True)
     _assert_equal(again["model"], model.state_dict())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a-file", "ckpt", "converted.pt", "dcp"])
+    assert (tmp_path / "dcp").stat().st_mode & 0o777 == (tmp_path / "ckpt").stat().st_mode & 0o777  # the umask's
+    # --force never replaces the tier it reads, what holds it, a link or a mount point.
+    steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    for out in (ckpt, str(tmp_path)):
+        r = run_cli("export", ckpt, "--format", "dcp", "--out", out, "--force")
+        assert r.returncode != 0 and "checkpoint tier" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (tmp_path / "link").symlink_to(tmp_path / "dcp")
+    r = run_cli("export", ckpt, "--format", "dcp", "--out", str(tmp_path / "link"), "--force")
+    assert r.returncode != 0 and "symbolic link" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == steps
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 def test_a_dcp_written_ftkit_step_exports_with_its_nesting_across_a_reshard(tmp_path):

@@ -204,3 +204,12 @@ def test_gather_to_root_names_the_ranks_that_sent_nothing():
     DistContext(1, 4, store, "a", 1.0, nodes).gather_to_root("h", b"x", [1, 2, 3], raw=True)
     with pytest.raises(PeerTimeout, match=r"nothing from rank\(s\) 2, 3 for 'h' within 1s"):
         DistContext(0, 4, store, "a", 1.0, nodes).gather_to_root("h", b"x", [1, 2, 3], raw=True)
+    # Values that do not unpack (forged: says 255 bytes, has 3) read as malformed, on rank 0 only
+    # as on the others: no exception for rank 0 alone while they wait for its word.
+    store.append("m/all", b"\x01\x00\x00\x00\xff\x00\x00\x00abc")
+    store.set("m/done", b"")
+    root = DistContext(0, 4, store, "a", 1.0, nodes)
+    assert root.gather_to_root("m", {"r": 0}, [0, 1]) == {0: {"r": 0}, 1: None}
+    store.append("n/all", b"\x01\x00\x00\x00\xff\x00\x00\x00abc")
+    store.set("n/done", b"")
+    assert root.gather_to_root("n", b"mine", [0, 1], raw=True) == {0: b"mine", 1: b""}

@@ -243,3 +243,23 @@ def test_a_collector_refuses_to_write_a_part_for_another_nodes_rank(tmp_path):
     layout, report = layout_of(_write(2, "0000000c", 1), memo)
     with pytest.raises(FormatError, match="another part"):
         build_part(1, [held[0], RankReport(1, report, layout)], WORLD, memo)
+
+
+def test_a_step_not_committed_names_the_first_errors_once_each_and_counts_them():
+    """At 2,048 nodes a store that fails every record would give 2,048 errors: the failure names
+    eight, each once, and says how many there were."""
+    import pytest
+
+    from ftkit.commit.messages import Record
+    from ftkit.commit.shared import not_committed
+    from ftkit.errors import StorageError
+
+    records = [Record.failed([f"node of rank {8 * n}: no record within 120s"]) for n in range(20)]
+    records += [Record.failed(["unreadable records: cut short"])] * 3
+    with pytest.raises(StorageError) as e:
+        not_committed(5, "the RAM tier", records, ["rank 0: replication failed"])
+    text = str(e.value)
+    assert text.startswith("step 5 not committed to the RAM tier: node of rank 0: no record within 120s; ")
+    assert text.count("no record") == 8 and "node of rank 64:" not in text
+    assert text.endswith("(22 errors in all)")  # 20 nodes, the unreadable records once, rank 0's own
+    not_committed(5, "the RAM tier", [Record.failed([])])  # no error: committed
