@@ -78,7 +78,7 @@ from ftkit.commit.parts import build_part
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
 from ftkit.commit.reports import decode_report
-from ftkit.commit.shared import gather_records, not_committed, send_record
+from ftkit.commit.shared import gather_records, raise_if_failed, send_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
 from ftkit.errors import AlreadyCommitted, FormatError, RecoveryRequested, StorageError
@@ -278,7 +278,7 @@ class RamCommit(StepExecutor):
             self._gather_records(())
         assert self.records is not None
         own_errors = [] if self.node is not None else self.errors  # (a collector's are in its record)
-        not_committed(self.step, "the RAM tier", self.records, own_errors)
+        raise_if_failed(self.step, "the RAM tier", self.records, own_errors)
         own = self.own_record
         assert own is not None and own.part is not None
         local = {own.part.file, *own.others}  # the parts in rank 0's node's directory

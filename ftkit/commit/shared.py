@@ -95,7 +95,7 @@ class SharedCommit(StepExecutor):
             delete_keys(self.ctx, older)
 
     def commit(self, _: Step) -> None:
-        not_committed(self.step, self.storage.display_url, self.records)
+        raise_if_failed(self.step, self.storage.display_url, self.records)
         fault_point("commit", self.step, 0)  # every part is durable, the index not yet written
         self.committed = commit_index(self.storage, self.step, self.ctx.world_size, self.records, self.skeleton)
 
@@ -175,13 +175,13 @@ def gather_records(
     except FormatError as e:
         raws, lost = dict.fromkeys(leaders), f"unreadable records: {e}"
     records = [
-        read_node_record(n, raw, group.members[n]) if raw is not None else Record.failed([f"node of rank {n}: {lost}"])
-        for n, raw in ((n, raws[n]) for n in leaders)
+        Record.failed([f"node of rank {n}: {lost}"]) if raw is None else read_node_record(n, raw, group.members[n])
+        for n, raw in raws.items()
     ]
-    return records, all(raw is not None for raw in raws.values())
+    return records, None not in raws.values()
 
 
-def not_committed(step: int, where: str, records: Sequence[Record], own_errors: Sequence[str] = ()) -> None:
+def raise_if_failed(step: int, where: str, records: Sequence[Record], own_errors: Sequence[str] = ()) -> None:
     """Raise StorageError if any node's record (or rank 0's own `own_errors`) holds an error:
     the step is not committed. The message names the first few, and how many in all."""
     failures = list(dict.fromkeys([e for r in records for e in r.errors] + list(own_errors)))

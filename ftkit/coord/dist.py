@@ -16,7 +16,9 @@ question: see :func:`host_identity`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -90,11 +92,10 @@ def process_gone(pid: Any) -> bool:
         return False
 
 
-_settling = threading.Lock()
-_settle_registered = False
 EXIT_SETTLE_S = 0.2
 
 
+@functools.cache  # (registered once)
 def _settle_collectives_at_exit() -> None:
     """At exit, give gloo's worker threads a moment to let go of finished collectives while the
     interpreter can still take them. A worker thread drops its reference to a collective after
@@ -103,15 +104,9 @@ def _settle_collectives_at_exit() -> None:
     and the process aborts ("terminate called without an active exception", exit -6; torch's
     AsyncAllgatherWork in a core dump of bench_dist.py's rank 1, after its last all_gather). A
     worker preempted on a busy machine holds on for milliseconds; atexit runs before the
-    interpreter finalizes, and a sleep there lets it finish. Registered once, by a
-    distributed DistContext."""
-    global _settle_registered
-    with _settling:
-        if not _settle_registered:
-            import atexit
-
-            atexit.register(time.sleep, EXIT_SETTLE_S)
-            _settle_registered = True
+    interpreter finalizes, and a sleep there lets it finish. Registered by a distributed
+    DistContext."""
+    atexit.register(time.sleep, EXIT_SETTLE_S)
 
 
 def rendezvous_id() -> str | None:
@@ -267,7 +262,7 @@ class DistContext:
                 if at > len(data):
                     raise FormatError(f"store key {all_!r} is cut short")
                 if sender in got:  # (another's: ignored)
-                    got[sender] = bytes(data[at - length : at])
+                    got[sender] = data[at - length : at]
             return got
         finally:
             self.delete(*names)

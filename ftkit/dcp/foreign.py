@@ -215,7 +215,8 @@ def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None,
     from ftkit.format.data import read_tensors
     from ftkit.tools.export import to_nested
 
-    taken = os.path.lexists(out) and not (os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out))
+    empty_dir = os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out)
+    taken = os.path.lexists(out) and not empty_dir
     if taken and not overwrite:
         raise FtkitError(f"{out} already exists and is not empty; remove it or pass --force")
     if taken:

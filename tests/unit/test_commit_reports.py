@@ -251,15 +251,15 @@ def test_a_step_not_committed_names_the_first_errors_once_each_and_counts_them()
     import pytest
 
     from ftkit.commit.messages import Record
-    from ftkit.commit.shared import not_committed
+    from ftkit.commit.shared import raise_if_failed
     from ftkit.errors import StorageError
 
     records = [Record.failed([f"node of rank {8 * n}: no record within 120s"]) for n in range(20)]
     records += [Record.failed(["unreadable records: cut short"])] * 3
     with pytest.raises(StorageError) as e:
-        not_committed(5, "the RAM tier", records, ["rank 0: replication failed"])
+        raise_if_failed(5, "the RAM tier", records, ["rank 0: replication failed"])
     text = str(e.value)
     assert text.startswith("step 5 not committed to the RAM tier: node of rank 0: no record within 120s; ")
     assert text.count("no record") == 8 and "node of rank 64:" not in text
     assert text.endswith("(22 errors in all)")  # 20 nodes, the unreadable records once, rank 0's own
-    not_committed(5, "the RAM tier", [Record.failed([])])  # no error: committed
+    raise_if_failed(5, "the RAM tier", [Record.failed([])])  # no error: committed
