@@ -1,10 +1,5 @@
-"""The c10d store keys a step's commit uses, and the bookkeeping that deletes them.
-
-Every commit passes reports through the store (torchrun's agent, or rank 0): a
-job that snapshots every step for days must not grow it by every report it ever
-sent. `commit_key` names one step's commit to one tier; a `KeyLedger` remembers
-what a commit left behind, for a later one to delete once that is safe.
-"""
+"""The c10d store keys a step's commit uses, and the bookkeeping that deletes them: a job
+that snapshots every step for days must not grow the store by every report it ever sent."""
 
 from __future__ import annotations
 
@@ -16,21 +11,19 @@ from ftkit.coord.dist import DistContext, to_root_keys
 
 
 def commit_key(tier: int, epoch: int, step: int) -> str:
-    """The store keys of one step's commit to one tier. `epoch` (restore() calls so far)
-    keeps a step snapshotted again after an in-process restore from meeting the keys
-    of its first commit."""
+    """The store keys of one step's commit to one tier. `epoch` (restore() calls so far) keeps
+    a step snapshotted again after an in-process restore off its first commit's keys."""
     return f"commit/{tier}/{epoch}/{step}"
 
 
 # One step's keys under `commit_key`: a node is named by its leader (its first rank).
 def shared_records_key(key: str) -> str:
-    """The nodes' records for rank 0 on a shared tier (commit/shared.py), sent with
-    DistContext.send_to_root: each from its node's leader."""
+    """The nodes' records for rank 0 on a shared tier (DistContext.send_to_root)."""
     return f"{key}/n"
 
 
 def ram_records_key(key: str) -> str:
-    """The nodes' records for rank 0 on the RAM tier (commit/ram.py), as shared_records_key."""
+    """The nodes' records for rank 0 on the RAM tier."""
     return f"{key}/r"
 
 
@@ -45,9 +38,7 @@ def index_key(key: str) -> str:
 
 
 class KeyLedger:
-    """Store keys that calls of one tier's commit left behind, each with the (restore
-    epoch, step) it belongs to; a later call deletes those of earlier steps once it
-    is safe. `names(key)` lists what one call with `key` may leave behind."""
+    """Store keys one tier's commits left behind, by (restore epoch, step), for a later call to delete."""
 
     def __init__(self, names: Callable[[str], list[str]]):
         self._names = names
@@ -56,9 +47,7 @@ class KeyLedger:
 
     @staticmethod
     def node_local(nodes: list[int], exchange: bool) -> KeyLedger:
-        """persist_node_local's keys of a step rank 0 skipped: the nodes' records (and, where the
-        tier keeps replicas, `exchange`, the reports each node of `nodes`, by first rank,
-        exchanged), which rank 0 would have deleted, and its word on the manifest."""
+        """persist_node_local's keys of a skipped step: records, `nodes`' exchanges, the index."""
         exchanged = nodes if exchange else []
 
         def names(key: str) -> list[str]:
@@ -68,7 +57,7 @@ class KeyLedger:
 
     @staticmethod
     def shared() -> KeyLedger:
-        """persist's keys of a step rank 0 skipped: the nodes' records, which rank 0 would have deleted."""
+        """persist's keys of a step rank 0 skipped: the nodes' records."""
         return KeyLedger(lambda key: to_root_keys(shared_records_key(key)))
 
     def record(self, at: tuple[int, int], key: str) -> None:
@@ -83,8 +72,8 @@ class KeyLedger:
 
     @contextlib.contextmanager
     def older_than(self, at: tuple[int, int]) -> Iterator[list[tuple[tuple[int, int], str]]]:
-        """The (at, key) pairs of calls before `at`, for this call to delete (emptying
-        the list); whatever is still in the list at the end is kept for a later call."""
+        """The (at, key) pairs of calls before `at`, to delete (emptying the list); what is left
+        in the list at the end is kept for a later call."""
         with self._lock:
             older = [(t, k) for t, k in self._keys if t < at]
             self._keys = [(t, k) for t, k in self._keys if t >= at]

@@ -1,30 +1,8 @@
-"""A rank's tensor layout, sent once and named by its hash, in the commit's reports.
-
-From one step to the next a rank's write differs only in its data file's name (a new token)
-and, per chunk, where the chunk is in the file, its codec and its checksum: the rest (tensor
-names, dtypes, shapes, shards, the chunks' places in their tensors) is its *layout*. So a rank
-sends its layout once, as a *body* named by its hash, and then per step a `Report`
-(commit/messages.py) of only those values, in the layout's chunk order::
-
-    body:    the rank's tensor entries as a format-4 part's layout line holds them
-             (format/part.py layout_docs: each chunk only its raw_offset and raw_length), JSON
-    name:    blake2b-160 of the body, hex
-    where:   sent to the rank's collector as the board message layout-<name>.json, ahead of
-             the first report naming it over each connection (coord/mailbox.py), and
-             in the store under layout/<name> (set by its collector before the first exchange
-             that names it, which the replica partners read; never deleted: a few per rank)
-
-Bodies are untrusted like every message: a body is taken only when it hashes to its name and
-has the shape of a layout; what it says is validated with the part it becomes part of
-(commit/parts.py), once per layout. A report whose layout cannot be found reads as that
-rank's error: the step is simply not committed.
-
-Order of calls: a sender `layout_of(write, memo)` -> (Layout, its Report); a rank sends
-`layout.body` to its collector (NodeBoard.send_once) before its report; a collector publishes its
-node's bodies in the store (`Published`) before the exchange naming them. A receiver resolves
-a report's layout with `lookup(from_board(...))` or `lookup(from_store(...))`, which returns
-known layouts from the tier's memo (commit/memo.py) and fetches, checks and keeps unknown ones.
-"""
+"""A rank's tensor layout (all of its write but the per-step values), sent once as a JSON
+*body* named by its blake2b-160 hash: on the board (layout-<name>.json) before the first
+report naming it, and in the store (layout/<name>, never deleted) by its collector before
+the exchange naming it. Bodies are untrusted: one is taken only when it hashes to its name
+and has the shape of a layout; its content is validated with its part (commit/parts.py)."""
 
 from __future__ import annotations
 
@@ -65,8 +43,7 @@ class Layout:
 
     @staticmethod
     def of_body(body: str, digest: str | None = None) -> Layout:
-        """A layout from its body (untrusted): it must hash to `digest`, when given, and be
-        a list of tensor entries with shards and chunks (checked here, once per layout)."""
+        """A layout from its body (untrusted), which must hash to `digest` when given."""
         d = hashlib.blake2b(body.encode(), digest_size=20).hexdigest()
         if digest is not None and d != digest:
             raise FormatError(f"layout {digest[:12]} does not hash to its name")
@@ -84,7 +61,7 @@ class Layout:
 
     @functools.cached_property
     def chunk_names(self) -> tuple[str, ...]:
-        """The tensor name of each chunk, in the layout's order (what a report's values follow)."""
+        """The tensor name of each chunk, in the layout's order."""
         try:
             return tuple(str(t["name"]) for t in self.docs for s in t["shards"] for _ in s["chunks"])
         except (TypeError, KeyError) as e:
@@ -94,8 +71,7 @@ class Layout:
 def lookup(
     fetch: Callable[[str], bytes | None] | None, memo: CommitMemo | None = None
 ) -> Callable[[str], Layout | None]:
-    """A resolver of a report's layout: the memo's layout of a name, else the body `fetch`
-    gets for it (checked against its name, then kept), else None."""
+    """A resolver of a layout's name: the memo's, else the body `fetch` gets (checked, kept), else None."""
     book = memo.layouts if memo is not None else Lru[str, Layout](256)
 
     def resolve(digest: str) -> Layout | None:
@@ -117,10 +93,7 @@ def lookup(
 
 # ------------------------------------------------------------------ the sender's side
 def layout_of(write: Any, memo: CommitMemo, state: Any = None) -> tuple[Layout, Report]:
-    """(the layout of `write`, a RankWrite; its report for the step, with the rank's own
-    `state`). Per step this walks the chunks once into a flat tuple, looked up among the
-    last few structures sent; the body is built and hashed only for a structure not seen
-    before."""
+    """(the layout of `write`, a RankWrite; its report, with `state`); hashed only when new."""
     shape: list[Any] = [write.rank]
     chunks: list[Any] = []
     for t in write.tensors:
@@ -128,7 +101,7 @@ def layout_of(write: Any, memo: CommitMemo, state: Any = None) -> tuple[Layout, 
         for s in t.shards:
             shape += (s.offsets, s.lengths, s.rank)
             chunks += s.chunks
-    # The chunks' fields as columns, in C loops (a rank has thousands of chunks in a big model).
+    # The chunks' fields as columns, in C loops: a rank may have thousands of chunks.
     columns = tuple(zip(*map(_CHUNK_FIELDS, chunks))) or ((),) * 7
     offsets, lengths, codec_names, sums, raw_offsets, raw_lengths, files = columns
     if any(f != write.file for f in set(files)):
@@ -139,7 +112,7 @@ def layout_of(write: Any, memo: CommitMemo, state: Any = None) -> tuple[Layout, 
         body = json.dumps(layout_docs([tensor_entry_doc(t) for t in write.tensors]), separators=(",", ":"))
         layout = Layout.of_body(body)
         memo.sent.put(key, layout)
-    memo.layouts.put(layout.digest, layout)  # this rank's own: its collector (maybe itself) needs no fetch
+    memo.layouts.put(layout.digest, layout)  # its collector, maybe this rank, needs no fetch
     text = json.dumps(state or {}, separators=(",", ":"), allow_nan=False)
     codecs = tuple(map(_CODEC.__getitem__, codec_names))
     return layout, Report(write.file, write.nbytes, layout.digest, offsets, lengths, codecs, sums, text)
@@ -147,33 +120,32 @@ def layout_of(write: Any, memo: CommitMemo, state: Any = None) -> tuple[Layout, 
 
 # ------------------------------------------------------------------ where bodies are
 def from_board(board: Any, me: int) -> Callable[[str], bytes | None]:
-    """Fetch a body sent to `me` on a node's board (coord/nodelocal.py NodeBoard.send_once)."""
+    """Fetch a body sent to `me` on a node's board (NodeBoard.send_once)."""
     return lambda digest: board.take(board_name(digest), me, MAX_BODY_BYTES) if board is not None else None
 
 
 def from_store(store: Any) -> Callable[[str], bytes | None]:
-    """Fetch a body from the store, as node leaders publish them for their replica partners."""
+    """Fetch a body from the store, where collectors publish them for their replica partners."""
 
     def fetch(digest: str) -> bytes | None:
         key = store_key(digest)
         try:
             return store.get(key) if store.check([key]) else None
-        except Exception:  # the store is gone: the report reads as an error, like any lost message
+        except Exception:  # the store is gone: the report reads as an error
             return None
 
     return fetch
 
 
 class Published:
-    """The bodies a node's leader has set in one store (set once; content-named, so setting one
-    again, from another process or attempt, is harmless)."""
+    """The bodies a node's collector has set in one store (content-named: setting one again is harmless)."""
 
     def __init__(self) -> None:
         self._store: Any = None
         self._digests: set[str] = set()
 
     def publish(self, store: Any, layouts: list[Layout]) -> None:
-        if store is not self._store:  # a new store (an in-process restart): it has none of them
+        if store is not self._store:  # a new store (an in-process restart) has none of them
             self._store, self._digests = store, set()
         for layout in layouts:
             if layout.digest not in self._digests:

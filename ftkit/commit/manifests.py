@@ -1,11 +1,6 @@
-"""A step's manifest, built from the ranks' reports of what they wrote and written last.
-
-Format version 4 on every tier (FORMAT.md): each node's collector writes a part with
-its ranks' entries (commit/parts.py `build_part`, then `store_part`); rank 0 writes
-the index naming the parts (`commit_index`). Rank 0 handles one small record per
-node, whatever the number of tensors or ranks. What is written is validated first,
-as a reader would validate it, and the data files it names must be in place.
-"""
+"""A step's manifest (format version 4, FORMAT.md): each node's part (`store_part`), then
+rank 0's index naming them (`commit_index`), written last. What is written is validated
+first, as a reader would, and the data files it names must be in place."""
 
 from __future__ import annotations
 
@@ -41,10 +36,9 @@ def commit(
     rank_state: dict[str, Any] | None = None,
     writer_extra: dict[str, Any] | None = None,
 ) -> Manifest:
-    """Commit `step` from one process that wrote every rank's data (`ftkit reshard`): one
-    part, then the index. `writer_extra`: records kept in the index's "writer" field beside
-    ftkit's own (a DCP-written step's planner data, carried across a reshard). Returns the
-    manifest as a reader reads it back."""
+    """Commit `step` from one process that wrote every rank's data (`ftkit reshard`): one part,
+    then the index; returns the manifest as read back. `writer_extra`: kept in the index's
+    "writer" field beside ftkit's own (a DCP-written step's planner data)."""
     from ftkit.commit.layouts import layout_of
     from ftkit.commit.memo import CommitMemo
     from ftkit.commit.parts import build_part
@@ -73,8 +67,7 @@ def commit(
 
 
 def store_part(storage: Storage, step: int, name: str, data: bytes, files: dict[str, int], ranks: list[int]) -> Written:
-    """Write a built part once its node's data files ({name: size}) are in place: the index's
-    entry for it, the node's data files and their sizes, the bytes stored."""
+    """Write a built part once its node's data files ({name: size}) are in place."""
     step_dir = step_dir_name(step)
     sizes = _sizes(storage, step_dir, list(files))
     for f, nbytes in files.items():
@@ -87,8 +80,7 @@ def store_part(storage: Storage, step: int, name: str, data: bytes, files: dict[
 
 
 def _sizes(storage: Storage, step_dir: str, names: list[str]) -> dict[str, int]:
-    """{name: bytes} of `names` in the step directory, those there: one stat per file of
-    this node, not a listing of every rank's (locally one call for them all)."""
+    """{name: bytes} of those of `names` in the step directory: one stat per file, not a listing."""
     if storage.is_local:
         return storage.list_sizes(step_dir, names)
     out = {}
@@ -109,20 +101,17 @@ def commit_index(
     local_parts: set[str] | None = None,
     writer_extra: dict[str, Any] | None = None,
 ) -> Committed:
-    """Rank 0's share: the index naming every node's part, written last (the commit).
-    `records`: one per node, each naming its part, validated by the caller's protocol.
-    `local_parts`: the parts that must be in the step directory now (all, by default;
-    a node of the RAM tier holds only its own and its replica sources')."""
+    """Rank 0's share: the index naming every node's part (`records`, one per node, validated),
+    written last. `local_parts`: the parts that must be in the step directory (default all)."""
     rel = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     if storage.exists(rel):
         raise AlreadyCommitted(f"{storage.where(rel)} already exists")
     parts = sorted((r.part.doc() for r in records if r.part is not None), key=lambda p: p["ranks"][0][0])
     doc = index_doc(step, world_size, parts, skeleton, time.time(), {**(writer_extra or {}), **writer_info()})
-    parse_index(doc, storage.where(rel), step)  # (its parts came from records checked one by one)
+    parse_index(doc, storage.where(rel), step)
     data = encode_index(doc)
-    check_files_present(
-        storage, step, {p["file"]: p["bytes"] for p in parts if local_parts is None or p["file"] in local_parts}
-    )
+    local = [p for p in parts if local_parts is None or p["file"] in local_parts]
+    check_files_present(storage, step, {p["file"]: p["bytes"] for p in local})
     storage.write_bytes_atomic(rel, data)
     return Committed(sum(r.stored for r in records), data)
 

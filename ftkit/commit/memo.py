@@ -1,13 +1,6 @@
-"""What one tier's commit keeps on this rank from one step to the next, so that a step costs
-the values that changed, not the layouts that did not: the layouts it knows and sent
-(commit/layouts.py), the reports it decoded (commit/reports.py), its node's layout lines and
-the parts it checked (commit/parts.py).
-
-One `CommitMemo` per tier of one Checkpointer (commit/node.py NodeGroup holds it): it goes
-away with them, and nothing is kept per process. Bounded: the least recently put entry goes
-first. A rank's persist thread is its only user; the locks are for the tests and benches
-that play several ranks in one process.
-"""
+"""What one tier's commit keeps on a rank between steps, so a step costs the values that
+changed: layouts, decoded reports, node layout lines and checked parts. Bounded; the locks
+are for tests and benches that play several ranks in one process."""
 
 from __future__ import annotations
 
@@ -46,9 +39,7 @@ class Lru(Generic[K, V]):
 
 
 class CommitMemo:
-    """The caches of one tier's commit on one rank (see the module's docstring). `scale`
-    multiplies the bounds: a bench that plays hundreds of ranks in one process gives them
-    room for all of them."""
+    """The caches of one tier's commit on one rank; `scale` multiplies the bounds (for benches)."""
 
     def __init__(self, scale: int = 1) -> None:
         self.layouts: Lru[str, Layout] = Lru(256 * scale)  # layouts known, by name

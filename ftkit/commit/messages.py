@@ -1,32 +1,8 @@
-"""The messages between the ranks of a commit, typed, each with one versioned binary encoding.
-
-Every message is ``b"FTKM" | version (u8) | kind (u8) | count (u32) | count x u64 | strings
-(u32) | length (u32) | blob | messages (u32) | their lengths (u32 each) | their bytes``: its
-numbers (sizes, ranks, counts of what follows) as one packed array, its strings as one UTF-8
-blob split on NUL (no file name holds one; an error's is replaced), and the messages it
-carries (a node's reports) as they were sent, so a message is a few C calls each way:
-decoding runs on every rank at every step, on a thread whose every call costs more than it
-does alone.
-
-What is read is untrusted (anyone who can write the job's store or a node's board can forge
-it): `decode` checks the header, that the counts match what is there and are bounded, every
-file name, part name and checksum, and that nothing is left over; anything else is a
-FormatError, which the executors read as that node's or rank's error, so the step is simply
-not committed.
-
-* `Report`: a rank's report of its write to the rank that writes its node's part (both tiers):
-  its data file, the name of its tensor layout (sent once, commit/layouts.py) and per chunk
-  only what changes from step to step: offset, length, codec, checksum.
-* `Record`: a node's record for rank 0 (both tiers): its part, or its errors.
-* `Outcome`: a rank's replication outcome for its collector (the RAM tier).
-* `Exchange`: a node's reports and part, for the nodes it exchanges replicas with.
-* `Relay`: the partners' reports as a collector relays them to its node's ranks.
-* `Settled`: rank 0's commit news, which RAM-tier steps it keeps (coord/news.py).
-* `Inventory`: what a node holds in the RAM tier, for rank 0's restore plan (restore/plan.py).
-
-A rank's report travels inside Exchange and Relay as the bytes it was sent as. Version 2 is
-the only version; a message of another version is refused by name.
-"""
+"""The messages between the ranks of a commit, typed, each with one versioned binary encoding:
+``b"FTKM" | version (u8) | kind (u8) | count (u32) | count x u64 | strings (u32) | length
+(u32) | blob | messages (u32) | their lengths (u32 each) | their bytes``, its strings one
+UTF-8 blob split on NUL. What is read is untrusted: `decode` checks every field, and
+anything else is a FormatError, which the executors read as that node's or rank's error."""
 
 from __future__ import annotations
 
@@ -45,7 +21,7 @@ from ftkit.format.validate import CHECKSUM_RE, MAX_INT
 
 MAGIC = b"FTKM"
 VERSION = 2
-MAX_COUNT = 1 << 20  # numbers in one message, entries in one list: a node's files, a few ranks' reports
+MAX_COUNT = 1 << 20  # numbers in one message, entries in one list
 _NAME = SAFE_FILE_RE.pattern.strip("^$")  # a plain file name inside a step directory
 _NAMES = re.compile(f"{_NAME}(?:\0{_NAME})*")  # several, NUL-separated
 _U32 = struct.Struct("<I")
@@ -67,20 +43,9 @@ class Kind(IntEnum):
 # ------------------------------------------------------------------ the encoding
 def _pack(kind: Kind, numbers: list[int], strings: list[str], carried: Sequence[bytes] = ()) -> bytes:
     blob = "\0".join(strings).encode()
-    return b"".join(
-        (
-            MAGIC,
-            bytes((VERSION, kind)),
-            _U32.pack(len(numbers)),
-            struct.pack(f"<{len(numbers)}Q", *numbers),
-            _U32.pack(len(strings)),
-            _U32.pack(len(blob)),
-            blob,
-            _U32.pack(len(carried)),
-            struct.pack(f"<{len(carried)}I", *map(len, carried)),
-            *carried,
-        )
-    )
+    n, m = len(numbers), len(carried)
+    head = struct.pack(f"<4sBBI{n}QII", MAGIC, VERSION, kind, n, *numbers, len(strings), len(blob))
+    return b"".join((head, blob, struct.pack(f"<I{m}I", m, *map(len, carried)), *carried))
 
 
 def _unpack(data: bytes, kind: Kind, where: str) -> tuple[tuple[int, ...], list[str], list[bytes]]:
@@ -155,10 +120,9 @@ class _Fields:
         return out
 
     def names(self, count: int) -> list[str]:
-        """`count` plain file names inside a step directory, checked in one go."""
+        """`count` plain file names inside a step directory."""
         out = self.strs(count)
-        joined = "\0".join(out)
-        if out and (not _NAMES.fullmatch(joined) or ".." in joined):
+        if not _plain(out):
             raise FormatError(f"{self.where} names a file outside its step directory")
         return out
 
@@ -185,8 +149,14 @@ class _Fields:
             raise FormatError(f"{self.where} has fields more than its kind")
 
 
+def _plain(names: Sequence[str]) -> bool:
+    """Whether every name is a plain file name inside a step directory (checked in one go)."""
+    joined = "\0".join(names)
+    return not names or (_NAMES.fullmatch(joined) is not None and ".." not in joined)
+
+
 def _text(s: str) -> str:
-    return s.replace("\0", "\ufffd")  # (an error message with a NUL: the string separator)
+    return s.replace("\0", "\ufffd")  # NUL is the string separator
 
 
 # ------------------------------------------------------------------ the messages
@@ -227,12 +197,9 @@ _DIGEST = re.compile(r"[0-9a-f]{40}")
 
 @dataclass(frozen=True)
 class Report:
-    """A rank's report of its write for the step, to its node's collector (both tiers) and,
-    inside an Exchange, to its replica partners: its data file and its size, the name of its
-    tensor layout (commit/layouts.py: the tensors, shards and chunks' places in the tensors,
-    sent once), and per chunk, in the layout's order, what changes from step to step: where
-    it is in the file, its codec and its checksum. Or its error. `state` is the rank's own
-    state (its manifest `rank_state` entry) as JSON text."""
+    """A rank's report of its write, or its error: its data file and size, its layout's name
+    (commit/layouts.py), and per chunk, in the layout's order, what changes from step to step.
+    `state` is the rank's manifest `rank_state` entry as JSON text."""
 
     file: str | None
     nbytes: int = 0
@@ -259,8 +226,7 @@ class Report:
 
     @staticmethod
     def decode(data: bytes, where: str) -> Report:
-        """A report as read from a board or the store: its fields in range, its file a plain
-        name, its chunks inside its file, its checksums of the one form."""
+        """A report as read from a board or the store, every field checked."""
         f = _Fields(data, Kind.REPORT, where)
         has_file, has_layout, has_error, skipped = f.num(1), f.num(1), f.num(1), f.num(1)
         nbytes, n = f.num(), f.num(MAX_COUNT)
@@ -276,7 +242,7 @@ class Report:
             raise FormatError(f"{where} names a file but no layout")
         if n and (file is None or max(codecs) >= len(CODECS) or min(lengths) == 0):
             raise FormatError(f"{where} has malformed chunks")
-        if file is not None and nbytes and not n:  # (a replica of it would be stored unchecked)
+        if file is not None and nbytes and not n:  # a replica of it would be stored unchecked
             raise FormatError(f"{where} lists no chunk for its {nbytes}-byte file")
         if n and max(map(operator.add, offsets, lengths)) > nbytes:
             raise FormatError(f"{where} has a chunk beyond its {nbytes}-byte file")
@@ -287,9 +253,9 @@ class Report:
 
 @dataclass(frozen=True)
 class Record:
-    """A node's record for rank 0: the part its collector wrote (None: the node's `errors`
-    say why not), its data files and their sizes, the bytes stored; on the RAM tier also
-    whether a rank skipped the step and the parts of other nodes its exchanger wrote there."""
+    """A node's record for rank 0: its part (None: `errors` say why), its data files and
+    sizes, the bytes stored; on the RAM tier also whether a rank skipped the step and the
+    parts of other nodes its exchanger wrote there."""
 
     part: PartEntry | None
     files: dict[str, int]
@@ -318,7 +284,7 @@ class Record:
     @staticmethod
     def decode(data: bytes, ranks: Sequence[int], where: str) -> Record:
         """A record of the node of `ranks`: its part must be of exactly those ranks. (Rank 0
-        reads one per node at every step: its fields are taken by index, not one call each.)"""
+        reads one per node at every step: its fields are taken by index.)"""
         nums, strs, carried = _unpack(data, Kind.RECORD, where)
         try:
             has_part, skipped, stored = nums[0], nums[1], nums[2]
@@ -346,34 +312,27 @@ class Record:
         if max((stored, *sizes)) > MAX_INT:
             raise FormatError(f"{where} has a number out of range")
         if part is not None:
-            if not (
-                is_part_file(part.file)
-                and _NAMES.fullmatch(part.file)
-                and ".." not in part.file
-                and CHECKSUM_RE.match(part.checksum)
-            ):
+            if not (is_part_file(part.file) and _plain([part.file]) and CHECKSUM_RE.match(part.checksum)):
                 raise FormatError(f"{where} names no valid part")
             if part.nbytes == 0 or part.nbytes > MAX_INT:
                 raise FormatError(f"{where} names an empty part")
             if [list(x) for x in part.ranks] != rank_runs(list(ranks)):
                 raise FormatError(f"{where} names no valid part of its ranks")
         names = strs[first : first + n_files]
-        joined = "\0".join(names)
-        if names and (not _NAMES.fullmatch(joined) or ".." in joined):
+        if not _plain(names):
             raise FormatError(f"{where} names a file outside its step directory")
         errors = tuple(strs[first + n_files : first + n_files + n_errors])
         others = tuple(strs[first + n_files + n_errors :])
         if part is None and not errors:
             raise FormatError(f"{where} has neither a part nor an error")
-        if not all(is_part_file(o) and _NAMES.fullmatch(o) and ".." not in o for o in others):
+        if not (all(map(is_part_file, others)) and _plain(others)):
             raise FormatError(f"{where} names a file outside its step directory")
         return Record(part, dict(zip(names, sizes, strict=True)), stored, errors, bool(skipped), others)
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """A rank's replication outcome: its errors, and (from its node's exchanger) the parts
-    of other nodes it wrote in the node's directory."""
+    """A rank's replication errors, and (from its node's exchanger) the other nodes' parts it wrote."""
 
     errors: tuple[str, ...] = ()
     parts: tuple[str, ...] = ()
@@ -392,9 +351,8 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Exchange:
-    """A node's reports (rank -> its `Report` as sent) and the name and checksum of its part,
-    for its replica partners: the holders of its ranks' replicas rebuild the part from the
-    reports (commit/replicas.py store_parts) and check it against the checksum."""
+    """A node's reports (rank -> its `Report` as sent) and its part's name and checksum, for its
+    replica partners, who rebuild the part from the reports (commit/replicas.py store_parts)."""
 
     reports: dict[int, bytes]
     part: tuple[str, str] | None = None  # (file, checksum)
@@ -416,8 +374,7 @@ class Exchange:
 
 @dataclass(frozen=True)
 class Written:
-    """A part as its collector wrote it (commit/manifests.py store_part): the index's entry
-    for it, the node's data files and their sizes, the bytes stored."""
+    """A part as its collector wrote it (commit/manifests.py store_part)."""
 
     part: PartEntry
     files: dict[str, int]
@@ -426,9 +383,8 @@ class Written:
 
 @dataclass(frozen=True)
 class Relay:
-    """The partners' reports as a collector relays them to its node; for the node's exchanger
-    also the parts of the nodes that send this node replicas ({file: (their leader, checksum)})
-    and, where the node holds rank 0's index, the node's own part as written (`own`)."""
+    """The partners' reports as a collector relays them to its node; for the exchanger also the
+    sources' parts ({file: (their leader, checksum)}) and, on an index holder, its own (`own`)."""
 
     reports: dict[int, bytes]
     parts: dict[str, tuple[int, str]] = field(default_factory=dict)
@@ -465,8 +421,7 @@ class Relay:
 
 @dataclass(frozen=True)
 class Settled:
-    """Rank 0's word on one restore epoch's RAM-tier steps: every step up to `settled` is
-    decided, and `kept` are those still committed (coord/news.py)."""
+    """Rank 0's word on one restore epoch's RAM-tier steps: all up to `settled` are decided, `kept` kept."""
 
     epoch: int
     settled: int
@@ -488,10 +443,9 @@ class Settled:
 
 @dataclass(frozen=True)
 class Held:
-    """What a node holds of one RAM-tier step: its files (data files and parts), and from a
-    node with the whole manifest the files it names (`need`; rank 0's only, the others send
-    `digest`, its checksum), or from a node with the index but not every part the index's
-    checksum and the parts it names (`index`, `parts`)."""
+    """What a node holds of one RAM-tier step: its files; from a node with the whole manifest
+    the files it names (`need`: rank 0's only, the others send `digest`), or from a node with
+    the index but not every part the index's checksum and its parts (`index`, `parts`)."""
 
     step: int
     have: tuple[str, ...]
@@ -513,7 +467,7 @@ class Inventory:
     steps: tuple[Held, ...] = ()
 
     def without_lists(self) -> Inventory:
-        """The same, less the lists only rank 0's inventory need carry (O(nodes) bytes in all)."""
+        """The same, less the lists only rank 0's inventory need carry."""
         return Inventory(tuple(replace(h, need=None, parts=None) for h in self.steps))
 
     def encode(self) -> bytes:

@@ -1,7 +1,5 @@
-"""A rank's node as a commit sees it: the world's commit plan (commit/plan.py) and the node's
-board (coord/nodelocal.py) that the node's messages go over, computed once, at start, per
-tier; and `StepExecutor`, what both tiers' executors share: one step's inputs, and running
-a rank's steps of the plan in order."""
+"""A rank's node as a commit sees it (`NodeGroup`: the world's plan and the node's board,
+once per tier), and `StepExecutor`, what both tiers' executors share."""
 
 from __future__ import annotations
 
@@ -36,8 +34,8 @@ class NodeGroup:
     board: NodeBoard | None  # where the node's ranks post their messages (None: a world of one)
     plan: CommitPlan
     node: str
-    published: Published = field(default_factory=Published, compare=False)  # the RAM tier's layouts in the store
-    memo: CommitMemo = field(default_factory=CommitMemo, compare=False)  # what this tier's commit keeps between steps
+    published: Published = field(default_factory=Published, compare=False)  # layouts set in the store
+    memo: CommitMemo = field(default_factory=CommitMemo, compare=False)
 
     @staticmethod
     def of(ctx: DistContext, board: NodeBoard | None, tier: str = SHARED, replicas: int = 0) -> NodeGroup:
@@ -66,7 +64,7 @@ class NodeGroup:
 
     @property
     def members(self) -> Mapping[int, tuple[int, ...]]:
-        """Every node's ranks, by leader (rank 0 checks records against it)."""
+        """Every node's ranks, by leader."""
         return self.plan.members
 
     @functools.cached_property
@@ -75,7 +73,7 @@ class NodeGroup:
         return tuple(self.plan.roles_of(c).leader for c in self.plan.record_senders)
 
     def node_board(self) -> NodeBoard:
-        """The node's board, which every commit of a world of several ranks posts through."""
+        """The node's board (every world of several ranks has one)."""
         assert self.board is not None, "a node of several ranks commits through its board"
         return self.board
 
@@ -88,9 +86,7 @@ class NodeGroup:
         to: tuple[int, ...],
         patient: bool = True,
     ) -> None:
-        """Post this rank's message `what` of the step at `at` to the ranks `to` of its node.
-        `patient` False: from the training thread, which never waits for room in a mailbox
-        (NodeBoard.send)."""
+        """Post message `what` of the step at `at` to the ranks `to` (`patient` False: never wait for room)."""
         name = step_message(at, f"{what}-r{me}")
         data = message.encode() if isinstance(message, str) else message
         self.node_board().send(name, data, to, patient)
@@ -102,9 +98,8 @@ class NodeGroup:
     def collect(
         self, at: tuple[int, int], what: str, ctx: DistContext, senders: tuple[int, ...], timeout_s: float
     ) -> dict[int, bytes | None]:
-        """Wait for message `what` of the step at `at` from each of `senders` to `ctx`'s rank
-        (None: none came within `timeout_s`, NodeBoard.collect), then remove them and whatever
-        an earlier step left that nobody collected (a step this rank skipped)."""
+        """Wait for message `what` of the step at `at` from each of `senders` (None: none came in
+        time), then remove them and what earlier steps left uncollected (a skipped step's)."""
         names = {r: step_message(at, f"{what}-r{r}") for r in senders}
         if not names:
             return {}
@@ -116,12 +111,11 @@ class NodeGroup:
 
 class StepExecutor:
     """One rank's commit of one step: its steps of the plan, run in order by `run`, one
-    handler per kind of step (a subclass's HANDLERS). On rank 0, a failure calls
-    `not_committed` before it is raised; the keys in `record_keys` are deleted whatever
-    happens; this rank's own write error is raised at the end (rank 0's has already made
-    its commit fail)."""
+    handler per kind of step (a subclass's HANDLERS). On rank 0 a failure calls
+    `not_committed` before it is raised; `record_keys` are deleted whatever happens; this
+    rank's own write error is raised at the end (rank 0's has already failed its commit)."""
 
-    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[Any, Step], None]]] = {}  # (each subclass its own)
+    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[Any, Step], None]]] = {}  # each subclass its own
 
     def __init__(
         self,
@@ -143,7 +137,7 @@ class StepExecutor:
         self.ctx, self.key, self.ledger, self.at, self.group = ctx, key, ledger, at, group
         self.plan = group.plan
         self.error: Exception | None = None  # this rank's write's, raised at the end
-        self.record_keys: list[str] = []  # rank 0's: the step's keys it deletes (with replicas, the exchanges)
+        self.record_keys: list[str] = []  # rank 0's: the step's keys it deletes
         self.committed: Committed | None = None
         self.own: RankReport | None = None  # this rank's report of its write
         self.text = b""  # that report, as sent
@@ -168,7 +162,7 @@ class StepExecutor:
         self.HANDLERS[step.act, step.msg](self, step)
 
     def report_write(self, write: RankWrite | None) -> None:
-        """This rank's report of its write (None: its error), its layout found (layouts.py)."""
+        """This rank's report of its write (None: its error)."""
         if write is not None:
             layout, report = layout_of(write, self.group.memo, self.rank_state)
             self.own = RankReport(self.ctx.rank, report, layout)
@@ -177,7 +171,7 @@ class StepExecutor:
         self.text = self.own.report.encode()
 
     def send_report(self, step: Step) -> None:
-        """SEND report: its layout (once per connection to the collector), then the report itself."""
+        """SEND report: its layout (once per connection to the collector), then the report."""
         assert self.own is not None
         if self.own.layout is not None:
             layout = self.own.layout

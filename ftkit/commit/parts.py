@@ -1,22 +1,7 @@
-"""A node's part of a step (format 4, format/part.py), built from its ranks' reports.
-
-A part is three lines: its head (the step, the node's ranks), its layout (every tensor entry
-of the node's ranks without its per-step values) and its values (the data files, and per
-chunk its file, offset, length, codec and checksum, in the layout's order; the ranks' own
-state). From one step to the next only the head and the values change, so the layout line
-is built once per set of the ranks' layouts (`NodeLayout`) and a part is that line between
-the step's head and values: nothing of the layout is encoded again.
-
-A node's collector builds its node's part, and the holders of its ranks' replicas rebuild
-it from the same reports (commit/replicas.py store_parts) to the same bytes: one function,
-`build_part`, of the reports alone.
-
-A part is checked as a reader checks one part alone before it is written (its ranks' reports
-are untrusted): in full the first time a set of layouts comes with a given geometry (the
-chunks' places, the files' sizes) and rank state, which is every step's after the first;
-after that only what the geometry leaves out, the file names and checksums, which decoding
-the reports checked.
-"""
+"""A node's part of a step (format 4, format/part.py), built from its ranks' reports by
+`build_part`, a function of the reports alone (replica holders rebuild the same bytes).
+The layout line is built once per set of layouts (`NodeLayout`); a part is checked in full
+the first time a set of layouts comes with a given geometry and rank state."""
 
 from __future__ import annotations
 
@@ -26,25 +11,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.commit.layouts import Layout
+from ftkit.commit.manifests import store_part
 from ftkit.commit.memo import CommitMemo
+from ftkit.commit.messages import Written
 from ftkit.commit.reports import RankReport
 from ftkit.errors import FtkitError
 from ftkit.format.index import check_part, part_file_name
 from ftkit.format.part import encode_layout, encode_part
+from ftkit.tiers.storage import Storage
 
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """The layout line of a node's part, and how its chunks' values are picked, in its order,
-    from the ranks' values put one after the other."""
+    """The layout line of a node's part, and how to pick its chunks' values from the ranks'."""
 
     line: bytes
     pick: Callable[[list[Any]], tuple[Any, ...]]
 
     @staticmethod
     def of(layouts: Sequence[Layout]) -> NodeLayout:
-        """The ranks' layouts (in rank order) merged as one part lists them: one entry per
-        tensor, in order of first appearance, holding every rank's shards of it."""
+        """The ranks' layouts (in rank order) merged: one entry per tensor, in order of first appearance."""
         merged: dict[str, dict[str, Any]] = {}
         order: dict[str, list[int]] = {}
         at = 0
@@ -79,9 +65,8 @@ def build_part(
     memo: CommitMemo,
     name: str | None = None,
 ) -> tuple[str, bytes, dict[str, int]]:
-    """(file name, bytes, {data file: size}) of the part of a node whose ranks sent `reports`
-    (in rank order, none an error), checked. `name`: the part's file name (a replica holder
-    rebuilding its source's part), else a new one."""
+    """(file name, bytes, {data file: size}) of the checked part of a node whose ranks sent
+    `reports` (in rank order, none an error). `name`: the part's file name, else a new one."""
     ranks = [r.rank for r in reports]
     written = [r for r in reports if r.file is not None]
     key = tuple(r.layout.digest for r in written if r.layout is not None)
@@ -100,3 +85,18 @@ def build_part(
         check_part(data, step, ranks, world, where)
         memo.checked_parts.put(checked, True)
     return name or part_file_name(min(ranks)), data, {f: n for f, n, _ in files}
+
+
+def write_part(
+    storage: Storage, step: int, reports: Sequence[RankReport], world: int, memo: CommitMemo
+) -> tuple[Written | None, list[str]]:
+    """A collector's part of its node, built from its ranks' reports and written beside their
+    data: (what was written, []) or (None, the node's errors)."""
+    errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
+    if errors:
+        return None, errors
+    try:
+        name, data, files = build_part(step, reports, world, memo)
+        return store_part(storage, step, name, data, files, [r.rank for r in reports]), []
+    except Exception as e:  # a malformed report or a storage failure: the node's error
+        return None, [f"node of rank {reports[0].rank}: {e}"]

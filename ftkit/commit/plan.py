@@ -1,32 +1,8 @@
-"""The commit plan: for one world, who does what in a step's commit, and the messages each
-rank sends and awaits, in order.
-
-A world is the node of each rank, the kind of tier (a shared tier every rank reaches, or
-the node-RAM tier) and the tier's replicas. The plan is pure data, computed once per world
-from plain values and unit-tested without processes (tests/unit/test_commit_plan.py: every
-message sent is awaited exactly once, nobody waits on itself, the plan runs to the end in
-a simulation, replicas land on other nodes). `ftkit commit-plan` prints it, and
-docs/protocol.md is generated from it (`ftkit commit-plan --markdown`).
-
-The executors run one rank's `steps()` in order: commit/shared.py for a shared tier,
-commit/ram.py for the RAM tier. What a message carries, how it is checked and what a
-failure means are theirs; who sends what to whom, and when, is the plan's. A rank's steps
-are computed on demand from the node tables: O(its node and its replica partners), so a
-rank of a world of 16,384 pays nothing for the others.
-
-Roles, per node (`NodeRoles`):
-
-* leader: the node's first rank; its id in store keys.
-* collector: collects its node's reports, writes the node's part and sends the node's
-  record. On a shared tier, the leader. On the RAM tier the leader too, but on rank 0's
-  node of a job of several nodes the next rank: rank 0 commits, and one rank carrying
-  both duties was the slowest of a commit (bench_dist.py, 2 nodes of 2 ranks: 2.3-2.8 ms
-  of CPU per snapshot on rank 0, 0.5 on rank 1).
-* exchanger (RAM tier with replicas): writes the parts of the nodes whose replicas this
-  node holds, and on a node holding rank 0's replicas the index copy: the node's first
-  rank that neither collects nor commits, else the collector.
-* rank 0 commits: it awaits every node's record and writes the index.
-"""
+"""The commit plan: for one world (each rank's node, the kind of tier, the replicas), who
+does what in a step's commit and the messages each rank sends and awaits, in order. Pure
+data, unit-tested without processes; `ftkit commit-plan` prints it and docs/protocol.md,
+generated from it, describes the roles. The executors (commit/shared.py, commit/ram.py)
+run one rank's `steps()`, which cost O(its node and its partners) to work out."""
 
 from __future__ import annotations
 
@@ -63,8 +39,7 @@ class Via(str, Enum):
 class Msg(str, Enum):
     """The messages of a commit (their bodies: commit/reports.py and the executors)."""
 
-    REPORT = "report"  # a rank's write to its collector: file, sizes, checksums, RNG state, and
-    # its tensor layout, inline or by the name of a layout posted once before (commit/layouts.py)
+    REPORT = "report"  # a rank's write to its collector (its layout by name: commit/layouts.py)
     EXCHANGE = "exchange"  # a node's reports and part name, for its replica partners
     RELAY = "relay"  # the partners' reports, relayed by a collector to its node
     REPLICA = "replica"  # a data file, to a replica holder
@@ -91,7 +66,7 @@ class Step:
 
 @dataclass(frozen=True)
 class NodeRoles:
-    """One node's ranks and roles (see the module's docstring)."""
+    """One node's ranks and roles."""
 
     ranks: tuple[int, ...]
     collector: int
@@ -162,12 +137,13 @@ class CommitPlan:
 
     @functools.cached_property
     def _roles(self) -> dict[str, NodeRoles]:
-        return {}  # filled by roles() for the nodes a rank asks about: its own and its partners
+        return {}  # filled by roles(), for the nodes a rank asks about
 
     def roles(self, node: str) -> NodeRoles:
         hit = self._roles.get(node)
         if hit is None:
             ranks = self._members[node]
+            # On the RAM tier another rank collects rank 0's node: one rank with both duties was the slowest.
             several = self.tier == RAM and node == self.nodes[0] and len(ranks) > 1 and len(self.order) > 1
             collector = ranks[1] if several else ranks[0]
             exchanger = next((r for r in ranks if r not in (0, collector)), collector)
@@ -214,9 +190,7 @@ class CommitPlan:
         return [src for src, dst in self.transfers(rank) if dst == rank]
 
     def transfers(self, rank: int) -> list[tuple[int, int]]:
-        """The (source, destination) transfers `rank` takes part in, in the order every rank
-        agrees on (the j-th partner node first, then by source rank), so that messages between
-        the same two ranks match up and no order can deadlock (tiers/peers.py)."""
+        """The (source, destination) transfers `rank` takes part in, in an order all ranks agree on."""
         out: list[tuple[int, int, int]] = []  # (j, src, dst)
         for j, node in enumerate(self.source_nodes(self.nodes[rank])):
             out += [(j, src, rank) for src in self._members[node] if self.replica_targets(src)[j] == rank]
@@ -224,8 +198,7 @@ class CommitPlan:
         return [(src, dst) for _, src, dst in sorted(out)]
 
     def holds_index(self, node: str) -> bool:
-        """Whether `node` keeps the RAM tier's index: rank 0's node, and (with replicas) the
-        nodes holding rank 0's replicas, where rank 0's data also lives."""
+        """Whether `node` keeps the RAM tier's index: rank 0's node and those holding its replicas."""
         return node == self.nodes[0] or node in self.target_nodes(self.nodes[0])
 
     def index_copiers(self) -> tuple[int, ...]:
@@ -233,9 +206,8 @@ class CommitPlan:
         return tuple(self.roles(n).exchanger for n in self.target_nodes(self.nodes[0]))
 
     def peer_readers(self, node: str) -> tuple[int, ...]:
-        """The ranks of `node` that read the exchange records of its replica partners from the
-        store: its collector, and rank 0 where another rank collects rank 0's node (rank 0 is
-        never relayed to: it reads for itself, its own node's record with them)."""
+        """The ranks of `node` that read its partners' exchange records: its collector, and rank 0
+        where another rank collects rank 0's node (rank 0 is never relayed to)."""
         c = self.roles(node).collector
         return (c, 0) if node == self.nodes[0] and c != 0 else (c,)
 
@@ -245,21 +217,18 @@ class CommitPlan:
         return tuple(r for r in roles.ranks if r not in (roles.collector, 0))
 
     def partners(self, node: str) -> list[str]:
-        """The nodes `node` exchanges replicas with: the k before it (they send it theirs)
-        and the k after it (it sends them its own)."""
+        """The nodes `node` exchanges replicas with: the k before it and the k after it."""
         return list(dict.fromkeys(self.source_nodes(node) + self.target_nodes(node)))
 
     def exchange_readers(self, node: str) -> tuple[int, ...]:
-        """Who awaits `node`'s exchange record: the peer readers of its partners (the
-        relation is symmetric), and rank 0 for its own node's where it reads for itself."""
+        """Who awaits `node`'s exchange record: its partners' peer readers, and rank 0 for its own node."""
         readers = [r for m in self.partners(node) for r in self.peer_readers(m)]
         if node == self.nodes[0] and self.roles(node).collector != 0:
             readers.append(0)
         return tuple(dict.fromkeys(readers))
 
     def exchange_sources(self, rank: int) -> tuple[int, ...]:
-        """The collectors whose exchange records `rank` (a peer reader) awaits: its node's
-        partners', and rank 0 its own node's where another rank collects it."""
+        """The collectors whose exchange records `rank` (a peer reader) awaits."""
         node = self.nodes[rank]
         out = [self.roles(m).collector for m in self.partners(node)]
         if rank == 0 and self.roles(node).collector != 0:
@@ -268,7 +237,7 @@ class CommitPlan:
 
     # ------------------------------------------------------------------ the steps
     def steps(self, rank: int) -> tuple[Step, ...]:
-        """Rank `rank`'s commit, in order (worked out once per rank: an executor asks every step)."""
+        """Rank `rank`'s commit, in order (worked out once per rank)."""
         hit = self._steps.get(rank)
         if hit is None:
             hit = self._steps[rank] = tuple(self._ram_steps(rank) if self.tier == RAM else self._shared_steps(rank))
@@ -311,8 +280,7 @@ class CommitPlan:
             readers = self.exchange_readers(node) if self.exchanges else ()
             if readers:
                 yield Step(Act.SEND, Msg.EXCHANGE, readers, Via.STORE)
-        # 2. Replicas: partners' reports (read from the store, or relayed by the collector),
-        #    the transfers, and the sources' parts.
+        # 2. Replicas: partners' reports, the transfers, and the sources' parts.
         if self.exchanges:
             if rank in self.peer_readers(node):
                 sources = self.exchange_sources(rank)
@@ -331,8 +299,7 @@ class CommitPlan:
             yield Step(Act.REPLICATE)
             if rank == roles.exchanger:
                 yield Step(Act.SOURCE_PARTS)
-        # 3. Outcomes: to the collector, who sends the node's record to rank 0. Rank 0 keeps
-        #    its own (it commits from that record and adds its errors there).
+        # 3. Outcomes: to the collector, who sends the node's record to rank 0 (rank 0 keeps its own).
         if self.distributed:
             if not collector:
                 if rank != 0:
@@ -343,8 +310,7 @@ class CommitPlan:
                     yield Step(Act.AWAIT, Msg.OUTCOME, outcome_from, Via.BOARD)
                 if rank != 0:
                     yield Step(Act.SEND, Msg.RECORD, (0,), Via.STORE)
-        # 4. The commit: rank 0 awaits every node's record, writes the index, and sends it
-        #    to the nodes that keep a copy beside its replicas.
+        # 4. The commit: rank 0 writes the index and sends it to the nodes that keep a copy.
         if rank == 0:
             if self.record_senders:
                 yield Step(Act.AWAIT, Msg.RECORD, self.record_senders, Via.STORE)
@@ -382,9 +348,7 @@ class CommitPlan:
         return "\n".join(lines)
 
     def sequence(self) -> list[tuple[int, Msg, int, Via]]:
-        """Every message of one commit as (sender, message, receiver, transport), in an order
-        the plan can run in: each rank runs its steps while what it awaits has been sent
-        (`Stuck` if the plan cannot finish: a wait nobody answers)."""
+        """Every message as (sender, message, receiver, transport) in an order the plan runs in, or `Stuck`."""
         pending = {r: list(self.steps(r)) for r in range(self.world)}
         sent: set[tuple[int, Msg, int]] = set()
         out: list[tuple[int, Msg, int, Via]] = []

@@ -1,17 +1,7 @@
-"""The RAM tier's replica exchange inside a step's commit (commit/ram.py calls it).
-
-A node's collector (NodeGroup.collector: its leader, but on rank 0's node of a job of
-several nodes the next rank) reads, from the store, the records of the k nodes before its
-own (whose ranks send this node their replicas) and of the k after (which this node's ranks
-send theirs to), and relays their reports, and the names and checksums of its sources'
-parts, to its ranks on the node's board. Each rank then sends its data file to its targets
-and stores verified copies of what its sources send (tiers/peers.py); the node's exchanger
-(NodeGroup.exchanger: a rank that neither collects nor commits, where there is one) writes
-the manifest parts of its sources, so a node keeps the parts that describe the files it
-holds, and names them in its outcome to the collector. Records and parts are untrusted:
-a report that does not parse reads as an error report, a part is checked against the
-index by whoever reads it.
-"""
+"""The RAM tier's replica exchange inside a step's commit: collectors read their partners'
+exchange records from the store and relay them to their ranks, each rank sends its file to
+its targets and stores verified copies of its sources' (tiers/peers.py), and the exchanger
+writes its sources' parts, so a node keeps the parts of the files it holds."""
 
 from __future__ import annotations
 
@@ -38,8 +28,7 @@ from ftkit.tiers.storage import Storage
 
 
 def _exchange(raw: bytes, ranks: tuple[int, ...], where: str) -> Exchange:
-    """A node's exchange record as read from the store (untrusted): one that does not decode
-    has no part, and every rank of the node it lacks reads as an error report."""
+    """A node's exchange record as read (untrusted); every rank it lacks has an error report."""
     try:
         got = Exchange.decode(raw, where)
     except FormatError:
@@ -63,13 +52,10 @@ class PeerWord:
 def read_exchanges(
     group: NodeGroup, ctx: DistContext, key: str, collectors: tuple[int, ...], own_text: bytes | None
 ) -> PeerWord:
-    """The exchange records the collectors `collectors` set for their nodes (the plan's AWAIT
-    exchange), read from the store in one wait and one multi_get: their ranks' reports, and
-    the names and checksums of the parts of the nodes that send this node replicas.
-
-    Rank 0, where another rank collects its node, reads its own node's record among them
-    (`own_text`: the report it sent) and sends its file only where that record holds its
-    report as it sent it, as its targets decide from that record."""
+    """The exchange records of `collectors`' nodes, in one read: their ranks' reports, and the
+    sources' part names and checksums. Rank 0, where another rank collects its node, reads its
+    own node's record too and sends its file only where it holds its report (`own_text`) as
+    sent: its targets decide from that record."""
     plan = group.plan
     sources = set(plan.source_nodes(group.node))
     nodes = [plan.nodes[c] for c in collectors]
@@ -88,12 +74,8 @@ def read_exchanges(
 
 
 def read_relay(group: NodeGroup, ctx: DistContext, at: tuple[int, int], exchanger: bool) -> PeerWord | None:
-    """The partners' reports as this node's collector relayed them (the plan's AWAIT relay),
-    with what the node's exchanger needs: the parts of the nodes that send it replicas, and
-    (where the node holds rank 0's index) its own part. None when the collector skipped the
-    step: its ranks then read the reports themselves (their sources send them replicas all
-    the same) and send nothing (the collector's record, which their targets read, does not
-    hold their reports); the step is not committed then."""
+    """The partners' reports as this node's collector relayed them (None: it skipped the step,
+    and its ranks read them themselves and send nothing; their targets expect nothing)."""
     name, skip = step_message(at, "peers"), step_message(at, "skip")
     board = group.node_board()
     raw = board.collect({0: name}, ctx.timeout_s, MAX_REPORT_BYTES, ctx.rank, skip, ctx.generation)[0]
@@ -108,7 +90,7 @@ def read_relay(group: NodeGroup, ctx: DistContext, at: tuple[int, int], exchange
         raise StorageError(str(e)) from None
     if not exchanger:
         return PeerWord(relay.reports, True, {})
-    parts = {n: ref for n, ref in relay.parts.items() if ref[0] in group.members}  # (others: found missing)
+    parts = {n: ref for n, ref in relay.parts.items() if ref[0] in group.members}  # others: found missing
     return PeerWord(relay.reports, True, parts, relay.own)
 
 
@@ -121,9 +103,7 @@ def store_parts(
     world: int,
     layouts: Callable[[str], Layout | None] | None,
 ) -> list[str]:
-    """Write the parts of the nodes whose replicas this node holds: each rebuilt from its
-    node's reports (`texts`) as its collector built it (parts.py: the same bytes), and
-    checked against the checksum its leader sent, which is the index's."""
+    """Write the parts of this node's replica sources, rebuilt from their reports and checked."""
     step_dir = step_dir_name(step)
     for name, (leader, checksum) in parts.items():
         ranks = group.members[leader]
@@ -151,13 +131,10 @@ def replicate(
     memo: CommitMemo,
     layouts: Callable[[str], Layout | None] | None = None,
 ) -> None:
-    """Send this rank's file (`write`; None: nothing to send) to its replica targets; store
-    verified copies of what its sources send (`reports`: theirs and the targets').
-    Both ends of a transfer decide from the same report: a rank that could not write
-    sends nothing and its targets expect nothing from it; nobody sends to a target
-    that skipped the step (its persist thread never runs it). The step will not be
-    committed then anyway. `layouts`: where the layouts of reports sent by reference are
-    found (layouts.lookup)."""
+    """Send this rank's file (`write`; None: nothing) to its replica targets; store verified
+    copies of what its sources send. Both ends decide from the same reports (`reports`:
+    the sources' and the targets'): nobody sends from a rank that could not write or to a
+    target that skipped the step."""
     import torch
 
     step_dir = step_dir_name(step)
@@ -166,7 +143,7 @@ def replicate(
     for src, dst in plan.transfers(ctx.rank):
         t = Transfer(src, dst, "")
         if t.src == ctx.rank:
-            target = decode_report(t.dst, reports.get(t.dst, b""), layouts, memo)  # (kept: often a source too)
+            target = decode_report(t.dst, reports.get(t.dst, b""), layouts, memo)
             if write is not None and not target.skipped:
                 transfers.append(Transfer(t.src, t.dst, write.file))
             continue
@@ -176,7 +153,7 @@ def replicate(
         incoming[report.file] = (report.chunks(), report.nbytes)  # validated: checked on arrival
         transfers.append(Transfer(t.src, t.dst, report.file))
     sizes = {(t.src, t.file): (write.nbytes if t.src == ctx.rank else incoming[t.file][1]) for t in transfers}
-    own = slot.image() if compress is None else None  # uncompressed, the data file is the slot's image
+    own = slot.image() if compress is None else None  # uncompressed, the file is the slot's image
 
     def read(name: str):
         if own is not None:

@@ -1,12 +1,6 @@
-"""A rank's report as its node's collector, and its replica partners, read it: the `Report`
-message (commit/messages.py) with its layout (commit/layouts.py) found.
-
-Reports are untrusted input (anyone who can write the job's store or a node's board can
-forge one): one that does not decode, or whose layout cannot be found or does not fit it,
-reads as that rank's error, so every rank sees the same outcome and the step is simply not
-committed. What the layout says is validated with the part it becomes part of
-(commit/parts.py).
-"""
+"""A rank's report as its collector and its replica partners read it, its layout found.
+Reports are untrusted: one that does not decode, or whose layout is missing or does not
+fit, reads as that rank's error, so every rank sees the same outcome."""
 
 from __future__ import annotations
 
@@ -62,8 +56,7 @@ class RankReport:
         return list(zip(itertools.repeat(file_index), r.offsets, r.lengths, codecs, r.checksums))
 
     def chunks(self) -> list[tuple[str, int, int, str]]:
-        """(tensor name, offset, length, checksum) of each chunk in its file: what a replica of
-        the file is checked against."""
+        """(tensor name, offset, length, checksum) of each chunk: what a replica is checked against."""
         assert self.layout is not None
         r = self.report
         return list(zip(self.layout.chunk_names, r.offsets, r.lengths, r.checksums, strict=True))
@@ -76,10 +69,9 @@ def failed(rank: int, error: str) -> RankReport:
 def decode_report(
     rank: int, data: bytes, layouts: Callable[[str], Layout | None] | None = None, memo: CommitMemo | None = None
 ) -> RankReport:
-    """Rank `rank`'s report as sent (`data`), its layout found by `layouts` (layouts.lookup), or
-    (when it does not decode, or its layout is not to be found or does not fit) an error
-    report in its place. A collector decodes a replica source's reports twice in a step (to
-    check the replicas, to rebuild the part): the last few that decoded are kept."""
+    """Rank `rank`'s report as sent (`data`), its layout found by `layouts`, or an error report
+    when it does not decode or its layout is missing or does not fit. Reports that decoded
+    are kept in `memo`: a source's are decoded twice a step (replicas, then its part)."""
     key = (rank, data)
     hit = memo.decoded.get(key) if memo is not None else None
     if hit is not None:
@@ -95,8 +87,8 @@ def decode_report(
             if len(layout.chunk_names) != len(report.offsets):
                 raise FormatError(f"{where} has {len(report.offsets)} chunks for a layout of {len(layout.chunk_names)}")
         got = RankReport(rank, report, layout)
-        _ = got.state  # (a rank state that is not JSON: an unreadable report)
-    except FormatError as e:  # (not kept: a layout not found now may be found later)
+        _ = got.state  # a rank state that is not JSON: an unreadable report
+    except FormatError as e:  # not kept: a layout not found now may be found later
         return failed(rank, f"unreadable report: {e}")
     if memo is not None:
         memo.decoded.put(key, got)

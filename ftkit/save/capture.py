@@ -1,24 +1,12 @@
-"""Turn live training state into tensors plus a JSON skeleton, and back.
-
-The state handed to a Checkpointer is a mapping of names to
-
-* objects with ``state_dict()`` / ``load_state_dict()`` (modules, optimizers,
-  LR schedulers, GradScaler, samplers, anything user-defined),
-* tensors (restored in place), and
-* JSON-safe values (ints, floats, strings, lists, dicts, tuples, None).
-
-:func:`capture` walks it once and returns a :class:`CapturedState`: the tensors in
-a flat, ordered list with path-like names (``model/fc.weight``) and a JSON
-skeleton in which each tensor is a ``{"$tensor": name}`` placeholder. Containers
-JSON cannot express exactly are tagged (``$tuple``, ``$items`` for dicts with
-non-string keys, ``$float`` for inf/nan, ``$bytes`` for bytes, base64), so a restored
-optimizer state dict has the same int keys and tuples it was saved with. Anything else is refused *here*,
-naming the key, because the only way to store it would be pickle.
-"""
+"""Turn live training state into tensors plus a JSON skeleton, and back: tensors get
+path-like names (``model/fc.weight``) and ``{"$tensor": name}`` placeholders; what JSON
+cannot express exactly is tagged (``$tuple``, ``$items``, ``$float``, ``$bytes``); anything
+else is refused here, naming the key, because the only way to store it would be pickle."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -45,25 +33,20 @@ class CapturedState:
     @property
     def rank_state(self) -> dict[str, Any]:
         """What this rank saves of its own (a manifest's ``rank_state["<rank>"]``)."""
-        out: dict[str, Any] = {"rng": self.rng}
-        if self.local:
-            out["local"] = self.local
-        return out
+        return {"rng": self.rng, "local": self.local} if self.local else {"rng": self.rng}
 
 
 class RankLocal:
     """A state entry whose value differs per rank: saved for each rank, restored to the same rank.
 
     Everything else in a Checkpointer's state is taken to be the same on every rank and
-    is saved once (rank 0's non-tensor values). Wrap what is not: a rank's own data
-    iterator position, a per-rank generator, a per-rank counter::
+    saved once. Wrap what is not (a rank's data iterator position, a per-rank counter)::
 
         state = {"model": model, "loader": ftkit.RankLocal(my_stateful_loader)}
 
-    `value` is an object with ``state_dict()``/``load_state_dict()``, or a mutable
-    mapping whose items are replaced on restore. A restore on a rank the checkpoint
-    has no state for (the world grew) leaves the live value as it is and logs it, as
-    for the RNG state.
+    `value` is an object with ``state_dict()``/``load_state_dict()``, or a mutable mapping
+    whose items are replaced on restore. A rank the checkpoint has no state for (the world
+    grew) keeps its live value, and this is logged.
     """
 
     def __init__(self, value: Any):
@@ -95,8 +78,7 @@ class _Encoder:
         self._names: set[str] = set()
 
     def _add_tensor(self, path: str, t: torch.Tensor) -> str:
-        name = path
-        n = 1
+        name, n = path, 1
         while name in self._names:  # two containers flattening to one path
             n += 1
             name = f"{path}#{n}"
@@ -105,13 +87,11 @@ class _Encoder:
         return name
 
     def _object(self, value: Mapping, path: str) -> dict[str, Any]:
-        """A mapping with plain keys as a JSON object. Exact ints, strings, bools and None
-        are their own encoding: no call, no path string."""
+        """A mapping with plain keys as a JSON object (exact ints, strings, bools and None as is)."""
         return {k: v if type(v) in _AS_IS else self.encode(v, f"{path}/{k}") for k, v in value.items()}
 
     def encode(self, value: Any, path: str) -> Any:
-        # Called once per value of the whole state at every snapshot, on the training
-        # thread: the commonest kinds (tensors, then dicts and numbers) are tested first.
+        # Once per value of the state at every snapshot, on the training thread: commonest kinds first.
         if isinstance(value, torch.Tensor):
             return {"$tensor": self._add_tensor(path, _check_tensor(value, path))}
         if isinstance(value, dict) and _plain_keys(value):
@@ -121,17 +101,15 @@ class _Encoder:
         if isinstance(value, int):
             return int(value)
         if isinstance(value, float):
-            if math.isfinite(value):
-                return value
-            return {"$float": repr(value)}  # 'inf', '-inf', 'nan'
+            return value if math.isfinite(value) else {"$float": repr(value)}  # 'inf', '-inf', 'nan'
         if isinstance(value, tuple):  # torch.Size and namedtuples come back as plain tuples
             return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
-        if isinstance(value, list):  # (an optimizer's param_groups list every parameter's index)
+        if isinstance(value, list):
             return [v if type(v) in _AS_IS else self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
-        if isinstance(value, (bytes, bytearray)):  # (a data loader's own serialized state: torchtitan's)
+        if isinstance(value, (bytes, bytearray)):  # e.g. a data loader's own serialized state
             return {"$bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, Mapping):
-            if not isinstance(value, dict) and _plain_keys(value):  # (a dict's keys were checked above)
+            if not isinstance(value, dict) and _plain_keys(value):  # a dict's were checked above
                 return self._object(value, path)
             items = []
             for k, v in value.items():
@@ -158,7 +136,7 @@ class _Encoder:
 
 def _plain_keys(mapping: Mapping) -> bool:
     """Whether a dict can be stored as a JSON object as is (string keys, none a tag)."""
-    for k in mapping:  # (a loop, not all(...) over a generator: once per dict of the state, every snapshot)
+    for k in mapping:  # a loop is cheaper than all(...) over a generator, on the hot path
         if not isinstance(k, str):
             return False
     return _MARKER_SET.isdisjoint(mapping)
@@ -171,37 +149,27 @@ def _check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
         if t.is_quantized:
             raise CaptureError(f"cannot store {path!r}: quantized tensors are not supported")
         raise CaptureError(f"cannot store {path!r}: dtype {t.dtype} is not supported")
-    # Out of autograd (a parameter itself, not its state_dict's view of it); most tensors a
-    # state_dict gives are already, and a detach costs ~1 us a tensor on the training thread.
-    return t.detach() if t.requires_grad else t
+    return t.detach() if t.requires_grad else t  # a parameter itself; detach only when needed
 
 
-_STORABLE: frozenset | None = None
-
-
+@functools.cache
 def _storable_dtypes() -> frozenset:
-    """The torch dtypes the format has names for (looked up once; DTYPES holds names)."""
-    global _STORABLE
-    if _STORABLE is None:
-        from ftkit.format.manifest import DTYPES
+    """The torch dtypes the format has names for."""
+    from ftkit.format.manifest import DTYPES
 
-        _STORABLE = frozenset(getattr(torch, n) for n in DTYPES if hasattr(torch, n))
-    return _STORABLE
+    return frozenset(getattr(torch, n) for n in DTYPES if hasattr(torch, n))
 
 
 def capture(state: Mapping[str, Any], *, rng: bool = True, rng_path: str = f"{RNG_KEY}/r0") -> CapturedState:
-    """Walk `state` (and the RNGs when `rng`) into tensors plus a JSON skeleton.
-
-    RNG tensors are named below `rng_path`, which callers make rank-specific
-    (RNG state differs per rank and is saved per rank).
-    """
+    """Walk `state` (and the RNGs when `rng`) into tensors plus a JSON skeleton. RNG and
+    RankLocal tensors are named below `rng_path`, which callers make rank-specific."""
     enc = _Encoder()
     entries: dict[str, Any] = {}
     local: dict[str, Any] = {}
     for key, obj in state.items():
         if not isinstance(key, str) or not key or key == RNG_KEY or "/" in key:
             raise CaptureError(f"state key {key!r} must be a non-empty string without '/' (and not {RNG_KEY!r})")
-        if isinstance(obj, RankLocal):  # named below this rank's own prefix: a rank-local tensor
+        if isinstance(obj, RankLocal):
             local[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), f"{rng_path}/local/{key}")}
         elif isinstance(obj, torch.Tensor):
             entries[key] = {"kind": "tensor", "value": enc.encode(obj, key)}
@@ -274,16 +242,9 @@ def check(
     tensors: Mapping[str, torch.Tensor],
     local: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """What keeps the checkpoint from loading into the live `state` (empty: it fits).
-
-    Every saved entry must be of the live entry's kind (an object with state_dict, a
-    tensor, a plain value) and of its structure: tensors where the live value has
-    tensors, with the same shape and dtype; mappings where it has mappings (with the
-    same keys for modules, whose load is strict); sequences where it has sequences;
-    plain values where it has plain values. `local`: this rank's saved RankLocal
-    entries, checked against the live RankLocal values the same way. `tensors` needs
-    no memory: stand-ins of the saved shapes and dtypes do (restore/read.py).
-    """
+    """What keeps the checkpoint from loading into the live `state` (empty: it fits): every
+    saved entry must have the live entry's kind and structure (`_compare`). `local`: this
+    rank's saved RankLocal entries. `tensors` may be stand-ins of the saved shapes and dtypes."""
     entries = skeleton["entries"]
     problems: list[str] = []
     missing = [k for k in state if k not in entries and not isinstance(state[k], RankLocal)]
@@ -326,8 +287,7 @@ def load(
     rng_value: Any = None,
     local_value: Mapping[str, Any] | None = None,
 ) -> None:
-    """Load decoded values into the live `state` in place (after `check` found nothing);
-    then this rank's RankLocal entries (`local_value`, from its rank_state) and RNG state."""
+    """Load decoded values into the live `state` in place (after `check`), then RankLocal and RNG state."""
     for key, entry in skeleton["entries"].items():
         value = decode(entry["value"], tensors)
         if entry["kind"] == "stateful":
@@ -366,11 +326,9 @@ def apply(
 
 def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str]:
     """Kind, structure, shape, dtype and key differences between a live value and a decoded
-    saved one, where the live value has something to compare with. None on either side
-    matches anything (a value not set yet, an optimizer's empty momentum buffer); a
-    number matches a tensor of no dimensions (the form of an optimizer's step count
-    changed across torch releases); keys or items only one side has are not compared
-    (new optimizer state, a longer history) unless `strict_keys` (a module's)."""
+    saved one. None on either side matches anything (an empty momentum buffer); a number
+    matches a 0-dim tensor (an optimizer's step count, across torch releases); keys only
+    one side has are not compared unless `strict_keys` (a module's)."""
     if live is None or saved is None:
         return []
     if isinstance(live, torch.Tensor) or isinstance(saved, torch.Tensor):
@@ -442,8 +400,7 @@ def _what(v: Any) -> str:
 
 
 def module_buffer_names(state: Mapping[str, Any]) -> frozenset[str]:
-    """The names (as captured) of every module buffer in `state`: forward updates them in
-    place, whatever their size, so they are copied in stream order (`Slot.fill(in_order=)`)."""
+    """The captured names of every module buffer in `state` (for `Slot.fill(in_order=)`)."""
     return frozenset(
         f"{key}/{name}"
         for key, obj in state.items()

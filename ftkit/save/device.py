@@ -1,11 +1,6 @@
-"""Every CUDA call the staging path makes, behind one small interface.
-
-The staging arena takes its device operations from ``ftkit.save.staging.DEVICE``
-(a :class:`DeviceOps` unless a test put something else there, read when an arena
-is made), so tests on machines without a GPU drive the same staging logic with a
-simulated device that has these methods (tests/support/fakedevice.py) and check which
-stream each copy goes on and what the fence and the background wait for.
-"""
+"""Every CUDA call the staging path makes, behind one interface: an arena takes them from
+``ftkit.save.staging.DEVICE``, so tests without a GPU drive the same logic with a simulated
+device (tests/support/fakedevice.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +10,7 @@ import torch
 
 
 class DeviceOps:
-    """Every CUDA call the staging path makes, in one place.
-
-    The arena takes its device operations from here (the module's ``DEVICE``, read
-    when an arena is made), so tests without a GPU can hand it a simulated device
-    with the same methods and check which stream each copy goes on and what the
-    fence and the background wait for (tests/support/fakedevice.py).
-    """
+    """Every CUDA call the staging path makes, in one place."""
 
     def available(self) -> bool:
         return torch.cuda.is_available()

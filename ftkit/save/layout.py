@@ -28,13 +28,8 @@ class Layout:
 
     @staticmethod
     def of(named: Sequence[tuple[str, torch.Tensor]], memo: dict[tuple, Layout] | None = None) -> Layout:
-        """The layout of `named`; with `memo` (its owner's: a StagingArena's, kept with it),
-        the same object as last time when the names, shapes and dtypes are the same. Building
-        one costs ~5 us a tensor and comparing two equal ones ~1 us (a slot compares its
-        layout with the new one); the key ~1.3 us. A snapshot of
-        plain tensors gets its layout with its cached plan (save/sharding.py `planned`) and
-        comes here only when the plan changes; a state of DTensors, whose plan is made anew
-        each time, and the device staging buffers come here every time."""
+        """The layout of `named`; with `memo` (its owner's), the same object as last time when the
+        names, shapes and dtypes are: a slot then compares layouts by identity."""
         key = tuple((name, t.shape, t.dtype) for name, t in named) if memo is not None else ()
         cached = memo.get(key) if memo is not None else None
         if cached is not None:

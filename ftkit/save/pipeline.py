@@ -1,6 +1,6 @@
 """The background half of a snapshot: one thread that persists staged slots to their tiers.
-
-Order of calls (the Checkpointer's)::
+A failure is logged, counted and kept for wait(), never raised into the training loop;
+every job's slot is released whatever happens. Order of calls (the Checkpointer's)::
 
     pipeline = PersistPipeline(...)       # starts the thread
     pipeline.submit(job)                  # after a slot is staged (training thread)
@@ -8,9 +8,6 @@ Order of calls (the Checkpointer's)::
     pipeline.wait()                       # block until idle; re-raise the first failure since the last wait
     pipeline.drain(deadline_s)            # before an abort: let queued work finish, within a bound
     pipeline.close()                      # stop the thread once the queue is empty
-
-A failure is logged, counted and kept for wait(), never raised into the training
-loop; every job's slot is released whatever happens.
 """
 
 from __future__ import annotations
@@ -80,9 +77,8 @@ class PersistPipeline:
         self._jobs.put(job)
 
     def skipped(self, ctx: DistContext, step: int, epoch: int, tiers: list[int]) -> None:
-        """A due snapshot was not staged (policy "skip": every slot busy). Counted, logged,
-        and told to the step's commit on each of `tiers` at once, from the training thread
-        (`ctx`, its connection), so nobody waits for this rank's share while a commit runs."""
+        """A due snapshot was not staged (policy "skip"): counted, logged, and told to each of
+        `tiers`' commits from the training thread (`ctx`), so nobody waits for it."""
         self.stats.skipped += 1
         log.warning(
             "snapshot of step %d skipped: the previous snapshots are still being persisted "
@@ -115,11 +111,8 @@ class PersistPipeline:
             time.sleep(0.05)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Stop the thread after the queued jobs; wait for it at most `timeout` (None: until it ends).
-
-        True if it has ended. A failed rank does not wait (timeout 0): its in-flight commit
-        needs peers that are stopping too, and the thread is a daemon.
-        """
+        """Stop the thread after the queued jobs; wait at most `timeout` (None: until it ends).
+        True if it has ended. (A failed rank passes 0: its commit needs peers that stop too.)"""
         self._jobs.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -138,10 +131,9 @@ class PersistPipeline:
                 self._jobs.task_done()
 
     def persist_job(self, job: PersistJob) -> None:
-        """Persist one staged slot to each of its due tiers, in order; then a "persist_job"
-        event with the job's wall and this thread's CPU time (benchmarks read it)."""
+        """Persist one staged slot to each of its due tiers, in order; then a "persist_job" event."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        with gc_paused():  # the job's metadata dies before the collector runs again (gcpause.py)
+        with gc_paused():
             for i in job.tiers:
                 self._persist(job, i)
         self.emit("persist_job", step=job.step, seconds=time.perf_counter() - t0, cpu_s=time.thread_time() - c0)
@@ -155,24 +147,11 @@ class PersistPipeline:
             cpu_s = time.thread_time() - c0
             self.stats.persisted += 1
             self.stats.last_committed[url] = job.step
-            self.emit(
-                "persist",
-                step=job.step,
-                tier=url,
-                ok=True,
-                seconds=time.perf_counter() - t0,
-                cpu_s=cpu_s,
-                committed_by_me=committed is not None,
-                **backend.persist_details(),
-            )
-            if committed is not None:  # rank 0: the commit is ours, and so is retention
-                log.info(
-                    "step %d committed to %s (%.1f MB in %.2fs)",
-                    job.step,
-                    backend.display_url,
-                    committed.stored_bytes / 1e6,
-                    time.perf_counter() - t0,
-                )
+            event = dict(step=job.step, tier=url, ok=True, seconds=time.perf_counter() - t0, cpu_s=cpu_s)
+            self.emit("persist", **event, committed_by_me=committed is not None, **backend.persist_details())
+            if committed is not None:  # rank 0: the commit is ours
+                mb, seconds = committed.stored_bytes / 1e6, time.perf_counter() - t0
+                log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, backend.display_url, mb, seconds)
             if backend.owns(self.ctx):  # rank 0 (it committed), or each node's leader on the RAM tier
                 for step in backend.retain(self.ctx, job):
                     log.debug("retention removed step %d from %s", step, backend.display_url)

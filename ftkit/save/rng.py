@@ -1,39 +1,29 @@
-"""This process's random number generators (Python's, torch's, numpy's, CUDA's) as state
-a snapshot carries per rank, checked before it is set at restore.
-
-Order of calls: `rng_state()` at capture (save/capture.py encodes it below the rank's
-own prefix); at restore `rng_problems(decoded)` before the restore vote, then
-`set_rng_state(decoded)` once every rank agreed.
-"""
+"""This process's RNGs (Python's, torch's, numpy's, CUDA's) as state a snapshot carries
+per rank: `rng_state()` at capture; at restore `rng_problems(decoded)` before the restore
+vote, then `set_rng_state(decoded)` once every rank agreed."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-_NUMPY: Any = False  # not looked up yet
 
-
+@functools.cache
 def numpy_module():
-    """numpy, if installed (looked up once)."""
-    global _NUMPY
-    if _NUMPY is False:
-        try:
-            import numpy
-
-            _NUMPY = numpy
-        except ImportError:  # numpy is optional for the state, required by nothing here
-            _NUMPY = None
-    return _NUMPY
+    """numpy, if installed."""
+    try:
+        import numpy
+    except ImportError:  # optional
+        return None
+    return numpy
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG of this process. Python's Mersenne Twister state (625 words) is kept
-    as one int64 tensor: as a list it would be 625 skeleton values to encode at every
-    snapshot, on the training thread."""
+    """Every RNG of this process (Python's 625 words as one tensor, not 625 skeleton values)."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
@@ -48,9 +38,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def rng_problems(state: Any) -> list[str]:
-    """What keeps a decoded RNG state (from a checkpoint) from being set: checked
-    before the restore vote, so a malformed one fails its candidate instead of
-    raising after the others have loaded."""
+    """What keeps a decoded RNG state from being set: checked before the restore vote, so a
+    malformed one fails its candidate instead of raising after the others have loaded."""
     if not isinstance(state, Mapping):
         return ["the RNG state is not a mapping"]
     out = []

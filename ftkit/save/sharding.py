@@ -1,20 +1,7 @@
-"""Who saves which region of which tensor, and which saved bytes a rank needs back.
-
-Pure functions over shapes; no I/O, no process group.
-
-Saving. Every rank computes the same plan from the same tensor list:
-
-* a DTensor (FSDP2 and friends) is saved as each rank's local shard at its
-  global offsets; where a mesh dimension is replicated only coordinate 0 saves;
-* a tensor under the RNG key is rank-local: its rank saves it whole;
-* any other tensor is replicated (identical on every rank, as under DDP) and is
-  saved once in total: big ones split into row blocks, one per rank; small ones
-  whole, spread over ranks to balance bytes.
-
-Loading. A rank needs a region of each global tensor (all of it for replicated
-tensors, its local shard for DTensors); :func:`overlap` intersects that region
-with each saved shard so only overlapping chunks are read.
-"""
+"""Who saves which region of which tensor, and which saved bytes a rank needs back: pure
+functions over shapes. A DTensor is saved as each rank's local shard, an RNG tensor whole by
+its rank, any other tensor once in total (big ones in row blocks, one per rank; small ones
+whole, spread to balance bytes). At load, :func:`overlap` intersects regions with shards."""
 
 from __future__ import annotations
 
@@ -48,9 +35,7 @@ _DTENSOR: type | None = None
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    # No DTensor exists until its module is imported, and importing it costs ~0.5 s
-    # of CPU per worker start (a restart pays it on every rank): look, don't import.
-    # The class is then looked up once: an attribute walk per tensor costs more than the test.
+    # No DTensor exists until its module is imported, which is slow: look, don't import.
     global _DTENSOR
     if _DTENSOR is None:
         module = sys.modules.get("torch.distributed.tensor")
@@ -94,12 +79,9 @@ def planned(
     plans: dict[tuple, Any] | None = None,
     layouts: dict[tuple, Layout] | None = None,
 ) -> tuple[list[tuple[Piece, torch.Tensor]], Layout]:
-    """The pieces (as `plan_pieces`) and where their sources go in a staging buffer
-    (save/layout.py). Without DTensors both depend only on names, shapes and dtypes, which
-    stay the same from one snapshot to the next: they are made once and kept under one
-    key (its ~1.3 us a tensor is the cost of a snapshot of many small tensors), and then
-    only the sources are sliced. `plans` and `layouts`: where they are kept (the
-    Checkpointer's and its StagingArena's); None: made anew."""
+    """The pieces (as `plan_pieces`) and their staging layout. Without DTensors both depend
+    only on names, shapes and dtypes: they are kept in `plans` and `layouts` (the
+    Checkpointer's and its arena's; None: made anew) and only the sources are sliced."""
     if any(is_dtensor(t) for _, t in named):
         pieces = _plan_pieces(named, rank, world_size, rng_prefix)
         return pieces, Layout.of([(p.name, src) for p, src in pieces], layouts)

@@ -1,12 +1,6 @@
-"""The staging arena: reused host buffers the training state is copied into.
-
-Copying into fresh memory is ~10x slower than into reused memory (first-touch
-page faults), so the arena allocates each slot once and reuses it for every
-snapshot of the same size (or smaller). Two slots give double buffering: one can be
-filled while the other is still being persisted. A memory budget caps the total;
-when it only fits one slot, snapshots serialize on it.
-
-Order of calls::
+"""The staging arena: reused host buffers the training state is copied into (copying into
+fresh memory is much slower: page faults). Two slots give double buffering; when the
+memory budget fits one, snapshots serialize on it. Order of calls::
 
     layout = Layout.of(named_tensors)         # pure plan: offsets in one flat buffer
     slot = arena.acquire(layout, wait=...)    # None when busy and not waiting
@@ -15,52 +9,23 @@ Order of calls::
     ...background: slot.ready() ... read slot.views / slot.buffer ...
     arena.release(slot)                       # waits for the copies too, should ready() not have run
 
-The CUDA path (every device call goes through :class:`DeviceOps`: save/device.py):
+On CUDA (every device call goes through save/device.py :class:`DeviceOps`):
 
-* Slots are page-locked (pinned) host memory of exactly the layout's size: the
-  buffer is allocated pageable and registered with CUDA (``cudaHostRegister``),
-  because PyTorch's pinned allocator rounds every block up to a power of two
-  (an 8.1 GiB snapshot would pin 16 GiB, twice). If registering fails, the
-  pinned allocator is used after all. Copies into pinned memory are
-  ``non_blocking``; into pageable memory (``pin=False``) they are blocking.
-* Large device tensors (>= 1 MiB, on the side stream's device, not named
-  ``in_order``) are copied on a **side stream**, which first waits for the work
-  already queued on the current stream (``side.wait_stream(current)``: the
-  optimizer step that produced the values may still be running), so the copy
-  overlaps the next forward and backward. An event recorded on the side stream
-  after them is what :meth:`Slot.fence` makes the current stream wait for (on the
-  GPU: the host does not stall). The optimizer step pre-hook calls it, so the
-  next step cannot overwrite a tensor before it is staged. The event is recorded
-  at every fill, also when nothing went on the side stream, so fencing the newest
-  slot also covers an older slot's copies still on the stream.
-* Small device tensors (BatchNorm statistics and the like, which forward updates
-  in place) and tensors named ``in_order`` are copied on the **current** stream of
-  their device, in program order: the next forward's update is queued after the
-  copy, so it cannot leak in. Tensors on another device than the side stream's
-  go this way too (a side stream belongs to one device).
-* CPU tensors are copied synchronously.
-* The copies' source tensors are kept referenced until :meth:`Slot.ready` has seen
-  the copies finish: a temporary that ``state_dict()`` made would otherwise go back
-  to the CUDA caching allocator, be handed to the next kernel and be overwritten
-  before the side stream read it.
-* :meth:`Slot.ready` (the background thread, before it reads the buffer) blocks on
-  every event the fill recorded. Events are created with ``blocking=True``: the
-  waiting thread sleeps instead of spinning a core the training loop needs.
+* Slots are pinned with ``cudaHostRegister`` at their exact size (torch's pinned
+  allocator, the fallback, rounds up to a power of two).
+* Large device tensors (>= 1 MiB, on the side stream's device, not ``in_order``) are
+  copied on a side stream after ``side.wait_stream(current)`` (the optimizer step may
+  still run). :meth:`Slot.fence` makes the current stream wait for an event recorded
+  after them at every fill, so fencing the newest slot also covers older copies.
+* Other device tensors (small ones, like BatchNorm statistics that forward updates in
+  place, and ``in_order`` ones) go on their device's current stream, in program order,
+  so a later update cannot leak in. CPU tensors are copied at once.
+* Sources stay referenced until :meth:`Slot.ready` saw the copies finish (the caching
+  allocator could reuse a ``state_dict()`` temporary). Events are ``blocking=True``.
 
-What is and is not guarded against in-place writes racing the copy:
-
-* guarded: an ``optimizer.step()`` whose step pre-hook calls the fence (the
-  Checkpointer registers one), and everything queued on the current stream
-  after it; in-place updates of small tensors (< 1 MiB) and of ``in_order``
-  tensors at any time (stream order); CPU tensors (copied before ``fill``
-  returns).
-* NOT guarded: an in-place write on the GPU to a large tensor that is not
-  ``in_order``, between ``fill`` and the next fence, made outside a fenced
-  optimizer step: ``p.data.mul_()``, an EMA or weight projection run before the
-  step, an optimizer without the hook. Such code must call the fence first, or
-  the write may reach the tensor before it is copied (tests/unit/test_cuda.py shows
-  both on a GPU; tests/unit/test_staging_paths.py with a simulated device).
-"""
+NOT guarded against: an in-place GPU write to a large tensor that is not ``in_order``,
+between ``fill`` and the next fence, outside an ``optimizer.step()`` with the fence
+pre-hook (an EMA, ``p.data.mul_()``): such code must call the fence first."""
 
 from __future__ import annotations
 
@@ -106,8 +71,7 @@ class Slot:
         if layout.total_bytes > self.capacity:
             self.ready()  # nothing may still be copying into the old buffer
             self._free_buffer()  # free the old one first
-            # Pageable buffers are not pre-faulted: the first copy touches every page anyway
-            # (a separate zero-fill would be a second pass); every later copy reuses them.
+            # Not pre-faulted when pageable: the first copy touches every page anyway.
             self.buffer, self.pinned_by = self.ops.alloc_host(max(layout.total_bytes, 1), self.pin)
             self.capacity = layout.total_bytes
             grew = True
@@ -115,8 +79,7 @@ class Slot:
             self.views = {
                 e.name: self.buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries
             }
-            # The alignment gaps are part of the slot's byte image (written and sent as
-            # is): zero them, so no stale heap bytes leave the process.
+            # The alignment gaps are written and sent with the image: zero them (no stale heap bytes).
             ends = [e.offset + e.nbytes for e in layout.entries]
             for end, nxt in zip(ends, [e.offset for e in layout.entries[1:]] + [layout.total_bytes]):
                 if nxt > end:
@@ -142,11 +105,8 @@ class Slot:
         self, named: Sequence[tuple[str, torch.Tensor]], side_stream: Any = None, in_order: Collection[str] = ()
     ) -> None:
         """Copy the tensors in: CPU ones now, device ones queued (see the module docstring).
-
-        side_stream: the stream for large device tensors (default: the arena's own).
-        in_order: names of device tensors to copy on the current stream whatever
-            their size (tensors that forward updates in place, e.g. module buffers).
-        """
+        `side_stream`: for large device tensors (default: the arena's). `in_order`: device
+        tensors to copy on the current stream whatever their size (module buffers)."""
         ops = self.ops
         self.ready()  # a copy into this buffer still in flight must land before new ones
         if side_stream is None and self._side is not None:
@@ -186,17 +146,14 @@ class Slot:
                     events.append(ev)
                     sources += [t for _, t in pairs]
                 if side_stream is not None:
-                    if big:
-                        # What is queued on the current stream so far (the optimizer step that
-                        # wrote these values) runs before the copies read them.
+                    if big:  # after what is queued on the current stream (the optimizer step)
                         side_stream.wait_stream(ops.current_stream(side_device))
                         used.append(side_stream)
                         with ops.use(side_stream):
                             for dst, t in big:
                                 ops.copy(dst, t, non_blocking=self.pin)
                         sources += [t for _, t in big]
-                    # Recorded even with nothing queued now: it also covers copies of an
-                    # earlier fill (another slot) still on the stream, for the fence.
+                    # Recorded even with nothing queued: it also fences an earlier fill's copies.
                     ev = ops.new_event()
                     ev.record(side_stream)
                     events.append(ev)
@@ -229,12 +186,7 @@ class Slot:
         return bool(self._events)
 
     def upload(self, targets: Mapping[str, torch.Tensor]) -> None:
-        """Copy staged tensors (this slot's views of the same names) into `targets`, then wait.
-
-        The restore path for device tensors: read and verified into this (pinned)
-        slot, then one host-to-device copy each, queued on the current stream of
-        the target's device, and waited for before the slot can be reused.
-        """
+        """Copy this slot's views into the same-named `targets`, on each device's current stream; wait."""
         ops = self.ops
         streams: dict[Any, Any] = {}
         with torch.no_grad():
@@ -254,7 +206,7 @@ class Slot:
 
     def bytes_of(self, e: TensorSlot) -> memoryview:
         """The staged bytes of one entry of the layout."""
-        return _bytes_view(self.buffer[e.offset : e.offset + e.nbytes])
+        return self.buffer[e.offset : e.offset + e.nbytes].numpy().data.cast("B")
 
     def image(self) -> torch.Tensor:
         """The whole staged layout as one uint8 tensor: every entry at its offset, zeroed gaps."""
@@ -262,15 +214,8 @@ class Slot:
         return self.buffer[: self.layout.total_bytes]
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    return t.numpy().data.cast("B")
-
-
 class StagingArena:
-    """A fixed number of reusable slots under a memory budget.
-
-    ops: the device operations (default: the module's ``DEVICE``, CUDA).
-    """
+    """A fixed number of reusable slots under a memory budget (`ops`: default ``DEVICE``)."""
 
     def __init__(
         self, slots: int = 2, budget_bytes: int | None = None, pin: bool | None = None, ops: DeviceOps | None = None
@@ -352,16 +297,14 @@ class StagingArena:
 
     @contextlib.contextmanager
     def borrow(self, layout: Layout) -> Iterator[Slot]:
-        """A slot sized for `layout` for the length of a block, never waiting: one of this
-        arena's when one is free and fits its budget (the snapshots that follow reuse it
-        instead of allocating again), else a temporary one, freed after. For restore's
-        scratch (device tensors' reads, the live state's undo copy: restore/undo.py)."""
+        """A slot sized for `layout` for a block, never waiting: a free one of this arena's if it
+        fits its budget (later snapshots reuse it), else a temporary one. For restore's scratch."""
         slot: Slot | None = None
         fits = self.budget_bytes is None or layout.total_bytes <= self.budget_bytes
         if not self._closed and fits:
             try:
                 slot = self.acquire(layout, wait=False)
-            except FtkitError:  # (closed meanwhile)
+            except FtkitError:  # closed meanwhile
                 slot = None
         owned = slot is None
         if slot is None:
@@ -379,14 +322,9 @@ class StagingArena:
 
     @contextlib.contextmanager
     def host_targets(self, targets: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        """`targets` with each device tensor replaced by a view of a (pinned) staging slot.
-
-        For restore: read the saved bytes into what this yields; on a clean exit the
-        slot's views are copied into the device tensors (one host-to-device copy each,
-        waited for). Host tensors are yielded as they are. The slot is borrowed from
-        this arena (sized with room for the host tensors and RNG state too, so the first
-        snapshot after a restore reuses it instead of allocating again).
-        """
+        """`targets` with each device tensor replaced by a view of a borrowed staging slot, for
+        restore to read into; on a clean exit they are uploaded to the device tensors. The
+        slot has room for the host tensors too, so the next snapshot reuses it."""
         device = {n: t for n, t in targets.items() if self.ops.on_device(t)}
         if not device:
             yield dict(targets)

@@ -1,9 +1,6 @@
-"""One rank's share of a step: its data file, written in one go from a staging slot.
-
-Data file names carry a random token, so a crashed or concurrent writer can never
-overwrite bytes that a committed manifest points at, and a step that already has
-a manifest is never written again (AlreadyCommitted).
-"""
+"""One rank's share of a step: its data file, written in one go from a staging slot. File
+names carry a random token, so a crashed or concurrent writer never overwrites bytes a
+committed manifest points at; a step with a manifest is never written again."""
 
 from __future__ import annotations
 
@@ -11,11 +8,10 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ftkit.errors import AlreadyCommitted, StorageError
 from ftkit.format import codec
-from ftkit.format.manifest import MANIFEST_NAME, Chunk, Shard, TensorEntry, step_dir_name, tensor_entry_doc
+from ftkit.format.manifest import MANIFEST_NAME, Chunk, Shard, TensorEntry, step_dir_name
 from ftkit.save.sharding import REPLICATED, Piece
 from ftkit.save.staging import Slot
 from ftkit.tiers.storage import Storage
@@ -34,14 +30,6 @@ class RankWrite:
     nbytes: int
     tensors: tuple[TensorEntry, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "file": self.file,
-            "nbytes": self.nbytes,
-            "tensors": [tensor_entry_doc(t) for t in self.tensors],
-        }
-
 
 def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -57,13 +45,9 @@ def write_data(
     rank: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> RankWrite:
-    """Write every staged tensor of `slot` into one new data file of `step`.
-
-    `pieces` says which region of which global tensor each staged tensor is
-    (default: each is a whole, replicated tensor). Uncompressed, the file is the
-    slot's byte image (`Slot.image`: every tensor at its staging offset), written
-    in one call; peers are then sent the slot itself rather than the file.
-    """
+    """Write every staged tensor of `slot` into one new data file of `step`. `pieces`: the
+    region of a global tensor each is (default: whole, replicated). Uncompressed, the file
+    is the slot's image, written in one call (and peers are sent the slot, not the file)."""
     step_dir = step_dir_name(step)
     if storage.exists(f"{step_dir}/{MANIFEST_NAME}"):
         raise AlreadyCommitted(f"{storage.where(step_dir)} is already committed")
@@ -79,7 +63,7 @@ def write_data(
         if whole is not None:
             f.write(whole)
         for e in slot.layout.entries:
-            # One view of the image, sliced per tensor: a tensor view per entry costs more than its hash.
+            # Slices of one view of the image: a tensor view per entry costs more than its hash.
             raw = whole[e.offset : e.offset + e.nbytes] if whole is not None else slot.bytes_of(e)
             chunks = []
             for raw_off in range(0, e.nbytes, CHUNK_BYTES):
@@ -97,15 +81,8 @@ def write_data(
                 if progress:
                     progress(len(piece))
             p = (pieces or {}).get(e.name) or Piece(e.name, REPLICATED, e.shape, (0,) * len(e.shape), e.shape)
-            entries.append(
-                TensorEntry(
-                    e.name,
-                    dtype_name(e.dtype),
-                    p.global_shape,
-                    (Shard(p.offsets, p.lengths, tuple(chunks), rank),),
-                    p.kind,
-                )
-            )
+            shard = Shard(p.offsets, p.lengths, tuple(chunks), rank)
+            entries.append(TensorEntry(e.name, dtype_name(e.dtype), p.global_shape, (shard,), p.kind))
     return RankWrite(rank, file_name, slot.layout.total_bytes if image else offset, tuple(entries))
 
 
