@@ -29,13 +29,8 @@ from ftkit.integrations.sampler import ResumableDistributedSampler  # noqa: E402
 from ftkit.runtime.inprocess import Generation, RecoveryFailed, run_in_process  # noqa: E402
 from ftkit.save.capture import RankLocal  # noqa: E402
 
-# torchrun restarts of a plain init_process_group("gloo"/"nccl") read no stale
-# rendezvous keys once ftkit is imported (see ftkit/coord/rendezvous.py).
-_install_rendezvous()
-
-# The imports are done (torch's among them): in a worker started without ftkit's launcher,
-# the closest thing to its "launch" milestone (ftkit/coord/boot.py; the first stamp stands).
-_boot.mark("launch")
+_install_rendezvous()  # a plain init_process_group is restart-safe once ftkit is imported
+_boot.mark("launch")  # imports done: a worker not started by ftkit's launcher gets its milestone here
 
 __all__ = [
     "Checkpointer",

@@ -9,11 +9,8 @@ Order of calls::
         ck.snapshot(step)         # returns once the state is staged
     ck.close()                    # flush background work, release buffers
 
-`snapshot` is the only call on the training thread's hot path: it captures the
-state (tensors plus a JSON skeleton), takes a free staging slot and copies into
-it. Everything else (encoding, checksums, writes, the commit, retention) runs on
-one background thread. Background failures are logged and counted, never raised
-into the training loop; `wait()` and `close()` re-raise them for callers who ask.
+`snapshot` is the only call on the training thread's hot path. Everything else runs on one
+background thread, whose failures are logged, not raised (`wait()` and `close()` re-raise them).
 """
 
 from __future__ import annotations
@@ -55,54 +52,39 @@ POLICIES = ("skip", "wait")
 class Checkpointer:
     """Asynchronous snapshots of training state to storage tiers, and restore.
 
-    state: names -> objects with state_dict()/load_state_dict(), tensors, or
-        JSON-safe values. Plain values are restored by assignment into `state`.
-    tiers: Tier objects, URLs, or dicts of Tier fields; listed in any order.
-    policy: when a snapshot is due but both staging slots are still busy,
-        "wait" (default: block until one frees, so no snapshot is lost) or
-        "skip" (count it, log it and go on: training never waits on storage).
-    max_staging_bytes: cap on staging memory (two slots of the state's size by
-        default); when only one slot fits, snapshots take turns on it.
+    state: names -> objects with state_dict()/load_state_dict(), tensors, or JSON-safe
+        values (restored by assignment into `state`).
+    tiers: Tier objects, URLs, or dicts of Tier fields, in any order.
+    policy: when a snapshot is due but both staging slots are busy, "wait" (default: block
+        until one frees) or "skip" (count it, log it, go on).
+    max_staging_bytes: cap on staging memory (default: two slots of the state's size).
     rng: capture and restore python/numpy/torch(/CUDA) RNG state (per rank).
-    commit_timeout_s: how long rank 0 waits for the other ranks' data before
-        giving up on committing a step (the step then stays invisible).
-    peer_timeout_s: bound on one peer transfer (a dead peer costs at most this).
+    commit_timeout_s: how long rank 0 waits for the other ranks' data before giving up on a step.
+    peer_timeout_s: bound on one peer transfer.
     run_dir: where the JSONL event log goes (default $FTKIT_RUN_DIR; none: no log).
-    run_id: the name of this run, for the "ram" tier: its snapshots are only
-        ever restored by a run of the same identity (see ramtier.py). Default:
-        $FTKIT_RUN_ID (or $FTKIT_JOB_ID), else the durable tiers' locations,
-        else torchrun's --rdzv-id; a "ram" tier with none of these is refused.
-        A restarted run must have the same identity to find its snapshots.
-    preemption_signals: on these signals, the next snapshot() saves that step
-        to every tier, waits for the commit, and exits with 128 + the signal.
-        Default (None): SIGTERM, handled under torchrun / torch.distributed from
-        the start, else from the first snapshot() (a single process that only
-        restores never touches signals). Given explicitly: handled from the
-        start. (): signals left alone. A handler installed before is called
-        after ftkit's records the signal, and put back on close. See preemption.py.
+    run_id: this run's identity: a "ram" tier only restores a run of the same identity.
+        Default: $FTKIT_RUN_ID (or $FTKIT_JOB_ID), else the durable tiers' locations, else
+        torchrun's --rdzv-id; a "ram" tier with none of these is refused.
+    preemption_signals: on these, the next snapshot() saves that step to every tier, waits for
+        the commit and exits with 128 + the signal. None (default): SIGTERM, handled from the
+        start under torchrun or torch.distributed, else from the first snapshot(); given:
+        from the start; (): signals left alone. An earlier handler is chained (preemption.py).
     preemption_deadline_s: exit anyway if no step ends this long after the signal.
-    requeue_signals: preemption signals after whose final save rank 0 asks the
-        scheduler to run the job again (SLURM: `scontrol requeue`, for a job
-        submitted with `--signal=USR1@120` pass [signal.SIGUSR1]); added to the
-        preemption signals and handled from the start. See coord/requeue.py.
-    watchdog: under torch.distributed, run the heartbeat watchdog (True, or a
-        WatchdogConfig); it ends this worker when another rank is dead or hung,
-        so torchrun restarts the group (see watchdog.py).
-    exit_after_failure_s: under torchrun, when the `with` block ends in an
-        exception, the process is ended (os._exit(1)) if it is still alive this
-        long after: a worker whose collectives or process-group teardown wait
-        for a dead peer would otherwise hold up torchrun's restart until its
-        stop timeout (30 s). None: never.
+    requeue_signals: preemption signals after whose final save rank 0 asks SLURM to run the job
+        again (for `--signal=USR1@120` pass [signal.SIGUSR1]); handled from the start.
+    watchdog: under torch.distributed, run the heartbeat watchdog (True, or a WatchdogConfig):
+        it ends this worker when another rank is dead or hung, so torchrun restarts the group.
+    exit_after_failure_s: under torchrun, when the `with` block ends in an exception,
+        os._exit(1) if still alive this long after (a wait on a dead peer would hold up the
+        restart). None: never.
 
-    Under torch.distributed (e.g. torchrun) every rank creates a Checkpointer
-    over the same state structure and calls snapshot(step) and restore() with
-    the same arguments. Plain tensors are taken to be replicated (identical on
-    every rank, as under DDP) and are saved once, split across ranks; DTensors
-    (FSDP2) are saved as shards; a step is committed by rank 0 only when every
-    rank's share is durable.
+    Under torch.distributed every rank creates a Checkpointer over the same state structure
+    and calls snapshot(step) and restore() with the same arguments. Plain tensors are taken
+    to be replicated (as under DDP) and saved once, split across ranks; DTensors (FSDP2) are
+    saved as shards; rank 0 commits a step only when every rank's share is durable.
     """
 
-    # The background persister; a subclass may swap it (bench_gpu.py times staging alone so).
+    # The background persister; a subclass may swap it (benchmarks/bench_gpu.py does).
     pipeline_class: type[PersistPipeline] = PersistPipeline
 
     def __init__(
@@ -132,15 +114,13 @@ class Checkpointer:
         self.policy = policy
         self.rng = rng
         self.stats = Stats()
-        # Every rank creates its Checkpointers in the same order (counted per generation: a
-        # replacement that joins one counts from 1, as the survivors do in it).
+        # Every rank creates its Checkpointers in the same order (counted per generation).
         self._ctx = DistContext.detect(timeout_s=commit_timeout_s).scoped(f"ck{generation.next_instance()}/")
         self._bg_ctx = self._ctx.own_connection()  # the persist thread's (see DistContext.own_connection)
         self._restores = 0  # restore() calls so far: namespaces their store keys
         self.last_restore: dict[str, Any] = {}
         self._superseded: Superseded | None = None  # what the last restore superseded, until the next snapshot
-        # The RAM tier is bound to this run's identity (ramtier.py): never another run's snapshots.
-        # Opening every tier now makes a bad URL or missing backend fail at start (tiers/opened.py).
+        # Opening every tier now makes a bad URL or missing backend fail at start.
         opened = open_tiers(self.tiers, self._ctx, run_id, peer_timeout_s)
         self.ram_identity = opened.ram_identity
         self._backends = opened.backends
@@ -152,8 +132,7 @@ class Checkpointer:
         self._stopping_on_purpose = False  # a preemption's final save: exiting is the plan
         self._exit_after_failure_s = exit_after_failure_s
         # Every optimizer step in the process waits (on the GPU) for the newest snapshot's copy,
-        # also an optimizer that is not part of the state; and module buffers (updated in place
-        # by forward, whatever their size) are copied in stream order. See staging.py.
+        # and module buffers (updated in place by forward) are copied in stream order (staging.py).
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
@@ -176,8 +155,7 @@ class Checkpointer:
             if signals or requeue_signals
             else None
         )
-        # Take over the signals now only where they are wanted from the start (preemption.py);
-        # otherwise the first snapshot() does, so a restore-only Checkpointer never does.
+        # Where not wanted from the start, the first snapshot() takes the signals (restore-only: never).
         if self._preemption is not None and (
             preemption_signals is not None
             or requeue_signals
@@ -281,23 +259,17 @@ class Checkpointer:
         return True
 
     def mark_compute_done(self) -> None:
-        """This rank's compute for the step is done and it is about to wait for its peers.
-
-        Call it right before a step's first collective in a custom loop (ftkit does
-        it for DDP itself, through a comm hook, unless one is already registered):
-        the watchdog compares ranks' busy times to find stragglers.
-        """
+        """This rank's compute for the step is done: call it right before a step's first
+        collective in a custom loop (DDP gets a comm hook that does it, unless it has one),
+        so the watchdog can compare ranks' busy times to find stragglers."""
         if self._watchdog is not None:
             self._watchdog.mark_first_gradient()
 
     def fence(self) -> None:
-        """Make the current CUDA stream wait until the newest snapshot's copies are done.
+        """Make the current CUDA stream wait until the newest snapshot's copies are done (no-op on CPU).
 
-        Every optimizer.step() does this first. Call it before writing in place to
-        parameters or optimizer state between snapshot() and the next optimizer
-        step (p.data.mul_(), an EMA or weight projection run before the step):
-        such a write could otherwise reach a tensor before it is copied. On the
-        GPU only (the host does not wait); a no-op on CPU.
+        Every optimizer.step() does this first. Call it before an in-place write to parameters
+        or optimizer state between snapshot() and the next optimizer step (an EMA, p.data.mul_()).
         """
         slot, self._unfenced = self._unfenced, None
         if slot is not None:
@@ -313,13 +285,8 @@ class Checkpointer:
         self._pipeline.wait()
 
     def close(self, failed: bool = False) -> None:
-        """Flush background work, release staging memory and hooks. Idempotent.
-
-        `failed` (the training loop raised): peers hear it at once through the
-        watchdog, instead of waiting in a collective for this rank until their
-        timeouts, and with several ranks background persists are not waited for (a
-        commit needs every rank, and the others are about to stop too).
-        """
+        """Flush background work, release staging memory and hooks. Idempotent. `failed` (the loop
+        raised): peers hear it at once, and with several ranks background persists are not waited for."""
         if self._closed:
             return
         self._closed = True
@@ -375,12 +342,9 @@ class Checkpointer:
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid step (or `step`) in place; return it, or 0 if none exists.
 
-        Sources are tried fastest first (node RAM, then local disk, then remote);
-        a step whose bytes fail verification on one source is tried on the next,
-        then the next newest step is tried. Raises if checkpoints exist but none
-        is usable, or if a tier could not be read and nothing was found elsewhere
-        (restarting from scratch would lose work). `last_restore` then says where
-        this rank's bytes came from and how long each phase took. See ftkit/restore/.
+        Sources are tried fastest first, then the next newest step. Raises if checkpoints exist
+        but none is usable, or a tier could not be read and nothing was found elsewhere.
+        `last_restore` then says where this rank's bytes came from and each phase's time.
         """
         if not self._closed:
             self.wait()
@@ -390,11 +354,4 @@ class Checkpointer:
         return restored
 
     def _restore_context(self) -> RestoreContext:
-        return RestoreContext(
-            self.state,
-            self.rng,
-            self._ctx,
-            self._backends,
-            self._arena,
-            self.events.emit,
-        )
+        return RestoreContext(self.state, self.rng, self._ctx, self._backends, self._arena, self.events.emit)

@@ -14,21 +14,17 @@ from ftkit.tiers.storage import Storage
 class Tier:
     """One storage tier.
 
-    url: a local path, ``file://...``, ``s3://bucket/prefix`` or any fsspec URL.
+    url: a local path, ``file://...``, ``s3://bucket/prefix``, any fsspec URL, or "ram"
+        (the node's shared memory, tiers/ram.py).
     every: persist every N-th step that is snapshotted.
     keep: how many of the newest committed steps to keep (None: keep all).
     keep_every: additionally keep every step divisible by this, forever.
     compress: "zstd" or None.
     storage_options: passed to fsspec (e.g. s3fs credentials and endpoint).
-    replicas: for the "ram" tier, how many other nodes keep a copy of each
-        rank's data (default 0), so a lost node's share survives on them.
+    replicas: for the "ram" tier, how many other nodes keep a copy of each rank's
+        data (default 0). A "peer" tier is the older spelling (`resolve_tiers`).
 
-    One URL is special: "ram", the node's shared memory (tiers/ram.py). A
-    "peer" entry beside it is the older spelling of its `replicas`
-    (``["ram", "peer"]`` is ``[Tier("ram", replicas=1)]``; see `resolve_tiers`).
-
-    repr() and str() show the URL without credentials (redact.py); `url`
-    itself keeps them, to open the storage.
+    repr() and str() hide the URL's credentials; `url` keeps them, to open the storage.
     """
 
     url: str
@@ -87,12 +83,8 @@ class Tier:
 
 
 def resolve_tiers(specs: Sequence[Tier | str | Mapping[str, Any]]) -> list[Tier]:
-    """The tiers of a Checkpointer, with a "peer" entry folded into the "ram" tier's replicas.
-
-    ``["ram", "peer", "disk"]`` (the older spelling, still what ``--tiers`` takes)
-    becomes ``[Tier("ram", replicas=1), Tier("disk")]``: peer replication is a
-    property of the RAM tier, not a tier of its own.
-    """
+    """The tiers of a Checkpointer, with a "peer" entry folded into the "ram" tier's replicas:
+    ``["ram", "peer", "disk"]`` (what ``--tiers`` takes) is ``[Tier("ram", replicas=1), Tier("disk")]``."""
     tiers = [Tier.coerce(t) for t in specs]
     peers = [t for t in tiers if t.url == "peer"]
     rams = [i for i, t in enumerate(tiers) if t.is_ram]

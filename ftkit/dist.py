@@ -1,12 +1,8 @@
-"""Deprecated: ``ftkit.dist``, where earlier versions put the restart-safe process group.
+"""Deprecated: ``ftkit.dist``, the old home of the restart-safe process group.
 
-Earlier READMEs told trainers to call ``ftkit.dist.init_process_group("gloo")`` so
-that a torchrun restart would not read the previous attempt's rendezvous keys. That
-is no longer needed: ``import ftkit`` makes a plain
-``torch.distributed.init_process_group`` restart-safe (ftkit/coord/rendezvous.py), and
-``ftkit run`` does it for any trainer. The module moved to ``ftkit.coord.dist`` without
-a deprecation; these aliases keep trainers written against the old README working, with
-a DeprecationWarning that says what to use instead.
+``import ftkit`` now makes a plain ``torch.distributed.init_process_group`` restart-safe
+(ftkit/coord/rendezvous.py). These aliases keep trainers written against the old README
+working, with a DeprecationWarning that says what to use instead.
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ _MOVED = ("DistContext", "node_id", "host_identity", "rendezvous_id")
 def init_process_group(backend: str | None = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> Any:
     """Deprecated: torch.distributed.init_process_group with ftkit's restart-safe rendezvous.
 
-    The old signature stays: `backend` defaults to gloo, `timeout_s` is in seconds (30
-    minutes by default; torch's `timeout=` wins when given), every other keyword goes to
-    torch as it is. Returns what torch returns."""
+    The old signature: `timeout_s` in seconds (torch's `timeout=` wins when given)."""
     warnings.warn(f"ftkit.dist.init_process_group is deprecated: {_INSTEAD}", DeprecationWarning, stacklevel=2)
     import torch.distributed as dist
 

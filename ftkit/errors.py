@@ -1,10 +1,5 @@
-"""ftkit's exceptions.
-
-Every error ftkit raises on purpose derives from :class:`FtkitError` (itself an
-``Exception``, never a ``BaseException``), so callers can catch them in one place
-and the CLI can turn them into a one-line message and an exit code. Messages
-name *what* went wrong and *where* (a key, a URL, a step), and never contain
-credentials.
+"""ftkit's exceptions: everything raised on purpose derives from FtkitError (an Exception),
+so callers catch them in one place. Messages name what went wrong and where, never credentials.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Agreement across ranks through the store: every rank reports, one rank (or all)
 decides, and failures come back per rank.
 
-The one primitive behind ftkit's votes (a restore candidate's read, a RAM-tier
-replication, peers' fetches): each rank puts a ballot, its error or None and a
-value, under `key`; the deciders read every ballot in one round trip
-(coord/dist.py `gather`). Nothing is raised mid-flight on any rank: a failure is
-recorded in the ballot and the caller decides at the safe point, with every
-rank's failure in hand (`Outcome.raise_if_failed` raises one AgreementError
-naming them).
-
-Order of calls (every rank, the same `key`)::
+Nothing is raised mid-flight: a failure goes in the rank's ballot and the caller decides
+at a safe point, with every rank's failure in hand. Order of calls (every rank, one `key`)::
 
     outcome = agree(ctx, key, error=..., value=...)      # None on a rank that only reports
     outcome.raise_if_failed("step 7 not committed")       # or read outcome.failures / values
@@ -29,10 +22,6 @@ class Outcome:
     values: list[Any]  # every rank's value, in rank order
     failures: list[tuple[int, str]]  # (rank, error) of the ranks that failed, in rank order
 
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
     def first_failure(self, me: int) -> str | None:
         """The first failure as a line: the error, with its rank when not `me`'s."""
         if not self.failures:
@@ -50,8 +39,7 @@ def agree(
     ctx: DistContext, key: str, *, error: str | None = None, value: Any = None, decider: int | None = None
 ) -> Outcome | None:
     """Every rank reports (`error`, `value`) under `key`. With `decider=None` every rank
-    gets the Outcome; with a rank number, only that rank does (the others only
-    report and get None: no rank reads what it does not need)."""
+    gets the Outcome; with a rank number, only that rank does (the others get None)."""
     if ctx.distributed and decider is not None and ctx.rank != decider:
         report(ctx, key, error=error, value=value)
         return None
@@ -67,8 +55,7 @@ def agree(
 
 
 def report(ctx: DistContext, key: str, *, error: str | None = None, value: Any = None) -> None:
-    """Only report under `key` (a rank that decides nothing, or one that will not take part:
-    its ballot lets the decider go on without waiting for it)."""
+    """Only report under `key` (a rank that decides nothing, or one that will not take part)."""
     ctx.put(f"{key}/{ctx.rank}", _ballot(error, value))
 
 

@@ -1,24 +1,11 @@
 """A node's heartbeat slots: one file on the node's board (coord/nodelocal.py), with a
-fixed slot for each rank of the node, written in place.
+fixed slot for each rank of the node, written in place: a rank writes its beat with one
+`pwrite`, the leader reads the node's with one `pread`.
 
-Every rank writes a heartbeat every interval and its leader reads all of them. As one
-file per rank, written under a temporary name and renamed (so no reader sees half of
-it), a beat cost a rank ~30 us (four system calls and a new directory entry) and the
-leader an open, a stat and a read per rank. Here a rank writes its slot with one
-`pwrite` and the leader reads the node's slots with one `pread`: ~10 us and ~2 us a
-rank on this machine, and what lets a 2-core machine simulate thousands of nodes' rounds
-(benchmarks/bench_scale.py).
-
-A slot is a header (magic, payload length, CRC-32 of the payload) and the beat, packed
-(`pack_beat`: fixed fields, then the host id, then its process's start time when a flag
-says it is there, so a beat written without one still reads; decoding one costs a
-fraction of JSON's).
-A write in place can be seen half done (the page copy of a tmpfs read takes no lock
-against a write), so a slot whose checksum fails is read once more, and after that it
-is silence for this round, as is anything malformed: the judges (coord/judge.py) take a
-missing beat for no news, and only `dead_after_s` of it for death. The file sits in the
-node's private board directory; it is opened without following links, its size is
-capped, and each slot is decoded as untrusted input (`unpack_beat` checks every field).
+A slot is a header (magic, payload length, CRC-32 of the payload) and the packed beat.
+A tmpfs read takes no lock against a write, so a slot can be seen half written: one whose
+checksum fails is read once more, then it is silence for this round, as is anything
+malformed (the judges take a missing beat for no news). Slots are untrusted input.
 
     slots = board.beats(node_ranks)      # every rank of the node, the same list
     slots.write(rank, beat)              # each rank, each interval
@@ -43,14 +30,13 @@ _MAGIC = b"ftb1"
 _ROOM = SLOT_BYTES - _HEADER.size
 # A beat: seq, step, busy, interval (NaN: none), pid (0: none), flags, the host id's length.
 _BEAT = struct.Struct("<qqddIBH")
-_START = struct.Struct("<Q")  # after the host id, with _HAS_START: when the beat's process started
+_START = struct.Struct("<Q")  # after the host id, only with _HAS_START (older beats lack it): process start
 _DONE, _FAILED, _PREEMPT, _STOPPED, _HAS_STEP, _HAS_START = 1, 2, 4, 8, 16, 32
 MAX_HOST = _ROOM - _BEAT.size - _START.size
 
 
 class BeatSlots:
-    """The heartbeat slots of one node's ranks, `ranks` in the order every rank of the
-    node agrees on (their ranks, ascending): rank `ranks[i]` owns slot i."""
+    """The heartbeat slots of one node's ranks: `ranks[i]` (ascending, as every rank lists them) owns slot i."""
 
     def __init__(self, board_path: str, ranks: Sequence[int]):
         self.path = os.path.join(board_path, NAME)
@@ -68,8 +54,7 @@ class BeatSlots:
             os.close(fd)
 
     def read(self, ranks: Iterable[int]) -> dict[int, Beat | None]:
-        """The latest beat in each of `ranks`' slots, None where there is none yet, or it is
-        malformed, or it was still torn when read again."""
+        """The latest beat in each of `ranks`' slots; None where there is none, or it is malformed or torn."""
         data = self._read()
         beats, torn = {}, []
         for r in ranks:
@@ -136,8 +121,7 @@ def pack_beat(beat: Beat) -> bytes:
 
 
 def unpack_beat(payload: bytes) -> Beat | None:
-    """The beat in `payload`, or None if it is malformed (a bad beat is no beat: silence).
-    Each field is checked as untrusted: a number out of its range reads as unknown."""
+    """The beat in `payload`, or None if it is malformed; a field out of its range reads as unknown."""
     if len(payload) < _BEAT.size:
         return None
     seq, step, busy, interval, pid, flags, host_len = _BEAT.unpack_from(payload)

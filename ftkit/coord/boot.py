@@ -1,31 +1,15 @@
-"""When this worker process reached each milestone of its start, for the recovery breakdown.
+"""When this worker process reached each milestone of its start, in wall-clock seconds: the
+launchers and the rendezvous handler stamp them, the Checkpointer's ``start`` event records
+them, ``ftkit report`` turns them into phases. In order (any may be missing):
 
-A restart's time goes to torchrun's teardown, starting processes, importing
-torch, the script's own set-up, the rendezvous, building the process group and
-model, the restore and the first step. The launchers and the rendezvous
-handler stamp the milestones they see here (wall-clock seconds, as the event
-log uses); the Checkpointer writes them into its ``start`` event, and
-``ftkit report`` lines the ranks' stamps up into the phases of each incident
-(ftkit/tools/report.py).
-
-Milestones, in order (any may be missing: a script not started by an ftkit
-launcher has no ``forked``/``launch``; one that imports ftkit after its group
-has no ``rendezvous``):
-
-    process     the process torchrun started began (the warm client's start, else the
-                OS's create time of this process)
-    forked      a warm start: the zygote forked this worker (ftkit/runtime/warm/zygote.py)
-    launch      the imports are done: ftkit's launcher is about to run the script, or (a
-                script started without it) ``import ftkit`` has finished
+    process     the process torchrun started began (the warm client's start, else the OS's)
+    forked      a warm start: the zygote forked this worker
+    launch      imports done: ftkit's launcher runs the script, or ``import ftkit`` finished
     rendezvous  init_process_group's env:// rendezvous began
     store       the rendezvous store is connected; the process group is built next
-
-and, for a generation started by an in-process recovery (ftkit/runtime/inprocess.py) in the
-same process, instead of those:
-
-    failed      the failure reached the recovery wrapper on this rank (its loop unwound)
-    torn_down   this rank's process group of the failed generation is destroyed
-    regrouped   every rank arrived and the new generation's group is built
+    failed      an in-process recovery, instead of the above: the failure reached its wrapper
+    torn_down   the failed generation's process group is destroyed
+    regrouped   the new generation's group is built
 """
 
 from __future__ import annotations
@@ -67,9 +51,8 @@ def _process_start() -> float | None:
             return float(raw)
         except ValueError:
             pass
-    # The process's age, from the kernel's clock since boot, taken from now: psutil's
-    # create_time() adds the boot time in whole seconds and drifts from time.time() on
-    # a VM by seconds, which would put a process's start before the failure it followed.
+    # The process's age by the kernel's clock since boot, taken from now: psutil's create_time()
+    # drifts from time.time() by seconds on a VM (a start before the failure it followed).
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])

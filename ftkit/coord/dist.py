@@ -1,17 +1,8 @@
 """Who we are in the job, and agreement between ranks through the c10d store.
 
-Ranks coordinate only through the key-value store that torchrun's rendezvous
-(or init_process_group) provides: never through collectives on the training
-process group, so a background thread can take part safely and a dead rank
-costs a bounded wait, not a hang. A single process is a world of one with no
-store, and every call here degenerates to a no-op.
-
-Node identity decides failure domains (RAM tiers, peer placement): the
-``FTKIT_NODE_ID`` variable if set, else ``node<rank // FTKIT_RANKS_PER_NODE>``
-if that is set (how tests simulate several nodes on one machine), else the
-host name. Whether another process runs on *this* machine, so that its pid
-means something here (the watchdog kills stuck local peers), is a stricter
-question: see :func:`host_identity`.
+Ranks coordinate only through the store, never through collectives on the training
+group: a background thread can take part safely and a dead rank costs a bounded wait,
+not a hang. A single process is a world of one with no store, where every call is a no-op.
 """
 
 from __future__ import annotations
@@ -36,6 +27,8 @@ from ftkit.runtime import generation
 
 
 def node_id(rank: int) -> str:
+    """The failure domain: $FTKIT_NODE_ID, else node<rank // $FTKIT_RANKS_PER_NODE> (tests
+    simulate nodes so), else the host name."""
     if os.environ.get("FTKIT_NODE_ID"):
         return os.environ["FTKIT_NODE_ID"]
     per_node = os.environ.get("FTKIT_RANKS_PER_NODE")
@@ -45,14 +38,8 @@ def node_id(rank: int) -> str:
 
 
 def host_identity() -> str | None:
-    """What makes a pid meaningful: host name, boot id and pid namespace, or None if unknown.
-
-    Host names alone are not unique: containers often share one ("localhost",
-    a pod template's name), and a pid from another container or another boot
-    names an unrelated process here. Two processes may signal each other's pids
-    only when all three match. None (no /proc, e.g. not Linux) means "never
-    assume the same host": callers then fall back to what needs no pid.
-    """
+    """What makes a pid meaningful: host name, boot id and pid namespace (host names alone are
+    shared by containers), or None (no /proc): two processes share a host only when all match."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -71,16 +58,12 @@ _FRAME = struct.Struct("<II")  # (sender, length) ahead of each value sent to ra
 
 
 def to_root_keys(key: str) -> list[str]:
-    """The store keys of one `send_to_root` / `collect_at_root` exchange: the values appended
-    one after another, the count of senders so far, and the mark the last sender sets."""
+    """The store keys of one `send_to_root` exchange: the values appended, the senders' count, the done mark."""
     return [f"{key}/all", f"{key}/count", f"{key}/done"]
 
 
 def process_gone(pid: Any) -> bool:
-    """A process on this host has exited (or is a zombie waiting for torchrun to reap it).
-
-    Seeing it is faster than `dead_after_s` of silence: torchrun's own restart
-    waits for this rank to stop, and this rank may be stuck in a collective."""
+    """A process on this host has exited (or is a zombie waiting for torchrun to reap it)."""
     if not pid:
         return False
     try:
@@ -97,25 +80,17 @@ EXIT_SETTLE_S = 0.2
 
 @functools.cache  # (registered once)
 def _settle_collectives_at_exit() -> None:
-    """At exit, give gloo's worker threads a moment to let go of finished collectives while the
-    interpreter can still take them. A worker thread drops its reference to a collective after
-    the caller has moved on; if that is the last one, the collective's tensors are freed there,
-    which takes the GIL, and once the interpreter is finalizing that thread is ended mid-C++
-    and the process aborts ("terminate called without an active exception", exit -6; torch's
-    AsyncAllgatherWork in a core dump of bench_dist.py's rank 1, after its last all_gather). A
-    worker preempted on a busy machine holds on for milliseconds; atexit runs before the
-    interpreter finalizes, and a sleep there lets it finish. Registered by a distributed
-    DistContext."""
+    """At exit, give gloo's worker threads a moment to let go of finished collectives.
+
+    A gloo worker thread that frees a collective's tensors once the interpreter is
+    finalizing is ended mid-C++ and the process aborts ("terminate called without an
+    active exception", exit -6; torch's AsyncAllgatherWork). atexit runs before that."""
     atexit.register(time.sleep, EXIT_SETTLE_S)
 
 
 def rendezvous_id() -> str | None:
-    """The rendezvous (run) id torchrun was given, or None if it is torchrun's default or absent.
-
-    Without --rdzv-id, torchrun's run id is "none" for every job. With
-    --standalone (or a single-node static rendezvous) it is a fresh uuid per
-    torchrun invocation, kept across that invocation's restarts: a real id.
-    """
+    """The rendezvous (run) id torchrun was given, or None if it is torchrun's default ("none",
+    the same for every job) or absent. --standalone gives a uuid per invocation: a real id."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     return None if run is None or run.strip().lower() in _DEFAULT_RDZV_IDS else run
 
@@ -147,9 +122,8 @@ class DistContext:
             return DistContext(timeout_s=timeout_s)
         from torch.distributed.distributed_c10d import _get_default_store
 
-        # Keys are namespaced per torchrun attempt so a restarted group never reads
-        # what the previous attempt left in a store that outlives it.
-        # (and per in-process recovery: runtime/generation.py)
+        # Namespaced per torchrun attempt and in-process generation: a restarted group never
+        # reads what the previous one left in a store that outlives it.
         attempt = (generation.torchrun_attempt() or "0") + generation.suffix()
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
@@ -160,13 +134,9 @@ class DistContext:
         return ctx
 
     def own_connection(self) -> DistContext:
-        """The same context over a new connection to the store.
-
-        A store client serializes its calls: a thread blocked in a long wait (rank
-        0 waiting for a slow rank's report) would otherwise stall every other
-        thread's calls, the watchdog's heartbeats among them. Each thread that
-        talks to the store gets its own connection.
-        """
+        """The same context over a new connection to the store: a store client serializes its
+        calls, so each thread that talks to the store needs its own (a long wait would stall
+        the watchdog's heartbeats)."""
         store = self.store.clone() if self.store is not None else None
         if store is not None:  # (a clone's timeout is its own: the original's callers keep theirs)
             store.set_timeout(timedelta(seconds=self.timeout_s))
@@ -192,8 +162,7 @@ class DistContext:
         self.store.set(key, json.dumps(value))
 
     def get(self, key: str, timeout_s: float | None = None) -> Any:
-        """The JSON value at `key`, waiting at most `timeout_s` for it to appear (FormatError
-        when it is not ftkit's JSON: the store is untrusted input)."""
+        """The JSON value at `key`, waiting at most `timeout_s` for it (FormatError if malformed)."""
         return parse_json(self.get_raw(key, timeout_s), f"store key {key[:120]!r}", "message")
 
     def get_raw(self, key: str, timeout_s: float | None = None) -> bytes:
@@ -201,9 +170,8 @@ class DistContext:
         return self.wait_get([key], timeout_s)[0]
 
     def wait_get(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
-        """The bytes at every one of `keys`, once all are set: two round trips for any number
-        (a c10d get waits for its keys first), three where the wait is ours (below)."""
-        if self.waits_itself and timeout_s in (None, self.timeout_s) and not generation.active():
+        """The bytes at every one of `keys`, once all are set."""
+        if self.waits_itself and timeout_s in (None, self.timeout_s) and not generation.active():  # (one round trip)
             try:
                 return self.store.multi_get(keys)
             except Exception as e:  # c10d raises DistStoreError on timeout
@@ -212,12 +180,7 @@ class DistContext:
         return self.store.multi_get(keys)
 
     def gather(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
-        """Every rank's `value` for `key`, in rank order (all ranks call this).
-
-        Three store round trips whatever the world size (set, wait for all, one
-        multi_get): each is a TCP exchange with a server that, under torchrun,
-        competes for the same cores as the ranks.
-        """
+        """Every rank's `value` for `key`, in rank order (all ranks call this)."""
         if not self.distributed:
             return [value]
         self.put(f"{key}/{self.rank}", value)
@@ -228,10 +191,8 @@ class DistContext:
     def send_to_root(self, key: str, sender: int, value: bytes, senders: int) -> None:
         """`value` from `sender` (one of `senders` in all) for rank 0's `collect_at_root(key)`.
 
-        The values of all senders go to one key (an append each), and the sender that makes
-        the count whole marks it done: rank 0 then waits for, reads and deletes three keys
-        whatever the number of senders, where a key each would cost it a delete each (2,048
-        a step at 16,384 ranks). A sender makes two requests, the last three."""
+        All senders append to one key and the one that makes the count whole marks it done,
+        so rank 0 handles three keys whatever the number of senders."""
         all_, count, done = to_root_keys(key)
         self.store.append(all_, _FRAME.pack(sender, len(value)) + value)
         if self.store.add(count, 1) == senders:  # (its append is in: the store serves requests in order)
@@ -240,10 +201,9 @@ class DistContext:
     def collect_at_root(
         self, key: str, senders: Sequence[int], timeout_s: float | None = None
     ) -> dict[int, bytes | None]:
-        """Rank 0: the value each of `senders` sent with `send_to_root(key)`, None where none
-        came within `timeout_s` (or a value another sender sent twice took its place); the
-        exchange's keys are deleted. A later value from the same sender replaces an earlier one.
-        FormatError where the values do not unpack (the store is untrusted input)."""
+        """Rank 0: the value each of `senders` sent with `send_to_root(key)`, None where none came
+        within `timeout_s`; a sender's later value replaces its earlier one. The exchange's keys
+        are deleted. FormatError where the values do not unpack."""
         if not senders:
             return {}
         all_, _, done = names = to_root_keys(key)
@@ -270,11 +230,9 @@ class DistContext:
     def gather_to_root(
         self, key: str, value: Any, ranks: Sequence[int], timeout_s: float | None = None, raw: bool = False
     ) -> Any:
-        """`value` of each of `ranks` ({rank: value}) on rank 0 only; None elsewhere. Every
-        rank calls it; only `ranks` send (rank 0's own value needs no message), with
-        `send_to_root`. `raw`: the values are bytes (a typed message, commit/messages.py),
-        sent as they are, else JSON (a value that is not: None). PeerTimeout naming the ranks
-        that sent nothing; values that do not unpack come as empty bytes (raw) or None."""
+        """`value` of each of `ranks` ({rank: value}) on rank 0 only; None elsewhere. Every rank
+        calls it. `raw`: the values are bytes (commit/messages.py), else JSON. PeerTimeout
+        names the ranks that sent nothing; malformed values come as empty bytes (raw) or None."""
         others = [r for r in ranks if r != 0]
         if self.rank != 0:
             if self.rank in ranks:
@@ -319,10 +277,9 @@ class DistContext:
 
     def _wait_or_recover(self, keys: list[str], timeout_s: float) -> None:
         """Under run_in_process a wait ends early when a recovery is requested or its generation
-        is over: a rank that failed will never set its key. The training thread polls (it must
-        reach the recovery at once); a background thread (a persist's commit) waits in slices of
-        a second, so a failed generation's threads end soon after it. (c10d logs every wait
-        that times out: slices, not short waits, and only where the wait is long anyway.)"""
+        is over (a failed rank never sets its key). The training thread polls, to reach the
+        recovery at once; a background thread waits in slices of a second (c10d logs every
+        wait that times out, so no short slices)."""
         main = threading.current_thread() is threading.main_thread()
         end = time.monotonic() + timeout_s
         delay = 0.001
@@ -372,15 +329,8 @@ class DistContext:
 
 
 def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> None:
-    """torch.distributed.init_process_group for torchrun workers that survives restarts.
-
-    Under torchrun with restarts, workers of a new attempt can read the
-    rendezvous keys the previous attempt left in the agent's store and try to
-    connect to dead peers ("connectFullMesh failed ... Connection refused").
-    This opens the same store and namespaces it by attempt
-    (TORCHELASTIC_RESTART_COUNT), then initializes the group on it.
-    Outside torchrun it is the plain call.
-    """
+    """torch.distributed.init_process_group on the torchrun store, namespaced by attempt, so a
+    restart never reads the previous attempt's rendezvous keys. Outside torchrun, the plain call."""
     import torch.distributed as dist
 
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "store" in kwargs:

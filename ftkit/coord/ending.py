@@ -36,12 +36,8 @@ def exit_unless_gone(seconds: float, exc: BaseException | None) -> None:
 
 
 def time_first_gradient(state: MutableMapping[str, Any], watchdog: Watchdog) -> None:
-    """Under DDP, note when each step's first gradient bucket is ready: a rank's busy time.
-
-    In lockstep training every rank's step takes as long as the slowest one's, so
-    the whole step cannot show a straggler; the time until the first all-reduce
-    can. Uses DDP's stock all-reduce hook, so gradients are the same as without it.
-    """
+    """Under DDP, note when each step's first gradient bucket is ready: a rank's busy time (in
+    lockstep training only that can show a straggler). Wraps DDP's stock all-reduce hook."""
     from torch.nn.parallel import DistributedDataParallel
 
     for obj in state.values():

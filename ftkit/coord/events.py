@@ -1,13 +1,8 @@
-"""The event log: one JSONL file per rank and attempt in the run directory.
+"""The event log: one JSONL file per rank in the run directory ($FTKIT_RUN_DIR unless given;
+none: no log), a line ``{"t", "rank", "attempt", "event", ...}`` per event, for `ftkit report`.
 
-Every snapshot, persist, detection, abort, start and restore is a line
-``{"t": unix time, "rank": r, "attempt": n, "event": name, ...}``; `ftkit report`
-turns them into goodput and a timeline. Writing is line-buffered and
-thread-safe, and a failure to write never disturbs training (it is logged once).
-
-The run directory is ``$FTKIT_RUN_DIR`` unless given; without one, events are
-not recorded. Every text field goes through redact.redact_url on the way out:
-tier URLs and error messages never carry credentials into the file.
+A failure to write never disturbs training (it is logged once). Text fields are redacted:
+URLs and error messages carry no credentials into the file.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The drills' hooks inside the data path: places in a snapshot, a persist, a
-replication and a commit where a drill can freeze a rank (or make it raise), so
-that a kill, a node loss or a storage fault lands in the middle of that phase
-rather than between steps (ftkit/drill/job.py drives them).
-
-Without $FTKIT_FAULT_POINTS set, a fault point is one dictionary lookup.
+"""The drills' hooks inside the data path: where a drill can freeze a rank (or make it raise)
+so that its fault lands in the middle of a phase, not between steps (ftkit/drill/job.py).
 """
 
 from __future__ import annotations
@@ -23,18 +19,10 @@ class InjectedCrash(RuntimeError):
 def fault_point(phase: str, step: int, rank: int) -> None:
     """A drill's hook inside `phase`: freeze this process (or raise) when asked to.
 
-    The drill writes a request, ``{"phase", "step", "rank", "action"}``, to the
-    file named by $FTKIT_FAULT_POINTS. The first time `rank` reaches `phase` at
-    `step` or later, the request is consumed (renamed to FILE.reached, so it
-    fires once, in one thread of one rank) and then:
-
-    * action "stop": the reached file gets this process's pid and the process
-      stops itself with SIGSTOP; the drill injects its fault (SIGKILL, a node
-      loss, a storage outage...) while the rank is frozen mid-phase, and sends
-      SIGCONT when the fault lets the rank live on;
-    * action "crash": InjectedCrash is raised here.
-
-    Without the environment variable this is one dictionary lookup.
+    The drill writes ``{"phase", "step", "rank", "action"}`` to the file $FTKIT_FAULT_POINTS
+    names. The first time `rank` reaches `phase` at `step` or later, the request is renamed to
+    FILE.reached (it fires once) with this pid in it; then "stop" sends this process SIGSTOP
+    (the drill injects its fault, then may SIGCONT), "crash" raises InjectedCrash.
     """
     path = os.environ.get(FAULT_POINTS_ENV)
     if not path:

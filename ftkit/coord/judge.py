@@ -1,26 +1,14 @@
 """Judging heartbeats, as pure functions of what one node's leader sees (coord/watchdog.py
-runs them; tests/unit/test_judge.py drives them at 1,024 simulated ranks without processes).
+runs them), so no party reads O(world) heartbeats:
 
-Two judges, so no party reads O(world) heartbeats:
+* :class:`RankJudge` – a node leader's judge of its node's ranks (every other rank runs one
+  over its leader alone): failed, dead (gone, stopped, or silent), hung (no step progress
+  for `hang_factor` x the median step time, clamped), straggler (busy time above
+  `straggler_factor` x the others' median). Medians are over the node and its ring.
+* :class:`RingJudge` – a leader's judge of the `watch` nodes after its own on the ring.
 
-* :class:`RankJudge` – a node leader's judge of the ranks on its node, from their
-  local heartbeats: failed (its loop raised), dead (its process is gone; or it is
-  stopped, SIGSTOP or a debugger, and silent for `stopped_after_s`; or its
-  heartbeat stopped for `dead_after_s`), hung (heartbeats move, its step does not,
-  for longer than `hang_factor` x the median step time, clamped to
-  [`hang_floor_s`, `hang_ceiling_s`]), straggler (its busy time per step stays
-  above `straggler_factor` x the other ranks' median for `straggler_checks` checks). Medians
-  are taken over the node and the nodes it watches (a sample of 3 nodes' ranks),
-  not over the world. Every other rank of a node runs one over its leader alone
-  (the aggregator's death or hang is found by its own node, not only by its ring).
-* :class:`RingJudge` – a leader's judge of the `watch` nodes after its own on the
-  ring of nodes: each publishes one aggregated heartbeat; one that stops moving
-  for `dead_after_s` means its leader (the aggregator) is dead or its node is
-  lost, and the verdict names the leader.
-
-Time only counts while the judge can see (`freeze(gap)` after a store outage),
-a rank is judged only after its first heartbeat (or `startup_grace_s` of
-silence), and done ranks are never hung.
+Time only counts while the judge can see (`freeze(gap)`), a rank is judged only after
+its first heartbeat (or `startup_grace_s` of silence), and done ranks are never hung.
 """
 
 from __future__ import annotations
@@ -52,9 +40,8 @@ class WatchdogConfig:
     startup_grace_s: float = 120.0  # a rank (or node) never seen for this long is dead
     watch: int = 2  # nodes each node's leader watches on the ring
     recovery_timeout_s: float = 30.0  # under run_in_process: a verdict not followed by a recovery ends the worker
-    # A leader whose every store request failed this long (and 3 rounds at least) takes the job's
-    # store for lost with the host that served it (rank 0's agent's): it ends its node's workers,
-    # so torchrun's agents meet again and the next round's rank 0 serves a new store.
+    # A leader whose every store request failed this long (and 3 rounds) takes the store for lost
+    # with its host and ends its node's workers, so the agents meet again around a new store.
     store_lost_after_s: float = 10.0
 
 
@@ -62,8 +49,7 @@ Timing = tuple[float | None, float | None]  # one rank's (busy, interval): what 
 
 
 def _num(v: Any, lo: float = 0.0, hi: float = 1e9) -> float | None:
-    """A finite number in [lo, hi] from untrusted JSON, else None. (Exact types: JSON gives
-    int or float, never bool for a number; NaN fails the bounds, as does infinity.)"""
+    """A finite number in [lo, hi] from untrusted JSON, else None (a bool is not a number)."""
     t = type(v)
     return float(v) if (t is float or t is int) and lo <= v <= hi else None
 
@@ -74,10 +60,8 @@ def _int(v: Any, lo: int = -1, hi: int = 2**62) -> int | None:
 
 @dataclass(slots=True)
 class Beat:
-    """One rank's heartbeat, as its leader read it (decoded from untrusted bytes by
-    coord/beatslots.py). Not frozen: a frozen dataclass's __init__ costs five times as
-    much, a leader builds one per rank of its node every interval, and
-    benchmarks/bench_scale.py plays 2,048 leaders on 2 cores."""
+    """One rank's heartbeat, as its leader read it (coord/beatslots.py). Not frozen: a leader
+    builds one per rank every interval, and a frozen dataclass's __init__ is much slower."""
 
     seq: int
     step: int | None = None
@@ -89,8 +73,8 @@ class Beat:
     failed: bool = False
     preempt: bool = False
     stopped: bool = False  # its watchdog has stopped: the rank's last beat
-    # When its process started (clock ticks since boot, runtime/warm/client.py process_start): with `pid`,
-    # which process a verdict may kill (a pid reused since is another's). None: not recorded.
+    # When its process started (runtime/warm/client.py process_start): with `pid`, which process
+    # a verdict may kill (a pid reused since is another's). None: not recorded.
     start: int | None = None
 
     @property
@@ -106,7 +90,7 @@ class Verdict:
     why: str
     by: int = -1  # the rank that judged
     # The judge is on the target's host and the target is (or will be) a process gone: a warm
-    # client can replace it (ftkit run --replace-dead) while the others recover in process.
+    # client can replace it (ftkit run --replace-dead).
     local: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -176,11 +160,9 @@ class RankJudge:
         finished: bool = False,
         stopped: Callable[[Beat], bool] | None = None,
     ) -> Judgement:
-        """Judge the node's ranks from their `beats` (None: none readable). `sample`: the ranks'
-        timings the medians are taken over (this node's and its watched nodes'); `gone(beat)`:
-        whether that rank's process has exited, `stopped(beat)`: whether it is stopped (both
-        only answerable on its host); `finished`: this rank is done (hung and straggler
-        verdicts stop)."""
+        """Judge the node's ranks from their `beats` (None: none readable). `sample`: the timings
+        the medians are taken over; `gone(beat)` / `stopped(beat)`: whether that rank's process
+        has exited / is stopped (on its host only); `finished`: no more hung or straggler verdicts."""
         cfg, out = self.cfg, Judgement()
         sample = list(sample)
         intervals = [interval for _, interval in sample if interval]
@@ -243,7 +225,7 @@ class RankJudge:
 
 def _median_without(ordered: list[float], value: float | None) -> float | None:
     """The median of `ordered` (sorted) less one occurrence of `value`; None if nothing is
-    left. (By index, without copying the list: it runs for every rank every interval.)"""
+    left. By index, without copying: it runs for every rank every interval."""
     n = len(ordered)
     i = bisect.bisect_left(ordered, value) if value else n
     if not (i < n and ordered[i] == value):
@@ -260,9 +242,8 @@ def _median_without(ordered: list[float], value: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class NodeBeat:
-    """One node's aggregated heartbeat, published by its leader: one store key per node.
-    It carries its ranks' timings only (what the watching nodes' medians need): their
-    liveness is judged on the node, and a watcher reads 16 bytes per rank, not a beat."""
+    """One node's aggregated heartbeat, published by its leader: one store key per node. Only
+    its ranks' timings (for the watchers' medians): their liveness is judged on the node."""
 
     seq: int
     leader: int
@@ -271,16 +252,14 @@ class NodeBeat:
 
     def pack(self) -> bytes:
         """The store value: a fixed head, then each rank's (busy, interval) as two doubles
-        (NaN: unknown). Packed, not JSON: every leader decodes two per interval, and at
-        thousands of simulated leaders JSON's parse was a third of a leader's CPU."""
+        (NaN: unknown). Packed, not JSON: every leader decodes two per interval."""
         flat = [math.nan if v is None else v for t in self.timings for v in t]
         head = _NODE_HEAD.pack(_NODE_MAGIC, self.seq, self.leader, self.done, len(self.timings))
         return head + struct.pack(f"<{len(flat)}d", *flat)
 
     @staticmethod
     def unpack(raw: bytes, max_ranks: int = 4096) -> NodeBeat | None:
-        """The node's beat, or None for anything malformed (untrusted: it came through the
-        store); a number out of its range is an unknown timing."""
+        """The node's beat, or None for anything malformed; a number out of range is unknown."""
         if len(raw) < _NODE_HEAD.size:
             return None
         magic, seq, leader, done, count = _NODE_HEAD.unpack_from(raw)
@@ -353,6 +332,4 @@ def ring(nodes: list[str], watch: int = 2) -> tuple[list[str], Callable[[str], l
     return order, watched
 
 
-def decode_json(raw: bytes) -> Any:
-    """A store value as JSON, or None (empty, or not JSON: untrusted input is silence)."""
-    return parse_message(raw)
+decode_json = parse_message  # a store value as JSON, or None (empty, or not JSON: untrusted input is silence)

@@ -1,32 +1,17 @@
-"""A rank's mailbox on its node's board: a Unix stream socket listening at `box-r<rank>` in the
-board's directory, over which the node's ranks hand each other a step's messages
-(commit/node.py NodeGroup: layouts, reports, outcomes, the relayed peer reports).
+"""A rank's mailbox on its node's board: a Unix stream socket at `box-r<rank>` over which the
+node's ranks hand each other a step's messages (commit/node.py NodeGroup).
 
-    box = Mailbox.open(address, path)   # the receiving rank, once: listens at box-r<rank>
+    box = Mailbox.open(address, path)   # the receiving rank, once
     box.wait(timeout_s)                 # True when something came, False at the timeout
     box.drain()                         # every whole message waiting: [(name, payload)]
     link = Link(address)                # a sender, one per mailbox it sends to, kept
     link.send(frame(name, payload), patience_s)   # True once written whole
 
-One transport, no fallback. A sender keeps one connection per mailbox, opened at its first
-message, and writes each message as one length-prefixed frame; a connection keeps its
-messages in order (a rank's layout arrives before the report naming it). The connection's
-kernel buffer (net.core.wmem_default, 208 KiB here: hundreds of a step's messages) is the
-backpressure: a mailbox whose rank does not read makes its senders wait, up to their
-patience (the training thread's: none). A frame not written whole then closes the
-connection (its receiver drops the piece it got at the end of the stream: whole frames
-only) and the message is lost, as one to a rank that is gone: the receiver's wait ends at
-its timeout and the step is not committed. A mailbox not listening yet (its rank still
-opening its tiers) is waited for, up to the same patience.
-
-Why a connection: a frame is one `send` and, woken by `poll`, one `recv`, as a datagram
-is, without a datagram's limits (a size under the socket buffer, a queue of ten:
-net.unix.max_dgram_qlen), which made the datagram mailboxes fall back to files on the board,
-a second path. benchmarks/board_messages.py, CPU per message on this VM, send / receive:
-17-18 / 25-28 us, against 17-18 / 27-32 for the datagram mailboxes. The board's directory
-is private (0700, this user's: tiers/ram.py); what arrives is untrusted all the same: a frame
-longer than MAX_MESSAGE ends its connection, a frame whose name does not parse is dropped, and
-payloads decode through the caller's checks.
+Each message is one length-prefixed frame, in order on its connection (a layout arrives
+before the report naming it); a stream has no datagram's size limit or short queue. The
+kernel buffer is the backpressure, up to the sender's patience; a frame not written whole
+closes its connection and is lost, as to a gone rank. What arrives is untrusted: a frame
+over MAX_MESSAGE ends its connection, one whose name does not parse is dropped.
 """
 
 from __future__ import annotations
@@ -94,9 +79,8 @@ def split_frames(buf: bytearray) -> tuple[list[tuple[str, bytes]], bool]:
 
 
 class Addresses:
-    """Where the mailboxes of one board directory are reached from this process: their paths,
-    or, where a path is too long for a socket address, the same names under /proc/self/fd of
-    a descriptor of the directory, which this object holds: its addresses hold while it lives."""
+    """Where the mailboxes of one board directory are reached from this process: their paths, or
+    where a path is too long for a socket address, under /proc/self/fd of a descriptor it holds."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -129,9 +113,8 @@ class Addresses:
 
 
 class Mailbox:
-    """The receiving end of one rank's mailbox: its listening socket and the connections its
-    senders opened. One per (directory, rank) in a process (`Mailbox.open` hands out the same
-    one again while it lives)."""
+    """The receiving end of one rank's mailbox: its listening socket and its senders' connections.
+    One per (directory, rank) in a process (`Mailbox.open` hands out the same one while it lives)."""
 
     _open: weakref.WeakValueDictionary[str, Mailbox] = weakref.WeakValueDictionary()
     _open_lock = threading.Lock()
@@ -148,8 +131,7 @@ class Mailbox:
     @classmethod
     def open(cls, address: str, path: str) -> Mailbox | None:
         """The mailbox at `path` (bound through `address`, the path or its /proc/self/fd form);
-        None where none can be had: no Unix sockets, or something other than a socket at the
-        name (left alone: the board's directory is untrusted)."""
+        None where none can be had (no Unix sockets, or something else at the name: left alone)."""
         with cls._open_lock:
             box = cls._open.get(path)
             if box is None:
@@ -168,8 +150,7 @@ class Mailbox:
             try:
                 sock.bind(address)
             except OSError as e:
-                # A socket left at the name by an earlier mailbox of this rank (the directory is this
-                # attempt's; nobody else binds this rank's name): replaced. Anything else: left alone.
+                # A socket left by an earlier mailbox of this rank is replaced; anything else left alone.
                 if e.errno != errno.EADDRINUSE or not stat.S_ISSOCK(os.lstat(path).st_mode):
                     raise
                 os.unlink(path)
@@ -199,9 +180,8 @@ class Mailbox:
         return bool(ready)
 
     def drain(self) -> list[tuple[str, bytes]]:
-        """Every whole message waiting, in each connection's order: (name, payload). A frame
-        whose name does not parse is dropped; a connection that sent a frame too long to be
-        one, or ended inside a frame, is closed and the piece dropped."""
+        """Every whole message waiting, in each connection's order: (name, payload). A connection
+        that sent a frame too long, or ended inside one, is closed and the piece dropped."""
         ready, self._ready = self._ready, None
         if ready is None:  # (not just woken by `wait`: what is ready now)
             try:
@@ -265,9 +245,8 @@ class Mailbox:
 
 
 class Link:
-    """A sender's connection to one mailbox, opened at its first message and kept; safe to
-    share between threads. `once`: the names sent `once` over this connection (a rank's
-    layout: sent again only over a new connection, which may reach a new receiver)."""
+    """A sender's connection to one mailbox, opened at its first message and kept; thread-safe.
+    `once`: the names sent once over this connection (sent again over a new one)."""
 
     def __init__(self, address: str | None):
         self.address = address

@@ -1,24 +1,11 @@
 """Commit news: which RAM-tier steps rank 0 keeps, heard by every node's leader at no
 store request of its own.
 
-The RAM tier's index (the commit) is written on rank 0's node and the nodes that hold
-its replicas only (commit/ram.py): the other leaders hand in their node's record
-and read nothing back. They still must know which of their step directories to keep
-and which to drop (a step that failed, a step retention let go), and they must never
-drop a step rank 0 keeps. So after each step's outcome rank 0 sets one key, the news:
-
-    Settled(epoch: the restore epoch, settled: the newest step decided, kept: the committed
-    steps kept), a typed message (commit/messages.py)
-
-and every node's watchdog leader reads it in the multi_get it makes every heartbeat
-interval anyway (coord/watchdog.py). A leader drops a directory only when news of its
-own epoch says the step is settled and not kept; what it has not heard of, it keeps.
-When snapshots come faster than heartbeats, so that a leader holds more than
-`UNHEARD_LIMIT` steps it has heard nothing of, it reads the key itself (one request):
-that bounds a node's RAM at one step more than before, without a request per step.
-
-The value comes through the store: it is parsed as untrusted input, and anything
-malformed is ignored (keeping, never deleting, is the safe side).
+After each RAM step's outcome rank 0 sets one key, a Settled message (commit/messages.py),
+which every leader's watchdog reads in its heartbeat multi_get. A leader drops a step
+directory only when news of its own epoch says the step is settled and not kept; one
+holding more than `UNHEARD_LIMIT` steps unheard of reads the key itself. Anything
+malformed is ignored: keeping, never deleting, is the safe side.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
-"""A node's board: the ranks of one node tell their leader (and hear from it) through the
-node's private shared memory, never through the global store: small files (heartbeats,
-verdicts), and for a commit's messages each rank's mailbox, a socket there that the node's
-ranks keep a connection to (coord/mailbox.py).
-
-Layout, under the RAM root (tiers/ram.py: per user, 0700, checked, no link followed)::
+"""A node's board: the ranks of one node talk with their leader through the node's private
+shared memory (under the RAM root, tiers/ram.py), never the global store::
 
     hb/<job>/<attempt>-<scope>/<node>/
         beats.bin         each rank's latest heartbeat, in its own slot (coord/beatslots.py)
         verdict.json      the verdict the group ends on (relayed by the leader from the store)
         preempt.json      a rank was preempted: every rank saves and stops at an agreed step
         all-done.json     every rank of every node has finished
+    commit/<job>/<attempt>-<scope>/<node>/    (one per tier, commit/node.py NodeGroup)
+        box-r<rank>       each rank's mailbox (coord/mailbox.py)
 
-    commit/<job>/<attempt>-<scope>/<node>/    (kind "commit": one per tier, commit/node.py NodeGroup)
-        box-r<rank>       each rank's mailbox, a listening socket: a step's messages to it,
-                          a rank's layout once (coord/mailbox.py, commit/layouts.py)
-
-`<job>` names the running job (the store's address and torchrun's run id), so two jobs
-on one host never share a board. A leader removes its node's board when it stops and
-the boards of the job's earlier attempts when it starts (a crashed attempt leaves one).
-What is read here is untrusted: reads are size-capped, never follow a link, and decode
-through judge.py, where anything malformed is silence.
+`<job>` names the running job, so two jobs on one host never share a board. A leader
+removes its node's board when it stops, and the job's earlier attempts' when it starts.
+Reads are untrusted: size-capped, no link followed, malformed is silence.
 """
 
 from __future__ import annotations
@@ -55,10 +47,9 @@ def _safe(name: str) -> str:
 
 
 def job_names(scope: str, instance: str) -> tuple[str, str]:
-    """(job, attempt directory) for this process, from torchrun's environment, `scope`
-    (the store namespace of the Checkpointer, which every rank shares) and `instance`
-    (a nonce the ranks agreed on through the store: a rerun of the same job at the same
-    address never reads the board, and a stale verdict, of the run before it)."""
+    """(job, attempt directory) for this process, from torchrun's environment, `scope` (the
+    Checkpointer's store namespace) and `instance` (a nonce the ranks agreed on: a rerun at
+    the same address never reads the board of the run before it)."""
     env = os.environ
     job = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
     attempt = (generation.torchrun_attempt() or "0") + generation.suffix()
@@ -83,10 +74,7 @@ class NodeBoard:
 
     # ------------------------------------------------------------- files
     def write(self, name: str, doc: Any) -> None:
-        self.write_text(name, json.dumps(doc, separators=(",", ":")))
-
-    def write_text(self, name: str, text: str) -> None:
-        self.write_bytes(name, text.encode())
+        self.write_bytes(name, json.dumps(doc, separators=(",", ":")).encode())
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """`name` holds `data`, whole: written to a temporary name, then renamed."""
@@ -132,10 +120,8 @@ class NodeBoard:
 
     # ------------------------------------------------- a step's messages (commits)
     def send(self, name: str, data: bytes, to: Iterable[int], patient: bool = True) -> None:
-        """Hand the message `name` to the ranks `to` of the node, down this process's connection
-        to each one's mailbox (coord/mailbox.py), waiting for room up to mailbox.PATIENCE_S
-        (`patient` False: the training thread's sends, which never wait). A message that could
-        not be handed over is lost, as to a rank that is gone: its receiver's wait times out."""
+        """Hand the message `name` to the node's ranks `to`, waiting for room up to PATIENCE_S
+        (`patient` False: never wait). A message not handed over is lost: its receiver times out."""
         message = frame(name, data)
         for r in to:
             if not self._link(r).send(message, PATIENCE_S if patient else 0.0):
@@ -157,13 +143,11 @@ class NodeBoard:
         give_up: str | None = None,
         serves: int | None = None,
     ) -> dict[int, bytes | None]:
-        """Wait for the messages `names` ({rank: name}) sent to `me`, for at most `timeout_s`,
-        and take them; their bytes by rank, None for one that never came or is over
-        `max_bytes`. `give_up`: a message whose arrival ends the wait at once (a skip; it stays
-        for `has`). `serves`: the in-process generation the wait is for (DistContext.generation):
-        under run_in_process it waits in slices of a second and raises RecoveryRequested once
-        a recovery is asked for or that generation is over, as the store's waits do, so a
-        failed generation's persist thread ends with it, not at its commit's timeout."""
+        """Wait up to `timeout_s` for the messages `names` ({rank: name}) sent to `me` and take
+        them: bytes by rank, None for one that never came or is over `max_bytes`. `give_up`: a
+        message whose arrival ends the wait (it stays for `has`). `serves`: the in-process
+        generation waited for; under run_in_process it raises RecoveryRequested as the
+        store's waits do (DistContext._wait_or_recover)."""
         box = self.mailbox(me)
         got: dict[int, bytes | None] = {}
         deadline = time.monotonic() + timeout_s
@@ -232,8 +216,7 @@ class NodeBoard:
             del self._inbox[n]
 
     def beats(self, ranks: list[int]) -> BeatSlots:
-        """The heartbeat slots of the node's `ranks` (all of them, ascending, as every rank of
-        the node lists them)."""
+        """The heartbeat slots of the node's `ranks` (all of them, ascending)."""
         return BeatSlots(self.path, ranks)
 
     def remove_when_all_stopped(self, ranks: list[int]) -> None:
@@ -255,7 +238,7 @@ def _close_links(links: dict[int, Link]) -> None:
 
 def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:
     """Remove the boards of this job's earlier attempts, and of earlier runs of this attempt
-    and scope at the same address (a crashed attempt, an ended run, leave their files)."""
+    and scope at the same address."""
     mine, scope, _ = (attempt.split("-") + ["", ""])[:3]
     with contextlib.suppress(OSError):
         for name in os.listdir(job_dir):

@@ -1,46 +1,15 @@
-"""Preemption: on SIGTERM (or another signal), save to the durable tiers, then exit.
+"""Preemption: on SIGTERM (or another signal), save to every tier, then exit.
 
-Schedulers announce the end of a job with a signal and a grace period (SLURM
-``--signal``, Kubernetes' preStop and terminationGracePeriodSeconds, torchrun
-forwarding its own SIGTERM to the workers). The signal can arrive in the middle
-of a step, when the state is half-updated, so the handler only records it; the
-next ``ck.snapshot(step)``, at the end of a step where the state is consistent,
-takes that step to every tier (whatever their `every`), waits for the commit,
-and exits with 128 + the signal number. Every rank gets the signal and reaches
-the same step, so a multi-rank commit completes as usual: ranks that see the signal at
-different step ends agree through the store on the last of them
-(PreemptionHandler.final_step_reached).
+The signal can arrive mid-step, so the handler only records it; the next snapshot(step)
+takes that step to every tier, waits for the commit and exits with 128 + the signal (the
+ranks agree on the step: `final_step_reached`). If no step ends within the deadline, a
+timer ends the process anyway. The handler may ``os._exit``, so it is installed only where
+wanted (checkpointer.py). A Python handler installed before is chained, and put back on
+close unless another was installed over ftkit's meanwhile.
 
-If no step ends within the deadline (a very long step, a hang), a timer ends
-the process anyway, recording that the flush did not happen: the newest
-snapshot already persisted stays the one to restore.
-
-Where the handler is installed (Checkpointer decides, see there): only where it
-is wanted. A process-wide signal handler that may ``os._exit`` (skipping
-``finally`` blocks and atexit) must not come with every Checkpointer, e.g. one
-that only restores a checkpoint for evaluation. So: at construction under
-torchrun or torch.distributed (world > 1), or when the caller passed
-``preemption_signals`` explicitly; otherwise at the first ``snapshot()`` (a
-training loop, whose steps are what a final save needs); never with
-``preemption_signals=()``.
-
-Chaining: a handler installed before ftkit's is not replaced but kept. On the
-signal ftkit records the notice first, then calls that previous handler if it is
-a Python callable (a framework's flag, a logger, the user's own). SIG_DFL and
-SIG_IGN are not called: the default action would end the process before the
-save, which is what ftkit replaces, and "ignore" has nothing to call. Whatever
-the previous handler does then (return, raise) happens as it would without
-ftkit. On close the previous handler is put back, unless another one was
-installed over ftkit's meanwhile (that one stays: it may chain to ftkit's).
-
-Requeue (`requeue_signals`, coord/requeue.py): on one of these signals (SLURM's
-``--signal=USR1@120`` before the time limit), rank 0 asks the scheduler to run the
-job again once the final save is done (the others wait until it has), then every
-rank exits as above; if no step ends within the deadline, rank 0 still requeues
-before exiting. A rank that heard of the preemption from a peer acts on the peer's
-signal: the notice the watchdog passes on names it, so rank 0 requeues even if only
-another node got the signal. The signal's lead time should cover the deadline plus
-the requeue (up to 30 s): 120 s with the default 60 s deadline.
+Requeue (`requeue_signals`, coord/requeue.py): rank 0 asks the scheduler to run the job
+again after the final save (the others wait for it) or at the deadline, on its own or a
+peer's signal. The signal's lead time should cover the deadline plus the requeue (30 s).
 """
 
 from __future__ import annotations
@@ -106,9 +75,8 @@ class PreemptionHandler:
         self._timer: threading.Timer | None = None
         self.installed = False
         self._tried = False
-        # request() runs in the signal handler (main thread) and from the watchdog's thread (a
-        # peer's notice): one of them takes the notice. Reentrant: a second signal may interrupt
-        # the handler on the main thread.
+        # request() runs in the signal handler and on the watchdog's thread (a peer's notice).
+        # Reentrant: a second signal may interrupt the handler on the main thread.
         self._lock = threading.RLock()
 
     def install(self) -> bool:
@@ -131,12 +99,8 @@ class PreemptionHandler:
             previous(signum, frame)
 
     def request(self, signum: int, by_rank: int | None = None) -> None:
-        """Stop at an agreed step: this rank got `signum`, or (by_rank) a peer did.
-
-        A peer's preemption reaches this rank through the watchdog's heartbeats
-        (a scheduler may signal only one node's processes); every rank must take
-        part in the agreement, or the final save cannot commit.
-        """
+        """Stop at an agreed step: this rank got `signum`, or (by_rank) a peer did, heard through
+        the watchdog (a scheduler may signal one node only; every rank must join the save)."""
         with self._lock:
             if self.requested is not None:
                 return
@@ -165,17 +129,10 @@ class PreemptionHandler:
         os._exit(128 + (self.requested or signal.SIGTERM))
 
     def final_step_reached(self, ctx, step: int) -> bool:
-        """After a preemption notice: is `step` the one every rank saves and stops at?
-
-        Never blocks the training loop: ranks hear of the notice at different
-        times (by the signal, or a peer's heartbeat), and a rank that waited
-        here would hold the others in the next collective. Each rank publishes,
-        at the first step end after it heard, that step + 2 (in lock-step
-        training nobody can have finished that step yet) by raising one shared
-        maximum, then counts itself in. Once every rank has (a non-blocking
-        check at each step end), the stop is the maximum, and every rank is
-        still short of it. Two keys in all, not one per rank.
-        """
+        """After a preemption notice: is `step` the one every rank saves and stops at? Never blocks
+        (a waiting rank would hold the others in a collective): at its first step end after the
+        notice each rank raises a shared maximum to step + 2 (in lock-step training nobody has
+        finished that step yet) and counts itself in; once all are in, the stop is the maximum."""
         pre = self
         if not ctx.distributed:
             return True
@@ -199,14 +156,13 @@ class PreemptionHandler:
         return self.requested is not None and self.requested in self.requeue_signals
 
     def requeue_due(self) -> bool:
-        """Whether this rank asks the scheduler to run the job again after the final save:
-        rank 0, when the signal is a requeue signal."""
+        """Whether this rank requeues the job after the final save: rank 0, on a requeue signal."""
         return self.rank == 0 and self.requeue_wanted()
 
     def after_final_save(self, ctx) -> None:
-        """Requeue from rank 0 once the final save is committed (or failed). With several
-        ranks the others wait for it (at most REQUEUE_WAIT_S): a rank exiting first could end
-        the job step (srun's --kill-on-bad-exit) before rank 0 has asked."""
+        """Requeue from rank 0 once the final save is committed (or failed). The others wait for
+        it (at most REQUEUE_WAIT_S): a rank exiting first could end the job step (srun's
+        --kill-on-bad-exit) before rank 0 has asked."""
         if not self.requeue_wanted():
             return
         if self.rank == 0:

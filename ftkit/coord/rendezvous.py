@@ -1,67 +1,16 @@
 """Restart-safe ``env://`` rendezvous for plain ``init_process_group`` under torchrun.
 
-The problem (torch 2.13, and every release since torchrun shares its store):
-torchrun's agent hosts one TCPStore for the workers and keeps it for the whole
-job (``TORCHELASTIC_USE_AGENT_STORE=True``, the same MASTER_ADDR/MASTER_PORT
-at every attempt). torch's ``env://`` handler connects to it with no per-attempt
-namespace (its comment assumes "a new TCPStore for every retry"), so the keys
-``init_process_group`` writes (gloo's ``default_pg/0//cpu//0/<rank>`` address of
-every rank, NCCL's unique id) are the same at every attempt. A worker of a
-restarted attempt that asks for a peer's address before that peer has written
-its new one reads the dead previous attempt's address: ``Gloo connectFullMesh
-failed ... Connection refused`` (the attempt fails and eats a restart) or, if
-the port has been reused meanwhile, a connection to the wrong process that
-waits out the collective timeout. Whether it happens depends only on which
-worker of the new attempt reaches the store first.
+torchrun's agent keeps one TCPStore for the whole job and torch's ``env://`` handler gives it
+no per-attempt namespace (it assumes "a new TCPStore for every retry"): a restarted worker can
+read a dead attempt's rank addresses (``Gloo connectFullMesh failed ... Connection refused``,
+or a hang). So the ``env://`` handler is swapped in torch's handler table (it refuses a second
+registration) for one whose store is a ``PrefixStore`` named after the run id and attempt.
+``import ftkit`` installs it, and ``ftkit run`` does in every worker (ftkit.runtime.launch).
 
-The fix: the ``env://`` handler is wrapped so the store it yields is a
-``PrefixStore`` named after the torchrun run id and attempt
-(``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``): every attempt starts
-from an empty namespace and can only ever read its own keys. torch offers
-``register_rendezvous_handler`` but refuses a second handler for a scheme, and
-``init_process_group()``'s default ``init_method`` is ``env://``, so the existing
-handler is swapped in torch's handler table (keeping the original, which still
-builds the store: nothing else changes). This happens when ftkit is imported
-(``install()`` from ``ftkit/__init__``): importing ftkit before
-``init_process_group`` is enough, with plain torchrun. ``ftkit run`` also
-installs it in every worker before the script starts (``ftkit.runtime.launch``), so a
-trainer that imports ftkit late, or not at all, is covered too.
-
-Measured (torch 2.13, 3 gloo ranks on 2 cores, tests/support/unmodified_trainer.py): 5
-runs, each with up to 5 SIGKILLs of a random worker at random times (startup,
-group formation, training) and one restart allowed per kill: without this,
-0 of 5 finished (4 used up their restarts on "Connection refused", 1 hung in
-init_process_group until killed); with ``import ftkit`` before the group under
-plain torchrun, 5 of 5 finished with the exact final values, and 5 of 5 under
-``ftkit run`` with ftkit imported only after the group. The provoked scenario
-of tests/drills/test_unmodified_trainer.py (a kill during formation, a late rank):
-0 of 8 without (4 refused, 4 hung), every run with. The handler costs one PrefixStore per group
-(each store call prepends a short string) and ~1 ms of import time.
-
-Why a handler and not a launcher flag: torchrun gives workers no way to ask
-for a namespace (TORCHELASTIC_USE_AGENT_STORE only says who hosts the store),
-and ``init_process_group`` looks up the ``env://`` handler when it is called,
-so replacing it is the one place that changes the store of every unmodified
-call, NCCL's and gloo's alike, without touching the trainer.
-
-Scope and limits:
-
-* Only under torchrun (``TORCHELASTIC_RESTART_COUNT`` set) and only for
-  ``env://``; ``store=...``, ``tcp://`` and ``file://`` are left alone
-  (``ftkit.coord.dist.init_process_group`` passes its own per-attempt store and is
-  unaffected). ``FTKIT_ENV_RENDEZVOUS=0`` turns the wrapping off.
-* Every rank must use it or none: a job where some workers import ftkit before
-  ``init_process_group`` and some after would look for each other's keys in
-  different namespaces (and time out). Same script on every rank, or
-  ``ftkit run``, gives that.
-* A torchrun restart after a membership change (a node joins a c10d
-  rendezvous) keeps ``TORCHELASTIC_RESTART_COUNT``, which may also differ
-  between agents; torchrun gives the workers nothing that tells those groups
-  apart. ftkit's own agent (``ftkit run``, ftkit/runtime/warm/agent.py) exports the
-  rendezvous round, the same on every node and new at every round, and the
-  namespace is named after it (runtime/generation.py ``torchrun_attempt``); under
-  plain torchrun such a re-formed group shares its attempt's namespace (as it
-  shares torch's keys without this).
+Limits: only under torchrun and for ``env://`` (``FTKIT_ENV_RENDEZVOUS=0`` turns it off);
+every rank must use it or none (else they wait in different namespaces); after a membership
+change plain torchrun may keep the attempt number (``ftkit run``'s agent exports the
+rendezvous round instead: runtime/generation.py ``torchrun_attempt``).
 """
 
 from __future__ import annotations
@@ -113,13 +62,8 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Wrap torch's env:// handler (idempotent). True if ftkit's handler is now in use.
-
-    Cheap: torch.distributed.rendezvous is imported by ``import torch`` already.
-    Under torchrun with restarts, a process group that already exists here was
-    formed without the namespace: a warning says so (import ftkit first, or
-    launch with ``ftkit run``).
-    """
+    """Wrap torch's env:// handler (idempotent). True if ftkit's handler is now in use; warns
+    where a group formed without the namespace already exists under torchrun with restarts."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
     try:

@@ -1,15 +1,8 @@
 """Requeue: after a preemption's final save, ask the scheduler to run the job again.
 
-SLURM warns a job before its time limit with a signal of the user's choice
-(``sbatch --signal=USR1@120``); ``scontrol requeue <job>`` then puts the same job
-back in the queue, and its next run (``SLURM_RESTART_COUNT`` counts them) restores
-the step saved. ftkit requeues once per job, from rank 0, after every rank's final
-save is committed (or has failed: the newest earlier snapshot is then the one the
-next run restores, which is still better than a job that ends for good).
-
-The job id is read from the environment SLURM sets (``SLURM_ARRAY_JOB_ID`` and
-``SLURM_ARRAY_TASK_ID`` for an array task, else ``SLURM_JOB_ID``) and checked to
-be an id before it reaches a command line.
+SLURM warns a job before its time limit with a signal of the user's choice (``sbatch
+--signal=USR1@120``); rank 0 then runs ``scontrol requeue <job>`` once, after the final
+save is committed or has failed (an earlier snapshot still beats a job that ends for good).
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ _JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")
 
 def slurm_job_id(env: Mapping[str, str] = os.environ) -> str | None:
     """The id `scontrol requeue` takes for this job (``<array job>_<task>`` for an array
-    task), or None outside SLURM or when the variables do not hold an id."""
+    task), or None outside SLURM or when the variables do not hold an id (it reaches a command line)."""
     array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     job = f"{array_job}_{task}" if array_job and task else env.get("SLURM_JOB_ID")
     return job if job and _JOB_ID.fullmatch(job) else None

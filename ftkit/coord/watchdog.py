@@ -4,42 +4,16 @@ found in O(1) store requests per node per interval, whatever the world size.
     rank ─local file─▶ node leader ─one key per node─▶ the store ◀─ the next `watch` nodes' leaders
                  ◀──── verdict relayed ◀──── one verdict key, first judge wins
 
-Each rank runs one daemon thread ("ftkit-watchdog") that, every `interval_s`,
-writes its heartbeat (a counter, its step, recent step timings, host and pid) to
-its node's board: a file in the node's private shared memory (coord/nodelocal.py),
-never the global store. Then:
+Ranks beat to their node's board (coord/nodelocal.py). The node leader judges them
+(judge.py), publishes one node heartbeat, and with one multi_get reads the verdict, a
+preemption, the finished count, the RAM commit news and its ring's node heartbeats. Other
+ranks read the board and judge their leader. Ranks that learn a verdict kill the target if
+it is a process on this host (dist.host_identity, and the start time its beat recorded) and
+end with `os._exit` (``sys.exit`` in a thread ends only the thread; runtime/verdict_actions.py).
 
-* the **node leader** (lowest rank of the node) reads its node's heartbeats and
-  judges them (coord/judge.py RankJudge: failed, dead, hung with a self-calibrating
-  bound, straggler); publishes one aggregated heartbeat for the node; and, in the
-  same round trip that reads the verdict key, reads the aggregated heartbeats of
-  the `watch` nodes after its own on the ring (RingJudge: a node whose heartbeat
-  stops is a dead aggregator or a lost node). Two store requests per node per
-  interval: a set and a multi_get (which also carries the RAM tier's commit news,
-  coord/news.py, so its leaders need no request of their own to hear it).
-* every **other rank** reads its node's board: a verdict relayed by its leader,
-  a preemption, the end of the run; and watches its leader's own heartbeat, so a
-  dead aggregator is found by its own node as well as by its ring watchers.
-
-A verdict is posted once to one store key (compare-and-set: the first judge
-wins, later ones join it; runtime/verdict_actions.py). Every rank that learns it records it, kills the
-target if it is a process on this host (same host name, boot id and pid
-namespace: dist.host_identity; and still the process that beat, by the start time its
-heartbeat recorded; a stopped process would hold up the restart) and
-ends with `os._exit` (``sys.exit`` in a thread only ends the thread), so
-torchrun restarts the group and no survivor waits in a collective until its
-timeout. A straggler is reported; with `straggler_action="abort"` background
-persists get `flush_deadline_s` first.
-
-No false kills: a leader that cannot reach the store judges nobody and its
-clocks freeze until it can (its node still sees its local heartbeat), unless the
-store stays silent for `store_lost_after_s` (and three rounds): then the store is
-taken for lost with its host (rank 0's agent serves it) and the node's workers end,
-so the agents meet again around a new store (a partitioned host's end the same
-way, and rejoin once it heals); a rank is
-judged only after its first heartbeat (or `startup_grace_s` of silence); finished
-ranks say so and keep watching for dead and failed ranks until every node has
-finished; a heartbeat thread that died is restarted by the next progress().
+No false kills: a leader that cannot reach the store judges nobody and its clocks freeze,
+unless the store stays silent for `store_lost_after_s`: then it is taken for lost with its
+host and the node's workers end.
 """
 
 from __future__ import annotations
@@ -73,11 +47,9 @@ PREEMPT, DONE = "wd/preempt", "wd/done"
 
 
 class BoundedCall:
-    """Calls made one at a time on a daemon thread of their own (started at the first call,
-    reused), each waited for at most a bound: the caller gets the result, the call's exception,
-    or a TimeoutError, and never waits longer. A call still out when the next is made (a
-    request stuck for good) makes that one fail at once: nothing piles up behind it, and
-    nothing joins the stuck thread at exit."""
+    """Calls made one at a time on a daemon thread of their own, each waited for at most a
+    bound: the caller gets the result, the call's exception, or a TimeoutError. While a call
+    is still out (stuck for good), the next fails at once: nothing piles up behind it."""
 
     def __init__(self, name: str):
         self.name = name
@@ -133,17 +105,15 @@ class Watchdog:
         news: CommitNews | None = None,
     ):
         """`ctx`: a connection of the watchdog's own (DistContext.own_connection). `news`: where
-        a leader puts the RAM tier's commit news it reads with every heartbeat (coord/news.py)."""
+        a leader puts the RAM commit news it reads (coord/news.py)."""
         self.ctx = ctx
         self.events = events
         self.cfg = cfg = config or WatchdogConfig()
-        self._flush = flush
         self._preempted = preempted  # the preemption signal this rank got, if any (told to peers)
         self._on_peer_preempted = on_peer_preempted
         self._news = news
         self._step: int | None = None  # None until the first step ends: no hang clock before it
-        # The busy time a straggler verdict uses: the median of the last 10 steps turns once
-        # 6 of them are slow (with 20 it took 11: ~7 s for a rank at a tenth of its speed here).
+        # A straggler's busy time: the median of the last 10 steps turns once 6 of them are slow.
         self._busy: deque[float] = deque(maxlen=10)
         self._intervals: deque[float] = deque(maxlen=20)
         self._step_started = time.monotonic()
@@ -156,9 +126,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._outage_since: float | None = None
         self._outage_rounds = 0
-        # A store request to a host that vanished (no FIN, no RST: a power loss) never returns,
-        # whatever the client's timeout (measured on emulated hosts): each exchange runs on a
-        # thread of its own, waited for this long, and one still out counts as a failed round.
+        # A store request to a host that vanished (no FIN, no RST) never returns, whatever the
+        # client's timeout: exchanges run on a thread of their own, waited for this long.
         self._store = BoundedCall("ftkit-watchdog-store")
         self._store_wait_s = max(cfg.dead_after_s / 2, cfg.interval_s)
         self._last_round: float | None = None
@@ -198,8 +167,7 @@ class Watchdog:
             self.ring_judge = RingJudge(ctx.rank, {n: first[n] for n in self.watched}, cfg, now)
             self._ring_seen = not self.watched
             self._counted_done = False
-            # A store that hangs must not hold the leader past the dead bound: its node's
-            # ranks watch its local heartbeat, which this thread writes before each exchange.
+            # A store that hangs must not hold the leader past the dead bound (its node watches it).
             with contextlib.suppress(Exception):
                 ctx.store.set_timeout(timedelta(seconds=max(cfg.dead_after_s / 2, cfg.interval_s)))
             # Create if missing: read every round with one multi_get (the news only with a RAM tier).
@@ -234,9 +202,8 @@ class Watchdog:
             self._first_grad = time.monotonic()
 
     def finish(self) -> None:
-        """This rank's loop is over: say so, and keep judging (dead and failed only: a peer may
-        spend a while on its own ending without steps) until every node says so too; a rank
-        that hangs after its peers finished is still caught (torchrun would wait forever)."""
+        """This rank's loop is over: say so, and keep judging dead and failed ranks until every
+        node says so too (a rank that hangs after its peers finished is still caught)."""
         self._finished = True
         with contextlib.suppress(Exception):
             self._publish()
@@ -247,9 +214,8 @@ class Watchdog:
             time.sleep(self.cfg.interval_s / 2)
 
     def stop(self, failed: bool = False) -> None:
-        """Say this rank is done (so nobody takes its silence for death) and stop. `failed`:
-        its loop raised; the verdict is posted at once, so peers end now rather than wait
-        in a collective for a rank that will never join it."""
+        """Say this rank is done (its silence is not death) and stop. `failed`: its loop raised;
+        the verdict is posted at once, so peers do not wait in a collective for it."""
         if self._stop.is_set() and not failed:
             return
         self._stop.set()
@@ -275,8 +241,7 @@ class Watchdog:
         due = time.monotonic()
         while True:
             due += self.cfg.interval_s
-            # The node's verdict file every 50 ms (a local read): every rank of the node ends
-            # at once, before torchrun's teardown reaches it.
+            # The node's verdict file every 50 ms (a local read): the node's ranks end at once.
             while (left := due - time.monotonic()) > 0:
                 if self._stop.wait(min(left, 0.05)):
                     return
@@ -285,9 +250,7 @@ class Watchdog:
                     self.act.join(verdict)
             due = max(due, time.monotonic() - self.cfg.interval_s)  # no burst of rounds after a pause
             try:
-                # A heartbeat that cannot be written this round (its board gone for a moment)
-                # must not end the thread: a leader's thread also counts its node finished,
-                # which every rank's finish() waits for.
+                # A failed round must not end the thread: finish() waits on what it counts.
                 self._publish()
                 if self.leader:
                     self._lead(time.monotonic())
@@ -334,8 +297,7 @@ class Watchdog:
 
     def _exchange(self) -> tuple[dict[int, NodeBeat | None], Verdict | None, tuple[int, int] | None, int]:
         """The leader's round trip with the store: publish the node's heartbeat; read the
-        watched nodes' heartbeats, the verdict, a preemption and the finished-node count.
-        Two requests (a set and a multi_get) once every watched node has been seen."""
+        watched nodes' heartbeats, the verdict, a preemption and the finished-node count."""
         ctx = self.ctx
         node_done = self._finished and all(b is not None and b.done for b in self._local_beats.values())
         self._set_node_beat(node_done)
@@ -381,9 +343,8 @@ class Watchdog:
             self._outage_rounds += 1
             lasted = now - self._outage_since
             if lasted >= self.cfg.store_lost_after_s and self._outage_rounds >= 3:
-                # Lost with its host (rank 0's agent served it): nobody can judge or commit through
-                # it again. End this node's workers, so the agents meet again and the next round's
-                # rank 0 serves a new store; a partitioned host's workers end the same way (fenced).
+                # Lost with its host (rank 0's agent's): end this node's workers so the agents meet
+                # again around a new store (a partitioned host's end the same way).
                 why = f"the job's store (served on rank 0's host) has not answered for {lasted:.0f}s"
                 self.act.abort(Verdict(0, "dead", lasted, why, self.ctx.rank), post=False)
             return

@@ -1,18 +1,13 @@
 """ftkit and PyTorch Distributed Checkpoint (DCP): ftkit's tiers as DCP's storage.
 
-    import torch.distributed.checkpoint as dcp
-    from ftkit.dcp import FtkitStorageReader, FtkitStorageWriter
+import torch.distributed.checkpoint as dcp
+from ftkit.dcp import FtkitStorageReader, FtkitStorageWriter
 
-    writer = FtkitStorageWriter(["/local/ckpt", ftkit.Tier("s3://bucket/run", every=100)])
-    dcp.save(state_dict, storage_writer=writer, checkpoint_id=step)      # or dcp.async_save
-    dcp.load(state_dict, storage_reader=FtkitStorageReader(tiers))       # the newest usable step
+writer = FtkitStorageWriter(["/local/ckpt", ftkit.Tier("s3://bucket/run", every=100)])
+dcp.save(state_dict, storage_writer=writer, checkpoint_id=step)      # or dcp.async_save
+dcp.load(state_dict, storage_reader=FtkitStorageReader(tiers))       # the newest usable step
 
-    ftkit.dcp.load_into(state, "/checkpoints/step-100")   # a DCP checkpoint into a Checkpointer's state
-
-storage.py  the writer and the reader (DCP's StorageWriter / StorageReader)
-convert.py  DCP's metadata and values as ftkit's manifest and skeleton, and back (no pickle)
-foreign.py  DCP checkpoints written by DCP itself: listed, inspected, verified, restored, loaded into
-            a live state; and ftkit steps written out as DCP checkpoints
+ftkit.dcp.load_into(state, "/checkpoints/step-100")   # a DCP checkpoint into a Checkpointer's state
 """
 
 from ftkit.dcp.foreign import load_into

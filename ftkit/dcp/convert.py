@@ -1,13 +1,8 @@
 """DCP's view of a checkpoint and ftkit's, translated both ways: pure functions, no I/O.
 
-A DCP save hands its storage writer a plan of write items (each a tensor's chunk, or a
-non-tensor value) and, at the end, a `Metadata` (every item's global shape and chunks,
-and the planner's data). ftkit's format holds the same as a manifest (FORMAT.md): each
-DCP tensor is a tensor entry whose shards are DCP's chunks, each stored as ftkit chunks
-(checksummed, raw or zstd); each non-tensor value is a skeleton entry in JSON (no
-pickle: a value that JSON cannot hold is refused, naming its key); the planner's data
-and DCP's version ride in the manifest's ``writer`` record. A DCP load reads the
-`Metadata` back from that manifest (`metadata_of`).
+Each DCP tensor is a tensor entry whose shards are DCP's chunks; each non-tensor value a
+skeleton entry in JSON (no pickle); the planner's data and DCP's version ride in the
+manifest's ``writer`` record, from which `metadata_of` rebuilds DCP's Metadata.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ from typing import Any
 import torch
 
 from ftkit.errors import CaptureError
-from ftkit.format.manifest import Manifest, chunk_doc, tensor_entry_doc
+from ftkit.format.manifest import Manifest
 from ftkit.save import capture as cap
 from ftkit.save.write import dtype_name
 
@@ -35,16 +30,11 @@ def encode_value(fqn: str, value: Any) -> Any:
     return out
 
 
-def decode_value(value: Any) -> Any:
-    return cap.decode(value, {})
-
-
 def manifest_parts(
     metadata: Any, results: list[list[Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
     """(tensor entry docs, skeleton, files, DCP's record) of a step from DCP's `metadata` and
-    every rank's write results (`results[rank]`: WriteResult whose storage_data is what
-    `write_result_data` made). Every stored tensor chunk becomes a shard of its tensor."""
+    every rank's write results (`results[rank]`); each stored tensor chunk becomes a shard."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     shards: dict[str, list[dict[str, Any]]] = {}
@@ -90,8 +80,8 @@ def manifest_parts(
 
 
 def _jsonable_planner_data(data: Any) -> Any:
-    """DefaultSavePlanner's planner data: {fqn: the state_dict path of it (a tuple of keys and
-    indices)}; as JSON lists. Anything else is left out (a custom planner's own data)."""
+    """DefaultSavePlanner's planner data ({fqn: its state_dict path}) as JSON lists; None for
+    anything else (a custom planner's own data)."""
     if not isinstance(data, Mapping):
         return None
     out = {}
@@ -105,9 +95,8 @@ def _jsonable_planner_data(data: Any) -> Any:
 
 
 def metadata_of(manifest: Manifest) -> Any:
-    """DCP's Metadata of an ftkit step: every tensor with its dtype, global shape and stored
-    chunks (a shard each), every other skeleton entry a bytes item, DCP's planner data back
-    from the manifest's writer record. storage_data maps each chunk to its shard."""
+    """DCP's Metadata of an ftkit step: a tensor item per tensor (a chunk per shard), a bytes
+    item per other skeleton entry; storage_data maps each chunk to its shard."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -153,16 +142,4 @@ def skeleton_value(manifest: Manifest, fqn: str) -> Any:
     entry = manifest.skeleton["entries"][fqn]
     if entry["kind"] == "tensor":
         raise KeyError(fqn)
-    return decode_value(entry["value"])
-
-
-__all__ = [
-    "DCP_KEY",
-    "chunk_doc",
-    "decode_value",
-    "encode_value",
-    "manifest_parts",
-    "metadata_of",
-    "skeleton_value",
-    "tensor_entry_doc",
-]
+    return cap.decode(entry["value"], {})

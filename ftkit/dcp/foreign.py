@@ -1,18 +1,10 @@
-"""DCP checkpoints written by DCP itself (FileSystemWriter, FsspecWriter: torchtitan's step
-folders, accelerate's FSDP `SHARDED_STATE_DICT`, Lightning's and Megatron's DCP formats),
-and ftkit steps written out as DCP checkpoints.
+"""DCP checkpoints written by DCP itself (torchtitan's step folders, accelerate's, Lightning's
+and Megatron's DCP formats), and ftkit steps written out as DCP checkpoints (`export_step`).
 
-In: a directory (or fsspec URL) that holds DCP's ``.metadata``, or whose subdirectories do
-(torchtitan: ``checkpoint/step-100/``), is listed, inspected, verified as far as DCP allows
-and restored by the ftkit command line, and loaded into a live state, resharded to the
-live world (`load_into`). DCP's metadata and its non-tensor items are pickled: reading them
-trusts the directory (ftkit's own format holds no pickle; nothing read here enters it but
-as values). DCP stores no checksums: `verify` can only prove that every item reads back
-whole, at its declared size, not that its bytes are the ones written.
-
-Out: `export_step` writes a committed ftkit step as a DCP checkpoint directory (DCP's own
-FileSystemWriter), which `dcp.load` reads into a differently sharded model and
-`dcp_to_torch_save` converts.
+A directory (or fsspec URL) holding DCP's ``.metadata``, or whose subdirectories do, is
+listed, inspected, verified and restored by the command line, and loaded into a live state
+(`load_into`). DCP's metadata is pickled: reading it trusts the directory. DCP stores no
+checksums: `verify` proves only that every item reads back whole at its declared size.
 """
 
 from __future__ import annotations
@@ -31,12 +23,12 @@ from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
 METADATA = ".metadata"
-_trust_said = False  # (once a process: every DCP checkpoint is read the same way)
+_trust_said = False  # (warned once a process)
 
 
 def checkpoints(storage: Storage) -> list[str]:
-    """The DCP checkpoints at `storage`'s root: "" when the root is one, else the names of its
-    subdirectories that are (by the number their name ends in, then by name); [] for none."""
+    """The DCP checkpoints at `storage`'s root: [""] when the root is one, else its subdirectories
+    that are, by the number their name ends in, then by name."""
     try:
         entries = dict(storage.list_dir(""))
     except StorageError:
@@ -56,12 +48,11 @@ def _number(name: str) -> int:
 
 
 def _reader(storage: Storage, rel: str) -> Any:
-    path = storage.path(rel) if rel else storage.path()
+    path = storage.path(rel)
     global _trust_said
     if not _trust_said:
         _trust_said = True
-        shown = storage.where(rel) if rel else storage.display_url
-        log.warning("%s is a DCP checkpoint: reading its pickled metadata trusts the directory", shown)
+        log.warning("%s is a DCP checkpoint: reading its pickled metadata trusts the directory", storage.where(rel))
     if storage.is_local:
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -109,8 +100,8 @@ def describe(md: Any) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def read_all(storage: Storage, rel: str = "") -> dict[str, Any]:
-    """The whole checkpoint as a nested state dict of full tensors and values (every item read:
-    a missing or torn file fails here, naming it)."""
+    """The whole checkpoint as a nested state dict of full tensors and values (a missing or torn
+    file fails here, naming it)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -155,12 +146,10 @@ def _flatten(sd: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def load_into(state: MutableMapping[str, Any], url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Load the DCP checkpoint at `url` into a Checkpointer's live `state` (its keys must be the
-    checkpoint's top-level keys: ``{"model": ..., "optim": ...}``), resharded to the live world
-    by DCP: a model trained elsewhere, then run under ftkit. Every rank calls it. Modules load
-    through DCP's model state dict (FSDP2 and DDP alike), an optimizer with the one module of
-    the state, other objects through their own state_dict, tensors in place, plain values by
-    assignment. The next snapshot writes the run's first ftkit step."""
+    """Load the DCP checkpoint at `url` into a Checkpointer's live `state` (its keys the
+    checkpoint's top-level keys: ``{"model": ..., "optim": ...}``), resharded by DCP to the
+    live world. Every rank calls it. An optimizer loads with the state's one module, other
+    objects through their state_dict, tensors in place, plain values by assignment."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -205,10 +194,9 @@ def load_into(state: MutableMapping[str, Any], url: str, storage_options: Mappin
 
 
 def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None, overwrite: bool = False) -> None:
-    """Write a committed ftkit step as a DCP checkpoint directory at `out` (DCP's own writer),
-    the state as the training code held it (``{"model": {...}, "optim": {...}}``). `overwrite`
-    (``--force``): what is at `out` is replaced, but only once the new directory is whole
-    (written beside it, then swapped in); a failed export leaves it as it was."""
+    """Write a committed ftkit step as a DCP checkpoint directory at `out`, the state as the
+    training code held it. `overwrite` (``--force``): what is at `out` is replaced only once
+    the new directory is whole (written beside it, then swapped in)."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
@@ -248,8 +236,7 @@ def _check_replaceable(storage: Storage, out: str) -> None:
 
 
 def _beside(out: str) -> str:
-    """A new directory next to `out` (same filesystem: a rename swaps it in), made with the
-    process's umask as any export directory is."""
+    """A new directory next to `out` (same filesystem: a rename swaps it in), with the umask."""
     parent = os.path.dirname(os.path.abspath(out))
     path = os.path.join(parent, f".{os.path.basename(out)}.tmp-{secrets.token_hex(4)}")
     try:

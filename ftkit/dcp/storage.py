@@ -1,19 +1,9 @@
 """ftkit as PyTorch Distributed Checkpoint's storage: `dcp.save`, `dcp.async_save` and
 `dcp.load`, called as they are, write and read ftkit steps on ftkit tiers.
 
-What DCP plans stays DCP's (its metadata, its de-duplication of replicated tensors, its
-resharding on load, and its collectives on the job's process group); what ftkit adds is
-where and how the bytes live and what is verified:
-
-* a checkpoint is a step of ftkit's format (FORMAT.md) on every tier it is due on (a
-  local path, S3, any fsspec URL, and the node's RAM on a job of one node): each rank's
-  chunks in a data file of its own, each chunk checksummed (raw or zstd), the manifest
-  written last by DCP's coordinator, atomically: a step without it does not exist;
-* no pickle: DCP's metadata is stored as the manifest (convert.py), its non-tensor items
-  as JSON (one that only pickle could hold is refused, naming its key);
-* retention after each commit (`keep`, `keep_every`), never deleting the newest step;
-* a load verifies every chunk it reads, and without a `checkpoint_id` reads the newest
-  step that is committed, validates and has its files, from the fastest tier that has it.
+DCP keeps its planning, resharding and collectives; ftkit adds where the bytes live (every
+tier due; the node's RAM on a job of one node), checksums, no pickle (convert.py),
+retention after each commit, and verification of every chunk a load reads.
 
 Order of calls, as DCP makes them (torch/distributed/checkpoint/storage.py)::
 
@@ -64,7 +54,7 @@ from ftkit.errors import (
 from ftkit.format import codec
 from ftkit.format.data import check_file_sizes, read_regions
 from ftkit.format.index import encode_index, index_doc, part_file_name, part_ref
-from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, chunk_doc, step_dir_name
 from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
 from ftkit.tiers.lifecycle import delete_step
@@ -114,11 +104,8 @@ def _world() -> tuple[int, int, bool]:
 
 
 class FtkitStorageWriter(StorageWriter):
-    """DCP's storage writer onto ftkit tiers (see the module docstring).
-
-    `tiers`: as a Checkpointer's (URLs, `ftkit.Tier`s or dicts); a tier's `every` says
-    which steps go to it, `keep` / `keep_every` what retention keeps, `compress` its codec.
-    `step`: the step when `dcp.save` is given no checkpoint_id."""
+    """DCP's storage writer onto ftkit tiers: `tiers` as a Checkpointer's (each with its
+    `every`, `keep`, `keep_every`, `compress`); `step` when `dcp.save` has no checkpoint_id."""
 
     def __init__(self, tiers: Sequence[Any], step: int | None = None):
         super().__init__()
@@ -180,8 +167,8 @@ class FtkitStorageWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        """The coordinator commits the step on every tier due: one part (every rank's
-        entries), the index written last (the commit); then retention."""
+        """The coordinator commits the step on every tier due (one part, then the index), then
+        applies retention."""
         assert self.step is not None
         for n, (tier, storage) in enumerate(self._due()):
             tier_results = [[_for_tier(r, n) for r in rank] for rank in results]
@@ -205,9 +192,8 @@ class FtkitStorageWriter(StorageWriter):
 
 
 def _value_of(planner: SavePlanner, item: Any) -> Any:
-    """A non-tensor item's value itself: from the planner's state dict where it can say
-    (DefaultSavePlanner.lookup_object), else from DCP's bytes of it, read back with
-    weights_only (anything those cannot hold is a value only pickle could store)."""
+    """A non-tensor item's value: from the planner (DefaultSavePlanner.lookup_object), else
+    DCP's bytes of it read back with weights_only (what fails needs pickle: refused)."""
     fqn = item.index.fqn
     lookup = getattr(planner, "lookup_object", None)
     if callable(lookup):
@@ -241,17 +227,8 @@ def _write_file(storage: Storage, rel: str, name: str, items: list[tuple[Any, An
                 piece = raw[raw_off : raw_off + CHUNK_BYTES]
                 codec_name, stored = codec.encode(piece, compress)
                 f.write(stored)
-                chunks.append(
-                    {
-                        "file": name,
-                        "offset": offset,
-                        "length": len(stored),
-                        "raw_offset": raw_off,
-                        "raw_length": len(piece),
-                        "codec": codec_name,
-                        "checksum": codec.checksum(stored),
-                    }
-                )
+                c = Chunk(name, offset, len(stored), raw_off, len(piece), codec_name, codec.checksum(stored))
+                chunks.append(chunk_doc(c))
                 offset += len(stored)
             td = item.tensor_data
             results.append(
@@ -273,7 +250,7 @@ def _write_file(storage: Storage, rel: str, name: str, items: list[tuple[Any, An
 
 
 def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, record) -> None:
-    """Write the step's one part and its index (the commit), checked as a reader will read them."""
+    """Write the step's one part and its index (the commit), checked first as a reader will."""
     import time
 
     step_dir = step_dir_name(step)
@@ -282,7 +259,6 @@ def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, r
     data = encode_part_docs(step, ranks, files, tensors, {})
     writer = {"ftkit": _version(), "torch": torch.__version__, convert.DCP_KEY: record}
     index = encode_index(index_doc(step, world, [part_ref(name, data, ranks)], skeleton, time.time(), writer))
-    # Checked before anything is committed: the validator every reader uses.
     parsed = parse_manifest_header(index, f"the index of step {step}", step)
     check = manifest_from(storage, step, index, parsed, {name: data})
     check_file_sizes(storage, check)
@@ -300,9 +276,8 @@ def _version() -> str:
 
 
 class FtkitStorageReader(StorageReader):
-    """DCP's storage reader of ftkit steps (see the module docstring): `checkpoint_id` (or
-    `step`) names the step; without one, the newest step that is committed, validates and
-    has its files, from the fastest tier that has it. Every chunk read is verified."""
+    """DCP's storage reader of ftkit steps: `checkpoint_id` (or `step`) names the step; without
+    one, the newest step that validates and has its files, from the fastest tier that has it."""
 
     def __init__(self, tiers: Sequence[Any], step: int | None = None):
         super().__init__()
@@ -323,8 +298,7 @@ class FtkitStorageReader(StorageReader):
         return convert.metadata_of(self.manifest)
 
     def latest_step(self) -> int | None:
-        """The step a load without checkpoint_id would read, or None when there is none
-        (a trainer checks this before `dcp.load`, as it checks that a DCP folder exists)."""
+        """The step a load without checkpoint_id would read, or None when there is none."""
         try:
             return self._choose()[1].step
         except CheckpointNotFoundError:
@@ -362,8 +336,8 @@ class FtkitStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Every item of this rank's plan: a value decoded from JSON, a tensor region read and
-        verified where it lands, then copied into the tensor DCP resolves for it."""
+        """Every item of this rank's plan: a value decoded from JSON, or a tensor region read,
+        verified, and copied into the tensor DCP resolves for it."""
         assert self.manifest is not None and self.storage is not None
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:

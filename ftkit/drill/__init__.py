@@ -1,15 +1,9 @@
-"""Failure-injection drills: prove that a setup recovers, with nothing lost.
+"""Failure-injection drills (``ftkit drill``): prove that a setup recovers, with nothing lost.
 
-    ftkit drill [--nproc 4] [--steps 400] [--faults SPEC | --seed N] [--tiers ram,peer,disk|s3|URL]
-                [--script PATH [-- ARGS]] [--run-dir DIR] [--json FILE] [--html FILE]
-
-schedule.py  the fault language (pure)
-job.py       torchrun under drill, fault points, the injectors
-verify.py    faults matched to recoveries; states and checkpoints checked
-run.py       the order of a drill, its reports
-cli.py       the command line and the printed summary
-reference.py the trainer a drill runs; it registers faults.py's faulty:// with fsspec (faults.register)
-s3server.py  the drill's own S3 server (SeaweedFS) for --tiers ...,s3; also scripts/s3_server.py
+schedule.py is the fault language, job.py runs torchrun under drill and injects faults, verify.py
+matches them to recoveries, run.py orders a drill, cli.py prints it; hostdrill.py, cluster.py,
+hosts.py and etcd.py drill over emulated hosts. reference.py is the trainer drilled, faults.py its
+faulty:// storage, s3server.py the drill's own S3 server.
 """
 
 from ftkit.drill.cli import main

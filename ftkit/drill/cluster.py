@@ -1,28 +1,20 @@
-"""A training job over emulated hosts: one torchrun agent per host, as jobs are deployed.
+"""A training job over emulated hosts: one zygote and one torchrun agent per host (hosts.py).
 
-Each host (ftkit/drill/hosts.py: its own network, hostname, /dev/shm and /tmp) runs its
-own zygote (warm workers, ftkit/runtime/warm) and its own torchrun agent; the agents meet in a
-dynamic rendezvous: torch's ``etcd-v2`` backend on a real etcd running on a host of its
-own (the default: it outlives every training host), or ``c10d`` hosted by the first
-host's agent (which dies with that host: docs/operations.md). Node identity comes from
-the host (its hostname), as in production: no FTKIT_NODE_ID, no FTKIT_RANKS_PER_NODE.
-Spare hosts start their agents too and wait in the rendezvous until a host is lost.
+The agents meet in a dynamic rendezvous: torch's ``etcd-v2`` on an etcd host of its own (the
+default: it outlives every training host), or ``c10d`` on the first host's agent (which dies with
+that host: docs/operations.md). Node identity is the hostname, as in production. Spare hosts'
+agents wait in the rendezvous until a host is lost. What a drill reads (the event log, the fault
+points, the durable tier) lives under `root`, which every host sees::
 
-Order of calls (ftkit/drill/hostdrill.py, tests, benchmarks/bench_hosts.py)::
-
-    with Cluster(root, entry, hosts=3, spares=1, ranks_per_host=2) as c:   # fabric, etcd,
-        ...                                    # a zygote and an agent per host (spares too)
+    with Cluster(root, entry, hosts=3, spares=1, ranks_per_host=2) as c:
         c.rank_hosts()                         # {rank: host name} of the newest attempt
         c.lose("host2"); c.partition("host1", 5.0); c.kill_agent("host3"); c.start_agent("host3")
         c.wait(timeout)                        # every training host's agent exit code
-    # leaving: every agent, zygote, etcd and host removed (hosts.py cleans up the rest)
-
-Everything the ranks write that a drill reads (the event log, the fault points, the
-durable tier) lives under `root`, which every host sees (``Fabric(shared=[root])``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -39,16 +31,15 @@ from ftkit.runtime.warm.zygote import start as start_zygote
 from ftkit.tools.report import epoch
 
 C10D_PORT = 29400
-# The rendezvous's timing: a lost host is out of the next round within keep_alive_interval x
-# keep_alive_max_attempt seconds, and a round closes last_call_timeout after it has its minimum
-# (torch's defaults, 5 x 3 and 30 s, cost a recovery ~45 s; 1 x 2 let a late heartbeat split the
-# group in 1 of 5 runs here). join_timeout bounds an agent's wait to be admitted.
+# A lost host leaves the next round after keep_alive_interval x keep_alive_max_attempt seconds, and a
+# round closes last_call_timeout after it has its minimum: torch's defaults make a recovery slow, and
+# 1 x 2 let a late heartbeat split the group.
 RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 2, "join_timeout": 120}
 
 
 class Cluster:
-    """`hosts` training hosts (host1..hostN) and `spares` more, `ranks_per_host` ranks each,
-    running `entry` (``-m module args`` or ``script args``) under one torchrun agent per host."""
+    """`hosts` training hosts (host1..hostN) and `spares` more, `ranks_per_host` ranks each, running
+    `entry` (``-m module args`` or ``script args``)."""
 
     def __init__(
         self,
@@ -87,7 +78,6 @@ class Cluster:
         self.fabric: Fabric | None = None
         self.etcd: Etcd | None = None
 
-    # ---------------------------------------------------------------- life
     def __enter__(self) -> Cluster:
         try:
             self.start()
@@ -121,37 +111,24 @@ class Cluster:
         for proc in self.agents.values():
             if proc.poll() is None:
                 proc.kill()
-        for z in self.zygotes.values():
-            try:
-                z.stop()
-            except Exception:  # noqa: BLE001 (its host may be gone: the fabric removes what is left)
-                pass
-        if self.etcd is not None:
-            try:
-                self.etcd.stop()
-            except Exception:  # noqa: BLE001 (as above)
-                pass
+        # A host may be gone already: the fabric removes what is left.
+        for stop in [z.stop for z in self.zygotes.values()] + ([self.etcd.stop] if self.etcd else []):
+            with contextlib.suppress(Exception):
+                stop()
         if self.fabric is not None:
             self.fabric.close()
         for f in self.logs.values():
             f.close()
 
-    # ------------------------------------------------------------- agents
     def host(self, name: str) -> Host:
         assert self.fabric is not None
         return self.fabric.host(name)
 
     def _env(self, host: Host) -> dict[str, str]:
+        # Node identity comes from the host (its hostname), as in production.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_NODE_ID", "FTKIT_RANKS_PER_NODE"))}
-        env.update(
-            {
-                **self.extra_env,
-                "FTKIT_RUN_DIR": self.run_dir,
-                FAULT_POINTS_ENV: self.fault_request,
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
+        env.update(self.extra_env, FTKIT_RUN_DIR=self.run_dir, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env[FAULT_POINTS_ENV] = self.fault_request
         return host.env(env)
 
     def agent_args(self) -> list[str]:
@@ -181,8 +158,7 @@ class Cluster:
             old = self.zygotes.pop(name, None)
             if old is not None:
                 old.stop()
-            # A short path every host sees (a socket's path is at most 107 bytes; a test's
-            # directory can be longer), removed with the fabric.
+            # A short path every host sees (a socket's path is at most 107 bytes), removed with the fabric.
             assert self.fabric is not None
             zdir = os.path.join(self.fabric.state_dir, "zygotes")
             os.makedirs(zdir, exist_ok=True)
@@ -209,16 +185,13 @@ class Cluster:
             proc.kill()
             proc.wait()
 
-    # -------------------------------------------------------------- faults
     def lose(self, name: str) -> None:
         """The host is gone, as in a power loss: link first, every process, its tmpfs (its RAM tier)."""
         self.host(name).lose()
         z = self.zygotes.pop(name, None)
         if z is not None:
-            try:
+            with contextlib.suppress(Exception):  # its processes are gone with the host
                 z.stop()
-            except Exception:  # noqa: BLE001 (its processes are gone with the host)
-                pass
 
     def bring_back(self, name: str) -> None:
         """A new machine under a lost host's name and address (empty RAM, a new agent) joins."""
@@ -235,7 +208,6 @@ class Cluster:
     def heal(self, name: str) -> None:
         self.host(name).heal()
 
-    # ------------------------------------------------------------- reading
     def events(self) -> list[dict[str, Any]]:
         return read_events(self.run_dir)
 

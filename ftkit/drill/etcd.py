@@ -1,14 +1,6 @@
-"""A real etcd (Debian's ``etcd-server``, 3.4 line, v2 API on) on a host of its own in a :class:`Fabric`.
-
-For torch's ``etcd`` and ``etcd-v2`` rendezvous backends (their client is ``python-etcd``)::
-
-    with Fabric(2) as fab, Etcd(fab) as etcd:     # adds host "etcd" to the fabric, waits until healthy
-        h1.run(["torchrun", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint, ...])
-        ...
-        etcd.stop()                               # or leave the block; losing its host stops it too
-
-Its data dir is on the etcd host's private /tmp (a tmpfs): nothing outlives the fabric.
-"""
+"""A real etcd (Debian's ``etcd-server``, v2 API on) on a host of its own in a :class:`Fabric`, for
+torch's ``etcd`` and ``etcd-v2`` rendezvous (client: ``python-etcd``). Its data dir is on the etcd
+host's private /tmp: nothing outlives the fabric."""
 
 from __future__ import annotations
 
@@ -50,10 +42,8 @@ def etcd_unavailable() -> str | None:
 
 
 class Etcd:
-    """One etcd member on `host` (default: a new host ``etcd`` added to `fabric`).
-
-    Order: ``Etcd(fab)`` -> :meth:`start` (or ``with``) -> :attr:`endpoint` for ``--rdzv-endpoint``
-    -> :meth:`stop`. `log`: where etcd's output goes (default: discarded).
+    """One etcd member on `host` (default: a new host ``etcd`` added to `fabric`); `log` takes its output.
+    ``with Etcd(fab) as etcd:`` (or :meth:`start` ... :meth:`stop`), then ``--rdzv-endpoint`` :attr:`endpoint`.
     """
 
     def __init__(

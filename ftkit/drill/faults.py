@@ -1,27 +1,15 @@
-"""Storage faults for drills: a local filesystem that misbehaves on request.
-
-    faulty:///abs/path          behaves like /abs/path, plus the faults switched on
-                                in /abs/path/.ftkit-faults.json (re-read on every call,
-                                so another process, e.g. a drill, can flip them)
-
-Faults (keys of the JSON object; absent or false means off):
+"""Storage faults for drills: ``faulty:///abs/path`` behaves like /abs/path, plus the faults
+switched on in /abs/path/.ftkit-faults.json (re-read on every call, so a drill can flip them):
 
     "enospc": true         every write fails with ENOSPC (a full disk)
     "unavailable": true    every operation fails with ConnectionError (an outage)
     "latency_s": 0.2       every write call sleeps this long first
-    "torn_write": true     data files keep only their first half, silently, as a
-                           crash in the middle of a write would leave them
+    "torn_write": true     data files keep only their first half, silently
     "bitflip": true        one bit of every data file written is flipped, silently
 
-Torn writes and bit flips happen after the writer thinks it succeeded: they are
-what checksums and size checks must catch on the way back.
-
-Fault points (ftkit/coord/faultpoints.py) are the other half: places inside a
-snapshot, a persist, a replication and a commit where a drill can freeze a rank.
-
-fsspec knows the filesystem as ``faulty://`` only where :func:`register` ran: the drills'
-reference trainer (the job a drill starts) and the tests that inject storage faults. Importing
-ftkit, its tiers or its CLI does not register it, and nothing in ftkit's storage code knows it.
+Torn writes and bit flips happen after the writer thinks it succeeded: checksums and size
+checks must catch them on the way back. fsspec knows ``faulty://`` only where :func:`register`
+ran (the drills' reference trainer, the tests); ftkit's storage code knows nothing of it.
 """
 
 from __future__ import annotations
@@ -61,7 +49,6 @@ class FaultyFileSystem(fsspec.AbstractFileSystem):
         path = path[len("faulty://") :] if path.startswith("faulty://") else path
         return "/" + path.lstrip("/") if path else "/"
 
-    # ----------------------------------------------------------- the switch
     def _faults(self, path: str) -> dict[str, Any]:
         d = path if os.path.isdir(path) else os.path.dirname(path)
         while True:
@@ -88,7 +75,6 @@ class FaultyFileSystem(fsspec.AbstractFileSystem):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
         return faults
 
-    # ------------------------------------------------------------ delegation
     def ls(self, path, detail=True, **kwargs):
         self._gate(path, False)
         out = self.local.ls(path, detail=detail, **kwargs)

@@ -1,27 +1,17 @@
 """`ftkit drill --hosts N`: the drill over emulated hosts, one torchrun agent per host.
 
-Order of a host drill (run_host_drill):
-  1. check that hosts can be emulated here (root, namespaces: hosts.hosts_unavailable) and,
-     for the default rendezvous, that etcd is installed; parse the schedule;
-  2. the faulted run: a Cluster (cluster.py) of N hosts and K spares running the reference
-     trainer (RAM tier with replicas, a durable tier every few steps, all hosts' view of it
-     shared); each fault is injected at its fault point on a rank of the target host, and
-     the drill waits for the agents' next round before the next fault;
-  3. the fault-free reference with the same world-size history: the faulted run's events
-     say which world size trained from which restored step; the reference trainer runs
-     those segments one after another on one host (torchrun, no faults), each resuming
-     from the previous one's checkpoint;
-  4. verify as the single-host drill does (run.py): faults matched to detections and
-     recoveries, steps lost, the final state bit for bit, the consumed sample stream.
+As run.py's drill, but the faulted run is a Cluster (cluster.py) and host faults (lost,
+partitioned, agent killed) join the process and storage ones. The fault-free reference follows
+the faulted run's world sizes: each stretch a torchrun on one host, resuming from the previous
+stretch's checkpoint.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
-import subprocess
-import tempfile
 import time
 from typing import Any
 
@@ -30,7 +20,7 @@ from ftkit.drill.cluster import Cluster
 from ftkit.drill.etcd import etcd_unavailable
 from ftkit.drill.hosts import hosts_unavailable
 from ftkit.drill.job import Injector, Job, RunLog, _signal
-from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _check_schedule, _entry, _finish
+from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _begin, _check_schedule, _entry, _finish, _wait_clean
 from ftkit.drill.schedule import HOST_KINDS, Fault, parse_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream
 from ftkit.errors import UsageError
@@ -48,8 +38,7 @@ def unavailable(rdzv: str) -> str | None:
 
 
 class HostJob(RunLog):
-    """The faulted run as the Injector sees a job (its event log, fault points and notes; job.py),
-    over a Cluster: process and storage faults work across hosts as they do on one."""
+    """A Cluster as the Injector sees a job (job.py): process and storage faults work as on one host."""
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
@@ -105,47 +94,29 @@ class HostInjector(Injector):
             raise RuntimeError(f"{f.label()}: {name} holds no rank of attempt {attempt[0]}")
         rank = 0 if f.during == "commit" else ranks[0]
         rec = job.freeze_at(f.during, f.step, rank)
-        # The attempt the frozen rank belongs to (a host coming back may have started a new one
-        # between the look above and the freeze): the fault is that attempt's.
+        # The frozen rank's own attempt: a host coming back may have started a new one meanwhile.
         attempt = max(
             (epoch(e) for e in job.events() if e["event"] == "start" and e.get("pid") == rec.get("pid")),
             default=attempt,
         )
-        (f.attempt, f.gen), f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
+        job.note_fault(f, attempt, rec, name)
         f.outcome = {"host": name}
         self.hosts[id(f)] = name
-        job.note(
-            kind=f.kind,
-            step=f.injected_step,
-            during=f.during,
-            attempt=attempt[0],
-            **({"gen": attempt[1]} if attempt[1] else {}),
-            target=name,
-            restarts=True,
-        )
         if f.kind == "host":
             cluster.lose(name)
-            if f.back_s is not None:
-                self._background(self._host_back, name, f.back_s)
+            if f.back_s is not None:  # a new machine of that name and address (empty RAM) comes back
+                self._background(self._later, f.back_s, f"bringing {name} back", lambda: cluster.bring_back(name))
         elif f.kind == "partition":
             cluster.partition(name, f.back_s)
             _signal(rec["pid"], signal.SIGCONT)  # alive on its side of the cut
         elif f.kind == "agent":
             cluster.kill_agent(name)  # its workers end with it (the frozen one too: SIGKILL)
             if f.back_s is not None:
-                self._background(self._agent_back, name, f.back_s)
+                self._background(self._later, f.back_s, f"restarting {name}'s agent", lambda: cluster.start_agent(name))
 
-    def _host_back(self, name: str, seconds: float) -> None:
-        """A new machine of the same name and address (empty RAM) takes the lost one's place."""
+    def _later(self, seconds: float, what: str, fn) -> None:
+        """`fn` after `seconds` (in a background thread); its failure is the drill's, not lost with the thread."""
         time.sleep(seconds)
-        self._later(f"bringing {name} back", lambda: self.cluster.bring_back(name))
-
-    def _agent_back(self, name: str, seconds: float) -> None:
-        time.sleep(seconds)
-        self._later(f"restarting {name}'s agent", lambda: self.cluster.start_agent(name))
-
-    def _later(self, what: str, fn) -> None:
-        """A background step of a fault; its failure is the drill's, not lost with its thread."""
         try:
             fn()
         except Exception as e:  # noqa: BLE001 (reported at the end of the drill)
@@ -153,9 +124,8 @@ class HostInjector(Injector):
 
 
 def fencing_violations(events: list[dict[str, Any]]) -> list[str]:
-    """Commits by a generation that another had already replaced: a step committed by attempt A
-    after a newer attempt started (two groups at once: the split brain a partition could cause).
-    A group that lost its place commits nothing."""
+    """Steps committed by an attempt after a newer one had started: two groups at once, the split
+    brain a partition could cause."""
     starts: dict[tuple[int, int], float] = {}
     for e in events:
         if e["event"] == "start":
@@ -176,9 +146,8 @@ def fencing_violations(events: list[dict[str, Any]]) -> list[str]:
 
 
 def world_history(events: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """(world size, step it trained from) of each stretch of the run, in order: the world size
-    of an attempt trains from the step that attempt restored. Stretches of one world size are
-    merged (a restore of the same world continues the same computation)."""
+    """(world size, step it trained from) of each stretch of the run, in order; stretches of one
+    world size are merged (a restore of the same world continues the same computation)."""
     starts: dict[tuple[int, int], int] = {}
     for e in events:
         if e["event"] == "start":
@@ -202,9 +171,7 @@ def world_history(events: list[dict[str, Any]]) -> list[tuple[int, int]]:
 def reference_run(
     args, tiers: TierPlan, root: str, history: list[tuple[int, int]], zygote: Zygote | None, say
 ) -> tuple[str | None, list | None, str | None]:
-    """The fault-free run with `history`'s world sizes: each stretch a torchrun of its world
-    size on one host, resuming from the previous stretch's checkpoint. Returns (final state,
-    consumed stream, error)."""
+    """The fault-free run with `history`'s world sizes; returns (final state, consumed stream, error)."""
     clean = os.path.join(root, "fault-free")
     shutil.rmtree(clean, ignore_errors=True)
     os.makedirs(clean)
@@ -217,26 +184,13 @@ def reference_run(
     for n, ((world, frm), until) in enumerate(zip(history, bounds)):
         seg = os.path.join(clean, f"stretch-{n}")
         os.makedirs(seg)
-        seg_args = _Args(args, steps=until, every=1)
+        seg_args = argparse.Namespace(**{**vars(args), "steps": until, "every": 1})
         job = Job(seg, _entry(seg_args, plain, ckpt, final, 0.0), world, world, restarts=0, zygote=zygote)
-        try:
-            rc: int | str = job.proc.wait(timeout=300 + until)
-        except subprocess.TimeoutExpired:
-            rc = "a timeout"
-        finally:
-            job.kill()
-        if rc != 0:
-            return None, None, f"the fault-free reference run failed (exit {rc}; see {job.log.name})"
+        err = _wait_clean(job, 300 + until)
+        if err:
+            return None, None, err
         stream += [s for s in consumed_stream(read_events(job.run_dir)) if frm < s[0] <= until]
     return final, sorted(stream), None
-
-
-class _Args:
-    """`args` with some fields replaced (the reference's stretches)."""
-
-    def __init__(self, args: Any, **changes: Any):
-        self.__dict__.update(vars(args))
-        self.__dict__.update(changes)
 
 
 def run_host_drill(args) -> dict[str, Any]:
@@ -250,17 +204,11 @@ def run_host_drill(args) -> dict[str, Any]:
     _check_schedule(faults, tiers, args.steps)
     if tiers.durable == "s3":
         raise ValueError("--hosts: the durable tier is a directory every host sees (disk) or a URL")
-    root = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="ftkit-drill-"))
-    faulted = os.path.join(root, "faulted")
-    shutil.rmtree(faulted, ignore_errors=True)
-    os.makedirs(faulted)
-    say = (lambda *a, **k: None) if args.quiet else print
-    say(
+    headline = (
         f"drill: the reference trainer (tiers {tiers.spec}) on {hosts} emulated hosts of {rph} ranks"
         f"{f' and {spares} spare(s)' if spares else ''}, {args.rdzv} rendezvous, {args.steps} steps"
     )
-    say(f"drill: faults: {', '.join(f.label() for f in faults) or 'none'}")
-    say(f"drill: run directory {root}")
+    root, faulted, say = _begin(args, headline, faults)
     errors: list[str] = []
     final_pt = os.path.join(faulted, "final.pt")
     url, durable_root = tiers.durable_url(faulted, None)
@@ -326,8 +274,8 @@ def run_host_drill(args) -> dict[str, Any]:
 
 
 def _wait_final(cluster: Cluster, final_pt: str, timeout: float) -> bool:
-    """Until the run wrote its final state and every agent still in the job has ended (spares
-    never admitted wait in the rendezvous for a place: they are stopped)."""
+    """Until the run wrote its final state and every agent still in the job has ended (spares never
+    admitted still wait in the rendezvous)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and not os.path.exists(final_pt):
         if all(p.poll() is not None for p in cluster.agents.values()):

@@ -1,43 +1,26 @@
 """Emulated hosts on one Linux machine: namespaces, a private bridge, one cgroup per host.
 
-A *host* is a network namespace joined by a veth pair to a bridge, plus a UTS namespace (its
-own hostname) and a mount namespace with private tmpfs at ``/dev/shm`` and ``/tmp`` and its own
-``/etc/hosts`` (every live host of the fabric by name). The bridge lives in a dedicated *fabric*
-network namespace, so the root namespace gets no interface, address, route or mount: nothing
-routes off the machine and a host cannot reach the root namespace (not even its loopback).
+A host is a network namespace joined by a veth to a bridge, a UTS namespace (its hostname) and a
+mount namespace with private tmpfs at /dev/shm and /tmp and its own /etc/hosts (every live host by
+name; no DNS, IPv4 on ``eth0`` only). The bridge lives in a fabric namespace of its own, so the
+root namespace gets no interface, route or mount, and nothing routes off the machine. The rest of
+the filesystem is shared, as a network filesystem would be.
 
-Outside /dev/shm and /tmp the hosts share this machine's filesystem, as a network filesystem
-would be. IPv6 is off inside the hosts (IPv4 on ``eth0`` only); there is no DNS (unknown names
-fail at once), names resolve through the hosts' /etc/hosts.
+A long-lived init (``sleep``) holds each host's namespaces; commands enter them with ``nsenter``
+and land in the host's cgroup (v2, where writable; else found by their network namespace), so
+``cgroup.kill`` ends all of a host's processes at once::
 
-Every host has one long-lived init process (``sleep``) that holds its namespaces; commands are
-started inside them with ``nsenter`` and land in the host's cgroup (cgroup v2, where writable),
-so all of a host's processes, their children included, are killed at once with ``cgroup.kill``.
-Where cgroup v2 is unavailable, the processes of a host are found by their network namespace.
-
-The order of calls::
-
-    reason = hosts_unavailable()                # None, or one line: why hosts cannot be made here
-    with Fabric(2, shared=[d]) as fab:          # removes stale state of killed runs, then makes
-        h1, h2 = fab.hosts                      #   host1 (10.213.0.11) and host2 (10.213.0.12);
-                                                #   d (e.g. under /tmp) is seen by every host
+    with Fabric(2, shared=[d]) as fab:          # host1, host2; d (e.g. under /tmp) seen by all
+        h1, h2 = fab.hosts
         p = h1.run(["torchrun", ...], env=h1.env(FOO="1"))   # a Popen; its pid is torchrun's
-        h2.partition(seconds=5)                 # link down, up again 5 s later (or h2.heal())
-        h2.kill_all()                           # every process of host2; the host stays usable
-        h2.lose()                               # + its tmpfs unmounted, its link and namespaces gone
-                                                #   (abrupt=True: the link first, like a power loss)
-        h3 = fab.add_host()                     # a replacement: host3 (10.213.0.13), or
-                                                #   fab.add_host(h2.name, h2.address) to reuse both
-    # leaving the block (an exception, SIGINT, SIGTERM included) kills every process of every host
-    # and removes every namespace, link, mount, cgroup and state file it made
+        h2.partition(seconds=5)                 # or h2.heal(), h2.kill_all(), h2.lose()
+        h3 = fab.add_host()                     # or fab.add_host(h2.name, h2.address)
+    # leaving (an exception, SIGINT, SIGTERM included) removes every process, namespace, link,
+    # mount, cgroup and state file it made
 
-Names all start with ``ftkh-<id>-`` (network namespaces ``ftkh-<id>-fabric`` and ``ftkh-<id>-h<N>``,
-the cgroup ``ftkh-<id>``, state in ``/run/ftkh/<id>*``); a fabric holds ``/run/ftkh/<id>.lock``
-(flock) while it lives, so :func:`cleanup_stale` (called by every ``Fabric`` start) removes the
-state of runs whose owner died (SIGKILL included) and never touches a live fabric's.
-
-Needs root (namespaces, mounts, cgroups) and iproute2 + util-linux (``ip``, ``nsenter``,
-``unshare``, ``mount``, ``umount``); :func:`hosts_unavailable` says in one line what is missing.
+Names start with ``ftkh-<id>-``; a live fabric holds the flock ``/run/ftkh/<id>.lock``, so
+:func:`cleanup_stale` (run by every start) removes dead runs' state, never a live one's.
+Needs root and iproute2 + util-linux: :func:`hosts_unavailable` says what is missing.
 """
 
 from __future__ import annotations
@@ -70,9 +53,9 @@ SUBNETS = ("10.213.0.0/24", "10.214.0.0/24", "172.30.213.0/24", "192.168.213.0/2
 FIRST_HOST = 10  # host N gets .(10 + N)
 TOOLS = ("ip", "nsenter", "unshare", "mount", "umount")
 
-# The init process of a host: $0 = hostname, $1 = /dev/shm size ("" = tmpfs default), $2 = the hosts file,
-# then the shared paths: bound first to a staging place on the new /dev/shm (a bind's source must be in
-# this mount namespace, and the new /tmp hides the old one), then moved into place.
+# A host's init: $0 hostname, $1 /dev/shm size ("": tmpfs default), $2 the hosts file, then the shared
+# paths, staged on the new /dev/shm (a bind's source must be in this mount namespace, and the new /tmp
+# hides the old one) and moved into place.
 # /var/run/netns is detached so this mount namespace pins no network namespace (others', lost hosts').
 _INIT = r"""
 set -e
@@ -107,29 +90,20 @@ class HostsError(RuntimeError):
     """An emulated host could not be made, used or removed."""
 
 
-def _which_missing() -> list[str]:
-    return [t for t in TOOLS if shutil.which(t) is None]
-
-
 @functools.lru_cache(maxsize=1)
 def hosts_unavailable() -> str | None:
-    """None where emulated hosts can be made here, else one line saying why not (tests skip with it,
-    ``ftkit drill --hosts`` exits 2 with it)."""
+    """None where emulated hosts can be made here, else one line saying why not."""
     if not sys.platform.startswith("linux"):
         return f"emulated hosts need Linux namespaces (this is {sys.platform})"
     if os.geteuid() != 0:
         return f"emulated hosts need root (network namespaces, mounts, cgroups): running as uid {os.geteuid()}"
-    missing = _which_missing()
+    missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         return f"emulated hosts need {', '.join(missing)} on PATH (iproute2, util-linux)"
     probe = "ip link add ftkh-a type veth peer name ftkh-b && ip link add ftkh-br type bridge && mount -t tmpfs t /mnt"
+    argv = ["unshare", "--net", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c", probe]
     try:
-        r = subprocess.run(
-            ["unshare", "--net", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c", probe],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"emulated hosts: namespaces cannot be made here ({e})"
     if r.returncode != 0:
@@ -170,11 +144,7 @@ def _ns_id(path: str) -> tuple[int, int] | None:
 
 def _pids_in_ns(ns: tuple[int, int], kind: str = "net") -> list[int]:
     """Every process whose `kind` namespace is `ns` (zombies have none and are left out)."""
-    out = []
-    for pid in psutil.pids():
-        if _ns_id(f"/proc/{pid}/ns/{kind}") == ns:
-            out.append(pid)
-    return out
+    return [pid for pid in psutil.pids() if _ns_id(f"/proc/{pid}/ns/{kind}") == ns]
 
 
 def _kill_pids(pids: Iterable[int]) -> None:
@@ -290,9 +260,7 @@ def _stale_ids() -> set[str]:
 
 
 def cleanup_stale() -> list[str]:
-    """Remove the state of every fabric whose owner is gone (killed, crashed): its processes,
-    namespaces, links, mounts, cgroups and files. A live fabric (its lock held) is left alone.
-    Returns the run ids removed."""
+    """Remove everything of every fabric whose owner is gone (its lock free); returns their run ids."""
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for n in os.listdir(STATE_DIR):  # a lock file its owner died before publishing
@@ -320,8 +288,7 @@ def cleanup_stale() -> list[str]:
 
 
 def _pick_subnet() -> ipaddress.IPv4Network:
-    """The first candidate /24 that no address or route of the root namespace touches (the fabric is
-    private anyway; this keeps logs unambiguous)."""
+    """The first candidate /24 that no address or route here touches (only to keep logs unambiguous)."""
     used = []
     for args in (("-4", "-o", "addr"), ("-4", "route")):
         for word in _ip(*args, check=False).stdout.split():
@@ -336,11 +303,7 @@ def _pick_subnet() -> ipaddress.IPv4Network:
 
 
 class Host:
-    """One emulated host of a :class:`Fabric` (made by it: ``Fabric(n).hosts`` or ``fab.add_host()``).
-
-    ``name`` is its hostname (resolvable on every host of the fabric through their ``/etc/hosts``),
-    ``address`` its IPv4 address on the bridge, ``ifname`` its interface (``eth0``).
-    """
+    """One emulated host of a :class:`Fabric`, made by it; `name` resolves on every host of the fabric."""
 
     def __init__(self, fabric: Fabric, index: int, name: str, address: str) -> None:
         self.fabric = fabric
@@ -364,8 +327,6 @@ class Host:
     def __repr__(self) -> str:
         state = "lost" if self.lost else "partitioned" if self.partitioned else "up"
         return f"Host({self.name}, {self.address}, {state})"
-
-    # -- creation (by Fabric.add_host) --------------------------------------------------------------
 
     def _create(self, shm_size: str | None) -> None:
         fab = self.fabric
@@ -404,15 +365,12 @@ class Host:
         init.stdout.close()
         init.stderr.close()
 
-    # -- processes ----------------------------------------------------------------------------------
-
     def _check(self) -> None:
         if self.lost:
             raise HostsError(f"host {self.name} is lost")
 
     def env(self, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-        """`base` (default: this process's environment) + gloo/TensorPipe bound to the host's interface
-        + `extra`."""
+        """`base` (default: os.environ) with gloo and TensorPipe bound to the host's interface, and `extra`."""
         env = dict(os.environ if base is None else base)
         env.update(GLOO_SOCKET_IFNAME=self.ifname, TP_SOCKET_IFNAME=self.ifname)
         env.update(extra)
@@ -430,9 +388,8 @@ class Host:
         start_new_session: bool = True,
         **popen_kw: Any,
     ) -> subprocess.Popen[Any]:
-        """Start `argv` inside the host (its network, UTS and mount namespaces, its cgroup) in `cwd`
-        (default: this process's). The Popen's pid is `argv[0]`'s own (execs only, no fork), so
-        ``p.kill()`` kills exactly that process (an agent fault); :meth:`kill_all` kills its children too."""
+        """Start `argv` inside the host, in `cwd` (default: ours). The Popen's pid is `argv[0]`'s own
+        (execs only), so ``p.kill()`` kills exactly that process; :meth:`kill_all` its children too."""
         self._check()
         cwd = cwd or os.getcwd()  # (shared into every host when it lies under /tmp: _software_paths)
         p = self.init_pid
@@ -501,17 +458,10 @@ class Host:
                 q.wait(timeout=1)
         self._procs = [q for q in self._procs if q.poll() is None]
 
-    # -- faults -------------------------------------------------------------------------------------
-
     def lose(self, abrupt: bool = True) -> None:
-        """The host is gone: every process killed at once, its tmpfs (/dev/shm, /tmp) unmounted, its
-        init (the last holder of its namespaces) killed, its link and network namespace removed.
-        A replacement is a new host: ``fabric.add_host()``.
-
-        `abrupt` (a power loss): the link goes first, so the kernel's FIN/RST for the dead processes'
-        connections reach no one and peers learn of the loss by their own timeouts. ``abrupt=False``:
-        the processes die first and their peers see "connection closed/reset" at once (every process
-        of the machine killed, then the machine leaves)."""
+        """The host is gone: its processes, tmpfs, init, link and namespaces; a replacement is
+        ``fabric.add_host()``. `abrupt` (a power loss): the link goes first, so the dead processes'
+        FIN/RST reach no one and peers find out by their own timeouts; else peers see resets at once."""
         if self.lost:
             return
         with self.fabric._lock:
@@ -519,12 +469,9 @@ class Host:
             if abrupt:
                 _ip("-n", self.fabric.netns, "link", "del", self.link, check=False)
             self.kill_all()
+            umount = ["nsenter", f"--mount=/proc/{self.init_pid}/ns/mnt", "--", "umount", "-l", "/dev/shm", "/tmp"]
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                subprocess.run(
-                    ["nsenter", f"--mount=/proc/{self.init_pid}/ns/mnt", "--", "umount", "-l", "/dev/shm", "/tmp"],
-                    capture_output=True,
-                    timeout=10,
-                )
+                subprocess.run(umount, capture_output=True, timeout=10)
             if self._cg_init:
                 _cgroup_kill(self._cg_init)
             _kill_pids([self.init_pid])
@@ -542,8 +489,8 @@ class Host:
             self.fabric._write_hosts_files()
 
     def partition(self, seconds: float | None = None) -> None:
-        """Cut the host off the fabric (its link on the bridge down: no carrier, packets dropped, TCP
-        connections stay open and time out); up again after `seconds` if given, else at :meth:`heal`."""
+        """Take its link on the bridge down (TCP connections stay open and time out); up again after
+        `seconds` if given, else at :meth:`heal`."""
         self._check()
         with self.fabric._lock:
             self._cancel_heal()
@@ -555,24 +502,21 @@ class Host:
                 self._heal_timer.start()
 
     def heal(self) -> None:
-        """End a partition: the link up again, back to work when this returns (both ends up, and the
-        neighbour entries that failed meanwhile forgotten, which would fail new connections for ~3 s)."""
+        """End a partition; the link works when this returns."""
         with self.fabric._lock:
             self._cancel_heal()
             if self.lost or self.fabric.closed:
                 return
             _ip("-n", self.fabric.netns, "link", "set", self.link, "up")
             self.partitioned = False
-            # the kernel turns carrier changes into a working link asynchronously (linkwatch, up to 1 s):
-            # return once both ends report state UP, so that a packet sent now is not dropped
+            # linkwatch brings the link up asynchronously: wait for both ends, or the next packet is dropped
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 ends = [(self.fabric.netns, self.link), (self.netns, self.ifname)]
                 if all(" state UP " in _ip("-n", ns, "-o", "link", "show", d, check=False).stdout for ns, d in ends):
                     break
                 time.sleep(0.02)
-            # neighbour entries that failed to resolve during the partition would fail the next connections
-            # (EHOSTUNREACH, for up to ~3 s): forgotten on both sides, they resolve afresh
+            # neighbour entries that failed during the partition would fail new connections (EHOSTUNREACH)
             for h in self.fabric.live:
                 _ip("-n", h.netns, "neigh", "flush", "dev", h.ifname, check=False)
 
@@ -583,19 +527,13 @@ class Host:
 
 
 def _software_paths() -> list[str]:
-    """What a host must see for this Python and ftkit to run in it, where a host's private
-    /tmp or /dev/shm would hide it (a checkout, a virtual environment or a working directory
-    under /tmp, as a CI job may have them)."""
+    """This Python's, ftkit's and the working directory's paths that a host's private /tmp or
+    /dev/shm would hide (a CI job may keep them under /tmp)."""
     import ftkit
 
     candidates = [sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(ftkit.__file__))), os.getcwd()]
-    hidden = ("/tmp", "/dev/shm")
-    out = []
-    for p in candidates:
-        top = os.path.realpath(p)
-        if any(top == h or top.startswith(h + "/") for h in hidden) and top not in hidden:
-            out.append(top)
-    return out
+    tops = [os.path.realpath(p) for p in candidates]
+    return [t for t in tops if t.startswith(("/tmp/", "/dev/shm/"))]
 
 
 def _outermost(paths: Sequence[str]) -> list[str]:
@@ -609,15 +547,10 @@ def _outermost(paths: Sequence[str]) -> list[str]:
 
 class Fabric:
     """N emulated hosts on a private bridge, as a context manager (see the module's docstring).
-
-    `hosts`: a count (named ``host1``..``hostN``) or the names. `shm_size`: each host's /dev/shm size
-    (``"512m"``; default the tmpfs default, half the RAM, taken only as used). `subnet`: an IPv4 /24
-    (default: the first of :data:`SUBNETS` unused here). `shared`: paths of this machine (directories or
-    files) bound at the same path into every host, e.g. a test's tmp dir under /tmp, which the hosts'
-    private /tmp would hide: everything else outside /dev/shm and /tmp is shared anyway, as a network
-    filesystem would be. ``handle_signals`` turns SIGTERM into
-    SystemExit while the fabric lives (in the main thread), so that ``with`` cleans up; SIGINT already
-    raises KeyboardInterrupt.
+    `hosts`: a count (``host1``..``hostN``) or the names. `shm_size`: each host's /dev/shm size
+    (``"512m"``). `subnet`: an IPv4 /24 (default: the first of :data:`SUBNETS` unused here).
+    `shared`: paths bound at the same path into every host, which their private /tmp would hide.
+    `handle_signals`: SIGTERM raises SystemExit while the fabric lives, so that ``with`` cleans up.
     """
 
     def __init__(
@@ -693,9 +626,8 @@ class Fabric:
             self.add_host(name)
 
     def add_host(self, name: str | None = None, address: str | None = None) -> Host:
-        """A new host on the fabric (a replacement for a lost one, or an extra one, e.g. for etcd):
-        the next index, ``host<index>`` and ``.(10 + index)`` unless `name` / `address` are given (a
-        lost host's may be reused). Every live host's /etc/hosts then lists it."""
+        """A new host: ``host<index>`` at ``.(10 + index)`` unless `name` / `address` are given (a
+        lost host's may be reused); every live host's /etc/hosts then lists it."""
         with self._lock:
             if self.closed or not self.started:
                 raise HostsError("the fabric is not running")
@@ -720,8 +652,7 @@ class Fabric:
                     host.lose()
                 host.lost = True
                 raise
-            # A lost host's address reused: every other host still maps it to the old link's MAC
-            # (nothing answers there) until its neighbour entry expires; forget it now.
+            # A reused address: the other hosts still map it to the lost link's MAC; forget that.
             for h in live:
                 _ip("-n", h.netns, "neigh", "flush", "to", address, check=False)
             return host
@@ -745,8 +676,7 @@ class Fabric:
                 f.write(text)
 
     def close(self) -> list[str]:
-        """Kill every process of every host, remove every namespace, link, cgroup and file of the
-        fabric. Idempotent; returns what could not be removed (nothing, normally)."""
+        """Remove every process, namespace, link, cgroup and file of the fabric; returns what is left."""
         with self._lock:
             if self.closed:
                 return []
@@ -797,8 +727,7 @@ class Fabric:
 
 
 def leftovers(run_id: str | None = None) -> list[str]:
-    """What is left of run `run_id` (of every run if None): namespaces, cgroups, state files, mounts
-    in this mount namespace, links in this network namespace carrying the prefix. Empty when clean."""
+    """What is left of run `run_id` (of every run if None): namespaces, cgroups, files, mounts, links."""
     head = PREFIX + (f"{run_id}-" if run_id else "")
     out = [f"netns {n}" for n in _netns_names(run_id)]
     cg_root = _cgroup2_root()

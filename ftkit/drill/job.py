@@ -1,15 +1,13 @@
 """A job under drill: torchrun running the trainer, what it logged, and the faults done to it.
 
-Order of calls (see run.py): ``Job(...)`` starts torchrun in its own process
-group; for each fault, ``Injector.inject(fault)`` asks a rank to freeze at a
-fault point (ftkit.coord.faultpoints.fault_point), waits until it has, does the fault
-(kill it, wipe its node, stop the S3 server...) and lets it go on where the
-fault allows; ``wait_restarted`` waits for torchrun's next attempt; finally
-``proc.wait()`` and ``kill()`` (always, in a finally).
+For each fault, ``Injector.inject`` has a rank freeze at a fault point (ftkit/coord/faultpoints.py),
+does the fault (kill it, wipe its node, stop the S3 server...) and lets it go on where the fault
+allows; run.py then waits for the restart (``wait_restarted``), and always ``kill()``s the job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,13 +26,8 @@ from ftkit.runtime.warm.client import process_start, process_stopped
 from ftkit.runtime.warm.zygote import Zygote, client_path, torchrun_command
 from ftkit.tools.report import epoch
 
-_STORAGE_SWITCH = {
-    "enospc": "enospc",
-    "unavailable": "unavailable",
-    "latency": "latency_s",
-    "torn-write": "torn_write",
-    "bitflip": "bitflip",
-}
+# A storage fault's key in faults.py's switch.
+_STORAGE_SWITCH = {k: k.replace("-", "_") for k in STORAGE_KINDS} | {"latency": "latency_s"}
 
 
 def latest_attempt(events: list[dict[str, Any]]) -> tuple[int, int]:
@@ -48,9 +41,8 @@ def starts(events: list[dict[str, Any]], attempt: tuple[int, int]) -> list[dict[
 
 
 class RunLog:
-    """What a drill reads of a job and writes beside it: the ranks' event log (`run_dir`),
-    its own fault notes, and the fault points it freezes ranks at (`fault_request`). A
-    subclass gives `proc`, whose poll() says whether the job has ended."""
+    """A job's event log (`run_dir`), the drill's notes in it, and the fault points it freezes ranks
+    at (`fault_request`); a subclass gives `proc`, whose poll() says whether the job has ended."""
 
     run_dir: str
     fault_request: str
@@ -77,12 +69,23 @@ class RunLog:
         with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as f:
             f.write(json.dumps({"t": time.time(), "rank": -1, "event": "fault", **fields}) + "\n")
 
-    def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop", timeout: float = 600) -> dict[str, Any]:
-        """Ask `rank` to stop (or crash) at `phase` of `step` or later; return once it has.
+    def note_fault(self, f: Fault, attempt: tuple[int, int], rec: dict[str, Any], target: Any) -> None:
+        """Record on `f` when and where it struck (`rec`: its fault point's record), and note it."""
+        (f.attempt, f.gen), f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
+        # `restarts`: the report takes only these as a restart's cause (not a storage fault or slow rank).
+        self.note(
+            kind=f.kind,
+            step=f.injected_step,
+            during=f.during,
+            attempt=attempt[0],
+            **({"gen": attempt[1]} if attempt[1] else {}),
+            target=target,
+            restarts=f.restarts,
+        )
 
-        Returns the fault point's record (pid, at_step). Raises RuntimeError when
-        the job ends or the timeout passes first.
-        """
+    def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop", timeout: float = 600) -> dict[str, Any]:
+        """Ask `rank` to stop (or crash) at `phase` of `step` or later; once it has, the fault point's
+        record (pid, at_step). RuntimeError when the job ends or the timeout passes first."""
         reached = self.fault_request + ".reached"
         for stale in (reached, self.fault_request):
             if os.path.exists(stale):
@@ -109,12 +112,8 @@ class RunLog:
 
 
 class Job(RunLog):
-    """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``).
-
-    With a `zygote` (ftkit/runtime/warm) torchrun starts each worker as a warm client that has
-    the zygote fork it; the drill's faults go to the forked workers (the pids their
-    ``start`` events name), as they would to cold ones.
-    """
+    """torchrun with `nproc` workers running `entry` (``-m module args`` or ``script args``); with a
+    `zygote` (ftkit/runtime/warm) each worker is forked warm, and faults go to the forked workers."""
 
     def __init__(
         self,
@@ -144,17 +143,9 @@ class Job(RunLog):
         }
         if zygote is not None:
             entry = [client_path(), "--module", *entry[1:]] if entry[0] == "-m" else [client_path(), *entry]
-        # torchrun's agent too is forked warm from the zygote when there is one (torchrun_command).
-        cmd = torchrun_command(
-            zygote,
-            [
-                "--standalone",
-                f"--nproc-per-node={nproc}",
-                f"--max-restarts={restarts}",
-                "--monitor-interval=0.1",
-                *entry,
-            ],
-        )
+        # torchrun's agent too is forked warm from the zygote when there is one.
+        args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", "--monitor-interval=0.1"]
+        cmd = torchrun_command(zygote, [*args, *entry])
         self.log = open(os.path.join(root, "torchrun.log"), "w")
         # Its own process group: cleaning up kills the workers too, not just torchrun.
         self.proc = subprocess.Popen(
@@ -163,16 +154,13 @@ class Job(RunLog):
 
     def kill(self) -> None:
         for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped worker ignores everything but these
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
         self.log.close()
 
     def wait_restarted(self, attempt: tuple[int, int], timeout: float = 300) -> bool:
-        """Wait until the next attempt (or in-process generation) has started training (False if
-        it never does)."""
+        """Until the next attempt (or in-process generation) has started; False if it never does."""
         end = time.monotonic() + timeout
         while time.monotonic() < end and self.proc.poll() is None:
             if self.attempt() > attempt:
@@ -197,10 +185,8 @@ def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 class Injector:
@@ -220,27 +206,14 @@ class Injector:
         rank = (f.node or 0) * job.ranks_per_node if f.kind == "node" else (f.rank or 0)
         rec = job.freeze_at(f.during, f.step, rank, action="crash" if f.kind == "crash" else "stop")
         pid = rec["pid"]
-        (f.attempt, f.gen), f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
         target = (
             f"node{f.node}" if f.kind == "node" else f.kind if f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS else rank
         )
-        # `restarts`: the report takes only these as the cause (and start) of a restart; a storage
-        # fault or a slow rank earlier in the same attempt is not one.
-        job.note(
-            kind=f.kind,
-            step=f.injected_step,
-            during=f.during,
-            attempt=attempt[0],
-            **({"gen": attempt[1]} if attempt[1] else {}),
-            target=target,
-            restarts=f.restarts,
-        )
+        job.note_fault(f, attempt, rec, target)
         if f.kind == "kill":
             _signal(pid, signal.SIGKILL)
-        elif f.kind == "hang":
-            pass  # it stays stopped: the watchdog must notice
-        elif f.kind == "crash":
-            pass  # the fault point raised in the training loop
+        elif f.kind in ("hang", "crash"):
+            pass  # a hang stays stopped for the watchdog; a crash was raised at the fault point
         elif f.kind == "term":
             _signal(pid, signal.SIGTERM)  # delivered when it runs again
             _signal(pid, signal.SIGCONT)
@@ -248,8 +221,7 @@ class Injector:
             launchers = job.launchers(attempt)
             for r, p in job.pids(attempt).items():
                 if r // job.ranks_per_node == f.node:
-                    # A lost node loses its torchrun agent's children too: a warm worker's client
-                    # (which would otherwise replace it, ftkit run --replace-dead) dies with it.
+                    # A warm worker's client dies with its node too (else it would replace the worker).
                     _signal(launchers.get(r, p), signal.SIGKILL)
                     _signal(p, signal.SIGKILL)
             shutil.rmtree(os.path.join(job.ram_dir, "drill", f"node{f.node}"), ignore_errors=True)
@@ -297,8 +269,7 @@ def _restart_s3(server: Any, seconds: float) -> None:
 
 
 def _throttle(pid: int, factor: float, seconds: float) -> None:
-    """Run `pid` at 1/factor speed: stopped for (1 - 1/factor) of every 100 ms; until its
-    process ends (a later fault, a restart), never a new process that got its pid."""
+    """Run `pid` at 1/factor speed for `seconds`, or until its process ends (never a new one with its pid)."""
     end = time.monotonic() + seconds
     born = process_start(pid)
     try:

@@ -1,17 +1,11 @@
 """The reference trainer: a small deterministic GPT-style model on CPU.
 
-Used by the demo (scripts/demo.py) and the drills because it is bit-for-bit reproducible: the
-same seed and steps give the same weights, so a run that was killed and restored
-can be compared exactly with one that never failed.
+The drills and the demo (scripts/demo.py) run it because it is bit-for-bit reproducible, so a run
+that was killed and restored can be compared exactly with one that never failed. It restores the
+newest snapshot on start and snapshots every step; the batch of step N on rank R comes from
+(seed, N, R), so the data position is the step itself.
 
-    python -m ftkit.drill.reference --ckpt DIR --steps 30 [--every 1] [--final-out FILE]
     torchrun --nproc-per-node 4 -m ftkit.drill.reference --ckpt DIR --ram --peer 1 --steps 30
-
-It prints ``step N loss X`` after every step (flushed; rank 0 under torchrun),
-restores from the newest snapshot on start, and snapshots every step. The batch
-for step N on rank R is generated from (seed, N, R), so the data position is the
-step itself. Under torchrun (WORLD_SIZE > 1) it trains data-parallel over gloo,
-averaging gradients in a fixed order (see average_gradients).
 """
 
 from __future__ import annotations
@@ -77,16 +71,10 @@ def train_step(model, opt, sched, step: int, seed: int, rank: int = 0, sync=None
 
 
 def average_gradients(model: nn.Module, ck=None) -> None:
-    """Data-parallel gradient averaging whose sums are the same in every run.
-
-    DDP's all-reduce adds ranks' values in an order that depends on where an
-    element falls in its bucket, and DDP re-buckets after the first iteration of
-    every (re)started process, so a restored run would drift from an unbroken one
-    in the last bits. Gathering every rank's gradients and adding them in rank
-    order gives the same sum whatever happened, which is what lets a drill compare
-    final weights bit for bit. It runs on the training thread as plain
-    collectives (no Python callbacks inside the collective machinery), and tells
-    ftkit when this rank's compute ended, for straggler detection.
+    """Data-parallel gradient averaging whose sums are the same in every run:
+    DDP's all-reduce order depends on its buckets, which it rebuilds in every (re)started process,
+    so a restored run would drift from an unbroken one in the last bits; adding every rank's
+    gradients in rank order does not. Tells `ck` when this rank's compute ended (stragglers).
     """
     import torch.distributed as dist
 
@@ -129,12 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # One thread: bitwise reproducible across runs. (Not use_deterministic_algorithms:
-    # it costs ~0.9 s of imports per worker start, i.e. per restart, and the
-    # CPU kernels this model uses are deterministic on one thread already.)
+    # One thread: bitwise reproducible (this model's CPU kernels are deterministic on one thread, and
+    # use_deterministic_algorithms would slow every worker start).
     torch.set_num_threads(1)
-    # The drills' own trainer is the one process where FTKIT_UNSAFE_SKIP_CHECKSUMS=1 may take
-    # effect (a drill that must fail proves its bitwise check); anywhere else it is ignored.
+    # The one process where FTKIT_UNSAFE_SKIP_CHECKSUMS=1 takes effect (a drill that must fail).
     allow_skipping_checksums()
     register_faulty()  # a drill's durable tier is behind faulty:// (drill/faults.py)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -163,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args, world: int, rank: int) -> dict | None:
     """Build, restore and train to the last step; the final model and optimizer state (None: a bad loss).
-
-    Everything that depends on the process group is built here, so an in-process
-    recovery (--in-process) can call it again on the re-formed group."""
+    Built here: all that depends on the process group, so an in-process recovery can call it again."""
     model, opt, sched = build(args.seed)
     state = {"model": model, "optim": opt, "sched": sched}
     tiers: list = []

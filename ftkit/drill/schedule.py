@@ -102,7 +102,7 @@ def _check(f: Fault, part: str, nproc: int, ranks_per_node: int, hosts: int | No
         f.host = f.host or "1"
         if not (f.host in HOST_TARGETS or (f.host.isdigit() and 1 <= int(f.host) <= (hosts or 0))):
             raise ValueError(f"{part!r}: host={f.host} is not 1..{hosts}, rank0 or rendezvous")
-        if f.during not in ("step", "snapshot", "persist", "replicate", "commit"):
+        if f.during not in PHASES:
             raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
         if f.during == "commit" and f.host not in ("rank0", "rendezvous"):
             raise ValueError(f"{part!r}: only rank 0 commits (host=rank0)")
@@ -184,9 +184,8 @@ def random_faults(
     for n, s in enumerate(sorted(at)):
         kind = rng.choice(("kill", "term", "hang", "crash", "node") if peer else ("kill", "term", "hang", "crash"))
         if kind == "term" and n < count - 1:
-            # A term's stop is agreed through heartbeats, up to a second later: many short drill
-            # steps. A later fault could fall before that stop, or never happen (the run may just
-            # finish). So a term comes last; earlier draws become kills (the same random stream).
+            # A term's stop is agreed through heartbeats, many short steps later: a later fault could
+            # come before it, or never. So a term comes last; earlier draws become kills.
             kind = "kill"
         during = rng.choice(_LOOP_ONLY.get(kind, phases))
         f = Fault(kind, s, during=during)

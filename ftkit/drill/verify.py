@@ -1,8 +1,6 @@
 """What a drill proves: each fault matched to its detection and recovery, and nothing lost.
 
-Pure functions over what the run left behind (event logs, final states,
-checkpoints); run.py calls `check_faults`, then `compare_states` (built-in
-trainer) or `verify_checkpoints` (a user's script).
+Pure functions over what the run left behind: event logs, final states, checkpoints.
 """
 
 from __future__ import annotations
@@ -44,10 +42,8 @@ def check_faults(
                 "in_process": inc.in_process,
                 "phases": inc.phases,
             }
-            # A fault inside the persist pipeline may cost the snapshot in flight, and so may
-            # any fault that strikes before the last snapshot committed (on a loaded machine
-            # the pipeline can lag a step); a preemption notice costs nothing: the ranks save
-            # the step they stop at.
+            # A fault inside the persist pipeline, or before the last snapshot committed (the pipeline
+            # can lag a step), may cost the snapshot in flight; a term costs nothing: the ranks save.
             in_flight = f.during != "step" or snapshot_in_flight(events, f)
             f.outcome["snapshot_in_flight"] = in_flight
             allowed = 0 if f.kind == "term" else max_lost + in_flight
@@ -64,33 +60,11 @@ def check_faults(
                 errors.append(f"{f.label()}: the slow rank was not reported as a straggler")
         elif f.kind in STORAGE_KINDS + OBJECT_STORE_KINDS:
             t0 = f.injected_t or 0.0
-            failed = [
-                e
-                for e in events
-                if e["event"] == "persist"
-                and not e.get("ok", True)
-                and t0 <= e["t"] < until
-                and not str(e.get("tier", "")).startswith("ram")
-            ]
-            later = [
-                e
-                for e in events
-                if e["event"] == "persist"
-                and e.get("ok")
-                and e.get("committed_by_me")
-                and e["t"] >= t0 + f.seconds
-                and not str(e.get("tier", "")).startswith("ram")
-            ]
+            durable = [e for e in events if e["event"] == "persist" and not str(e.get("tier", "")).startswith("ram")]
+            failed = [e for e in durable if not e.get("ok", True) and t0 <= e["t"] < until]
+            later = [e for e in durable if e.get("ok") and e.get("committed_by_me") and e["t"] >= t0 + f.seconds]
             slowest = max(
-                (
-                    e.get("seconds") or 0.0
-                    for e in events
-                    if e["event"] == "persist"
-                    and e.get("ok")
-                    and t0 <= e["t"] < until
-                    and not str(e.get("tier", "")).startswith("ram")
-                ),
-                default=0.0,
+                (e.get("seconds") or 0.0 for e in durable if e.get("ok") and t0 <= e["t"] < until), default=0.0
             )
             f.outcome = {
                 "failed_persists": len(failed),
@@ -108,11 +82,8 @@ def check_faults(
 
 
 def snapshot_in_flight(events: list[dict[str, Any]], fault: Fault) -> bool:
-    """Whether the snapshot of the step before the fault's had not committed on any tier when it struck.
-
-    A fault "during step" strikes after its step's compute, before that step's snapshot:
-    the step before it should be committed by then, unless the pipeline lagged.
-    """
+    """Whether the step before the fault's had not committed on any tier when it struck (the
+    pipeline lagged: a fault "during step" strikes before its own step's snapshot)."""
     if fault.injected_t is None or fault.injected_step is None:
         return False
     committed = max(
@@ -131,11 +102,8 @@ def snapshot_in_flight(events: list[dict[str, Any]], fault: Fault) -> bool:
 
 
 def consumed_stream(events: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
-    """The batches the final state was trained on: (step, rank, digest), from "batch" events.
-
-    An attempt that restored step R continues from R: of the attempt before it,
-    only the batches up to R count (later ones were recomputed or lost).
-    """
+    """The batches the final state was trained on: (step, rank, digest), from "batch" events. Of an
+    attempt followed by one that restored step R, only the batches up to R count."""
     attempts = sorted({epoch(e) for e in events if e["event"] == "batch"})  # attempts and generations
     resumed = {
         a: max((e.get("step") or 0 for e in events if e["event"] == "restore" and epoch(e) == a), default=0)

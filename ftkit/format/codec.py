@@ -1,10 +1,7 @@
 """Chunk encoding: checksums and optional zstd, decided per chunk.
 
-Checksums are xxh3_64 over the *stored* bytes (after compression), so `verify`
-needs no decompression and catches any flipped byte on storage. Compression is
-zstd, multi-threaded, skipped per chunk where it does not pay: a cheap probe of
-the chunk's head decides, so incompressible fp32 noise costs a probe, not a full
-compression pass at a third of disk speed.
+Checksums are xxh3_64 over the stored (compressed) bytes, so verifying needs no
+decompression. zstd is skipped where a probe of the chunk's head shows it does not pay.
 """
 
 from __future__ import annotations
@@ -29,11 +26,9 @@ def checksum(data) -> str:
     return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
 
 
-# Test hook, never for production: drills set FTKIT_UNSAFE_SKIP_CHECKSUMS=1 to prove that
-# their bitwise comparison catches what checksums would have caught. It takes two keys: the
-# variable (read once, at import) and a call to allow_skipping_checksums() in the process's
-# own code (the drills' reference trainer makes it), so a variable left in an ordinary
-# training job's environment skips nothing. `ftkit verify` never skips.
+# A drill hook, never for production: FTKIT_UNSAFE_SKIP_CHECKSUMS=1 (read at import) takes
+# effect only once the process's own code calls allow_skipping_checksums(), so a variable left
+# in a training job's environment skips nothing. `ftkit verify` never skips.
 _SKIP_REQUESTED = os.environ.get("FTKIT_UNSAFE_SKIP_CHECKSUMS") == "1"
 _skip_allowed = False
 _skip_ignored_said = False
@@ -78,8 +73,7 @@ def check(data, expected: str, where: str, skip: bool = False) -> None:
         raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {algo!r}")
     if skip:
         return
-    got = checksum(data)
-    if got != expected:
+    if checksum(data) != expected:
         raise CorruptCheckpointError(f"{where}: checksum mismatch (stored bytes are corrupt)")
 
 
@@ -119,37 +113,31 @@ DECODE_STEP = 1 << 20  # a zstd chunk is decoded (or checked) this many bytes at
 
 
 def decode_into(codec: str, stored, dest: memoryview, where: str) -> None:
-    """Decode one chunk's stored bytes into `dest` (exactly its raw length).
-
-    A zstd frame is decoded straight into `dest`, in steps, and must end exactly
-    there: nothing is allocated on the frame's or the manifest's word."""
-    if codec == "raw":
-        if len(stored) != len(dest):
-            raise CorruptCheckpointError(f"{where}: chunk holds {len(stored)} bytes, expected {len(dest)}")
-        dest[:] = stored
-        return
-    if codec == "zstd":
-        _zstd_stream(stored, len(dest), where, dest)
-        return
-    raise CorruptCheckpointError(f"{where}: unknown codec {codec!r}")
+    """Decode one chunk's stored bytes into `dest` (exactly its raw length); nothing is
+    allocated on the frame's or the manifest's word."""
+    _decode(codec, stored, len(dest), where, dest)
 
 
 def check_decodes(codec: str, stored, raw_length: int, where: str) -> None:
-    """That one chunk's stored bytes decode to exactly `raw_length` bytes, holding at most
-    DECODE_STEP of them at a time (`ftkit verify`, gc: they keep nothing)."""
+    """That one chunk's stored bytes decode to exactly `raw_length` bytes, keeping none of them."""
+    _decode(codec, stored, raw_length, where, None)
+
+
+def _decode(codec: str, stored, raw_length: int, where: str, dest: memoryview | None) -> None:
     if codec == "raw":
         if len(stored) != raw_length:
             raise CorruptCheckpointError(f"{where}: chunk holds {len(stored)} bytes, expected {raw_length}")
-        return
-    if codec == "zstd":
-        _zstd_stream(stored, raw_length, where, None)
-        return
-    raise CorruptCheckpointError(f"{where}: unknown codec {codec!r}")
+        if dest is not None:
+            dest[:] = stored
+    elif codec == "zstd":
+        _zstd_stream(stored, raw_length, where, dest)
+    else:
+        raise CorruptCheckpointError(f"{where}: unknown codec {codec!r}")
 
 
 def _zstd_stream(stored, raw_length: int, where: str, dest: memoryview | None) -> None:
-    """Decode one zstd frame in steps of DECODE_STEP: into `dest`, or into a scratch buffer
-    that is thrown away; the frame must yield exactly `raw_length` bytes."""
+    """Decode one zstd frame DECODE_STEP bytes at a time, into `dest` or a scratch buffer;
+    it must yield exactly `raw_length` bytes."""
     scratch = None if dest is not None else memoryview(bytearray(min(DECODE_STEP, max(raw_length, 1))))
     got = 0
     try:

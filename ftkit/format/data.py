@@ -1,11 +1,8 @@
-"""A step's data files: their sizes checked against its manifest, every chunk verified
-as it is read, whole tensors or regions of them read into memory.
+"""A step's data files: sizes checked against the manifest, chunks verified as read.
 
-Order of calls: a manifest from reader.py (`load_manifest`, `manifest_from`), then
-`verify` (an operator's check: every chunk, never skipping checksums) or
-`read_tensors` / `read_regions` (a restore: only the chunks a region needs, each
-checked where it lands). `check_file_sizes` runs first in each, before anything is
-allocated on the manifest's word.
+Order of calls: a manifest from reader.py, then `verify` (every chunk) or `read_tensors` /
+`read_regions` (only the chunks a region needs); each runs `check_file_sizes` first,
+before anything is allocated on the manifest's word.
 """
 
 from __future__ import annotations
@@ -40,11 +37,8 @@ def _chunk_jobs(manifest: Manifest):
 
 
 def check_file_sizes(storage: Storage, manifest: Manifest, only: Iterable[str] | None = None) -> None:
-    """The data files (of `only`, default all) exist with the sizes the manifest declares.
-
-    Validation bounded every byte count by the declared sizes; this binds those to
-    what storage really holds, so run it before allocating anything on a manifest's
-    word. One listing of the step directory."""
+    """The data files (of `only`, default all) exist with the sizes the manifest declares:
+    validation bounded every byte count by those, this binds them to what storage holds."""
     step_dir = step_dir_name(manifest.step)
     names = sorted(set(only) if only is not None else manifest.files)
     if not names:
@@ -82,8 +76,7 @@ def _readinto_exact(f, dest: memoryview, where: str) -> None:
         got += n
 
 
-# Remote reads (object stores): a chunk per request costs a round trip each, so a file's
-# chunks are fetched as spans of neighbouring chunks, several spans at once.
+# Remote reads fetch a file's chunks as spans of neighbouring chunks, several spans at once.
 SPAN_BYTES = 32 * 2**20  # a span: neighbouring chunks up to this many stored bytes, one request
 SPAN_GAP = 2**20  # chunks this close share a span (the bytes between are read and dropped)
 BATCH_BYTES = 256 * 2**20  # spans in flight at once: the memory a remote read holds beyond its results
@@ -104,9 +97,8 @@ def _spans(chunks: list[Chunk]) -> list[tuple[int, int, list[int]]]:
 
 
 def chunk_bytes(storage: Storage, rel: str, chunks: list[Chunk]) -> Iterator[tuple[int, memoryview]]:
-    """(index, stored bytes) of each of `chunks` (sorted by offset) of file `rel`, in order: a
-    local file read chunk by chunk; on an object store spans of neighbouring chunks, up to
-    BATCH_BYTES of them requested concurrently. A file shorter than a chunk's end is truncation."""
+    """(index, stored bytes) of each of `chunks` (sorted by offset) of file `rel`, in order;
+    a file shorter than a chunk's end is truncation."""
     if storage.is_local:
         with storage.open_read(rel) as f:
             for i, c in enumerate(chunks):
@@ -137,11 +129,8 @@ def verify(
     progress: Callable[[int], None] | None = None,
     names: Iterable[str] | None = None,
 ) -> None:
-    """Check sizes, every chunk's checksum and that every zstd chunk decodes to exactly
-    its raw length (of the `names` tensors, default all); raise on the first problem.
-
-    Never skips checksums, whatever FTKIT_UNSAFE_SKIP_CHECKSUMS says: this is the
-    check an operator runs to know."""
+    """Check sizes, every chunk's checksum and that it decodes to its raw length (of the
+    `names` tensors, default all); raise on the first problem. Never skips checksums."""
     wanted = set(names) if names is not None else None
     jobs_by_file = {
         f: [j for j in jobs if wanted is None or j[1] in wanted] for f, jobs in _chunk_jobs(manifest).items()
@@ -155,7 +144,7 @@ def verify(
             c, tname, _ = jobs[i]
             where = f"{storage.where(rel)} (tensor {tname!r})"
             codec.check(data, c.checksum, where)
-            codec.check_decodes(c.codec, data, c.raw_length, where)  # (in steps: nothing sized by the manifest)
+            codec.check_decodes(c.codec, data, c.raw_length, where)
             if progress:
                 progress(c.raw_length)
 
@@ -185,19 +174,11 @@ def read_regions(
 ) -> dict[str, torch.Tensor]:
     """Read a region of each named tensor, touching only the chunks that overlap it.
 
-    Order: plan which chunks each region needs (nothing allocated), check that
-    the files they lie in exist with their declared sizes, allocate, then read
-    each chunk once, verifying it as it lands. `out` gives tensors to read into
-    (the live ones, of the region's shape and dtype, contiguous): each of their
-    bytes is written by exactly one verified chunk, since validation proved the
-    chunks tile the tensor. Shards that match their region exactly (or are whole
-    rows of it) decode straight into the result; any other overlapping shard
-    decodes its needed chunks into a temporary, from which the overlap is copied.
-    `memory_limit`: the most bytes it may allocate (results not in `out`, and
-    temporaries), checked before the first allocation. Raises
-    CorruptCheckpointError on the first chunk that fails, or when memory would
-    not suffice: the caller must then not use what was read (a restore moves on
-    to the next candidate).
+    `out`: tensors to read into (contiguous CPU, of the region's shape and dtype); each
+    byte is written by exactly one verified chunk, since validation proved the chunks
+    tile the tensor. `memory_limit`: the most bytes it may allocate, checked before the
+    first allocation. Raises CorruptCheckpointError on the first chunk that fails, or
+    when memory would not suffice: the caller must then not use what was read.
     """
     entries = {t.name: t for t in manifest.tensors}
     step_where = storage.where(step_dir_name(manifest.step))
@@ -227,8 +208,7 @@ def read_regions(
                 f"{step_where}: the saved shards of {name!r} do not cover the region to restore"
             )
         plans.append((name, shards))
-    # 2. The files hold what the manifest says they do, and what it would make us allocate
-    #    fits in memory: only now may its sizes be allocated.
+    # 2. Only once the files hold what the manifest says, and it fits, may its sizes be allocated.
     check_file_sizes(storage, manifest, files)
     if memory_limit is not None:
         new_bytes = _new_bytes(entries, regions, plans, out or {})
@@ -237,7 +217,7 @@ def read_regions(
                 f"{step_where}: restoring it needs {new_bytes / 2**30:.1f} GiB of new memory for tensors the "
                 f"live state does not hold, more than the {memory_limit / 2**30:.1f} GiB available"
             )
-    # 3. Allocate the results and temporaries; list each chunk with the bytes it decodes into.
+    # 3. Allocate; shards not matching their region (or whole rows of it) go through a temporary.
     dest: dict[str, torch.Tensor] = {}
     jobs: list[tuple[Chunk, str, memoryview]] = []
     copies: list[tuple[torch.Tensor, Region, Region, torch.Tensor, str]] = []

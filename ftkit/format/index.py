@@ -1,27 +1,12 @@
 """Format versions 3 and 4: a step's manifest as a small index plus one part per node.
 
-A shared tier's step at thousands of ranks would otherwise carry one manifest of
-every rank's tensor entries, assembled and rewritten by rank 0 at every step. In
-version 3 each node's leader writes the entries of its node's ranks as a *part*,
-and rank 0 commits the step with an *index* that names the parts (O(nodes)
-bytes)::
-
-    step-000000000120/
-        rank-00000-1f3a9c2e.data      data files, as in version 2
-        part-00000-7c1d09aa.json      tensors, files and RNG state of node 0's ranks
-        part-00008-02be51f3.json      ... of the node whose first rank is 8
-        manifest.json                 the index, written last: the commit
-
-The index carries what is the same for every rank (the skeleton) and, per part,
-its size, checksum and ranks. A reader reads the index, then every part (size and
-checksum checked before it is parsed), and assembles one manifest that it
-validates exactly as a version-2 manifest (format/validate.py): so every
-invariant of FORMAT.md holds across parts too. Parts are untrusted like the
-index: a part may only describe its own ranks' files, shards and RNG state.
-
-A version-3 part is one JSON document; a version-4 part (what is written) is three JSON
-lines, its layout apart from its values (format/part.py). The index's format_version says
-which its parts are.
+Each node's leader writes its ranks' tensor entries, files and RNG state as a part;
+manifest.json, written last, is the index: the skeleton and, per part, its size,
+checksum and ranks, so rank 0 never rewrites every rank's entries. A reader checks
+each part's size and checksum before parsing it and validates the assembled manifest
+as a version-2 one (validate.py), so FORMAT.md's invariants hold across parts. A part
+may describe only its own ranks. Version-3 parts are one JSON document, version-4
+parts (what is written) three JSON lines (part.py).
 """
 
 from __future__ import annotations
@@ -53,11 +38,8 @@ from ftkit.format.validate import (
 )
 
 FIRST_INDEX_VERSION = 3  # manifest.json is an index of parts from this version on
-INDEX_VERSION = PART_VERSION  # the version written: 4, parts of three JSON lines (format/part.py)
-# A part lists one node's tensor entries (about 250 bytes a shard): megabytes even for
-# eight ranks of a model of tens of thousands of tensors, never a gigabyte. The index
-# (or a single-document manifest of versions 1-2) is smaller still, but for a skeleton
-# that carries a long history (a trainer's log). Larger files are refused unread.
+INDEX_VERSION = PART_VERSION  # the version written
+# No real writer makes a part or a manifest near this size: larger files are refused unread.
 MAX_PART_BYTES = 2**30
 MAX_MANIFEST_BYTES = 2**30
 
@@ -235,20 +217,15 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
 
 
 def check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:
-    """What a node's collector checks of the (version-4) part it is about to write (its ranks'
-    reports came through its node's board: untrusted): everything a reader checks of one part
-    alone. That the parts together tile every tensor is checked when a reader assembles them."""
-    _check_part(data, step, ranks, world_size, where, PART_VERSION)
-
-
-def _check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str, version: int) -> None:
+    """Everything a reader checks of one (version-4) part alone: what a node's collector checks
+    of its ranks' untrusted reports before writing. The tiling across parts is checked on assembly."""
     ref = PartRef("", len(data), "", frozenset(ranks))
     index = Index(step, world_size, (ref,), {})
     files: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
     states: dict[str, Any] = {}
     try:
-        _merge_part(parse_part(data, version, where), ref, index, files, tensors, states)
+        _merge_part(parse_part(data, PART_VERSION, where), ref, index, files, tensors, states)
         checked = _files(files, world_size)
         entries = [tensor_entry(t, checked, world_size, whole=False) for t in tensors.values()]
         check_no_shared_bytes(entries)

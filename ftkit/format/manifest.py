@@ -1,17 +1,8 @@
-"""The on-storage checkpoint format: pure data, no I/O.
+"""The on-storage checkpoint format's dataclasses and encoding: pure data, no I/O.
 
-A tier root holds one directory per committed step::
-
-    <root>/step-000000000120/
-        rank-00000-1f3a9c2e.data   # chunks of tensor bytes, raw or zstd frames
-        manifest.json              # written last; its presence commits the step
-
-The manifest is JSON (no pickle) and self-contained: for every tensor its dtype,
-global shape and saved shards (region offsets and lengths), and for every shard
-the chunks that hold its bytes (file, byte range, codec, checksum). FORMAT.md
-documents it field by field. This module encodes it; validate.py is the single
-place that decodes and validates it, so a manifest that passes
-:func:`manifest_from_json` is safe to act on (FORMAT.md, "Invariants").
+A step directory holds data files and manifest.json, written last: its presence commits
+the step. FORMAT.md documents the manifest field by field; validate.py is the one place
+that decodes it.
 """
 
 from __future__ import annotations
@@ -22,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT_NAME = "ftkit-checkpoint"
-# 2: Python's RNG state as a tensor (FORMAT.md, the skeleton); 3: an index of per-node
-# parts (format/index.py); 4: the same with each part as three JSON lines, its layout apart
-# from its values (format/part.py), what every tier writes. Every older version is still read.
+# 2: Python's RNG state as a tensor; 3: an index of per-node parts (index.py); 4: each part
+# as three JSON lines (part.py), what every tier writes. Every older version is still read.
 FORMAT_VERSION = 4
 SINGLE_DOC_VERSION = 2
 MANIFEST_NAME = "manifest.json"
@@ -141,7 +131,7 @@ class Manifest:
 
 
 def tensor_entry_doc(t: TensorEntry) -> dict[str, Any]:
-    """A tensor entry as plain JSON types (hand-written: asdict deep-copies, 20x slower)."""
+    """A tensor entry as plain JSON types (hand-written: asdict deep-copies, much slower)."""
     return {
         "name": t.name,
         "dtype": t.dtype,
@@ -169,8 +159,7 @@ def manifest_json(
     created_at: float,
     writer: dict[str, Any],
 ) -> bytes:
-    """A manifest's bytes from its parts, the tensors already as tensor_entry_doc()s
-    (how ranks report their writes: the commit then never rebuilds the dataclasses)."""
+    """A single-document manifest's bytes, the tensors already as tensor_entry_doc()s."""
     # Identifying fields first, so the first bytes of the file say what it is.
     doc = {
         "format": FORMAT_NAME,
@@ -184,15 +173,11 @@ def manifest_json(
         "created_at": created_at,
         "writer": writer,
     }
-    # Compact: a large model has thousands of entries; `jq . manifest.json` pretty-prints.
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def manifest_from_json(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
-    """Parse and validate a manifest; raise FormatError naming `where` on any problem.
-
-    The validation (validate.py) is the only one in ftkit: what passes it is safe to
-    act on, and FORMAT.md's "Invariants" lists what it proves."""
+    """Parse and validate a manifest (validate.py); FormatError naming `where` on any problem."""
     from ftkit.format.validate import parse_manifest
 
     return parse_manifest(data, where, expect_step)

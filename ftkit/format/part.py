@@ -4,12 +4,10 @@
     {"tensors":[{"name":...,"shards":[{...,"chunks":[{"raw_offset":0,"raw_length":n}]}]}]}  the layout
     {"files":[[name,bytes,rank]],"chunks":[[file,offset,length,codec,checksum]],"rank_state":{...}}
 
-The layout (names, dtypes, shapes, shards, how each shard is cut into chunks) is the same
-from one step to the next, so a writer may keep its encoded line and emit it as it is; the
-values line holds what each step changes: its data files, and one
-``[file index, offset, length, codec, checksum]`` per chunk of the layout, in the layout's
-order (tensors, then shards, then chunks). :func:`decode_part` turns a part back into the
-dict of a version-3 part, which format/index.py merges and validates as before.
+The layout (names, dtypes, shapes, shards, their chunks' raw ranges) is the same from one
+step to the next, so a writer may reuse its encoded line; the values line holds one
+``[file index, offset, length, codec, checksum]`` per chunk, in layout order.
+:func:`decode_part` turns a part back into a version-3 part's dict for index.py to validate.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ def rank_runs(ranks: list[int]) -> list[list[int]]:
 
 # ------------------------------------------------------------------ writing
 def layout_docs(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tensor entry docs (tensor_entry_doc's) as the layout holds them: each chunk only
-    its raw_offset and raw_length."""
+    """Tensor entry docs as the layout holds them: each chunk only its raw_offset and raw_length."""
     return [
         {
             **t,
@@ -56,9 +53,8 @@ def layout_docs(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def chunk_values(tensors: list[dict[str, Any]], files_index: dict[str, int]) -> list[list[Any]]:
-    """The values line's chunks of tensor entry docs: [file index, offset, length, codec,
-    checksum] per chunk, in layout order. A chunk of a file not in `files_index` is a
-    FormatError (a writer's reports are untrusted)."""
+    """The values line's chunks of tensor entry docs, in layout order; FormatError for a
+    chunk of a file not in `files_index` (a writer's reports are untrusted)."""
     try:
         return [
             [files_index[c["file"]], c["offset"], c["length"], c["codec"], c["checksum"]]
@@ -105,10 +101,8 @@ def encode_part_docs(
 
 # ------------------------------------------------------------------ reading
 def decode_part(data: bytes | bytearray | memoryview, where: str) -> dict[str, Any]:
-    """A version-4 part's bytes (untrusted) as the dict of a version-3 part: `format`,
-    `step`, `ranks`, `files` ({name: {"bytes", "rank"}}), `tensors` (full chunk dicts) and
-    `rank_state`, for index.py to merge and validate. FormatError naming `where` on any
-    problem of its form; the values themselves are validated on merging, as in version 3."""
+    """A version-4 part's bytes (untrusted) as a version-3 part's dict, for index.py to merge
+    and validate; FormatError naming `where` on any problem of its form."""
     lines = bytes(data).split(b"\n")
     if len(lines) != 4 or lines[3]:
         raise FormatError(f"{where}: a version-4 part is three JSON lines ending in newlines, not this")

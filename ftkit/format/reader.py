@@ -1,8 +1,7 @@
 """Find and load checkpoints on one tier: which steps exist, and their manifests.
 
-A step exists only if its directory holds a manifest that parses and validates
-(its index and every part it names, format/index.py). Reading a step's data, every
-chunk verified before any byte is handed out, is data.py's.
+A step exists only if its manifest (its index and every part it names) parses and
+validates. Reading a step's data is data.py's.
 """
 
 from __future__ import annotations
@@ -42,17 +41,14 @@ log = logging.getLogger(__name__)
 class StepDir:
     step: int
     committed: bool  # holds a manifest that is a regular file (not yet validated)
-    # "committed", "partial" (no manifest), "retired" (superseded by a restore of an
-    # older step: lifecycle.py), "empty" (no file at all: not a step), "link" (a
-    # symbolic link: never followed) or "bad" (manifest.json is no regular file)
+    # "committed", "partial" (no manifest), "retired" (lifecycle.py), "empty" (not a step),
+    # "link" (never followed) or "bad" (manifest.json is no regular file)
     status: str = "committed"
 
 
 def scan(storage: Storage, include_empty: bool = False) -> list[StepDir]:
-    """Every step directory under the root, oldest first.
-
-    An empty directory (or an object store's empty prefix, which some stores keep
-    after its objects are gone) is not a step: left out unless `include_empty`."""
+    """Every step directory under the root, oldest first; an empty one (or an object store's
+    empty prefix) is not a step: left out unless `include_empty`."""
     out = []
     for name, kind in storage.list_dir():
         step = parse_step_dir(name)
@@ -81,14 +77,13 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def load_manifest(storage: Storage, step: int) -> Manifest:
-    """The validated manifest of `step`: the single document of versions 1-2, or the
-    index of version 3 or 4 with its parts (format/index.py), read and assembled."""
+    """The validated manifest of `step`: a single document, or an index with its parts assembled."""
     return manifest_from(storage, step, *load_index(storage, step))
 
 
 def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
-    """The bytes of `step`'s manifest.json and, for versions 3-4, its index, validated (None:
-    a single document of versions 1-2, to be validated by manifest_from_json)."""
+    """The bytes of `step`'s manifest.json and its index, validated (None: a single document,
+    validated later by manifest_from_json)."""
     step_dir = step_dir_name(step)
     rel = f"{step_dir}/{MANIFEST_NAME}"
     if storage.is_link(step_dir):
@@ -111,10 +106,9 @@ def parse_manifest_header(data: bytes, where: str, step: int) -> Index | None:
 def manifest_from(
     storage: Storage, step: int, data: bytes, index: Index | None, sent: Mapping[str, bytes] | None = None
 ) -> Manifest:
-    """The manifest whose manifest.json is `data` (`index`: as parsed from it): a single
-    document validated, or the index's parts assembled, those in `sent` (from other
-    nodes, at a RAM-tier restore) and the rest read from the step directory, every one
-    checked against the index's size and checksum before it is parsed."""
+    """The manifest whose manifest.json is `data` (`index`: as parsed from it); the index's
+    parts are taken from `sent` (other nodes', at a RAM-tier restore) or read from the step
+    directory, each checked against its size and checksum before it is parsed."""
     where = storage.where(f"{step_dir_name(step)}/{MANIFEST_NAME}")
     if index is None:
         return manifest_from_json(data, where, expect_step=step)
@@ -165,29 +159,23 @@ def read_part(storage: Storage, step: int, ref: PartRef) -> bytes:
 
 
 def read_metadata(storage: Storage, rel: str, max_bytes: int) -> bytes:
-    """The bytes of a manifest.json or a manifest part, refused before they are read when
-    there are more than `max_bytes` (no real writer makes them) or, on a local
-    filesystem, when the file has holes: its size is then not bytes anybody stored
-    (JSON text never has a hole; a crafted sparse file of a gigabyte would cost a
-    gigabyte of memory to find out that it is not JSON). FormatError either way."""
+    """The bytes of a manifest.json or part; FormatError, before reading, when there are more
+    than `max_bytes` or, on a local filesystem, when the file has holes (JSON never has one:
+    a crafted sparse file would cost its size in memory to find out)."""
     where = storage.where(rel)
     with storage.open_read(rel) as f:
-        if storage.is_local:
-            fd = f.fileno()
-            size = os.fstat(fd).st_size
-            if size > max_bytes:
-                raise FormatError(f"{where}: {size} bytes, more than any manifest ftkit writes ({max_bytes})")
+        # (an object store's file knows its size before any read)
+        size = os.fstat(f.fileno()).st_size if storage.is_local else getattr(f, "size", None)
+        if size is not None and size > max_bytes:
+            raise FormatError(f"{where}: {size} bytes, more than any manifest ftkit writes ({max_bytes})")
+        if storage.is_local and size:
             try:
-                hole = os.lseek(fd, 0, os.SEEK_HOLE) if size else 0
+                hole = os.lseek(f.fileno(), 0, os.SEEK_HOLE)
             except OSError:  # (a filesystem without SEEK_HOLE: no holes reported)
                 hole = size
             if hole < size:
                 raise FormatError(f"{where}: a sparse file (a hole at byte {hole} of {size}); ftkit never writes one")
-            os.lseek(fd, 0, os.SEEK_SET)
-        else:
-            known = getattr(f, "size", None)  # (an object store's file knows its size before any read)
-            if known is not None and known > max_bytes:
-                raise FormatError(f"{where}: {known} bytes, more than any manifest ftkit writes ({max_bytes})")
+            os.lseek(f.fileno(), 0, os.SEEK_SET)
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise FormatError(f"{where}: more than {max_bytes} bytes, more than any manifest ftkit writes")

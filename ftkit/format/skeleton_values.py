@@ -1,7 +1,5 @@
-"""The skeleton's values, as a manifest or a rank's state carries them: JSON whose tags
-(``$tensor``, ``$ndarray``, ``$tuple``, ``$items``, ``$float``, ``$bytes``) are well formed and name
-only tensors the document lists for them (format/validate.py checks the rest of a
-manifest and calls these for its skeleton and every rank's own state)."""
+"""The skeleton's values (a manifest's, a rank's state's): JSON whose tags are well formed and
+name only tensors the document lists for them (validate.py checks the rest)."""
 
 from __future__ import annotations
 
@@ -31,9 +29,8 @@ def check_rank_state(state: dict[str, Any], own: set[str], where: str, numpy_ok:
 
 
 def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy_ok: set[str] | None = None) -> None:
-    """A skeleton value: JSON with well-formed tags, naming only tensors in `tensors`
-    (and, for $ndarray, in `numpy_ok`). The state's skeleton names shared tensors
-    only; a rank's RNG state names only that rank's own ``_rng/r<rank>/`` tensors."""
+    """A skeleton value: JSON with well-formed tags, naming only tensors in `tensors` (and, for
+    $ndarray, in `numpy_ok`)."""
     if depth > MAX_DEPTH:
         raise FormatError(f"{where} is nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, list):

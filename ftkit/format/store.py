@@ -1,6 +1,5 @@
 """What reading a step needs of where its bytes live: the part of tiers/storage.py's
-Storage that format/ uses, as a protocol, so the format depends on no tier (a Storage,
-or anything else that lists, stats and reads files under a root, will do)."""
+Storage that format/ uses, as a protocol, so the format depends on no tier."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Regions of tensors, and proofs that a manifest's pieces fit together exactly
-(format/validate.py uses them): no two chunks share stored bytes, and a tensor's
-shards cover it exactly once. A region is (offsets, lengths), one per dimension."""
+"""Regions of tensors (offsets, lengths), and validate.py's proofs that no two chunks share
+stored bytes and a tensor's shards cover it exactly once."""
 
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ def check_shards_tile(shape: tuple[int, ...], shards: tuple[Shard, ...], what: s
         for b in full[i + 1 :]:
             if all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths)):
                 raise FormatError(f"two shards of {what} overlap")
-    # (only reached when volumes add up and nothing overlaps)
 
 
 def _is_grid(shape: tuple[int, ...], shards: list[Shard]) -> bool:

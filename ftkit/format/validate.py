@@ -1,23 +1,11 @@
-"""The one validator of untrusted checkpoint metadata: a manifest (from a file or
-from the store) or a rank's report of its writes becomes frozen dataclasses, or a
-:class:`~ftkit.errors.FormatError` that names what is wrong and where.
+"""The one validator of untrusted checkpoint metadata: a manifest or a rank's report of
+its writes becomes frozen dataclasses, or a FormatError naming what is wrong and where.
 
-Nothing else in ftkit decodes these documents, so everything downstream may rely
-on what is proven here, before any allocation or read (FORMAT.md, "Invariants"):
-
-* every field has its JSON type (an int is an int: not a bool, not ``1e400``) and
-  lies in range (steps, ranks, offsets, shapes, counts, nesting depth);
-* every chunk names a listed file and lies inside that file's declared size;
-  chunks never share stored bytes; a raw chunk stores exactly its raw bytes and
-  a zstd chunk at most 32768 raw bytes per stored byte (zstd cannot do better);
-* a shard's chunks tile exactly ``prod(lengths) * itemsize`` raw bytes, with no
-  gap and no overlap;
-* a tensor's shards tile its global shape exactly once;
-* the skeleton's tags are well formed and every tensor it names exists.
-
-So the raw bytes a manifest makes a reader allocate never exceed what its files
-store (x32768 for zstd), and the reader compares the declared file sizes with the
-real ones (:func:`ftkit.format.reader.check_file_sizes`) before allocating anything.
+Nothing else decodes these documents, so everything downstream may rely on what is
+proven here (FORMAT.md, "Invariants"): types and ranges, chunks inside their files and
+sharing no bytes, chunks tiling their shard and shards their tensor, well-formed skeleton
+tags. So a manifest never makes a reader allocate more than its files store (x32768 for
+zstd), and data.check_file_sizes binds those sizes to storage before any allocation.
 """
 
 from __future__ import annotations
@@ -25,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from ftkit.errors import FormatError, one_line
 from ftkit.format.manifest import (
@@ -42,7 +30,7 @@ from ftkit.format.manifest import (
     Shard,
     TensorEntry,
 )
-from ftkit.format.skeleton_values import check_rank_state, check_value
+from ftkit.format.skeleton_values import _list, check_rank_state, check_value
 from ftkit.format.tiling import check_no_shared_bytes, check_shards_tile
 
 MAX_INT = 2**62  # offsets, sizes, byte counts: anything larger is not a real checkpoint
@@ -60,8 +48,8 @@ NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cann
 
 # ----------------------------------------------------------------- manifests
 def parse_manifest(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
-    """Parse and validate a single-document manifest (versions 1 and 2); raise FormatError
-    naming `where` on any problem. An index (version 3 on) is read with its parts (reader.py)."""
+    """Parse and validate a single-document manifest (versions 1 and 2); FormatError naming
+    `where` on any problem. An index is read with its parts (reader.py)."""
     doc, version = parse_header(data, where)
     if version > SINGLE_DOC_VERSION:
         raise FormatError(f"{where}: an index of manifest parts (format version {version}), not a whole manifest")
@@ -92,11 +80,9 @@ def parse_header(data: bytes | str, where: str) -> tuple[dict[str, Any], int]:
 
 
 def parse_json(data: bytes | str | bytearray | memoryview, where: str, what: str) -> Any:
-    """The one parser of untrusted JSON: a manifest, a part, an index, a store or board
-    message. JSON as ftkit writes it (UTF-8, no NaN/Infinity, no float that overflows);
-    anything else, whatever Python's own conversions would raise (ValueError for an
-    integer of over 4,300 digits, OverflowError, RecursionError), is a FormatError naming
-    `where`, and nothing else ever escapes."""
+    """The one parser of untrusted JSON (manifests, parts, store and board messages): JSON as
+    ftkit writes it (UTF-8, no NaN/Infinity, no overflowing float); anything else, whatever
+    Python's own conversions raise, is a FormatError naming `where`, and nothing else escapes."""
     try:
         text = bytes(data).decode() if isinstance(data, (bytes, bytearray, memoryview)) else data
         return _DECODER.decode(text)
@@ -134,9 +120,8 @@ def _finite_float(text: str) -> float:
     return value
 
 
-# One, not one per call. Integers parse at C speed: one of more than 4,300 digits is Python's
-# own ValueError (sys.int_max_str_digits), which parse_json turns into a FormatError; the
-# fields that hold integers bound them (_int, check_value, created_at).
+# An over-long integer is Python's own ValueError (sys.int_max_str_digits), which parse_json
+# turns into a FormatError; the fields that hold integers bound them.
 _DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 
@@ -239,14 +224,10 @@ def tensor_entry(t: Any, files: dict[str, dict[str, Any]], world: int, whole: bo
 
 
 def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any], world: int, what: str) -> Shard:
-    # Called for every shard of every tensor (rank 0 validates each commit's manifest):
-    # plain tests first, the precise message only when one fails.
-    offsets: Any
-    lengths: Any
-    rank: Any
-    offsets, lengths, rank = (
-        (s.get("offsets"), s.get("lengths"), s.get("rank", 0)) if type(s) is dict else (None, None, None)
-    )
+    # Hot (every shard of every commit): plain tests first, the precise message only when one fails.
+    if type(s) is not dict:
+        _shard_problem(s, shape, world, what)
+    offsets, lengths, rank = s.get("offsets"), s.get("lengths"), s.get("rank", 0)
     ndim = len(shape)
     if not (
         type(offsets) is list
@@ -277,7 +258,7 @@ def _shard(s: Any, shape: tuple[int, ...], itemsize: int, files: dict[str, Any],
     return Shard(tuple(offsets), tuple(lengths), chunks, rank)
 
 
-def _shard_problem(s: Any, shape: tuple[int, ...], world: int, what: str) -> None:
+def _shard_problem(s: Any, shape: tuple[int, ...], world: int, what: str) -> NoReturn:
     """Raise the precise FormatError for a shard that failed _shard's quick test."""
     if not isinstance(s, dict):
         raise FormatError(f"a shard of {what} is not an object")
@@ -292,12 +273,8 @@ def _shard_problem(s: Any, shape: tuple[int, ...], world: int, what: str) -> Non
 def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
     if type(c) is dict:
         file, offset, length = c.get("file"), c.get("offset"), c.get("length")
-        raw_offset, raw_length, codec, checksum = (
-            c.get("raw_offset"),
-            c.get("raw_length"),
-            c.get("codec"),
-            c.get("checksum"),
-        )
+        raw_offset, raw_length = c.get("raw_offset"), c.get("raw_length")
+        codec, checksum = c.get("codec"), c.get("checksum")
         # `files` holds only validated names, so membership checks the name too.
         if (
             type(file) is str
@@ -317,10 +294,9 @@ def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
         ):
             return Chunk(file, offset, length, raw_offset, raw_length, codec, checksum)
     _chunk_problem(c, files, what)
-    raise AssertionError("unreachable")
 
 
-def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> None:
+def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> NoReturn:
     """Raise the precise FormatError for a chunk that failed _chunk's quick test."""
     if not isinstance(c, dict):
         raise FormatError(f"a chunk of {what} is not an object")
@@ -360,12 +336,6 @@ def _int(v: Any, what: str, lo: int, hi: int) -> int:
         raise FormatError(f"{what} is not an integer ({str(v)[:40]!r})")
     if not lo <= v <= hi:
         raise FormatError(f"{what} is out of range ({str(v)[:40]})")
-    return v
-
-
-def _list(v: Any, what: str) -> list[Any]:
-    if not isinstance(v, list):
-        raise FormatError(f"{what} is not a list")
     return v
 
 

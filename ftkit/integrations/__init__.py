@@ -1,7 +1,3 @@
-"""Trainer integrations: one callback that snapshots and resumes through ftkit.
-
-* :mod:`ftkit.integrations.lightning`: ``FtkitCallback`` for a PyTorch Lightning ``Trainer``.
-* :mod:`ftkit.integrations.huggingface`: ``FtkitCallback`` for a ``transformers.Trainer``.
-
-Each module imports its framework on import; this package imports neither.
-"""
+"""Trainer integrations: one ``FtkitCallback`` each for PyTorch Lightning
+(:mod:`ftkit.integrations.lightning`) and ``transformers.Trainer``
+(:mod:`ftkit.integrations.huggingface`). Each module imports its framework; this package neither."""

@@ -55,11 +55,8 @@ class Adapter:
 
 
 class Stash:
-    """A state entry that, on restore, only keeps the loaded value for later.
-
-    Used for state that must be applied at a later point of the trainer's start-up
-    than the restore itself (an optimizer not built yet, RNG state that has to be
-    set at the moment the trainer would set it)."""
+    """A state entry whose restore only keeps the value, for state applied later in the trainer's
+    start-up (an optimizer not built yet, RNG state set where the trainer would set it)."""
 
     def __init__(self, get: Callable[[], Any]):
         self._get = get

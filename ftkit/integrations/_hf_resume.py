@@ -1,24 +1,8 @@
-"""The directory `FtkitCallback.resume_from_checkpoint()` hands `Trainer.train()`: what
-the Trainer insists on reading itself when it resumes, written from the step ftkit just
-restored (its Trainer state, and its weights), and removed once training has begun.
-
-Without FSDP each rank gets a directory of its own (``<path>-r<rank>`` with several
-ranks): ``trainer_state.json`` and ``model.safetensors``. Under FSDP2 the Trainer loads
-the weights after accelerate has sharded the model (``Trainer._load_from_checkpoint`` ->
-accelerate's ``load_fsdp_model``), from files in its own FSDP layout, which the plugin's
-``state_dict_type`` chooses:
-
-* ``SHARDED_STATE_DICT``: a ``torch.distributed.checkpoint`` directory
-  ``pytorch_model_fsdp_0``, written by all ranks together (each tensor once,
-  spread over the ranks), from which each rank reads only its own shard;
-* ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin``, written by rank 0, the only
-  rank that reads it (accelerate broadcasts from rank 0 under FSDP2).
-
-Both are the Trainer's formats, read only by the Trainer; ftkit's own format is
-unchanged. That directory is one for all ranks, as the Trainer's own FSDP checkpoints
-are: every rank must see it (`write_handoff` checks, and says so when one does not). The
-optimizer is not in it: the callback restores it into the live sharded optimizer
-(huggingface.py).
+"""The directory ``FtkitCallback.resume_from_checkpoint()`` hands ``Trainer.train()``: what the
+Trainer reads itself when it resumes (its state and the weights), written from the step ftkit
+just restored and removed once training has begun. Without FSDP each rank gets its own; under
+FSDP2 it is one directory all ranks must see, in the layout the plugin's ``state_dict_type``
+says (`write_handoff`), and the optimizer goes into the live sharded one (huggingface.py).
 """
 
 from __future__ import annotations
@@ -38,10 +22,8 @@ TRAINER_STATE_NAME = "trainer_state.json"
 
 
 def fsdp_plugin() -> Any:
-    """The accelerate FSDP plugin the Trainer trains with, or None.
-
-    None also where FSDP was asked for but accelerate runs the job as DDP (it turns
-    FSDP on only for accelerator devices; on CPU the Trainer trains under DDP)."""
+    """The accelerate FSDP plugin the Trainer trains with, or None (also where accelerate runs
+    an FSDP job as DDP: it turns FSDP on only for accelerator devices)."""
     from accelerate.state import AcceleratorState
 
     # Read, not constructed: AcceleratorState() would set accelerate up if nothing has yet.
@@ -63,8 +45,8 @@ def check_fsdp_args(args: Any) -> None:
 
 
 def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, world: int, rank: int, plugin: Any) -> str:
-    """Write the directory for ``train()`` at `path` (every rank calls it) and return where it
-    is: `path` under FSDP (`plugin`, see `write_handoff`), else this rank's own directory."""
+    """Every rank: write the directory for ``train()`` and return where it is (`path` under FSDP,
+    else this rank's own)."""
 
     def write_trainer_state(where: str) -> None:
         with open(os.path.join(where, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
@@ -79,8 +61,7 @@ def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, worl
         shutil.rmtree(path)
     os.makedirs(path)
     write_trainer_state(path)
-    # Trainer.train() insists on a weights file; these are the weights just restored. (Not
-    # save_pretrained: under torch.distributed it writes on rank 0 only.)
+    # Not save_pretrained: under torch.distributed it writes on rank 0 only.
     from safetensors.torch import save_model
 
     save_model(model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -88,9 +69,8 @@ def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, worl
 
 
 def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_state: Callable[[str], None]) -> None:
-    """Write the resume directory `path` for an FSDP run; every rank calls it, in this order:
-    rank 0 empties `path` and writes the Trainer state (`write_trainer_state(path)`); the
-    weights are written (see the module docstring); every rank checks it sees them."""
+    """Every rank: the FSDP resume directory. Rank 0 empties `path` and writes the Trainer state;
+    then the weights are written; then every rank checks it sees them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import StateDictType
 

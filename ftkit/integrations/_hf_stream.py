@@ -1,31 +1,11 @@
 """The Hugging Face Trainer's sample stream, continued exactly on another number of ranks.
 
-The stream. With accelerate's seedable sampler (the Trainer's default) every rank draws
-the same permutation of the dataset for epoch ``t`` (seeded with ``seed + t``); the global
-batch sampler cuts it into batches of ``per_device_train_batch_size``, and rank ``r`` of
-``W`` trains batches ``r, r + W, ...``. So the job as a whole reads one stream: epoch 0's
-permutation, then epoch 1's, ..., and a step consumes the next ``W x grad_accum`` batches
-of it whatever ``W`` is. A position in it is a count of samples (`StreamPosition`).
-
-Why the Trainer alone cannot resume it on another ``W``: it derives the epoch and the
-batches to skip from ``global_step`` and the steps per epoch *of the new world*
-(``global_step // steps_per_epoch``, ``global_step % steps_per_epoch``), which on another
-``W`` is another place in the stream.
-
-What is done instead (`continue_stream`): the Trainer's arithmetic is left as it is, and
-the sampler inside its data loader is swapped for `ContinuedSampler`, which serves each
-epoch the Trainer runs as a window of the true stream: the first epoch's window starts so
-that the batches the Trainer skips are the ones just before the saved position, and the
-first batch it trains is the first one the interrupted run had not trained. Each later
-epoch's window follows the one before it: every sample of every permutation is trained
-once, in order (but for the Trainer's own padding at an epoch's end when its batches do
-not divide by ``W``, which an uninterrupted run has too). When the run is defined by
-epochs (``num_train_epochs``, no ``max_steps``), the stream ends where the planned epochs
-end, and the callback stops the Trainer there (`stream_ended`) if it gets that far first
-(on fewer ranks than before; on more, the Trainer's own step count ends the run earlier).
-The windows are cut as epochs are: when a window's batches do not divide by the ranks,
-accelerate pads its last round with the window's first batches (or drops it, with
-``drop_last``), as it does at every epoch's end of an uninterrupted run.
+With accelerate's seedable sampler the job reads one stream (epoch ``t``'s permutation, seeded
+``seed + t``, then ``t + 1``'s); a position in it is a count of samples (`StreamPosition`). The
+Trainer derives where to resume from ``global_step`` and the *new* world's steps per epoch,
+elsewhere in the stream on another world size. So `continue_stream` leaves that arithmetic
+alone and swaps the loader's sampler for `ContinuedSampler`, which serves each epoch the Trainer
+runs as the window of the stream that continues the run: every sample once, in order.
 """
 
 from __future__ import annotations
@@ -41,9 +21,8 @@ from torch.utils.data import SequentialSampler
 
 @dataclass(frozen=True)
 class StreamPosition:
-    """Where a run is in the stream: `samples` consumed from the start of epoch 0;
-    `per_epoch`, the samples one epoch's pass consumes (the dataset's length, or its
-    whole batches with ``drop_last``)."""
+    """`samples` consumed from the start of epoch 0; `per_epoch`: the samples one epoch consumes
+    (the dataset's length, or its whole batches with ``drop_last``)."""
 
     samples: int
     per_epoch: int
@@ -63,10 +42,8 @@ class StreamPosition:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the running Trainer reads the stream: `world` ranks, `batch` samples per rank and
-    batch, `accum` batches per step, `steps_per_epoch` as the Trainer counts them; `start`
-    and `first_epoch`: the window of the Trainer's epoch `first_epoch` starts at sample
-    `start` of the stream (0, 0 for a run that did not continue another world's)."""
+    """How the running Trainer reads the stream (`batch`: per rank; `accum`: batches per step);
+    its epoch `first_epoch` starts at sample `start` (0, 0 unless it continues another world's)."""
 
     world: int
     batch: int
@@ -84,10 +61,8 @@ class Layout:
 
 
 def trainer_layout(args: Any, loader: Any) -> tuple[Layout, Any, Any] | None:
-    """The layout of the Trainer's training loader (`args`: its TrainingArguments), with the
-    batch sampler whose `sampler` is the stream's, and that sampler; None when the loader's
-    order cannot be reproduced (a sampler other than accelerate's seedable one or a
-    sequential one, an iterable dataset, batches split or dispatched by accelerate)."""
+    """(layout, batch sampler, its sampler) of the Trainer's training loader; None when its order
+    cannot be reproduced (another sampler, an iterable dataset, split or dispatched batches)."""
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, SeedableRandomSampler
 
     if type(loader) is DataLoaderDispatcher:  # (isinstance would not do: its __class__ says DataLoader)
@@ -111,10 +86,9 @@ def trainer_layout(args: Any, loader: Any) -> tuple[Layout, Any, Any] | None:
 
 
 class ContinuedSampler:
-    """Stands in for the sampler of the Trainer's batch sampler: the Trainer's epoch ``e``
-    (from `set_epoch`, which the Trainer calls before each epoch but the resumed one, whose
-    default is `first_epoch`) yields the stream's samples ``start + (e - first_epoch) *
-    per_epoch`` onwards, ``len(inner)`` of them, nothing past `end`."""
+    """Stands in for the Trainer's sampler: its epoch ``e`` (`set_epoch`; `first_epoch` until
+    called) yields ``len(inner)`` samples of the stream from ``start + (e - first_epoch) *
+    per_epoch``, nothing past `end`."""
 
     def __init__(self, inner: Any, layout: Layout, end: int | None):
         self.inner = inner  # the Trainer's own sampler: its permutation of epoch t is the stream's
@@ -149,10 +123,9 @@ class ContinuedSampler:
 def continue_stream(
     saved: StreamPosition, layout: Layout, outer: Any, sampler: Any, global_step: int, epochs: float | None
 ) -> tuple[Layout, int | None]:
-    """Make the Trainer's loader continue the stream at `saved` from `global_step` (the
-    resumed step): returns the layout now in force and the step at which the planned
-    `epochs` end (None: the run is defined by steps). Nothing is swapped when the Trainer's
-    own resume already lands on `saved` (the same world, a run that never changed it)."""
+    """Make the Trainer's loader continue the stream at `saved` from the resumed `global_step`;
+    (the layout in force, the step where the planned `epochs` end or None). Nothing is swapped
+    when the Trainer's own resume lands on `saved`."""
     inner = sampler.inner if isinstance(sampler, ContinuedSampler) else sampler
     fresh = dataclasses.replace(layout, start=0, first_epoch=0)
     if fresh.position(global_step) == saved:  # the Trainer's own skip is exact, and so is its end

@@ -15,8 +15,7 @@ log = logging.getLogger("ftkit.lightning")
 
 
 def drop_batches(fetcher: Any, n: int) -> None:
-    """Consume `n` batches from the fetcher's iterator without counting them as fetched:
-    the epoch loop adds the restored batch count to `fetcher.fetched` itself."""
+    """Consume `n` batches without counting them as fetched (the epoch loop counts restored ones)."""
     it = fetcher.iterator
     buffered = getattr(fetcher, "batches", None)  # _PrefetchDataFetcher when the length is unknown
     for _ in range(n):
@@ -35,14 +34,10 @@ def drop_batches(fetcher: Any, n: int) -> None:
 
 
 def leave_sigterm_to_ftkit(trainer: Any) -> None:
-    """Take Lightning's SIGTERM notifier out of the SIGTERM handler it installs at fit start.
+    """Take Lightning's SIGTERM notifier out of its handler; ftkit's, chained to it, preempts.
 
-    With several ranks it calls ``dist.broadcast`` from inside the signal handler, wherever
-    the main thread was interrupted (in another collective, or on a rank its peers are not
-    waiting for): the ranks deadlock, and the preemption deadline ends the job without a
-    final save. ftkit's handler, which Lightning's chains to, does the preemption instead:
-    ranks agree on a step through the store, save it to every tier, and exit with 128 + the
-    signal, so the scheduler or torchrun restarts the job from it. Other handlers stay."""
+    The notifier calls ``dist.broadcast`` inside the signal handler, wherever the main thread
+    was interrupted (in another collective, say): with several ranks they deadlock."""
     import signal
 
     connector = getattr(trainer, "_signal_connector", None)
@@ -56,14 +51,8 @@ def leave_sigterm_to_ftkit(trainer: Any) -> None:
 
 
 def slurm_requeue_signal(trainer: Any) -> int | None:
-    """The signal Lightning's SLURM environment requeues the job on (``SLURMEnvironment(
-    auto_requeue=True)``, the default when the job runs under SLURM: SIGUSR1 unless
-    ``requeue_signal`` says otherwise), or None when the job is not requeued on a signal.
-
-    Lightning's own handler for it saves a checkpoint from inside the signal handler
-    (collectives, under DDP, wherever the main thread was interrupted) and then requeues;
-    ftkit takes the signal instead (its handler is installed first, so Lightning installs
-    none): ranks agree on a step, save it to every tier, and rank 0 requeues."""
+    """The signal Lightning's SLURM auto-requeue uses, or None. ftkit takes it (its handler is
+    installed first, so Lightning installs none): Lightning's would save from inside the handler."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     env = getattr(trainer.strategy, "cluster_environment", None)
@@ -83,8 +72,7 @@ def _samplers(fit_loop: Any) -> Iterator[tuple[Any, Any]]:
 
 
 def set_sampler_epoch(fit_loop: Any, epoch: int) -> None:
-    """What Lightning's fit loop does at each epoch's start (a DistributedSampler's shuffle is
-    seeded with its epoch), for the iterator the callback re-makes before that."""
+    """Set every training sampler's epoch, as the fit loop does only after the callback re-makes the iterator."""
     for _, s in _samplers(fit_loop):
         set_epoch = getattr(s, "set_epoch", None)
         if callable(set_epoch):
@@ -92,9 +80,7 @@ def set_sampler_epoch(fit_loop: Any, epoch: int) -> None:
 
 
 def fit_epoch_length(trainer: Any, done: int) -> None:
-    """With a ResumableDistributedSampler an epoch's length is what the sampler has left
-    (after a resume on another world size, or a last round carried into the next epoch):
-    make the epoch loop's batch count agree, `done` batches already counted."""
+    """Fit the epoch loop's batch count, `done` already counted, to what a ResumableDistributedSampler has left."""
     fit_loop = trainer.fit_loop
     loaders = fit_loop._combined_loader
     if loaders is None or trainer.limit_train_batches != 1.0:  # a user limit: Lightning's count stands

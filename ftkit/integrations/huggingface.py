@@ -6,60 +6,14 @@
 
     ftkit_cb = FtkitCallback(["/local/ckpt"], every_n_steps=50)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[ftkit_cb])
-    trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())   # None: nothing to resume
+    with ftkit_cb:  # no exception hook in the Trainer: this flushes, and tells the peers of a failure
+        trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint())  # None: nothing to resume
 
-Why the one extra call: the ``Trainer`` decides which epoch and batch to start from,
-and skips the batches already trained on, only from the ``resume_from_checkpoint``
-it is handed; no callback can move its data loop. ``resume_from_checkpoint()`` loads
-the newest valid ftkit snapshot (checksums verified, a model that does not fit is a
-``StateMismatchError`` naming the keys, and nothing is changed) and writes a small
-directory for ``train()``: ``trainer_state.json`` (epoch, ``global_step``, log
-history) and the restored weights (``save_pretrained``, safetensors). There is no
-optimizer, scheduler or RNG file in it: the callback puts those back itself, the
-optimizer, LR scheduler and AMP ``GradScaler`` in ``on_train_begin`` (once the Trainer
-has built them) and the RNG state (Python, numpy, torch, CUDA) at the first
-``on_step_begin``, the point where the Trainer's own resume sets it: after the
-skipped batches and the next step's batches are fetched. The directory is removed
-once training has begun.
-
-Snapshots are taken at ``on_step_begin``, when ``state.global_step`` is a multiple of
-``every_n_steps``: the state *after* that step, including its logging and evaluation,
-and the RNG state at the point the resume sets it, which is what makes the resumed run
-repeat the uninterrupted one bit for bit (given a deterministic data collator). The last
-step of a run is snapshotted at ``on_train_end``. Snapshots are asynchronous: the step
-waits only for the copy into staging memory.
-
-If the tiers already hold snapshots and ``train()`` was not given
-``resume_from_checkpoint()``, ``on_train_begin`` raises instead of starting over (which
-would let retention delete the run's snapshots); ``ignore_existing=True`` starts over.
-
-Several processes (torchrun, DDP through accelerate): every rank calls
-``resume_from_checkpoint()`` (the restore is collective), gets a resume directory of its
-own (``<resume_dir>-r<rank>``), and restores its own RNG state (a
-:class:`~ftkit.RankLocal` entry); the Trainer's sharded data loader skips the same batches
-on every rank as in its own resume, which is exact when the number of ranks is the same.
-On another number of ranks the Trainer's epoch and skip arithmetic (steps per epoch) is
-not the interrupted run's; the snapshot records the job's place in the one global sample
-stream, and the callback makes the Trainer's loader serve each epoch the Trainer runs as
-the window of that stream that continues it (_hf_stream.py): every sample once, in order.
-The run's length stays the Trainer's (``max_steps``, or ``num_train_epochs`` x the new
-world's steps per epoch); on fewer ranks the callback stops it where the planned epochs
-of the stream end. A sampler accelerate cannot reproduce (``use_seedable_sampler=False``,
-a custom one) leaves the Trainer's own arithmetic, with a warning.
-
-FSDP2 (accelerate's plugin, ``fsdp_config={"version": 2}``): the Trainer loads the weights
-itself after sharding, from its own FSDP files, so ``resume_from_checkpoint()`` writes the
-restored weights in that layout into one resume directory all ranks see (_hf_resume.py), and
-``on_train_begin`` restores the same step into the live sharded model and optimizer.
-
-Limits, checked at ``Trainer`` construction: no DeepSpeed, FSDP1 or XLA's FSDP (they keep
-their own flat shards). A collator that draws random
-numbers (MLM masking) makes the first resumed batch differ, as it does with the
-Trainer's own resume. ``transformers.Trainer`` has no exception hook: a failed
-``train()`` leaves the last snapshots flushing in the background; call
-``ftkit_cb.close()`` in a ``finally``, or better run ``train()`` inside ``with ftkit_cb:``,
-which also tells the other ranks at once that this one failed (as the Checkpointer's own
-``with`` block does) instead of leaving them in a collective until their timeout.
+The Trainer moves its data loop only for a ``resume_from_checkpoint`` directory, so
+``resume_from_checkpoint()`` restores the newest snapshot and writes one (_hf_resume.py); the
+callback puts the optimizer, scheduler and GradScaler back in ``on_train_begin`` and the RNG
+state where the Trainer's own resume sets it. On another number of ranks the loader continues
+the one global sample stream (_hf_stream.py). FSDP2, limits and tests: docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -108,14 +62,14 @@ __all__ = ["FtkitCallback"]
 class FtkitCallback(TrainerCallback):
     """Snapshot a ``transformers.Trainer`` into ftkit tiers; resume it with ``resume_from_checkpoint()``.
 
-    tiers: ftkit tiers (``Tier`` objects, URLs or dicts), as for :class:`ftkit.Checkpointer`;
-        opened and listed when the Trainer is constructed, so an unreachable tier fails there.
-    every_n_steps: snapshot when ``state.global_step`` is a multiple of this (a tier's own
+    tiers: ftkit tiers (``Tier`` objects, URLs or dicts); opened when the Trainer is built.
+    every_n_steps: snapshot when ``state.global_step`` is a multiple of this (a tier's
         ``every`` applies on top).
     policy: ``"wait"`` or ``"skip"`` when both staging buffers are busy (see ``Checkpointer``).
     resume_dir: where ``resume_from_checkpoint()`` writes the directory for ``train()``
-        (default: ``<output_dir>/ftkit-resume``); it is removed when training begins.
-    ignore_existing: start from scratch even if the tiers hold snapshots.
+        (default ``<output_dir>/ftkit-resume``; one all ranks see under FSDP); removed once
+        training begins.
+    ignore_existing: start from scratch even if the tiers hold snapshots (else an error).
     checkpointer_kwargs: passed to :class:`ftkit.Checkpointer` (``max_staging_bytes``).
     """
 
@@ -151,11 +105,9 @@ class FtkitCallback(TrainerCallback):
         self._end: int | None = None  # where the planned epochs of a continued stream end, in samples
         self._fsdp = False  # the Trainer trains under FSDP2 (set by resume_from_checkpoint)
 
-    # ----------------------------------------------------------------- state
     def _entries(self, model, optimizer, scheduler, trainer_state, world_size: int = 1) -> dict[str, Any]:
         """The same keys for snapshot and restore; `None` parts become stashes. "rng" is each
-        rank's own; "world" the number of ranks that took the snapshot and the job's position
-        in the sample stream (_hf_stream.py), the same on every rank."""
+        rank's own; "world": the snapshot's world size and stream position (_hf_stream.py)."""
 
         def job() -> dict[str, Any]:
             layout, end = self._layout, self._end
@@ -182,7 +134,6 @@ class FtkitCallback(TrainerCallback):
             "world": Adapter(job, lambda v: None) if trainer_state is not None else Stash(dict),
         }
 
-    # ---------------------------------------------------------------- set-up
     def on_init_end(self, args, state, control, model=None, **kwargs):
         check_fsdp_args(args)
         check_tiers_reachable(self.tiers, "FtkitCallback")
@@ -190,11 +141,8 @@ class FtkitCallback(TrainerCallback):
         self._args = args
 
     def resume_from_checkpoint(self) -> str | None:
-        """Load the newest ftkit snapshot; return the directory to pass to ``Trainer.train``.
-
-        Returns ``None`` when the tiers hold no snapshot (a fresh start). The model's
-        weights are restored in place now; the rest when training begins.
-        """
+        """Restore the newest snapshot's weights (the rest when training begins); return the
+        directory to pass to ``Trainer.train``, or ``None`` when there is none. Every rank calls it."""
         if self._model is None:
             raise FtkitError(
                 "resume_from_checkpoint(): pass this callback to the Trainer first (Trainer(..., callbacks=[ftkit_cb]))"
@@ -212,8 +160,7 @@ class FtkitCallback(TrainerCallback):
         plugin = fsdp_plugin()
         self._fsdp = plugin is not None
         if self._fsdp:
-            # The optimizer goes into the live sharded one at on_train_begin (a second restore,
-            # of this step): the full copy loaded here is dropped.
+            # on_train_begin restores this step again into the live sharded optimizer.
             self._resume["optimizer"] = self._resume["scheduler"] = self._resume["scaler"] = None
         path = write_resume_dir(
             self._model, path, self._resume["trainer_state"], self._args.world_size, self._args.process_index, plugin
@@ -250,13 +197,8 @@ class FtkitCallback(TrainerCallback):
                     "pass FtkitCallback(..., ignore_existing=True) to start over"
                 )
         self._follow_stream(args, state, resume, kwargs.get("train_dataloader"))
-        self.checkpointer = Checkpointer(
-            self._entries(model, optimizer, lr_scheduler, state, args.world_size),
-            self.tiers,
-            policy=self.policy,
-            rng=False,
-            **self.checkpointer_kwargs,
-        )
+        entries = self._entries(model, optimizer, lr_scheduler, state, args.world_size)
+        self.checkpointer = Checkpointer(entries, self.tiers, policy=self.policy, rng=False, **self.checkpointer_kwargs)
         if resume is not None and self._fsdp:
             self._restore_sharded(resume["step"], args)
         if not self._atexit:  # no exception hook in the Trainer: flush at exit at the latest
@@ -264,9 +206,8 @@ class FtkitCallback(TrainerCallback):
             self._atexit = True
 
     def _follow_stream(self, args, state, resume: dict[str, Any] | None, loader) -> None:
-        """How the Trainer's loader reads the sample stream (_hf_stream.py): from its beginning
-        on a fresh start; after a resume, from the snapshot's place in it, on whatever number
-        of ranks, or (saying why) where the Trainer's own arithmetic puts it."""
+        """Make the Trainer's loader continue the snapshot's place in the sample stream, or say why
+        the Trainer's own arithmetic decides (_hf_stream.py)."""
         found = trainer_layout(args, loader)
         self._layout, self._stop_at, self._end = (found[0] if found else None), None, None
         if resume is None:
@@ -304,11 +245,8 @@ class FtkitCallback(TrainerCallback):
             )
 
     def _restore_sharded(self, step: int, args) -> None:
-        """Under FSDP2: the same step again, into the live sharded model and optimizer (each rank
-        reads its own shards; the scheduler and scaler come with it). The model's weights are
-        already the step's (the Trainer loaded them from the resume directory); the optimizer's
-        state exists only now. The restore's vote means every rank is past the Trainer's load,
-        so rank 0 can remove the shared resume directory after it."""
+        """FSDP2: the same step again, into the live sharded model and optimizer. Its vote means
+        every rank is past the Trainer's load, so rank 0 then removes the shared resume directory."""
         assert self.checkpointer is not None
         got = self.checkpointer.restore(step)
         if got != step:
@@ -328,8 +266,9 @@ class FtkitCallback(TrainerCallback):
         if scaler is not None and resume["scaler"]:
             scaler.load_state_dict(resume["scaler"])
 
-    # ------------------------------------------------------------ snapshots
     def on_step_begin(self, args, state, control, **kwargs):
+        # Step N is snapshotted as step N+1 begins: after its logging and evaluation, with the
+        # RNG state where a resume sets it (the next step's batches already fetched).
         if self._rng_due is not None:
             rng, self._rng_due = self._rng_due, None
             set_rng_state(rng)
@@ -351,14 +290,11 @@ class FtkitCallback(TrainerCallback):
         self._last_step = step
         self.checkpointer.snapshot(step)
 
-    # ----------------------------------------------------------------- close
     def __enter__(self) -> FtkitCallback:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Close; when ``train()`` raised, as the Checkpointer's own ``with`` block ends on an
-        exception (peers hear of the failure at once; under torchrun a worker whose teardown
-        then blocks on a dead peer is ended, so the agent restarts the group)."""
+        """Close; when ``train()`` raised, end as the Checkpointer's own ``with`` block does."""
         ck, self.checkpointer = self.checkpointer, None
         if ck is not None:
             ck.__exit__(exc_type, exc, tb)

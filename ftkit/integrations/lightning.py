@@ -7,54 +7,15 @@
     trainer = L.Trainer(max_epochs=10, callbacks=[FtkitCallback(["/local/ckpt"], every_n_steps=50)])
     trainer.fit(model)      # resumes from the newest ftkit snapshot, if there is one
 
-What a snapshot holds (taken in ``on_train_batch_end`` when ``trainer.global_step``
-is a multiple of ``every_n_steps``, the same point at which Lightning's
-``ModelCheckpoint(every_n_train_steps=...)`` saves), and how it comes back at fit
-start (``on_fit_start``, after the strategy has built the optimizers):
+A snapshot (``on_train_batch_end``, where ``ModelCheckpoint(every_n_train_steps=...)`` saves)
+holds what ``_state`` lists; the loops restart as on Lightning's ``ckpt_path=`` resume, which
+wins over ftkit. Lightning starts a plain DataLoader over on a mid-epoch resume; the callback
+re-makes the epoch's iterator from its epoch-start RNG state and drops the batches already
+consumed. Several ranks, samplers and tests: docs/integrations.md.
 
-* ``model``: the LightningModule's ``state_dict`` (strict: a different model is a
-  ``StateMismatchError`` naming the keys, and nothing is changed);
-* ``optimizer0..``, ``scheduler0..``: every optimizer and LR scheduler;
-* ``precision``: the precision plugin (the AMP ``GradScaler``);
-* ``callbacks``: the other callbacks' ``state_dict()`` by ``state_key``, as
-  Lightning's own checkpoints hold them; ``datamodule``: its ``state_dict()``;
-* ``loops``: ``trainer.fit_loop.state_dict()``: epoch, batch and optimizer-step
-  progress. Loading it marks the loops as restarting, exactly as Lightning's own
-  ``ckpt_path=`` resume does, so ``current_epoch``, ``global_step``, the batch index
-  and the logging step continue where they were;
-* ``ftkit_lightning``: the world size and the position of a
-  :class:`~ftkit.ResumableDistributedSampler` in the training dataloader, if there is one;
-* ``ftkit_lightning_rank`` (a :class:`~ftkit.RankLocal` entry, saved for each rank): this
-  rank's RNG state (Python, numpy, torch, CUDA) at the snapshot, and its RNG state just
-  before the current epoch's dataloader iterator was made.
-
-Several processes (``strategy="ddp"``, FSDP, under Lightning's launcher or torchrun): every
-rank snapshots its share and restores its own RNG; the data position resumes in one of
-two ways. With Lightning's own ``DistributedSampler`` (the default), a restart on the same
-number of ranks re-makes each rank's epoch iterator and skips what it had consumed, as
-below: exact. A restart on another number of ranks cannot continue that stream (each rank's
-shard depends on the world size); it warns and starts the interrupted epoch's remaining
-batches from the new shards. For an exact stream across world sizes, give the training
-``DataLoader`` a :class:`~ftkit.ResumableDistributedSampler` and
-``Trainer(use_distributed_sampler=False)``: the callback advances it after every batch,
-saves its global position, and on resume the loader yields exactly the samples the
-interrupted run had not consumed, split over the new ranks.
-
-Lightning itself does not move a plain ``DataLoader`` to the middle of an epoch on
-resume (it warns that the loader is not resumable and starts the iterator over). This
-callback does: at train start it sets the RNG to the epoch-start state, makes the
-epoch's iterator again (so a shuffling sampler draws the same permutation and worker
-seeds), fetches and drops the batches the snapshot had already consumed, then sets the
-RNG to the snapshot's state. With ``deterministic=True`` the resumed run then computes
-bit for bit what the uninterrupted run computes.
-
-Limits (checked or documented, never silent): a
-``training_step`` that takes ``dataloader_iter`` is resumed without the fast-forward
-(with a warning); ``persistent_workers=True`` keeps worker RNG state that no checkpoint
-holds; hooks that draw random numbers between the epoch start and the epoch's first
-batch (``on_train_epoch_start``) make the resumed permutation differ. When
-``trainer.fit(ckpt_path=...)`` is given, Lightning's checkpoint wins and ftkit does not
-restore.
+Limits: a ``training_step`` taking ``dataloader_iter`` resumes without the fast-forward (with
+a warning); ``persistent_workers=True`` keeps worker RNG state no checkpoint holds; random
+draws in ``on_train_epoch_start`` make the resumed permutation differ.
 """
 
 from __future__ import annotations
@@ -103,14 +64,11 @@ _RANK_ENTRY = "ftkit_lightning_rank"  # each rank's: its RNG states
 class FtkitCallback(Callback):
     """Snapshot the Lightning training state into ftkit tiers, and resume from the newest one.
 
-    tiers: ftkit tiers (``Tier`` objects, URLs or dicts), as for :class:`ftkit.Checkpointer`.
-        Every tier is opened and listed in ``setup``, so an unreachable tier stops the run
-        before the first batch.
-    every_n_steps: snapshot when ``trainer.global_step`` (optimizer steps) is a multiple of this.
-        A tier's own ``every`` applies on top (e.g. every 10 to local disk, every 100 to S3).
+    tiers: ftkit tiers (``Tier`` objects, URLs or dicts); opened in ``setup``, before the first batch.
+    every_n_steps: snapshot when ``trainer.global_step`` (optimizer steps) is a multiple of this
+        (a tier's ``every`` applies on top).
     policy: ``"wait"`` or ``"skip"`` when both staging buffers are busy (see ``Checkpointer``).
-    restore: resume from the newest snapshot at fit start (default). ``False`` starts over
-        (the old snapshots stay until retention removes them).
+    restore: resume from the newest snapshot at fit start; ``False`` starts over.
     checkpointer_kwargs: passed to :class:`ftkit.Checkpointer` (``max_staging_bytes``, ``rng``).
     """
 
@@ -138,11 +96,9 @@ class FtkitCallback(Callback):
         self._job: dict[str, Any] | None = None  # the restored job entry (world size, sampler position)
         self._sampler: ResumableDistributedSampler | None = None  # the training loader's, if it has one
 
-    # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_tiers_reachable(self.tiers, "FtkitCallback")
+        if stage == "fit":
+            check_tiers_reachable(self.tiers, "FtkitCallback")
 
     def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         state: dict[str, Any] = {"model": pl_module}
@@ -171,17 +127,11 @@ class FtkitCallback(Callback):
         self._job = dict(saved)
 
     def _callback_states(self, trainer: pl.Trainer) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for cb in trainer.callbacks:  # (a Trainer property Lightning adds)
-            if cb is self:
-                continue
-            sd = cb.state_dict()
-            if sd:
-                out[str(cb.state_key)] = sd
-        return out
+        # (trainer.callbacks: a Trainer property Lightning adds)
+        return {str(cb.state_key): sd for cb in trainer.callbacks if cb is not self and (sd := cb.state_dict())}
 
     def _load_callback_states(self, trainer: pl.Trainer, saved: dict[str, Any]) -> None:
-        for cb in trainer.callbacks:  # (a Trainer property Lightning adds)
+        for cb in trainer.callbacks:
             if cb is not self and str(cb.state_key) in saved:
                 cb.load_state_dict(saved[str(cb.state_key)])
 
@@ -197,20 +147,15 @@ class FtkitCallback(Callback):
         return load
 
     def _own_state(self) -> dict[str, Any]:
-        if not self.rng:
-            return {}
-        return {"rng": rng_state(), "epoch_rng": self._epoch_rng}
+        return {"rng": rng_state(), "epoch_rng": self._epoch_rng} if self.rng else {}
 
     def _load_own_state(self, saved: dict[str, Any]) -> None:
         self._pending = dict(saved)
 
-    # ----------------------------------------------------------------- restore
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_quietly()
         self._last_step = -1
-        self._pending = None
-        self._job = None
-        self._sampler = None
+        self._pending = self._job = self._sampler = None
         self.restored_step = 0
         kwargs = dict(self.checkpointer_kwargs)
         requeue_on = slurm_requeue_signal(trainer)
@@ -280,10 +225,10 @@ class FtkitCallback(Callback):
         consumed = progress.current.ready
         pending = pending or {}  # empty on a rank the snapshot has no state for (the world grew)
         if progress.is_last_batch or (self._sampler is None and consumed >= trainer.num_training_batches):
-            consumed = 0  # the snapshot ended an epoch: the next one starts from a fresh iterator
-            # and the RNG state as it was when the original run made that iterator
-            epoch_rng = pending.get("rng")
-            self._epoch_rng = epoch_rng
+            # The snapshot ended an epoch: the next starts from a fresh iterator and the RNG
+            # state the original run made it with.
+            consumed = 0
+            epoch_rng = self._epoch_rng = pending.get("rng")
         else:
             epoch_rng = pending.get("epoch_rng")
         if fetcher is None or fetcher.iterator is None:
@@ -310,8 +255,8 @@ class FtkitCallback(Callback):
             # The epoch loop counts the restored batches into `fetched`: the epoch's length counts them too.
             fetcher.length = int(fit_loop.max_batches)
         if consumed and self.rng and pending.get("rng") is not None:
-            # Back to the snapshot's RNG state. (With nothing dropped the iterator's lazy first
-            # draws are still to come, from the state just set, as in the original run.)
+            # Back to the snapshot's RNG state (with nothing dropped, the iterator's lazy first
+            # draws still come from the epoch's state, as in the original run).
             set_rng_state(pending["rng"])
         if self._sampler is not None:
             log.info(
@@ -332,7 +277,6 @@ class FtkitCallback(Callback):
             if self._sampler is not None:
                 fit_epoch_length(trainer, done=0)
 
-    # ---------------------------------------------------------------- snapshot
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -347,7 +291,6 @@ class FtkitCallback(Callback):
         assert self.checkpointer is not None
         self.checkpointer.snapshot(step)
 
-    # ------------------------------------------------------------------- close
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()  # flushes; a failed background persist is raised here
 
@@ -356,11 +299,7 @@ class FtkitCallback(Callback):
             self._close_quietly()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # As the Checkpointer's own `with` block ends on an exception: its peers hear of the
-        # failure at once (they would otherwise wait in the next collective), nothing waits for
-        # a commit that needs every rank, and under torchrun the process is ended if Lightning's
-        # teardown then blocks on a dead peer, so the agent can restart the group. A preemption's
-        # SystemExit is an ending on purpose.
+        # End as the Checkpointer's own `with` block does: the peers hear of the failure at once.
         ck, self.checkpointer = self.checkpointer, None
         if ck is not None:
             ck.__exit__(type(exception), exception, exception.__traceback__)

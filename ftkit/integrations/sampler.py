@@ -1,41 +1,9 @@
 """A distributed sampler whose checkpoint is a position in one global sample stream.
 
-``torch.utils.data.DistributedSampler`` remembers only the epoch, so a job that
-stops mid-epoch either replays the epoch or, if it counts batches per rank,
-cannot resume on a different number of ranks: rank ``r`` of 2 and rank ``r`` of 3
-see different shards. Here the job as a whole reads *one* stream, and the state
-is a position in it, which means the same thing whatever the world size.
-
-The stream: epoch ``e`` is ``torch.randperm(N)`` drawn from a generator seeded
-with ``seed + e`` (``range(N)`` when ``shuffle=False``); the stream is epoch 0,
-then epoch 1, and so on. ``position`` ``p`` counts the samples of the current
-epoch that the job (all ranks together) has consumed. From there, the ``W``
-ranks read it round by round, interleaved: rank ``r`` takes stream offsets
-``p + r + k*W`` for ``k = 0, 1, ...``; round ``k`` is offsets ``p + k*W`` to
-``p + k*W + W - 1``.
-
-The end of an epoch, when ``N - p`` is not a multiple of ``W``. Every rank must
-yield the same number of samples (DDP steps in lockstep), so the last round is
-either completed or dropped:
-
-* ``drop_last=False`` (default): ``ceil((N - p) / W)`` rounds. The last one runs
-  on into the *next* epoch's order, so it ends with the first ``c < W`` samples
-  of epoch ``e + 1``, and epoch ``e + 1`` then starts at position ``c``. Nothing
-  is skipped and nothing is repeated: every epoch's permutation is consumed
-  exactly once, in order, whatever the world size was along the way. (A pass
-  over the loader may therefore contain a few indices twice, once from each
-  epoch; ``DistributedSampler`` instead pads with the start of the *same*
-  epoch, which repeats those samples and then serves them again.)
-* ``drop_last=True``: ``floor((N - p) / W)`` rounds; the last ``(N - p) % W``
-  samples of the epoch are skipped and the next epoch starts at position 0.
-  Which samples that is depends on the world size when the epoch ends.
-
-Counting what this sampler yields would over-count: a ``DataLoader`` pulls
-indices ahead of the training loop (prefetching, worker queues). So the position
-moves only through :meth:`advance`, which the loop calls with the number of
-samples each rank consumed, once per step and before that step's snapshot.
-Every rank calls it with the same ``n``, so :meth:`state_dict` is the same on
-every rank and rank 0's copy is enough.
+``DistributedSampler`` shards by world size, so a job stopped mid-epoch cannot resume on
+another number of ranks. Here the job reads one stream (epoch ``e``: ``randperm(N)`` seeded
+``seed + e``, then epoch ``e + 1``); from position ``p`` rank ``r`` of ``W`` takes offsets
+``p + r + k*W``, and the state is ``p``, the same on any world size. See docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -55,32 +23,17 @@ class ResumableDistributedSampler(Sampler[int]):
 
     Args:
         dataset_or_len: the dataset (anything with ``len()``) or its length ``N``.
-        num_replicas, rank: the world size and this rank; when not given, from
-            ``torch.distributed`` if it is initialized, else from the ``WORLD_SIZE``
-            and ``RANK`` environment variables, else 1 and 0.
+        num_replicas, rank: the world size and this rank; by default from ``torch.distributed``
+            if initialized, else ``WORLD_SIZE`` and ``RANK``, else 1 and 0.
         shuffle: each epoch is a fresh permutation (else ``range(N)`` every epoch).
         seed: epoch ``e`` is shuffled with ``seed + e``; the same on every rank.
-        drop_last: what happens to an epoch's last, partial round (module docstring).
+        drop_last: skip an epoch's last, partial round instead of running on into the next epoch.
 
-    Use:
-
-    * ``advance(n)`` after each step: ``n`` samples consumed on each rank.
-    * ``set_epoch(e)``: as with ``DistributedSampler``; jumps to the start of
-      epoch ``e``, unless ``e`` is already the current epoch (after a restore, or
-      after :meth:`advance` rolled over into it), in which case the position is kept.
-    * ``iter(sampler)``: this rank's indices from the current position to the end
-      of the current epoch; fixed when the iterator is created.
-    * ``len(sampler)``: how many indices that is.
-
-    The epoch rolls over on its own: when :meth:`advance` reaches the end of the
-    epoch (for ``drop_last=True``: fewer than ``W`` samples left), ``epoch`` goes
-    up by one and ``position`` starts at the carried-over count (or 0). So either
-    ``for epoch in range(sampler.epoch, E): sampler.set_epoch(epoch); ...`` or
-    ``while sampler.epoch < E: ...`` resumes correctly. The ``while`` form needs
-    every yielded sample to be advanced over: a ``DataLoader(drop_last=True)``
-    never delivers an epoch's last partial batch, so the epoch would never end
-    (use this sampler's ``drop_last``, or the ``for`` form, whose ``set_epoch``
-    moves on).
+    Use: ``advance(n)`` after each step (``n`` samples consumed on each rank, before the
+    step's snapshot); ``set_epoch(e)`` as with ``DistributedSampler``, keeping the position
+    when ``e`` is the current epoch; ``iter(sampler)``: this rank's indices to the epoch's end.
+    ``advance`` rolls the epoch over by itself, so ``while sampler.epoch < E`` works too, but
+    only if every yielded sample is advanced over (not with ``DataLoader(drop_last=True)``).
     """
 
     def __init__(
@@ -114,8 +67,6 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch = 0
         self.position = 0
 
-    # -- the stream -----------------------------------------------------------
-
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.num_samples)
@@ -142,10 +93,9 @@ class ResumableDistributedSampler(Sampler[int]):
             out[sel] = self._order(self.epoch + k)[offsets[sel] % n]
         return iter(out.tolist())
 
-    # -- moving through it -----------------------------------------------------
-
     def advance(self, n: int) -> None:
-        """Record that each rank has consumed ``n`` more samples (the job: ``n * W``)."""
+        """Record that each rank has consumed ``n`` more samples (the job: ``n * W``); the only way
+        the position moves, since a DataLoader pulls indices ahead of the loop."""
         n = operator.index(n)
         if n < 0:
             raise ValueError(f"cannot advance by {n} samples")
@@ -165,13 +115,10 @@ class ResumableDistributedSampler(Sampler[int]):
             self.position %= self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Go to the start of ``epoch``; a no-op if it is the current one, so that a
-        resumed loop re-setting its epoch does not rewind the restored position."""
+        """Go to the start of ``epoch``; a no-op for the current one, so a resumed loop keeps its position."""
         epoch = operator.index(epoch)
         if epoch != self.epoch:
             self.epoch, self.position = epoch, 0
-
-    # -- checkpointing -----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe, and the same on every rank."""
@@ -184,11 +131,8 @@ class ResumableDistributedSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the saved stream at the saved global position, on this world size.
-
-        ``seed`` and ``shuffle`` are taken from the checkpoint: they define the
-        stream being continued. A different dataset length is refused.
-        """
+        """Continue the saved stream (its ``seed`` and ``shuffle`` too) at the saved position, on this
+        world size; a different dataset length is refused (ValueError)."""
         n = int(state["num_samples"])
         if n != self.num_samples:
             raise ValueError(f"the checkpoint's sampler covered {n} samples, this one {self.num_samples}")

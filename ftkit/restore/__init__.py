@@ -1,47 +1,24 @@
 """Restore: choose the newest step that is complete somewhere, read it, vote, load.
 
-Order of calls (every rank runs `restore` together; the pure planning is
-restore/plan.py, what the tiers hold restore/inventory.py, reading a candidate
-restore/read.py)::
+Order of calls (every rank runs `restore` together; planning is plan.py, what the tiers
+hold inventory.py, reading a candidate read.py)::
 
-    inventory   each rank lists its node's RAM tier: committed steps, files held;
-                the node leaders send theirs to rank 0 (one per node)
-    candidates  rank 0 merges the inventories and lists the shared tiers, then
-                publishes (step, source) pairs: newest step first; for a step,
-                RAM first (when its files are all on some node), then shared
-                tiers from fastest to slowest
-    undo        before the first write, the live state is copied aside
-                (restore/undo.py): the bytes of every live tensor into a reused
-                staging slot, the objects and structure by reference
+    inventory   each node's leader sends rank 0 what its node's RAM tier holds
+    candidates  rank 0 merges them with the shared tiers' listings and publishes
+                (step, source) pairs: newest step first; RAM first, then shared tiers
+                fastest first
+    undo        the live state copied aside before the first write (undo.py)
     per candidate, until one is usable:
-        fit     each rank works out the regions it needs (only the tensors the
-                live state names; resharding when the world size changed) and
-                checks kinds, structure, shapes, dtypes and keys against the
-                live state from the manifest alone: a mismatch raises, the live
-                state as it was
-        read    for the RAM source, the manifest parts its node lacks come through
-                the store from one node that holds each, the data files it lacks
-                from a rank whose node holds them, over the peer group; then
-                every needed chunk is read and its checksum verified
-        vote    every rank reports ok / error through the store; on an error
-                anywhere every rank puts the live bytes back and moves on
-        load    every rank loads the step into the live objects, and votes
-                again: an object that refused its entry on any rank sends every
-                rank back to the state as it was, and on to the next candidate
+        fit     each rank checks the manifest against the live state: a mismatch raises
+        read    files (and manifest parts) its node lacks come from peers; every needed
+                chunk is read once, verified where it lands, straight into live tensors
+        vote    on an error anywhere every rank puts the live bytes back and moves on
+        load    into the live objects, then a second vote: a refusal on any rank rolls
+                every rank back and on to the next candidate
 
-Tensors whose live counterpart is a plain contiguous CPU tensor of the saved
-shape and dtype are read straight into it, not into a fresh copy of the state,
-in one pass before the vote: every chunk is read once and verified as it lands
-(a second pass would cost as much again, and a file changed between two passes
-would reach the live state unverified). The undo copy is what makes that safe:
-a corrupt replica, a torn file, a crafted manifest or a refused entry never
-ends up loaded, and when NO candidate loads, restore raises
-CorruptCheckpointError with the live state byte for byte as it was.
-
-A restore of step N supersedes every newer step: before the run's first snapshot
-after it (`retire_superseded`), they are dropped from the RAM tier and retired on
-shared tiers. Nothing is dropped or retired by the restore itself: a failed
-candidate destroys nothing, and a process that only restores changes nothing.
+When no candidate loads, restore raises CorruptCheckpointError with the live state as it
+was. The newer steps a restore supersedes are retired only at the run's next snapshot
+(`retire_superseded`), so a failed or read-only restore changes nothing.
 """
 
 from __future__ import annotations
@@ -77,18 +54,16 @@ log = logging.getLogger("ftkit")
 
 @dataclass(frozen=True)
 class Superseded:
-    """What a restore of `step` leaves behind: the newer steps that belong to a future
-    the run has left, to be taken out of the timeline before its first snapshot
-    (`retire_superseded`). `listed`: per shared tier (index), the newer committed
-    steps rank 0 listed while planning (empty on other ranks)."""
+    """The newer steps a restore of `step` left behind (`retire_superseded`). `listed`: per
+    shared tier (index), the committed steps rank 0 listed while planning (empty elsewhere)."""
 
     step: int
     listed: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _inventory(leader: int, raw: bytes) -> Inventory | None:
-    """A node's inventory as rank 0 got it through the store (untrusted): None, the node
-    holding nothing, when it does not decode."""
+    """A node's inventory from the store (untrusted): None, the node holding nothing, when it
+    does not decode."""
     try:
         return Inventory.decode(raw, f"the RAM tier inventory of the node of rank {leader}")
     except FormatError as e:
@@ -103,8 +78,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     ctx = rc.dist
     t_start = time.perf_counter()
     inventory, manifests = ram_inventory(rc)
-    # The ranks of a node see one directory: its leader's view stands for all (O(nodes) messages).
-    # Only rank 0 sends the files (and parts) its manifests name; the others a digest.
+    # A node's leader speaks for its node; only rank 0 sends the file lists, the others a digest.
     sent = (inventory if ctx.rank == 0 else inventory.without_lists()).encode()
     by_leader = ctx.gather_to_root(f"{key}/inv", sent, ctx.leaders(), raw=True) if rc.ram is not None else None
     listing = None
@@ -118,7 +92,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch)
         listings, unreachable = shared_listings(rc)
         planned = order_candidates(step, ram, listings)
-        # Without holders (O(ranks) each): only rank 0 plans the fetches (restore/read.py).
+        # Without holders: only rank 0 plans the fetches (read.py).
         listing = {"candidates": [c.to_json(holders=False) for c in planned], "unreachable": unreachable}
     listing = ctx.broadcast(f"{key}/candidates", listing)
     try:  # (rank 0's word, through the store: checked like any message)
@@ -184,9 +158,8 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
 
 
 def _load(rc: RestoreContext, manifest, tensors, rng_value, local_value, agree_key: str) -> str | None:
-    """Load a step every rank read intact into the live objects, and agree that every rank
-    did: a load_state_dict that refuses a crafted entry on one rank is a reason for every
-    rank to go back and try the next candidate. Returns the first failure, if any."""
+    """Load a step every rank read intact, and agree that every rank did (a refusal on one rank
+    sends every rank on to the next candidate). Returns the first failure, if any."""
     error = None
     try:
         cap.load(rc.state, manifest.skeleton, tensors, rng_value, local_value)
@@ -198,8 +171,7 @@ def _load(rc: RestoreContext, manifest, tensors, rng_value, local_value, agree_k
 
 
 def _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_read, t_load):
-    """Step `s` loaded: what this rank's last_restore says, its event and its log line;
-    and what the restore superseded."""
+    """Step `s` loaded: this rank's last_restore (also its event and log line), and what it superseded."""
     ctx = rc.dist
     superseded = Superseded(s, {t: [x for x in steps if x > s] for t, steps in listings})
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -214,7 +186,7 @@ def _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_re
         "total_s": time.perf_counter() - t_start,
         "superseded": {rc.backends[t].display_url: v for t, v in superseded.listed.items() if v},
     }
-    if codec.skip_active():  # (FTKIT_UNSAFE_SKIP_CHECKSUMS in a drill's own trainer: say so wherever it shows)
+    if codec.skip_active():  # (a drill's FTKIT_UNSAFE_SKIP_CHECKSUMS: say so wherever it shows)
         report["checksums_skipped"] = True
     rc.emit("restore", **{k: v for k, v in report.items() if k != "received"})
     log.info(
@@ -238,19 +210,10 @@ def _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_re
 def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> dict[str, list[int]]:
     """Before the first snapshot after a restore, take the steps it superseded out of the timeline.
 
-    They belong to a future the run has left: an explicit `restore(step=N)`, or a
-    fallback past newer steps that failed. Left in place, the run's next snapshots
-    of those step numbers would be refused as already committed and a later
-    restart would resume the abandoned future. The RAM tier drops every newer step
-    (node leaders; it is this run's cache); shared tiers retire the newer steps
-    listed when the restore planned (rank 0; lifecycle.py: the manifest is renamed
-    aside, the bytes stay until retention), never one committed since. Done at
-    the first snapshot, not at the restore: a process that only restores (an
-    evaluation reading a training run's checkpoints) changes nothing, and a failed
-    restore destroys nothing. Every rank calls it at the same snapshot; it ends
-    with a barrier, so no rank writes before every node's newer steps are gone.
-    Returns {tier URL: steps retired} (this rank's share of the work; a "retire" event
-    says the same when there is any)."""
+    Left in place, they would refuse the run's next snapshots and a later restart would resume
+    them. The RAM tier drops every newer step; shared tiers retire only those listed when the
+    restore planned. Every rank calls it; it ends with a barrier. Returns {tier URL: steps
+    retired by this rank}."""
     ctx = rc.dist
     step = superseded.step
     out: dict[str, list[int]] = {}
@@ -259,8 +222,6 @@ def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> d
             continue
         try:
             listed = set(superseded.listed.get(i, []))
-            # The RAM tier is this run's cache: every newer step goes. A shared tier: only
-            # the committed ones listed when the restore planned, never one committed since.
             dirs = [
                 d
                 for d in scan(backend.storage)

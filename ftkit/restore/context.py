@@ -1,5 +1,4 @@
-"""What a restore needs from the Checkpointer: a small explicit context, so the
-restore code never reaches into the Checkpointer's private fields."""
+"""What a restore needs from the Checkpointer, so restore/ never reaches into its private fields."""
 
 from __future__ import annotations
 

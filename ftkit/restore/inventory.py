@@ -1,5 +1,4 @@
-"""What the tiers hold, as each rank sees it at the start of a restore (I/O; the
-planning over it is restore/plan.py)."""
+"""What the tiers hold, as each rank sees it at the start of a restore (I/O; plan.py plans)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,9 @@ log = logging.getLogger("ftkit")
 
 
 def ram_inventory(rc: RestoreContext) -> tuple[Inventory, dict[int, Manifest]]:
-    """What this rank's node holds in the RAM tier (commit/messages.py Inventory, for
-    restore/plan.py ram_candidates), and the manifests parsed on the way (the read of a
-    candidate reuses them). A node holds the parts of the manifest that describe its files,
-    not always all: then it lists the index's checksum and the parts it names, and the step
-    cannot be read here alone."""
+    """What this rank's node holds in the RAM tier, and the manifests parsed on the way (a
+    candidate's read reuses them). A node lacking some of a step's manifest parts lists the
+    index's checksum and the parts it names instead: the step cannot be read here alone."""
     i = rc.ram
     manifests: dict[int, Manifest] = {}
     if i is None:
@@ -49,8 +46,8 @@ def ram_inventory(rc: RestoreContext) -> tuple[Inventory, dict[int, Manifest]]:
 
 
 def shared_listings(rc: RestoreContext) -> tuple[list[tuple[int, list[int]]], list[str]]:
-    """(tier index, committed steps) of every shared tier, fastest first, and the errors
-    of those that could not be listed."""
+    """(tier index, committed steps) of every shared tier, fastest first, and the errors of
+    those that could not be listed."""
     listings, unreachable = [], []
     shared = [i for i, b in enumerate(rc.backends) if not b.node_local]
     for i in sorted(shared, key=lambda i: rc.backends[i].speed_rank):

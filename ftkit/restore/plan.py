@@ -1,10 +1,5 @@
-"""The restore planner: pure functions over plain data, no I/O, no processes.
-
-Inputs are what the ranks and tiers reported (inventories of the RAM tier per
-rank, committed steps per shared tier, the node of every rank); outputs are the
-candidates to try, in order, and which files move between nodes. Everything here
-is unit-tested with made-up inventories of 4 to 1,024 ranks
-(tests/unit/test_planners.py).
+"""The restore planner: which candidates to try, in order, and which files move between
+nodes; pure functions over what the ranks and tiers reported (tests/unit/test_planners.py).
 
 Order of calls (restore/__init__.py)::
 
@@ -31,10 +26,9 @@ from ftkit.tiers.peers import Transfer
 
 @dataclass(frozen=True)
 class Candidate:
-    """One (step, source) to try. For the RAM tier: which ranks hold each data file, which
-    rank sends its manifest (the index, or a whole document) to the nodes that lack it
-    (None: all have it), and which rank sends each manifest part to the nodes that
-    lack parts (a node keeps the parts that describe its own and its replicas' files)."""
+    """One (step, source) to try. For the RAM tier: which ranks hold each data file, which rank
+    sends its manifest to the nodes that lack it (None: all have it), and which rank sends
+    each manifest part to the nodes that lack it."""
 
     step: int
     tier: int
@@ -53,7 +47,7 @@ class Candidate:
 
     @staticmethod
     def from_json(doc: Any) -> Candidate:
-        """A candidate as rank 0 broadcast it (a store message: FormatError when malformed)."""
+        """A candidate as rank 0 broadcast it (FormatError when malformed)."""
         rank = lambda r: _int(r, "rank", 0, MAX_WORLD)
         try:
             return Candidate(
@@ -76,16 +70,9 @@ def _new_entry() -> dict[str, Any]:
 def ram_candidates(
     inventories: Sequence[Inventory | None], nodes: Sequence[str], ram_tier: int, can_fetch: bool
 ) -> dict[int, Candidate]:
-    """RAM-tier steps that can be restored: every file the manifest names is on some
-    node (when files can be fetched between nodes, `can_fetch`), or on every node.
-
-    `inventories[r]` is rank r's view of its node (commit/messages.py Inventory, decoded and
-    checked; None: nothing usable came). Only one inventory need carry the lists (restore
-    sends rank 0's, the others send the digest: O(nodes) bytes, not O(nodes x ranks)); a step
-    whose manifest no list came with is tried unchecked, and its read proves it. A step whose
-    index names a part held nowhere is no candidate. When a node lacks the manifest or some
-    of its parts, the candidate names a holder of each part (a part missing everywhere
-    unlisted fails the read at once)."""
+    """RAM-tier steps whose every file is on some node (with `can_fetch`), or on every node.
+    `inventories[r]`: rank r's view of its node (None: nothing usable came); a step no file
+    list came with is tried unchecked, and its read proves it."""
     parsed = [{h.step: h for h in inv.steps} if inv is not None else {} for inv in inventories]
     by_step: dict[int, dict[str, Any]] = {}
     for rank, inv in enumerate(parsed):
@@ -133,9 +120,8 @@ def ram_candidates(
 def order_candidates(
     step: int | None, ram: Mapping[int, Candidate], listings: Sequence[tuple[int, Sequence[int]]]
 ) -> list[Candidate]:
-    """Every (step, source) to try: newest step first (only `step` when one is asked
-    for); for a step, the RAM tier first, then the shared tiers in the order given
-    (`listings`: (tier index, its committed steps), fastest tier first)."""
+    """Every (step, source) to try: newest step first (only `step` when one is asked for); for
+    a step, the RAM tier first, then the shared tiers in `listings`' order (fastest first)."""
     options: dict[int, list[Candidate]] = {}
     for s, cand in ram.items():
         options.setdefault(s, []).append(cand)
@@ -162,13 +148,8 @@ def files_for(manifest: Manifest, regions: Mapping[str, tuple[tuple[int, ...], t
 def fetch_plan(
     requests: Sequence[Mapping[str, Any]], holders: Mapping[str, Sequence[int]], nodes: Sequence[str]
 ) -> list[Transfer]:
-    """One transfer per (node, file) that node lacks, to one of the node's ranks that need it.
-
-    `requests[r]["missing"]`: the files rank r needs and its node lacks. Receiving
-    and storing are spread over the node's ranks (a lost node's ranks lack the same
-    files; one of them receiving everything would store it all alone), and sending
-    over the holders on other nodes. Every rank computes the same plan from the
-    same requests."""
+    """One transfer per (node, file) that node lacks (`requests[r]["missing"]`), receiving spread
+    over the node's ranks that need it, sending over the holders on other nodes."""
     wanted: dict[tuple[str, str], list[int]] = {}
     for rank, req in enumerate(requests):
         for f in req.get("missing") or []:

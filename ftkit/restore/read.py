@@ -1,11 +1,9 @@
 """Reading one restore candidate on this rank, before the vote (restore/__init__.py).
 
-A shared tier (`read_shared_candidate`): the manifest, validated; its files'
-real sizes; the fit with the live state; then one pass over the chunks, each
-verified where it lands. The RAM tier (`read_ram_candidate`): the same, after
-fetching the files this node lacks from a rank whose node holds them, over the
-peer group. Both return (loaded, vote): what `load` needs, or None, and this
-rank's ballot {"error": ..., "mismatch": [...]}.
+Order: the manifest; its files' real sizes; the fit with the live state (before any live
+byte is written); for the RAM tier, the files this node lacks, from peers; then one pass
+over the chunks, each verified where it lands. Both readers return (what `load` needs or
+None, this rank's ballot {"error": ..., "mismatch": [...]}).
 """
 
 from __future__ import annotations
@@ -46,25 +44,21 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages 
 
 
 def read_shared_candidate(rc: RestoreContext, step: int, storage):
-    """Read and check this rank's part of a step on a shared tier, before the vote.
-
-    Order: the manifest (validated), the sizes of its files against storage
-    (before anything is allocated on its word), the fit with the live state (a
-    mismatch is known before any live byte is written), then one pass over the
-    chunks: tensors whose live counterpart is a plain contiguous CPU tensor of the
-    saved shape and dtype are read straight into it, verified chunk by chunk; the
-    rest into new tensors, loaded after the vote. A failure anywhere makes this
-    rank vote "error"; every rank then puts the live bytes back (restore/undo.py)
-    and moves on to the next candidate.
-    """
+    """Read and check this rank's part of a step on a shared tier, before the vote."""
     try:
         manifest = load_manifest(storage, step)
         check_file_sizes(storage, manifest)
-        regions, dtensors, live = _regions(rc, manifest)
-        in_place = _in_place_targets(live, manifest, regions, dtensors)
-        problems = _fit_problems(rc, manifest, regions, in_place)
+        regions, dtensors, in_place, problems = _fit(rc, manifest)
         if problems:
             return None, {"error": None, "mismatch": problems}
+    except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+        return None, {"error": str(e), "mismatch": []}
+    return _read(rc, storage, step, manifest, regions, dtensors, in_place)
+
+
+def _read(rc: RestoreContext, storage, step: int, manifest: Manifest, regions, dtensors, in_place):
+    """One pass over the chunks: into the live tensors `in_place`, the rest into new ones."""
+    try:
         with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
             tensors = read_regions(storage, manifest, regions, out=targets, memory_limit=_free_memory())
         tensors.update(in_place)
@@ -74,20 +68,22 @@ def read_shared_candidate(rc: RestoreContext, step: int, storage):
     return loaded, {"error": None, "mismatch": []}
 
 
-def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: Manifest | None):
-    """Read a step from the RAM tier, fetching files this node lacks from peers.
+def _fit(rc: RestoreContext, manifest: Manifest):
+    """(regions, dtensors, in-place targets, fit problems) of `manifest` on this rank."""
+    regions, dtensors, live = _regions(rc, manifest)
+    in_place = _in_place_targets(live, manifest, regions, dtensors)
+    return regions, dtensors, in_place, _fit_problems(rc, manifest, regions, in_place)
 
-    Every rank takes part in every exchange below even after a local error (it
-    then only reports the error), so no rank waits on one that gave up.
-    """
+
+def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: Manifest | None):
+    """Read a step from the RAM tier, fetching files this node lacks from peers. Every rank
+    takes part in every exchange even after a local error, so no rank waits on one that gave up."""
     ctx, step = rc.dist, cand.step
     backend = rc.backends[cand.tier]
     assert backend.node_local  # (planned from the RAM inventories: restore/plan.py ram_candidates)
     storage, peers = backend.storage, backend.peers
     step_dir = step_dir_name(step)
     error: str | None = None
-    # The manifest: parsed by the inventory, or from this node, or from the ranks named by the
-    # plan (its index or whole document, and the parts this node lacks).
     if ctx.distributed:
         error = _send_manifest(storage, step, ctx, key, cand)
     try:
@@ -95,9 +91,7 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
             manifest = _manifest(storage, step, ctx, key, cand)
         present = set(storage.list_sizes(step_dir))
         check_file_sizes(storage, manifest, present & set(manifest.files))  # peers check theirs before sending
-        regions, dtensors, live = _regions(rc, manifest)
-        in_place = _in_place_targets(live, manifest, regions, dtensors)
-        problems = _fit_problems(rc, manifest, regions, in_place)
+        regions, dtensors, in_place, problems = _fit(rc, manifest)
         needed = files_for(manifest, regions)
         missing = sorted(needed - present)
     except (FtkitError, OSError, ValueError) as e:  # ValueError: a store message that is not JSON
@@ -138,14 +132,7 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
         error = f"step {step}: the RAM tier manifest could not be read"
     if error is not None or manifest is None:
         return None, {"error": error, "mismatch": []}, origin
-    try:  # one pass: straight into the live tensors, each chunk verified there (module docstring)
-        with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
-            tensors = read_regions(storage, manifest, regions, out=targets, memory_limit=_free_memory())
-        tensors.update(in_place)
-        loaded = _finish(rc, step, manifest, tensors, dtensors)
-    except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
-        return None, {"error": str(e), "mismatch": []}, origin
-    return loaded, {"error": None, "mismatch": []}, origin
+    return (*_read(rc, storage, step, manifest, regions, dtensors, in_place), origin)
 
 
 def _send_manifest(storage, step: int, ctx, key: str, cand: Candidate) -> str | None:
@@ -173,7 +160,7 @@ def _send_manifest(storage, step: int, ctx, key: str, cand: Candidate) -> str | 
 
 def _manifest(storage, step: int, ctx, key: str, cand: Candidate) -> Manifest:
     """This node's manifest of `step`, completed with what other nodes sent: the index (or
-    whole document) when it has none, the parts it lacks (format/reader.py, manifest_from)."""
+    whole document) when it has none, the parts it lacks."""
     if storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
         data, index = load_index(storage, step)
     else:
@@ -191,9 +178,8 @@ def _manifest(storage, step: int, ctx, key: str, cand: Candidate) -> Manifest:
 
 
 def _plan_fetches(ctx, key: str, cand: Candidate, request: dict[str, Any]) -> tuple[bool, list[Transfer]]:
-    """(whether some rank's live state does not fit, the transfers of files between nodes).
-    Every rank sends rank 0 what it lacks; rank 0 plans and publishes the plan: O(ranks)
-    messages, where every rank reading every request cost O(ranks^2)."""
+    """(whether some rank's live state does not fit, the transfers of files between nodes):
+    every rank sends rank 0 what it lacks; rank 0 plans and publishes the plan."""
     got = ctx.gather_to_root(key, request, range(ctx.world_size))
     if ctx.rank == 0:
         requests = [_request(got[r]) for r in range(ctx.world_size)]
@@ -224,11 +210,8 @@ def _plain_name(name: Any) -> bool:
 
 
 def _regions(rc, manifest: Manifest):
-    """The region of each saved tensor this rank needs, the live DTensors among them, and the live tensors.
-
-    Needed are the tensors the skeleton's entries name, this rank's RankLocal state
-    and, when restored, its RNG state: a tensor a manifest lists that nothing names
-    (an orphan) is never planned, allocated or read."""
+    """The region of each saved tensor this rank needs (_needed: an orphan is never read), the
+    live DTensors among them, and the live tensors."""
     live = dict(cap.capture(rc.state, rng=False, rng_path=f"{cap.RNG_KEY}/r{rc.dist.rank}").tensors)
     needed = _needed(rc, manifest)
     regions, dtensors = {}, {}
@@ -247,7 +230,8 @@ def _regions(rc, manifest: Manifest):
 
 
 def _needed(rc, manifest: Manifest) -> set[str]:
-    """The names of the saved tensors this rank loads (see _regions)."""
+    """The saved tensors this rank loads: those its skeleton entries, RankLocal state and
+    (when restored) RNG state name."""
     names: set[str] = set()
     for entry in manifest.skeleton["entries"].values():
         names |= cap.tensor_refs(entry["value"])
@@ -267,11 +251,8 @@ def _own_local(rc, manifest: Manifest) -> dict[str, Any]:
 
 
 def _fit_problems(rc, manifest: Manifest, regions, in_place) -> list[str]:
-    """What keeps `manifest` from loading into the live state, decided from the manifest alone.
-
-    Saved tensors not yet read stand in as memoryless tensors of their global
-    shape and dtype (a DTensor compares by global shape too).
-    """
+    """What keeps `manifest` from loading into the live state, from the manifest alone: tensors
+    not yet read stand in as memoryless ones of their global shape and dtype."""
     entries = {t.name: t for t in manifest.tensors}
     stand_ins = {}
     for name in regions:
@@ -324,8 +305,8 @@ def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
 
 
 def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
-    """Live tensors a whole saved tensor can be read straight into: plain, contiguous, on the CPU or a
-    CUDA device (read through a pinned staging slot, see StagingArena.host_targets), same shape and dtype."""
+    """Live tensors a whole saved tensor can be read straight into: plain, contiguous, on the CPU
+    or a CUDA device (through a pinned slot: StagingArena.host_targets), same shape and dtype."""
     out = {}
     for entry in manifest.tensors:
         t = live.get(entry.name)
@@ -345,8 +326,7 @@ def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, 
 
 
 def _free_memory() -> int:
-    """The memory a restore may allocate for tensors the live state does not hold: what the
-    host has available now (the rest of a read goes into the live tensors themselves)."""
+    """The memory a restore may allocate beyond the live tensors: what the host has available now."""
     return int(psutil.virtual_memory().available)
 
 
@@ -364,9 +344,8 @@ def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
         fd = os.open(storage.path(f"{step_dir}/{name}"), os.O_RDONLY)
         try:
             if os.fstat(fd).st_size >= size:
-                # Mapped and populated in one call: no copy into fresh memory (which costs
-                # several times a read, in page faults). The tensor keeps the mapping alive
-                # until the send is done; gloo only reads it.
+                # No copy into fresh memory; the tensor keeps the mapping alive until the send
+                # is done, and gloo only reads it.
                 mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # "not writable": nobody writes it

@@ -1,17 +1,9 @@
 """The live state as it was before a restore touched it: what a failed restore puts back.
 
-A restore reads straight into the live tensors (restore/read.py: every chunk
-verified where it lands, no second copy of the state) and then loads the state's
-objects. Either can fail after something changed, on some ranks and not others:
-a chunk that fails its checksum half-way through a candidate, a
-``load_state_dict`` that refuses a crafted entry after the objects before it
-loaded. So before the first write, the restore takes an :class:`UndoCopy`: the
-state's structure as capture() walks it (fresh containers, the live tensors by
-reference), the objects the state maps its keys to, and the bytes of every live
-tensor, copied into a staging slot (the arena's reused memory, which the
-snapshots after the restore use again: one memcpy of the state, not an
-allocation per restore). A restore either loads a verified step whole or leaves
-the live state as it was.
+A restore reads straight into the live tensors and then loads the objects; either can
+fail half-way, on some ranks only. So before the first write it takes an UndoCopy: the
+state's structure and objects by reference, and every live tensor's bytes copied into a
+staging slot of the arena (reused memory, not an allocation per restore).
 
 Order of calls (restore/__init__.py)::
 
@@ -41,7 +33,7 @@ log = logging.getLogger("ftkit")
 
 
 class UndoCopy:
-    """What a restore may change in the live state, as it was (see the module docstring)."""
+    """What a restore may change in the live state, as it was."""
 
     def __init__(self, state: MutableMapping[str, Any], captured: cap.CapturedState, slot: Any):
         self.state = state
@@ -79,8 +71,7 @@ class UndoCopy:
         self.slot.upload(self.targets)
 
     def roll_back(self) -> None:
-        """The whole live state as it was: the bytes, the objects each key maps to, each
-        object's own state (its state_dict as it was, loaded back), RankLocal entries and
+        """The whole live state as it was: bytes, objects, their state_dicts, RankLocal entries and
         the RNG state. Raises FtkitError if an object refuses its own state back."""
         self.put_back_bytes()
         try:

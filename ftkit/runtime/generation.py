@@ -1,16 +1,10 @@
 """This process's generation: how many in-process recoveries it has been through.
 
-torchrun numbers its attempts (``torchrun_attempt``: the rendezvous round, or
-``TORCHELASTIC_RESTART_COUNT``); an in-process
-recovery (ftkit/runtime/inprocess.py) re-forms the process group without a new attempt,
-so everything namespaced per attempt is namespaced per (attempt, generation):
-the Checkpointer's store keys (coord/dist.py), the node boards (coord/nodelocal.py),
-the event log's ``gen`` field (coord/events.py). Generation 0 adds nothing, so
-a job that never recovers in process looks exactly as before.
-
-The state is process-wide on purpose: the watchdog thread reads whether a
-wrapper is active (a verdict then requests a recovery instead of ending the
-process) and the training loop's next ``snapshot()`` raises the request.
+An in-process recovery (inprocess.py) re-forms the process group without a new torchrun
+attempt, so whatever is namespaced per attempt (store keys, node boards, the event log's
+``gen``) is namespaced per (attempt, generation); generation 0 adds nothing. The state is
+process-wide: the watchdog thread records a recovery request that the training loop's next
+``snapshot()`` raises.
 """
 
 from __future__ import annotations
@@ -33,10 +27,8 @@ ROUND_ENV = "FTKIT_RDZV_ROUND"  # exported by ftkit's torchrun agent (ftkit/runt
 
 
 def torchrun_attempt(environ: Mapping[str, str] = os.environ) -> str | None:
-    """This worker's attempt under torchrun, the same on every rank of a worker group: the
-    rendezvous round ftkit's agent exports (new at every round, also when a host joins or
-    leaves without a failure), else torchrun's restart count (what it is on one node); None
-    outside torchrun. What the store, the node boards and the event log are namespaced by."""
+    """This worker's torchrun attempt, the same on every rank of a group: the rendezvous round
+    ftkit's agent exports (new at every round), else torchrun's restart count; None outside torchrun."""
     return environ.get(ROUND_ENV) or environ.get("TORCHELASTIC_RESTART_COUNT")
 
 
@@ -67,8 +59,8 @@ def join(number: int) -> None:
 
 
 def next_instance() -> int:
-    """The number of the next Checkpointer of this generation, from 1: the survivors and a
-    replacement that joins them count the same (its store keys must be theirs)."""
+    """The number of the next Checkpointer of this generation, from 1 (a replacement that joins
+    the survivors counts as they do: its store keys must be theirs)."""
     with _lock:
         _instances[_generation] = _instances.get(_generation, 0) + 1
         return _instances[_generation]

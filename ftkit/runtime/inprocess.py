@@ -10,47 +10,27 @@
 
     ftkit.run_in_process(train)                     # under torchrun / ftkit run
 
-Order of calls: :func:`run_in_process` creates the default process group if there
-is none (``init_process_group(backend)``, env://), marks the process as recovering in
-process (generation.py) and calls ``fn(Generation(...))``. When ``fn`` raises
-an ``Exception`` on any rank:
+:func:`run_in_process` creates the default group if there is none, marks the process as
+recovering in process (generation.py) and calls ``fn``. When ``fn`` raises on any rank:
 
-1. that rank's Checkpointer closes as failed and posts the verdict (its watchdog);
-   every other rank's watchdog records it as a request instead of ending the
-   process, and their next ``snapshot()`` raises :class:`~ftkit.errors.RecoveryRequested`;
-2. each rank, once ``fn`` has unwound, destroys its process group and shuts down the
-   group's connections. On gloo this is what unblocks the others: a collective
-   waiting on a live peer is not interrupted by ``abort()``, ``shutdown()`` or
-   ``_abort_process_group`` (measured on torch 2.13: they return at once and the
-   collective waits on); it fails at once with "Connection closed by peer" when that
-   peer's connections close, so the teardown cascades through the ranks in
-   milliseconds. Destroying the group closes them only if nothing else holds it, and
-   a ``DistributedDataParallel`` built on it keeps it alive in C++ for good (measured:
-   even a DDP that was only constructed, then deleted and collected). So the
-   wrapper creates each generation's group itself, notes the sockets its creation
-   opened (``/proc/self/fd`` before and after, less the store's connection), and
-   shuts those down (``shutdown(SHUT_RDWR)``: the peers see the end of the stream;
-   the leaked group keeps its dead descriptors);
-3. the generation advances; the ranks meet on the store the first group was built
-   on (a counter under ``ftkit-gen/<n>``, bounded by ``recovery_timeout_s``) and
-   build a new default group under that namespace, same ranks, same backend;
-4. ``fn`` runs again: it rebuilds its model wrapper, optimizer and Checkpointer, and
-   ``restore()`` loads the newest committed step from node RAM.
+1. that rank's watchdog posts the verdict; the others record it as a request, and their
+   next ``snapshot()`` raises :class:`~ftkit.errors.RecoveryRequested`;
+2. each rank, once ``fn`` has unwound, destroys its group and shuts down the sockets the
+   group's creation opened. On gloo this is what unblocks the others: ``abort()``,
+   ``shutdown()`` and ``_abort_process_group`` do not interrupt a collective waiting on a
+   live peer (torch 2.13), but it fails at once when that peer's connections close. A
+   DDP built on the group keeps it alive in C++ for good, so destroying it is not enough:
+   the wrapper creates each generation's group itself and notes its sockets;
+3. the generation advances; the ranks meet on the first group's store (``ftkit-gen/<n>``,
+   bounded by ``recovery_timeout_s``) and build a new default group there;
+4. ``fn`` runs again, rebuilds its model and Checkpointer, and restores from node RAM.
 
-Nothing of a surviving rank exits, and its pid and imports stay. A rank that is
-dead or hung (no Python left to run) cannot take part itself. Under ``ftkit run
---replace-dead N`` it is replaced instead: the judge on its host kills it if it is
-still there, its warm client (ftkit/runtime/warm/client.py) asks the zygote for a new
-worker rather than ending, and the survivors recover in process as from an
-exception. The new worker (``$FTKIT_REJOIN``) does not create the first group: it
-waits for the survivors' next generation (``ftkit-gen/latest``, set as each rank
-advances, with fewer arrivals than the world), meets them there, and ``fn`` runs
-in it (its ``restore()`` reads node RAM like theirs). Otherwise, and for a lost
-node (no client left to replace its ranks), those verdicts end the workers as
-before and torchrun restarts the group (warm, ftkit/runtime/warm). So do a
-recovery that does not come together within ``recovery_timeout_s`` (a second fault
-while the group re-forms: a rank that never arrives), more than ``max_recoveries``
-recoveries, and ``KeyboardInterrupt``/``SystemExit``, which are never caught.
+A dead or hung rank cannot take part. Under ``ftkit run --replace-dead N`` its warm client
+(warm/client.py) has the zygote fork a replacement (``$FTKIT_REJOIN``) that joins the
+survivors' next generation (``ftkit-gen/latest``). Otherwise, and for a lost node, a
+recovery that misses ``recovery_timeout_s``, more than ``max_recoveries`` recoveries, and
+``KeyboardInterrupt``/``SystemExit`` (never caught), the workers end and torchrun restarts
+the group.
 """
 
 from __future__ import annotations
@@ -104,9 +84,8 @@ def run_in_process(
 ) -> T:
     """Run ``fn`` and recover in process from its exceptions on any rank; return what it returns.
 
-    `backend` and `group_timeout_s` are the process group's (collectives' timeout);
-    `recovery_timeout_s` bounds how long a rank waits for the others to re-form the
-    group, after which it ends so torchrun restarts the job. See the module's docstring.
+    `group_timeout_s` is the collectives' timeout; past `recovery_timeout_s` without the
+    others re-forming the group, a rank ends so torchrun restarts the job.
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
@@ -130,9 +109,7 @@ def run_in_process(
         return fn(Generation(0))
     if not rejoining:  # each generation's group is built under the store the first group was made on
         base = _namespace(_get_default_store())
-    # What exists now (torch's modules, the user's imports) is never garbage worth a collection:
-    # freezing it makes the collection in each teardown take milliseconds, not 0.4 s.
-    gc.freeze()
+    gc.freeze()  # the imports are never garbage: keep each teardown's collection cheap
     rank, world = dist.get_rank(), dist.get_world_size()
     recoveries = 0
     terms = _Terminations()
@@ -180,8 +157,7 @@ def run_in_process(
 
 
 class _Replaceable:
-    """The file that tells this worker's warm client (``$FTKIT_REPLACEABLE``) that, killed now,
-    it is replaced rather than reported: the survivors recover in process meanwhile."""
+    """The file (``$FTKIT_REPLACEABLE``) that tells the warm client to replace this worker if killed."""
 
     def __init__(self) -> None:
         self.path = os.environ.get(REPLACEABLE_ENV)
@@ -200,11 +176,9 @@ class _Replaceable:
 
 
 def _rejoin(backend: str, timeout: timedelta, wait_s: float) -> tuple[Any, set[tuple[int, int]]]:
-    """A replacement worker: the job's store as the first group saw it, the survivors' next
-    generation found and met, and that generation's group; (the store, its connections).
+    """A replacement worker joins the survivors' next generation; (the base store, its group's sockets).
 
-    The group of the first generation is not created again (its keys in the store are
-    stale: its other members are gone from it)."""
+    The first generation's group is not created again: its keys in the store are stale."""
     import torch.distributed as dist
 
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
@@ -220,10 +194,8 @@ def _rejoin(backend: str, timeout: timedelta, wait_s: float) -> tuple[Any, set[t
 
 
 def _namespace(store: Any) -> Any:
-    """The wrapper's keys (generation counters, each generation's group): a namespace of the job's
-    store itself, below whatever prefixes torch or ftkit's launcher added, so a replacement that
-    never made the first group (ftkit/runtime/warm/client.py) finds the same keys through its own
-    connection; one per torchrun attempt, whose processes count generations from 0 again."""
+    """The wrapper's namespace, one per torchrun attempt, on the job's store below any prefixes
+    torch or the launcher added, so a replacement finds the same keys through its own connection."""
     import torch.distributed as dist
 
     while isinstance(store, dist.PrefixStore):
@@ -247,11 +219,10 @@ def _next_generation(store: Any, world: int, wait_s: float) -> int:
 
 
 class _Terminations:
-    """SIGTERM while the wrapper runs: torchrun ending the group (a peer's process died) or a
-    preemption. Under a Checkpointer its preemption handler runs first and calls this one (it
-    chains to the handler it replaced): only recorded, the Checkpointer saves and stops. With
-    no Checkpointer above it (building the model, recovering) it means what it always means:
-    the process ends now. Either way no recovery is attempted after one."""
+    """SIGTERM while the wrapper runs (torchrun ending the group, or a preemption): no recovery after one.
+
+    Under a Checkpointer, whose preemption handler chains to this one, it is only recorded;
+    with no handler above it the process ends now."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -297,22 +268,20 @@ def _init_group(backend: str, **kwargs: Any) -> set[tuple[int, int]]:
 
 
 def _tear_down(sockets: set[tuple[int, int]]) -> None:
-    """Destroy every process group of this generation and cut its connections, so peers blocked
-    on this rank fail now."""
+    """Destroy this generation's process groups and cut their connections, so blocked peers fail now."""
     import torch.distributed as dist
 
     _cut(sockets)
     if dist.is_initialized():
         try:
             if dist.get_backend() != "gloo":
-                # NCCL's abort does end a collective in flight (its communicators are aborted);
-                # it aborts every group, the default one too. Not run here: no GPU in CI.
+                # NCCL's abort does end a collective in flight; it aborts every group. Untested in CI.
                 dist.distributed_c10d._abort_process_group()  # (and forgets them all)
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception as e:  # already broken: what matters is that its connections close
             log.warning("ftkit: destroying the failed generation's process group: %s", one_line(e))
-    gc.collect()  # what the failure left unreachable (cheap: gc.freeze() took the imports out)
+    gc.collect()  # what the failure left unreachable
 
 
 def _sockets() -> set[tuple[int, int]]:

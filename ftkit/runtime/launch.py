@@ -1,22 +1,10 @@
 """The worker-side launcher of ``ftkit run``: ``python -m ftkit.runtime.launch [--module] TARGET [ARGS...]``.
 
-``ftkit run`` has torchrun start every worker through this module instead of
-the script itself. Before the script runs it
-
-1. installs ftkit's restart-safe ``env://`` rendezvous (ftkit/coord/rendezvous.py),
-   so a trainer that calls plain ``init_process_group`` works across torchrun
-   restarts even if it imports ftkit late or not at all;
-2. reports the worker's start-up milestones to ``ftkit run``'s startup watch
-   (ftkit/runtime/supervise.py) when ``$FTKIT_STARTUP_DIR`` is set: a small daemon
-   thread writes ``<dir>/<pid>.json`` with the phase reached, ``started``
-   (this module runs), ``group`` (the default process group exists) and
-   ``heartbeat`` (a Checkpointer's watchdog runs, i.e. it has published its
-   first heartbeat; it is started right after that), then ends. A world of one
-   has no peers to wait for and reports ``single`` at once.
-
-Then the script runs as ``python script.py ARGS`` would run it (``__main__``,
-``sys.argv``, ``sys.path[0]`` its directory; with ``--module`` as ``python -m``).
-Its exceptions, exit codes and tracebacks are its own.
+Before the script runs it installs ftkit's restart-safe ``env://`` rendezvous
+(coord/rendezvous.py), so a plain ``init_process_group`` survives torchrun restarts,
+and, when ``$FTKIT_STARTUP_DIR`` is set, starts a thread that writes the worker's
+start-up phase (PHASES) to ``<dir>/<pid>.json`` for the startup watch (supervise.py).
+The script then runs as ``python script.py ARGS`` (or ``python -m``) would run it.
 """
 
 from __future__ import annotations
@@ -34,15 +22,14 @@ from ftkit.runtime.generation import torchrun_attempt
 from ftkit.runtime.warm.client import LAUNCHER_PID_ENV  # a warm worker's client: the process torchrun started
 
 STARTUP_DIR_ENV = "FTKIT_STARTUP_DIR"
+# started: this module runs; group: the default process group exists; heartbeat: a Checkpointer's
+# watchdog runs; single: a world of one (no peers to wait for).
 PHASES = ("started", "group", "heartbeat", "single")  # in order; the last two count as started up
 WATCHDOG_THREAD = "ftkit-watchdog"  # the name ftkit/coord/watchdog.py gives its heartbeat thread
 
 
 def _write_phase(directory: str, phase: str) -> None:
-    """Atomically replace this worker's status file (the watch never reads half a file).
-
-    It is named after the process torchrun started: this one, or a warm worker's client.
-    """
+    """Atomically replace this worker's status file, named after the pid torchrun started."""
     pid = int(os.environ.get(LAUNCHER_PID_ENV) or os.getpid())
     doc = {
         "pid": pid,

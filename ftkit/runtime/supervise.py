@@ -1,52 +1,19 @@
-"""What ``ftkit run`` adds to torchrun: its command line, and the startup watch.
+"""What ``ftkit run`` adds to torchrun: its command line (:func:`plan`), and the startup watch.
 
-torchrun stays the launcher and the elastic agent; ``ftkit run`` only
-
-1. rewrites the command so torchrun starts each worker as
-   ``python -u -m ftkit.runtime.launch SCRIPT ARGS`` (ftkit/runtime/launch.py): the restart-safe
-   ``env://`` rendezvous is in place before the script runs, whether or not
-   the script imports ftkit, and each worker reports its start-up milestones;
-2. watches start-up (:class:`StartupWatch`): every worker of a group must
-   reach its first heartbeat (a Checkpointer's watchdog running) within
-   ``--startup-timeout`` seconds of its start. If one does not, the group has
-   not formed or is stuck before any ftkit watchdog can judge it (inside
-   ``init_process_group``, or in a collective before the Checkpointer): the
-   watch SIGKILLs this node's workers of that group, so torchrun's agent sees
-   them fail and restarts the group (one of ``--max-restarts``), instead of
-   every worker waiting out the 30-minute collective timeout.
-
-Why a watch in ``ftkit run`` and not a timer inside each worker: the worker
-may be SIGSTOPped, or stuck in native code that holds the GIL, and then no
-thread of its own can act; a process outside can always SIGKILL it, and
-SIGKILL is what torchrun's agent already handles as a worker failure. (A
-worker waiting in gloo's rendezvous does release the GIL: measured, a Python
-thread kept ticking at 10 Hz through a 4 s wait inside ``init_process_group``;
-that is how the milestone thread can report ``group`` and ``heartbeat``.)
-
-Measured (tests/drills/test_unmodified_trainer.py, 2 ranks, --startup-timeout 15): a
-rank hanging before ``init_process_group`` (its peer waits inside it) or after
-it in a collective before any Checkpointer: the watch ends the group 15 s after
-the workers started, torchrun restarts it and the job finishes with the exact
-values (the test runs take ~30 s, against gloo's 30-minute default timeout).
-A healthy group is never touched: its workers report ``heartbeat`` within a
-few seconds of starting (the test with provoked kills runs with the watch on).
-
-The watch only acts on this node's workers (torchrun's direct children), so on
-several nodes each ``ftkit run`` ends its own share of a stuck group, and the
-other agents follow through torchrun's rendezvous. It records a ``detect``
-event (``what: "startup"``, rank -1, beside the ranks' own) in the run's event
-log, so ``ftkit report`` shows the incident.
-
-The bound applies to workers started through ``ftkit.runtime.launch``; with
-``--no-python`` or ``--run-path`` the workers are not, and the watch is off.
-A trainer whose workers never start a Checkpointer watchdog (no Checkpointer,
-or ``watchdog=False``) never reaches a first heartbeat: run it with
-``--startup-timeout 0``.
+torchrun stays the launcher and the elastic agent. ``plan`` has it start each worker
+through ftkit.runtime.launch (or the warm client). :class:`StartupWatch` SIGKILLs this
+node's workers of a group when one has not reached its first heartbeat (a Checkpointer's
+watchdog running) within ``--startup-timeout`` s, so torchrun restarts the group instead
+of waiting out the collective timeout; it logs a ``detect`` event (``what: "startup"``,
+rank -1). The watch is a process outside the workers because a SIGSTOPped worker, or one
+stuck in native code holding the GIL, cannot act itself, and SIGKILL is what torchrun
+already handles as a failure. Each node's ``ftkit run`` ends only its own workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -127,13 +94,9 @@ def _strip(tokens: list[str], typed: list[str], flags: tuple[str, ...] = ()) -> 
     for t in tokens:
         if skip:
             skip = False
-        elif t in flags:
-            pass
-        elif t in typed:
+        elif t in typed and t not in flags:
             skip = True
-        elif any(t.startswith(o + "=") for o in typed):
-            pass
-        else:
+        elif t not in flags and not any(t.startswith(o + "=") for o in typed):
             out.append(t)
     return out
 
@@ -164,8 +127,7 @@ def plan(argv: list[str]) -> Plan:
     if not names & {"--standalone", "--rdzv-endpoint", "--nnodes", "--master-addr"}:
         defaults.append("--standalone")
     elif names & {"--rdzv-endpoint", "--nnodes"} and "--rdzv-conf" not in names and "--standalone" not in names:
-        # Across hosts: a lost host out of the next round within ~3 s, a round closed 2 s after it
-        # has its minimum (torch's defaults cost a recovery ~45 s). docs/operations.md, "Across hosts".
+        # Across hosts: drop a lost host and close a round sooner (docs/operations.md, "Across hosts").
         defaults += ["--rdzv-conf", RDZV_CONF]
         out.notes.append(f"rendezvous timing --rdzv-conf {RDZV_CONF} (give --rdzv-conf to choose your own)")
     if ns.no_python or ns.run_path:
@@ -200,10 +162,9 @@ class _Worker:
 
 
 class StartupWatch:
-    """Ends (SIGKILLs) this node's worker group when a worker is not started up within `bound_s`.
+    """SIGKILLs this node's worker group when a worker is not started up within `bound_s`.
 
-    Polls torchrun's direct children (the workers) every `interval_s` and the
-    status files ftkit.runtime.launch writes to `status_dir` (one per worker pid).
+    Polls torchrun's children every `interval_s` and the status files launch.py writes to `status_dir`.
     """
 
     def __init__(self, agent_pid: int, status_dir: str, bound_s: float, run_dir: str | None, interval_s: float = 0.5):
@@ -311,10 +272,8 @@ class StartupWatch:
             self._log(event)
         for key, w in workers:
             self._ended.add(key)
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 w.proc.kill()  # psutil checks it is still that process (pid reuse)
-            except psutil.NoSuchProcess:
-                pass
 
     def _log(self, event: dict) -> None:
         if not self.run_dir:

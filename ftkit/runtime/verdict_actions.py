@@ -1,16 +1,11 @@
-"""What a rank does once a verdict is in, judged by itself or heard from a peer (the
-watchdog's actions; coord/watchdog.py judges, coord/judge.py decides).
+"""What a rank does once a verdict is in, judged by itself or heard from a peer
+(coord/watchdog.py judges, coord/judge.py decides).
 
-Order of calls: a judge `abort()`s with its verdict: posted to the store's one verdict
-key (compare-and-set: the first judge wins, `post`), then `join()`ed; a rank that hears
-a standing verdict (relayed on its node's board, or read from the store) only
-`join()`s. Joining relays the verdict to the node's board, logs and records it, and then
-either hands it to an in-process recovery (`ftkit.run_in_process`: a failed rank or a
-straggler, or a dead or hung rank its warm client replaces) or kills the target if it is
-a process on this host, and still the one its heartbeat came from (`kill_if_same`: the
-pid's start time is the one the heartbeat recorded; a pid reused since is spared), and
-ends this worker with `os._exit` (``sys.exit`` in a thread only ends the thread), so
-torchrun restarts the group.
+A judge `abort()`s: its verdict is posted to the store's one verdict key (compare-and-set:
+the first judge wins), then `join()`ed; a rank that hears a standing verdict only
+`join()`s. Joining relays the verdict to the node's board, records it, then either hands
+it to an in-process recovery or kills a local target and ends this worker with `os._exit`
+(``sys.exit`` in a thread only ends the thread), so torchrun restarts the group.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from typing import NoReturn
 
 from ftkit.coord.dist import DistContext
 from ftkit.coord.events import EventLog
@@ -39,10 +35,8 @@ GONE = "its process is gone"
 
 
 def kill_if_same(pid: int, start: int | None) -> str | None:
-    """SIGKILL `pid` if it is still the process its heartbeat came from: the one that started at
-    `start` (warm/client.py process_start, recorded with the heartbeat's pid). None once killed;
-    else why not (it is gone, or the pid is another process's now). A heartbeat without a start
-    (written by an older ftkit) is killed by its pid alone, as it was before starts were recorded."""
+    """SIGKILL `pid` if it is still the process that started at `start` (warm/client.py
+    process_start; None: by pid alone). None once killed, else why not (gone, or the pid reused)."""
     try:
         pidfd: int | None = os.pidfd_open(pid)  # holds this process: a reuse of the pid after the check cannot matter
     except ProcessLookupError:
@@ -71,7 +65,7 @@ def kill_if_same(pid: int, start: int | None) -> str | None:
 
 def replaceable(verdict: Verdict, me: int) -> bool:
     """A dead or hung rank judged on its own host, in a job whose warm clients replace killed
-    workers (``ftkit run --replace-dead``, ftkit/runtime/warm/client.py): the others recover in process."""
+    workers (``ftkit run --replace-dead``): the others recover in process."""
     return verdict.what in ("dead", "hung") and verdict.local and verdict.target != me and replacements_allowed() > 0
 
 
@@ -144,18 +138,13 @@ class VerdictActions:
         if self._recover_in_process(verdict):
             return
         self.kill_if_local(verdict.target)  # a stopped process holds up the restart
-        # A commit needs every rank's share: with a dead or frozen rank, no snapshot in
-        # flight can finish, and draining would only wait out the flush deadline before
-        # the restart. A straggler is alive: let it drain.
+        # Only a straggler is alive to finish its share of a commit in flight: drain only then.
         if self._flush is not None and verdict.what == "straggler":
             try:
                 self._flush(self.cfg.flush_deadline_s)
             except Exception as e:
                 log.error("ftkit watchdog: flush before abort failed: %s", e)
-        self.events.emit("abort", reason=f"rank {verdict.target} {verdict.what}", step=self._step())
-        self.events.close()
-        logging.shutdown()
-        os._exit(EXIT_CODE)
+        self._end(f"rank {verdict.target} {verdict.what}")
 
     def kill_if_local(self, rank: int) -> None:
         beat = self._beat_of(rank)
@@ -166,14 +155,9 @@ class VerdictActions:
                 log.log(level, "ftkit watchdog: not killing pid %d of rank %d: %s", beat.pid, rank, spared)
 
     def _recover_in_process(self, verdict: Verdict) -> bool:
-        """Under ftkit.run_in_process, a failed rank (alive: its loop raised) or a straggler is
-        recovered from without ending any process: the request is recorded for the training
-        loop (its next snapshot() raises it; a collective blocked on the failed rank fails when
-        that rank tears its group down) and the watchdog stops. A dead or hung rank cannot take
-        part: torchrun restarts the group as before, unless its warm client replaces it
-        (`replaceable`): then the judge on its host kills it if it is still there and the others
-        recover in process. If no recovery starts within `recovery_timeout_s`, this worker ends
-        after all (torchrun's restart is the fallback)."""
+        """Under ftkit.run_in_process, record the verdict as a recovery request and stop the
+        watchdog, for a failed rank or a straggler, or a dead or hung one that is `replaceable`
+        (killed here if local). True if so. Without a recovery in `recovery_timeout_s`, end."""
         if not generation.active():
             return False
         if verdict.what not in IN_PROCESS_VERDICTS and not replaceable(verdict, self.ctx.rank):
@@ -200,7 +184,10 @@ class VerdictActions:
             self.ctx.rank,
             self.cfg.recovery_timeout_s,
         )
-        self.events.emit("abort", reason="in-process recovery did not begin", step=self._step())
+        self._end("in-process recovery did not begin")
+
+    def _end(self, reason: str) -> NoReturn:
+        self.events.emit("abort", reason=reason, step=self._step())
         self.events.close()
         logging.shutdown()
         os._exit(EXIT_CODE)

@@ -1,24 +1,11 @@
-"""Every tier behind one interface: where its bytes live, how a step is committed
-to it, and who retains, drops or retires its steps.
-
-Two backends:
-
-* :class:`SharedTier` – an fsspec URL every rank reaches (a local path, S3, any
-  fsspec URL). Every rank writes its share, each node's leader a part of the
-  manifest, rank 0 the index that commits the step (commit/shared.py); rank 0
-  applies retention and retires superseded steps.
-* :class:`NodeRamTier` – the node's shared memory (tiers/ram.py), bound to one
-  run. Every node commits its own copy (commit/ram.py); with
-  ``replicas=k`` each rank's data file is also kept on k other nodes, sent over
-  a dedicated gloo group (tiers/peers.py). Its node leader applies retention
-  and drops superseded steps (the RAM tier is a cache of this run, not a record);
-  a node without the index keeps or drops steps by rank 0's news (coord/news.py).
-
-Storage (tiers/storage.py) only moves bytes; a backend is the tier's policy.
+"""Every tier behind one interface: how a step is committed to it, and who retains, drops or
+retires its steps. :class:`SharedTier`: an fsspec URL every rank reaches (commit/shared.py),
+owned by rank 0. :class:`NodeRamTier`: the node's shared memory (tiers/ram.py), a cache of this
+run each node commits (commit/ram.py, replicas: tiers/peers.py), owned by the node's leader.
 
 Order of calls::
 
-    backend = open_backend(tier, ...)           # tiers/opened.py, at Checkpointer start
+    backends = open_tiers(tiers, ...)            # tiers/opened.py, at Checkpointer start
     backend.persist(job, ctx, key, ledger)       # every rank, each due snapshot (save/pipeline.py)
     backend.retain(ctx, job)                     # by its owner, after its persist succeeded
     backend.committed_steps() / inventory()      # restore planning (ftkit/restore)
@@ -57,17 +44,16 @@ class TierBackend(ABC):
 
     node_local: bool  # every node holds its own copy (True) or every rank sees the same bytes
     superseded_verb: str  # what supersede() does to a step, for messages
-    # The group files move between nodes over (a node-local tier's replicas and restore
-    # fetches), or None where every rank sees the same bytes or there is no such group.
-    peers: PeerGroup | None = None
+    peers: PeerGroup | None = None  # the group a node-local tier moves files between nodes over
 
     @property
     def can_fetch(self) -> bool:
         """Whether a restore can fetch files this node lacks from other nodes (a working peer group)."""
         return self.peers is not None and not self.peers.broken
 
-    def __init__(self, tier: Tier, storage: Storage):
+    def __init__(self, tier: Tier, storage: Storage, group: NodeGroup):
         self.tier, self.storage = tier, storage
+        self.group = group  # this rank's node in the commit plan, and its board
 
     @property
     def display_url(self) -> str:
@@ -83,13 +69,11 @@ class TierBackend(ABC):
 
     @abstractmethod
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
-        """Write this rank's share of `job` and take part in the step's commit; return what
-        was committed on the rank that committed, None elsewhere. Every rank calls it."""
+        """Every rank: write its share of `job` and take part in the commit; what the committing rank committed."""
 
     @abstractmethod
     def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
-        """Policy "skip": this rank will not take part in the commit of `key`; tell whoever
-        waits for it (the training thread calls it, while the step's commit may run)."""
+        """Policy "skip": tell whoever waits for this rank in the commit of `key` (training thread)."""
 
     @abstractmethod
     def supersede(self, step: int) -> None:
@@ -97,15 +81,15 @@ class TierBackend(ABC):
 
     def _commit_args(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> dict[str, Any]:
         """What both commit protocols take from a persist job, beside the storage and the slot."""
-        at = (job.epoch, job.step)
         return dict(
+            group=self.group,
             compress=self.tier.compress,
             pieces=job.pieces,
             rank_state=job.rank_state,
             ctx=ctx,
             key=key,
             ledger=ledger,
-            at=at,
+            at=(job.epoch, job.step),
         )
 
     def persist_details(self) -> dict[str, Any]:
@@ -143,10 +127,6 @@ class SharedTier(TierBackend):
     node_local = False
     superseded_verb = f"retired (renamed to {RETIRED_MANIFEST})"
 
-    def __init__(self, tier: Tier, storage: Storage, group: NodeGroup):
-        super().__init__(tier, storage)
-        self.group = group  # this rank's node and its board: the commit's first level
-
     def owns(self, ctx: DistContext) -> bool:
         return ctx.rank == 0
 
@@ -155,7 +135,7 @@ class SharedTier(TierBackend):
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         args = self._commit_args(job, ctx, key, ledger)
-        return persist(self.storage, job.step, job.slot, job.skeleton, group=self.group, **args)
+        return persist(self.storage, job.step, job.slot, job.skeleton, **args)
 
     def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
         report_skipped_shared(ctx, self.group, key, at, reason)
@@ -169,10 +149,9 @@ class NodeRamTier(TierBackend):
     superseded_verb = "dropped"
 
     def __init__(self, tier: Tier, storage: Storage, replicas: int, peers: PeerGroup | None, group: NodeGroup):
-        super().__init__(tier, storage)
+        super().__init__(tier, storage, group)
         self.replicas = replicas  # copies of each rank's data on other nodes
-        self.peers = peers  # the dedicated gloo group replicas travel over (None: one process)
-        self.group = group  # this rank's node in the commit plan (who sends whom replicas), and its board
+        self.peers = peers  # the gloo group replicas travel over (None: one process)
         self.last_cpu: dict[str, float] = {}  # the last persist's CPU split (persist_details)
         self.news = CommitNews()  # rank 0's word on which steps it keeps (the watchdog feeds it)
 
@@ -180,7 +159,7 @@ class NodeRamTier(TierBackend):
         return ctx.rank == self.group.leader
 
     def new_ledger(self, ctx: DistContext) -> KeyLedger:
-        return KeyLedger.node_local(list(self.group.members), self._exchanges(ctx))
+        return KeyLedger.node_local(list(self.group.members), self.group.plan.exchanges)
 
     def persist(self, job: Any, ctx: DistContext, key: str, ledger: KeyLedger) -> Committed | None:
         if self.peers is not None:
@@ -189,14 +168,7 @@ class NodeRamTier(TierBackend):
         args = self._commit_args(job, ctx, key, ledger)
         try:
             return persist_node_local(
-                self.storage,
-                job.step,
-                job.slot,
-                job.skeleton,
-                group=self.group,
-                peers=self.peers,
-                cpu=self.last_cpu,
-                **args,
+                self.storage, job.step, job.slot, job.skeleton, peers=self.peers, cpu=self.last_cpu, **args
             )
         except Exception:
             if ctx.rank == 0 and ctx.distributed:  # the step is settled: not committed
@@ -204,10 +176,8 @@ class NodeRamTier(TierBackend):
             raise
 
     def retain(self, ctx: DistContext, job: Any) -> list[int]:
-        """A node with the index (CommitPlan.holds_index) follows it; rank 0 then tells the
-        others what it keeps (coord/news.py). A node without the index drops only what the
-        news of this epoch says is settled and not kept, and asks for news itself when it
-        holds more than UNHEARD_LIMIT steps it has heard nothing of."""
+        """A node holding the index follows it and rank 0 publishes what it keeps (coord/news.py);
+        another drops what that news settles, and asks for news past UNHEARD_LIMIT unheard steps."""
         if self.group.plan.holds_index(ctx.node):
             removed = self.apply_retention(protect=job.step)
             if ctx.rank == 0 and ctx.distributed:
@@ -233,16 +203,11 @@ class NodeRamTier(TierBackend):
             log.warning("ftkit: could not publish the RAM tier's commit news of step %d: %s", job.step, e)
 
     def report_skipped(self, ctx: DistContext, key: str, at: tuple[int, int], reason: str) -> None:
-        report_skipped_node_local(ctx, self.group, key, at, reason, self._exchanges(ctx))
-
-    def _exchanges(self, ctx: DistContext) -> bool:
-        """Whether the nodes exchange reports through the store for replicas (the plan's rule)."""
-        return self.group.plan.exchanges
+        report_skipped_node_local(ctx, self.group, key, at, reason, self.group.plan.exchanges)
 
     def persist_details(self) -> dict[str, Any]:
         run = self.peers.last_run if self.peers is not None else None
-        # This thread's CPU seconds writing the data file and moving replicas (the rest of the
-        # persist event's cpu_s is the commit's coordination).
+        # This thread's CPU seconds writing the data file and moving replicas.
         cpu = {f"{k}_cpu_s": v for k, v in self.last_cpu.items()}
         return {**cpu, **({"replicate": run} if run else {})}
 

@@ -15,31 +15,19 @@ from ftkit.tiers.redact import redact_url
 
 # Protocols whose fsspec backend lives in another package: the install hint.
 INSTALL_HINTS = {
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
+    **dict.fromkeys(("s3", "s3a"), "s3fs"),
+    **dict.fromkeys(("gs", "gcs"), "gcsfs"),
+    **dict.fromkeys(("az", "abfs", "abfss"), "adlfs"),
+    **dict.fromkeys(("sftp", "ssh"), "paramiko"),
     "hf": "huggingface_hub",
-    "sftp": "paramiko",
-    "ssh": "paramiko",
 }
 # Bounded timeouts so an unreachable endpoint is an error in seconds, not minutes.
 S3_DEFAULTS: dict[str, Any] = {
     "config_kwargs": {"connect_timeout": 5, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}},
 }
-_SECRET_KEYS = (
-    "key",
-    "secret",
-    "token",
-    "password",
-    "aws_secret_access_key",
-    "aws_access_key_id",
-    "aws_session_token",
-    "access_key",
-    "secret_key",
+# storage_options keys whose values are credentials, scrubbed from every message.
+_SECRET_KEYS = frozenset(
+    "key secret token password access_key secret_key aws_access_key_id aws_secret_access_key aws_session_token".split()
 )
 
 
@@ -82,7 +70,7 @@ def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str,
         pkg = INSTALL_HINTS.get(protocol, "the fsspec backend for it")
         raise UnknownProtocolError(f"{shown}: protocol {protocol!r} needs {pkg}: pip install {pkg}") from None
     except ValueError as e:
-        if "Protocol not known" in str(e) or "not known" in str(e):
+        if "not known" in str(e):
             raise UnknownProtocolError(
                 f"{shown}: unknown storage protocol {protocol!r} (not a protocol fsspec knows)"
             ) from None

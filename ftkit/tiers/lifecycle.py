@@ -1,13 +1,9 @@
-"""Ending a step's life on a tier: delete it, or retire it from the timeline.
+"""Ending a step's life on a tier: delete it (retention, ``ftkit gc``), or retire it (restore).
 
-* :func:`delete_step` (retention, ``ftkit gc``): the manifest goes first, so the
-  step stops existing before its data goes; nothing is deleted through a
-  symbolic link (a linked step directory is refused, see storage.py).
-* :func:`retire_step` (restore): a step newer than the one a run restored
-  belongs to a future the run has left. Its manifest is renamed to
-  ``manifest.retired.json``: the step no longer exists for any reader, the run
-  writes that step number afresh, and its bytes stay until retention or
-  ``ftkit gc`` removes them (an operator can rename the manifest back).
+A step newer than the one a run restored belongs to a future the run has left: retiring
+renames its manifest to ``manifest.retired.json``, so no reader sees the step and the run
+can write that number afresh, while its bytes stay until retention or ``ftkit gc`` (an
+operator can rename the manifest back). Nothing is deleted or retired through a link.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ def delete_step(storage: Storage, step: int) -> None:
     if storage.is_link(d):
         raise StorageError(f"{storage.where(d)} is a symbolic link; not deleting through it")
     storage.remove(f"{d}/{MANIFEST_NAME}")
-    if storage.spares is not None:  # the RAM tier writes its next files over these (ramtier.SparePool)
+    if storage.spares is not None:  # the RAM tier writes its next files over these (ram.SparePool)
         names = [n for n, kind in storage.list_dir(d) if kind == "file" and n.endswith(".data")]
         storage.spares.give([storage.path(f"{d}/{n}") for n in names])
     storage.remove(d, recursive=True)

@@ -1,10 +1,8 @@
 """Local-filesystem safety for tiers on a local path (the RAM tier among them).
 
-A checkpoint directory may have been written by someone else: readers open
-regular files only (a FIFO named manifest.json would otherwise block every
-reader forever), and nothing follows a symbolic link below a tier's root, for
-reading, writing or deleting (a linked step directory could point at another
-run's files).
+A checkpoint directory may have been written by someone else: readers open regular files
+only (a FIFO named manifest.json would block every reader), and nothing follows a symbolic
+link below a tier's root (a linked step directory could point at another run's files).
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ def local_kind(entry: os.DirEntry) -> str:
 
 
 def no_links_within(root: str, rel: str, where: Callable[[str], str]) -> None:
-    """Refuse a path below `root` whose directories include a symbolic link.
-
-    (The root itself may be reached through links: it is the user's choice.)"""
+    """Refuse a path below `root` whose directories include a symbolic link (the root's own may: the user's choice)."""
     parts = [p for p in rel.split("/")[:-1] if p]
     at = root
     for p in parts:
@@ -46,8 +42,7 @@ def no_links_within(root: str, rel: str, where: Callable[[str], str]) -> None:
 
 
 def open_regular(path: str, shown: str):
-    """An unbuffered binary reader of `path`, which must be a regular file (not a link,
-    not a FIFO: opening a FIFO without O_NONBLOCK would wait for a writer forever)."""
+    """An unbuffered reader of `path`, a regular file (opened O_NONBLOCK: a FIFO would wait forever)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -97,9 +92,8 @@ VOLATILE_FS = frozenset({"tmpfs", "ramfs"})  # memory with no backing store: fsy
 
 
 def on_volatile_fs(path: str) -> bool:
-    """Whether `path` lives on a filesystem in memory (VOLATILE_FS: the RAM tier's /dev/shm), where
-    an fsync makes nothing more durable (a restart of the host loses it all the same) and only
-    costs its system calls. False where it cannot be told (no /proc): then fsyncs stay."""
+    """Whether `path` is on a filesystem in memory (VOLATILE_FS), where an fsync makes nothing
+    more durable; False where it cannot be told (no /proc), so fsyncs stay."""
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             mounts = f.read().splitlines()
@@ -123,10 +117,8 @@ SMALL_WRITE = 2**20  # metadata (a part, an index): a few syscalls, not a buffer
 
 
 def write_small(full: str, data: bytes, sync: bool = True) -> None:
-    """Storage.open_write for a small local file in one write: a temporary name, fsync, rename, fsync of the
-    directory (`sync` False: neither fsync, on_volatile_fs); the temporary removed on any failure.
-    (A third of the syscalls and none of the buffer: a node's leader writes three or four of
-    these at every RAM-tier commit.)"""
+    """Storage.open_write for a small local file in one write, without a buffered file object:
+    temporary name, fsync, rename, fsync of the directory (no fsync when not `sync`)."""
     tmp = f"{full}.tmp-{os.urandom(4).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:

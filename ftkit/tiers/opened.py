@@ -61,9 +61,8 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
 
 
 def _commit_board(ctx: DistContext, tier: int) -> NodeBoard | None:
-    """The board the ranks of this node post their reports to when committing to tier `tier`
-    (commit/shared.py, commit/ram.py); its directory is this run instance's (a nonce agreed through
-    the store), so a rerun at the same address never reads a report of the run before."""
+    """The board this node's ranks post their commit reports for tier `tier` to; its directory is
+    this run instance's (a nonce agreed through the store), so a rerun never reads an old report."""
     if not ctx.distributed:
         return None
     instance = ctx.store.compare_set(f"commit/{tier}/board", "", uuid.uuid4().hex).decode()

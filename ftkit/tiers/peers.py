@@ -1,23 +1,15 @@
 """Peer replication: copies of each rank's RAM-tier data on other nodes.
 
-Placement (pure, the commit plan's: commit/plan.py): rank r's file goes to the ranks at
-r's local index on the next k nodes in node order, so a single node failure never holds
-both a shard and all of its replicas. With fewer than k+1 nodes, as many distinct nodes
-as exist are used (and the shortfall is logged once).
-
-Transport: a dedicated gloo process group created for this (never the training
-group), used only from ftkit's background thread while persisting and from
-restore() on the main thread. Every rank posts all its sends and receives at
-once (non-blocking), in the order of one list of transfers all ranks agree on,
-so messages between the same two ranks match up and no order can deadlock.
-The group has its own timeout, so a dead peer costs a bounded wait;
-after a failure the group is considered broken and replication stops until the
-job restarts (the watchdog's business).
+Placement is the commit plan's (commit/plan.py): rank r's file goes to the ranks at r's
+local index on the next k nodes, so one lost node never takes a shard and all its replicas.
+Transport: a dedicated gloo group (never the training group), used from ftkit's background
+thread and from restore(). Every rank posts all its sends and receives at once, in one
+order all ranks agree on, so messages between two ranks match up and nothing deadlocks.
+The group's timeout bounds a dead peer's cost; after a failure the group stays broken.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +19,6 @@ import torch
 
 from ftkit.commit.plan import RAM, CommitPlan
 from ftkit.errors import PeerTransferError
-
-log = logging.getLogger("ftkit")
 
 
 @dataclass(frozen=True)
@@ -41,8 +31,7 @@ class Transfer:
 
 
 def replica_targets(rank: int, nodes: Sequence[str], k: int) -> list[int]:
-    """The ranks that hold replicas of `rank`'s data: one per other node, k at most (the
-    commit plan's placement, commit/plan.py)."""
+    """The ranks that hold replicas of `rank`'s data: one per other node, k at most."""
     return CommitPlan.of(nodes, RAM, k).replica_targets(rank)
 
 
@@ -70,21 +59,18 @@ class PeerGroup:
         self.world_size = world_size
         self.broken: str | None = None
         self._buffers: list[torch.Tensor] = []  # receive buffers kept between runs (keep_buffers)
-        # The last successful run: its window on the perf_counter clock (comparable between
-        # processes of one machine) and the time spent in read() and write(), for the event log.
+        # The last successful run's perf_counter window and read()/write() time, for the event log.
         self.last_run: dict[str, float] | None = None
 
     def run(
         self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int], keep_buffers: bool = False
     ) -> list[str]:
-        """Execute the transfers this rank takes part in, all at once.
+        """Run this rank's transfers at once; return the files received. On a transport failure
+        mark the group broken and raise.
 
-        read(file) -> uint8 tensor of a file this rank sends; write(file, tensor) stores
-        what it receives (the tensor is only valid during the call); sizes[(src, file)]
-        is each file's length. keep_buffers: receive into buffers kept for the next run
-        (every snapshot replicates the same sizes: no page faults after the first).
-        Returns the files received. Raises on a transport failure and marks the group
-        broken.
+        read(file): the uint8 tensor of a file this rank sends; write(file, tensor): store what
+        was received (the tensor is valid during the call only); sizes[(src, file)]: lengths.
+        keep_buffers: receive into buffers kept for the next run (the sizes repeat).
         """
         import torch.distributed as dist
 

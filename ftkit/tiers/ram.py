@@ -1,47 +1,11 @@
-"""The RAM tier: snapshots in the node's shared memory.
+"""The RAM tier: snapshots in the node's shared memory, ``<root>/<run>/<node>/step-.../``,
+so a restarted worker on a healthy node restores at memory speed.
 
-A restarted worker on a healthy node finds its snapshots where it left them and
-restores at memory speed. Layout: ``<root>/<run>/<node>/step-.../``.
-
-Root: ``$FTKIT_RAM_DIR``, else ``/dev/shm/ftkit-<uid>``. Per user, always: a
-root shared by several users would have to be writable by all of them, and
-then any of them could plant a forged step in another's run or read its state.
-With one root per uid there is no shared directory to squat on, and where a
-process looks never depends on what another user created first. The root and
-every directory below it that ftkit uses are checked with ``lstat`` before use:
-not a symlink, a directory, owned by this process's euid, writable by nobody
-else (a root merely readable by others is tightened to 0700, with a warning);
-anything else is refused with :class:`UnsafeRamDirError`, never followed.
-
-Run: the RAM tier is reused only by the run it belongs to (:func:`run_identity`):
-an explicit name (``Checkpointer(run_id=...)``, ``$FTKIT_RUN_ID``, or the older
-``$FTKIT_JOB_ID``) is the directory's name; else the run is the set of its
-durable tiers' locations (two runs writing the same durable checkpoints are one
-lineage: restore would resume either from them anyway); else torchrun's
-rendezvous id, when one was given (--rdzv-id, or --standalone's per-invocation
-uuid; not the "none" every job gets by default). Derived identities name the
-directory ``run-<hash>``. With none of these, a "ram" tier is refused
-(:class:`RunIdentityError`) rather than shared by every run on the host. The
-identity is recorded in ``<run>/identity.json`` (0600) and checked on every
-use: a directory recording another identity is refused.
-
-The state's layout is not part of the identity: restore checks every tensor's
-name, shape and dtype against the live state before reading a byte, and refuses
-a mismatch (StateMismatchError) on the RAM tier as on any other.
-
-The node component lets tests simulate several nodes on one machine (and is
-harmless on real ones).
-
-The node's directory holds the step manifests (copied there by the node's first
-rank after rank 0 commits), the node's own ranks' data files, and the replicas
-other nodes sent it; a step's files may therefore be spread over nodes, which
-the restore planner accounts for.
-
-Writing into fresh tmpfs pages costs about three times as much as writing over
-pages a file already has (the kernel allocates and zeroes each one): 7.4 ms
-against 2.2 ms for 16 MiB here. So the data files of a step that retention
-removes are kept in ``<node>/.spare/`` (one step's worth at most), and the next
-data file written on the node, its own or a peer's replica, is written over one.
+The root (``$FTKIT_RAM_DIR``, else ``/dev/shm/ftkit-<uid>``) is per user, so nobody can plant a
+step in another's run; every directory is checked before use (_check_private), never followed.
+A run's directory is bound to its identity (:func:`run_identity`; docs/operations.md says why).
+A removed step's data files are kept in ``<node>/.spare/`` (:class:`SparePool`): writing over a
+file's tmpfs pages costs less than fresh ones, which the kernel allocates and zeroes.
 """
 
 from __future__ import annotations
@@ -68,14 +32,8 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _VALID_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
-# ------------------------------------------------------------------ names
 def validate_job_id(job: str) -> str:
-    """`job` if it is a plain, safe directory name; ValueError (InvalidJobIdError) otherwise.
-
-    1-128 characters of letters, digits, ``.``, ``_`` and ``-``, not starting
-    with ``.`` or ``-``: no path separators, no ``..``, nothing absolute, nothing
-    hidden, nothing an option parser could take for a flag.
-    """
+    """`job` if it is a plain directory name (not a path, hidden or a flag); else InvalidJobIdError."""
     if not isinstance(job, str) or not _VALID_NAME.fullmatch(job):
         shown = job if isinstance(job, str) and len(job) <= 80 else f"{str(job)[:80]}..."
         raise InvalidJobIdError(
@@ -109,11 +67,7 @@ def _named_run() -> tuple[str, str] | None:
 
 
 def job_id() -> str:
-    """The run named in the environment ($FTKIT_RUN_ID, else $FTKIT_JOB_ID), as its directory name.
-
-    Raises RunIdentityError when neither is set: a derived identity (``run-<hash>``)
-    needs the tiers, which only the Checkpointer knows.
-    """
+    """The run named by $FTKIT_RUN_ID, else $FTKIT_JOB_ID, as a directory name; else RunIdentityError."""
     named = _named_run()
     if named is None:
         raise RunIdentityError(
@@ -128,7 +82,6 @@ def job_dir(job: str | None = None) -> str:
     return os.path.join(ram_root(), validate_job_id(job) if job is not None else job_id())
 
 
-# --------------------------------------------------------------- identity
 @dataclass(frozen=True)
 class RunIdentity:
     """Which run a RAM-tier directory belongs to: its directory name and the record kept in it."""
@@ -148,11 +101,8 @@ def _location(url: str) -> str:
 
 
 def run_identity(durable_urls: Iterable[str], run_id: str | None = None) -> RunIdentity:
-    """The identity of the run a "ram" tier belongs to (see the module docstring for the order).
-
-    `durable_urls`: the URLs of the run's other tiers (not "ram" or "peer").
-    Every rank, and every restart of the run, must compute the same identity.
-    """
+    """The run a "ram" tier belongs to: `run_id`, $FTKIT_RUN_ID / $FTKIT_JOB_ID, else a hash of
+    `durable_urls` (the other tiers) or of torchrun's rendezvous id. The same on every rank and restart."""
     from ftkit.coord.dist import rendezvous_id
 
     if run_id is not None:
@@ -178,7 +128,6 @@ def run_identity(durable_urls: Iterable[str], run_id: str | None = None) -> RunI
     return RunIdentity(f"run-{digest[:16]}", record, source)
 
 
-# ------------------------------------------------------- private directories
 def _check_private(path: str, what: str, st: os.stat_result | None = None) -> None:
     """Refuse `path` unless it is a real directory owned by us and writable by nobody else."""
     try:
@@ -230,8 +179,7 @@ def _private_dir(path: str, what: str) -> str:
 
 
 def private_subdir(*parts: str) -> str:
-    """``<root>/<parts...>``, each level created 0700 and checked like the RAM tier's own
-    (the watchdog's node-local heartbeats live there too, coord/nodelocal.py)."""
+    """``<root>/<parts...>``, each level created 0700 and checked (coord/nodelocal.py's heartbeats)."""
     path = _root()
     for part in parts:
         path = _private_dir(os.path.join(path, part), "directory")
@@ -264,12 +212,8 @@ def _read_identity(path: str) -> Any:
 
 
 def _bind(job_path: str, identity: RunIdentity) -> None:
-    """Record `identity` in the job directory, or check the one recorded there.
-
-    The record is written to a temporary file and hard-linked into place:
-    several node leaders may create the directory at once, and a reader never
-    sees a half-written record.
-    """
+    """Record `identity` in the job directory, or check the one recorded there. Hard-linked
+    into place from a temporary file: several node leaders may race, and none reads half a record."""
     record = {"version": 1, "run": identity.record}
     path = os.path.join(job_path, IDENTITY_FILE)
     if not os.path.lexists(path):
@@ -314,11 +258,7 @@ def node_dir(node: str, job: str | None = None) -> str:
 
 
 def existing_job_dir(job: str | None = None) -> str | None:
-    """`job`'s RAM tier directory if it exists, checked as for use (ours, private, no link); else None.
-
-    For `ftkit gc ram`: look before deleting, without following a link to
-    somewhere else (raises UnsafeRamDirError for one).
-    """
+    """`job`'s RAM tier directory if it exists, checked as for use (UnsafeRamDirError); else None."""
     path = job_dir(job)
     if not os.path.lexists(os.path.dirname(path)) or not os.path.lexists(path):
         return None
@@ -328,12 +268,7 @@ def existing_job_dir(job: str | None = None) -> str | None:
 
 
 def remove_job(job: str | None = None) -> str:
-    """Delete a finished job's RAM tier on this machine; returns the directory removed.
-
-    Only a directory of ours, reached without following any link: the root and
-    the job directory are checked as for use (a symlink, or another user's
-    directory, is refused, not followed or deleted).
-    """
+    """Delete a finished job's RAM tier here, checked as for use (never a link); the directory removed."""
     import shutil
 
     path = job_dir(job)
@@ -348,12 +283,8 @@ SPARE_DIR = ".spare"
 
 
 class SparePool:
-    """Data files of removed steps, kept so the next writes reuse their pages.
-
-    Shared by every rank of the node (one directory); a file is claimed by an
-    atomic rename, so two ranks never get the same one. `limit` caps the files
-    kept (about one step's worth); the rest are deleted as before.
-    """
+    """Data files of removed steps, kept (`limit` of them) so the next writes reuse their pages.
+    Shared by the node's ranks: a file is claimed by an atomic rename, so no two get the same."""
 
     def __init__(self, node_path: str, limit: int):
         self.dir = os.path.join(node_path, SPARE_DIR)

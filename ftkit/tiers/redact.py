@@ -1,19 +1,8 @@
-"""The one function that makes a URL (or a text holding URLs) safe to show.
-
-Everything that takes a tier URL out of the process goes through
-:func:`redact_url`: log lines, the events JSONL, ``Checkpointer.stats``,
-``repr(Tier)``, error messages, the RAM tier's identity record. A URL keeps its
-scheme, host and path (what an operator needs to tell tiers apart) and loses:
-
-* the user-info part, ``scheme://user:password@host`` -> ``scheme://***@host``,
-  including passwords that contain ``/`` or ``@`` unescaped (AWS secret keys
-  often contain ``/``), where the naive "up to the first @" rule leaks a tail;
-* the values of credential-like query parameters (``X-Amz-Signature``,
-  ``X-Amz-Credential``, ``sig``, ``token``, ``password``, ``key``...), as in
-  presigned or SAS URLs.
-
-It accepts any text, not just one URL: error messages embed URLs, and
-redacting the whole message is how callers scrub them.
+"""The one function that makes a URL, or any text holding URLs, safe to show (logs, events,
+stats, ``repr(Tier)``, errors, the RAM tier's identity record). A URL keeps its scheme, host
+and path, and loses its user-info (``scheme://***@host``, also for passwords holding an
+unescaped ``/`` or ``@``, as AWS secret keys may) and the values of credential-like query
+parameters (presigned or SAS URLs).
 """
 
 from __future__ import annotations
@@ -35,15 +24,13 @@ def redact_url(url: str) -> str:
 
 def _redact_one(m: re.Match) -> str:
     rest = m.group("rest")
-    # A user-info part ends at the last "@" before the first "/" (an unescaped "@"
-    # in a password comes before it). Not stopping at "?" or "#" over-redacts odd
-    # hosts, never under-redacts: everything before that "@" goes.
+    # User-info ends at the last "@" before the first "/" (a password's unescaped "@" comes
+    # before it); not stopping at "?" or "#" may over-redact, never under-redact.
     end = rest.find("/")
     at = rest.rfind("@", 0, len(rest) if end == -1 else end)
     if at == -1:
-        # A password with an unescaped "/" pushes its "@" past the first "/":
-        # "user:pa/ss@host/path". A ":" before that "@" marks it as user-info.
-        # (Over-redacting a path like "bucket/a:b@c" only hides a display name.)
+        # A password with an unescaped "/" ("user:pa/ss@host/path"): a ":" before the "@"
+        # marks user-info (over-redacting a path like "bucket/a:b@c" only hides a name).
         first_at = rest.find("@")
         if first_at != -1 and ":" in rest[:first_at] and "?" not in rest[:first_at]:
             at = first_at

@@ -1,9 +1,8 @@
-"""Which committed steps a tier keeps: a pure plan, executed by the caller.
+"""Which committed steps a tier keeps: pure plans, and their execution after a commit.
 
-Rules: keep the newest `keep` steps, keep every step divisible by `keep_every`
-forever, and never delete the newest step that verified (`protect`), whatever
-the numbers say. Retention runs only after a successful commit, so a failed save
-can never cost a good checkpoint.
+Keep the newest `keep` steps, every step divisible by `keep_every`, and always the
+newest step that verified (`protect`). Retention runs only after a successful commit,
+so a failed save never costs a good checkpoint.
 """
 
 from __future__ import annotations
@@ -65,16 +64,14 @@ class CollectionPlan:
 
 
 def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, grace_s: float) -> CollectionPlan:
-    """Which directories of a tier go. Rules, in order of strength:
+    """Which directories of a tier go. Rules, strongest first:
 
     * a symbolic link or a manifest that is no regular file is never touched;
-    * the newest step that verified is kept, and so is every newer step (it did
-      not verify, but it may be good: when unsure, keep); if no step verified,
-      no committed step is deleted;
+    * the newest step that verified is kept, and so is every newer one (when unsure,
+      keep); if none verified, no committed step is deleted;
     * otherwise committed steps follow plan_retention(keep, keep_every);
-    * a directory without a manifest goes only once nothing changed in it for
-      `grace_s` (a live writer may be filling it), and only when it is older
-      than the newest committed step, retired, or empty.
+    * a directory without a manifest goes once unchanged for `grace_s` (a writer may be
+      filling it), and only if retired, empty or older than the newest committed step.
     """
     committed = [s.step for s in steps if s.status == "committed"]
     verified = [s.step for s in steps if s.status == "committed" and s.verified]
@@ -100,9 +97,7 @@ def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, gr
 
 
 def abort_stale_uploads(storage: Storage, grace_s: float) -> int:
-    """A running job's share of collection on object stores: abort ftkit's own incomplete
-    uploads older than `grace_s` below the tier (others' are never touched: uploads.py).
-    Returns how many."""
+    """Abort ftkit's own incomplete uploads older than `grace_s` below the tier; how many."""
     now = time.time()
     n = 0
     for u in storage.incomplete_uploads():
@@ -119,14 +114,9 @@ JOB_UPLOAD_CHECK_S = 3600.0  # a running job lists incomplete uploads at most th
 def apply_job_retention(
     storage: Storage, keep: int | None, keep_every: int | None, protect: int, upload_grace_s: float = JOB_UPLOAD_GRACE_S
 ) -> list[int]:
-    """A running job's retention after it committed step `protect`; returns the steps removed.
-
-    The job trusts the step it has just committed (written, checksummed and its
-    files re-checked at the commit) rather than reading it back: that is the step
-    every rule protects. Committed steps follow plan_retention; directories without
-    a manifest older than `protect` were abandoned (rank 0 commits in step order)
-    and go; newer ones may be the next steps being written and stay. Symbolic links
-    and non-regular manifests are never touched (and said once per tier)."""
+    """A running job's retention after it committed `protect` (trusted, not read back); the
+    steps removed. Steps without a manifest older than `protect` were abandoned (commits go in
+    step order) and go; newer ones may be in flight. Links and odd manifests are left alone."""
     dirs = scan(storage)
     refused = [d.step for d in dirs if d.status in ("link", "bad")]
     if refused and storage.url not in _warned:
@@ -139,10 +129,9 @@ def apply_job_retention(
         )
     plan = plan_retention([d.step for d in dirs if d.committed], keep, keep_every, protect=protect)
     abandoned = [d.step for d in dirs if d.status in ("partial", "retired") and d.step < protect]
-    removed = []
-    for step in list(plan.delete) + abandoned:
+    removed = list(plan.delete) + abandoned
+    for step in removed:
         delete_step(storage, step)
-        removed.append(step)
     now = time.monotonic()
     if not storage.is_local and now - _uploads_checked.get(storage.url, -JOB_UPLOAD_CHECK_S) >= JOB_UPLOAD_CHECK_S:
         _uploads_checked[storage.url] = now
@@ -165,16 +154,12 @@ _uploads_checked: dict[str, float] = {}  # tier URL -> monotonic time of the las
 
 
 def apply_heard_retention(storage: Storage, settled: int | None, kept: frozenset[int]) -> tuple[list[int], int]:
-    """Retention on a RAM-tier node that holds no index (coord/news.py): drop every step
-    directory up to `settled` that is not in `kept` (failed, or let go by rank 0's
-    retention), keep the rest. `settled` None: nothing heard, nothing dropped. Returns
-    (the steps removed, how many directories are newer than `settled`: not heard of)."""
+    """Retention on a RAM-tier node without the index (coord/news.py): drop the steps up to
+    `settled` (None: nothing heard) not in `kept`. Returns (removed, how many are newer)."""
     dirs = [d for d in scan(storage) if d.status not in ("link", "bad")]
     if settled is None:
         return [], len(dirs)
-    removed = []
-    for d in dirs:
-        if d.step <= settled and d.step not in kept:
-            delete_step(storage, d.step)
-            removed.append(d.step)
+    removed = [d.step for d in dirs if d.step <= settled and d.step not in kept]
+    for step in removed:
+        delete_step(storage, step)
     return removed, sum(d.step > settled for d in dirs)

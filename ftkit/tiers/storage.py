@@ -1,30 +1,15 @@
-"""Byte movement to and from any fsspec URL.
+"""Byte movement below one fsspec URL: list, read, write, remove.
 
-A :class:`Storage` is rooted at one URL (a local path, ``file://``, ``s3://``,
-anything fsspec knows) and only moves bytes: list, read, write, remove. It owns
-two things the rest of ftkit relies on:
-
-* **Atomic writes.** On a local filesystem a file is written to a temporary name,
-  fsynced, renamed into place and its directory fsynced (no fsync on a filesystem
-  in memory, the RAM tier's tmpfs, where it makes nothing durable); on object stores a
-  single PUT (or a completed multipart upload) is atomic by nature, and a failed
-  upload is discarded rather than completed.
-* **One-line errors.** Backend exceptions (botocore, aiohttp, OSError...) become
-  :class:`~ftkit.errors.StorageError` naming the operation and the URL, with any
-  credential from ``storage_options`` scrubbed from the text (which backend serves
-  a URL, with what options, or what to install for it: tiers/backends.py).
-* **No trust in what it finds.** A checkpoint directory may have been written by
-  someone else. On local filesystems reads open regular files only (a FIFO
-  named ``manifest.json`` is an error, not a hang), symbolic links are never
-  followed below the root (reported as kind ``link``, refused when reading,
-  writing or deleting through them), and deleting never follows a link.
+Writes are atomic: locally a temporary name, fsync, rename, fsync of the directory (no fsync
+on tmpfs); on object stores one PUT or a completed multipart upload, a failed one discarded.
+Backend exceptions become one-line StorageErrors, credentials scrubbed (tiers/backends.py).
+Locally only regular files are read and no link below the root is followed (tiers/localfs.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import shutil
 import stat
@@ -43,8 +28,6 @@ from ftkit.tiers.localfs import local_kind as _local_kind
 from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
 from ftkit.tiers.uploads import abort_upload, list_incomplete_uploads
 
-log = logging.getLogger(__name__)
-
 
 class Storage:
     """Byte-level access below one root URL. Paths given to methods are relative."""
@@ -54,20 +37,14 @@ class Storage:
         self.display_url = redact_url(self.url)
         self.fs, self.root, self.protocol, self._secrets = open_fs(self.url, storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        # fsync where it makes a write durable; not in memory (the RAM tier's tmpfs), where it only costs.
         self.sync = not (self.is_local and on_volatile_fs(self.root))
-        # Local files to write over instead of creating new ones (the RAM tier's, see ramtier.py).
-        self.spares: Any = None
+        self.spares: Any = None  # local files to write over instead of new ones (ram.SparePool)
 
-    # ----------------------------------------------------------------- helpers
     def path(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
     def where(self, rel: str = "") -> str:
         return f"{self.display_url}/{rel}" if rel else self.display_url
-
-    def _scrub(self, text: str) -> str:
-        return scrub(text, self._secrets)
 
     @contextlib.contextmanager
     def _errors(self, action: str, rel: str) -> Iterator[None]:
@@ -76,21 +53,16 @@ class Storage:
             yield
         except (FileNotFoundError, FtkitError):
             raise  # not-found is the caller's to interpret; ours are already clear
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
+        except Exception as e:
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise StorageError(f"no space left on device while {action} {self.where(rel)}") from None
             if isinstance(e, PermissionError):
                 raise StorageError(f"permission denied while {action} {self.where(rel)}") from None
-            raise StorageError(self._scrub(f"{action} {self.where(rel)} failed: {_one_line(e)}")) from None
-        except Exception as e:
-            raise StorageError(self._scrub(f"{action} {self.where(rel)} failed: {_one_line(e)}")) from None
+            raise StorageError(scrub(f"{action} {self.where(rel)} failed: {_one_line(e)}", self._secrets)) from None
 
-    # ------------------------------------------------------------------- reads
     def list_dir(self, rel: str = "") -> list[tuple[str, str]]:
-        """(name, kind) of the entries below `rel`; [] when it does not exist.
-
-        kind: "file", "directory", "link" (a symbolic link, local only: never
-        followed) or "other" (a FIFO, socket or device, local only)."""
+        """(name, kind) of the entries below `rel`, [] when it does not exist; kind: "file",
+        "directory", and locally "link" (never followed) or "other" (FIFO, socket, device)."""
         if self.is_local:  # the RAM tier lists at every commit: skip fsspec's per-entry info()
             with self._errors("listing", rel):
                 self._no_links_within(rel)
@@ -105,8 +77,7 @@ class Storage:
         ]
 
     def list_sizes(self, rel: str = "", names: list[str] | None = None) -> dict[str, int]:
-        """{name: bytes} of the regular files directly below `rel` (one listing), or of `names`
-        only: locally an lstat each (a few among thousands), elsewhere still one listing."""
+        """{name: bytes} of the regular files directly below `rel`, or of `names` only (an lstat each)."""
         if self.is_local:
             with self._errors("listing", rel):
                 self._no_links_within(rel)
@@ -130,8 +101,7 @@ class Storage:
         return listed if names is None else {n: listed[n] for n in names if n in listed}
 
     def _ls(self, rel: str) -> list[dict[str, Any]]:
-        """fsspec's fresh listing below `rel` ([] when it does not exist), less the prefix itself
-        (an object store's directory marker)."""
+        """fsspec's fresh listing below `rel` ([] when missing), less the prefix's own marker."""
         with self._errors("listing", rel):
             self.fs.invalidate_cache(self.path(rel))
             try:
@@ -189,9 +159,8 @@ class Storage:
             return self.fs.cat_file(self.path(rel))
 
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each ``(start, end)`` range of `rel`, in order; a range past the
-        file's end comes back short. On an object store the requests run concurrently
-        (fsspec's ``cat_ranges``: one GET each); locally, one open and a read per range."""
+        """The bytes of each ``(start, end)`` range of `rel`, in order (short past the end); on an
+        object store the GETs run concurrently (fsspec's ``cat_ranges``)."""
         if self.is_local:
             out = []
             with self.open_read(rel) as f:
@@ -210,7 +179,8 @@ class Storage:
     def open_read(self, rel: str) -> Iterator[Any]:
         with self._errors("reading", rel):
             if self.is_local:
-                f = self._open_regular(rel)
+                self._no_links_within(rel)
+                f = open_regular(self.path(rel), self.where(rel))
             else:
                 f = self.fs.open(self.path(rel), "rb", block_size=8 * 2**20, cache_type="none")
             try:
@@ -218,12 +188,10 @@ class Storage:
             finally:
                 f.close()
 
-    # ------------------------------------------------------------------ writes
     @contextlib.contextmanager
     def open_write(self, rel: str, *, recycle: bool = False) -> Iterator[Any]:
         """A file that appears at `rel` only if the block completes without error.
-
-        recycle: a big data file; write it over one of `spares` when there is one."""
+        recycle: a big data file, written over one of `spares` when there is one."""
         full = self.path(rel)
         with self._errors("writing", rel):
             if self.is_local:
@@ -237,7 +205,6 @@ class Storage:
                     with contextlib.suppress(OSError):
                         os.remove(tmp)  # a spare already renamed to tmp
                     raise
-                ok = False
                 try:
                     yield f
                     f.flush()
@@ -245,31 +212,26 @@ class Storage:
                         f.truncate()  # a spare may be longer than what was written
                     if self.sync:
                         os.fsync(f.fileno())
-                    ok = True
-                finally:
-                    if ok:
+                except BaseException:
+                    # close() may fail again flushing its buffer (ENOSPC): still remove tmp.
+                    with contextlib.suppress(OSError):
                         f.close()
-                        os.replace(tmp, full)
-                        if self.sync:
-                            _fsync_dir(os.path.dirname(full))
-                    else:
-                        # close() may fail again flushing its buffer (ENOSPC): still remove tmp.
-                        with contextlib.suppress(OSError):
-                            f.close()
-                        with contextlib.suppress(OSError):
-                            os.remove(tmp)
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+                    raise
+                f.close()
+                os.replace(tmp, full)
+                if self.sync:
+                    _fsync_dir(os.path.dirname(full))
             else:
                 f = self.fs.open(full, "wb", block_size=64 * 2**20)
-                ok = False
                 try:
                     yield f
-                    ok = True
-                finally:
-                    if ok:
-                        f.close()  # completes the (multipart) upload: the object appears now
-                    else:
-                        with contextlib.suppress(Exception):
-                            (getattr(f, "discard", None) or f.close)()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        (getattr(f, "discard", None) or f.close)()
+                    raise
+                f.close()  # completes the (multipart) upload: the object appears now
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         if self.is_local and len(data) <= SMALL_WRITE:
@@ -285,11 +247,8 @@ class Storage:
             self.fs.pipe_file(self.path(rel), data)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
-        """Delete a file (or, `recursive`, a directory tree); gone already is fine.
-
-        Never follows a symbolic link: a link below the root on the way to `rel`
-        is refused, a link at `rel` is removed itself (not its target), and a
-        recursive delete of a link is refused."""
+        """Delete a file (or, `recursive`, a tree); gone already is fine. Never through a link: one
+        on the way to `rel` is refused, one at `rel` is removed itself (refused if `recursive`)."""
         with self._errors("removing", rel):
             try:
                 if not self.is_local:
@@ -325,26 +284,18 @@ class Storage:
         """Whether `rel` itself is a symbolic link (local only; object stores have none)."""
         return self.is_local and os.path.islink(self.path(rel))
 
-    # -------------------------------------------------- object-store uploads
     def incomplete_uploads(self, rel: str = "") -> list[dict[str, Any]]:
-        """Multipart uploads started below `rel` and never completed, each marked `own`
-        (ftkit's, of this tier) or not: another writer's (tiers/uploads.py)."""
+        """Multipart uploads started below `rel` and never completed, `own` or not (tiers/uploads.py)."""
         with self._errors("listing incomplete uploads of", rel):
             return list_incomplete_uploads(self.fs, self.path(), rel)
 
     def abort_upload(self, upload: dict[str, Any]) -> None:
-        """Abort one of ftkit's own incomplete uploads (from :meth:`incomplete_uploads`);
-        a foreign one is refused (StorageError)."""
+        """Abort one of ftkit's own incomplete uploads; a foreign one is refused (StorageError)."""
         with self._errors("aborting the upload of", upload["key"]):
             abort_upload(self.fs, self.path(), upload)
 
-    # ------------------------------------------------------- local safety
     def _no_links_within(self, rel: str) -> None:
         no_links_within(self.root, rel, self.where)
-
-    def _open_regular(self, rel: str):
-        self._no_links_within(rel)
-        return open_regular(self.path(rel), self.where(rel))
 
     def makedirs(self, rel: str) -> None:
         with self._errors("creating", rel):

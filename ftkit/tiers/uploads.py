@@ -1,15 +1,9 @@
-"""Incomplete multipart uploads on object stores: what a writer killed mid-upload leaves.
+"""Incomplete multipart uploads (s3fs's `call_s3`): what a writer killed mid-upload leaves,
+invisible to listings and billed. `ftkit ls` reports them; `ftkit gc` and retention abort old ones.
 
-They are invisible to listings and billed, one per crash: `ftkit ls` reports them,
-`ftkit gc` and a running job's retention abort old ones (tiers/retention.py).
-Only backends with S3's multipart API have them (s3fs: `call_s3`); elsewhere there
-are none.
-
-A tier's prefix is not ftkit's alone: another job may write below a shared prefix,
-and a tier at a bucket's root shares it with everything else in the bucket. So an
-upload is ftkit's own (:func:`is_own_upload`) only when its key is exactly one of the
-files ftkit writes into a step directory of this tier; every other upload is foreign:
-reported, never aborted. This module is the one place that tells them apart.
+A tier's prefix may be shared with other writers, so an upload is ftkit's own
+(:func:`is_own_upload`, the one place that decides) only when its key is exactly a file
+ftkit writes into a step directory of this tier; any other is reported, never aborted.
 """
 
 from __future__ import annotations
@@ -23,18 +17,15 @@ from ftkit.format.manifest import MANIFEST_NAME, STEP_DIR_RE
 
 # A rank as the writers format it ({rank:05d}): five digits, or more without a leading zero.
 _RANK = r"(?:\d{5}|[1-9]\d{5,7})"
-# What ftkit uploads into a step directory, as each writer names it: data files
-# (save/write.py; multipart through open_write past one 64 MiB block), per-node parts
-# (format/index.py) and manifests (multipart through pipe_file past s3fs's 100 MiB). A
-# retired manifest is a server-side copy, one request below 5 GB: never an upload of its own.
+# What ftkit uploads into a step directory: data files (save/write.py), per-node parts
+# (format/index.py) and manifests. A retired manifest is a server-side copy, not an upload.
 _OWN_FILE_RE = re.compile(
     rf"^(?:rank-{_RANK}-[0-9a-f]{{8}}\.data|part-{_RANK}-[0-9a-f]{{8}}\.json|{re.escape(MANIFEST_NAME)})$"
 )
 
 
 def is_own_upload(root: str, key: str) -> bool:
-    """Whether the upload of `key` (bucket-relative) is ftkit's own on the tier at `root`
-    ("bucket/prefix"): exactly `<prefix>/step-<12 digits>/<a file name ftkit writes>`."""
+    """Whether bucket-relative `key` is `<prefix>/step-<12 digits>/<a file ftkit writes>` of `root`."""
     prefix = root.partition("/")[2].strip("/")
     if prefix:
         if not key.startswith(prefix + "/"):
@@ -45,9 +36,8 @@ def is_own_upload(root: str, key: str) -> bool:
 
 
 def list_incomplete_uploads(fs: Any, root: str, rel: str = "") -> list[dict[str, Any]]:
-    """{key, upload_id, initiated (Unix time), own} of every upload begun below `rel` of the
-    tier at `root` ("bucket/prefix") and never completed; `own`: is_own_upload. [] on
-    backends without multipart uploads."""
+    """{key, upload_id, initiated (Unix time), own} of every incomplete upload below `rel` of the
+    tier at `root` ("bucket/prefix"); [] on backends without multipart uploads."""
     if not hasattr(fs, "call_s3"):
         return []
     path = f"{root.rstrip('/')}/{rel}" if rel else root
@@ -68,8 +58,7 @@ def list_incomplete_uploads(fs: Any, root: str, rel: str = "") -> list[dict[str,
 
 
 def abort_upload(fs: Any, root: str, upload: dict[str, Any]) -> None:
-    """Abort one of ftkit's own uploads on the tier at `root` (from list_incomplete_uploads).
-    A foreign one is refused, whoever asks: it is someone else's data in flight."""
+    """Abort one of ftkit's own uploads on the tier at `root`; a foreign one is refused (StorageError)."""
     if not is_own_upload(root, upload["key"]):
         raise StorageError(f"the upload of {upload['key']} is not ftkit's (not a step file of {root}); left alone")
     bucket = root.partition("/")[0]

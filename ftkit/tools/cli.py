@@ -1,9 +1,7 @@
 """The `ftkit` command line: ls, inspect, verify, restore, export, gc, report, run, drill.
 
-Exit codes: 0 success; 1 a checkpoint is missing, corrupt or unreadable (or
-storage failed); 2 a usage error (bad flags, unknown URL protocol, bad JSON in
---storage-options, an output that already exists). Expected errors print one
-line, ``ftkit: error: ...``, and no traceback.
+Exit codes: 0 success; 1 a checkpoint is missing, corrupt or unreadable (or storage failed);
+2 a usage error. Expected errors print one line, ``ftkit: error: ...``, and no traceback.
 """
 
 from __future__ import annotations
@@ -13,17 +11,13 @@ import logging
 import sys
 
 from ftkit import __version__
-from ftkit.errors import (
-    FtkitError,
-    UsageError,
-)
+from ftkit.errors import FtkitError, UsageError
 from ftkit.tools import protocol
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from ftkit.tools.commands import cmd_inspect, cmd_ls, cmd_report, cmd_restore, cmd_verify
 from ftkit.tools.gc import cmd_gc
 
 
-# -------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftkit", description="Inspect, verify and restore ftkit checkpoints.")
     p.add_argument("--version", action="version", version=f"ftkit {__version__}")
@@ -84,11 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="leave partial steps and incomplete uploads younger than this alone (default 3600)",
     )
-    rp = sub.add_parser(
-        "report",
-        help="goodput, incidents and a timeline from a run's event log",
-        description="goodput, incidents and a timeline from a run's event log",
-    )
+    help_ = "goodput, incidents and a timeline from a run's event log"
+    rp = sub.add_parser("report", help=help_, description=help_)
     rp.add_argument("run_dir", help="the run directory ($FTKIT_RUN_DIR of the job)")
     rp.add_argument("--json", action="store_true", help="machine-readable output")
     rp.add_argument("--html", metavar="FILE", help="write a page with the timeline")

@@ -9,17 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ftkit.errors import (
-    UnknownProtocolError,
-    UsageError,
-)
+from ftkit.errors import UnknownProtocolError, UsageError
 from ftkit.format.manifest import Manifest, parse_step_dir
 from ftkit.tiers.storage import Storage
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
-# ------------------------------------------------------------------- helpers
 def open_tier(args) -> tuple[Storage, int | None]:
     """The tier at args.url; a URL ending in a step directory selects that step."""
     options: dict[str, Any] = {}

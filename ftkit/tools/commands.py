@@ -7,12 +7,7 @@ import json
 import os
 from typing import Any
 
-from ftkit.errors import (
-    AlreadyCommitted,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    UsageError,
-)
+from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from ftkit.format.data import verify
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import load_manifest, newest_manifest, scan
@@ -22,7 +17,6 @@ from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, prog
 from ftkit.tools.dcp_commands import dcp_checkpoints
 
 
-# ------------------------------------------------------------------ commands
 def cmd_ls(args) -> int:
     storage, _ = open_tier(args)
     if found := dcp_checkpoints(storage):
@@ -102,7 +96,7 @@ def cmd_inspect(args) -> int:
             }
         )
     payload = {**summary(m), "url": storage.display_url, "files": m.files, "writer": m.writer, "tensor_list": tensors}
-    payload["parts"] = m.parts  # version 3: the manifest's part files, {name: {"bytes", "checksum"}}
+    payload["parts"] = m.parts  # {name: {"bytes", "checksum"}} of the manifest's part files
     lines = [
         f"step {m.step} at {storage.display_url}",
         f"  format v{m.format_version}, world size {m.world_size}, created {when(m.created_at)}, "
@@ -171,8 +165,7 @@ def cmd_restore(args) -> int:
 
 
 def _to_dcp(args, storage: Storage, m: Manifest) -> int:
-    """A committed step as a DCP checkpoint directory (DCP's own writer: dcp.load and
-    dcp_to_torch_save read it)."""
+    """A committed step as a DCP checkpoint directory, written by DCP's own writer."""
     from ftkit.dcp.foreign import export_step
 
     with progress_bar(m.total_raw_bytes, f"export step {m.step}") as update:

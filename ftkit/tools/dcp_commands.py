@@ -1,8 +1,6 @@
-"""`ftkit ls`, `inspect`, `verify` and `restore` on DCP checkpoints written by DCP itself
-(ftkit/dcp/foreign.py): a directory or URL that holds DCP's ``.metadata``, or whose
-subdirectories do (torchtitan's ``step-N`` folders). commands.py hands a URL here when it
-holds DCP checkpoints and no ftkit step. DCP stores no checksums: `verify` says what it
-checked (every item read back whole), and never more."""
+"""`ftkit ls`, `inspect`, `verify` and `restore` on checkpoints DCP itself wrote (dcp/foreign.py):
+a URL with DCP's ``.metadata``, or subdirectories that have one (torchtitan's ``step-N``), and
+no ftkit step. DCP stores no checksums: `verify` says what it checked, and never more."""
 
 from __future__ import annotations
 
@@ -117,8 +115,7 @@ def verify(args, storage: Storage, found: list[str]) -> int:
 
 
 def restore(args, storage: Storage, found: list[str]) -> int:
-    """A DCP checkpoint to one torch or safetensors file, or (--world-size M) to an ftkit
-    checkpoint laid out for M ranks."""
+    """A DCP checkpoint to one torch or safetensors file, or (--world-size M) to an ftkit checkpoint."""
     rel = _pick(storage, found, args.step)
     if args.format == "dcp":
         raise UsageError("the source is a DCP checkpoint already")

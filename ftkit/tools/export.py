@@ -1,10 +1,8 @@
 """Export a checkpoint step to a single torch or safetensors file.
 
-The torch file holds the state as nested dicts, lists and tensors, exactly what
-the training code would pass to ``load_state_dict`` (e.g. ``obj["model"]``), plus
-``"_ftkit": {"step": N}``; it loads with ``torch.load(path, weights_only=True)``.
-The safetensors file holds the tensors under their ftkit names
-(``model/fc.weight``) and the JSON skeleton in its metadata.
+The torch file holds the state as the training code held it (``obj["model"]`` for
+``load_state_dict``) plus ``"_ftkit"``, and loads with ``torch.load(path, weights_only=True)``.
+The safetensors file holds the tensors by ftkit name and the JSON skeleton in its metadata.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ def to_nested(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str,
     entries = manifest.skeleton.get("entries", {})
     out: dict[str, Any] = {k: cap.decode(e["value"], tensors) for k, e in entries.items()}
     paths = planner_paths(manifest)
-    if paths:  # a step DCP wrote through ftkit: its items are DCP's flat FQNs; its planner data nests them
+    if paths:  # a step DCP wrote through ftkit: its planner data nests DCP's flat FQNs
         from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
         out = unflatten_state_dict({k: v for k, v in out.items() if k in paths}, paths) | {

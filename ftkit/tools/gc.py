@@ -1,26 +1,15 @@
 """`ftkit gc`: collect a tier's old steps without ever losing the one to restore.
 
-Order of calls (:func:`collect`)::
-
-    survey     scan the step directories (links and non-regular manifests are
-               reported, never followed), and how long ago each partial one changed
-    verify     newest committed step first: read every chunk and check it, until
-               one verifies (the step a restore would use); newer ones that fail
-               are kept too (a transient read error must not cost a good step)
-    plan       retention.plan_collection: pure, over what the survey found
-    execute    delete the planned steps (manifest first), the partial
-               directories past the grace period, and, on object stores, the
-               multipart uploads that writers killed mid-upload left behind
-               (ftkit's own only: another writer's below the prefix are counted
-               and left alone, tiers/uploads.py)
-
-A running job's retention (Checkpointer) applies the same rules, except that it
-trusts the step it has just committed instead of reading it back.
+:func:`collect` surveys the step directories (links and non-regular manifests are reported,
+never followed), verifies committed steps newest first until one verifies (the step a
+restore would use; newer ones that fail are kept: a read error must not cost a good step),
+plans with tiers/retention.py, then deletes the planned steps, the partial ones past the
+grace period, and ftkit's own abandoned multipart uploads (tiers/uploads.py). A running
+job's retention applies the same rules but trusts the step it has just committed.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -44,8 +33,6 @@ from ftkit.tiers.retention import CollectionPlan, StepInfo, plan_collection
 from ftkit.tiers.storage import Storage
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier
 
-log = logging.getLogger("ftkit")
-
 DEFAULT_GRACE_S = 3600.0  # a partial step or an upload this young may belong to a live writer
 
 
@@ -63,8 +50,8 @@ def survey(
     storage: Storage,
     progress: Callable[[int, int], Callable[[int], None] | None] | None = None,
 ) -> tuple[list[StepInfo], dict[int, str]]:
-    """StepInfo for every step directory, verifying committed steps newest first
-    until one verifies. `progress(step, nbytes)` may return an update callable."""
+    """StepInfo for every step directory, verifying committed steps newest first until one
+    verifies; and the steps that failed, with why. `progress(step, nbytes)` may return an update callable."""
     now = time.time()
     infos: list[StepInfo] = []
     failed: dict[int, str] = {}
@@ -98,10 +85,9 @@ def collect(
     dry_run: bool = False,
     progress=None,
 ) -> Collected:
-    """Plan and (unless `dry_run`) carry out a collection of `storage` (module docstring).
+    """Plan and (unless `dry_run`) carry out a collection of `storage`.
 
-    Raises CheckpointNotFoundError when the URL holds no step directory and none of
-    ftkit's uploads (a mistyped path is an error, not a quiet success)."""
+    Raises CheckpointNotFoundError when the URL holds no step and no upload of ftkit's (a mistyped path)."""
     infos, failed = survey(storage, progress=progress)
     listed = storage.incomplete_uploads()
     uploads = [u for u in listed if u["own"]]
@@ -126,7 +112,6 @@ def collect(
     return done
 
 
-# ------------------------------------------------------------ the command
 def cmd_gc(args) -> int:
     if args.url == "ram":
         return _gc_ram(args)

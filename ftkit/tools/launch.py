@@ -1,11 +1,10 @@
-"""Deprecated: ``python -m ftkit.tools.launch`` is ``python -m ftkit.runtime.launch`` now (``ftkit run``'s
-worker launcher, which docs/operations.md showed at this path)."""
+"""Deprecated alias of ``python -m ftkit.runtime.launch``, ``ftkit run``'s worker launcher."""
 
 import warnings
 
 from ftkit.runtime.launch import main
 
-# Run with -m, this module is __main__, and a DeprecationWarning is shown by default only when it names __main__.
+# A DeprecationWarning is shown by default only when it names __main__ (as it does run with -m).
 warnings.warn(
     "ftkit.tools.launch is deprecated: it is ftkit.runtime.launch now",
     DeprecationWarning,

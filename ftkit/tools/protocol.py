@@ -1,6 +1,5 @@
-"""`ftkit commit-plan`: the commit plan of a world (commit/plan.py) as text, JSON, a Mermaid
-sequence diagram, or the whole of docs/protocol.md (`--markdown`), which is generated here
-and checked against the file by the tests (tests/unit/test_commit_plan.py)."""
+"""`ftkit commit-plan`: a world's commit plan (commit/plan.py) as text, JSON, Mermaid, or
+docs/protocol.md itself (`--markdown`; tests/unit/test_commit_plan.py checks the file)."""
 
 from __future__ import annotations
 

@@ -3,38 +3,17 @@
     ftkit report RUN_DIR [--json] [--html FILE]
 
 An incident is one restart of the worker group: torchrun attempt n -> n+1, or an
-in-process recovery, generation g -> g+1 of the same attempt (events carry ``gen``
-when it is not 0). Its phases, from the events of both:
+in-process recovery, generation g -> g+1 of the same attempt. Its phases:
 
-    detect     fault (a drill's "fault" event, else the last step before it) -> the first sign:
-               a watchdog "detect", or a "preempt" (a preemption notice that was saved,
-               or torchrun's SIGTERM to the group after it saw a worker exit)
-    restart    detect (or fault) -> first "start" of the new attempt
+    detect     fault (a drill's "fault" event, else the last step before it) -> the first
+               sign: a watchdog "detect", or a "preempt" (a notice, or torchrun's SIGTERM)
+    restart    -> the first "start" of the new attempt
     restore    -> the last rank's "restore" event
     recompute  -> the new attempt reaches the step the old one had reached
 
-and, from the boot milestones in the new attempt's ``start`` events (ftkit/coord/boot.py),
-``phases``: where the time from the first sign to the resumed step went. Each boundary is
-the moment the last rank passed it (so the phases add up to that span), and a phase whose
-milestone a launcher did not see is counted in the next one:
-
-    teardown         torchrun sees the failure, stops the group, its agents meet again, and
-                     the new processes begin
-    process start    a warm worker's client starts and the zygote forks it (ftkit/runtime/warm)
-    imports          -> ftkit's launcher runs the script (a cold worker imports torch here)
-    set-up           -> the script calls init_process_group (its own imports and set-up)
-    rendezvous       -> the rendezvous store is connected
-    group and model  -> the Checkpointer starts (the process group, the model, the optimizer)
-
-and for an in-process recovery (ftkit/runtime/inprocess.py: no process starts, the group re-forms)
-
-    unwind           -> the failure reached every rank's recovery wrapper
-    group teardown   -> every rank destroyed the failed generation's process group
-    regroup          -> every rank arrived and the new group is built
-    group and model, restore, first step as above
-    restore          -> the last rank's restore
-    first step       -> the step the old attempt had reached
-
+``phases`` splits the time from the first sign to the resumed step by the boot milestones
+in the new attempt's ``start`` events (PHASES; docs/drills.md): each boundary is when the
+last rank passed it, and a phase whose milestone some rank lacks counts in the next one.
 Goodput is the wall time not spent in incidents, over the wall time.
 """
 
@@ -89,7 +68,7 @@ class Report:
 
 def _a_survivors_own(detect: dict[str, Any], faults: list[dict[str, Any]]) -> bool:
     """A "failed" verdict about another rank than the drilled fault's target: a survivor's loop
-    raised because of the fault (its collective with the dead rank), not the fault itself."""
+    raised because of the fault, not the fault itself."""
     target = faults[0].get("target") if faults else None
     return detect.get("what") == "failed" and isinstance(target, int) and detect.get("target") != target
 
@@ -129,11 +108,7 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         else:
             detected_by = "torchrun agent (process exit)"
         detect_t = min((e["t"] for e in detects), default=None)
-        start_t = (
-            min(e["t"] for e in new if e["event"] == "start")
-            if any(e["event"] == "start" for e in new)
-            else new[0]["t"]
-        )
+        start_t = min((e["t"] for e in new if e["event"] == "start"), default=new[0]["t"])
         restores = [e for e in new if e["event"] == "restore"]
         restore_t = max((e["t"] for e in restores), default=start_t)
         resumed = max((e.get("step") or 0 for e in restores), default=0)
@@ -185,17 +160,17 @@ def analyze(events: list[dict[str, Any]]) -> Report:
 
 # The boot milestone (or event) that ends each phase, in order.
 PHASES = (
-    ("teardown", "process"),
-    ("process start", "forked"),
-    ("imports", "launch"),
-    ("set-up", "rendezvous"),
+    ("teardown", "process"),  # torchrun stops the group, its agents meet, new processes begin
+    ("process start", "forked"),  # a warm worker's client starts and the zygote forks it
+    ("imports", "launch"),  # ftkit's launcher runs the script (a cold worker imports torch)
+    ("set-up", "rendezvous"),  # the script's own set-up, up to init_process_group
     ("rendezvous", "store"),
-    ("unwind", "failed"),
-    ("group teardown", "torn_down"),
-    ("regroup", "regrouped"),
-    ("group and model", "start"),
+    ("unwind", "failed"),  # in process: the failure reached every rank's recovery wrapper
+    ("group teardown", "torn_down"),  # every rank destroyed the failed generation's group
+    ("regroup", "regrouped"),  # every rank arrived and the new group is built
+    ("group and model", "start"),  # the Checkpointer starts
     ("restore", "restore"),
-    ("first step", "resumed"),
+    ("first step", "resumed"),  # the step the old attempt had reached
 )
 
 
@@ -206,7 +181,7 @@ def _phases(base: float, new: list[dict[str, Any]], restore_t: float, resumed_t:
         return {}
     boots = [e.get("boot") or {} for e in starts]
     ends: dict[str, float] = {"start": max(e["t"] for e in starts), "restore": restore_t, "resumed": resumed_t}
-    for milestone in ("process", "forked", "launch", "rendezvous", "store", "failed", "torn_down", "regrouped"):
+    for milestone in [m for _, m in PHASES if m not in ends]:  # the boot milestones
         stamps = [float(t) for b in boots if isinstance(t := b.get(milestone), int | float)]
         if len(stamps) == len(boots):  # every rank saw it
             ends[milestone] = max(stamps)

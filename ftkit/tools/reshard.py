@@ -1,12 +1,7 @@
-"""Offline resharding: rewrite a checkpoint step for another world size.
-
-    ftkit restore SRC --out DST_DIR --world-size M
-
-The result is an ordinary ftkit checkpoint (DST_DIR/step-N/...) with M rank
-files, as if M ranks had saved it: replicated tensors split by the same plan a
-live job uses, sharded (DTensor) tensors cut into M row blocks, and the RNG
-state of ranks 0..M-1 kept (ranks beyond the old world have none). Tensors are
-read whole and verified first, so this needs memory for the largest step.
+"""Offline resharding (``ftkit restore SRC --out DST --world-size M``): a step rewritten as if
+M ranks had saved it: replicated tensors split by a live job's plan, sharded ones cut into M row
+blocks, the RNG state of ranks 0..M-1 kept. Tensors are read whole and verified first, so this
+needs memory for the largest step.
 """
 
 from __future__ import annotations
@@ -73,8 +68,7 @@ def reshard(
             finally:
                 arena.release(slot)
         rank_state = {r: v for r, v in manifest.rank_state.items() if int(r) < world_size}
-        # What another writer recorded (DCP's planner data) stays with the step; ftkit's own
-        # fields are this writer's.
+        # Another writer's fields (DCP's planner data) stay with the step; ftkit's are this writer's.
         extra = {k: v for k, v in manifest.writer.items() if k not in ("ftkit", "torch", "host")}
         return commit(dst, manifest.step, writes, manifest.skeleton, world_size, rank_state, writer_extra=extra)
     except BaseException:

@@ -1,32 +1,18 @@
-"""torchrun's launcher and elastic agent, as ftkit starts it (``zygote.torchrun_command``):
-``torch.distributed.run``'s own ``main``, with one helper of torch's replaced. ``ftkit run``
-and a drill without a zygote run this file by path in a new interpreter (it imports no
-ftkit); a drill or a test with a zygote forks it warm (``--module ftkit.runtime.warm.agent``).
+"""torchrun's launcher and elastic agent as ftkit starts it (``zygote.torchrun_command``):
+``torch.distributed.run``'s own ``main`` with three changes. It imports no ftkit: run by path
+in a new interpreter, or forked warm (``--module ftkit.runtime.warm.agent``).
 
-torch's dynamic rendezvous names the method behind each of its log records with
-``inspect.stack()``, twice per record (``get_method_name``). That resolves the module of
-every frame on the stack, and a frame without a module file (``<frozen runpy>``) makes
-``inspect`` scan all of ``sys.modules``: 23 ms a call in a new agent here (1,266 modules),
-more in an interpreter that imported what a zygote imports (torch._dynamo, FSDP, ftkit,
-the job's modules), where a restart's rendezvous took 0.86 s against 0.24 s in a fresh
-one. ``sys._getframe`` names the same frame without the scan (tests/processes/test_warm.py checks
-they agree). A restart's teardown with it, `ftkit drill --cold --no-replace --faults
-node@30:node=1,kill@70:rank=1 --steps 100 --step-time 0.05` (two runs each, four
-restarts): 0.31-0.50 s against 0.42-0.86 s with torch's helper.
-
-Two more changes make torchrun's dynamic rendezvous (c10d, etcd-v2) hold across hosts that
-come and go (issue 36, measured with emulated hosts: ftkit/drill/hosts.py):
-
-* **Every round republishes the workers' store.** With the agent's TCP store shared (torch's
-  default), torch builds the workers' bootstrap address once, in the first round, and reuses
-  it: a node that joins later waits forever for a MASTER_ADDR nobody writes into the new
-  round ("wait timeout ... torchelastic/role_info"), and a node that was rank 0 and no longer
-  is hands its workers itself as MASTER_ADDR. Here each round rebuilds it: rank 0 publishes
-  its server's address in the round's store, every other node reads it.
-* **Workers learn the round** (``$FTKIT_RDZV_ROUND``): the same number on every node of a
-  round, which grows with every round, also when a host joins or leaves without a failure
-  (torchrun's restart count does not, and differs between agents). ftkit namespaces the
-  store and counts attempts by it (coord/dist.py ``attempt``).
+* ``get_method_name`` uses ``sys._getframe``: torch's ``inspect.stack()`` scans all of
+  ``sys.modules`` for a frame without a module file, twice per log record of the
+  rendezvous (tests/processes/test_warm.py checks they agree).
+* **Every round republishes the workers' store.** With the agent's TCP store shared
+  (torch's default), torch builds the workers' bootstrap address in the first round only:
+  a node that joins later waits forever for a MASTER_ADDR nobody writes, and a node that
+  was rank 0 and no longer is hands its workers itself. Here rank 0 publishes its server's
+  address in each round's store.
+* **Workers learn the round** (``$FTKIT_RDZV_ROUND``): the same on every node, new at
+  every round, also when a host joins or leaves without a failure (torchrun's restart count
+  is not, and differs between agents). ftkit namespaces the store by it (generation.py).
 """
 
 from __future__ import annotations
@@ -43,13 +29,12 @@ def method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
-ROUND_ENV = "FTKIT_RDZV_ROUND"
+ROUND_ENV = "FTKIT_RDZV_ROUND"  # generation.ROUND_ENV (this module imports no ftkit)
 
 
 def patch_rendezvous(dynamic_rendezvous, api) -> bool:
-    """Make DynamicRendezvousHandler.next_rendezvous republish the workers' store address in
-    every round and export the round (module docstring). False where torch's handler is not
-    the one this was written against (nothing is changed then)."""
+    """Make DynamicRendezvousHandler.next_rendezvous republish the workers' store and export the
+    round (module docstring). False, changing nothing, where torch's handler is not the expected one."""
     cls = getattr(dynamic_rendezvous, "DynamicRendezvousHandler", None)
     original = getattr(cls, "next_rendezvous", None)
     if original is None or getattr(original, "_ftkit", False) or not hasattr(api, "RendezvousStoreInfo"):

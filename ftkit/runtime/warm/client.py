@@ -1,36 +1,25 @@
 """The thin worker torchrun starts for a warm start: ``python -u .../runtime/warm/client.py [--module] TARGET ARGS``.
 
-Standard library only, and run by its path (not ``-m ftkit...``, which would
-import ftkit and with it torch): it starts in ~40 ms. It asks this node's
-zygote (``$FTKIT_ZYGOTE``, ftkit/runtime/warm/zygote.py) to fork a worker that runs
-TARGET with this process's arguments, environment, working directory and
-standard streams (passed as file descriptors), then stands in for it towards
-torchrun:
+Standard library only, and run by its path (``-m ftkit...`` would import torch). It asks
+this node's zygote (``$FTKIT_ZYGOTE``) to fork a worker that runs TARGET with this
+process's arguments, environment, working directory and standard streams, then stands in
+for it towards torchrun:
 
-* signals torchrun (or a terminal) sends here are passed on to the worker
-  (SIGTERM for a preemption or a group teardown, SIGINT, ...);
-* the worker's end is this process's end: the same exit code, or death by the
-  same signal, so torchrun's agent sees a SIGKILLed worker as a SIGKILL;
-* if this process is killed, the zygote sees the connection close and
-  SIGKILLs the worker (which may be SIGSTOPped and unable to act itself);
-* if torchrun's agent dies, this process is SIGKILLed by the kernel (and the
-  worker with it, as above): workers never train on without an agent.
+* signals sent here are passed on to the worker;
+* the worker's end is this process's end: the same exit code, or death by the same signal;
+* if this process is killed, the zygote SIGKILLs the worker; if torchrun's agent dies,
+  the kernel SIGKILLs this process (``_end_with_agent``), and so the worker.
 
-Without a zygote (no ``$FTKIT_ZYGOTE``, or it does not answer) the worker starts
-cold: this process becomes ``python -m ftkit.runtime.launch`` in place (exec).
+Without a zygote (unset, or no answer) this process execs ``python -m ftkit.runtime.launch``.
 
-**Replacing a killed worker** (``$FTKIT_REPLACE_DEAD`` = N > 0, set by ``ftkit run
---replace-dead N``): when the worker dies by SIGKILL (an OOM kill, a drill's kill, the
-watchdog ending a hung rank) while it was recovering in process (ftkit.run_in_process
-keeps the file ``$FTKIT_REPLACEABLE`` while it runs), and no ending signal came from
-torchrun, this client asks the zygote for a new worker instead of ending, at most N
-times: torchrun's agent never sees a death, so the other ranks keep their processes
-and re-form the group in process; the new worker (``$FTKIT_REJOIN`` set) joins their
-next generation (ftkit/runtime/inprocess.py) and restores from node RAM.
+With ``$FTKIT_REPLACE_DEAD`` = N > 0 (``ftkit run --replace-dead N``), a worker SIGKILLed
+while it recovers in process (ftkit.run_in_process keeps ``$FTKIT_REPLACEABLE`` while it
+runs), and with no ending signal from torchrun, is replaced by a new one, at most N times:
+torchrun never sees a death, and the new worker (``$FTKIT_REJOIN``) joins the survivors'
+next generation (inprocess.py).
 
-The wire format (shared with the zygote): each message is a 4-byte big-endian
-length and a JSON object; the request carries the three standard streams as
-SCM_RIGHTS file descriptors.
+Wire format (shared with the zygote): a 4-byte big-endian length and a JSON object; the
+request carries the three standard streams as SCM_RIGHTS file descriptors.
 """
 
 from __future__ import annotations
@@ -85,35 +74,34 @@ def recv_message(sock: socket.socket) -> dict:
     return doc
 
 
-def process_stopped(pid: Any) -> bool:
-    """A process on this host is stopped (SIGSTOP, job control, a debugger): it makes no progress
-    until someone continues it (the watchdog's judge and this client both ask)."""
+def _stat_field(pid: Any, index: int) -> str | None:
+    """Field `index` of /proc/PID/stat after the command name; None without such a process (or /proc)."""
     if not pid:
-        return False
+        return None
     try:
         with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+            return f.read().rsplit(")", 1)[1].split()[index]
     except (OSError, ValueError, IndexError):
-        return False
+        return None
+
+
+def process_stopped(pid: Any) -> bool:
+    """A process on this host is stopped (SIGSTOP, job control, a debugger)."""
+    return _stat_field(pid, 0) in ("T", "t")
 
 
 def process_start(pid: Any) -> int | None:
-    """When a process on this host started: clock ticks since boot (/proc/PID/stat field 22), or
-    None if there is no such process (or no /proc). With its pid it names one process for good: a
-    pid reused by a later process comes with another start (the watchdog checks it before a kill).
-    Ticks, not psutil's create_time(): that adds a boot time that moves with the wall clock."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    """When a process on this host started, in clock ticks since boot (stat field 22), or None.
+
+    With its pid it names one process for good (a reused pid has another start). Not psutil's
+    create_time(): that adds a boot time that moves with the wall clock."""
+    start = _stat_field(pid, 19)
+    return int(start) if start is not None and start.isdigit() else None
 
 
 def _cold(argv: list[str]) -> NoReturn:
-    """Become the cold launcher, in this same process (torchrun keeps its pid). What a warm
-    torchrun agent's own client put in the environment (its start, its pid) is not this worker's."""
+    """Become the cold launcher in this process (torchrun keeps its pid), without what a warm
+    agent's own client put in the environment."""
     os.environ.pop(PROCESS_T_ENV, None)
     os.environ.pop(LAUNCHER_PID_ENV, None)
     os.execv(sys.executable, [sys.executable, "-u", "-m", "ftkit.runtime.launch", *argv])
@@ -160,12 +148,9 @@ def _replaceable(status: dict, ending: bool, replaced: int, allowed: int, mark: 
 
 
 def _end_with_agent() -> None:
-    """Have the kernel SIGKILL this process when the process that started it (torchrun's agent)
-    dies (Linux's PR_SET_PDEATHSIG; kept across the exec of a cold start). A lost agent can
-    neither restart nor stop its workers: left running they would train on as orphans of a
-    group that no agent holds in its rendezvous any more (measured on emulated hosts: an agent
-    killed alone left its workers training, unnoticed). With this client gone the zygote ends
-    a warm worker too, the other ranks find its ranks dead, and their agents regroup."""
+    """Have the kernel SIGKILL this process when its parent, torchrun's agent, dies (Linux's
+    PR_SET_PDEATHSIG; kept across a cold start's exec): workers of a lost agent would otherwise
+    train on as orphans. With this client gone the zygote ends a warm worker too."""
     parent = os.getppid()
     try:
         import ctypes
@@ -203,14 +188,11 @@ def main(argv: list[str]) -> None:
     def forward(signum: int, _frame: object) -> None:
         nonlocal ending
         ending = ending or signum in ENDING
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signum)
             if signum in ENDING and process_stopped(worker):
-                # A stopped worker (SIGSTOP, a debugger) cannot act on it: torchrun would wait out its
-                # shutdown timeout (30 s on every restart) before its SIGKILL. End it now instead.
+                # A stopped worker cannot act on it: end it now, not after torchrun's shutdown timeout.
                 os.killpg(worker, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
@@ -221,10 +203,8 @@ def main(argv: list[str]) -> None:
         except (OSError, EOFError, ValueError) as e:
             # The zygote is gone: the worker's end cannot be learnt, so end it rather than leave it behind.
             print(f"ftkit: lost the zygote ({e}); ending worker {worker}", file=sys.stderr, flush=True)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             os._exit(1)
         sock.close()
         replace = _replaceable(status, ending, replaced, allowed, mark)

@@ -1,30 +1,17 @@
 """The per-node zygote: torch imported once, a worker forked from it per request.
 
-Order of calls: the starter (``ftkit run``, the drill) calls :func:`start`, which
-binds the listening socket itself (so clients can connect at once and wait in
-the backlog while the zygote imports) and starts ``python -m ftkit.runtime.warm.zygote``
-with it; torchrun then starts its workers as ftkit/runtime/warm/client.py, each of which
-sends its request; :func:`serve` forks one worker per request; the forked child
-leaves the serving loop and runs the script through ``ftkit.runtime.launch``
-(:func:`main`); finally the starter calls :meth:`Zygote.stop`.
+The starter (``ftkit run``, the drill) calls :func:`start`, which binds the listening socket
+itself (clients may connect at once and wait in the backlog while the zygote imports);
+each client (client.py) sends a request; :func:`serve` forks a worker per request, which
+runs the script through ``ftkit.runtime.launch`` (:func:`main`); :meth:`Zygote.stop` ends it.
 
-The zygote is single-threaded (a selector loop), never initialises CUDA and never
-runs a tensor operation, so forking it is as safe as PyTorch's own fork-started
-DataLoader workers. It imports torch, ``torch._dynamo`` (the first
-``optimizer.step()`` imports it: ~2.4 s of CPU here), ftkit and any modules the
-user names (``ftkit run --preload transformers``). Its memory (~300 MB here) is
-shared copy-on-write with its workers.
-
-A forked worker gets the client's arguments, environment, working directory and
-standard streams, a fresh session (its own process group, as torchrun gives a
-cold worker), fresh ``random``/``numpy`` seeds, and no signal handler of the
-zygote's. The zygote reaps it and sends its end to the client; a client whose
-connection closes (torchrun SIGKILLed it) gets its worker's process group
-SIGKILLed. Only processes of the zygote's own user may connect (SO_PEERCRED). A
-request is read as it arrives, never waited for: a connection that sends no whole
-request within REQUEST_TIMEOUT_S is dropped at its own deadline, and delays no other
-client's warm start meanwhile (at most MAX_PENDING are read at once; the rest wait
-in the listener's backlog).
+The zygote is single-threaded (a selector loop), never initialises CUDA and runs no tensor
+operation, so forking it is as safe as PyTorch's fork-started DataLoader workers. A worker
+gets the client's process state, a fresh session (its own process group) and fresh seeds;
+a client whose connection closes gets its worker's process group SIGKILLed. Only the
+zygote's own user may connect (SO_PEERCRED). A request is read as it arrives: a
+connection with no whole request within REQUEST_TIMEOUT_S is dropped, delaying no one
+else (at most MAX_PENDING are read at once; the rest wait in the backlog).
 """
 
 from __future__ import annotations
@@ -51,6 +38,7 @@ from typing import Any
 from ftkit.runtime.warm import agent
 from ftkit.runtime.warm import client as wire
 
+# torch._dynamo: the first optimizer.step() imports it
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "ftkit", "ftkit.runtime.launch")
 REQUEST_TIMEOUT_S = 5.0  # a client sends its request as soon as it connects: one silent this long is dropped
 MAX_PENDING = 64  # requests read at once; more connections wait in the listener's backlog (bounded fds)
@@ -84,8 +72,7 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        # Ours (mkdtemp): its socket, and the marks of workers whose clients were killed before
-        # they could remove them (client.py: replaceable-<pid>).
+        # Its socket, and replaceable-<pid> marks that killed clients left (client.py).
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -95,14 +82,9 @@ def client_path() -> str:
 
 
 def torchrun_command(zygote: Zygote | None, torchrun_args: list[str]) -> list[str]:
-    """torchrun's command line: its launcher and elastic agent, ``torch.distributed.run``'s
-    own ``main`` with one logging helper of torch's made cheap (ftkit/runtime/warm/agent.py: a
-    restart's rendezvous without it spends ~0.2 s here naming methods for log records).
-    Without a zygote the agent is a new interpreter that runs agent.py by path (no ftkit
-    import: ~0.4 s less at the job's start). With one it starts through the thin client,
-    as a worker does: the agent is forked with torch imported instead of importing it
-    again (~2 s of CPU here for every job a drill or a test starts); the client passes
-    signals on and ends as it ends. The job's environment needs zygote.env()."""
+    """torchrun's command line, running ftkit/runtime/warm/agent.py: by path in a new
+    interpreter without a zygote, else forked warm through the thin client, as a worker is
+    (the job's environment then needs zygote.env())."""
     if zygote is None:
         return [sys.executable, agent.__file__, *torchrun_args]
     return [sys.executable, "-u", client_path(), "--module", "ftkit.runtime.warm.agent", *torchrun_args]
@@ -118,8 +100,8 @@ def start(
     """Start a zygote with `env` (the workers' environment, less torchrun's per-worker variables).
 
     `parent`: where its private directory (the socket) goes (default: the temporary
-    directory); `spawn`: what starts its process (Popen's signature; an emulated host's
-    ``run`` starts it inside that host, ftkit/drill/hosts.py)."""
+    directory); `spawn`: what starts its process (Popen's signature; ftkit/drill/hosts.py
+    starts it inside an emulated host)."""
     directory = tempfile.mkdtemp(prefix="ftkit-zygote-", dir=parent)  # 0700: only this user can reach the socket
     path = os.path.join(directory, "zygote.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -160,9 +142,7 @@ def _say(message: str, quiet: bool = False) -> None:
 
 
 class _Pending:
-    """A connection whose request is still arriving, read as it comes (the connection is
-    non-blocking): a silent or slow client holds up nobody else, and is dropped at its own
-    deadline."""
+    """A non-blocking connection whose request is still arriving, dropped at its own deadline."""
 
     def __init__(self, deadline: float):
         self.deadline = deadline
@@ -255,11 +235,7 @@ def _become_worker(request: dict, fds: list[int], close: list[Any]) -> Task:
 
 
 def _follow_pythonpath(value: str) -> None:
-    """The client's PYTHONPATH on sys.path, where a cold interpreter would have put it.
-
-    The zygote's sys.path came from its own environment; a job (or a test) may name
-    other directories, and a cold worker would import from them ahead of site-packages.
-    """
+    """The client's PYTHONPATH on sys.path, ahead of site-packages as a cold interpreter has it."""
     entries = [os.path.abspath(e) for e in value.split(os.pathsep) if e]
     for i, entry in enumerate(e for e in entries if e not in sys.path):
         sys.path.insert(1 + i, entry)
@@ -276,11 +252,7 @@ def _reseed() -> None:
 
 
 def serve(listener: socket.socket) -> Task | None:
-    """Fork a worker per request until SIGTERM. Returns only in a forked child (its task).
-
-    Requests are read as they arrive, never waited for: each connection has until its own
-    deadline (REQUEST_TIMEOUT_S after it was accepted) to send its request, and a silent or
-    slow one is dropped then, while the others' requests are served as they complete."""
+    """Fork a worker per request until SIGTERM. Returns only in a forked child (its task)."""
     me = os.getpid()
     stopping = False
 
@@ -443,8 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     listener = socket.socket(fileno=args.fd)
     extra = tuple(m for m in args.preload.split(",") if m)
     _preload(DEFAULT_PRELOAD + extra)
-    # The imports are never garbage: keep them out of every collection (in the workers too), and
-    # out of the pages a collection would touch, which copy-on-write would then copy.
+    # The imports are never garbage: keep them out of every collection, and so out of the
+    # pages a collection would touch (copy-on-write would copy them in each worker).
     gc.freeze()
     task = serve(listener)
     if task is None:
