@@ -28,7 +28,6 @@ from ftkit.drill.hosts import Fabric, Host
 from ftkit.drill.job import latest_attempt, starts
 from ftkit.runtime.warm.zygote import Zygote, client_path, torchrun_command
 from ftkit.runtime.warm.zygote import start as start_zygote
-from ftkit.tools.report import epoch
 
 C10D_PORT = 29400
 # A lost host leaves the next round after keep_alive_interval x keep_alive_max_attempt seconds, and a
@@ -101,10 +100,9 @@ class Cluster:
         for name in self.training:
             self.start_agent(name)
         # The training hosts form the first group; spares wait in the rendezvous for a place after that.
-        spares = self.names[len(self.training) :]
         if not self.wait_started(world=len(self.training) * self.ranks_per_host, timeout=180):
             raise RuntimeError(f"the training hosts did not form their group (see {self.root}/host*.log)")
-        for name in spares:
+        for name in self.names[len(self.training) :]:
             self.start_agent(name)
 
     def close(self) -> None:
@@ -170,11 +168,10 @@ class Cluster:
         entry = self.entry
         if zygote is not None:
             entry = [client_path(), "--module", *entry[1:]] if entry[0] == "-m" else [client_path(), *entry]
-        log = self.logs.get(name)
-        if log is None:
-            log = self.logs[name] = open(os.path.join(self.root, f"{name}.log"), "a")
+        if name not in self.logs:
+            self.logs[name] = open(os.path.join(self.root, f"{name}.log"), "a")
         cmd = torchrun_command(zygote, [*self.agent_args(), *entry])
-        proc = host.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+        proc = host.run(cmd, env=env, stdout=self.logs[name], stderr=subprocess.STDOUT, cwd=self.root)
         self.agents[name] = proc
         return proc
 
@@ -205,9 +202,6 @@ class Cluster:
     def partition(self, name: str, seconds: float | None = None) -> None:
         self.host(name).partition(seconds)
 
-    def heal(self, name: str) -> None:
-        self.host(name).heal()
-
     def events(self) -> list[dict[str, Any]]:
         return read_events(self.run_dir)
 
@@ -220,23 +214,15 @@ class Cluster:
         events = self.events()
         return {e["rank"]: e["node"] for e in starts(events, latest_attempt(events) if attempt is None else attempt)}
 
-    def world_sizes(self) -> list[tuple[tuple[int, int], int]]:
-        """(attempt, world size) of every attempt that started, in order."""
-        seen: dict[tuple[int, int], int] = {}
-        for e in self.events():
-            if e["event"] == "start":
-                seen.setdefault(epoch(e), e["world_size"])
-        return sorted(seen.items())
-
     def wait_started(self, world: int | None = None, after: tuple[int, int] = (-1, 0), timeout: float = 120) -> bool:
         """Until an attempt newer than `after` has every rank started (`world` ranks, when given)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            at = self.attempt()
-            if at > after:
-                ranks = self.rank_hosts(at)
-                size = next((w for a, w in self.world_sizes() if a == at), None)
-                if size is not None and len(ranks) == size and (world is None or size == world):
+            events = self.events()
+            at = latest_attempt(events)
+            if at > after and (started := starts(events, at)):
+                size = started[0]["world_size"]
+                if len({e["rank"] for e in started}) == size and world in (None, size):
                     return True
             time.sleep(0.1)
         return False

@@ -77,9 +77,7 @@ class Etcd:
         """Start etcd and wait until it is healthy with the v2 API on."""
         if shutil.which("etcd") is None:
             raise HostsError("etcd is not on PATH (scripts/setup.sh installs Debian's etcd-server)")
-        if self.host is None:
-            self.host = self.fabric.add_host("etcd")
-        host = self.host
+        host = self.host = self.host or self.fabric.add_host("etcd")
         argv = ["etcd", "--name", "ftkh-etcd", "--data-dir", "/tmp/ftkh-etcd", "--enable-v2"]
         argv += ["--listen-client-urls", f"http://0.0.0.0:{self.port}", "--advertise-client-urls", self.url]
         peer = "http://127.0.0.1:2380"  # one member: peers on its own loopback

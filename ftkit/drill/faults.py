@@ -19,6 +19,7 @@ import io
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -50,19 +51,14 @@ class FaultyFileSystem(fsspec.AbstractFileSystem):
         return "/" + path.lstrip("/") if path else "/"
 
     def _faults(self, path: str) -> dict[str, Any]:
-        d = path if os.path.isdir(path) else os.path.dirname(path)
-        while True:
-            ctl = os.path.join(d, CONTROL)
-            if os.path.exists(ctl):
+        d = Path(path if os.path.isdir(path) else os.path.dirname(path))
+        for ctl in (p / CONTROL for p in (d, *d.parents)):
+            if ctl.exists():
                 try:
-                    with open(ctl) as f:
-                        return json.load(f)
+                    return json.loads(ctl.read_text())
                 except (OSError, json.JSONDecodeError):
                     return {}
-            parent = os.path.dirname(d)
-            if parent == d:
-                return {}
-            d = parent
+        return {}
 
     def _gate(self, path: str, writing: bool) -> dict[str, Any]:
         faults = self._faults(path)

@@ -45,25 +45,11 @@ class HostJob(RunLog):
         self.run_dir = cluster.run_dir
         self.fault_request = cluster.fault_request
         self.ranks_per_node = cluster.ranks_per_host
-        self.proc = _AllAgents(cluster)
 
-
-class _AllAgents:
-    """The cluster's agents as one process for RunLog.freeze_at: ended once all have, with the
-    first nonzero exit code (or 0)."""
-
-    def __init__(self, cluster: Cluster):
-        self.cluster = cluster
-
-    def poll(self) -> int | None:
+    def ended(self) -> int | None:
+        """Once every agent has ended: the first nonzero exit code (or 0)."""
         codes = [p.poll() for p in self.cluster.agents.values()]
-        if any(c is None for c in codes):
-            return None
-        return next((c for c in codes if c), 0)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
+        return None if None in codes else next((c for c in codes if c), 0)
 
 
 class HostInjector(Injector):
@@ -198,9 +184,8 @@ def run_host_drill(args) -> dict[str, Any]:
     if reason:
         raise UsageError(f"cannot emulate hosts here: {reason}")
     hosts, spares, rph = args.hosts, args.spare_hosts, args.ranks_per_host
-    nproc = hosts * rph
     tiers = TierPlan.parse(args.tiers or DEFAULT_TIERS)
-    faults = parse_faults(args.faults, nproc, rph, hosts=hosts)
+    faults = parse_faults(args.faults, hosts * rph, rph, hosts=hosts)
     _check_schedule(faults, tiers, args.steps)
     if tiers.durable == "s3":
         raise ValueError("--hosts: the durable tier is a directory every host sees (disk) or a URL")

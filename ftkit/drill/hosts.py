@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 import psutil
 
@@ -142,9 +142,9 @@ def _ns_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _pids_in_ns(ns: tuple[int, int], kind: str = "net") -> list[int]:
-    """Every process whose `kind` namespace is `ns` (zombies have none and are left out)."""
-    return [pid for pid in psutil.pids() if _ns_id(f"/proc/{pid}/ns/{kind}") == ns]
+def _pids_in_ns(ns: tuple[int, int]) -> list[int]:
+    """Every process whose network namespace is `ns` (zombies have none and are left out)."""
+    return [pid for pid in psutil.pids() if _ns_id(f"/proc/{pid}/ns/net") == ns]
 
 
 def _kill_pids(pids: Iterable[int]) -> None:
@@ -209,8 +209,7 @@ def _remove_netns(name: str) -> None:
     ns = _ns_id(os.path.join(NETNS_DIR, name))
     if ns is not None:
         for _ in range(100):
-            pids = _pids_in_ns(ns)
-            if not pids:
+            if not (pids := _pids_in_ns(ns)):
                 break
             _kill_pids(pids)
             time.sleep(0.01)
@@ -223,15 +222,12 @@ def _try_lock(path: str) -> int | None:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return None
-    try:
+    with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    if _ns_id(path) != (os.fstat(fd).st_dev, os.fstat(fd).st_ino):  # unlinked meanwhile
-        os.close(fd)
-        return None
-    return fd
+        if _ns_id(path) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):  # (else unlinked meanwhile)
+            return fd
+    os.close(fd)
+    return None
 
 
 def _remove_run(run_id: str) -> None:
@@ -341,10 +337,9 @@ class Host:
         # IPv4 only: no link-local IPv6 address for gloo or getaddrinfo to pick instead of the bridge's
         v6 = "for f in /proc/sys/net/ipv6/conf/*/disable_ipv6; do echo 1 > $f; done 2>/dev/null || true"
         subprocess.run(["nsenter", f"--net={NETNS_DIR}/{self.netns}", "--", "sh", "-c", v6], check=False, timeout=30)
-        if self._cg:
-            assert self._cg_init is not None
-            os.mkdir(self._cg)
-            os.mkdir(self._cg_init)
+        for cg in (self._cg, self._cg_init):
+            if cg:
+                os.mkdir(cg)
         argv = ["nsenter", f"--net={NETNS_DIR}/{self.netns}", "--"]
         argv += ["unshare", "--uts", "--mount", "--propagation", "private", "--"]
         argv += ["sh", "-c", _INIT, self.name, shm_size or "", self.hosts_file, *fab.shared]
@@ -377,19 +372,11 @@ class Host:
         return env
 
     def run(
-        self,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: int | IO[Any] | None = subprocess.DEVNULL,
-        stdout: int | IO[Any] | None = None,
-        stderr: int | IO[Any] | None = None,
-        start_new_session: bool = True,
-        **popen_kw: Any,
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None, **popen_kw: Any
     ) -> subprocess.Popen[Any]:
-        """Start `argv` inside the host, in `cwd` (default: ours). The Popen's pid is `argv[0]`'s own
-        (execs only), so ``p.kill()`` kills exactly that process; :meth:`kill_all` its children too."""
+        """Start `argv` inside the host, in `cwd` (default: ours); `popen_kw` as Popen's (default: stdin
+        DEVNULL, a new session). The Popen's pid is `argv[0]`'s own (execs only), so ``p.kill()`` kills
+        exactly that process; :meth:`kill_all` its children too."""
         self._check()
         cwd = cwd or os.getcwd()  # (shared into every host when it lies under /tmp: _software_paths)
         p = self.init_pid
@@ -397,15 +384,8 @@ class Host:
         wrapped += ["--", "sh", "-c", _CHDIR, cwd, *argv]
         if self._cg:
             wrapped = ["sh", "-c", _JOIN_CGROUP, os.path.join(self._cg, "cgroup.procs"), *wrapped]
-        proc = subprocess.Popen(
-            wrapped,
-            env=dict(env) if env is not None else None,
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=start_new_session,
-            **popen_kw,
-        )
+        popen_kw = {"stdin": subprocess.DEVNULL, "start_new_session": True, **popen_kw}
+        proc = subprocess.Popen(wrapped, env=dict(env) if env is not None else None, **popen_kw)
         self._procs = [q for q in self._procs if q.poll() is None] + [proc]
         return proc
 
@@ -581,7 +561,7 @@ class Fabric:
         self.started = False
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
-        self._old_handlers: dict[int, Any] = {}
+        self._handles_term = False  # SIGTERM raises SystemExit (handle_signals), until close()
 
     def __enter__(self) -> Fabric:
         try:
@@ -610,7 +590,10 @@ class Fabric:
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         os.rename(tmp, os.path.join(STATE_DIR, f"{self.id}.lock"))
         self.started = True
-        self._install_signal_handlers()
+        main_thread = threading.current_thread() is threading.main_thread()
+        if self.handle_signals and main_thread and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _exit_on_term)
+            self._handles_term = True
         os.makedirs(self.state_dir, exist_ok=True)
         if self.cgroup:
             try:
@@ -659,8 +642,8 @@ class Fabric:
 
     def host(self, name: str) -> Host:
         """The live host named `name`."""
-        for h in self.hosts:
-            if h.name == name and not h.lost:
+        for h in self.live:
+            if h.name == name:
                 return h
         raise KeyError(name)
 
@@ -703,27 +686,14 @@ class Fabric:
                 os.close(self._lock_fd)
                 self._lock_fd = None
         finally:
-            self._restore_signal_handlers()
+            if self._handles_term and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self._handles_term = False
         return problems
 
-    def _install_signal_handlers(self) -> None:
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
-            return
 
-        def on_term(signum: int, frame: Any) -> None:
-            raise SystemExit(128 + signum)
-
-        old = signal.getsignal(signal.SIGTERM)
-        if old in (signal.SIG_DFL, None):
-            self._old_handlers[signal.SIGTERM] = old
-            signal.signal(signal.SIGTERM, on_term)
-
-    def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, old in self._old_handlers.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
-        self._old_handlers.clear()
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def leftovers(run_id: str | None = None) -> list[str]:

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ftkit.coord.events import read_events
@@ -42,12 +42,16 @@ def starts(events: list[dict[str, Any]], attempt: tuple[int, int]) -> list[dict[
 
 class RunLog:
     """A job's event log (`run_dir`), the drill's notes in it, and the fault points it freezes ranks
-    at (`fault_request`); a subclass gives `proc`, whose poll() says whether the job has ended."""
+    at (`fault_request`); a subclass gives `proc`, or its own :meth:`ended`."""
 
     run_dir: str
     fault_request: str
     ranks_per_node: int
     proc: Any
+
+    def ended(self) -> int | None:
+        """The job's exit code once it has ended, else None."""
+        return self.proc.poll()
 
     def events(self) -> list[dict[str, Any]]:
         return read_events(self.run_dir)
@@ -55,13 +59,6 @@ class RunLog:
     def attempt(self) -> tuple[int, int]:
         """The newest (torchrun attempt, in-process generation) that has started."""
         return latest_attempt(self.events())
-
-    def pids(self, attempt: tuple[int, int]) -> dict[int, int]:
-        return {e["rank"]: e["pid"] for e in starts(self.events(), attempt)}
-
-    def launchers(self, attempt: tuple[int, int]) -> dict[int, int]:
-        """The processes torchrun started for the ranks (a warm worker's client; else the worker)."""
-        return {e["rank"]: e.get("launcher", e["pid"]) for e in starts(self.events(), attempt)}
 
     def note(self, **fields: Any) -> None:
         """A drill event in the job's log, beside the ranks' own (rank -1)."""
@@ -99,10 +96,8 @@ class RunLog:
             rec = _read_json(reached)
             if rec and "pid" in rec:
                 break
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the job ended (exit {self.proc.returncode}) before rank {rank} reached {phase} of step {step}"
-                )
+            if (rc := self.ended()) is not None:
+                raise RuntimeError(f"the job ended (exit {rc}) before rank {rank} reached {phase} of step {step}")
             if time.monotonic() > end:
                 raise RuntimeError(f"rank {rank} did not reach {phase} of step {step} within {timeout:.0f}s")
             time.sleep(0.02)
@@ -218,12 +213,11 @@ class Injector:
             _signal(pid, signal.SIGTERM)  # delivered when it runs again
             _signal(pid, signal.SIGCONT)
         elif f.kind == "node":
-            launchers = job.launchers(attempt)
-            for r, p in job.pids(attempt).items():
-                if r // job.ranks_per_node == f.node:
-                    # A warm worker's client dies with its node too (else it would replace the worker).
-                    _signal(launchers.get(r, p), signal.SIGKILL)
-                    _signal(p, signal.SIGKILL)
+            for e in starts(job.events(), attempt):
+                if e["rank"] // job.ranks_per_node == f.node:
+                    # A warm worker's client (its launcher) dies with its node too (else it would replace it).
+                    _signal(e.get("launcher", e["pid"]), signal.SIGKILL)
+                    _signal(e["pid"], signal.SIGKILL)
             shutil.rmtree(os.path.join(job.ram_dir, "drill", f"node{f.node}"), ignore_errors=True)
         elif f.kind == "slow":
             _signal(pid, signal.SIGCONT)
@@ -232,12 +226,12 @@ class Injector:
             key = _STORAGE_SWITCH[f.kind]
             self._switch_storage(key, f.factor if f.kind == "latency" else True)
             _signal(pid, signal.SIGCONT)
-            self._background(self._clear_storage_fault, key, f.seconds)
+            self._background(_after, f.seconds, lambda: self._switch_storage(key, None))
         elif f.kind in OBJECT_STORE_KINDS:
             assert self.s3 is not None
             self.s3.stop_process(kill=True)  # instant: the rank must not stay frozen long
             _signal(pid, signal.SIGCONT)
-            self._background(_restart_s3, self.s3, f.seconds)
+            self._background(_after, f.seconds, self.s3.start_process)
 
     def _switch_storage(self, key: str, value: Any) -> None:
         """Storage faults overlap: each switches its own key, the others stay as they are."""
@@ -249,10 +243,6 @@ class Injector:
                 self._storage_faults.pop(key, None)
             set_faults(self.durable_root, **self._storage_faults)
 
-    def _clear_storage_fault(self, key: str, seconds: float) -> None:
-        time.sleep(seconds)
-        self._switch_storage(key, None)
-
     def _background(self, fn, *args) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)
         t.start()
@@ -263,9 +253,9 @@ class Injector:
             t.join(timeout)
 
 
-def _restart_s3(server: Any, seconds: float) -> None:
+def _after(seconds: float, fn: Callable[[], Any]) -> None:
     time.sleep(seconds)
-    server.start_process()
+    fn()
 
 
 def _throttle(pid: int, factor: float, seconds: float) -> None:

@@ -89,10 +89,8 @@ def average_gradients(model: nn.Module, ck=None) -> None:
     for p in parts[1:]:
         total += p
     total.div_(world)
-    offset = 0
-    for g in grads:
-        g.copy_(total[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, total.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,6 +52,7 @@ GRPC_PORT_OFFSET = 10000
 _PORT_CONFLICT_RE = re.compile(r"address already in use|is not available|reserved for gRPC", re.IGNORECASE)
 
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_IDENTITIES, _LOG = "s3_identities.json", "weed.log"  # in the data dir
 
 
 class S3Server:
@@ -95,11 +97,7 @@ class S3Server:
 
     @property
     def log_path(self) -> Path | None:
-        return None if self.data_dir is None else self.data_dir / "weed.log"
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        return None if self.data_dir is None else self.data_dir / _LOG
 
     @property
     def running(self) -> bool:
@@ -154,7 +152,7 @@ class S3Server:
                 self.data_dir = Path(tempfile.mkdtemp(prefix="ftkit-s3-"))
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._weed = weed
-            write_identities(self._identities_path(), self.access_key, self.secret_key)
+            write_identities(self.data_dir / _IDENTITIES, self.access_key, self.secret_key)
             atexit.register(self.stop)
             # Ports are checked, not held, until weed binds them: another process may take one first.
             for attempt in range(3):
@@ -184,20 +182,20 @@ class S3Server:
         """(Re)launch weed on the already chosen ports and data dir and wait until ready."""
         if self.running:
             raise RuntimeError("S3 server process is already running")
-        if not self.ports or self.data_dir is None:
+        if not self.ports or self.data_dir is None or self._weed is None:
             raise RuntimeError("call start() first")
         if self._proc is not None:  # it crashed: reap it and close its log
             self.stop_process()
+        data_dir = self.data_dir
         # weed merges <dir>/mini.options of the previous run into its flags: drop it to stay hermetic.
-        data_dir, log_path = self._dirs()
         (data_dir / "mini.options").unlink(missing_ok=True)
-        cmd = self._command()
+        cmd = weed_command(self._weed, data_dir, self.ports, self.bucket, data_dir / _IDENTITIES)
         t0 = time.monotonic()
-        self._log_file = log_file = open(log_path, "ab")
+        self._log_file = log_file = open(data_dir / _LOG, "ab")
         try:
             log_file.write(f"\n==== {time.ctime()}: {shlex.join(cmd)}\n".encode())
             log_file.flush()
-            self._proc = subprocess.Popen(
+            self._proc = proc = subprocess.Popen(
                 cmd,
                 cwd=data_dir,  # weed also reads *.toml from its cwd
                 env=weed_env(),
@@ -213,7 +211,7 @@ class S3Server:
             self._log_file = None
             raise
         try:
-            self._wait_ready(self.startup_timeout if timeout is None else timeout)
+            self._wait_ready(proc, self.startup_timeout if timeout is None else timeout)
         except BaseException:
             self.stop_process(kill=True)
             raise
@@ -228,13 +226,11 @@ class S3Server:
                 self._signal_group(proc, signal.SIGKILL if kill else signal.SIGTERM)
                 try:
                     proc.wait(self.stop_timeout if timeout is None else timeout)
-                except subprocess.TimeoutExpired:
+                except BaseException as e:  # the timeout, or e.g. Ctrl-C while waiting: don't orphan it
                     self._signal_group(proc, signal.SIGKILL)
                     proc.wait()
-                except BaseException:  # e.g. Ctrl-C while waiting: don't orphan it
-                    self._signal_group(proc, signal.SIGKILL)
-                    proc.wait()
-                    raise
+                    if not isinstance(e, subprocess.TimeoutExpired):
+                        raise
         finally:
             if self._log_file is not None:
                 self._log_file.close()
@@ -242,21 +238,7 @@ class S3Server:
             if proc is not None:
                 self._remove_stale_sockets()
 
-    def _dirs(self) -> tuple[Path, Path]:
-        """(data dir, log file) of a started server."""
-        if self.data_dir is None or self.log_path is None:
-            raise RuntimeError("S3Server has not been started")
-        return self.data_dir, self.log_path
-
-    def _command(self) -> list[str]:
-        if self._weed is None:
-            raise RuntimeError("S3Server has not been started")
-        return weed_command(self._weed, self._dirs()[0], self.ports, self.bucket, self._identities_path())
-
-    def _identities_path(self) -> Path:
-        return self._dirs()[0] / "s3_identities.json"
-
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, proc: subprocess.Popen, timeout: float) -> None:
         import s3fs  # deferred: keeps `--help` and find_weed() import-light
 
         # Each probe fails fast: this loop retries until the deadline.
@@ -269,9 +251,6 @@ class S3Server:
         probe = f"{self.bucket}/.s3-server-ready-{uuid.uuid4().hex}"
         deadline = time.monotonic() + timeout
         last_error: BaseException | None = None
-        proc = self._proc
-        if proc is None:
-            raise RuntimeError("weed is not running")
         while True:
             if proc.poll() is not None:
                 tail = self.log_tail()
@@ -368,12 +347,11 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _ephemeral_port_range() -> tuple[int, int]:
+def _ephemeral_port_low() -> int:
     try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def pick_ports(names) -> dict[str, int]:
@@ -383,33 +361,26 @@ def pick_ports(names) -> dict[str, int]:
     """
     chosen: dict[str, int] = {}
     taken: set[int] = set()
-
-    def usable(port: int) -> bool:
-        grpc = port + GRPC_PORT_OFFSET
-        return grpc < 65536 and not {port, grpc} & taken and _port_is_free(port) and _port_is_free(grpc)
-
-    def take(name: str, port: int) -> None:
-        chosen[name] = port
-        taken.update((port, port + GRPC_PORT_OFFSET))
-
-    lo, hi = 10000, min(_ephemeral_port_range()[0], 65536) - GRPC_PORT_OFFSET
+    lo, hi = 10000, min(_ephemeral_port_low(), 65536) - GRPC_PORT_OFFSET
     rng = random.SystemRandom()
+
+    def candidates() -> Iterator[int]:
+        yield from (rng.randrange(lo, hi) for _ in range(200 if hi > lo else 0))
+        for _ in range(200):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((HOST, 0))
+                port = s.getsockname()[1]
+            yield port  # (its socket closed: free again)
+
     for name in names:
-        for _ in range(200 if hi > lo else 0):
-            port = rng.randrange(lo, hi)
-            if usable(port):
-                take(name, port)
+        for port in candidates():
+            grpc = port + GRPC_PORT_OFFSET
+            if grpc < 65536 and not {port, grpc} & taken and _port_is_free(port) and _port_is_free(grpc):
+                chosen[name] = port
+                taken.update((port, grpc))
                 break
         else:
-            for _ in range(200):
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind((HOST, 0))
-                    port = s.getsockname()[1]
-                if usable(port):
-                    take(name, port)
-                    break
-            else:
-                raise RuntimeError("could not find free ports for the S3 server")
+            raise RuntimeError("could not find free ports for the S3 server")
     return chosen
 
 

@@ -98,17 +98,15 @@ def _check(f: Fault, part: str, nproc: int, ranks_per_node: int, hosts: int | No
         raise ValueError(f"{part!r}: a {f.kind} fault needs emulated hosts (ftkit drill --hosts N)")
     if hosts is not None and f.kind == "node":
         raise ValueError(f"{part!r}: over emulated hosts a node is a host: host@STEP:host=H")
+    if f.during not in PHASES:
+        raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
     if f.kind in HOST_KINDS:
         f.host = f.host or "1"
         if not (f.host in HOST_TARGETS or (f.host.isdigit() and 1 <= int(f.host) <= (hosts or 0))):
             raise ValueError(f"{part!r}: host={f.host} is not 1..{hosts}, rank0 or rendezvous")
-        if f.during not in PHASES:
-            raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
         if f.during == "commit" and f.host not in ("rank0", "rendezvous"):
             raise ValueError(f"{part!r}: only rank 0 commits (host=rank0)")
         return
-    if f.during not in PHASES:
-        raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
     if f.kind in _LOOP_ONLY and f.during not in _LOOP_ONLY[f.kind]:
         raise ValueError(
             f"{part!r}: a {f.kind} fault happens in the training loop (during={' or '.join(_LOOP_ONLY[f.kind])})"

@@ -5,6 +5,7 @@ Pure functions over what the run left behind: event logs, final states, checkpoi
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
@@ -125,9 +126,7 @@ def compare_streams(faulted: list, clean: list, errors: list[str]) -> bool:
     faulted, clean = [tuple(x) for x in faulted], [tuple(x) for x in clean]
     if faulted == clean:
         return True
-    seen: dict[tuple[int, int], int] = {}
-    for step, rank, _ in faulted:
-        seen[step, rank] = seen.get((step, rank), 0) + 1
+    seen = Counter((step, rank) for step, rank, _ in faulted)
     repeated = sorted(k for k, n in seen.items() if n > 1)
     missing = sorted({(s, r) for s, r, _ in clean} - set(seen))
     other = sorted({(s, r) for s, r, d in set(faulted) - set(clean)} - set(repeated))
