@@ -165,15 +165,12 @@ class Checkpointer:
             self._preemption.install()
         self._watchdog: Watchdog | None = None
         if watchdog and self._ctx.distributed:
-            config = watchdog if isinstance(watchdog, WatchdogConfig) else None
-            pre = self._preemption
             self._watchdog = Watchdog(
                 self._ctx.own_connection(),
                 self.events,
-                config,
+                watchdog if isinstance(watchdog, WatchdogConfig) else None,
                 flush=self._pipeline.drain,
-                preempted=(lambda: pre.requested) if pre else None,
-                on_peer_preempted=(lambda rank, signum: pre.request(signum, by_rank=rank)) if pre else None,
+                preemption=self._preemption,
                 news=opened.ram_news,
             )
             time_first_gradient(state, self._watchdog)
@@ -187,23 +184,18 @@ class Checkpointer:
         """Stage the state for `step`; persist in the background. True if staged."""
         if self._closed:
             raise FtkitError("snapshot() after close()")
-        if self._preemption is not None:
-            self._preemption.install()  # a training loop: a final save on preemption is wanted (no-op after once)
+        pre = self._preemption
+        if pre is not None:
+            pre.install()  # a training loop: a final save on preemption is wanted (no-op after once)
         if self._watchdog is not None:
             self._watchdog.progress(step)
         self.events.emit("step", step=step)
         fault_point("step", step, self._ctx.rank)
         generation.raise_if_requested()  # under run_in_process: a peer failed, the group re-forms
-        if (
-            self._preemption is not None
-            and self._preemption.requested is not None
-            and self._preemption.final_step_reached(self._ctx, step)
-        ):
+        if pre is not None and pre.requested is not None and pre.final_step_reached(self._ctx, step):
             self._save_and_exit(step)
         due = self.due_tiers(step)
-        if not due:
-            return False
-        return self._stage(step, due)
+        return self._stage(step, due) if due else False
 
     def _save_and_exit(self, step: int) -> None:
         """Preempted: take this step to every tier, wait for the commits, then exit."""

@@ -58,9 +58,7 @@ class Tier:
     def coerce(spec: Tier | str | Mapping[str, Any]) -> Tier:
         if isinstance(spec, Tier):
             return spec
-        if isinstance(spec, str):
-            return Tier(spec)
-        return Tier(**dict(spec))
+        return Tier(spec) if isinstance(spec, str) else Tier(**dict(spec))
 
     def open(self) -> Storage:
         return Storage(self.url, dict(self.storage_options))

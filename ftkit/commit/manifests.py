@@ -69,12 +69,7 @@ def commit(
 def store_part(storage: Storage, step: int, name: str, data: bytes, files: dict[str, int], ranks: list[int]) -> Written:
     """Write a built part once its node's data files ({name: size}) are in place."""
     step_dir = step_dir_name(step)
-    sizes = _sizes(storage, step_dir, list(files))
-    for f, nbytes in files.items():
-        size = sizes.get(f)
-        if size != nbytes:
-            what = "is gone" if size is None else f"is {size} bytes, not {nbytes}"
-            raise StorageError(f"step {step} not committed to {storage.display_url}: data file {f} {what}")
+    check_files_present(storage, step, files, _sizes(storage, step_dir, list(files)))
     storage.write_bytes_atomic(f"{step_dir}/{name}", data)
     return Written(PartEntry.of(part_ref(name, data, ranks)), dict(files), sum(files.values()))
 
@@ -116,11 +111,13 @@ def commit_index(
     return Committed(sum(r.stored for r in records), data)
 
 
-def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -> None:
-    """Every file of `expected` ({name: bytes}) is in the step directory at its size."""
-    if not expected:
-        return
-    sizes = storage.list_sizes(step_dir_name(step), list(expected))
+def check_files_present(
+    storage: Storage, step: int, expected: dict[str, int], sizes: dict[str, int] | None = None
+) -> None:
+    """Every file of `expected` ({name: bytes}) is in the step directory at its size (`sizes`:
+    {name: bytes} as found, else listed)."""
+    if sizes is None:
+        sizes = storage.list_sizes(step_dir_name(step), list(expected)) if expected else {}
     for name, nbytes in expected.items():
         if sizes.get(name) != nbytes:
             what = "is gone" if name not in sizes else f"is {sizes[name]} bytes, not {nbytes}"
@@ -130,15 +127,11 @@ def check_files_present(storage: Storage, step: int, expected: dict[str, int]) -
             )
 
 
-def writer_info() -> dict[str, Any]:
-    """Who wrote a manifest (its "writer" field): the same for the whole process."""
-    return dict(_writer_info())
-
-
 @functools.cache
-def _writer_info() -> tuple[tuple[str, str], ...]:
+def writer_info() -> dict[str, Any]:
+    """Who wrote a manifest (its "writer" field): the same for the whole process (kept: not to be changed)."""
     import torch
 
     from ftkit import __version__
 
-    return (("ftkit", __version__), ("torch", torch.__version__), ("host", socket.gethostname()))
+    return {"ftkit": __version__, "torch": torch.__version__, "host": socket.gethostname()}

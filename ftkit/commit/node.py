@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec
 
 from ftkit.commit.layouts import Published, board_name, layout_of
 from ftkit.commit.memo import CommitMemo
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ftkit.tiers.storage import Storage
 
 MAX_REPORT_BYTES = 256 * 2**20  # one rank's tensor entries: megabytes at most
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -78,64 +79,46 @@ class NodeGroup:
         return self.board
 
     def send(
-        self,
-        at: tuple[int, int],
-        what: str,
-        me: int,
-        message: str | bytes,
-        to: tuple[int, ...],
-        patient: bool = True,
+        self, at: tuple[int, int], what: str, me: int, data: bytes, to: tuple[int, ...], patient: bool = True
     ) -> None:
         """Post message `what` of the step at `at` to the ranks `to` (`patient` False: never wait for room)."""
-        name = step_message(at, f"{what}-r{me}")
-        data = message.encode() if isinstance(message, str) else message
-        self.node_board().send(name, data, to, patient)
-
-    def send_named(self, name: str, data: bytes, to: tuple[int, ...], patient: bool = True) -> None:
-        """Post `data` as `name` to the ranks `to` (a collector's word to its node)."""
-        self.node_board().send(name, data, to, patient)
-
-    def collect(
-        self, at: tuple[int, int], what: str, ctx: DistContext, senders: tuple[int, ...], timeout_s: float
-    ) -> dict[int, bytes | None]:
-        """Wait for message `what` of the step at `at` from each of `senders` (None: none came in
-        time), then remove them and what earlier steps left uncollected (a skipped step's)."""
-        names = {r: step_message(at, f"{what}-r{r}") for r in senders}
-        if not names:
-            return {}
-        board = self.node_board()
-        got = board.collect(names, timeout_s, MAX_REPORT_BYTES, ctx.rank, serves=ctx.generation)
-        board.prune_before(at)
-        return got
+        self.node_board().send(step_message(at, f"{what}-r{me}"), data, to, patient)
 
 
+@dataclass(eq=False)
 class StepExecutor:
     """One rank's commit of one step: its steps of the plan, run in order by `run`, one
     handler per kind of step (a subclass's HANDLERS). On rank 0 a failure calls
     `not_committed` before it is raised; `record_keys` are deleted whatever happens; this
     rank's own write error is raised at the end (rank 0's has already failed its commit)."""
 
-    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[Any, Step], None]]] = {}  # each subclass its own
+    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[Any, Step], None]]] = {}
 
-    def __init__(
-        self,
-        storage: Storage,
-        step: int,
-        slot: Slot,
-        skeleton: dict[str, Any],
-        compress: str | None,
-        pieces: Mapping[str, Piece] | None,
-        rank_state: dict[str, Any] | None,
-        ctx: DistContext,
-        key: str,
-        ledger: KeyLedger | None,
-        at: tuple[int, int],
-        group: NodeGroup,
-    ):
-        self.storage, self.step, self.slot, self.skeleton = storage, step, slot, skeleton
-        self.compress, self.pieces, self.rank_state = compress, pieces, rank_state
-        self.ctx, self.key, self.ledger, self.at, self.group = ctx, key, ledger, at, group
-        self.plan = group.plan
+    def __init_subclass__(cls) -> None:
+        """A subclass's HANDLERS: its methods named after the step they run ("await_report", "part")."""
+        cls.HANDLERS = {}
+        for act in Act:
+            for msg in (None, *Msg):
+                handler = getattr(cls, act.value.replace("-", "_") + (f"_{msg.value}" if msg else ""), None)
+                if handler is not None:
+                    cls.HANDLERS[act, msg] = handler
+
+    storage: Storage
+    step: int
+    slot: Slot
+    skeleton: dict[str, Any]
+    _: KW_ONLY
+    compress: str | None
+    ctx: DistContext
+    key: str  # the step's store keys (commit/keys.py commit_key)
+    group: NodeGroup
+    pieces: Mapping[str, Piece] | None = None
+    rank_state: dict[str, Any] | None = None
+    ledger: KeyLedger | None = None  # rank 0's: keys of earlier steps, deleted once this step's records are all in
+    at: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        self.plan = self.group.plan
         self.error: Exception | None = None  # this rank's write's, raised at the end
         self.record_keys: list[str] = []  # rank 0's: the step's keys it deletes
         self.committed: Committed | None = None
@@ -170,6 +153,17 @@ class StepExecutor:
             self.own = failed(self.ctx.rank, str(self.error))
         self.text = self.own.report.encode()
 
+    def collect(self, what: str, senders: tuple[int, ...]) -> dict[int, bytes | None]:
+        """Wait for message `what` of this step from each of `senders` (None: none came in time),
+        then remove them and what earlier steps left uncollected (a skipped step's)."""
+        names = {r: step_message(self.at, f"{what}-r{r}") for r in senders}
+        if not names:
+            return {}
+        board, ctx = self.group.node_board(), self.ctx
+        got = board.collect(names, ctx.timeout_s, MAX_REPORT_BYTES, ctx.rank, serves=ctx.generation)
+        board.prune_before(self.at)
+        return got
+
     def send_report(self, step: Step) -> None:
         """SEND report: its layout (once per connection to the collector), then the report."""
         assert self.own is not None
@@ -180,3 +174,12 @@ class StepExecutor:
 
     def not_committed(self) -> None:
         """Rank 0's failure: remove what the step put where rank 0 can remove it."""
+
+
+def runner(executor: Callable[P, StepExecutor]) -> Callable[P, Committed | None]:
+    """A function that runs one step's commit with `executor`: what was committed on rank 0, None elsewhere."""
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> Committed | None:
+        return executor(*args, **kwargs).run()
+
+    return run

@@ -247,39 +247,40 @@ class CommitPlan:
     def _steps(self) -> dict[int, tuple[Step, ...]]:
         return {}
 
-    def _shared_steps(self, rank: int) -> Iterator[Step]:
-        roles = self.roles_of(rank)
-        others = tuple(r for r in roles.ranks if r != rank)
+    def _report_steps(self, rank: int, roles: NodeRoles) -> Iterator[Step]:
+        """The write, and the reports to the node's collector, who writes the node's part."""
         yield Step(Act.WRITE)
         if rank != roles.collector:
             yield Step(Act.SEND, Msg.REPORT, (roles.collector,), Via.BOARD)
             return
+        others = tuple(r for r in roles.ranks if r != rank)
         if others:
             yield Step(Act.AWAIT, Msg.REPORT, others, Via.BOARD)
         yield Step(Act.PART)
-        if rank != 0:
-            yield Step(Act.SEND, Msg.RECORD, (0,), Via.STORE)
-            return
+
+    def _commit_steps(self) -> Iterator[Step]:
+        """Rank 0's: every other node's record, then the index."""
         if self.record_senders:
             yield Step(Act.AWAIT, Msg.RECORD, self.record_senders, Via.STORE)
         yield Step(Act.COMMIT)
+
+    def _shared_steps(self, rank: int) -> Iterator[Step]:
+        roles = self.roles_of(rank)
+        yield from self._report_steps(rank, roles)
+        if rank == 0:  # (on a shared tier, its node's collector)
+            yield from self._commit_steps()
+        elif rank == roles.collector:
+            yield Step(Act.SEND, Msg.RECORD, (0,), Via.STORE)
 
     def _ram_steps(self, rank: int) -> Iterator[Step]:
         node = self.nodes[rank]
         roles = self.roles(node)
         collector = rank == roles.collector
-        yield Step(Act.WRITE)
-        # 1. Reports: to the node's collector, who writes the node's part.
-        if not collector:
-            yield Step(Act.SEND, Msg.REPORT, (roles.collector,), Via.BOARD)
-        else:
-            others = tuple(r for r in roles.ranks if r != rank)
-            if others:
-                yield Step(Act.AWAIT, Msg.REPORT, others, Via.BOARD)
-            yield Step(Act.PART)
-            readers = self.exchange_readers(node) if self.exchanges else ()
-            if readers:
-                yield Step(Act.SEND, Msg.EXCHANGE, readers, Via.STORE)
+        # 1. Reports: to the node's collector, who writes the node's part and tells its partners.
+        yield from self._report_steps(rank, roles)
+        readers = self.exchange_readers(node) if collector and self.exchanges else ()
+        if readers:
+            yield Step(Act.SEND, Msg.EXCHANGE, readers, Via.STORE)
         # 2. Replicas: partners' reports, the transfers, and the sources' parts.
         if self.exchanges:
             if rank in self.peer_readers(node):
@@ -312,9 +313,7 @@ class CommitPlan:
                     yield Step(Act.SEND, Msg.RECORD, (0,), Via.STORE)
         # 4. The commit: rank 0 writes the index and sends it to the nodes that keep a copy.
         if rank == 0:
-            if self.record_senders:
-                yield Step(Act.AWAIT, Msg.RECORD, self.record_senders, Via.STORE)
-            yield Step(Act.COMMIT)
+            yield from self._commit_steps()
             copiers = self.index_copiers() if self.exchanges else ()
             if copiers:
                 yield Step(Act.SEND, Msg.INDEX, copiers, Via.STORE)
@@ -324,19 +323,15 @@ class CommitPlan:
 
     # ------------------------------------------------------------------ printing
     def role_names(self, rank: int) -> list[str]:
-        roles = self.roles_of(rank)
-        names = []
-        if rank == roles.leader:
-            names.append("leader")
-        if rank == roles.collector:
-            names.append("collector")
-        if self.exchanges and rank == roles.exchanger:
-            names.append("exchanger")
-        if rank == 0:
-            names.append("committer")
-        if self.exchanges and rank in self.index_copiers():
-            names.append("index holder")
-        return names
+        roles, ex = self.roles_of(rank), self.exchanges
+        names = {
+            "leader": rank == roles.leader,
+            "collector": rank == roles.collector,
+            "exchanger": ex and rank == roles.exchanger,
+            "committer": rank == 0,
+            "index holder": ex and rank in self.index_copiers(),
+        }
+        return [name for name, holds in names.items() if holds]
 
     def describe(self) -> str:
         """The plan as text: each rank's roles and steps."""

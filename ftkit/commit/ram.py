@@ -9,16 +9,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
 
-from ftkit.commit.keys import KeyLedger, delete_keys, exchange_key, index_key, older_keys, ram_records_key
+from ftkit.commit.keys import delete_keys, exchange_key, index_key, older_keys, ram_records_key
 from ftkit.commit.layouts import Layout, from_board, from_store, lookup
-from ftkit.commit.manifests import Committed, check_files_present, commit_index
-from ftkit.commit.memo import CommitMemo
+from ftkit.commit.manifests import check_files_present, commit_index
 from ftkit.commit.messages import Exchange, Outcome, Record, Relay, Report, Written
-from ftkit.commit.node import NodeGroup, StepExecutor
+from ftkit.commit.node import NodeGroup, StepExecutor, runner
 from ftkit.commit.parts import write_part
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
@@ -30,8 +28,6 @@ from ftkit.errors import AlreadyCommitted, FormatError, RecoveryRequested, Stora
 from ftkit.format.index import INDEX_VERSION, parse_index
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.validate import parse_header
-from ftkit.save.sharding import Piece
-from ftkit.save.staging import Slot
 from ftkit.save.write import RankWrite, discard, write_share
 from ftkit.tiers.peers import PeerGroup
 from ftkit.tiers.storage import Storage
@@ -54,7 +50,7 @@ class NodeShare:
     def exchanged(self) -> Exchange:
         """What this node's replica partners read: the reports, and the part's name and checksum."""
         part = (self.written.part.file, self.written.part.checksum) if self.written is not None else None
-        return Exchange(dict(self.texts), part)
+        return Exchange(self.texts, part)
 
     def record(self, errors: list[str]) -> Record:
         """The node's record for rank 0."""
@@ -69,25 +65,20 @@ class NodeShare:
 
 
 # A failure in these steps is this rank's error in its outcome: its node still sends its record.
-_EXCHANGE = {
-    (Act.AWAIT, Msg.EXCHANGE),
-    (Act.SEND, Msg.RELAY),
-    (Act.AWAIT, Msg.RELAY),
-    (Act.SEND, Msg.REPLICA),
-    (Act.AWAIT, Msg.REPLICA),
-    (Act.REPLICATE, None),
-    (Act.SOURCE_PARTS, None),
-}
+_EXCHANGE = {(Act.AWAIT, Msg.EXCHANGE), (Act.REPLICATE, None), (Act.SOURCE_PARTS, None)}
+_EXCHANGE |= {(act, msg) for act in (Act.SEND, Act.AWAIT) for msg in (Msg.RELAY, Msg.REPLICA)}
 
 
+@dataclass(eq=False)
 class RamCommit(StepExecutor):
     """One rank's commit of one step to the RAM tier; a replication failure skips the rest of the exchange."""
 
-    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[RamCommit, Step], None]]] = {}
+    peers: PeerGroup | None = None
+    cpu: dict[str, float] = field(default_factory=dict)  # this thread's CPU seconds in "write" and "replicate"
 
-    def __init__(self, *args: Any, peers: PeerGroup | None, cpu: dict[str, float]):
-        super().__init__(*args)
-        self.peers, self.cpu = peers, cpu
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        assert self.plan.tier == RAM, "the RAM tier's commit runs a RAM tier's plan"
         self.collector = self.ctx.rank == self.group.collector
         self.write_: RankWrite | None = None
         self.texts: dict[int, bytes] = {}  # the collector's: its node's reports
@@ -97,7 +88,6 @@ class RamCommit(StepExecutor):
         self.others: list[str] = []  # the exchanger's: the sources' parts it wrote
         self.errors: list[str] = []  # replication errors: its own, and (a collector) its node's outcomes
         self.exchange_failed = False
-        self.mine: tuple[Record, list[str]] | None = None  # rank 0 collecting: its node's record, files
         self.records: list[Record] | None = None  # rank 0's: every node's record
         self.own_record: Record | None = None  # rank 0's: its node's
         self.index_data = b""
@@ -132,8 +122,9 @@ class RamCommit(StepExecutor):
         self.group.send(self.at, "r", self.ctx.rank, outcome.encode(), step.peers)
 
     # ------------------------------------------------------------------ a node's collector
-    def await_reports(self, step: Step) -> None:
-        self.texts = _collect_texts(self.group, self.at, "w", self.ctx, step.peers)
+    def await_report(self, step: Step) -> None:
+        lost = Report.failed(f"no report within {self.ctx.timeout_s:.0f}s").encode()
+        self.texts = {r: raw or lost for r, raw in self.collect("w", step.peers).items()}
 
     def part(self, _: Step) -> None:
         ctx, memo = self.ctx, self.group.memo
@@ -141,7 +132,11 @@ class RamCommit(StepExecutor):
         memo.decoded.put((ctx.rank, self.text), self.own)  # its own: not parsed back
         texts = {ctx.rank: self.text, **self.texts}
         layouts = lookup(from_board(self.group.board, ctx.rank), memo)
-        self.node = node_part(self.storage, self.step, texts, self.group.ranks, ctx.world_size, memo, layouts)
+        reports = [decode_report(r, texts[r], layouts, memo) for r in self.group.ranks]
+        written, errors = write_part(self.storage, self.step, reports, ctx.world_size, memo)
+        sent = list({r.layout.digest: r.layout for r in reports if r.layout is not None}.values()) if written else []
+        files = [r.file for r in reports if r.file is not None]
+        self.node = NodeShare(texts, errors, any(r.skipped for r in reports), files, written, sent)
 
     def send_exchange(self, _: Step) -> None:
         assert self.node is not None
@@ -149,14 +144,13 @@ class RamCommit(StepExecutor):
         self.ctx.store.set(exchange_key(self.key, self.group.leader), self.node.exchanged().encode())
 
     def send_relay(self, step: Step) -> None:
-        relay = Relay(self.word.texts)
-        if self.group.exchanger in step.peers:  # what the exchanger needs besides the reports
-            relay = Relay(self.word.texts, self.word.parts, self.word.own_part)
-        self.group.send_named(step_message(self.at, "peers"), relay.encode(), step.peers)
+        word, to_exchanger = self.word, self.group.exchanger in step.peers  # which needs more than the reports
+        relay = Relay(word.texts, word.parts, word.own_part) if to_exchanger else Relay(word.texts)
+        self.group.node_board().send(step_message(self.at, "peers"), relay.encode(), step.peers)
 
-    def await_outcomes(self, step: Step) -> None:
+    def await_outcome(self, step: Step) -> None:
         assert self.node is not None
-        for r, raw in self.group.collect(self.at, "r", self.ctx, step.peers, self.ctx.timeout_s).items():
+        for r, raw in self.collect("r", step.peers).items():
             self.errors += _outcome_errors(r, raw, self.node.others if r == self.group.exchanger else None)
 
     def send_record(self, _: Step) -> None:
@@ -164,10 +158,11 @@ class RamCommit(StepExecutor):
         send_record(self.ctx, self.group, ram_records_key(self.key), self.node.record(self.errors))
 
     # ------------------------------------------------------------------ replicas
-    def await_exchanges(self, step: Step) -> None:
+    def await_exchange(self, step: Step) -> None:
         own_text = self.text if not self.collector else None  # rank 0, where another rank collects
         self.word = read_exchanges(self.group, self.ctx, self.key, step.peers, own_text)
-        if self.collector and self.node is not None and self._keeps_index_copy():
+        node = self.group.node
+        if self.collector and self.node is not None and node != self.plan.nodes[0] and self.plan.holds_index(node):
             self.word.own_part = self.node.written  # the index must name it (its exchanger checks)
 
     def await_relay(self, step: Step) -> None:
@@ -178,6 +173,11 @@ class RamCommit(StepExecutor):
             word = read_exchanges(self.group, self.ctx, self.key, partners, None)
             relayed = PeerWord(word.texts, False, word.parts if exchanger else {})
         self.word = relayed
+
+    def send_replica(self, _: Step) -> None:
+        """A replica's send and receive: posted all at once by the REPLICATE step (tiers/peers.py)."""
+
+    await_replica = send_replica
 
     def replicate(self, _: Step) -> None:
         assert self.peers is not None
@@ -197,12 +197,26 @@ class RamCommit(StepExecutor):
             self.node.others = self.others
 
     # ------------------------------------------------------------------ rank 0 and the index
-    def await_records(self, step: Step) -> None:
-        self._gather_records(step.peers)
+    def await_record(self, step: Step) -> None:
+        """Rank 0: every node's record, the others' from their collectors (`step.peers`). Older
+        keys go once all are in: every index holder has read a step's index before it sends its
+        records of the next."""
+        collectors = step.peers
+        self.record_keys = [exchange_key(self.key, n) for n in self.group.members if self.plan.exchanges]
+        older = self.stack.enter_context(older_keys(self.ledger, self.at))
+        self.records = [self.node.record(self.errors)] if self.node is not None else []
+        self.own_record = self.records[0] if self.records else None
+        got, complete = gather_records(self.ctx, self.group, ram_records_key(self.key), collectors)
+        for c, record in zip(collectors, got, strict=True):
+            self.records.append(record)
+            if self.plan.roles_of(c).leader == 0:
+                self.own_record = record
+        if complete and not any(r.skipped for r in self.records):
+            delete_keys(self.ctx, older)
 
     def commit(self, _: Step) -> None:
         if self.records is None:  # a job of one node: rank 0 collected every report itself
-            self._gather_records(())
+            self.await_record(Step(Act.AWAIT, Msg.RECORD))
         assert self.records is not None
         own_errors = [] if self.node is not None else self.errors  # a collector's are in its record
         raise_if_failed(self.step, "the RAM tier", self.records, own_errors)
@@ -225,33 +239,11 @@ class RamCommit(StepExecutor):
     def index_copy(self, _: Step) -> None:
         write_index_copy(self.storage, self.step, self.index_data, self.word.own_part)
 
-    def _keeps_index_copy(self) -> bool:
-        node = self.group.node
-        return node != self.plan.nodes[0] and self.plan.holds_index(node)
-
-    def _gather_records(self, collectors: tuple[int, ...]) -> None:
-        """Rank 0: every node's record. Older keys go once all are in: every index holder has
-        read a step's index before it sends its records of the next."""
-        members = self.group.members
-        self.record_keys = [exchange_key(self.key, n) for n in members if self.plan.exchanges]
-        older = self.stack.enter_context(older_keys(self.ledger, self.at))
-        if self.node is not None:
-            self.mine = (self.node.record(self.errors), self.node.own_files())
-        self.records = [self.mine[0]] if self.mine is not None else []
-        self.own_record = self.records[0] if self.records else None
-        got, complete = gather_records(self.ctx, self.group, ram_records_key(self.key), collectors)
-        for c, record in zip(collectors, got, strict=True):
-            self.records.append(record)
-            if self.plan.roles_of(c).leader == 0:
-                self.own_record = record
-        if complete and not any(r.skipped for r in self.records):
-            delete_keys(self.ctx, older)
-
     def not_committed(self) -> None:
         """Rank 0's failure: remove the step's files from its node, tell index holders not to wait."""
         if self.records is not None:
             own = self.own_record
-            files = self.mine[1] if self.mine is not None else own.local_files() if own is not None else []
+            files = self.node.own_files() if self.node is not None else own.local_files() if own is not None else []
             discard(self.storage, self.step, files)
         if self.plan.exchanges and self.committed is None:
             with contextlib.suppress(Exception):  # the store is gone: they time out instead
@@ -263,59 +255,8 @@ class RamCommit(StepExecutor):
             self.ledger.record_key(self.at, index_key(self.key))
 
 
-def _posted_together(self: RamCommit, _: Step) -> None:
-    """A replica's send and receive: posted all at once by the REPLICATE step (tiers/peers.py)."""
-
-
-RamCommit.HANDLERS.update(
-    {
-        (Act.WRITE, None): RamCommit.write,
-        (Act.SEND, Msg.REPORT): RamCommit.send_report,
-        (Act.AWAIT, Msg.REPORT): RamCommit.await_reports,
-        (Act.PART, None): RamCommit.part,
-        (Act.SEND, Msg.EXCHANGE): RamCommit.send_exchange,
-        (Act.AWAIT, Msg.EXCHANGE): RamCommit.await_exchanges,
-        (Act.SEND, Msg.RELAY): RamCommit.send_relay,
-        (Act.AWAIT, Msg.RELAY): RamCommit.await_relay,
-        (Act.SEND, Msg.REPLICA): _posted_together,
-        (Act.AWAIT, Msg.REPLICA): _posted_together,
-        (Act.REPLICATE, None): RamCommit.replicate,
-        (Act.SOURCE_PARTS, None): RamCommit.source_parts,
-        (Act.SEND, Msg.OUTCOME): RamCommit.send_outcome,
-        (Act.AWAIT, Msg.OUTCOME): RamCommit.await_outcomes,
-        (Act.SEND, Msg.RECORD): RamCommit.send_record,
-        (Act.AWAIT, Msg.RECORD): RamCommit.await_records,
-        (Act.COMMIT, None): RamCommit.commit,
-        (Act.SEND, Msg.INDEX): RamCommit.send_index,
-        (Act.AWAIT, Msg.INDEX): RamCommit.await_index,
-        (Act.INDEX_COPY, None): RamCommit.index_copy,
-    }
-)
-
-
-def persist_node_local(
-    storage: Storage,
-    step: int,
-    slot: Slot,
-    skeleton: dict[str, Any],
-    *,
-    compress: str | None,
-    pieces: Mapping[str, Piece] | None,
-    rank_state: dict[str, Any] | None,
-    ctx: DistContext,
-    key: str,
-    group: NodeGroup | None = None,
-    peers: PeerGroup | None = None,
-    ledger: KeyLedger | None = None,
-    at: tuple[int, int] = (0, 0),
-    cpu: dict[str, float] | None = None,
-) -> Committed | None:
-    """Persist one step to the RAM tier; returns what was committed on rank 0, None elsewhere.
-    `cpu` gets this thread's CPU seconds in "write" and "replicate"; `ledger`: as persist's."""
-    group = group or NodeGroup.of(ctx, None, RAM)
-    assert group.plan.tier == RAM, "the RAM tier's commit runs a RAM tier's plan"
-    args = (storage, step, slot, skeleton, compress, pieces, rank_state, ctx, key, ledger, at, group)
-    return RamCommit(*args, peers=peers, cpu={} if cpu is None else cpu).run()
+# Persist one step to the RAM tier (`persist_node_local(storage, step, slot, skeleton, compress=..., ...)`).
+persist_node_local = runner(RamCommit)
 
 
 def write_index_copy(storage: Storage, step: int, data: bytes, written: Written | None) -> None:
@@ -334,30 +275,6 @@ def write_index_copy(storage: Storage, step: int, data: bytes, written: Written 
         raise StorageError(f"step {step}: {where} does not name this node's part")
     check_files_present(storage, step, {**written.files, mine.file: mine.nbytes})
     storage.write_bytes_atomic(f"{step_dir_name(step)}/{MANIFEST_NAME}", data)
-
-
-def node_part(
-    storage: Storage,
-    step: int,
-    texts: dict[int, bytes],
-    ranks: tuple[int, ...],
-    world: int,
-    memo: CommitMemo,
-    layouts: Callable[[str], Layout | None] | None = None,
-) -> NodeShare:
-    """The node's part built from its ranks' reports and written beside their data, or its errors."""
-    reports = [decode_report(r, texts[r], layouts, memo) for r in ranks]
-    written, errors = write_part(storage, step, reports, world, memo)
-    sent = list({r.layout.digest: r.layout for r in reports if r.layout is not None}.values()) if written else []
-    files = [r.file for r in reports if r.file is not None]
-    return NodeShare(texts, errors, any(r.skipped for r in reports), files, written, sent)
-
-
-def _collect_texts(
-    group: NodeGroup, at: tuple[int, int], what: str, ctx: DistContext, senders: tuple[int, ...]
-) -> dict[int, bytes]:
-    lost = Report.failed(f"no report within {ctx.timeout_s:.0f}s").encode()
-    return {r: raw or lost for r, raw in group.collect(at, what, ctx, senders, ctx.timeout_s).items()}
 
 
 def _outcome_errors(rank: int, raw: bytes | None, parts: list[str] | None = None) -> list[str]:
@@ -388,9 +305,8 @@ def report_skipped_node_local(
             group.send(at, "r", ctx.rank, Outcome().encode(), collector, patient=False)
         return
     others = tuple(r for r in group.ranks if r != ctx.rank)
-    group.send_named(step_message(at, "skip"), reason.encode(), others, patient=False)  # no replicas this step
+    group.node_board().send(step_message(at, "skip"), reason.encode(), others, patient=False)  # no replicas this step
     if exchange:
         ctx.store.set(exchange_key(key, group.leader), Exchange({ctx.rank: text}).encode())
     if ctx.rank != 0:  # rank 0 collecting its own node awaits no record
-        skipped = NodeShare({}, [f"rank {ctx.rank}: {reason}"], True)
-        send_record(ctx, group, ram_records_key(key), skipped.record([]))
+        send_record(ctx, group, ram_records_key(key), Record.failed([f"rank {ctx.rank}: {reason}"], skipped=True))

@@ -141,17 +141,16 @@ def replicate(
     incoming: dict[str, tuple[list[tuple[str, int, int, str]], int]] = {}
     transfers: list[Transfer] = []
     for src, dst in plan.transfers(ctx.rank):
-        t = Transfer(src, dst, "")
-        if t.src == ctx.rank:
-            target = decode_report(t.dst, reports.get(t.dst, b""), layouts, memo)
+        if src == ctx.rank:
+            target = decode_report(dst, reports.get(dst, b""), layouts, memo)
             if write is not None and not target.skipped:
-                transfers.append(Transfer(t.src, t.dst, write.file))
+                transfers.append(Transfer(src, dst, write.file))
             continue
-        report = decode_report(t.src, reports.get(t.src, b""), layouts, memo)
+        report = decode_report(src, reports.get(src, b""), layouts, memo)
         if report.file is None or report.error:
             continue
         incoming[report.file] = (report.chunks(), report.nbytes)  # validated: checked on arrival
-        transfers.append(Transfer(t.src, t.dst, report.file))
+        transfers.append(Transfer(src, dst, report.file))
     sizes = {(t.src, t.file): (write.nbytes if t.src == ctx.rank else incoming[t.file][1]) for t in transfers}
     own = slot.image() if compress is None else None  # uncompressed, the file is the slot's image
 

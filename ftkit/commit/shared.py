@@ -5,24 +5,20 @@ before the commit removes what the step wrote. Also the record helpers both tier
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
 
-from ftkit.commit.keys import KeyLedger, delete_keys, older_keys, shared_records_key
+from ftkit.commit.keys import delete_keys, older_keys, shared_records_key
 from ftkit.commit.layouts import from_board, lookup
-from ftkit.commit.manifests import Committed, commit_index
+from ftkit.commit.manifests import commit_index
 from ftkit.commit.messages import Record, Report
-from ftkit.commit.node import NodeGroup, StepExecutor
+from ftkit.commit.node import NodeGroup, StepExecutor, runner
 from ftkit.commit.parts import write_part
-from ftkit.commit.plan import Act, Msg, Step
+from ftkit.commit.plan import Step
 from ftkit.commit.reports import RankReport, decode_report, failed
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import FormatError, StorageError
-from ftkit.save.sharding import Piece
-from ftkit.save.staging import Slot
 from ftkit.save.write import discard, write_share
-from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +26,8 @@ log = logging.getLogger(__name__)
 class SharedCommit(StepExecutor):
     """One rank's commit of one step to a shared tier."""
 
-    HANDLERS: ClassVar[dict[tuple[Act, Msg | None], Callable[[SharedCommit, Step], None]]] = {}
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.reports: dict[int, RankReport] = {}
         self.records: list[Record] = []  # rank 0's: its node's record first
 
@@ -46,12 +40,11 @@ class SharedCommit(StepExecutor):
         fault_point("persist", self.step, self.ctx.rank)  # data written, not yet reported
         self.report_write(write)
 
-    def await_reports(self, step: Step) -> None:
-        timeout = self.ctx.timeout_s
+    def await_report(self, step: Step) -> None:
         layouts = lookup(from_board(self.group.board, self.ctx.rank), self.group.memo)
-        for r, raw in self.group.collect(self.at, "w", self.ctx, step.peers, timeout).items():
-            lost = failed(r, f"no report within {timeout:.0f}s")
-            self.reports[r] = decode_report(r, raw, layouts, self.group.memo) if raw is not None else lost
+        for r, raw in self.collect("w", step.peers).items():
+            report = decode_report(r, raw, layouts, self.group.memo) if raw is not None else None
+            self.reports[r] = report or failed(r, f"no report within {self.ctx.timeout_s:.0f}s")
 
     def part(self, _: Step) -> None:
         assert self.own is not None
@@ -65,7 +58,7 @@ class SharedCommit(StepExecutor):
     def send_record(self, _: Step) -> None:
         send_record(self.ctx, self.group, shared_records_key(self.key), self.records[0])
 
-    def await_records(self, step: Step) -> None:
+    def await_record(self, step: Step) -> None:
         older = self.stack.enter_context(older_keys(self.ledger, self.at))
         records, complete = gather_records(self.ctx, self.group, shared_records_key(self.key), step.peers)
         self.records += records
@@ -78,40 +71,8 @@ class SharedCommit(StepExecutor):
         self.committed = commit_index(self.storage, self.step, self.ctx.world_size, self.records, self.skeleton)
 
 
-SharedCommit.HANDLERS.update(
-    {
-        (Act.WRITE, None): SharedCommit.write,
-        (Act.SEND, Msg.REPORT): SharedCommit.send_report,
-        (Act.AWAIT, Msg.REPORT): SharedCommit.await_reports,
-        (Act.PART, None): SharedCommit.part,
-        (Act.SEND, Msg.RECORD): SharedCommit.send_record,
-        (Act.AWAIT, Msg.RECORD): SharedCommit.await_records,
-        (Act.COMMIT, None): SharedCommit.commit,
-    }
-)
-
-
-def persist(
-    storage: Storage,
-    step: int,
-    slot: Slot,
-    skeleton: dict[str, Any],
-    *,
-    compress: str | None,
-    pieces: Mapping[str, Piece] | None = None,
-    rank_state: dict[str, Any] | None = None,
-    ctx: DistContext | None = None,
-    key: str = "",
-    ledger: KeyLedger | None = None,
-    at: tuple[int, int] = (0, 0),
-    group: NodeGroup | None = None,
-) -> Committed | None:
-    """Persist one step; returns what was committed on rank 0, None elsewhere. `ledger` (rank
-    0's): keys of earlier steps, deleted once this step's records are all in."""
-    ctx = ctx or DistContext()
-    group = group or NodeGroup.of(ctx, None)
-    args = (storage, step, slot, skeleton, compress, pieces, rank_state, ctx, key, ledger, at, group)
-    return SharedCommit(*args).run()
+# Persist one step to a shared tier (`persist(storage, step, slot, skeleton, compress=..., ctx=..., ...)`).
+persist = runner(SharedCommit)
 
 
 def send_record(ctx: DistContext, group: NodeGroup, key: str, record: Record) -> None:

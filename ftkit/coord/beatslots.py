@@ -128,10 +128,9 @@ def unpack_beat(payload: bytes) -> Beat | None:
     end = _BEAT.size + host_len
     if not 0 <= seq <= 2**62 or len(payload) != end + (_START.size if flags & _HAS_START else 0):
         return None
-    host = payload[_BEAT.size : end] if host_len else None
     (start,) = _START.unpack_from(payload, end) if flags & _HAS_START else (None,)
     try:
-        host_id = host.decode() if host is not None else None
+        host_id = payload[_BEAT.size : end].decode() or None
     except UnicodeDecodeError:
         host_id = None
     return Beat(

@@ -8,6 +8,7 @@ not a hang. A single process is a world of one with no store, where every call i
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,8 +32,7 @@ def node_id(rank: int) -> str:
     simulate nodes so), else the host name."""
     if os.environ.get("FTKIT_NODE_ID"):
         return os.environ["FTKIT_NODE_ID"]
-    per_node = os.environ.get("FTKIT_RANKS_PER_NODE")
-    if per_node:
+    if per_node := os.environ.get("FTKIT_RANKS_PER_NODE"):
         return f"node{rank // int(per_node)}"
     return socket.gethostname()
 
@@ -51,8 +51,6 @@ def host_identity() -> str | None:
     return f"{socket.gethostname()}/{boot}/{pidns}"
 
 
-# torchrun's --rdzv-id when none is given (every such job gets the same one).
-_DEFAULT_RDZV_IDS = ("", "none")
 WAIT_POLL_MAX_S = 0.05  # under run_in_process: the training thread's store waits poll at most this far apart
 _FRAME = struct.Struct("<II")  # (sender, length) ahead of each value sent to rank 0 (DistContext.send_to_root)
 
@@ -92,7 +90,7 @@ def rendezvous_id() -> str | None:
     """The rendezvous (run) id torchrun was given, or None if it is torchrun's default ("none",
     the same for every job) or absent. --standalone gives a uuid per invocation: a real id."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
-    return None if run is None or run.strip().lower() in _DEFAULT_RDZV_IDS else run
+    return None if run is None or run.strip().lower() in ("", "none") else run
 
 
 @dataclass
@@ -284,16 +282,12 @@ class DistContext:
         end = time.monotonic() + timeout_s
         delay = 0.001
         while True:
-            if main:
-                done = bool(self.store.check(keys))
-            else:
-                try:
-                    self.store.wait(keys, timedelta(seconds=max(0.001, min(1.0, end - time.monotonic()))))
-                    done = True
-                except Exception:
-                    done = False
-            if done:
+            if main and self.store.check(keys):
                 return
+            if not main:
+                with contextlib.suppress(Exception):  # (not yet: look at the generation, then wait again)
+                    self.store.wait(keys, timedelta(seconds=max(0.001, min(1.0, end - time.monotonic()))))
+                    return
             generation.raise_if_requested()
             if generation.current() != self.generation:
                 raise RecoveryRequested("a newer generation: recovering in process")
@@ -304,10 +298,9 @@ class DistContext:
                 delay = min(delay * 2, WAIT_POLL_MAX_S)
 
     def _has(self, key: str) -> bool:
-        try:
+        with contextlib.suppress(Exception):  # (the store itself is gone: the key is missing)
             return bool(self.store.check([key]))
-        except Exception:  # the store itself is gone: report the key as missing
-            return False
+        return False
 
     def broadcast(self, key: str, value: Any = None, timeout_s: float | None = None) -> Any:
         """Rank 0's `value`, on every rank."""
@@ -322,10 +315,8 @@ class DistContext:
         if self.store is None:
             return
         for k in keys:
-            try:
+            with contextlib.suppress(Exception):  # best effort: stale keys only cost store memory
                 self.store.delete_key(k)
-            except Exception:  # best effort: stale keys only cost store memory
-                pass
 
 
 def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> None:

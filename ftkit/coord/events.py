@@ -20,18 +20,13 @@ from ftkit.tiers.redact import redact_url
 log = logging.getLogger("ftkit")
 
 
-def attempt() -> int:
-    """torchrun's attempt (generation.torchrun_attempt): 0 for the first attempt of the worker group."""
-    try:
-        return int(generation.torchrun_attempt() or 0)
-    except ValueError:
-        return 0
-
-
 class EventLog:
     def __init__(self, run_dir: str | None, rank: int):
         self.rank = rank
-        self.attempt = attempt()
+        try:  # torchrun's attempt: 0 for the first attempt of the worker group
+            self.attempt = int(generation.torchrun_attempt() or 0)
+        except ValueError:
+            self.attempt = 0
         self._lock = threading.Lock()
         self._file = None
         self._failed = False

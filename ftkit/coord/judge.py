@@ -133,13 +133,12 @@ class Judgement:
     stragglers: list[tuple[int, float, float]] = field(default_factory=list)  # (rank, busy, median busy)
 
 
-class RankJudge:
-    """A node leader's judge of its node's ranks (module docstring); `me`, the leader, only
-    as a straggler (its death or hang is its node's and its ring watchers' to see)."""
+class _Judge:
+    """A clock per party judged (a rank, or a watched node), from `now` on."""
 
-    def __init__(self, me: int, ranks: Iterable[int], cfg: WatchdogConfig, now: float):
+    def __init__(self, me: int, parties: Iterable[int], cfg: WatchdogConfig, now: float):
         self.me, self.cfg, self.started = me, cfg, now
-        self.clocks = {r: _Clock() for r in ranks}  # `me` only for the straggler check
+        self.clocks = {p: _Clock() for p in parties}
 
     def freeze(self, gap: float) -> None:
         """Nothing could be seen for `gap` seconds: nobody's clock ran."""
@@ -147,9 +146,10 @@ class RankJudge:
             c.changed += gap
             c.step_changed += gap
 
-    def _bound(self, median_step: float) -> float:
-        cfg = self.cfg
-        return min(max(cfg.hang_factor * median_step, cfg.hang_floor_s), cfg.hang_ceiling_s)
+
+class RankJudge(_Judge):
+    """A node leader's judge of its node's ranks (module docstring); `me`, the leader, only
+    as a straggler (its death or hang is its node's and its ring watchers' to see)."""
 
     def observe(
         self,
@@ -167,7 +167,7 @@ class RankJudge:
         sample = list(sample)
         intervals = [interval for _, interval in sample if interval]
         median_step = statistics.median(intervals) if intervals else None
-        bound = self._bound(median_step or 0.0)
+        bound = min(max(cfg.hang_factor * (median_step or 0.0), cfg.hang_floor_s), cfg.hang_ceiling_s)
         busies = sorted(busy for busy, _ in sample if busy)
         for r, clock in self.clocks.items():
             beat = beats.get(r)
@@ -186,14 +186,13 @@ class RankJudge:
                     out.verdicts.append(Verdict(r, "dead", now - self.started, "never sent a heartbeat", self.me))
                 continue
             assert seen is not None
+            silent = now - clock.changed
             if gone(seen):
-                out.verdicts.append(Verdict(r, "dead", now - clock.changed, "its process is gone", self.me, True))
-            elif stopped is not None and now - clock.changed > cfg.stopped_after_s and stopped(seen):
-                silent = now - clock.changed
+                out.verdicts.append(Verdict(r, "dead", silent, "its process is gone", self.me, True))
+            elif stopped is not None and silent > cfg.stopped_after_s and stopped(seen):
                 why = f"its process is stopped, no heartbeat for {silent:.1f}s"
                 out.verdicts.append(Verdict(r, "dead", silent, why, self.me, True))
-            elif now - clock.changed > cfg.dead_after_s:
-                silent = now - clock.changed
+            elif silent > cfg.dead_after_s:
                 out.verdicts.append(Verdict(r, "dead", silent, f"no heartbeat for {silent:.1f}s", self.me))
             elif clock.step >= 0 and now - clock.step_changed > bound and not finished:
                 still = now - clock.step_changed
@@ -275,19 +274,14 @@ _NODE_MAGIC = b"ftn1"
 _NODE_HEAD = struct.Struct("<4sqqBH")  # magic, seq, leader, done, how many ranks' timings
 
 
-class RingJudge:
+class RingJudge(_Judge):
     """A leader's judge of the nodes it watches on the ring (module docstring)."""
 
     def __init__(self, me: int, leaders: Mapping[int, int], cfg: WatchdogConfig, now: float):
         """`leaders`: watched node index -> that node's leader rank."""
-        self.me, self.cfg, self.started = me, cfg, now
+        super().__init__(me, leaders, cfg, now)
         self.leaders = dict(leaders)
-        self.clocks = {n: _Clock() for n in leaders}
         self.latest: dict[int, NodeBeat] = {}
-
-    def freeze(self, gap: float) -> None:
-        for c in self.clocks.values():
-            c.changed += gap
 
     def observe(self, now: float, nodes: Mapping[int, NodeBeat | None]) -> list[Verdict]:
         out = []
@@ -306,8 +300,8 @@ class RingJudge:
                     why = f"node {n} never published a heartbeat"
                     out.append(Verdict(leader, "dead", now - self.started, why, self.me))
                 continue
-            if now - clock.changed > self.cfg.dead_after_s:
-                silent = now - clock.changed
+            silent = now - clock.changed
+            if silent > self.cfg.dead_after_s:
                 why = (
                     f"node {n}'s heartbeat stopped for {silent:.1f}s (its leader, the aggregator, or the node is lost)"
                 )

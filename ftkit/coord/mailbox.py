@@ -49,14 +49,6 @@ def frame(name: str, payload: bytes) -> bytes:
     return _HEADER.pack(len(head) + len(payload)) + head + payload
 
 
-def parse_body(body: bytes) -> tuple[str, bytes] | None:
-    """(name, payload) of one frame's body (after its length); None if its name does not parse."""
-    sep_at = body.find(b"\0", 0, 130)
-    if sep_at < 1 or not _NAME_RE.fullmatch(body, 0, sep_at):
-        return None
-    return body[:sep_at].decode(), body[sep_at + 1 :]
-
-
 def split_frames(buf: bytearray) -> tuple[list[tuple[str, bytes]], bool]:
     """The whole frames at the front of `buf`, taken out of it, and whether what follows can
     still be a frame (False: a length over MAX_MESSAGE, the connection is not to be read on)."""
@@ -70,9 +62,10 @@ def split_frames(buf: bytearray) -> tuple[list[tuple[str, bytes]], bool]:
         end = at + _HEADER.size + n
         if end > len(buf):
             break
-        message = parse_body(bytes(buf[at + _HEADER.size : end]))
-        if message is not None:
-            got.append(message)
+        body = bytes(buf[at + _HEADER.size : end])  # its name, a NUL, its payload
+        sep_at = body.find(b"\0", 0, 130)
+        if sep_at >= 1 and _NAME_RE.fullmatch(body, 0, sep_at):  # (else dropped)
+            got.append((body[:sep_at].decode(), body[sep_at + 1 :]))
         at = end
     del buf[:at]
     return got, True
@@ -169,25 +162,24 @@ class Mailbox:
         """Until something came (a connection, a message, a sender gone: True) or `timeout_s`
         passes (False)."""
         pause = max(0.0, timeout_s)
-        try:  # (poll, not select: a training process can hold more than 1024 descriptors)
-            ready = self._poll.poll(pause * 1e3) if self._listener.fileno() >= 0 else None
-        except OSError:
-            ready = None
-        if ready is None:  # closed under it: nothing will come
+        self._ready = self._ready_now(pause)
+        if self._ready is None:  # closed under it: nothing will come
             time.sleep(pause)
             return False
-        self._ready = ready
-        return bool(ready)
+        return bool(self._ready)
+
+    def _ready_now(self, timeout_s: float) -> list[tuple[int, int]] | None:
+        try:  # (poll, not select: a training process can hold more than 1024 descriptors)
+            return self._poll.poll(timeout_s * 1e3) if self._listener.fileno() >= 0 else None
+        except OSError:
+            return None
 
     def drain(self) -> list[tuple[str, bytes]]:
         """Every whole message waiting, in each connection's order: (name, payload). A connection
         that sent a frame too long, or ended inside one, is closed and the piece dropped."""
         ready, self._ready = self._ready, None
         if ready is None:  # (not just woken by `wait`: what is ready now)
-            try:
-                ready = self._poll.poll(0) if self._listener.fileno() >= 0 else []
-            except OSError:
-                ready = []
+            ready = self._ready_now(0) or []
         got: list[tuple[str, bytes]] = []
         fds = [fd for fd, _ in ready]
         if self._listener.fileno() in fds:

@@ -74,34 +74,24 @@ class NodeBoard:
 
     # ------------------------------------------------------------- files
     def write(self, name: str, doc: Any) -> None:
-        self.write_bytes(name, json.dumps(doc, separators=(",", ":")).encode())
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """`name` holds `data`, whole: written to a temporary name, then renamed."""
+        """`name` holds the JSON `doc`, whole: written to a temporary name, then renamed."""
         tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, data)
+            os.write(fd, json.dumps(doc, separators=(",", ":")).encode())
         finally:
             os.close(fd)
         os.replace(tmp, os.path.join(self.path, name))
 
     def read(self, name: str) -> Any:
-        """The JSON document `name`, or None (missing, a link, too big, not JSON)."""
-        data = self.read_bytes(name, MAX_BYTES)
-        if data is None:
-            return None
-        return parse_message(data)
-
-    def read_bytes(self, name: str, max_bytes: int) -> bytes | None:
-        """The bytes of `name`, or None (missing, a link, not a regular file, over `max_bytes`)."""
+        """The JSON document `name`, or None (missing, a link, not a regular file, too big, not JSON)."""
         try:
             fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
                 return None
             data = os.read(fd, st.st_size + 1)  # (a byte more than fstat saw: a file that grew shows)
             while len(data) < st.st_size and (more := os.read(fd, st.st_size + 1 - len(data))):
@@ -110,7 +100,7 @@ class NodeBoard:
             return None
         finally:
             os.close(fd)
-        return data if len(data) <= max_bytes else None
+        return parse_message(data) if len(data) <= MAX_BYTES else None
 
     def names(self) -> list[str]:
         try:
@@ -152,8 +142,7 @@ class NodeBoard:
         got: dict[int, bytes | None] = {}
         deadline = time.monotonic() + timeout_s
         sliced = serves is not None and generation.active()
-        if box is not None:
-            self._sort(box)
+        self._sort(box)
         while True:
             for r, name in names.items():
                 if r not in got and name in self._inbox:
@@ -176,16 +165,13 @@ class NodeBoard:
 
     def take(self, name: str, me: int, max_bytes: int) -> bytes | None:
         """The message `name`, if it came to `me` (a layout, sent ahead of the report naming it)."""
-        if (box := self.mailbox(me)) is not None:
-            self._sort(box)
+        self._sort(self.mailbox(me))
         payload = self._inbox.pop(name, None)
         return payload if payload is not None and len(payload) <= max_bytes else None
 
     def has(self, name: str, me: int) -> bool:
         """Whether the message `name` came to `me`, without taking it."""
-        box = self.mailbox(me)
-        if box is not None:
-            self._sort(box)
+        self._sort(self.mailbox(me))
         return name in self._inbox
 
     def mailbox(self, rank: int) -> Mailbox | None:
@@ -197,14 +183,11 @@ class NodeBoard:
         return self._boxes[rank]
 
     def _link(self, rank: int) -> Link:
-        link = self._links.get(rank)
-        if link is None:
-            link = self._links.setdefault(rank, Link(self._addresses.of(rank)))
-        return link
+        return self._links.get(rank) or self._links.setdefault(rank, Link(self._addresses.of(rank)))
 
-    def _sort(self, box: Mailbox) -> None:
+    def _sort(self, box: Mailbox | None) -> None:
         """Move what waits in `box` to the inbox, by name."""
-        for name, payload in box.drain():
+        for name, payload in box.drain() if box is not None else ():
             self._inbox[name] = payload
             if len(self._inbox) > MAX_INBOX:  # a flood (nothing of ftkit's sends that many): the oldest go
                 self._inbox.pop(next(iter(self._inbox)))
@@ -240,11 +223,12 @@ def _prune_earlier_attempts(job_dir: str, attempt: str) -> None:
     """Remove the boards of this job's earlier attempts, and of earlier runs of this attempt
     and scope at the same address."""
     mine, scope, _ = (attempt.split("-") + ["", ""])[:3]
+    ours = _attempt_order(mine)
     with contextlib.suppress(OSError):
         for name in os.listdir(job_dir):
             n, s, _ = (name.split("-") + ["", ""])[:3]
             path = os.path.join(job_dir, name)
-            theirs, ours = _attempt_order(n), _attempt_order(mine)
+            theirs = _attempt_order(n)
             older = theirs is not None and ours is not None and theirs < ours
             rerun = n == mine and s == scope and name != attempt
             if (older or rerun) and not os.path.islink(path):

@@ -133,18 +133,17 @@ class PreemptionHandler:
         (a waiting rank would hold the others in a collective): at its first step end after the
         notice each rank raises a shared maximum to step + 2 (in lock-step training nobody has
         finished that step yet) and counts itself in; once all are in, the stop is the maximum."""
-        pre = self
         if not ctx.distributed:
             return True
-        if pre.first_boundary is None:
-            pre.first_boundary = step
+        if self.first_boundary is None:
+            self.first_boundary = step
             _raise_to(ctx.store, "preempt/stop", step + 2)  # before counting this rank in
             ctx.store.add("preempt/ranks", 1)
-        if pre.final_step is None:  # O(1) requests per rank, whatever the world size
+        if self.final_step is None:  # O(1) requests per rank, whatever the world size
             if int(ctx.store.add("preempt/ranks", 0)) < ctx.world_size:
                 return False  # someone has not heard yet; the watchdog will tell it
-            pre.final_step = int(ctx.store.get("preempt/stop"))
-        return step >= pre.final_step
+            self.final_step = int(ctx.store.get("preempt/stop"))
+        return step >= self.final_step
 
     def done(self) -> None:
         """The final save is committed (or failed): stop the deadline timer."""

@@ -28,11 +28,9 @@ DISABLE_ENV = "FTKIT_ENV_RENDEZVOUS"  # "0": leave torch's env:// handler alone
 
 
 def attempt_prefix(environ: Any = os.environ) -> str | None:
-    """The store namespace of this torchrun attempt, or None outside torchrun."""
+    """The store namespace of this torchrun attempt (PrefixStore adds the '/'), or None outside torchrun."""
     attempt = torchrun_attempt(environ)
-    if attempt is None:
-        return None
-    return f"ftkit-rdzv/{environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"  # PrefixStore adds the '/'
+    return None if attempt is None else f"ftkit-rdzv/{environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"
 
 
 def _wrap(original: Any) -> Any:

@@ -43,7 +43,6 @@ def requeue(timeout_s: float = 30.0) -> tuple[bool, str]:
         return False, f"job {job} not requeued: scontrol requeue: {e}"
     if r.returncode != 0:
         said = (r.stderr or r.stdout).strip().splitlines()
-        return False, f"job {job} not requeued: scontrol requeue exited {r.returncode}" + (
-            f": {said[-1]}" if said else ""
-        )
+        last = f": {said[-1]}" if said else ""
+        return False, f"job {job} not requeued: scontrol requeue exited {r.returncode}{last}"
     return True, f"job {job} requeued"

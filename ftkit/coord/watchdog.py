@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import statistics
 import threading
@@ -29,6 +30,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +39,7 @@ from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
-from ftkit.coord.preemption import parse_preemption_notice, preemption_notice
+from ftkit.coord.preemption import PreemptionHandler, parse_preemption_notice, preemption_notice
 from ftkit.format.validate import rank_key
 from ftkit.runtime.verdict_actions import VERDICT, VerdictActions
 from ftkit.runtime.warm.client import process_start, process_stopped  # (the warm client asks the same of its worker)
@@ -54,43 +56,28 @@ class BoundedCall:
     def __init__(self, name: str):
         self.name = name
         self._lock = threading.Lock()
-        self._todo: Callable[[], Any] | None = None
-        self._wake = threading.Event()
-        self._done = threading.Event()
-        self._done.set()
-        self._box: dict[str, Any] = {}
-        self._thread: threading.Thread | None = None
+        self._todo: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._out: Future[Any] | None = None  # the last call's
 
     def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
         with self._lock:
-            if not self._done.is_set():
+            if self._out is None:  # (not a ThreadPoolExecutor: exiting would wait for a call stuck for good)
+                threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+            elif not self._out.done():
                 raise TimeoutError(f"{self.name}: the previous call has not returned")
-            self._done.clear()
-            box: dict[str, Any] = {}
-            self._box = box
-            self._todo = fn
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-                self._thread.start()
-            self._wake.set()
-        if not self._done.wait(timeout_s):
+            self._out = out = Future[Any]()
+            self._todo.put((fn, out))
+        if not wait([out], timeout_s).done:
             raise TimeoutError(f"{self.name}: no answer within {timeout_s:g}s")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        return out.result()
 
     def _serve(self) -> None:
         while True:
-            self._wake.wait()
-            self._wake.clear()
-            fn, box = self._todo, self._box
+            fn, out = self._todo.get()
             try:
-                assert fn is not None
-                box["value"] = fn()
+                out.set_result(fn())
             except BaseException as e:  # handed to the caller, raised there
-                box["error"] = e
-            finally:
-                self._done.set()
+                out.set_exception(e)
 
 
 class Watchdog:
@@ -100,8 +87,7 @@ class Watchdog:
         events: EventLog,
         config: WatchdogConfig | None = None,
         flush: Callable[[float], None] | None = None,
-        preempted: Callable[[], int | None] | None = None,
-        on_peer_preempted: Callable[[int, int], None] | None = None,
+        preemption: PreemptionHandler | None = None,
         news: CommitNews | None = None,
     ):
         """`ctx`: a connection of the watchdog's own (DistContext.own_connection). `news`: where
@@ -109,8 +95,7 @@ class Watchdog:
         self.ctx = ctx
         self.events = events
         self.cfg = cfg = config or WatchdogConfig()
-        self._preempted = preempted  # the preemption signal this rank got, if any (told to peers)
-        self._on_peer_preempted = on_peer_preempted
+        self._preemption = preemption  # the signal this rank got is told to peers, and theirs to it
         self._news = news
         self._step: int | None = None  # None until the first step ends: no hang clock before it
         # A straggler's busy time: the median of the last 10 steps turns once 6 of them are slow.
@@ -132,7 +117,7 @@ class Watchdog:
         self._store_wait_s = max(cfg.dead_after_s / 2, cfg.interval_s)
         self._last_round: float | None = None
         self._told_preempt = False  # this rank's preemption was posted
-        self._heard_preempt = False  # a peer's preemption was passed on to on_peer_preempted
+        self._heard_preempt = False  # a peer's preemption was passed on to `preemption`
         self._thread: threading.Thread | None = None
         now = time.monotonic()
         # The hierarchy: this node's ranks and leader, and the nodes this leader watches.
@@ -169,7 +154,7 @@ class Watchdog:
             self._counted_done = False
             # A store that hangs must not hold the leader past the dead bound (its node watches it).
             with contextlib.suppress(Exception):
-                ctx.store.set_timeout(timedelta(seconds=max(cfg.dead_after_s / 2, cfg.interval_s)))
+                ctx.store.set_timeout(timedelta(seconds=self._store_wait_s))
             # Create if missing: read every round with one multi_get (the news only with a RAM tier).
             for key in (VERDICT, PREEMPT, *([NEWS_KEY] if news is not None else [])):
                 ctx.store.compare_set(key, "", "")
@@ -225,8 +210,7 @@ class Watchdog:
             self.beats.write(self.ctx.rank, self._beat(done=True, failed=failed, stopped=True))
         # (Store requests bounded here too: a store lost with its host must not hold an ending rank.)
         if failed:
-            mine = Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank)
-            standing = mine
+            mine = standing = Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank)
             with contextlib.suppress(Exception):
                 standing = self._store.call(lambda: self.act.post(mine), self._store_wait_s)
             with contextlib.suppress(Exception):
@@ -270,7 +254,7 @@ class Watchdog:
             self._host_id,
             self._finished if done is None else done,
             failed,
-            bool(self._preempted and self._preempted() is not None),
+            self._preemption is not None and self._preemption.requested is not None,
             stopped,
             self._start,
         )
@@ -282,7 +266,7 @@ class Watchdog:
         self.beats.write(self.ctx.rank, beat)
         if beat.preempt and not self._told_preempt:  # rare: straight to the store, once
             self._told_preempt = True
-            signum = self._preempted() if self._preempted is not None else None
+            signum = self._preemption.requested if self._preemption is not None else None
             notice = json.dumps(preemption_notice(self.ctx.rank, signum or signal.SIGTERM))
             with contextlib.suppress(Exception):  # (bounded: a lost store must not hold this thread)
                 self._store.call(lambda: self.ctx.store.compare_set(PREEMPT, "", notice), self._store_wait_s)
@@ -308,16 +292,11 @@ class Watchdog:
         if not self._ring_seen:  # until every watched node has published once (a get would wait)
             self._ring_seen = bool(ctx.store.check(ring_keys))
         keys = (ring_keys if self._ring_seen else []) + [VERDICT, PREEMPT, DONE]
-        if self._news is not None:  # the RAM tier's commit news rides along: no request of its own
-            keys.append(NEWS_KEY)
-            *values, news = ctx.store.multi_get(keys)
-            self._news.heard(news)
-        else:
-            values = ctx.store.multi_get(keys)
-        nodes: dict[int, NodeBeat | None] = {}
-        if self._ring_seen:
-            for n, raw in zip(self.watched, values):
-                nodes[n] = NodeBeat.unpack(raw)
+        # The RAM tier's commit news rides along: no request of its own.
+        values = ctx.store.multi_get(keys + ([NEWS_KEY] if self._news is not None else []))
+        if self._news is not None:
+            self._news.heard(values.pop())
+        nodes = {n: NodeBeat.unpack(raw) for n, raw in zip(self.watched, values)} if self._ring_seen else {}
         verdict_raw, preempt_raw, done_raw = values[-3:]
         verdict = Verdict.from_json(decode_json(verdict_raw))
         peer = parse_preemption_notice(decode_json(preempt_raw))
@@ -349,9 +328,8 @@ class Watchdog:
                 self.act.abort(Verdict(0, "dead", lasted, why, self.ctx.rank), post=False)
             return
         if self._outage_since is not None:
-            gap = now - self._outage_since
-            self.rank_judge.freeze(gap)
-            self.ring_judge.freeze(gap)
+            for judge in (self.rank_judge, self.ring_judge):
+                judge.freeze(now - self._outage_since)
             self._outage_since = None
         if verdict is not None:
             self.act.join(verdict)
@@ -369,10 +347,7 @@ class Watchdog:
         judged = self.rank_judge.observe(now, beats, sample, self._gone, self._finished, self._stopped)
         for rank, busy, median in judged.stragglers:
             self.act.straggler(rank, busy, median)
-        for v in judged.verdicts + verdicts:
-            if v.why == "its process is gone" and self._said_done(v.target):
-                continue  # it finished and exited after this round's read
-            self.act.abort(v)
+        self._abort(judged.verdicts + verdicts)
 
     def _follow(self, now: float) -> None:
         self._caught_up(now, self.leader_judge)  # (the relayed verdict: _run reads it every 50 ms)
@@ -387,8 +362,11 @@ class Watchdog:
         judged = self.leader_judge.observe(
             now, {self.leader_rank: beat}, sample, self._gone, self._finished, self._stopped
         )
-        for v in judged.verdicts:  # (its stragglers are its leader's own to report)
-            if not (v.why == "its process is gone" and self._said_done(v.target)):
+        self._abort(judged.verdicts)  # (its stragglers are its leader's own to report)
+
+    def _abort(self, verdicts: list[Verdict]) -> None:
+        for v in verdicts:
+            if not (v.why == "its process is gone" and self._said_done(v.target)):  # (finished, exited since)
                 self.act.abort(v)
 
     def _gone(self, beat: Beat) -> bool:
@@ -413,5 +391,5 @@ class Watchdog:
 
     def _hear_preempt(self, rank: int, signum: int) -> None:
         self._heard_preempt = True
-        if self._on_peer_preempted is not None and rank != self.ctx.rank:
-            self._on_peer_preempted(rank, signum)
+        if self._preemption is not None and rank != self.ctx.rank:
+            self._preemption.request(signum, by_rank=rank)

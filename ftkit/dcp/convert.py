@@ -82,16 +82,14 @@ def manifest_parts(
 def _jsonable_planner_data(data: Any) -> Any:
     """DefaultSavePlanner's planner data ({fqn: its state_dict path}) as JSON lists; None for
     anything else (a custom planner's own data)."""
-    if not isinstance(data, Mapping):
+    plain = lambda fqn, path: (
+        isinstance(fqn, str)
+        and isinstance(path, (tuple, list))
+        and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
+    )
+    if not isinstance(data, Mapping) or not all(plain(fqn, path) for fqn, path in data.items()):
         return None
-    out = {}
-    for fqn, path in data.items():
-        if not isinstance(fqn, str) or not isinstance(path, (tuple, list)):
-            return None
-        if not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
-            return None
-        out[fqn] = list(path)
-    return out
+    return {fqn: list(path) for fqn, path in data.items()}
 
 
 def metadata_of(manifest: Manifest) -> Any:
@@ -120,18 +118,20 @@ def metadata_of(manifest: Manifest) -> Any:
     for key in manifest.skeleton["entries"]:
         if key not in md:
             md[key] = BytesStorageMetadata()
-    record = manifest.writer.get(DCP_KEY) if isinstance(manifest.writer, dict) else None
-    record = record if isinstance(record, dict) else {}
-    planner_data = planner_paths(manifest)
-    version = record.get("version") if isinstance(record.get("version"), str) else None
-    return Metadata(md, planner_data=planner_data, storage_data=storage, version=version)
+    version = _record(manifest).get("version")
+    version = version if isinstance(version, str) else None
+    return Metadata(md, planner_data=planner_paths(manifest), storage_data=storage, version=version)
+
+
+def _record(manifest: Manifest) -> dict[str, Any]:
+    record = manifest.writer.get(DCP_KEY)
+    return record if isinstance(record, dict) else {}
 
 
 def planner_paths(manifest: Manifest) -> dict[str, tuple[Any, ...]] | None:
     """The state_dict path of every item of a step DCP wrote through ftkit (its planner data),
     or None for a step ftkit's Checkpointer wrote (whose skeleton is nested already)."""
-    record = manifest.writer.get(DCP_KEY) if isinstance(manifest.writer, dict) else None
-    planner = record.get("planner_data") if isinstance(record, dict) else None
+    planner = _record(manifest).get("planner_data")
     if not isinstance(planner, dict):
         return None
     return {k: tuple(v) for k, v in planner.items() if isinstance(v, list)}

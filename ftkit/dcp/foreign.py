@@ -9,11 +9,12 @@ checksums: `verify` proves only that every item reads back whole at its declared
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -84,14 +85,13 @@ def describe(md: Any) -> tuple[list[dict[str, Any]], list[str]]:
     tensors, values = [], []
     for fqn, item in sorted(md.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
-            itemsize = torch.empty((), dtype=item.properties.dtype).element_size()
             tensors.append(
                 {
                     "name": fqn,
                     "dtype": str(item.properties.dtype).removeprefix("torch."),
                     "shape": list(item.size),
                     "chunks": len(item.chunks),
-                    "bytes": int(torch.Size(item.size).numel()) * itemsize,
+                    "bytes": int(torch.Size(item.size).numel()) * item.properties.dtype.itemsize,
                 }
             )
         else:
@@ -106,19 +106,24 @@ def read_all(storage: Storage, rel: str = "") -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
-    try:
+    with _dcp_errors(CorruptCheckpointError, f"{storage.where(rel)}: DCP checkpoint unreadable"):
         _load_state_dict(sd, storage_reader=_reader(storage, rel), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException: one line, not a traceback
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise CorruptCheckpointError(f"{storage.where(rel)}: DCP checkpoint unreadable: {_cause(e)}") from None
     return sd
 
 
-def _cause(e: BaseException) -> str:
-    """The last line of what went wrong (DCP wraps each rank's traceback in one exception)."""
-    text = str(e).strip().splitlines()
-    return text[-1][:300] if text else type(e).__name__
+@contextlib.contextmanager
+def _dcp_errors(error: type[FtkitError], what: str, remove: str | None = None) -> Iterator[None]:
+    """DCP's failure as `error`, one line: the last of what went wrong (its CheckpointException is a
+    BaseException wrapping each rank's traceback). `remove`: a directory deleted on any failure."""
+    try:
+        yield
+    except BaseException as e:
+        if remove is not None:
+            shutil.rmtree(remove, ignore_errors=True)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        text = str(e).strip().splitlines()
+        raise error(f"{what}: {text[-1][:300] if text else type(e).__name__}") from None
 
 
 def verify(storage: Storage, rel: str = "") -> tuple[int, int]:
@@ -171,14 +176,8 @@ def load_into(state: MutableMapping[str, Any], url: str, storage_options: Mappin
         else:
             sd[key] = obj
     storage = Storage(url, dict(storage_options or {}))
-    try:
+    with _dcp_errors(FtkitError, f"{storage.display_url}: the DCP checkpoint does not load into the live state"):
         dcp.load(sd, storage_reader=_reader(storage, ""))
-    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise FtkitError(
-            f"{storage.display_url}: the DCP checkpoint does not load into the live state: {_cause(e)}"
-        ) from None
     for key, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, sd[key])
@@ -212,14 +211,8 @@ def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None,
     sd = to_nested(manifest, read_tensors(storage, manifest, progress=progress))
     sd.pop("_ftkit", None)
     target = _beside(out) if taken else out
-    try:
+    with _dcp_errors(FtkitError, f"{out}: DCP could not write the step", remove=target if taken else None):
         _save_state_dict(sd, storage_writer=FileSystemWriter(target), no_dist=True)
-    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
-        if taken:
-            shutil.rmtree(target, ignore_errors=True)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise FtkitError(f"{out}: DCP could not write the step: {_cause(e)}") from None
     if taken:
         _swap_in(target, out)
 

@@ -24,6 +24,7 @@ import io
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ftkit.config import Tier, resolve_tiers
+from ftkit.coord.dist import node_id
 from ftkit.dcp import convert
 from ftkit.errors import (
     AlreadyCommitted,
@@ -58,6 +60,7 @@ from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, chunk_doc, ste
 from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
 from ftkit.tiers.lifecycle import delete_step
+from ftkit.tiers.ram import open_node_dir, run_identity
 from ftkit.tiers.retention import plan_retention
 from ftkit.tiers.storage import Storage
 
@@ -78,19 +81,17 @@ def step_of(checkpoint_id: Any) -> int:
     return int(m.group(1))
 
 
-def _open(tier: Tier, ram_ok: bool, durable_urls: list[str]) -> Storage:
-    if tier.is_ram:
-        if not ram_ok:
-            raise FtkitError(
-                "the RAM tier through DCP needs a job of one node (its manifest is written by DCP's "
-                "coordinator only); use ftkit.Checkpointer for RAM snapshots with replicas across nodes"
-            )
-        from ftkit.coord.dist import node_id
-        from ftkit.tiers.ram import open_node_dir, run_identity
-
-        # (the run's identity: $FTKIT_RUN_ID, or torchrun's rendezvous id: tiers/ram.py run_identity)
-        return Storage(open_node_dir(run_identity(durable_urls, None), node_id(_world()[0])))
-    return tier.open()
+def _open(tiers: list[Tier]) -> list[Storage]:
+    """Each tier's storage; the RAM tier's is this node's directory of the run."""
+    rank, _, one_node = _world()
+    if not one_node and any(t.is_ram for t in tiers):
+        raise FtkitError(
+            "the RAM tier through DCP needs a job of one node (its manifest is written by DCP's "
+            "coordinator only); use ftkit.Checkpointer for RAM snapshots with replicas across nodes"
+        )
+    # (the run's identity: $FTKIT_RUN_ID, or torchrun's rendezvous id: tiers/ram.py run_identity)
+    durable = [t.url for t in tiers if not t.is_ram]
+    return [Storage(open_node_dir(run_identity(durable), node_id(rank))) if t.is_ram else t.open() for t in tiers]
 
 
 def _world() -> tuple[int, int, bool]:
@@ -111,9 +112,8 @@ class FtkitStorageWriter(StorageWriter):
         super().__init__()
         self.tiers = resolve_tiers(tiers)
         self.step = step
-        self.rank, self.world, one_node = _world()
-        durable = [t.url for t in self.tiers if not t.is_ram]
-        self._storages = [(t, _open(t, one_node, durable)) for t in self.tiers]
+        self.rank, self.world, _ = _world()
+        self._storages = list(zip(self.tiers, _open(self.tiers), strict=True))
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
@@ -187,9 +187,6 @@ class FtkitStorageWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False  # chosen by passing it, never by DCP's guess from a path
 
-    def storage_meta(self) -> Any:
-        return None
-
 
 def _value_of(planner: SavePlanner, item: Any) -> Any:
     """A non-tensor item's value: from the planner (DefaultSavePlanner.lookup_object), else
@@ -251,8 +248,6 @@ def _write_file(storage: Storage, rel: str, name: str, items: list[tuple[Any, An
 
 def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, record) -> None:
     """Write the step's one part and its index (the commit), checked first as a reader will."""
-    import time
-
     step_dir = step_dir_name(step)
     ranks = list(range(world))
     name = part_file_name(0)
@@ -283,9 +278,7 @@ class FtkitStorageReader(StorageReader):
         super().__init__()
         self.tiers = sorted(resolve_tiers(tiers), key=lambda t: t.speed_rank)
         self.step = step
-        _, _, one_node = _world()
-        durable = [t.url for t in self.tiers if not t.is_ram]
-        self._storages = [_open(t, one_node, durable) for t in self.tiers]
+        self._storages = _open(self.tiers)
         self.manifest: Manifest | None = None
         self.storage: Storage | None = None
 

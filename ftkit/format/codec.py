@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import xxhash
 import zstandard
@@ -19,6 +21,7 @@ CHECKSUM_ALGO = "xxh3_64"
 _PROBE_BYTES = 256 * 1024
 _WORTH_IT = 0.90  # compress only if the probe shrinks to at most this fraction
 _local = threading.local()
+_ZSTD_THREADS = min(4, os.cpu_count() or 1) if (os.cpu_count() or 1) > 1 else 0  # 0: no worker threads
 log = logging.getLogger("ftkit")
 
 
@@ -77,29 +80,20 @@ def check(data, expected: str, where: str, skip: bool = False) -> None:
         raise CorruptCheckpointError(f"{where}: checksum mismatch (stored bytes are corrupt)")
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    # One compressor per thread: zstandard objects are not thread-safe.
-    key = f"c{level}"
-    c = getattr(_local, key, None)
-    if c is None:
-        threads = max(1, min(4, (os.cpu_count() or 1)))
-        c = zstandard.ZstdCompressor(level=level, threads=threads if threads > 1 else 0)
-        setattr(_local, key, c)
-    return c
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "d", None)
-    if d is None:
-        d = _local.d = zstandard.ZstdDecompressor()
-    return d
+def _per_thread(key: str, make: Callable[[], Any]) -> Any:
+    # One zstandard object per thread and kind: they are not thread-safe.
+    obj = getattr(_local, key, None)
+    if obj is None:
+        obj = make()
+        setattr(_local, key, obj)
+    return obj
 
 
 def encode(raw: memoryview, compress: str | None, level: int = 1) -> tuple[str, memoryview | bytes]:
     """Return (codec, stored bytes) for one chunk of raw bytes."""
     if compress != "zstd" or len(raw) < 4096:
         return "raw", raw
-    comp = _compressor(level)
+    comp = _per_thread(f"c{level}", lambda: zstandard.ZstdCompressor(level=level, threads=_ZSTD_THREADS))
     probe = raw[:_PROBE_BYTES]
     if len(probe) < len(raw) and len(comp.compress(probe)) > _WORTH_IT * len(probe):
         return "raw", raw
@@ -112,36 +106,22 @@ def encode(raw: memoryview, compress: str | None, level: int = 1) -> tuple[str, 
 DECODE_STEP = 1 << 20  # a zstd chunk is decoded (or checked) this many bytes at a time
 
 
-def decode_into(codec: str, stored, dest: memoryview, where: str) -> None:
-    """Decode one chunk's stored bytes into `dest` (exactly its raw length); nothing is
-    allocated on the frame's or the manifest's word."""
-    _decode(codec, stored, len(dest), where, dest)
-
-
-def check_decodes(codec: str, stored, raw_length: int, where: str) -> None:
-    """That one chunk's stored bytes decode to exactly `raw_length` bytes, keeping none of them."""
-    _decode(codec, stored, raw_length, where, None)
-
-
-def _decode(codec: str, stored, raw_length: int, where: str, dest: memoryview | None) -> None:
+def decode(codec: str, stored, raw_length: int, where: str, dest: memoryview | None = None) -> None:
+    """Decode one chunk's stored bytes into `dest` (None: only check), which must yield exactly
+    `raw_length` bytes; nothing is allocated on the frame's or the manifest's word."""
     if codec == "raw":
         if len(stored) != raw_length:
             raise CorruptCheckpointError(f"{where}: chunk holds {len(stored)} bytes, expected {raw_length}")
         if dest is not None:
             dest[:] = stored
-    elif codec == "zstd":
-        _zstd_stream(stored, raw_length, where, dest)
-    else:
+        return
+    if codec != "zstd":
         raise CorruptCheckpointError(f"{where}: unknown codec {codec!r}")
-
-
-def _zstd_stream(stored, raw_length: int, where: str, dest: memoryview | None) -> None:
-    """Decode one zstd frame DECODE_STEP bytes at a time, into `dest` or a scratch buffer;
-    it must yield exactly `raw_length` bytes."""
+    # One zstd frame, DECODE_STEP bytes at a time, into `dest` or a scratch buffer.
     scratch = None if dest is not None else memoryview(bytearray(min(DECODE_STEP, max(raw_length, 1))))
     got = 0
     try:
-        with _decompressor().stream_reader(stored, read_across_frames=False) as reader:
+        with _per_thread("d", zstandard.ZstdDecompressor).stream_reader(stored, read_across_frames=False) as reader:
             while got < raw_length:
                 want = min(DECODE_STEP, raw_length - got)
                 target = dest[got : got + want] if dest is not None else scratch[:want]  # type: ignore[index]

@@ -24,18 +24,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _chunk_jobs(manifest: Manifest):
-    """(chunk, tensor name, shard index) grouped by file, in file order: sequential reads."""
-    by_file: dict[str, list] = {}
-    for t in manifest.tensors:
-        for si, s in enumerate(t.shards):
-            for c in s.chunks:
-                by_file.setdefault(c.file, []).append((c, t.name, si))
-    for name in by_file:
-        by_file[name].sort(key=lambda x: x[0].offset)
-    return by_file
-
-
 def check_file_sizes(storage: Storage, manifest: Manifest, only: Iterable[str] | None = None) -> None:
     """The data files (of `only`, default all) exist with the sizes the manifest declares:
     validation bounded every byte count by those, this binds them to what storage holds."""
@@ -132,19 +120,21 @@ def verify(
     """Check sizes, every chunk's checksum and that it decodes to its raw length (of the
     `names` tensors, default all); raise on the first problem. Never skips checksums."""
     wanted = set(names) if names is not None else None
-    jobs_by_file = {
-        f: [j for j in jobs if wanted is None or j[1] in wanted] for f, jobs in _chunk_jobs(manifest).items()
-    }
-    jobs_by_file = {f: jobs for f, jobs in jobs_by_file.items() if jobs}
-    check_file_sizes(storage, manifest, set(jobs_by_file) if wanted is not None else None)
+    by_file: dict[str, list[tuple[Chunk, str]]] = {}
+    for t in manifest.tensors:
+        if wanted is None or t.name in wanted:
+            for c in (c for s in t.shards for c in s.chunks):
+                by_file.setdefault(c.file, []).append((c, t.name))
+    check_file_sizes(storage, manifest, by_file if wanted is not None else None)
     step_dir = step_dir_name(manifest.step)
-    for name, jobs in jobs_by_file.items():
+    for name, jobs in by_file.items():
+        jobs.sort(key=lambda j: j[0].offset)
         rel = f"{step_dir}/{name}"
-        for i, data in chunk_bytes(storage, rel, [c for c, _, _ in jobs]):
-            c, tname, _ = jobs[i]
+        for i, data in chunk_bytes(storage, rel, [c for c, _ in jobs]):
+            c, tname = jobs[i]
             where = f"{storage.where(rel)} (tensor {tname!r})"
             codec.check(data, c.checksum, where)
-            codec.check_decodes(c.codec, data, c.raw_length, where)
+            codec.decode(c.codec, data, c.raw_length, where)
             if progress:
                 progress(c.raw_length)
 
@@ -186,7 +176,7 @@ def read_regions(
     if missing:
         raise CorruptCheckpointError(f"{step_where}: no tensor {missing[0]!r} in the checkpoint")
     # 1. Plan: per region, the overlapping shards and how each is decoded. No allocation.
-    plans: list[tuple[str, list[tuple[Any, str, Any]]]] = []
+    plans: list[tuple[str, list[tuple[Any, Any]]]] = []
     files: set[str] = set()
     for name, (offs, lens) in regions.items():
         entry = entries[name]
@@ -196,12 +186,8 @@ def read_regions(
             if ov is None:
                 continue
             covered += math.prod(ov[1])
-            if tuple(shard.offsets) == tuple(offs) and tuple(shard.lengths) == tuple(lens):
-                shards.append((shard, "exact", None))
-            elif _row_block_inside(shard, offs, lens):  # whole rows inside the region: decode into its rows
-                shards.append((shard, "rows", None))
-            else:
-                shards.append((shard, "part", ov))
+            # Whole rows inside the region (or all of it) decode into its rows, others through a temporary.
+            shards.append((shard, None if _row_block_inside(shard, offs, lens) else ov))
             files.update(c.file for c in shard.chunks)
         if covered != math.prod(lens):
             raise CorruptCheckpointError(
@@ -217,9 +203,9 @@ def read_regions(
                 f"{step_where}: restoring it needs {new_bytes / 2**30:.1f} GiB of new memory for tensors the "
                 f"live state does not hold, more than the {memory_limit / 2**30:.1f} GiB available"
             )
-    # 3. Allocate; shards not matching their region (or whole rows of it) go through a temporary.
+    # 3. Allocate.
     dest: dict[str, torch.Tensor] = {}
-    jobs: list[tuple[Chunk, str, memoryview]] = []
+    by_file: dict[str, list[tuple[Chunk, str, memoryview]]] = {}  # the chunks to read, by file
     copies: list[tuple[torch.Tensor, Region, Region, torch.Tensor, str]] = []
     for name, shards in plans:
         entry, (offs, lens) = entries[name], regions[name]
@@ -235,24 +221,20 @@ def read_regions(
                 f"read_regions: the tensor given for {name!r} is not a contiguous CPU {entry.dtype}{list(lens)}"
             )
         out_t = dest[name] = given if given is not None else _empty(tuple(lens), dtype, step_where)
-        for shard, how, ov in shards:
-            if how == "exact":
-                target, needed = out_t, shard.chunks
-            elif how == "rows":
-                target, needed = out_t.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]), shard.chunks
+        for shard, ov in shards:
+            if ov is None:
+                target = out_t.narrow(0, shard.offsets[0] - offs[0], shard.lengths[0]) if lens else out_t
+                needed = shard.chunks
             else:
-                assert ov is not None  # "part" shards always have their overlap
                 target = _empty(shard.lengths, dtype, step_where)
                 lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
                 needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
                 copies.append((target, (shard.offsets, shard.lengths), ov, out_t, name))
             raw = _raw_bytes(target)
-            jobs += [(c, name, raw) for c in needed]
+            for c in needed:
+                by_file.setdefault(c.file, []).append((c, name, raw))
     # 4. Read every chunk once, in file order, verifying it where it lands.
     skip = codec.skipping_checksums(step_where)
-    by_file: dict[str, list[tuple[Chunk, str, memoryview]]] = {}
-    for job in jobs:
-        by_file.setdefault(job[0].file, []).append(job)
     step_dir = step_dir_name(manifest.step)
     for fname, file_jobs in by_file.items():
         rel = f"{step_dir}/{fname}"
@@ -287,7 +269,7 @@ def _new_bytes(entries, regions, plans, given) -> int:
         itemsize = torch_dtype(entries[name].dtype).itemsize
         if name not in given:
             total += math.prod(regions[name][1]) * itemsize
-        total += sum(math.prod(shard.lengths) * itemsize for shard, how, _ in shards if how == "part")
+        total += sum(math.prod(shard.lengths) * itemsize for shard, ov in shards if ov is not None)
     return total
 
 
@@ -299,10 +281,10 @@ def _empty(shape, dtype: torch.dtype, where: str) -> torch.Tensor:
 
 
 def _row_block_inside(shard, offs, lens) -> bool:
-    """Whether `shard` spans whole trailing dimensions of the region and lies within its rows."""
-    return (
-        len(lens) >= 1
-        and tuple(shard.offsets[1:]) == tuple(offs[1:])
+    """Whether `shard` spans whole trailing dimensions of the region and lies within its rows (a
+    scalar's one shard: always)."""
+    return not lens or (
+        tuple(shard.offsets[1:]) == tuple(offs[1:])
         and tuple(shard.lengths[1:]) == tuple(lens[1:])
         and offs[0] <= shard.offsets[0]
         and shard.offsets[0] + shard.lengths[0] <= offs[0] + lens[0]
@@ -335,4 +317,4 @@ def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool = False)
 def _place_chunk(c: Chunk, data: bytes | memoryview, dest: memoryview, where: str, skip: bool) -> None:
     """A chunk's stored bytes, checked, decoded into `dest` (its raw bytes' place)."""
     codec.check(data, c.checksum, where, skip)
-    codec.decode_into(c.codec, data, dest, where)
+    codec.decode(c.codec, data, len(dest), where, dest)

@@ -12,14 +12,13 @@ parts (what is written) three JSON lines (part.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from ftkit.errors import FormatError
 from ftkit.format import codec
-from ftkit.format.manifest import FORMAT_NAME, Manifest
+from ftkit.format.manifest import FORMAT_NAME, Manifest, encode_json
 from ftkit.format.part import PART_FORMAT, PART_VERSION, decode_part, rank_runs
 from ftkit.format.skeleton_values import check_rank_state
 from ftkit.format.tiling import check_no_shared_bytes
@@ -58,8 +57,7 @@ def part_ref(name: str, data: bytes, ranks: list[int]) -> dict[str, Any]:
     return {"file": name, "bytes": len(data), "checksum": codec.checksum(data), "ranks": rank_runs(ranks)}
 
 
-def encode_index(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+encode_index = encode_json
 
 
 def index_doc(
@@ -104,7 +102,7 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
     try:
         step = _int(doc.get("step"), "step", 0, MAX_STEP)
         world = _int(doc.get("world_size"), "world_size", 1, MAX_WORLD)
-        refs, seen, names = [], 0, set()
+        refs, names = [], set()
         for p in _list(doc.get("parts"), "parts"):
             if not isinstance(p, dict):
                 raise FormatError("a part entry is not an object")
@@ -117,10 +115,9 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
             if not isinstance(checksum, str) or not CHECKSUM_RE.match(checksum):
                 raise FormatError(f"part {name!r} has no valid checksum")
             ranks = _ranks(p.get("ranks"), world, f"part {name!r}")
-            seen += len(ranks)
             refs.append(PartRef(name, nbytes, checksum, ranks))
-        covered = frozenset().union(*(r.ranks for r in refs)) if refs else frozenset()
-        if seen != world or len(covered) != world:  # every rank in exactly one part
+        covered = frozenset().union(*(r.ranks for r in refs))
+        if sum(len(r.ranks) for r in refs) != world or len(covered) != world:  # every rank in exactly one part
             raise FormatError(f"the parts do not hold every one of the {world} ranks exactly once")
     except FormatError as e:
         raise FormatError(f"{where}: {e}") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 FORMAT_NAME = "ftkit-checkpoint"
@@ -47,19 +47,6 @@ DTYPES = tuple(ITEMSIZE)  # the names a manifest may give a tensor's dtype
 KINDS = ("replicated", "sharded", "rank-local")
 
 
-def chunk_doc(c: Chunk) -> dict[str, Any]:
-    """A chunk as the manifest stores it."""
-    return {
-        "file": c.file,
-        "offset": c.offset,
-        "length": c.length,
-        "raw_offset": c.raw_offset,
-        "raw_length": c.raw_length,
-        "codec": c.codec,
-        "checksum": c.checksum,
-    }
-
-
 def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
@@ -80,6 +67,11 @@ class Chunk:
     raw_length: int  # bytes after decoding
     codec: str  # "raw" or "zstd"
     checksum: str  # "xxh3_64:<hex>" over the stored bytes
+
+
+def chunk_doc(c: Chunk) -> dict[str, Any]:
+    """A chunk as the manifest stores it: its fields, in order."""
+    return {f.name: getattr(c, f.name) for f in fields(Chunk)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +165,9 @@ def manifest_json(
         "created_at": created_at,
         "writer": writer,
     }
+    return encode_json(doc)
+
+
+def encode_json(doc: Any) -> bytes:
+    """A document as ftkit writes JSON: compact, no NaN or Infinity."""
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
-def manifest_from_json(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
-    """Parse and validate a manifest (validate.py); FormatError naming `where` on any problem."""
-    from ftkit.format.validate import parse_manifest
-
-    return parse_manifest(data, where, expect_step)

@@ -12,18 +12,19 @@ step to the next, so a writer may reuse its encoded line; the values line holds 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ftkit.errors import FormatError
+from ftkit.format.manifest import encode_json
 from ftkit.format.validate import MAX_STEP, _int, _list, parse_json
 
 PART_VERSION = 4
 PART_FORMAT = "ftkit-checkpoint-part"
+_VALUE_TYPES = [int, int, int, str, str]  # a chunk's [file index, offset, length, codec, checksum]
 
 
 def _line(doc: Any) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    return encode_json(doc) + b"\n"
 
 
 def rank_runs(ranks: list[int]) -> list[list[int]]:
@@ -52,20 +53,6 @@ def layout_docs(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def chunk_values(tensors: list[dict[str, Any]], files_index: dict[str, int]) -> list[list[Any]]:
-    """The values line's chunks of tensor entry docs, in layout order; FormatError for a
-    chunk of a file not in `files_index` (a writer's reports are untrusted)."""
-    try:
-        return [
-            [files_index[c["file"]], c["offset"], c["length"], c["codec"], c["checksum"]]
-            for t in tensors
-            for s in t["shards"]
-            for c in s["chunks"]
-        ]
-    except KeyError as e:
-        raise FormatError(f"a chunk names a file the part does not list ({str(e)[:80]})") from None
-
-
 def encode_layout(layout_entries: list[dict[str, Any]]) -> bytes:
     """The layout line (with its newline) of layout_docs()'s entries."""
     return _line({"tensors": layout_entries})
@@ -92,11 +79,20 @@ def encode_part_docs(
     rank_state: dict[str, Any],
 ) -> bytes:
     """A version-4 part from a version-3 part's fields ({name: {"bytes", "rank"}}, tensor
-    entry docs); its files in the order of `files`."""
+    entry docs); its files in the order of `files`. FormatError for a chunk of a file not in
+    `files` (a writer's reports are untrusted)."""
     index = {name: i for i, name in enumerate(files)}
     listed = [(name, info["bytes"], info["rank"]) for name, info in files.items()]
-    layout = encode_layout(layout_docs(tensors))
-    return encode_part(step, ranks, layout, listed, chunk_values(tensors, index), rank_state)
+    try:
+        chunks = [
+            [index[c["file"]], c["offset"], c["length"], c["codec"], c["checksum"]]
+            for t in tensors
+            for s in t["shards"]
+            for c in s["chunks"]
+        ]
+    except KeyError as e:
+        raise FormatError(f"a chunk names a file the part does not list ({str(e)[:80]})") from None
+    return encode_part(step, ranks, encode_layout(layout_docs(tensors)), listed, chunks, rank_state)
 
 
 # ------------------------------------------------------------------ reading
@@ -127,7 +123,7 @@ def _decode(head: Any, layout: Any, values: Any) -> dict[str, Any]:
     names: list[str] = []
     files: dict[str, dict[str, Any]] = {}
     for f in _list(values.get("files"), "the part's files"):
-        if not (type(f) is list and len(f) == 3 and type(f[0]) is str and type(f[1]) is int and type(f[2]) is int):
+        if not (type(f) is list and list(map(type, f)) == [str, int, int]):
             raise FormatError(f"a file of the part is not [name, bytes, rank] ({str(f)[:80]})")
         if f[0] in files:
             raise FormatError(f"file {f[0][:80]!r} is listed twice")
@@ -152,16 +148,7 @@ def _decode(head: Any, layout: Any, values: Any) -> dict[str, Any]:
                     raise FormatError(f"the layout has more chunks than the values ({len(values_chunks)})")
                 v = values_chunks[at]
                 at += 1
-                if not (
-                    type(v) is list
-                    and len(v) == 5
-                    and type(v[0]) is int
-                    and 0 <= v[0] < nfiles
-                    and type(v[1]) is int
-                    and type(v[2]) is int
-                    and type(v[3]) is str
-                    and type(v[4]) is str
-                ):
+                if not (type(v) is list and list(map(type, v)) == _VALUE_TYPES and 0 <= v[0] < nfiles):
                     raise FormatError(
                         f"chunk {at - 1} of the values is not [file index, offset, length, codec, checksum] "
                         f"with a file index below {nfiles} ({str(v)[:80]})"

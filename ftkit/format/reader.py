@@ -27,12 +27,11 @@ from ftkit.format.manifest import (
     MANIFEST_NAME,
     RETIRED_MANIFEST,
     Manifest,
-    manifest_from_json,
     parse_step_dir,
     step_dir_name,
 )
 from ftkit.format.store import StepStore as Storage
-from ftkit.format.validate import parse_header
+from ftkit.format.validate import parse_header, parse_manifest
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +39,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepDir:
     step: int
-    committed: bool  # holds a manifest that is a regular file (not yet validated)
-    # "committed", "partial" (no manifest), "retired" (lifecycle.py), "empty" (not a step),
-    # "link" (never followed) or "bad" (manifest.json is no regular file)
+    # "committed" (a manifest that is a regular file, not yet validated), "partial" (no manifest),
+    # "retired" (lifecycle.py), "empty" (not a step), "link" (never followed) or "bad"
+    # (manifest.json is no regular file)
     status: str = "committed"
+
+    @property
+    def committed(self) -> bool:
+        return self.status == "committed"
 
 
 def scan(storage: Storage, include_empty: bool = False) -> list[StepDir]:
@@ -54,21 +57,17 @@ def scan(storage: Storage, include_empty: bool = False) -> list[StepDir]:
         step = parse_step_dir(name)
         if step is None or kind not in ("directory", "link"):
             continue
+        entries = dict(storage.list_dir(name)) if kind == "directory" else {}
         if kind == "link":
-            out.append(StepDir(step, False, "link"))
-            continue
-        entries = dict(storage.list_dir(name))
-        if not entries:
-            if include_empty:
-                out.append(StepDir(step, False, "empty"))
-            continue
-        manifest_kind = entries.get(MANIFEST_NAME)
-        if manifest_kind == "file":
-            out.append(StepDir(step, True, "committed"))
-        elif manifest_kind is not None:
-            out.append(StepDir(step, False, "bad"))
+            status = "link"
+        elif not entries:
+            status = "empty"
+        elif MANIFEST_NAME in entries:
+            status = "committed" if entries[MANIFEST_NAME] == "file" else "bad"
         else:
-            out.append(StepDir(step, False, "retired" if RETIRED_MANIFEST in entries else "partial"))
+            status = "retired" if RETIRED_MANIFEST in entries else "partial"
+        if status != "empty" or include_empty:
+            out.append(StepDir(step, status))
     return sorted(out, key=lambda s: s.step)
 
 
@@ -83,7 +82,7 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
 
 def load_index(storage: Storage, step: int) -> tuple[bytes, Index | None]:
     """The bytes of `step`'s manifest.json and its index, validated (None: a single document,
-    validated later by manifest_from_json)."""
+    validated later by parse_manifest)."""
     step_dir = step_dir_name(step)
     rel = f"{step_dir}/{MANIFEST_NAME}"
     if storage.is_link(step_dir):
@@ -111,7 +110,7 @@ def manifest_from(
     directory, each checked against its size and checksum before it is parsed."""
     where = storage.where(f"{step_dir_name(step)}/{MANIFEST_NAME}")
     if index is None:
-        return manifest_from_json(data, where, expect_step=step)
+        return parse_manifest(data, where, expect_step=step)
     sent = sent or {}
     local = [ref for ref in index.parts if ref.file not in sent]
     missing = missing_parts(storage, step, local)

@@ -84,11 +84,7 @@ def byte_span(
     itemsize: int,
 ) -> tuple[int, int]:
     """[start, stop) bytes of a shard's row-major data that cover `region` (a superset)."""
-    if not shard_len:
-        return 0, itemsize
-    strides = [1] * len(shard_len)
-    for d in range(len(shard_len) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shard_len[d + 1]
+    strides = [math.prod(shard_len[d + 1 :]) for d in range(len(shard_len))]
     first = sum((o - so) * s for o, so, s in zip(region_off, shard_off, strides))
     last = sum((o + n - 1 - so) * s for o, n, so, s in zip(region_off, region_len, shard_off, strides))
     return first * itemsize, (last + 1) * itemsize

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier, resolve_tiers
 from ftkit.errors import FtkitError, StorageError
 from ftkit.format.reader import committed_steps
 from ftkit.tiers.storage import redact_url
+
+log = logging.getLogger("ftkit")
 
 
 def coerce_tiers(tiers: Sequence[Tier | str | dict] | Tier | str) -> list[Tier]:
@@ -34,10 +38,42 @@ def check_tiers_reachable(tiers: Sequence[Tier], who: str) -> dict[str, list[int
     return found
 
 
-def check_every(every_n_steps: int) -> int:
-    if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-        raise ValueError(f"every_n_steps must be an int >= 1, not {every_n_steps!r}")
-    return every_n_steps
+class CallbackBase:
+    """What both FtkitCallbacks share: their tiers, which steps they snapshot, and their Checkpointer's end."""
+
+    def __init__(self, tiers: Sequence[Tier | str | dict] | Tier | str, every_n_steps: int, policy: str):
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an int >= 1, not {every_n_steps!r}")
+        self.tiers = coerce_tiers(tiers)
+        self.every_n_steps = every_n_steps
+        self.policy = policy
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step = 0  # the step the last training run resumed from (0: started fresh)
+        self._last_step = -1
+
+    def _maybe_snapshot(self, step: int) -> None:
+        if step <= 0 or step == self._last_step or step % self.every_n_steps or self.checkpointer is None:
+            return
+        self._last_step = step
+        self.checkpointer.snapshot(step)
+
+    def _end_checkpointer(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """End as the Checkpointer's own ``with`` block does: the peers hear of a failure at once."""
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.__exit__(exc_type, exc, tb)
+
+    def close(self) -> None:
+        """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.close()
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            log.exception("ftkit: error while closing the checkpointer")
 
 
 class Adapter:
@@ -60,16 +96,14 @@ class Stash:
 
     def __init__(self, get: Callable[[], Any]):
         self._get = get
-        self.loaded: Any = None
-        self.has_value = False
+        self.loaded: Any = None  # None until restored (a rank the snapshot did not have)
 
     def state_dict(self) -> Any:
         return self._get()
 
     def load_state_dict(self, value: Any) -> None:
         self.loaded = value
-        self.has_value = True
 
     def take(self) -> Any:
-        value, self.loaded, self.has_value = self.loaded, None, False
+        value, self.loaded = self.loaded, None
         return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,8 +50,7 @@ def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, worl
     else this rank's own)."""
 
     def write_trainer_state(where: str) -> None:
-        with open(os.path.join(where, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-            f.write(trainer_state)
+        Path(where, TRAINER_STATE_NAME).write_text(trainer_state, encoding="utf-8")
 
     if plugin is not None:
         write_handoff(model, path, plugin, write_trainer_state)

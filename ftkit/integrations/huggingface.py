@@ -40,7 +40,7 @@ import torch
 from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError, StateMismatchError
-from ftkit.integrations._common import Adapter, Stash, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.integrations._common import Adapter, CallbackBase, Stash, check_tiers_reachable
 from ftkit.integrations._hf_resume import check_fsdp_args, fsdp_plugin, write_resume_dir
 from ftkit.integrations._hf_stream import (
     Layout,
@@ -59,7 +59,7 @@ log = logging.getLogger("ftkit.huggingface")
 __all__ = ["FtkitCallback"]
 
 
-class FtkitCallback(TrainerCallback):
+class FtkitCallback(CallbackBase, TrainerCallback):
     """Snapshot a ``transformers.Trainer`` into ftkit tiers; resume it with ``resume_from_checkpoint()``.
 
     tiers: ftkit tiers (``Tier`` objects, URLs or dicts); opened when the Trainer is built.
@@ -85,20 +85,15 @@ class FtkitCallback(TrainerCallback):
     ):
         if "rng" in checkpointer_kwargs:
             raise TypeError("FtkitCallback always snapshots the RNG state; 'rng' cannot be turned off here")
-        self.tiers = coerce_tiers(tiers)
-        self.every_n_steps = check_every(every_n_steps)
-        self.policy = policy
+        super().__init__(tiers, every_n_steps, policy)
         self.resume_dir = resume_dir
         self.ignore_existing = ignore_existing
         self.checkpointer_kwargs = checkpointer_kwargs
-        self.checkpointer: Checkpointer | None = None
-        self.restored_step = 0  # the step train() resumed from (0: started fresh)
         self._model: torch.nn.Module | None = None
         self._args: Any = None
         self._resume: dict[str, Any] | None = None  # loaded by resume_from_checkpoint(), applied in train()
         self._resume_path: str | None = None
         self._rng_due: Any = None  # RNG state to set at the first on_step_begin after a resume
-        self._last_step = -1
         self._atexit = False
         self._layout: Layout | None = None  # how the Trainer reads the sample stream (_hf_stream.py)
         self._stop_at: int | None = None  # the step at which a continued stream's planned epochs end
@@ -110,13 +105,10 @@ class FtkitCallback(TrainerCallback):
         rank's own; "world": the snapshot's world size and stream position (_hf_stream.py)."""
 
         def job() -> dict[str, Any]:
-            layout, end = self._layout, self._end
-            if layout is None:
-                return {"world_size": world_size, "stream": None}
-            at = layout.position(trainer_state.global_step)
-            if end is not None and at.samples > end:  # a last step padded past the end of the stream
-                at = StreamPosition(end, at.per_epoch)
-            return {"world_size": world_size, "stream": at.to_json()}
+            at = self._layout.position(trainer_state.global_step) if self._layout is not None else None
+            if at is not None and self._end is not None:  # a last step may pad past the end of the stream
+                at = StreamPosition(min(at.samples, self._end), at.per_epoch)
+            return {"world_size": world_size, "stream": at.to_json() if at is not None else None}
 
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         scaler = getattr(optimizer, "scaler", None)
@@ -155,17 +147,16 @@ class FtkitCallback(TrainerCallback):
             self._resume = None
             return None
         self._resume = {"step": step, **{k: v.take() for k, v in entries.items() if isinstance(v, Stash)}}
-        self._resume["rng"] = rng.take() if rng.has_value else None  # None: a rank the snapshot did not have
+        self._resume["rng"] = rng.take()  # None: a rank the snapshot did not have
         path = self.resume_dir or os.path.join(self._args.output_dir, "ftkit-resume")
         plugin = fsdp_plugin()
         self._fsdp = plugin is not None
         if self._fsdp:
             # on_train_begin restores this step again into the live sharded optimizer.
             self._resume["optimizer"] = self._resume["scheduler"] = self._resume["scaler"] = None
-        path = write_resume_dir(
+        self._resume_path = path = write_resume_dir(
             self._model, path, self._resume["trainer_state"], self._args.world_size, self._args.process_index, plugin
         )
-        self._resume_path = path
         log.info("ftkit: step %d restored; resume directory %s", step, path)
         return path
 
@@ -188,14 +179,13 @@ class FtkitCallback(TrainerCallback):
             self._rng_due = resume["rng"]
             self.restored_step = self._last_step = resume["step"]
         elif state.global_step == 0 and not self.ignore_existing:
-            found = {url: steps for url, steps in check_tiers_reachable(self.tiers, "FtkitCallback").items() if steps}
-            if found:
-                url, steps = next(iter(found.items()))
-                raise FtkitError(
-                    f"ftkit tier {url} holds snapshots up to step {max(steps)}; resume with "
-                    "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
-                    "pass FtkitCallback(..., ignore_existing=True) to start over"
-                )
+            for url, steps in check_tiers_reachable(self.tiers, "FtkitCallback").items():
+                if steps:
+                    raise FtkitError(
+                        f"ftkit tier {url} holds snapshots up to step {max(steps)}; resume with "
+                        "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
+                        "pass FtkitCallback(..., ignore_existing=True) to start over"
+                    )
         self._follow_stream(args, state, resume, kwargs.get("train_dataloader"))
         entries = self._entries(model, optimizer, lr_scheduler, state, args.world_size)
         self.checkpointer = Checkpointer(entries, self.tiers, policy=self.policy, rng=False, **self.checkpointer_kwargs)
@@ -284,32 +274,12 @@ class FtkitCallback(TrainerCallback):
         finally:
             self.close()  # flushes; a failed background persist is raised here
 
-    def _maybe_snapshot(self, step: int) -> None:
-        if step <= 0 or step == self._last_step or step % self.every_n_steps or self.checkpointer is None:
-            return
-        self._last_step = step
-        self.checkpointer.snapshot(step)
-
     def __enter__(self) -> FtkitCallback:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Close; when ``train()`` raised, end as the Checkpointer's own ``with`` block does."""
-        ck, self.checkpointer = self.checkpointer, None
-        if ck is not None:
-            ck.__exit__(exc_type, exc, tb)
-
-    def close(self) -> None:
-        """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
-        ck, self.checkpointer = self.checkpointer, None
-        if ck is not None:
-            ck.close()
-
-    def _close_quietly(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            log.exception("ftkit: error while closing the checkpointer")
+        self._end_checkpointer(exc_type, exc, tb)
 
     def _remove_resume_dir(self) -> None:
         path, self._resume_path = self._resume_path, None

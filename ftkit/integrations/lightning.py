@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError
-from ftkit.integrations._common import Adapter, check_every, check_tiers_reachable, coerce_tiers
+from ftkit.integrations._common import Adapter, CallbackBase, check_tiers_reachable
 from ftkit.integrations._lightning_loop import (
     drop_batches,
     fit_epoch_length,
@@ -61,7 +61,7 @@ _ENTRY = "ftkit_lightning"  # the job's: world size, the resumable sampler's pos
 _RANK_ENTRY = "ftkit_lightning_rank"  # each rank's: its RNG states
 
 
-class FtkitCallback(Callback):
+class FtkitCallback(CallbackBase, Callback):
     """Snapshot the Lightning training state into ftkit tiers, and resume from the newest one.
 
     tiers: ftkit tiers (``Tier`` objects, URLs or dicts); opened in ``setup``, before the first batch.
@@ -81,16 +81,10 @@ class FtkitCallback(Callback):
         restore: bool = True,
         **checkpointer_kwargs: Any,
     ):
-        super().__init__()
-        self.tiers = coerce_tiers(tiers)
-        self.every_n_steps = check_every(every_n_steps)
-        self.policy = policy
+        super().__init__(tiers, every_n_steps, policy)
         self.restore = restore
         self.rng = bool(checkpointer_kwargs.pop("rng", True))
         self.checkpointer_kwargs = checkpointer_kwargs
-        self.checkpointer: Checkpointer | None = None
-        self.restored_step = 0  # the step resumed from in the last fit (0: started fresh)
-        self._last_step = -1
         self._epoch_rng: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None  # what on_train_start still has to do after a restore
         self._job: dict[str, Any] | None = None  # the restored job entry (world size, sampler position)
@@ -114,7 +108,7 @@ class FtkitCallback(Callback):
         dm = trainer.datamodule  # (Lightning sets it on the trainer at fit)
         if dm is not None:
             state["datamodule"] = Adapter(dm.state_dict, lambda sd: dm.load_state_dict(sd) if sd else None)
-        state["loops"] = Adapter(trainer.fit_loop.state_dict, self._load_loops(trainer))
+        state["loops"] = Adapter(trainer.fit_loop.state_dict, lambda sd: self._load_loops(trainer, sd))
         state[_ENTRY] = Adapter(lambda: self._job_state(trainer), self._load_job_state)
         state[_RANK_ENTRY] = RankLocal(Adapter(self._own_state, self._load_own_state))
         return state
@@ -135,16 +129,11 @@ class FtkitCallback(Callback):
             if cb is not self and str(cb.state_key) in saved:
                 cb.load_state_dict(saved[str(cb.state_key)])
 
-    def _load_loops(self, trainer: pl.Trainer):
-        def load(sd: dict[str, Any]) -> None:
-            trainer.fit_loop.load_state_dict(sd)
-            max_epochs = trainer.max_epochs
-            if max_epochs not in (None, -1) and trainer.current_epoch > max_epochs:
-                raise FtkitError(
-                    f"the snapshot is at epoch {trainer.current_epoch}, past Trainer(max_epochs={max_epochs})"
-                )
-
-        return load
+    def _load_loops(self, trainer: pl.Trainer, sd: dict[str, Any]) -> None:
+        trainer.fit_loop.load_state_dict(sd)
+        max_epochs = trainer.max_epochs
+        if max_epochs not in (None, -1) and trainer.current_epoch > max_epochs:
+            raise FtkitError(f"the snapshot is at epoch {trainer.current_epoch}, past Trainer(max_epochs={max_epochs})")
 
     def _own_state(self) -> dict[str, Any]:
         return {"rng": rng_state(), "epoch_rng": self._epoch_rng} if self.rng else {}
@@ -199,7 +188,7 @@ class FtkitCallback(Callback):
         if trainer.world_size > 1:
             leave_sigterm_to_ftkit(trainer)
         self._sampler = resumable_sampler(trainer)
-        pending, self._pending = self._pending, None
+        pending, self._pending = self._pending or {}, None  # {}: a rank the snapshot has no state for (a grown world)
         job, self._job = self._job or {}, None
         if not self.restored_step:
             return
@@ -223,7 +212,6 @@ class FtkitCallback(Callback):
         fetcher = fit_loop._data_fetcher
         progress = fit_loop.epoch_loop.batch_progress
         consumed = progress.current.ready
-        pending = pending or {}  # empty on a rank the snapshot has no state for (the world grew)
         if progress.is_last_batch or (self._sampler is None and consumed >= trainer.num_training_batches):
             # The snapshot ended an epoch: the next starts from a fresh iterator and the RNG
             # state the original run made it with.
@@ -238,11 +226,9 @@ class FtkitCallback(Callback):
                 "ftkit: training_step takes dataloader_iter; the data position of the interrupted epoch is not restored"
             )
             return
-        skip = consumed
         if self._sampler is None:  # Lightning sets the epoch only after this hook: the iterator needs it now
             set_sampler_epoch(fit_loop, trainer.current_epoch)
-        else:  # its iterator starts at the restored position: skip nothing
-            skip = 0
+        else:  # its iterator starts at the restored position: drop nothing
             if consumed:
                 fit_epoch_length(trainer, done=consumed)
             else:  # the interrupted epoch had ended: it ends at once, the next starts where the sampler is
@@ -250,7 +236,7 @@ class FtkitCallback(Callback):
         if self.rng and epoch_rng is not None:
             set_rng_state(epoch_rng)
         iter(fetcher)  # a fresh iterator for this epoch: same sampler permutation, same worker seeds
-        drop_batches(fetcher, skip)
+        drop_batches(fetcher, consumed if self._sampler is None else 0)
         if self._sampler is not None and consumed and fetcher.length is not None:
             # The epoch loop counts the restored batches into `fetched`: the epoch's length counts them too.
             fetcher.length = int(fit_loop.max_batches)
@@ -284,12 +270,7 @@ class FtkitCallback(Callback):
             from lightning.pytorch.utilities.data import extract_batch_size
 
             self._sampler.advance(extract_batch_size(batch))
-        step = trainer.global_step
-        if step <= 0 or step == self._last_step or step % self.every_n_steps:
-            return
-        self._last_step = step
-        assert self.checkpointer is not None
-        self.checkpointer.snapshot(step)
+        self._maybe_snapshot(trainer.global_step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()  # flushes; a failed background persist is raised here
@@ -299,19 +280,4 @@ class FtkitCallback(Callback):
             self._close_quietly()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # End as the Checkpointer's own `with` block does: the peers hear of the failure at once.
-        ck, self.checkpointer = self.checkpointer, None
-        if ck is not None:
-            ck.__exit__(type(exception), exception, exception.__traceback__)
-
-    def close(self) -> None:
-        """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
-        ck, self.checkpointer = self.checkpointer, None
-        if ck is not None:
-            ck.close()
-
-    def _close_quietly(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            log.exception("ftkit: error while closing the checkpointer")
+        self._end_checkpointer(type(exception), exception, exception.__traceback__)

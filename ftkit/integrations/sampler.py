@@ -122,13 +122,7 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe, and the same on every rank."""
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "num_samples": self.num_samples,
-        }
+        return {k: getattr(self, k) for k in ("epoch", "position", "seed", "shuffle", "num_samples")}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the saved stream (its ``seed`` and ``shuffle`` too) at the saved position, on this

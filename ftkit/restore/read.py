@@ -60,7 +60,9 @@ def _read(rc: RestoreContext, storage, step: int, manifest: Manifest, regions, d
     """One pass over the chunks: into the live tensors `in_place`, the rest into new ones."""
     try:
         with rc.arena.host_targets(in_place) as targets:  # device tensors: through a pinned slot
-            tensors = read_regions(storage, manifest, regions, out=targets, memory_limit=_free_memory())
+            # What the host has available now: the most it may allocate beyond the live tensors.
+            free = int(psutil.virtual_memory().available)
+            tensors = read_regions(storage, manifest, regions, out=targets, memory_limit=free)
         tensors.update(in_place)
         loaded = _finish(rc, step, manifest, tensors, dtensors)
     except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
@@ -69,10 +71,41 @@ def _read(rc: RestoreContext, storage, step: int, manifest: Manifest, regions, d
 
 
 def _fit(rc: RestoreContext, manifest: Manifest):
-    """(regions, dtensors, in-place targets, fit problems) of `manifest` on this rank."""
-    regions, dtensors, live = _regions(rc, manifest)
-    in_place = _in_place_targets(live, manifest, regions, dtensors)
-    return regions, dtensors, in_place, _fit_problems(rc, manifest, regions, in_place)
+    """(regions, dtensors, in-place targets, fit problems) of `manifest` on this rank: the region
+    of each saved tensor it loads (an orphan is never read), the live DTensors among
+    them, the live tensors a whole saved tensor can be read straight into (plain, contiguous,
+    on the CPU or a CUDA device, same shape and dtype: StagingArena.host_targets), and what keeps
+    `manifest` from loading into the live state, from the manifest alone: tensors not yet read
+    stand in as memoryless ones of their global shape and dtype."""
+    live = dict(cap.capture(rc.state, rng=False, rng_path=f"{cap.RNG_KEY}/r{rc.dist.rank}").tensors)
+    own = manifest.rank_state.get(str(rc.dist.rank), {})
+    own_local = {k: e for k, e in (own.get("local") or {}).items() if isinstance(rc.state.get(k), cap.RankLocal)}
+    # What it loads: the tensors its skeleton entries, RankLocal state and (when restored) RNG state name.
+    needed = cap.tensor_refs(own.get("rng") if rc.rng else None)
+    for e in (*manifest.skeleton["entries"].values(), *own_local.values()):
+        needed |= cap.tensor_refs(e["value"])
+    regions, dtensors, in_place, stand_ins = {}, {}, {}, {}
+    for entry in manifest.tensors:
+        if entry.name not in needed:
+            continue
+        t = live.get(entry.name)
+        stand_ins[entry.name] = torch.empty((), dtype=torch_dtype(entry.dtype)).expand(entry.shape)
+        if t is not None and entry.kind != RANK_LOCAL and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
+            offsets, lengths, _ = dtensor_region(t)
+            regions[entry.name] = (offsets, lengths)
+            dtensors[entry.name] = t
+            continue
+        regions[entry.name] = ((0,) * len(entry.shape), entry.shape)
+        if (
+            t is not None
+            and t.device.type in ("cpu", "cuda")
+            and t.is_contiguous()
+            and not is_dtensor(t)
+            and tuple(t.shape) == tuple(entry.shape)
+            and str(t.dtype).removeprefix("torch.") == entry.dtype
+        ):
+            in_place[entry.name] = stand_ins[entry.name] = t
+    return regions, dtensors, in_place, cap.check(rc.state, manifest.skeleton, stand_ins, own_local)
 
 
 def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: Manifest | None):
@@ -105,7 +138,6 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     if mismatch:  # known everywhere before any live byte is written
         return None, {"error": None, "mismatch": problems}, origin
     moved_error = None
-    received: list[str] = []
     t_fetch = time.perf_counter()
     if plan:
         try:
@@ -114,7 +146,7 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
             if manifest is None:
                 raise CorruptCheckpointError(f"step {step}: no manifest to fetch files by")
             sizes = {(t.src, t.file): manifest.files[_listed(manifest, t.file)]["bytes"] for t in plan}
-            received = peers.run(
+            origin["received"] = peers.run(
                 plan,
                 lambda f: _read_file(storage, step_dir, f, manifest),
                 lambda f, buf: _write_file(storage, step_dir, f, buf, manifest),
@@ -127,7 +159,6 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     if plan:
         origin["fetch_s"] = time.perf_counter() - t_fetch
     error = error or moved.first_failure(ctx.rank)
-    origin["received"] = received
     if error is None and manifest is None:  # (no error means the manifest was read above)
         error = f"step {step}: the RAM tier manifest could not be read"
     if error is not None or manifest is None:
@@ -209,61 +240,6 @@ def _plain_name(name: Any) -> bool:
     return True
 
 
-def _regions(rc, manifest: Manifest):
-    """The region of each saved tensor this rank needs (_needed: an orphan is never read), the
-    live DTensors among them, and the live tensors."""
-    live = dict(cap.capture(rc.state, rng=False, rng_path=f"{cap.RNG_KEY}/r{rc.dist.rank}").tensors)
-    needed = _needed(rc, manifest)
-    regions, dtensors = {}, {}
-    for entry in manifest.tensors:
-        if entry.name not in needed:
-            continue
-        full = ((0,) * len(entry.shape), entry.shape)
-        t = live.get(entry.name) if entry.kind != RANK_LOCAL else None
-        if t is not None and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
-            offsets, lengths, _ = dtensor_region(t)
-            regions[entry.name] = (offsets, lengths)
-            dtensors[entry.name] = t
-        else:
-            regions[entry.name] = full
-    return regions, dtensors, live
-
-
-def _needed(rc, manifest: Manifest) -> set[str]:
-    """The saved tensors this rank loads: those its skeleton entries, RankLocal state and
-    (when restored) RNG state name."""
-    names: set[str] = set()
-    for entry in manifest.skeleton["entries"].values():
-        names |= cap.tensor_refs(entry["value"])
-    own = manifest.rank_state.get(str(rc.dist.rank), {})
-    if rc.rng:
-        names |= cap.tensor_refs(own.get("rng"))
-    for key, entry in (own.get("local") or {}).items():
-        if isinstance(rc.state.get(key), cap.RankLocal):
-            names |= cap.tensor_refs(entry["value"])
-    return names
-
-
-def _own_local(rc, manifest: Manifest) -> dict[str, Any]:
-    """This rank's saved RankLocal entries that the live state has a RankLocal for."""
-    local = manifest.rank_state.get(str(rc.dist.rank), {}).get("local") or {}
-    return {k: e for k, e in local.items() if isinstance(rc.state.get(k), cap.RankLocal)}
-
-
-def _fit_problems(rc, manifest: Manifest, regions, in_place) -> list[str]:
-    """What keeps `manifest` from loading into the live state, from the manifest alone: tensors
-    not yet read stand in as memoryless ones of their global shape and dtype."""
-    entries = {t.name: t for t in manifest.tensors}
-    stand_ins = {}
-    for name in regions:
-        if name in in_place:
-            stand_ins[name] = in_place[name]
-        else:
-            e = entries[name]
-            stand_ins[name] = torch.empty((), dtype=torch_dtype(e.dtype)).expand(e.shape)
-    return cap.check(rc.state, manifest.skeleton, stand_ins, _own_local(rc, manifest))
-
-
 def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
     """Wrap DTensor regions, pick this rank's RNG."""
     for name, t in dtensors.items():
@@ -302,32 +278,6 @@ def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
             manifest.world_size,
         )
     return manifest, tensors, (rng_value, local_value)
-
-
-def _in_place_targets(live, manifest: Manifest, regions, dtensors) -> dict[str, torch.Tensor]:
-    """Live tensors a whole saved tensor can be read straight into: plain, contiguous, on the CPU
-    or a CUDA device (through a pinned slot: StagingArena.host_targets), same shape and dtype."""
-    out = {}
-    for entry in manifest.tensors:
-        t = live.get(entry.name)
-        if t is None or entry.name in dtensors or entry.name not in regions:
-            continue
-        whole = regions[entry.name] == ((0,) * len(entry.shape), entry.shape)
-        if (
-            whole
-            and t.device.type in ("cpu", "cuda")
-            and t.is_contiguous()
-            and not is_dtensor(t)
-            and tuple(t.shape) == tuple(entry.shape)
-            and str(t.dtype).removeprefix("torch.") == entry.dtype
-        ):
-            out[entry.name] = t
-    return out
-
-
-def _free_memory() -> int:
-    """The memory a restore may allocate beyond the live tensors: what the host has available now."""
-    return int(psutil.virtual_memory().available)
 
 
 def _listed(manifest, name: Any) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, MutableMapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,8 +51,7 @@ class UndoCopy:
         unless keep() was called. `arena`: the StagingArena the bytes go to."""
         captured = cap.capture(state, rng=rng, rng_path=f"{cap.RNG_KEY}/r{rank}")
         named = [(n, _local(t)) for n, t in captured.tensors]
-        with ExitStack() as stack:
-            slot = stack.enter_context(arena.borrow(Layout.of(named, arena.layouts)))
+        with arena.borrow(Layout.of(named, arena.layouts)) as slot:
             slot.fill(named)
             slot.ready()
             undo = UndoCopy(state, captured, slot)

@@ -43,19 +43,15 @@ def suffix() -> str:
 
 def advance() -> int:
     """Start the next generation (a recovery re-formed the group); forget the request."""
-    global _generation, _requested
-    with _lock:
-        _generation += 1
-        _requested = None
-        return _generation
+    return join(_generation + 1)  # (only the training loop's thread moves the generation)
 
 
-def join(number: int) -> None:
-    """A replacement for a killed worker starts in the survivors' generation `number` (inprocess.py)."""
+def join(number: int) -> int:
+    """Start generation `number` (a replacement for a killed worker: the survivors'; inprocess.py)."""
     global _generation, _requested
     with _lock:
-        _generation = number
-        _requested = None
+        _generation, _requested = number, None
+        return number
 
 
 def next_instance() -> int:

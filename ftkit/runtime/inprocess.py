@@ -115,7 +115,7 @@ def run_in_process(
     terms = _Terminations()
     terms.install()
     generation.set_active(True)
-    mark = _Replaceable()
+    mark = _mark_replaceable()
     try:
         while True:
             try:
@@ -151,28 +151,24 @@ def run_in_process(
             boot.mark("torn_down", torn_t)
             boot.mark("regrouped")
     finally:
-        mark.clear()
+        if mark:
+            with contextlib.suppress(OSError):
+                os.unlink(mark)
         generation.set_active(False)
         terms.uninstall()
 
 
-class _Replaceable:
-    """The file (``$FTKIT_REPLACEABLE``) that tells the warm client to replace this worker if killed."""
-
-    def __init__(self) -> None:
-        self.path = os.environ.get(REPLACEABLE_ENV)
-        if self.path:
-            try:
-                with open(self.path, "w"):
-                    pass
-            except OSError as e:
-                log.warning("ftkit: cannot mark this worker replaceable (%s): a kill restarts the group", e)
-                self.path = None
-
-    def clear(self) -> None:
-        if self.path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+def _mark_replaceable() -> str | None:
+    """Create the file (``$FTKIT_REPLACEABLE``) that tells the warm client to replace this worker
+    if killed; its path, or None."""
+    path = os.environ.get(REPLACEABLE_ENV)
+    try:
+        if path:
+            open(path, "w").close()
+        return path
+    except OSError as e:
+        log.warning("ftkit: cannot mark this worker replaceable (%s): a kill restarts the group", e)
+        return None
 
 
 def _rejoin(backend: str, timeout: timedelta, wait_s: float) -> tuple[Any, set[tuple[int, int]]]:
@@ -227,17 +223,14 @@ class _Terminations:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: Any = None
-        self._installed = False
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self.on_signal)
-            self._installed = True
 
     def uninstall(self) -> None:
-        if self._installed and signal.getsignal(signal.SIGTERM) == self.on_signal:
+        if signal.getsignal(signal.SIGTERM) == self.on_signal:  # (so installed, on the main thread)
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-        self._installed = False
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.signum = signum

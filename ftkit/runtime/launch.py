@@ -93,15 +93,13 @@ def main(argv: list[str] | None = None) -> None:
     install()
     start_reporting()
     boot.mark("launch")
-    target, args = argv[0], argv[1:]
+    sys.argv = list(argv)  # (run_module puts the module's file in argv[0])
     if module:
-        sys.argv = [target, *args]  # run_module puts the module's file in argv[0]
         sys.path[0] = os.getcwd()  # as `python -m` has it (a warm worker's is the zygote's directory)
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     else:
-        sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":

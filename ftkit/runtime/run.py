@@ -7,6 +7,7 @@ whose workers never sent their first heartbeat.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,8 @@ import sys
 import tempfile
 
 from ftkit.errors import UsageError
-from ftkit.runtime.supervise import StartupWatch, plan, startup_env
+from ftkit.runtime.launch import STARTUP_DIR_ENV
+from ftkit.runtime.supervise import StartupWatch, plan
 from ftkit.runtime.warm.client import REPLACE_ENV
 from ftkit.runtime.warm.zygote import start as start_zygote
 from ftkit.runtime.warm.zygote import torchrun_command
@@ -73,39 +75,33 @@ def cmd_run(argv: list[str]) -> int:
     os.makedirs(p.run_dir, exist_ok=True)
     env = {**os.environ, "FTKIT_RUN_DIR": os.path.abspath(p.run_dir)}
     watch_dir = None
-    if p.launched and p.startup_timeout_s > 0:
-        watch_dir = tempfile.mkdtemp(prefix="ftkit-run-")
-        env.update(startup_env(watch_dir))
-    zygote = None
-    if p.launched and p.warm:
-        zygote = start_zygote(env=env, preload=p.preload)
-        env.update(zygote.env())
-        if p.replace_dead:
-            env[REPLACE_ENV] = str(p.replace_dead)
-    elif p.replace_dead:
-        print(
-            "ftkit run: --replace-dead needs warm starts (no --cold, --no-python or --run-path); off", file=sys.stderr
-        )
-    # torchrun's own main, its agent cold (started once per job), one slow logging helper replaced
-    cmd = torchrun_command(None, p.torchrun_args)
-    shown = ["torchrun", *p.torchrun_args]
-    print(f"ftkit run: {' '.join(shown)}  (events in {p.run_dir})", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env)
-    watch = StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start() if watch_dir else None
-    # torchrun shares our terminal's process group, so a Ctrl-C reaches it directly: wait for it to
-    # stop its workers rather than leave them behind. A SIGTERM sent to ftkit run alone is passed on.
-    previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-    try:
+    with contextlib.ExitStack() as cleanup:  # (undone in reverse)
+        if p.launched and p.startup_timeout_s > 0:
+            env[STARTUP_DIR_ENV] = watch_dir = tempfile.mkdtemp(prefix="ftkit-run-")
+            cleanup.callback(shutil.rmtree, watch_dir, ignore_errors=True)
+        if p.launched and p.warm:
+            zygote = start_zygote(env=env, preload=p.preload)
+            cleanup.callback(zygote.stop)
+            env.update(zygote.env())
+            if p.replace_dead:
+                env[REPLACE_ENV] = str(p.replace_dead)
+        elif p.replace_dead:
+            print(
+                "ftkit run: --replace-dead needs warm starts (no --cold, --no-python or --run-path); off",
+                file=sys.stderr,
+            )
+        # torchrun's own main, its agent cold (started once per job), one slow logging helper replaced
+        cmd = torchrun_command(None, p.torchrun_args)
+        print(f"ftkit run: torchrun {' '.join(p.torchrun_args)}  (events in {p.run_dir})", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, env=env)
+        if watch_dir:
+            cleanup.callback(StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start().stop)
+        # torchrun shares our terminal's process group, so a Ctrl-C reaches it directly: wait for it to
+        # stop its workers rather than leave them behind. A SIGTERM sent to ftkit run alone is passed on.
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        cleanup.callback(signal.signal, signal.SIGTERM, previous)
         while True:
             try:
                 return proc.wait()
             except KeyboardInterrupt:
                 continue
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if watch is not None:
-            watch.stop()
-        if zygote is not None:
-            zygote.stop()
-        if watch_dir:
-            shutil.rmtree(watch_dir, ignore_errors=True)

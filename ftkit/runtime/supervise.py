@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 
 from ftkit.errors import UsageError
 from ftkit.runtime.generation import torchrun_attempt
-from ftkit.runtime.launch import STARTUP_DIR_ENV
 
 RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"  # across hosts, see plan()
 
@@ -51,11 +50,12 @@ class Plan:
 
 
 class _Record(argparse.Action):
-    """Store the value, and remember the option as typed (to take it out of torchrun's arguments)."""
+    """Store the value (True for a flag, nargs=0), and remember the option as typed and whether
+    it takes a value (to take it out of torchrun's arguments)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.ftkit_tokens.append(option_string)
+        setattr(namespace, self.dest, values if self.nargs != 0 else True)
+        namespace.ftkit_typed[option_string] = self.nargs != 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p = get_args_parser()
     p.add_argument("--run-dir", action=_Record, default="ftkit-run")
     p.add_argument("--startup-timeout", action=_Record, type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
-    p.add_argument("--cold", action=_Flag, default=False)
+    p.add_argument("--cold", action=_Record, nargs=0, default=False)
     p.add_argument("--preload", action=_Record, default="")
     p.add_argument("--replace-dead", action=_Record, type=int, default=0)
 
@@ -77,40 +77,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Flag(argparse.Action):
-    """A flag of ftkit's (no value), remembered as typed like _Record's options."""
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, True)
-        namespace.ftkit_flags.append(option_string)
-
-
-def _strip(tokens: list[str], typed: list[str], flags: tuple[str, ...] = ()) -> list[str]:
-    """`tokens` without the options typed as `typed` (and their values) and the `flags` (no value)."""
+def _strip(tokens: list[str], typed: dict[str, bool]) -> list[str]:
+    """`tokens` without the options `typed` ({option: whether it takes a value}) and their values."""
     out, skip = [], False
     for t in tokens:
         if skip:
             skip = False
-        elif t in typed and t not in flags:
-            skip = True
-        elif t not in flags and not any(t.startswith(o + "=") for o in typed):
+        elif t in typed:
+            skip = typed[t]
+        elif not any(t.startswith(o + "=") for o in typed):
             out.append(t)
     return out
 
 
 def plan(argv: list[str]) -> Plan:
     """Split `ftkit run` arguments into ftkit's and torchrun's, and rewrite the latter."""
-    ns = argparse.Namespace(ftkit_tokens=[], ftkit_flags=[])
+    ns = argparse.Namespace(ftkit_typed={})
     try:
         ns = _parser().parse_args(argv, namespace=ns)
     except _Unparsable:
         # torchrun will say what is wrong; without a script there is nothing to rewrite
         return Plan(list(argv), launched=False)
     script_at = len(argv) - len(ns.training_script_args) - 1
-    options = _strip(argv[:script_at], ns.ftkit_tokens, tuple(ns.ftkit_flags))
+    options = _strip(argv[:script_at], ns.ftkit_typed)
     script = [ns.training_script, *ns.training_script_args]
     if ns.startup_timeout < 0:
         raise UsageError("--startup-timeout must be 0 (off) or a number of seconds")
@@ -153,14 +142,6 @@ def plan(argv: list[str]) -> Plan:
 
 
 # ------------------------------------------------------------ startup watch
-@dataclass
-class _Worker:
-    pid: int
-    created: float  # its create time: a status file older than that is a previous pid's
-    first_seen: float  # monotonic
-    proc: object
-
-
 class StartupWatch:
     """SIGKILLs this node's worker group when a worker is not started up within `bound_s`.
 
@@ -176,7 +157,7 @@ class StartupWatch:
         self.endings: list[dict] = []  # one per group ended (for the caller and tests)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftkit-startup-watch", daemon=True)
-        self._seen: dict[tuple[int, float], _Worker] = {}
+        self._seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> when first seen (monotonic)
         self._ended: set[tuple[int, float]] = set()
 
     def start(self) -> StartupWatch:
@@ -207,7 +188,7 @@ class StartupWatch:
         import psutil
 
         now = time.monotonic()
-        workers = []
+        workers, late = [], []
         for child in agent.children():
             try:
                 if child.status() == psutil.STATUS_ZOMBIE:
@@ -215,34 +196,32 @@ class StartupWatch:
                 key = (child.pid, child.create_time())
             except psutil.NoSuchProcess:
                 continue
-            w = self._seen.setdefault(key, _Worker(child.pid, key[1], now, child))
-            if key not in self._ended:
-                workers.append((key, w))
-        late = [
-            (key, w, status)
-            for key, w in workers
-            for status in [self._status(w)]
-            if status.get("phase") not in STARTED_UP and now - w.first_seen > self.bound_s
-        ]
+            waited = now - self._seen.setdefault(key, now)
+            if key in self._ended:
+                continue
+            workers.append((key, child))
+            status = self._status(*key)
+            if status.get("phase") not in STARTED_UP and waited > self.bound_s:
+                late.append((child, status, waited))
         if late:
-            self._end_group(workers, late, now)
+            self._end_group(workers, late)
 
-    def _status(self, w: _Worker) -> dict:
+    def _status(self, pid: int, created: float) -> dict:
         try:
-            with open(os.path.join(self.status_dir, f"{w.pid}.json")) as f:
+            with open(os.path.join(self.status_dir, f"{pid}.json")) as f:
                 doc = json.load(f)
         except (OSError, ValueError):
             return {}
-        return doc if doc.get("t", 0) >= w.created - 1 else {}  # else: a previous process with this pid
+        return doc if doc.get("t", 0) >= created - 1 else {}  # else: a previous process with this pid
 
-    def _end_group(self, workers: list, late: list, now: float) -> None:
+    def _end_group(self, workers: list, late: list) -> None:
         import psutil
 
-        for _key, w, status in late:
+        for proc, status, waited in late:
             rank, attempt = status.get("rank"), status.get("attempt")
             if rank is None or attempt is None:
                 try:
-                    env = w.proc.environ()
+                    env = proc.environ()
                     rank, attempt = env.get("RANK"), torchrun_attempt(env)
                 except (psutil.Error, OSError):
                     pass
@@ -252,7 +231,7 @@ class StartupWatch:
             }.get(status.get("phase"), "it had not even reached ftkit.runtime.launch")
             why = f"no first heartbeat within {self.bound_s:g}s of its start ({phase})"
             print(
-                f"ftkit run: rank {rank} (pid {w.pid}, attempt {attempt}): {why}; ending this node's "
+                f"ftkit run: rank {rank} (pid {proc.pid}, attempt {attempt}): {why}; ending this node's "
                 f"workers of the group so torchrun restarts it",
                 file=sys.stderr,
                 flush=True,
@@ -264,16 +243,16 @@ class StartupWatch:
                 "event": "detect",
                 "what": "startup",
                 "target": _int(rank),
-                "pid": w.pid,
-                "latency_s": now - w.first_seen,
+                "pid": proc.pid,
+                "latency_s": waited,
                 "why": why,
             }
             self.endings.append(event)
             self._log(event)
-        for key, w in workers:
+        for key, proc in workers:
             self._ended.add(key)
             with contextlib.suppress(psutil.NoSuchProcess):
-                w.proc.kill()  # psutil checks it is still that process (pid reuse)
+                proc.kill()  # psutil checks it is still that process (pid reuse)
 
     def _log(self, event: dict) -> None:
         if not self.run_dir:
@@ -291,7 +270,3 @@ def _int(v) -> int | None:
         return int(v)
     except (TypeError, ValueError):
         return None
-
-
-def startup_env(status_dir: str) -> dict[str, str]:
-    return {STARTUP_DIR_ENV: status_dir}

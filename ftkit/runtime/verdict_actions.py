@@ -44,11 +44,8 @@ def kill_if_same(pid: int, start: int | None) -> str | None:
     except (AttributeError, OSError):  # no pidfds here (not Linux 5.3+): check, then kill by pid
         pidfd = None
     try:
-        now = process_start(pid)
-        if start is not None and now is None:
-            return GONE
-        if start is not None and now != start:
-            return f"the pid is another process's now (started at tick {now}, not {start})"
+        if start is not None and (now := process_start(pid)) != start:
+            return GONE if now is None else f"the pid is another process's now (started at tick {now}, not {start})"
         if pidfd is not None:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         else:
@@ -158,9 +155,7 @@ class VerdictActions:
         """Under ftkit.run_in_process, record the verdict as a recovery request and stop the
         watchdog, for a failed rank or a straggler, or a dead or hung one that is `replaceable`
         (killed here if local). True if so. Without a recovery in `recovery_timeout_s`, end."""
-        if not generation.active():
-            return False
-        if verdict.what not in IN_PROCESS_VERDICTS and not replaceable(verdict, self.ctx.rank):
+        if not generation.active() or not (verdict.what in IN_PROCESS_VERDICTS or replaceable(verdict, self.ctx.rank)):
             return False
         if verdict.what in ("dead", "hung"):
             self.kill_if_local(verdict.target)

@@ -171,12 +171,9 @@ def capture(state: Mapping[str, Any], *, rng: bool = True, rng_path: str = f"{RN
             raise CaptureError(f"state key {key!r} must be a non-empty string without '/' (and not {RNG_KEY!r})")
         if isinstance(obj, RankLocal):
             local[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), f"{rng_path}/local/{key}")}
-        elif isinstance(obj, torch.Tensor):
-            entries[key] = {"kind": "tensor", "value": enc.encode(obj, key)}
-        elif _is_stateful(obj):
-            entries[key] = {"kind": "stateful", "value": enc.encode(obj.state_dict(), key)}
         else:
-            entries[key] = {"kind": "value", "value": enc.encode(obj, key)}
+            kind = entry_kind(obj)
+            entries[key] = {"kind": kind, "value": enc.encode(obj.state_dict() if kind == "stateful" else obj, key)}
     rng_value = enc.encode(rng_state(), rng_path) if rng else None
     return CapturedState({"entries": entries}, enc.tensors, rng_value, local or None)
 
@@ -310,18 +307,12 @@ def load(
         set_rng_state(decode(rng_value, tensors))
 
 
-def apply(
-    state: MutableMapping[str, Any],
-    skeleton: Mapping[str, Any],
-    tensors: Mapping[str, torch.Tensor],
-    rng_value: Any = None,
-    local_value: Mapping[str, Any] | None = None,
-) -> None:
+def apply(state: MutableMapping[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
     """check() then load(): a mismatch raises before anything in `state` changes."""
     problems = check(state, skeleton, tensors)
     if problems:
         raise StateMismatchError(describe(problems))
-    load(state, skeleton, tensors, rng_value, local_value)
+    load(state, skeleton, tensors)
 
 
 def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str]:
@@ -331,27 +322,20 @@ def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str
     one side has are not compared unless `strict_keys` (a module's)."""
     if live is None or saved is None:
         return []
-    if isinstance(live, torch.Tensor) or isinstance(saved, torch.Tensor):
-        if not (isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor)):
-            scalar = live if isinstance(live, torch.Tensor) else saved
-            other = saved if scalar is live else live
-            if scalar.dim() == 0 and _is_number(other):
-                return []
-            return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
+    kind, saved_kind = _kind(live), _kind(saved)
+    if kind != saved_kind or (kind is None and _is_stateful(live)):
+        tensor, other = (live, saved) if kind == "tensor" else (saved, live)
+        if "tensor" in (kind, saved_kind) and tensor.dim() == 0 and _is_number(other):
+            return []
+        return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
+    if kind == "tensor":
         if tuple(live.shape) != tuple(saved.shape):
             return [f"{path}: shape {tuple(saved.shape)} in checkpoint, {tuple(live.shape)} live"]
         if live.dtype != saved.dtype:
             return [f"{path}: dtype {saved.dtype} in checkpoint, {live.dtype} live"]
         return []
-    live_np, saved_np = _is_ndarray(live), _is_ndarray(saved)
-    if live_np or saved_np:
-        if live_np and saved_np:
-            return []
-        return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
-    if isinstance(live, Mapping) or isinstance(saved, Mapping):
-        if not (isinstance(live, Mapping) and isinstance(saved, Mapping)):
-            return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
-        out = []
+    out = []
+    if kind == "mapping":
         if strict_keys:
             extra = [str(k) for k in saved if k not in live]
             lost = [str(k) for k in live if k not in saved]
@@ -362,17 +346,21 @@ def _compare(live: Any, saved: Any, path: str, *, strict_keys: bool) -> list[str
         for k in saved:
             if k in live:
                 out += _compare(live[k], saved[k], f"{path}/{k}", strict_keys=strict_keys)
-        return out
-    if isinstance(live, (list, tuple)) or isinstance(saved, (list, tuple)):
-        if not (isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple))):
-            return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
-        out = []
+    elif kind == "sequence":
         for i, (a, b) in enumerate(zip(live, saved)):
             out += _compare(a, b, f"{path}/{i}", strict_keys=strict_keys)
-        return out
-    if _is_stateful(live):
-        return [f"{path}: checkpoint holds {_what(saved)}, live value is {_what(live)}"]
-    return []  # plain values of any type replace each other
+    return out  # two numpy arrays, or plain values of any type (which replace each other): nothing
+
+
+def _kind(v: Any) -> str | None:
+    """What `_compare` compares a value as (None: a plain value)."""
+    if isinstance(v, torch.Tensor):
+        return "tensor"
+    if _is_ndarray(v):
+        return "ndarray"
+    if isinstance(v, Mapping):
+        return "mapping"
+    return "sequence" if isinstance(v, (list, tuple)) else None
 
 
 def _is_number(v: Any) -> bool:

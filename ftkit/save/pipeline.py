@@ -119,16 +119,13 @@ class PersistPipeline:
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
             try:
-                if job is None:
-                    return
                 self.persist_job(job)
             finally:
-                if job is not None:
-                    self.release(job.slot)
+                self.release(job.slot)
                 self._jobs.task_done()
+        self._jobs.task_done()  # the stop mark's
 
     def persist_job(self, job: PersistJob) -> None:
         """Persist one staged slot to each of its due tiers, in order; then a "persist_job" event."""

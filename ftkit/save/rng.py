@@ -85,14 +85,10 @@ def rng_problems(state: Any) -> list[str]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     if "python" in state:
-        py = state["python"]
-        if isinstance(py, Mapping):
-            internal = py["internal"]
-            internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
-            random.setstate((py["version"], tuple(internal), py["gauss"]))
-        else:  # the earlier form: (version, [625 ints], gauss)
-            version, internal, gauss = py
-            random.setstate((version, tuple(internal), gauss))
+        py = state["python"]  # a mapping, or the earlier form: (version, [625 ints], gauss)
+        version, internal, gauss = (py["version"], py["internal"], py["gauss"]) if isinstance(py, Mapping) else py
+        internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+        random.setstate((version, tuple(internal), gauss))
     if "torch" in state:
         torch.set_rng_state(state["torch"].clone())
     np = numpy_module()

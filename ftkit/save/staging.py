@@ -38,7 +38,7 @@ import torch
 
 from ftkit.errors import FtkitError
 from ftkit.save.device import DeviceOps
-from ftkit.save.layout import Layout, TensorSlot
+from ftkit.save.layout import Layout
 
 _SMALL_TENSOR_BYTES = 1 << 20
 
@@ -49,8 +49,7 @@ DEVICE: DeviceOps = DeviceOps()
 class Slot:
     """One staging buffer and what is staged in it."""
 
-    def __init__(self, index: int, pin: bool, ops: DeviceOps | None = None, side_stream: Any = None):
-        self.index = index
+    def __init__(self, pin: bool, ops: DeviceOps | None = None, side_stream: Any = None):
         self.pin = pin
         self.ops = ops if ops is not None else DEVICE
         self._side = side_stream  # a callable giving the arena's side stream, or None
@@ -65,17 +64,15 @@ class Slot:
         self._fence_device: Any = None
         self._sources: list[torch.Tensor] = []  # kept alive until the copies are done
 
-    def _ensure(self, layout: Layout) -> bool:
-        """Size the buffer for `layout`; True when it had to (re)allocate."""
-        grew = False
+    def _ensure(self, layout: Layout) -> None:
+        """Size the buffer for `layout` and make its views."""
         if layout.total_bytes > self.capacity:
             self.ready()  # nothing may still be copying into the old buffer
-            self._free_buffer()  # free the old one first
+            self._free_buffer()  # free the old one first (its layout goes with it)
             # Not pre-faulted when pageable: the first copy touches every page anyway.
             self.buffer, self.pinned_by = self.ops.alloc_host(max(layout.total_bytes, 1), self.pin)
             self.capacity = layout.total_bytes
-            grew = True
-        if grew or layout != self.layout:
+        if layout != self.layout:
             self.views = {
                 e.name: self.buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries
             }
@@ -85,7 +82,6 @@ class Slot:
                 if nxt > end:
                     self.buffer[end:nxt].zero_()
             self.layout = layout
-        return grew
 
     def __del__(self) -> None:
         if self.pinned_by == "registered":  # an arena dropped without close(): unregister anyway
@@ -204,10 +200,6 @@ class Slot:
             ev.record(stream)
             ev.synchronize()
 
-    def bytes_of(self, e: TensorSlot) -> memoryview:
-        """The staged bytes of one entry of the layout."""
-        return self.buffer[e.offset : e.offset + e.nbytes].numpy().data.cast("B")
-
     def image(self) -> torch.Tensor:
         """The whole staged layout as one uint8 tensor: every entry at its offset, zeroed gaps."""
         assert self.layout is not None
@@ -262,17 +254,14 @@ class StagingArena:
                 while len(self._slots) > n and not self._slots[-1].busy:
                     dropped.append(self._slots.pop())
                 while len(self._slots) < n:
-                    self._slots.append(Slot(len(self._slots), self.pin, self.ops, self.side_stream))
+                    self._slots.append(Slot(self.pin, self.ops, self.side_stream))
                 # Prefer a slot already big enough: no allocation on the hot path.
                 free = [s for s in self._slots[:n] if not s.busy]
                 if free:
                     slot = max(free, key=lambda s: s.capacity >= layout.total_bytes)
                     slot.busy = True
                     break
-                if not wait:
-                    slot = None
-                    break
-                if not self._cond.wait(timeout):
+                if not (wait and self._cond.wait(timeout)):
                     slot = None
                     break
         for s in dropped:
@@ -302,13 +291,11 @@ class StagingArena:
         slot: Slot | None = None
         fits = self.budget_bytes is None or layout.total_bytes <= self.budget_bytes
         if not self._closed and fits:
-            try:
+            with contextlib.suppress(FtkitError):  # closed meanwhile
                 slot = self.acquire(layout, wait=False)
-            except FtkitError:  # closed meanwhile
-                slot = None
         owned = slot is None
         if slot is None:
-            slot = Slot(-1, self.pin, self.ops)
+            slot = Slot(self.pin, self.ops)
             slot.busy = True
             slot._ensure(layout)
         try:

@@ -59,12 +59,12 @@ def write_data(
     assert slot.layout is not None
     image = compress is None
     with storage.open_write(rel, recycle=True) as f:
-        whole = slot.image().numpy().data.cast("B") if image else None
-        if whole is not None:
+        whole = slot.image().numpy().data.cast("B")
+        if image:
             f.write(whole)
         for e in slot.layout.entries:
             # Slices of one view of the image: a tensor view per entry costs more than its hash.
-            raw = whole[e.offset : e.offset + e.nbytes] if whole is not None else slot.bytes_of(e)
+            raw = whole[e.offset : e.offset + e.nbytes]
             chunks = []
             for raw_off in range(0, e.nbytes, CHUNK_BYTES):
                 piece = raw[raw_off : raw_off + CHUNK_BYTES]

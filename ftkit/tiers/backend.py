@@ -191,9 +191,7 @@ class NodeRamTier(TierBackend):
 
     def _apply_news(self, epoch: int) -> tuple[list[int], int]:
         news = self.news.of_epoch(epoch)
-        if news is None:
-            return apply_heard_retention(self.storage, None, frozenset())
-        return apply_heard_retention(self.storage, news.settled, news.kept)
+        return apply_heard_retention(self.storage, news.settled if news else None, news.kept if news else frozenset())
 
     def _tell(self, ctx: DistContext, job: Any) -> None:
         """Rank 0: every step up to `job.step` is decided; these are the committed ones it keeps."""

@@ -15,6 +15,14 @@ from collections.abc import Callable
 
 from ftkit.errors import CorruptCheckpointError, StorageError
 
+_NOT_REGULAR = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
 
 def local_kind(entry: os.DirEntry) -> str:
     """ "file", "directory", "link" (never followed) or "other" (FIFO, socket, device)."""
@@ -53,7 +61,8 @@ def open_regular(path: str, shown: str):
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise CorruptCheckpointError(f"{shown} is not a regular file ({mode_name(mode)})")
+            kind = _NOT_REGULAR.get(stat.S_IFMT(mode), "not a regular file")
+            raise CorruptCheckpointError(f"{shown} is not a regular file ({kind})")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
@@ -61,31 +70,14 @@ def open_regular(path: str, shown: str):
         raise
 
 
-def mode_name(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def fsync_dir(path: str) -> None:
     """fsync a directory (a rename in it is durable after this); best effort."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 VOLATILE_FS = frozenset({"tmpfs", "ramfs"})  # memory with no backing store: fsync has nothing to do

@@ -50,7 +50,7 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         storage = Storage(open_node_dir(ram_identity, ctx.node))
         # Room for one step of this node's data files and the replicas it keeps.
         storage.spares = SparePool(storage.root, ctx.nodes.count(ctx.node) * (1 + replicas))
-        peers = PeerGroup(ctx.rank, ctx.world_size, peer_timeout_s) if replicas and ctx.distributed else None
+        peers = PeerGroup(ctx.rank, peer_timeout_s) if replicas and ctx.distributed else None
         if replicas and len(set(ctx.nodes)) < 2:
             log.warning("RAM tier replicas: all ranks are on one node (%s); no replica can survive its loss", ctx.node)
         log.info("ftkit: RAM tier of run %s (from %s) at %s", ram_identity.name, ram_identity.source, storage.root)

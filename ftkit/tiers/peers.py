@@ -50,13 +50,12 @@ def replication_plan(files: Sequence[str | None], nodes: Sequence[str], k: int) 
 class PeerGroup:
     """The dedicated gloo group and the transfers run over it."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float):
         import torch.distributed as dist
 
         # A collective on the default group: every rank builds its Checkpointer together.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.rank = rank
-        self.world_size = world_size
         self.broken: str | None = None
         self._buffers: list[torch.Tensor] = []  # receive buffers kept between runs (keep_buffers)
         # The last successful run's perf_counter window and read()/write() time, for the event log.

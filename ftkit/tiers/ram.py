@@ -60,10 +60,7 @@ def ram_root() -> str:
 
 def _named_run() -> tuple[str, str] | None:
     """(variable, value) of the first run name set in the environment, or None."""
-    for var in ("FTKIT_RUN_ID", "FTKIT_JOB_ID"):
-        if os.environ.get(var, "").strip():
-            return var, os.environ[var]
-    return None
+    return next(((v, os.environ[v]) for v in ("FTKIT_RUN_ID", "FTKIT_JOB_ID") if os.environ.get(v, "").strip()), None)
 
 
 def job_id() -> str:
@@ -128,10 +125,10 @@ def run_identity(durable_urls: Iterable[str], run_id: str | None = None) -> RunI
     return RunIdentity(f"run-{digest[:16]}", record, source)
 
 
-def _check_private(path: str, what: str, st: os.stat_result | None = None) -> None:
+def _check_private(path: str, what: str) -> None:
     """Refuse `path` unless it is a real directory owned by us and writable by nobody else."""
     try:
-        st = st or os.lstat(path)
+        st = os.lstat(path)
     except OSError as e:
         raise UnsafeRamDirError(f"RAM tier {what} {path}: cannot stat it ({e.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
@@ -188,9 +185,8 @@ def private_subdir(*parts: str) -> str:
 
 def _root() -> str:
     root = os.path.abspath(ram_root())
-    parent = os.path.dirname(root)
-    if not os.path.isdir(parent):  # e.g. FTKIT_RAM_DIR=/scratch/me/ftkit/ram: its parents are the user's
-        os.makedirs(parent, exist_ok=True)
+    # e.g. FTKIT_RAM_DIR=/scratch/me/ftkit/ram: its parents are the user's
+    os.makedirs(os.path.dirname(root), exist_ok=True)
     return _private_dir(root, "root")
 
 
@@ -271,12 +267,10 @@ def remove_job(job: str | None = None) -> str:
     """Delete a finished job's RAM tier here, checked as for use (never a link); the directory removed."""
     import shutil
 
-    path = job_dir(job)
-    _check_private(os.path.dirname(path), "root")
-    if os.path.lexists(path):
-        _check_private(path, "job directory")
+    path = existing_job_dir(job)
+    if path is not None:
         shutil.rmtree(path)
-    return path
+    return job_dir(job)
 
 
 SPARE_DIR = ".spare"

@@ -83,28 +83,22 @@ def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, gr
         plan = plan_retention(committed, keep, keep_every, protect=protected)
         delete = tuple(s for s in plan.delete if s < protected)
         keep_set = tuple(s for s in committed if s not in delete)
-    newest = max(committed, default=None)
-    remove: list[int] = []
-    held: list[int] = []
-    for s in steps:
-        if s.status not in ("partial", "retired", "empty"):
-            continue
-        if not (s.status in ("retired", "empty") or (newest is not None and s.step < newest)):
-            continue  # a partial step newer than every commit: maybe the next commit in flight
-        (remove if s.age_s is not None and s.age_s >= grace_s else held).append(s.step)
+    newest = max(committed, default=-1)
+    # (A partial step newer than every commit is not a candidate: maybe the next commit in flight.)
+    gone = [s for s in steps if s.status in ("retired", "empty") or (s.status == "partial" and s.step < newest)]
+    remove = tuple(s.step for s in gone if s.age_s is not None and s.age_s >= grace_s)
+    held = tuple(s.step for s in gone if s.age_s is None or s.age_s < grace_s)
     refused = tuple(s.step for s in steps if s.status in ("link", "bad"))
-    return CollectionPlan(keep_set, delete, tuple(remove), tuple(held), refused, protected)
+    return CollectionPlan(keep_set, delete, remove, held, refused, protected)
 
 
 def abort_stale_uploads(storage: Storage, grace_s: float) -> int:
     """Abort ftkit's own incomplete uploads older than `grace_s` below the tier; how many."""
     now = time.time()
-    n = 0
-    for u in storage.incomplete_uploads():
-        if u["own"] and now - u["initiated"] >= grace_s:
-            storage.abort_upload(u)
-            n += 1
-    return n
+    stale = [u for u in storage.incomplete_uploads() if u["own"] and now - u["initiated"] >= grace_s]
+    for u in stale:
+        storage.abort_upload(u)
+    return len(stale)
 
 
 JOB_UPLOAD_GRACE_S = 6 * 3600.0  # an upload this old is nobody's (a 6-hour single-file upload is not a thing)

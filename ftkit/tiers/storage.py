@@ -65,12 +65,7 @@ class Storage:
         "directory", and locally "link" (never followed) or "other" (FIFO, socket, device)."""
         if self.is_local:  # the RAM tier lists at every commit: skip fsspec's per-entry info()
             with self._errors("listing", rel):
-                self._no_links_within(rel)
-                try:
-                    with os.scandir(self.path(rel)) as it:
-                        return [(e.name, _local_kind(e)) for e in it]
-                except FileNotFoundError:
-                    return []
+                return [(e.name, _local_kind(e)) for e in self._scandir(rel)]
         return [
             (e["name"].rstrip("/").rsplit("/", 1)[-1], "directory" if e.get("type") == "directory" else "file")
             for e in self._ls(rel)
@@ -80,19 +75,12 @@ class Storage:
         """{name: bytes} of the regular files directly below `rel`, or of `names` only (an lstat each)."""
         if self.is_local:
             with self._errors("listing", rel):
+                if names is None:
+                    files = (e for e in self._scandir(rel) if e.is_file(follow_symlinks=False))
+                    return {e.name: e.stat(follow_symlinks=False).st_size for e in files}
                 self._no_links_within(rel)
-                if names is not None:
-                    stats = ((n, _lstat(os.path.join(self.path(rel), n))) for n in names)
-                    return {n: st.st_size for n, st in stats if st is not None and stat.S_ISREG(st.st_mode)}
-                try:
-                    with os.scandir(self.path(rel)) as it:
-                        return {
-                            e.name: e.stat(follow_symlinks=False).st_size
-                            for e in it
-                            if e.is_file(follow_symlinks=False)
-                        }
-                except FileNotFoundError:
-                    return {}
+                stats = ((n, _lstat(os.path.join(self.path(rel), n))) for n in names)
+                return {n: st.st_size for n, st in stats if st is not None and stat.S_ISREG(st.st_mode)}
         listed = {
             e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
             for e in self._ls(rel)
@@ -100,8 +88,17 @@ class Storage:
         }
         return listed if names is None else {n: listed[n] for n in names if n in listed}
 
-    def _ls(self, rel: str) -> list[dict[str, Any]]:
-        """fsspec's fresh listing below `rel` ([] when missing), less the prefix's own marker."""
+    def _scandir(self, rel: str) -> list[os.DirEntry]:
+        """The local entries directly below `rel` ([] when missing), refusing a link on the way."""
+        self._no_links_within(rel)
+        try:
+            with os.scandir(self.path(rel)) as it:
+                return list(it)
+        except FileNotFoundError:
+            return []
+
+    def _ls(self, rel: str, itself: bool = False) -> list[dict[str, Any]]:
+        """fsspec's fresh listing below `rel` ([] when missing), less the prefix's own marker unless `itself`."""
         with self._errors("listing", rel):
             self.fs.invalidate_cache(self.path(rel))
             try:
@@ -109,29 +106,22 @@ class Storage:
             except FileNotFoundError:
                 return []
         base = self.path(rel).rstrip("/")
-        return [e for e in entries if e["name"].rstrip("/") != base]
+        return [e for e in entries if itself or e["name"].rstrip("/") != base]
 
     def modified(self, rel: str) -> float | None:
         """The newest modification time (Unix seconds) of `rel` or of the files directly in it."""
         times = []
         with self._errors("listing", rel):
             if self.is_local:
-                try:
-                    st = os.lstat(self.path(rel))
-                except FileNotFoundError:
+                st = _lstat(self.path(rel))
+                if st is None:
                     return None
                 times.append(st.st_mtime)
                 if stat.S_ISDIR(st.st_mode):
-                    with os.scandir(self.path(rel)) as it:
-                        times += [e.stat(follow_symlinks=False).st_mtime for e in it]
+                    times += [e.stat(follow_symlinks=False).st_mtime for e in self._scandir(rel)]
             else:
-                self.fs.invalidate_cache(self.path(rel))
-                try:
-                    entries = self.fs.ls(self.path(rel), detail=True)
-                except FileNotFoundError:
-                    return None
-                for e in entries:
-                    t = e.get("LastModified") or e.get("mtime") or e.get("created")
+                for e in self._ls(rel, itself=True):
+                    t: Any = e.get("LastModified") or e.get("mtime") or e.get("created")
                     if hasattr(t, "timestamp"):
                         times.append(t.timestamp())
                     elif isinstance(t, (int, float)):
@@ -199,13 +189,9 @@ class Storage:
                 os.makedirs(os.path.dirname(full), exist_ok=True)
                 tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
                 reused = recycle and self.spares is not None and self.spares.take(tmp)
+                f = None
                 try:  # buffered so that many small tensors become few syscalls; big writes pass through
                     f = open(tmp, "r+b" if reused else "wb", buffering=8 * 2**20)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.remove(tmp)  # a spare already renamed to tmp
-                    raise
-                try:
                     yield f
                     f.flush()
                     if reused:
@@ -213,9 +199,11 @@ class Storage:
                     if self.sync:
                         os.fsync(f.fileno())
                 except BaseException:
-                    # close() may fail again flushing its buffer (ENOSPC): still remove tmp.
+                    # close() may fail again flushing its buffer (ENOSPC): still remove tmp (or the
+                    # spare already renamed to it when open() failed).
                     with contextlib.suppress(OSError):
-                        f.close()
+                        if f is not None:
+                            f.close()
                     with contextlib.suppress(OSError):
                         os.remove(tmp)
                     raise
@@ -234,17 +222,16 @@ class Storage:
                 f.close()  # completes the (multipart) upload: the object appears now
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
-        if self.is_local and len(data) <= SMALL_WRITE:
-            with self._errors("writing", rel):
-                self._no_links_within(rel)
-                write_small(self.path(rel), data, self.sync)
-            return
-        if self.is_local:
+        if self.is_local and len(data) > SMALL_WRITE:
             with self.open_write(rel) as f:
                 f.write(data)
             return
         with self._errors("writing", rel):
-            self.fs.pipe_file(self.path(rel), data)
+            if self.is_local:
+                self._no_links_within(rel)
+                write_small(self.path(rel), data, self.sync)
+            else:
+                self.fs.pipe_file(self.path(rel), data)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
         """Delete a file (or, `recursive`, a tree); gone already is fine. Never through a link: one

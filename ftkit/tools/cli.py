@@ -113,12 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--keep must be at least 1")
     try:
         return args.func(args)
-    except UsageError as e:
-        print(f"ftkit: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except FtkitError as e:
         print(f"ftkit: error: {e}", file=sys.stderr)
-        return EXIT_FAIL
+        return EXIT_USAGE if isinstance(e, UsageError) else EXIT_FAIL
     except BrokenPipeError:  # `ftkit ls | head`
         sys.stderr.close()
         return EXIT_OK

@@ -28,9 +28,9 @@ def open_tier(args) -> tuple[Storage, int | None]:
             raise UsageError("--storage-options must be a JSON object")
     url = args.url.rstrip("/")
     step = getattr(args, "step", None)
-    tail = url.rsplit("/", 1)[-1]
-    if parse_step_dir(tail) is not None and "/" in url:
-        url, step = url.rsplit("/", 1)[0], (step if step is not None else parse_step_dir(tail))
+    head, slash, tail = url.rpartition("/")
+    if slash and (named := parse_step_dir(tail)) is not None:
+        url, step = head, (step if step is not None else named)
     try:
         storage = Storage(url, options)
     except UnknownProtocolError as e:

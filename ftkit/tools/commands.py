@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from typing import Any
 
 from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, UsageError
@@ -53,26 +54,15 @@ def cmd_ls(args) -> int:
                 f"{r['step']:>10}  {r['status']:<12} {'-':>5} {'-':>7} {'-':>10} {'-':>10}  "
                 f"{r.get('error', notes.get(r['status'], ''))}"
             )
-    if uploads:
-        lines.append(
-            f"{len(uploads)} incomplete multipart upload(s) (a writer died mid-upload; `ftkit gc` aborts "
-            f"them): {', '.join(u['key'] for u in uploads[:3])}{' ...' if len(uploads) > 3 else ''}"
-        )
-    if foreign:
-        lines.append(
-            f"{len(foreign)} foreign incomplete upload(s) below this prefix (not ftkit's files; gc leaves them "
-            f"alone): {', '.join(u['key'] for u in foreign[:3])}{' ...' if len(foreign) > 3 else ''}"
-        )
-    emit(
-        args,
-        {
-            "url": storage.display_url,
-            "steps": rows,
-            "incomplete_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in uploads],
-            "foreign_uploads": [{"key": u["key"], "initiated": u["initiated"]} for u in foreign],
-        },
-        "\n".join(lines),
-    )
+    payload: dict[str, Any] = {"url": storage.display_url, "steps": rows}
+    own = "incomplete multipart upload(s) (a writer died mid-upload; `ftkit gc` aborts them)"
+    alien = "foreign incomplete upload(s) below this prefix (not ftkit's files; gc leaves them alone)"
+    for key, group, what in (("incomplete_uploads", uploads, own), ("foreign_uploads", foreign, alien)):
+        payload[key] = [{"key": u["key"], "initiated": u["initiated"]} for u in group]
+        if group:
+            more = " ..." if len(group) > 3 else ""
+            lines.append(f"{len(group)} {what}: {', '.join(u['key'] for u in group[:3])}{more}")
+    emit(args, payload, "\n".join(lines))
     return EXIT_OK
 
 
@@ -150,31 +140,20 @@ def cmd_restore(args) -> int:
     m = newest_manifest(storage, step)
     if getattr(args, "world_size", None) is not None:
         return _reshard(args, storage, m)
-    if args.format == "dcp":
-        return _to_dcp(args, storage, m)
-    if os.path.exists(args.out) and not args.force:
-        raise UsageError(f"{args.out} already exists; remove it or pass --force")
-    with progress_bar(m.total_raw_bytes, f"restore step {m.step}") as update:
-        export(storage, m, args.out, args.format, overwrite=args.force, progress=update)
-    emit(
-        args,
-        {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes},
-        f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, {human(m.total_raw_bytes)})",
-    )
-    return EXIT_OK
+    if args.format == "dcp":  # written by DCP's own writer
+        from ftkit.dcp.foreign import export_step
 
-
-def _to_dcp(args, storage: Storage, m: Manifest) -> int:
-    """A committed step as a DCP checkpoint directory, written by DCP's own writer."""
-    from ftkit.dcp.foreign import export_step
-
-    with progress_bar(m.total_raw_bytes, f"export step {m.step}") as update:
-        export_step(storage, m, args.out, progress=update, overwrite=args.force)
-    emit(
-        args,
-        {"step": m.step, "out": args.out, "format": "dcp", "bytes": m.total_raw_bytes},
-        f"wrote step {m.step} of {storage.display_url} as a DCP checkpoint to {args.out} ({human(m.total_raw_bytes)})",
-    )
+        with progress_bar(m.total_raw_bytes, f"export step {m.step}") as update:
+            export_step(storage, m, args.out, progress=update, overwrite=args.force)
+        text = f"wrote step {m.step} of {storage.display_url} as a DCP checkpoint to {args.out} ("
+    else:
+        if os.path.exists(args.out) and not args.force:
+            raise UsageError(f"{args.out} already exists; remove it or pass --force")
+        with progress_bar(m.total_raw_bytes, f"restore step {m.step}") as update:
+            export(storage, m, args.out, args.format, overwrite=args.force, progress=update)
+        text = f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, "
+    payload = {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes}
+    emit(args, payload, f"{text}{human(m.total_raw_bytes)})")
     return EXIT_OK
 
 
@@ -201,16 +180,18 @@ def _reshard(args, storage: Storage, m: Manifest) -> int:
 
 
 def cmd_report(args) -> int:
-    from ftkit.tools.report import build, to_html, to_json, to_text
+    from ftkit.coord.events import read_events
+    from ftkit.tools.report import analyze, to_html, to_text
 
     if not os.path.isdir(os.path.join(args.run_dir, "events")):
         raise CheckpointNotFoundError(f"{args.run_dir}: no events/ directory (is it an ftkit run directory?)")
     try:
-        report, events = build(args.run_dir)
+        events = read_events(args.run_dir)
+        report = analyze(events)
     except ValueError:
         raise CheckpointNotFoundError(f"{args.run_dir}: the event log is empty") from None
     if args.html:
         with open(args.html, "w") as f:
             f.write(to_html(report, events, title=f"ftkit run {os.path.basename(os.path.abspath(args.run_dir))}"))
-    emit(args, to_json(report), to_text(report) + (f"\ntimeline written to {args.html}" if args.html else ""))
+    emit(args, asdict(report), to_text(report) + (f"\ntimeline written to {args.html}" if args.html else ""))
     return EXIT_OK

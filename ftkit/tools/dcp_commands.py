@@ -116,6 +116,8 @@ def verify(args, storage: Storage, found: list[str]) -> int:
 
 def restore(args, storage: Storage, found: list[str]) -> int:
     """A DCP checkpoint to one torch or safetensors file, or (--world-size M) to an ftkit checkpoint."""
+    from ftkit.tools.export import write_file
+
     rel = _pick(storage, found, args.step)
     if args.format == "dcp":
         raise UsageError("the source is a DCP checkpoint already")
@@ -125,15 +127,9 @@ def restore(args, storage: Storage, found: list[str]) -> int:
         return _to_ftkit(args, storage, rel, sd, max(step, 0))
     if os.path.exists(args.out) and not args.force:
         raise UsageError(f"{args.out} already exists; remove it or pass --force")
-    tmp = f"{args.out}.tmp-dcp"
-    if args.format == "torch":
-        torch.save(sd, tmp)
-    else:
-        from safetensors.torch import save_file
-
-        flat = {k: v.contiguous() for k, v in foreign._flatten(sd).items() if isinstance(v, torch.Tensor)}
-        save_file(flat, tmp, metadata={"ftkit_source": "dcp"})
-    os.replace(tmp, args.out)
+    if args.format != "torch":  # safetensors: the tensors by name
+        sd = {k: v for k, v in foreign._flatten(sd).items() if isinstance(v, torch.Tensor)}
+    write_file(args.out, args.format, sd, {"ftkit_source": "dcp"})
     emit(
         args,
         {"checkpoint": _where(storage, rel), "out": args.out, "format": args.format},

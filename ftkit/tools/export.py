@@ -59,10 +59,17 @@ def export(
     if not os.path.isdir(parent):
         raise FtkitError(f"{parent}: output directory does not exist")
     tensors = read_tensors(storage, manifest, progress=progress)
+    meta = {"ftkit_step": str(manifest.step), "ftkit_skeleton": json.dumps(manifest.skeleton)}
+    write_file(out_path, fmt, to_nested(manifest, tensors) if fmt == "torch" else tensors, meta)
+
+
+def write_file(out_path: str, fmt: str, state: dict[str, Any], metadata: dict[str, str]) -> None:
+    """Write `state` to `out_path` atomically: a torch file, or a safetensors file (`state`: tensors
+    by name) with `metadata`."""
     tmp = f"{out_path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         if fmt == "torch":
-            torch.save(to_nested(manifest, tensors), tmp)
+            torch.save(state, tmp)
         else:
             try:
                 from safetensors.torch import save_file
@@ -70,8 +77,7 @@ def export(
                 raise FtkitError(
                     "--format safetensors needs the safetensors package: pip install safetensors"
                 ) from None
-            meta = {"ftkit_step": str(manifest.step), "ftkit_skeleton": json.dumps(manifest.skeleton)}
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata=metadata)
         os.replace(tmp, out_path)
     finally:
         if os.path.exists(tmp):

@@ -10,8 +10,8 @@ job's retention applies the same rules but trusts the step it has just committed
 
 from __future__ import annotations
 
+import contextlib
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +31,7 @@ from ftkit.format.reader import load_manifest, scan
 from ftkit.tiers.lifecycle import delete_step
 from ftkit.tiers.retention import CollectionPlan, StepInfo, plan_collection
 from ftkit.tiers.storage import Storage
-from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier
+from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, progress_bar
 
 DEFAULT_GRACE_S = 3600.0  # a partial step or an upload this young may belong to a live writer
 
@@ -56,15 +56,13 @@ def survey(
     infos: list[StepInfo] = []
     failed: dict[int, str] = {}
     dirs = scan(storage, include_empty=True)
-    found_good = False
     verdict: dict[int, bool] = {}
     for d in sorted((d for d in dirs if d.committed), key=lambda d: -d.step):
-        if found_good:
-            break
         try:
             m = load_manifest(storage, d.step)
             verify(storage, m, progress=progress(d.step, m.total_raw_bytes) if progress else None)
-            verdict[d.step] = found_good = True
+            verdict[d.step] = True
+            break  # the step a restore would use: older ones need no check
         except (CorruptCheckpointError, CheckpointNotFoundError, StorageError) as e:
             verdict[d.step] = False
             failed[d.step] = str(e)
@@ -120,24 +118,15 @@ def cmd_gc(args) -> int:
     if parse_step_dir(args.url.rstrip("/").rsplit("/", 1)[-1]) is not None:
         raise UsageError(f"{args.url} is one step's directory; gc works on the tier above it")
     storage, _ = open_tier(args)
+    with contextlib.ExitStack() as bars:  # a bar per step verified, on a terminal
 
-    bars: list[Any] = []
+        def progress(step: int, nbytes: int) -> Callable[[int], None] | None:
+            return bars.enter_context(progress_bar(nbytes, f"verify step {step}"))
 
-    def progress(step: int, nbytes: int):  # a bar per step verified, on a terminal
-        if not sys.stderr.isatty() or nbytes <= 0:
-            return None
-        from tqdm import tqdm
-
-        bars.append(tqdm(total=nbytes, desc=f"verify step {step}", unit="B", unit_scale=True, leave=False))
-        return bars[-1].update
-
-    try:
-        done = collect(storage, args.keep, args.keep_every, args.grace, dry_run=args.dry_run, progress=progress)
-    except CheckpointNotFoundError as e:
-        raise UsageError(str(e)) from None
-    finally:
-        for bar in bars:
-            bar.close()
+        try:
+            done = collect(storage, args.keep, args.keep_every, args.grace, dry_run=args.dry_run, progress=progress)
+        except CheckpointNotFoundError as e:
+            raise UsageError(str(e)) from None
     plan = done.plan
     verb = "would remove" if args.dry_run else "removed"
     payload = {

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
-
-from ftkit.coord.events import read_events
 
 
 def epoch(e: dict[str, Any]) -> tuple[int, int]:
@@ -158,6 +156,11 @@ def analyze(events: list[dict[str, Any]]) -> Report:
     )
 
 
+# The events marked on the timeline, and their colours.
+MARKS = dict(
+    detect="#c0392b", abort="#7f0000", restore="#2c3e50", straggler="#f1c40f", fault="#ff0000", preempt="#8e44ad"
+)
+
 # The boot milestone (or event) that ends each phase, in order.
 PHASES = (
     ("teardown", "process"),  # torchrun stops the group, its agents meet, new processes begin
@@ -196,10 +199,6 @@ def _phases(base: float, new: list[dict[str, Any]], restore_t: float, resumed_t:
 
 def phases_text(phases: dict[str, float]) -> str:
     return ", ".join(f"{name} {s:.2f}" for name, s in phases.items())
-
-
-def to_json(report: Report) -> dict[str, Any]:
-    return asdict(report)
 
 
 def to_text(report: Report) -> str:
@@ -246,23 +245,12 @@ def to_html(report: Report, events: list[dict[str, Any]], title: str = "ftkit ru
                     f'<rect x="{x(a["t"]):.1f}" y="{y}" width="{max(0.5, (b["t"] - a["t"]) * scale):.1f}" '
                     f'height="{row - 8}" fill="{c}"><title>step {b["step"]}</title></rect>'
                 )
-        for e in events:
-            if e["rank"] != r:
-                continue
-            mark = {
-                "detect": "#c0392b",
-                "abort": "#7f0000",
-                "restore": "#2c3e50",
-                "straggler": "#f1c40f",
-                "fault": "#ff0000",
-                "preempt": "#8e44ad",
-            }.get(e["event"])
-            if mark:
-                tip = html.escape(json.dumps({k: v for k, v in e.items() if k not in ("t",)})[:300])
-                parts.append(
-                    f'<rect x="{x(e["t"]) - 2:.1f}" y="{y - 3}" width="4" height="{row - 2}" '
-                    f'fill="{mark}"><title>{e["event"]}: {tip}</title></rect>'
-                )
+        for e in (e for e in events if e["rank"] == r and e["event"] in MARKS):
+            tip = html.escape(json.dumps({k: v for k, v in e.items() if k != "t"})[:300])
+            parts.append(
+                f'<rect x="{x(e["t"]) - 2:.1f}" y="{y - 3}" width="4" height="{row - 2}" '
+                f'fill="{MARKS[e["event"]]}"><title>{e["event"]}: {tip}</title></rect>'
+            )
     for inc in report.incidents:
         parts.append(
             f'<rect x="{x(inc.fault_t):.1f}" y="10" width="{max(1, inc.total_s * scale):.1f}" '
@@ -293,8 +281,3 @@ are incidents (fault to the step it had reached, recomputed).</p>{svg}
 <h2>Incidents</h2><table><tr><th>#</th><th>cause</th><th>detected by</th><th>detect s</th><th>restart s</th>
 <th>restore s</th><th>recompute s</th><th>total s</th><th>resumed / reached</th><th>restored from</th></tr>
 {rows}</table></body></html>"""
-
-
-def build(run_dir: str) -> tuple[Report, list[dict[str, Any]]]:
-    events = read_events(run_dir)
-    return analyze(events), events

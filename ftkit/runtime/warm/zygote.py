@@ -22,6 +22,7 @@ import gc
 import importlib
 import json
 import os
+import random
 import selectors
 import shutil
 import signal
@@ -32,7 +33,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ftkit.runtime.warm import agent
@@ -42,13 +42,6 @@ from ftkit.runtime.warm import client as wire
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "ftkit", "ftkit.runtime.launch")
 REQUEST_TIMEOUT_S = 5.0  # a client sends its request as soon as it connects: one silent this long is dropped
 MAX_PENDING = 64  # requests read at once; more connections wait in the listener's backlog (bounded fds)
-
-
-@dataclass(frozen=True)
-class Task:
-    """What a forked worker runs: ftkit.runtime.launch with the client's arguments."""
-
-    argv: list[str]
 
 
 class Zygote:
@@ -200,8 +193,9 @@ def _status(raw: int) -> dict:
     return {"exit": os.waitstatus_to_exitcode(raw) if os.WIFEXITED(raw) else 1}
 
 
-def _become_worker(request: dict, fds: list[int], close: list[Any]) -> Task:
-    """In the forked child: shed the zygote, take on the client's process state."""
+def _become_worker(request: dict, fds: list[int], close: list[Any]) -> list[str]:
+    """In the forked child: shed the zygote, take on the client's process state; the arguments
+    it runs ftkit.runtime.launch with (the client's)."""
     from ftkit.coord import boot
 
     forked_t = time.time()
@@ -222,37 +216,23 @@ def _become_worker(request: dict, fds: list[int], close: list[Any]) -> Task:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    _follow_pythonpath(os.environ.get("PYTHONPATH", ""))
-    _reseed()
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        if torch.get_num_threads() != int(threads):
-            torch.set_num_threads(int(threads))
-    boot.reset()
-    boot.mark("forked", forked_t)
-    return Task(list(request["argv"]))
-
-
-def _follow_pythonpath(value: str) -> None:
-    """The client's PYTHONPATH on sys.path, ahead of site-packages as a cold interpreter has it."""
-    entries = [os.path.abspath(e) for e in value.split(os.pathsep) if e]
+    # The client's PYTHONPATH on sys.path, ahead of site-packages as a cold interpreter has it.
+    entries = [os.path.abspath(e) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
     for i, entry in enumerate(e for e in entries if e not in sys.path):
         sys.path.insert(1 + i, entry)
+    random.seed()  # its own seeds, as a freshly started interpreter would have
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    torch, threads = sys.modules.get("torch"), os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
+    boot.reset()
+    boot.mark("forked", forked_t)
+    return list(request["argv"])
 
 
-def _reseed() -> None:
-    """Each worker its own seeds, as a freshly started interpreter would have."""
-    import random
-
-    random.seed()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed()
-
-
-def serve(listener: socket.socket) -> Task | None:
-    """Fork a worker per request until SIGTERM. Returns only in a forked child (its task)."""
+def serve(listener: socket.socket) -> list[str] | None:
+    """Fork a worker per request until SIGTERM. Returns only in a forked child (its launch arguments)."""
     me = os.getpid()
     stopping = False
 
@@ -273,8 +253,7 @@ def serve(listener: socket.socket) -> Task | None:
     sel.register(wake_r, selectors.EVENT_READ)
     listening = True
     pending: dict[socket.socket, _Pending] = {}  # in the order accepted: their deadlines' order too
-    by_pid: dict[int, socket.socket | None] = {}  # None: its client is gone
-    by_conn: dict[socket.socket, int] = {}
+    by_pid: dict[int, socket.socket | None] = {}  # None: its client is gone (a served one's selector data: the pid)
 
     def reap() -> None:
         while by_pid:
@@ -286,7 +265,6 @@ def serve(listener: socket.socket) -> Task | None:
                 return
             conn = by_pid.pop(pid, None)
             if conn is not None:
-                by_conn.pop(conn, None)
                 with contextlib.suppress(OSError):
                     sel.unregister(conn)
                 with contextlib.suppress(OSError):
@@ -318,12 +296,13 @@ def serve(listener: socket.socket) -> Task | None:
             pending[conn] = _Pending(time.monotonic() + REQUEST_TIMEOUT_S)
             sel.register(conn, selectors.EVENT_READ, pending[conn])
 
-    def fork(conn: socket.socket, request: dict, fds: list[int]) -> Task | None:
+    def fork(conn: socket.socket, request: dict, fds: list[int]) -> list[str] | None:
         pid = os.fork()
         if pid == 0:
             sel.close()
             others = [fd for p in pending.values() for fd in p.fds]  # other clients' streams are not its own
-            return _become_worker(request, fds, [listener, conn, *by_conn, *pending, *others, wake_r, wake_w])
+            served = [c for c in by_pid.values() if c is not None]
+            return _become_worker(request, fds, [listener, conn, *served, *pending, *others, wake_r, wake_w])
         for fd in fds:
             os.close(fd)
         conn.setblocking(True)  # (its replies are a few bytes: they never wait)
@@ -332,8 +311,7 @@ def serve(listener: socket.socket) -> Task | None:
         except OSError:  # the client is gone already: so must the worker be
             _kill_group(pid)
         by_pid[pid] = conn
-        by_conn[conn] = pid
-        sel.register(conn, selectors.EVENT_READ)
+        sel.register(conn, selectors.EVENT_READ, pid)
         return None
 
     try:
@@ -371,9 +349,9 @@ def serve(listener: socket.socket) -> Task | None:
                         continue
                     sel.unregister(conn)
                     del pending[conn]
-                    task = fork(conn, *whole)
-                    if task is not None:
-                        return task
+                    argv = fork(conn, *whole)
+                    if argv is not None:
+                        return argv
                 else:  # a served client spoke or closed: it has nothing to say, so it is gone
                     conn = key.fileobj  # type: ignore[assignment]
                     gone = True
@@ -381,9 +359,8 @@ def serve(listener: socket.socket) -> Task | None:
                         gone = conn.recv(1) == b""
                     if gone:
                         sel.unregister(conn)
-                        pid = by_conn.pop(conn)
-                        _kill_group(pid)  # reaped below; nobody left to tell
-                        by_pid[pid] = None
+                        _kill_group(key.data)  # reaped below; nobody left to tell
+                        by_pid[key.data] = None
             reap()
     finally:
         if os.getpid() == me:
@@ -418,12 +395,12 @@ def main(argv: list[str] | None = None) -> None:
     # The imports are never garbage: keep them out of every collection, and so out of the
     # pages a collection would touch (copy-on-write would copy them in each worker).
     gc.freeze()
-    task = serve(listener)
-    if task is None:
+    argv = serve(listener)
+    if argv is None:
         return
     from ftkit.runtime.launch import main as launch
 
-    launch(task.argv)  # the script's SystemExit, exceptions and exit are the worker's own
+    launch(argv)  # the script's SystemExit, exceptions and exit are the worker's own
 
 
 if __name__ == "__main__":
