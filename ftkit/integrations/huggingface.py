@@ -53,6 +53,7 @@ from ftkit.integrations._hf_stream import (
 )
 from ftkit.save.capture import RankLocal
 from ftkit.save.rng import rng_state, set_rng_state
+from ftkit.tiers.redact import redact_url
 
 log = logging.getLogger("ftkit.huggingface")
 
@@ -182,7 +183,7 @@ class FtkitCallback(CallbackBase, TrainerCallback):
             for url, steps in check_tiers_reachable(self.tiers, "FtkitCallback").items():
                 if steps:
                     raise FtkitError(
-                        f"ftkit tier {url} holds snapshots up to step {max(steps)}; resume with "
+                        f"ftkit tier {redact_url(url)} holds snapshots up to step {max(steps)}; resume with "
                         "trainer.train(resume_from_checkpoint=ftkit_cb.resume_from_checkpoint()), or "
                         "pass FtkitCallback(..., ignore_existing=True) to start over"
                     )
