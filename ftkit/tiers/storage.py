@@ -75,9 +75,10 @@ class Storage:
         """{name: bytes} of the regular files directly below `rel`, or of `names` only (an lstat each)."""
         if self.is_local:
             with self._errors("listing", rel):
-                if names is None:
+                if names is None:  # a file removed after the listing (retention) is not listed
                     files = (e for e in self._scandir(rel) if e.is_file(follow_symlinks=False))
-                    return {e.name: e.stat(follow_symlinks=False).st_size for e in files}
+                    stats = ((e.name, _lstat(e.path)) for e in files)
+                    return {n: st.st_size for n, st in stats if st is not None and stat.S_ISREG(st.st_mode)}
                 self._no_links_within(rel)
                 stats = ((n, _lstat(os.path.join(self.path(rel), n))) for n in names)
                 return {n: st.st_size for n, st in stats if st is not None and stat.S_ISREG(st.st_mode)}
@@ -198,6 +199,8 @@ class Storage:
                         f.truncate()  # a spare may be longer than what was written
                     if self.sync:
                         os.fsync(f.fileno())
+                    f.close()
+                    os.replace(tmp, full)
                 except BaseException:
                     # close() may fail again flushing its buffer (ENOSPC): still remove tmp (or the
                     # spare already renamed to it when open() failed).
@@ -207,8 +210,6 @@ class Storage:
                     with contextlib.suppress(OSError):
                         os.remove(tmp)
                     raise
-                f.close()
-                os.replace(tmp, full)
                 if self.sync:
                     _fsync_dir(os.path.dirname(full))
             else:

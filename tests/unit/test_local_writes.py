@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 
+from ftkit.errors import StorageError
 from ftkit.tiers.localfs import on_volatile_fs
 from ftkit.tiers.storage import Storage
 
@@ -53,3 +54,28 @@ def test_on_a_disk_every_write_and_its_directory_are_fsynced(tmp_path, fsyncs):
     assert storage.sync
     _write_both_ways(storage)
     assert len(fsyncs) >= 4  # each file and its directory
+
+
+def test_a_write_whose_rename_fails_leaves_no_temporary_file_and_the_target_untouched(tmp_path):
+    storage = Storage(str(tmp_path))
+    (tmp_path / "step" / "part.json").mkdir(parents=True)  # a directory in the way: rename fails
+    (tmp_path / "step" / "part.json" / "keep").write_bytes(b"good")
+    with pytest.raises(StorageError, match="part.json"), storage.open_write("step/part.json") as f:
+        f.write(b"new")
+    assert sorted(os.listdir(tmp_path / "step")) == ["part.json"]
+    assert (tmp_path / "step" / "part.json" / "keep").read_bytes() == b"good"
+
+
+def test_a_file_removed_while_its_directory_is_listed_is_not_listed(tmp_path, monkeypatch):
+    storage = Storage(str(tmp_path))
+    for name in ("a.data", "b.data"):
+        storage.write_bytes_atomic(f"step/{name}", b"12345")
+    listed = Storage._scandir
+
+    def then_retention_removes_b(self, rel):  # the race: listed, then deleted before its size is read
+        entries = listed(self, rel)
+        os.remove(tmp_path / "step" / "b.data")
+        return entries
+
+    monkeypatch.setattr(Storage, "_scandir", then_retention_removes_b)
+    assert storage.list_sizes("step") == {"a.data": 5}
