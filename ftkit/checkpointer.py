@@ -135,7 +135,7 @@ class Checkpointer:
         # and module buffers (updated in place by forward) are copied in stream order (staging.py).
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self._hooks = [register_optimizer_step_pre_hook(self._fence_hook)]
+        self._hooks = [register_optimizer_step_pre_hook(lambda *_: self.fence())]
         self._in_order = cap.module_buffer_names(state)
         self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
         self._pipeline = self.pipeline_class(opened, self._bg_ctx, self.stats, self.events.emit, self._arena.release)
@@ -266,10 +266,6 @@ class Checkpointer:
         slot, self._unfenced = self._unfenced, None
         if slot is not None:
             slot.fence()
-
-    def _fence_hook(self, *_args: Any) -> None:
-        """Optimizer step pre-hook: the step must not overwrite tensors still being copied."""
-        self.fence()
 
     # ----------------------------------------------------------------- flush
     def wait(self) -> None:

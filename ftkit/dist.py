@@ -8,7 +8,6 @@ working, with a DeprecationWarning that says what to use instead.
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from typing import Any
 
 _INSTEAD = (
@@ -20,18 +19,12 @@ _INSTEAD = (
 _MOVED = ("DistContext", "node_id", "host_identity", "rendezvous_id")
 
 
-def init_process_group(backend: str | None = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> Any:
-    """Deprecated: torch.distributed.init_process_group with ftkit's restart-safe rendezvous.
-
-    The old signature: `timeout_s` in seconds (torch's `timeout=` wins when given)."""
+def init_process_group(backend: str | None = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> None:
+    """Deprecated: ftkit.coord.dist.init_process_group (the old signature: `timeout_s` in seconds)."""
     warnings.warn(f"ftkit.dist.init_process_group is deprecated: {_INSTEAD}", DeprecationWarning, stacklevel=2)
-    import torch.distributed as dist
+    from ftkit.coord.dist import init_process_group as init
 
-    from ftkit.coord.rendezvous import install
-
-    install()  # (done by `import ftkit` already, unless FTKIT_ENV_RENDEZVOUS=0 turned it off)
-    kwargs.setdefault("timeout", timedelta(seconds=timeout_s))
-    return dist.init_process_group(backend, **kwargs)
+    init(backend, timeout_s, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

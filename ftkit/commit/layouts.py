@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.commit.memo import CommitMemo, Lru
+from ftkit.commit.memo import CommitMemo
 from ftkit.commit.messages import CODECS, Report
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
@@ -36,9 +36,7 @@ def store_key(digest: str) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout: its body and its name."""
-
-    digest: str
+    digest: str  # its name
     body: str
 
     @staticmethod
@@ -68,11 +66,9 @@ class Layout:
             raise FormatError(f"layout {self.digest[:12]} has malformed entries ({type(e).__name__})") from None
 
 
-def lookup(
-    fetch: Callable[[str], bytes | None] | None, memo: CommitMemo | None = None
-) -> Callable[[str], Layout | None]:
+def lookup(fetch: Callable[[str], bytes | None] | None, memo: CommitMemo) -> Callable[[str], Layout | None]:
     """A resolver of a layout's name: the memo's, else the body `fetch` gets (checked, kept), else None."""
-    book = memo.layouts if memo is not None else Lru[str, Layout](256)
+    book = memo.layouts
 
     def resolve(digest: str) -> Layout | None:
         hit = book.get(digest)

@@ -4,6 +4,7 @@ first, as a reader would, and the data files it names must be in place."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import socket
@@ -68,23 +69,9 @@ def commit(
 
 def store_part(storage: Storage, step: int, name: str, data: bytes, files: dict[str, int], ranks: list[int]) -> Written:
     """Write a built part once its node's data files ({name: size}) are in place."""
-    step_dir = step_dir_name(step)
-    check_files_present(storage, step, files, _sizes(storage, step_dir, list(files)))
-    storage.write_bytes_atomic(f"{step_dir}/{name}", data)
+    check_files_present(storage, step, files, one_by_one=True)
+    storage.write_bytes_atomic(f"{step_dir_name(step)}/{name}", data)
     return Written(PartEntry.of(part_ref(name, data, ranks)), dict(files), sum(files.values()))
-
-
-def _sizes(storage: Storage, step_dir: str, names: list[str]) -> dict[str, int]:
-    """{name: bytes} of those of `names` in the step directory: one stat per file, not a listing."""
-    if storage.is_local:
-        return storage.list_sizes(step_dir, names)
-    out = {}
-    for f in names:
-        try:
-            out[f] = storage.size(f"{step_dir}/{f}")
-        except (StorageError, FileNotFoundError):
-            pass
-    return out
 
 
 def commit_index(
@@ -111,13 +98,16 @@ def commit_index(
     return Committed(sum(r.stored for r in records), data)
 
 
-def check_files_present(
-    storage: Storage, step: int, expected: dict[str, int], sizes: dict[str, int] | None = None
-) -> None:
-    """Every file of `expected` ({name: bytes}) is in the step directory at its size (`sizes`:
-    {name: bytes} as found, else listed)."""
-    if sizes is None:
-        sizes = storage.list_sizes(step_dir_name(step), list(expected)) if expected else {}
+def check_files_present(storage: Storage, step: int, expected: dict[str, int], one_by_one: bool = False) -> None:
+    """Every file of `expected` ({name: bytes}) is in the step directory at its size: listed,
+    or `one_by_one` a stat each on an object store (a node's few files in a large directory)."""
+    step_dir, sizes = step_dir_name(step), {}
+    if one_by_one and not storage.is_local:
+        for name in expected:
+            with contextlib.suppress(StorageError, FileNotFoundError):
+                sizes[name] = storage.size(f"{step_dir}/{name}")
+    elif expected:
+        sizes = storage.list_sizes(step_dir, list(expected))
     for name, nbytes in expected.items():
         if sizes.get(name) != nbytes:
             what = "is gone" if name not in sizes else f"is {sizes[name]} bytes, not {nbytes}"

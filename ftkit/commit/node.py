@@ -9,10 +9,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec
 
-from ftkit.commit.layouts import Published, board_name, layout_of
+from ftkit.commit.layouts import Published, board_name, from_board, layout_of, lookup
 from ftkit.commit.memo import CommitMemo
+from ftkit.commit.messages import Report
 from ftkit.commit.plan import SHARED, Act, CommitPlan, Msg, NodeRoles, Step
-from ftkit.commit.reports import RankReport, failed
+from ftkit.commit.reports import RankReport, decode_report, failed
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import NodeBoard, step_message
 
@@ -65,7 +66,6 @@ class NodeGroup:
 
     @property
     def members(self) -> Mapping[int, tuple[int, ...]]:
-        """Every node's ranks, by leader."""
         return self.plan.members
 
     @functools.cached_property
@@ -124,6 +124,7 @@ class StepExecutor:
         self.committed: Committed | None = None
         self.own: RankReport | None = None  # this rank's report of its write
         self.text = b""  # that report, as sent
+        self.texts: dict[int, bytes] = {}  # a collector's: its node's reports, as sent
 
     def run(self) -> Committed | None:
         with contextlib.ExitStack() as self.stack:
@@ -152,6 +153,19 @@ class StepExecutor:
         else:
             self.own = failed(self.ctx.rank, str(self.error))
         self.text = self.own.report.encode()
+
+    def await_report(self, step: Step) -> None:
+        lost = Report.failed(f"no report within {self.ctx.timeout_s:.0f}s").encode()
+        self.texts = {r: raw or lost for r, raw in self.collect("w", step.peers).items()}
+
+    def node_reports(self) -> list[RankReport]:
+        """A collector's: its node's reports in rank order, their layouts found (its own not parsed back)."""
+        ctx, memo = self.ctx, self.group.memo
+        assert self.own is not None
+        memo.decoded.put((ctx.rank, self.text), self.own)
+        self.texts = {ctx.rank: self.text, **self.texts}
+        layouts = lookup(from_board(self.group.board, ctx.rank), memo)
+        return [decode_report(r, self.texts[r], layouts, memo) for r in self.group.ranks]
 
     def collect(self, what: str, senders: tuple[int, ...]) -> dict[int, bytes | None]:
         """Wait for message `what` of this step from each of `senders` (None: none came in time),

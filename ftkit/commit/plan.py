@@ -66,8 +66,6 @@ class Step:
 
 @dataclass(frozen=True)
 class NodeRoles:
-    """One node's ranks and roles."""
-
     ranks: tuple[int, ...]
     collector: int
     exchanger: int

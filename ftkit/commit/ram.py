@@ -13,14 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ftkit.commit.keys import delete_keys, exchange_key, index_key, older_keys, ram_records_key
-from ftkit.commit.layouts import Layout, from_board, from_store, lookup
+from ftkit.commit.layouts import Layout, from_store, lookup
 from ftkit.commit.manifests import check_files_present, commit_index
 from ftkit.commit.messages import Exchange, Outcome, Record, Relay, Report, Written
 from ftkit.commit.node import NodeGroup, StepExecutor, runner
 from ftkit.commit.parts import write_part
 from ftkit.commit.plan import RAM, Act, Msg, Step
 from ftkit.commit.replicas import PeerWord, read_exchanges, read_relay, replicate, store_parts
-from ftkit.commit.reports import decode_report
 from ftkit.commit.shared import gather_records, raise_if_failed, send_record
 from ftkit.coord.dist import DistContext
 from ftkit.coord.nodelocal import step_message
@@ -53,7 +52,6 @@ class NodeShare:
         return Exchange(self.texts, part)
 
     def record(self, errors: list[str]) -> Record:
-        """The node's record for rank 0."""
         w = self.written
         part = w.part if w is not None and not errors else None
         files, stored = (w.files, w.stored) if w is not None else ({}, 0)
@@ -81,7 +79,6 @@ class RamCommit(StepExecutor):
         assert self.plan.tier == RAM, "the RAM tier's commit runs a RAM tier's plan"
         self.collector = self.ctx.rank == self.group.collector
         self.write_: RankWrite | None = None
-        self.texts: dict[int, bytes] = {}  # the collector's: its node's reports
         self.node: NodeShare | None = None  # the collector's: its node's part, or errors
         self.word = PeerWord({}, True, {})  # the partners' reports (none in a job of one node)
         self.layouts: Callable[[str], Layout | None] | None = None
@@ -122,21 +119,12 @@ class RamCommit(StepExecutor):
         self.group.send(self.at, "r", self.ctx.rank, outcome.encode(), step.peers)
 
     # ------------------------------------------------------------------ a node's collector
-    def await_report(self, step: Step) -> None:
-        lost = Report.failed(f"no report within {self.ctx.timeout_s:.0f}s").encode()
-        self.texts = {r: raw or lost for r, raw in self.collect("w", step.peers).items()}
-
     def part(self, _: Step) -> None:
-        ctx, memo = self.ctx, self.group.memo
-        assert self.own is not None
-        memo.decoded.put((ctx.rank, self.text), self.own)  # its own: not parsed back
-        texts = {ctx.rank: self.text, **self.texts}
-        layouts = lookup(from_board(self.group.board, ctx.rank), memo)
-        reports = [decode_report(r, texts[r], layouts, memo) for r in self.group.ranks]
-        written, errors = write_part(self.storage, self.step, reports, ctx.world_size, memo)
+        reports = self.node_reports()
+        written, errors = write_part(self.storage, self.step, reports, self.ctx.world_size, self.group.memo)
         sent = list({r.layout.digest: r.layout for r in reports if r.layout is not None}.values()) if written else []
         files = [r.file for r in reports if r.file is not None]
-        self.node = NodeShare(texts, errors, any(r.skipped for r in reports), files, written, sent)
+        self.node = NodeShare(self.texts, errors, any(r.skipped for r in reports), files, written, sent)
 
     def send_exchange(self, _: Step) -> None:
         assert self.node is not None

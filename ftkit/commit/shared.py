@@ -8,13 +8,11 @@ import logging
 from collections.abc import Sequence
 
 from ftkit.commit.keys import delete_keys, older_keys, shared_records_key
-from ftkit.commit.layouts import from_board, lookup
 from ftkit.commit.manifests import commit_index
 from ftkit.commit.messages import Record, Report
 from ftkit.commit.node import NodeGroup, StepExecutor, runner
 from ftkit.commit.parts import write_part
 from ftkit.commit.plan import Step
-from ftkit.commit.reports import RankReport, decode_report, failed
 from ftkit.coord.dist import DistContext
 from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import FormatError, StorageError
@@ -24,11 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class SharedCommit(StepExecutor):
-    """One rank's commit of one step to a shared tier."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.reports: dict[int, RankReport] = {}
         self.records: list[Record] = []  # rank 0's: its node's record first
 
     def not_committed(self) -> None:
@@ -40,16 +35,8 @@ class SharedCommit(StepExecutor):
         fault_point("persist", self.step, self.ctx.rank)  # data written, not yet reported
         self.report_write(write)
 
-    def await_report(self, step: Step) -> None:
-        layouts = lookup(from_board(self.group.board, self.ctx.rank), self.group.memo)
-        for r, raw in self.collect("w", step.peers).items():
-            report = decode_report(r, raw, layouts, self.group.memo) if raw is not None else None
-            self.reports[r] = report or failed(r, f"no report within {self.ctx.timeout_s:.0f}s")
-
     def part(self, _: Step) -> None:
-        assert self.own is not None
-        self.reports[self.ctx.rank] = self.own
-        reports = [self.reports[r] for r in self.group.ranks]
+        reports = self.node_reports()
         written, errors = write_part(self.storage, self.step, reports, self.ctx.world_size, self.group.memo)
         files = {r.file: r.nbytes for r in reports if r.file is not None}
         record = Record(written.part, written.files, written.stored) if written else Record.failed(errors, files)

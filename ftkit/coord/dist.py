@@ -124,9 +124,10 @@ class DistContext:
         # reads what the previous one left in a store that outlives it.
         attempt = (generation.torchrun_attempt() or "0") + generation.suffix()
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        store = dist.PrefixStore(f"ftkit/{run}/{attempt}/", _get_default_store())
+        scope = f"ftkit/{run}/{attempt}/"
+        store = dist.PrefixStore(scope, _get_default_store())
         rank = dist.get_rank()
-        ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s, scope=f"ftkit/{run}/{attempt}/")
+        ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s, scope=scope)
         ctx.nodes = ctx.gather("nodes", ctx.node)
         _settle_collectives_at_exit()
         return ctx
@@ -183,8 +184,7 @@ class DistContext:
             return [value]
         self.put(f"{key}/{self.rank}", value)
         keys = [f"{key}/{r}" for r in range(self.world_size)]
-        self._wait(keys, timeout_s)
-        return [parse_message(v) for v in self.store.multi_get(keys)]  # (malformed: None, as silence)
+        return [parse_message(v) for v in self.wait_get(keys, timeout_s)]  # (malformed: None, as silence)
 
     def send_to_root(self, key: str, sender: int, value: bytes, senders: int) -> None:
         """`value` from `sender` (one of `senders` in all) for rank 0's `collect_at_root(key)`.
@@ -212,15 +212,13 @@ class DistContext:
                 data = self.store.get(all_) if self._has(all_) else b""
             got: dict[int, bytes | None] = dict.fromkeys(senders)
             at = 0
-            while at < len(data):
-                if at + _FRAME.size > len(data):
-                    raise FormatError(f"store key {all_!r} is cut short")
+            while at + _FRAME.size <= len(data):
                 sender, length = _FRAME.unpack_from(data, at)
                 at += _FRAME.size + length
-                if at > len(data):
-                    raise FormatError(f"store key {all_!r} is cut short")
-                if sender in got:  # (another's: ignored)
+                if sender in got and at <= len(data):  # (another's: ignored)
                     got[sender] = data[at - length : at]
+            if at != len(data):
+                raise FormatError(f"store key {all_!r} is cut short")
             return got
         finally:
             self.delete(*names)
@@ -319,32 +317,17 @@ class DistContext:
                 self.store.delete_key(k)
 
 
-def init_process_group(backend: str = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> None:
-    """torch.distributed.init_process_group on the torchrun store, namespaced by attempt, so a
-    restart never reads the previous attempt's rendezvous keys. Outside torchrun, the plain call."""
+def init_process_group(backend: str | None = "gloo", timeout_s: float = 1800.0, **kwargs: Any) -> None:
+    """torch.distributed.init_process_group through ftkit's restart-safe env:// rendezvous
+    (coord/rendezvous.py): a restart never reads the previous attempt's rendezvous keys.
+    `timeout_s` in seconds (torch's `timeout=` wins when given)."""
     import torch.distributed as dist
 
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "store" in kwargs:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=rank == 0 and not agent_hosts_store,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    attempt = generation.torchrun_attempt()
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"ftkit-attempt-{attempt}", store),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    from ftkit.coord.rendezvous import install
+
+    install()  # (done by `import ftkit` already, unless FTKIT_ENV_RENDEZVOUS=0 turned it off)
+    kwargs.setdefault("timeout", timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, **kwargs)
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

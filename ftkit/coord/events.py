@@ -27,7 +27,8 @@ class EventLog:
             self.attempt = int(generation.torchrun_attempt() or 0)
         except ValueError:
             self.attempt = 0
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler (coord/preemption.py) can emit on the thread already inside emit.
+        self._lock = threading.RLock()
         self._file = None
         self._failed = False
         if run_dir:

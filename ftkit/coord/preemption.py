@@ -73,24 +73,21 @@ class PreemptionHandler:
         self.final_step: int | None = None  # the step every rank agreed to save and stop at
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
-        self.installed = False
         self._tried = False
         # request() runs in the signal handler and on the watchdog's thread (a peer's notice).
         # Reentrant: a second signal may interrupt the handler on the main thread.
         self._lock = threading.RLock()
 
-    def install(self) -> bool:
-        """Take over the signals (once; Python allows it on the main thread only). True if installed."""
+    def install(self) -> None:
+        """Take over the signals (once; Python allows it on the main thread only)."""
         if self._tried:
-            return self.installed
+            return
         self._tried = True
         if threading.current_thread() is not threading.main_thread():
             log.warning("ftkit: Checkpointer used off the main thread; preemption signals not handled")
-            return False
+            return
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        self.installed = True
-        return True
 
     def _on_signal(self, signum: int, frame) -> None:
         self.request(signum)
@@ -187,7 +184,6 @@ class PreemptionHandler:
                 if signal.getsignal(sig) == self._on_signal:  # not if someone installed theirs over ours
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous = {}
-        self.installed = False
 
 
 def _raise_to(store, key: str, value: int) -> None:

@@ -15,6 +15,7 @@ rendezvous round instead: runtime/generation.py ``torchrun_attempt``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Iterator
@@ -53,8 +54,6 @@ def _wrap(original: Any) -> Any:
 
 def installed() -> bool:
     """Whether the env:// handler in use is ftkit's."""
-    import importlib
-
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     return hasattr(rdzv._rendezvous_handlers.get("env"), "ftkit_original")
 
@@ -65,8 +64,6 @@ def install() -> bool:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
     try:
-        import importlib
-
         import torch.distributed as dist
 
         if not dist.is_available():

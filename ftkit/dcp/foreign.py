@@ -60,12 +60,8 @@ def _reader(storage: Storage, rel: str) -> Any:
         return FileSystemReader(path)
     from torch.distributed.checkpoint import FsspecReader
 
-    return FsspecReader(storage.url + (f"/{rel}" if rel else ""), **_fs_options(storage))
-
-
-def _fs_options(storage: Storage) -> dict[str, Any]:
     opts = getattr(storage.fs, "storage_options", None)
-    return dict(opts) if isinstance(opts, Mapping) else {}
+    return FsspecReader(storage.url + (f"/{rel}" if rel else ""), **(opts if isinstance(opts, Mapping) else {}))
 
 
 def metadata(storage: Storage, rel: str = "") -> Any:
@@ -129,10 +125,8 @@ def _dcp_errors(error: type[FtkitError], what: str, remove: str | None = None) -
 def verify(storage: Storage, rel: str = "") -> tuple[int, int]:
     """(tensors, bytes) of a DCP checkpoint that reads back whole; CorruptCheckpointError if an
     item does not. DCP keeps no checksums: this cannot tell a changed byte."""
-    md = metadata(storage, rel)
-    tensors, _ = describe(md)
-    sd = read_all(storage, rel)
-    flat = _flatten(sd)
+    tensors, _ = describe(metadata(storage, rel))
+    flat = _flatten(read_all(storage, rel))
     for t in tensors:
         got = flat.get(t["name"])
         if not isinstance(got, torch.Tensor) or list(got.shape) != t["shape"]:

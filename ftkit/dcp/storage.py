@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ftkit import __version__
 from ftkit.config import Tier, resolve_tiers
 from ftkit.coord.dist import node_id
 from ftkit.dcp import convert
@@ -120,7 +121,6 @@ class FtkitStorageWriter(StorageWriter):
             self.step = step_of(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -252,22 +252,13 @@ def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, r
     ranks = list(range(world))
     name = part_file_name(0)
     data = encode_part_docs(step, ranks, files, tensors, {})
-    writer = {"ftkit": _version(), "torch": torch.__version__, convert.DCP_KEY: record}
+    writer = {"ftkit": __version__, "torch": torch.__version__, convert.DCP_KEY: record}
     index = encode_index(index_doc(step, world, [part_ref(name, data, ranks)], skeleton, time.time(), writer))
     parsed = parse_manifest_header(index, f"the index of step {step}", step)
     check = manifest_from(storage, step, index, parsed, {name: data})
     check_file_sizes(storage, check)
     storage.write_bytes_atomic(f"{step_dir}/{name}", data)
     storage.write_bytes_atomic(f"{step_dir}/{MANIFEST_NAME}", index)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ftkit")
-    except PackageNotFoundError:
-        return "0"
 
 
 class FtkitStorageReader(StorageReader):
@@ -320,7 +311,7 @@ class FtkitStorageReader(StorageReader):
         raise CheckpointNotFoundError(f"{what} in {where}" + (f": {problems[0]}" if problems else ""))
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
+        pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -8,8 +8,7 @@ points, the durable tier) lives under `root`, which every host sees::
 
     with Cluster(root, entry, hosts=3, spares=1, ranks_per_host=2) as c:
         c.rank_hosts()                         # {rank: host name} of the newest attempt
-        c.lose("host2"); c.partition("host1", 5.0); c.kill_agent("host3"); c.start_agent("host3")
-        c.wait(timeout)                        # every training host's agent exit code
+        c.lose("host2"); c.host("host1").partition(5.0); c.kill_agent("host3"); c.start_agent("host3")
 """
 
 from __future__ import annotations
@@ -48,12 +47,8 @@ class Cluster:
         spares: int = 0,
         ranks_per_host: int = 2,
         rdzv: str = "etcd",
-        min_hosts: int = 1,
-        restarts: int = 10,
         env: dict[str, str] | None = None,
         warm: bool = True,
-        preload: tuple[str, ...] = (),
-        run_id: str = "drill",
     ):
         if rdzv not in ("etcd", "c10d"):
             raise ValueError(f"rendezvous backend {rdzv!r}: etcd or c10d")
@@ -63,12 +58,8 @@ class Cluster:
         self.training = self.names[:hosts]
         self.ranks_per_host = ranks_per_host
         self.rdzv = rdzv
-        self.min_hosts, self.max_hosts = min_hosts, hosts
-        self.restarts = restarts
         self.extra_env = dict(env or {})
         self.warm = warm
-        self.preload = preload
-        self.run_id = run_id
         self.run_dir = os.path.join(self.root, "run")
         self.fault_request = os.path.join(self.root, "fault-request")
         self.agents: dict[str, subprocess.Popen] = {}
@@ -137,13 +128,13 @@ class Cluster:
             backend, endpoint = "c10d", f"{self.training[0]}:{C10D_PORT}"
         conf = ",".join(f"{k}={v}" for k, v in RDZV_CONF.items())
         return [
-            f"--nnodes={self.min_hosts}:{self.max_hosts}",
+            f"--nnodes=1:{len(self.training)}",
             f"--nproc-per-node={self.ranks_per_host}",
             f"--rdzv-backend={backend}",
             f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={self.run_id}",
+            "--rdzv-id=drill",
             f"--rdzv-conf={conf}",
-            f"--max-restarts={self.restarts}",
+            "--max-restarts=10",
             "--monitor-interval=0.1",
         ]
 
@@ -160,9 +151,7 @@ class Cluster:
             assert self.fabric is not None
             zdir = os.path.join(self.fabric.state_dir, "zygotes")
             os.makedirs(zdir, exist_ok=True)
-            zygote = start_zygote(
-                env=env, preload=("ftkit.drill.reference", *self.preload), parent=zdir, spawn=host.run
-            )
+            zygote = start_zygote(env=env, preload=("ftkit.drill.reference",), parent=zdir, spawn=host.run)
             self.zygotes[name] = zygote
             env.update(zygote.env())
         entry = self.entry
@@ -199,14 +188,10 @@ class Cluster:
         self.fabric.add_host(name, lost[-1].address)
         self.start_agent(name)
 
-    def partition(self, name: str, seconds: float | None = None) -> None:
-        self.host(name).partition(seconds)
-
     def events(self) -> list[dict[str, Any]]:
         return read_events(self.run_dir)
 
     def attempt(self) -> tuple[int, int]:
-        """The newest (attempt, in-process generation) that has started."""
         return latest_attempt(self.events())
 
     def rank_hosts(self, attempt: tuple[int, int] | None = None) -> dict[int, str]:
@@ -226,10 +211,3 @@ class Cluster:
                     return True
             time.sleep(0.1)
         return False
-
-    def wait(self, timeout: float) -> dict[str, int | None]:
-        """Every agent's exit code once all have ended, or None for those still running after `timeout`."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and any(p.poll() is None for p in self.agents.values()):
-            time.sleep(0.2)
-        return {name: p.poll() for name, p in self.agents.items()}

@@ -58,15 +58,7 @@ class HostInjector(Injector):
     def __init__(self, job: HostJob, durable_root: str | None = None):
         super().__init__(job, durable_root)  # type: ignore[arg-type]
         self.cluster = job.cluster
-        self.failures: list[str] = []
         self.hosts: dict[int, str] = {}  # id(fault) -> the host it struck
-
-    def target_host(self, f: Fault, attempt: tuple[int, int]) -> str:
-        if f.host in ("rank0", "rendezvous"):
-            if f.host == "rendezvous" and self.cluster.rdzv == "c10d":
-                return self.cluster.training[0]
-            return self.cluster.rank_hosts(attempt)[0]
-        return self.cluster.names[int(f.host or 1) - 1]
 
     def inject(self, f: Fault) -> None:
         if f.kind not in HOST_KINDS:
@@ -74,7 +66,12 @@ class HostInjector(Injector):
             return
         job, cluster = self.job, self.cluster
         attempt = job.attempt()
-        name = self.target_host(f, attempt)
+        if f.host == "rendezvous" and cluster.rdzv == "c10d":
+            name = cluster.training[0]
+        elif f.host in ("rank0", "rendezvous"):  # (etcd's store moves with rank 0)
+            name = cluster.rank_hosts(attempt)[0]
+        else:
+            name = cluster.names[int(f.host or 1) - 1]
         ranks = sorted(r for r, h in cluster.rank_hosts(attempt).items() if h == name)
         if not ranks:
             raise RuntimeError(f"{f.label()}: {name} holds no rank of attempt {attempt[0]}")
@@ -93,20 +90,12 @@ class HostInjector(Injector):
             if f.back_s is not None:  # a new machine of that name and address (empty RAM) comes back
                 self._background(self._later, f.back_s, f"bringing {name} back", lambda: cluster.bring_back(name))
         elif f.kind == "partition":
-            cluster.partition(name, f.back_s)
+            cluster.host(name).partition(f.back_s)
             _signal(rec["pid"], signal.SIGCONT)  # alive on its side of the cut
         elif f.kind == "agent":
             cluster.kill_agent(name)  # its workers end with it (the frozen one too: SIGKILL)
             if f.back_s is not None:
                 self._background(self._later, f.back_s, f"restarting {name}'s agent", lambda: cluster.start_agent(name))
-
-    def _later(self, seconds: float, what: str, fn) -> None:
-        """`fn` after `seconds` (in a background thread); its failure is the drill's, not lost with the thread."""
-        time.sleep(seconds)
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 (reported at the end of the drill)
-            self.failures.append(f"{what}: {e}")
 
 
 def fencing_violations(events: list[dict[str, Any]]) -> list[str]:

@@ -53,17 +53,16 @@ SUBNETS = ("10.213.0.0/24", "10.214.0.0/24", "172.30.213.0/24", "192.168.213.0/2
 FIRST_HOST = 10  # host N gets .(10 + N)
 TOOLS = ("ip", "nsenter", "unshare", "mount", "umount")
 
-# A host's init: $0 hostname, $1 /dev/shm size ("": tmpfs default), $2 the hosts file, then the shared
-# paths, staged on the new /dev/shm (a bind's source must be in this mount namespace, and the new /tmp
-# hides the old one) and moved into place.
+# A host's init: $0 hostname, $1 the hosts file, then the shared paths, staged on the new /dev/shm
+# (a bind's source must be in this mount namespace, and the new /tmp hides the old one) and moved into place.
 # /var/run/netns is detached so this mount namespace pins no network namespace (others', lost hosts').
 _INIT = r"""
 set -e
 echo "$0" > /proc/sys/kernel/hostname
 umount -l /var/run/netns 2>/dev/null || true
-mount -t tmpfs -o mode=1777,nosuid,nodev${1:+,size=$1} ftkh-shm /dev/shm
-mount --bind "$2" /etc/hosts
-shift 2
+mount -t tmpfs -o mode=1777,nosuid,nodev ftkh-shm /dev/shm
+mount --bind "$1" /etc/hosts
+shift
 i=0
 for p in "$@"; do
     i=$((i + 1)); s=/dev/shm/.ftkh-share-$i
@@ -324,7 +323,7 @@ class Host:
         state = "lost" if self.lost else "partitioned" if self.partitioned else "up"
         return f"Host({self.name}, {self.address}, {state})"
 
-    def _create(self, shm_size: str | None) -> None:
+    def _create(self) -> None:
         fab = self.fabric
         assert fab.subnet is not None
         _ip("netns", "add", self.netns)
@@ -342,7 +341,7 @@ class Host:
                 os.mkdir(cg)
         argv = ["nsenter", f"--net={NETNS_DIR}/{self.netns}", "--"]
         argv += ["unshare", "--uts", "--mount", "--propagation", "private", "--"]
-        argv += ["sh", "-c", _INIT, self.name, shm_size or "", self.hosts_file, *fab.shared]
+        argv += ["sh", "-c", _INIT, self.name, self.hosts_file, *fab.shared]
         if self._cg_init:
             argv = ["sh", "-c", _JOIN_CGROUP, os.path.join(self._cg_init, "cgroup.procs"), *argv]
         init = subprocess.Popen(
@@ -527,29 +526,18 @@ def _outermost(paths: Sequence[str]) -> list[str]:
 
 class Fabric:
     """N emulated hosts on a private bridge, as a context manager (see the module's docstring).
-    `hosts`: a count (``host1``..``hostN``) or the names. `shm_size`: each host's /dev/shm size
-    (``"512m"``). `subnet`: an IPv4 /24 (default: the first of :data:`SUBNETS` unused here).
-    `shared`: paths bound at the same path into every host, which their private /tmp would hide.
-    `handle_signals`: SIGTERM raises SystemExit while the fabric lives, so that ``with`` cleans up.
+    `hosts`: a count (``host1``..``hostN``) or the names. `shared`: paths bound at the same path
+    into every host, which their private /tmp would hide. While the fabric lives, SIGTERM (where
+    no handler is set) raises SystemExit, so that ``with`` cleans up.
     """
 
-    def __init__(
-        self,
-        hosts: int | Sequence[str] = 2,
-        *,
-        shm_size: str | None = None,
-        subnet: str | None = None,
-        shared: Sequence[str] = (),
-        handle_signals: bool = True,
-    ) -> None:
+    def __init__(self, hosts: int | Sequence[str] = 2, *, shared: Sequence[str] = ()) -> None:
         for p in shared:
             if not os.path.exists(p):
                 raise HostsError(f"shared path {os.path.abspath(p)} does not exist")
         self.shared = _outermost([*(os.path.abspath(p) for p in shared), *_software_paths()])
         self.names = [f"host{i + 1}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
-        self.shm_size = shm_size
-        self.subnet: ipaddress.IPv4Network | None = ipaddress.IPv4Network(subnet) if subnet else None
-        self.handle_signals = handle_signals
+        self.subnet: ipaddress.IPv4Network | None = None  # the first of SUBNETS unused here, at start()
         self.id = secrets.token_hex(3)
         self.prefix = f"{PREFIX}{self.id}-"
         self.netns = f"{self.prefix}fabric"
@@ -561,7 +549,7 @@ class Fabric:
         self.started = False
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
-        self._handles_term = False  # SIGTERM raises SystemExit (handle_signals), until close()
+        self._handles_term = False  # SIGTERM raises SystemExit, until close()
 
     def __enter__(self) -> Fabric:
         try:
@@ -591,7 +579,7 @@ class Fabric:
         os.rename(tmp, os.path.join(STATE_DIR, f"{self.id}.lock"))
         self.started = True
         main_thread = threading.current_thread() is threading.main_thread()
-        if self.handle_signals and main_thread and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        if main_thread and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _exit_on_term)
             self._handles_term = True
         os.makedirs(self.state_dir, exist_ok=True)
@@ -600,8 +588,7 @@ class Fabric:
                 os.mkdir(self.cgroup)
             except OSError:  # not writable after all: processes are found by their network namespace
                 self.cgroup = None
-        if self.subnet is None:
-            self.subnet = _pick_subnet()
+        self.subnet = _pick_subnet()
         _ip("netns", "add", self.netns)
         _ip("-n", self.netns, "link", "add", BRIDGE, "type", "bridge", "stp_state", "0", "forward_delay", "0")
         _ip("-n", self.netns, "link", "set", BRIDGE, "up")
@@ -629,7 +616,7 @@ class Fabric:
             self.hosts.append(host)
             self._write_hosts_files()
             try:
-                host._create(self.shm_size)
+                host._create()
             except BaseException:
                 with contextlib.suppress(Exception):
                     host.lose()

@@ -36,7 +36,6 @@ def latest_attempt(events: list[dict[str, Any]]) -> tuple[int, int]:
 
 
 def starts(events: list[dict[str, Any]], attempt: tuple[int, int]) -> list[dict[str, Any]]:
-    """The ranks' start events of `attempt`."""
     return [e for e in events if e["event"] == "start" and epoch(e) == attempt]
 
 
@@ -57,28 +56,19 @@ class RunLog:
         return read_events(self.run_dir)
 
     def attempt(self) -> tuple[int, int]:
-        """The newest (torchrun attempt, in-process generation) that has started."""
         return latest_attempt(self.events())
 
-    def note(self, **fields: Any) -> None:
-        """A drill event in the job's log, beside the ranks' own (rank -1)."""
-        os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
-        with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as f:
-            f.write(json.dumps({"t": time.time(), "rank": -1, "event": "fault", **fields}) + "\n")
-
     def note_fault(self, f: Fault, attempt: tuple[int, int], rec: dict[str, Any], target: Any) -> None:
-        """Record on `f` when and where it struck (`rec`: its fault point's record), and note it."""
+        """Record on `f` when and where it struck (`rec`: its fault point's record), and note it in the
+        job's event log beside the ranks' own (rank -1)."""
         (f.attempt, f.gen), f.injected_t, f.injected_step = attempt, time.time(), rec.get("at_step")
+        event = {"t": time.time(), "rank": -1, "event": "fault", "kind": f.kind, "step": f.injected_step}
+        event |= {"during": f.during, "attempt": attempt[0], **({"gen": attempt[1]} if attempt[1] else {})}
         # `restarts`: the report takes only these as a restart's cause (not a storage fault or slow rank).
-        self.note(
-            kind=f.kind,
-            step=f.injected_step,
-            during=f.during,
-            attempt=attempt[0],
-            **({"gen": attempt[1]} if attempt[1] else {}),
-            target=target,
-            restarts=f.restarts,
-        )
+        event |= {"target": target, "restarts": f.restarts}
+        os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+        with open(os.path.join(self.run_dir, "events", "drill.jsonl"), "a") as log:
+            log.write(json.dumps(event) + "\n")
 
     def freeze_at(self, phase: str, step: int, rank: int, action: str = "stop", timeout: float = 600) -> dict[str, Any]:
         """Ask `rank` to stop (or crash) at `phase` of `step` or later; once it has, the fault point's
@@ -93,9 +83,10 @@ class RunLog:
         os.replace(tmp, self.fault_request)
         end = time.monotonic() + timeout
         while True:
-            rec = _read_json(reached)
-            if rec and "pid" in rec:
-                break
+            with contextlib.suppress(OSError, ValueError), open(reached) as f:
+                rec = json.load(f)
+                if "pid" in rec:
+                    break
             if (rc := self.ended()) is not None:
                 raise RuntimeError(f"the job ended (exit {rc}) before rank {rank} reached {phase} of step {step}")
             if time.monotonic() > end:
@@ -164,14 +155,6 @@ class Job(RunLog):
         return self.attempt() > attempt
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
     """Until the kernel reports `pid` stopped (it signals itself right after the record)."""
     end = time.monotonic() + timeout
@@ -192,6 +175,7 @@ class Injector:
         self.durable_root = durable_root  # the local directory behind faulty:// (storage faults)
         self.s3 = s3_server  # ftkit.drill.s3server.S3Server the drill started (s3-outage)
         self.threads: list[threading.Thread] = []
+        self.failures: list[str] = []  # what a background thread could not do, for the drill's errors
         self._storage_faults: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -226,12 +210,12 @@ class Injector:
             key = _STORAGE_SWITCH[f.kind]
             self._switch_storage(key, f.factor if f.kind == "latency" else True)
             _signal(pid, signal.SIGCONT)
-            self._background(_after, f.seconds, lambda: self._switch_storage(key, None))
+            self._background(self._later, f.seconds, f"ending {f.label()}", lambda: self._switch_storage(key, None))
         elif f.kind in OBJECT_STORE_KINDS:
             assert self.s3 is not None
             self.s3.stop_process(kill=True)  # instant: the rank must not stay frozen long
             _signal(pid, signal.SIGCONT)
-            self._background(_after, f.seconds, self.s3.start_process)
+            self._background(self._later, f.seconds, "restarting the S3 server", self.s3.start_process)
 
     def _switch_storage(self, key: str, value: Any) -> None:
         """Storage faults overlap: each switches its own key, the others stay as they are."""
@@ -248,14 +232,17 @@ class Injector:
         t.start()
         self.threads.append(t)
 
+    def _later(self, seconds: float, what: str, fn: Callable[[], Any]) -> None:
+        """`fn` after `seconds` (in a background thread); its failure is the drill's, not lost with the thread."""
+        time.sleep(seconds)
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (reported at the end of the drill)
+            self.failures.append(f"{what}: {e}")
+
     def join(self, timeout: float = 120) -> None:
         for t in self.threads:
             t.join(timeout)
-
-
-def _after(seconds: float, fn: Callable[[], Any]) -> None:
-    time.sleep(seconds)
-    fn()
 
 
 def _throttle(pid: int, factor: float, seconds: float) -> None:

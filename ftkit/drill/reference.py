@@ -122,19 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     allow_skipping_checksums()
     register_faulty()  # a drill's durable tier is behind faulty:// (drill/faults.py)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = 0
+    rank = int(os.environ.get("RANK", "0"))
     if world > 1 and args.in_process:  # it creates (and re-creates) the process group itself
-        rank = int(os.environ["RANK"])
         final = ftkit.run_in_process(lambda _gen: train(args, world, rank), group_timeout_s=args.pg_timeout)
-    elif world > 1:
-        import torch.distributed as dist
-
-        from ftkit.coord.dist import init_process_group
-
-        init_process_group("gloo", timeout_s=args.pg_timeout)
-        rank = dist.get_rank()
-        final = train(args, world, rank)
     else:
+        if world > 1:
+            from ftkit.coord.dist import init_process_group
+
+            init_process_group("gloo", timeout_s=args.pg_timeout)
         final = train(args, world, rank)
     if final is None:
         return 1

@@ -185,22 +185,20 @@ def run_drill(args) -> dict[str, Any]:
 
             s3 = S3Server(data_dir=os.path.join(root, "s3")).start()
             say(f"drill: S3 server (SeaweedFS) at {s3.endpoint_url}")
-        if not script:
+        final_pt = os.path.join(faulted, "final.pt")
+        if script:
+            entry, durable_root = [script, *args.script_args], None
+        else:
             assert tiers is not None  # the reference trainer always has a tier plan
             clean_pt, clean_stream, err = _reference_run(args, tiers, root, say, zygote)
             if err:
                 errors.append(err)
-        final_pt = os.path.join(faulted, "final.pt")
-        restarts = sum(f.restarts for f in faults) + 1
-        if script:
-            entry, durable_root = [script, *args.script_args], None
-        else:
-            assert tiers is not None
             url, durable_root = tiers.durable_url(faulted, s3)
             entry = _entry(args, tiers, url, final_pt, args.step_time)
         env = s3.env() if s3 else {}
         if zygote is not None and not args.no_replace:  # a killed worker of an in-process loop is replaced
             env[REPLACE_ENV] = str(sum(f.kind in ("kill", "hang") for f in faults) + 1)
+        restarts = sum(f.restarts for f in faults) + 1
         job = Job(faulted, entry, args.nproc, rpn, restarts, env=env, zygote=zygote)
         injector = Injector(job, durable_root, s3)
         try:
@@ -224,6 +222,7 @@ def run_drill(args) -> dict[str, Any]:
             if rc:
                 errors.append(f"the faulted run exited with {rc} (see {job.log.name})")
             injector.join()
+            errors += injector.failures
         except RuntimeError as e:
             errors.append(str(e))
         finally:

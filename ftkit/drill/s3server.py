@@ -12,7 +12,7 @@ one ``weed mini`` accepts anything, which would hide credential-plumbing bugs.
 SeaweedFS quirks: deleting every object under a prefix leaves an empty directory that delimited
 listings (``fs.ls``, ``exists``/``isdir`` on the prefix) report until its cleaner runs minutes
 later (flat listings are right at once); a SIGTERM can hang on open connections, so
-``stop_process()`` escalates to SIGKILL after ``stop_timeout``. Acknowledged data survives either way.
+``stop_process()`` escalates to SIGKILL after STOP_TIMEOUT_S. Acknowledged data survives either way.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ SERVICES = ("s3", "master", "filer", "volume", "admin")
 HOST = "127.0.0.1"
 # weed's gRPC port is HTTP port + 10000 (GrpcPortOffset in weed/command/mini.go); we keep that layout.
 GRPC_PORT_OFFSET = 10000
+STARTUP_TIMEOUT_S, STOP_TIMEOUT_S = 60.0, 5.0
 
 
 # An early exit whose log matches this means we lost a race for a port.
@@ -69,9 +70,6 @@ class S3Server:
         *,
         access_key: str | None = None,
         secret_key: str | None = None,
-        startup_timeout: float = 60.0,
-        stop_timeout: float = 5.0,
-        weed: str | None = None,
     ) -> None:
         # weed only warns about a bad name and never creates the bucket: a confusing readiness timeout.
         if not _BUCKET_RE.fullmatch(bucket):
@@ -79,9 +77,7 @@ class S3Server:
         self.bucket = bucket
         self.access_key = access_key or "FTKIT" + secrets.token_hex(8).upper()
         self.secret_key = secret_key or secrets.token_hex(20)
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self._weed = weed
+        self._weed: str | None = None
         self._owns_dir = data_dir is None
         self.data_dir: Path | None = None if data_dir is None else Path(data_dir)
         self.ports: dict[str, int] = {}
@@ -146,7 +142,7 @@ class S3Server:
         """Start the server and wait until S3 really works; returns self."""
         if self._proc is not None:
             raise RuntimeError("S3Server already started")
-        weed = self._weed or find_weed()  # fail before creating anything
+        weed = find_weed()  # fail before creating anything
         try:
             if self.data_dir is None:
                 self.data_dir = Path(tempfile.mkdtemp(prefix="ftkit-s3-"))
@@ -178,7 +174,7 @@ class S3Server:
                 shutil.rmtree(self.data_dir, ignore_errors=True)
                 self.data_dir = None
 
-    def start_process(self, timeout: float | None = None) -> None:
+    def start_process(self) -> None:
         """(Re)launch weed on the already chosen ports and data dir and wait until ready."""
         if self.running:
             raise RuntimeError("S3 server process is already running")
@@ -198,7 +194,7 @@ class S3Server:
             self._proc = proc = subprocess.Popen(
                 cmd,
                 cwd=data_dir,  # weed also reads *.toml from its cwd
-                env=weed_env(),
+                env={k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)},
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -211,21 +207,21 @@ class S3Server:
             self._log_file = None
             raise
         try:
-            self._wait_ready(proc, self.startup_timeout if timeout is None else timeout)
+            self._wait_ready(proc, STARTUP_TIMEOUT_S)
         except BaseException:
             self.stop_process(kill=True)
             raise
         self.startup_seconds = time.monotonic() - t0
 
-    def stop_process(self, kill: bool = False, timeout: float | None = None) -> None:
+    def stop_process(self, kill: bool = False) -> None:
         """Take the server down, keeping ports and data dir for ``start_process()``: SIGKILL at once
-        with `kill` (a crash), else SIGTERM and SIGKILL after `timeout`."""
+        with `kill` (a crash), else SIGTERM and SIGKILL after STOP_TIMEOUT_S."""
         proc, self._proc = self._proc, None
         try:
             if proc is not None and proc.poll() is None:
                 self._signal_group(proc, signal.SIGKILL if kill else signal.SIGTERM)
                 try:
-                    proc.wait(self.stop_timeout if timeout is None else timeout)
+                    proc.wait(STOP_TIMEOUT_S)
                 except BaseException as e:  # the timeout, or e.g. Ctrl-C while waiting: don't orphan it
                     self._signal_group(proc, signal.SIGKILL)
                     proc.wait()
@@ -322,11 +318,6 @@ def weed_command(weed: str, data_dir: Path, ports: dict[str, int], bucket: str, 
     return cmd + [f"-s3.config={identities}", "-master.telemetry=false", "-volume.preStopSeconds=0"]
 
 
-def weed_env() -> dict[str, str]:
-    """This process's environment without what weed must not read (see _SCRUBBED_ENV_PREFIXES)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)}
-
-
 def write_identities(path: Path, access_key: str, secret_key: str) -> None:
     """The one identity every request must be signed with (0600: it holds the secret)."""
     identity: dict[str, Any] = {"name": "ftkit", "credentials": [{"accessKey": access_key, "secretKey": secret_key}]}
@@ -347,13 +338,6 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _ephemeral_port_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def pick_ports(names) -> dict[str, int]:
     """Free HTTP ports P, one per name, such that P + 10000 is free too.
     Drawn below the ephemeral range where possible: while the server restarts, clients retrying
@@ -361,7 +345,11 @@ def pick_ports(names) -> dict[str, int]:
     """
     chosen: dict[str, int] = {}
     taken: set[int] = set()
-    lo, hi = 10000, min(_ephemeral_port_low(), 65536) - GRPC_PORT_OFFSET
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    lo, hi = 10000, min(ephemeral_low, 65536) - GRPC_PORT_OFFSET
     rng = random.SystemRandom()
 
     def candidates() -> Iterator[int]:

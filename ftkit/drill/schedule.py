@@ -52,6 +52,9 @@ HOST_TARGETS = ("rank0", "rendezvous")
 RESTARTING = ("kill", "term", "hang", "crash", "node", *HOST_KINDS)
 # Faults that happen inside one training step and cannot be moved into the persist pipeline.
 _LOOP_ONLY = {"crash": ("step", "snapshot"), "slow": ("step",)}
+# A fault's options: key=value -> (Fault field, its type).
+_OPTIONS = {"rank": ("rank", int), "node": ("node", int), "host": ("host", str), "during": ("during", str)}
+_OPTIONS |= {"factor": ("factor", float), "seconds": ("seconds", float), "for": ("back_s", float)}
 
 
 @dataclass
@@ -140,18 +143,9 @@ def parse_faults(spec: str, nproc: int, ranks_per_node: int, hosts: int | None =
         for o in opts:
             k, _, v = o.partition("=")
             try:
-                if k in ("rank", "node"):
-                    setattr(f, k, int(v))
-                elif k in ("factor", "seconds"):
-                    setattr(f, k, float(v))
-                elif k == "host" and v:
-                    f.host = v
-                elif k == "for":
-                    f.back_s = float(v)
-                elif k == "during" and v:
-                    f.during = v
-                else:
+                if k not in _OPTIONS or not v:
                     raise ValueError
+                setattr(f, _OPTIONS[k][0], _OPTIONS[k][1](v))
             except ValueError:
                 raise ValueError(
                     f"bad option {o!r} in {part!r} (rank=, node=, host=, during=, factor=, seconds=, for=)"

@@ -43,19 +43,8 @@ def check_file_sizes(storage: Storage, manifest: Manifest, only: Iterable[str] |
             )
 
 
-def _read_exact(f, length: int, where: str) -> bytes:
-    """`length` bytes, looping over short reads (pipes, network files); the file ending first is truncation."""
-    parts, got = [], 0
-    while got < length:
-        data = f.read(length - got)
-        if not data:
-            raise CorruptCheckpointError(f"{where}: file ends early (truncated)")
-        parts.append(data)
-        got += len(data)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def _readinto_exact(f, dest: memoryview, where: str) -> None:
+    """Fill `dest`, looping over short reads; the file ending first is truncation."""
     got = 0
     while got < len(dest):
         n = f.readinto(dest[got:])
@@ -91,7 +80,9 @@ def chunk_bytes(storage: Storage, rel: str, chunks: list[Chunk]) -> Iterator[tup
         with storage.open_read(rel) as f:
             for i, c in enumerate(chunks):
                 f.seek(c.offset)
-                yield i, memoryview(_read_exact(f, c.length, storage.where(rel)))
+                stored = memoryview(bytearray(c.length))
+                _readinto_exact(f, stored, storage.where(rel))
+                yield i, stored
         return
     spans, at = _spans(chunks), 0
     while at < len(spans):
@@ -111,21 +102,14 @@ def chunk_bytes(storage: Storage, rel: str, chunks: list[Chunk]) -> Iterator[tup
                 yield i, view[c.offset - start : c.offset - start + c.length]
 
 
-def verify(
-    storage: Storage,
-    manifest: Manifest,
-    progress: Callable[[int], None] | None = None,
-    names: Iterable[str] | None = None,
-) -> None:
-    """Check sizes, every chunk's checksum and that it decodes to its raw length (of the
-    `names` tensors, default all); raise on the first problem. Never skips checksums."""
-    wanted = set(names) if names is not None else None
+def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None = None) -> None:
+    """Check sizes, every chunk's checksum and that it decodes to its raw length; raise on the
+    first problem. Never skips checksums."""
+    check_file_sizes(storage, manifest)
     by_file: dict[str, list[tuple[Chunk, str]]] = {}
     for t in manifest.tensors:
-        if wanted is None or t.name in wanted:
-            for c in (c for s in t.shards for c in s.chunks):
-                by_file.setdefault(c.file, []).append((c, t.name))
-    check_file_sizes(storage, manifest, by_file if wanted is not None else None)
+        for c in (c for s in t.shards for c in s.chunks):
+            by_file.setdefault(c.file, []).append((c, t.name))
     step_dir = step_dir_name(manifest.step)
     for name, jobs in by_file.items():
         jobs.sort(key=lambda j: j[0].offset)
@@ -140,14 +124,10 @@ def verify(
 
 
 def read_tensors(
-    storage: Storage,
-    manifest: Manifest,
-    names: Iterable[str] | None = None,
-    progress: Callable[[int], None] | None = None,
+    storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Read (and verify) whole tensors into new contiguous CPU tensors."""
-    wanted = set(names) if names is not None else {t.name for t in manifest.tensors}
-    regions = {t.name: ((0,) * len(t.shape), t.shape) for t in manifest.tensors if t.name in wanted}
+    """Read (and verify) every tensor whole into new contiguous CPU tensors."""
+    regions = {t.name: ((0,) * len(t.shape), t.shape) for t in manifest.tensors}
     return read_regions(storage, manifest, regions, progress=progress)
 
 
@@ -304,17 +284,19 @@ def _chunk_dest(c: Chunk, target: memoryview, where: str) -> memoryview:
     return dest
 
 
-def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool = False) -> None:
+def _read_chunk(f, c: Chunk, target: memoryview, where: str, skip: bool) -> None:
+    """A chunk of a local file into its place in `target`: a raw one read straight there."""
     dest = _chunk_dest(c, target, where)
     f.seek(c.offset)
-    if c.codec == "raw" and hasattr(f, "readinto") and c.length == len(dest):
+    if c.codec == "raw":  # (validated: a raw chunk stores exactly its raw bytes)
         _readinto_exact(f, dest, where)
         codec.check(dest, c.checksum, where, skip)
         return
-    _place_chunk(c, _read_exact(f, c.length, where), dest, where, skip)
+    data = memoryview(bytearray(c.length))
+    _readinto_exact(f, data, where)
+    _place_chunk(c, data, dest, where, skip)
 
 
 def _place_chunk(c: Chunk, data: bytes | memoryview, dest: memoryview, where: str, skip: bool) -> None:
-    """A chunk's stored bytes, checked, decoded into `dest` (its raw bytes' place)."""
     codec.check(data, c.checksum, where, skip)
     codec.decode(c.codec, data, len(dest), where, dest)

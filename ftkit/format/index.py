@@ -133,7 +133,7 @@ def _ranks(runs: Any, world: int, what: str) -> frozenset[int]:
             raise FormatError(f"the ranks of {what} are not [start, stop) pairs")
         start = _int(run[0], f"a rank of {what}", 0, world - 1)
         stop = _int(run[1], f"a rank of {what}", start + 1, world)
-        if any(r in out for r in (start, stop - 1)) or len(out) + stop - start > world:
+        if len(out) + stop - start > world or not out.isdisjoint(range(start, stop)):
             raise FormatError(f"the ranks of {what} overlap")
         out.update(range(start, stop))
     if not out:

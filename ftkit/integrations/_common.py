@@ -10,18 +10,9 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier, resolve_tiers
 from ftkit.errors import FtkitError, StorageError
 from ftkit.format.reader import committed_steps
-from ftkit.tiers.storage import redact_url
+from ftkit.tiers.redact import redact_url
 
 log = logging.getLogger("ftkit")
-
-
-def coerce_tiers(tiers: Sequence[Tier | str | dict] | Tier | str) -> list[Tier]:
-    if isinstance(tiers, (str, Tier)):
-        tiers = [tiers]
-    out = resolve_tiers(tiers)
-    if not out:
-        raise ValueError("at least one tier is needed")
-    return out
 
 
 def check_tiers_reachable(tiers: Sequence[Tier], who: str) -> dict[str, list[int]]:
@@ -44,7 +35,9 @@ class CallbackBase:
     def __init__(self, tiers: Sequence[Tier | str | dict] | Tier | str, every_n_steps: int, policy: str):
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an int >= 1, not {every_n_steps!r}")
-        self.tiers = coerce_tiers(tiers)
+        self.tiers = resolve_tiers([tiers] if isinstance(tiers, (str, Tier)) else tiers)
+        if not self.tiers:
+            raise ValueError("at least one tier is needed")
         self.every_n_steps = every_n_steps
         self.policy = policy
         self.checkpointer: Checkpointer | None = None
@@ -65,9 +58,7 @@ class CallbackBase:
 
     def close(self) -> None:
         """Flush pending snapshots and release the staging buffers; re-raise a background failure."""
-        ck, self.checkpointer = self.checkpointer, None
-        if ck is not None:
-            ck.close()
+        self._end_checkpointer(None, None, None)  # (the Checkpointer's __exit__ without an exception: close())
 
     def _close_quietly(self) -> None:
         try:

@@ -96,7 +96,9 @@ def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_
     else:
         raise FtkitError(f"FtkitCallback: FSDP state_dict_type {plugin.state_dict_type.name} is not supported")
     barrier()
-    seen = torch.tensor([1 if os.path.exists(marker) else 0], device=_collective_device() if distributed else "cpu")
+    nccl = distributed and "nccl" in str(dist.get_backend())  # its collectives take CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    seen = torch.tensor([1 if os.path.exists(marker) else 0], device=device)
     if distributed:
         dist.all_reduce(seen, op=dist.ReduceOp.MIN)
     if not seen.item():
@@ -105,9 +107,3 @@ def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_
             "the Trainer reads its weights from one directory: pass FtkitCallback(resume_dir=...) "
             "on a filesystem all nodes share"
         )
-
-
-def _collective_device() -> torch.device:
-    if "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

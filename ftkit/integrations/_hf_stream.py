@@ -27,9 +27,6 @@ class StreamPosition:
     samples: int
     per_epoch: int
 
-    def to_json(self) -> dict[str, int]:
-        return {"samples": self.samples, "per_epoch": self.per_epoch}
-
     @staticmethod
     def from_json(doc: Any) -> StreamPosition | None:
         if not isinstance(doc, dict):

@@ -109,7 +109,7 @@ class FtkitCallback(CallbackBase, TrainerCallback):
             at = self._layout.position(trainer_state.global_step) if self._layout is not None else None
             if at is not None and self._end is not None:  # a last step may pad past the end of the stream
                 at = StreamPosition(min(at.samples, self._end), at.per_epoch)
-            return {"world_size": world_size, "stream": at.to_json() if at is not None else None}
+            return {"world_size": world_size, "stream": dataclasses.asdict(at) if at is not None else None}
 
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         scaler = getattr(optimizer, "scaler", None)

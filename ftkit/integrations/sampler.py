@@ -74,18 +74,16 @@ class ResumableDistributedSampler(Sampler[int]):
         g.manual_seed(self.seed + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
-    def _rounds_left(self) -> int:
+    def __len__(self) -> int:
+        """The rounds left in this epoch (the last one partial, or dropped with drop_last)."""
         left = self.num_samples - self.position
         return left // self.num_replicas if self.drop_last else -(-left // self.num_replicas)
-
-    def __len__(self) -> int:
-        return self._rounds_left()
 
     def __iter__(self) -> Iterator[int]:
         # Computed now, not lazily: the loop advances the position while a
         # prefetching DataLoader is still pulling from this iterator.
         n, w = self.num_samples, self.num_replicas
-        offsets = torch.arange(self._rounds_left()) * w + (self.position + self.rank)
+        offsets = torch.arange(len(self)) * w + (self.position + self.rank)
         ahead = offsets // n  # 0, except in a last round that runs on into the next epoch(s)
         out = torch.empty_like(offsets)
         for k in ahead.unique().tolist():
@@ -101,7 +99,7 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError(f"cannot advance by {n} samples")
         # Epoch by epoch, so that drop_last skips each epoch's tail on the way.
         while n:
-            t = min(n, self._rounds_left())
+            t = min(n, len(self))
             self.position += t * self.num_replicas
             n -= t
             self._roll_over()

@@ -159,10 +159,9 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     if plan:
         origin["fetch_s"] = time.perf_counter() - t_fetch
     error = error or moved.first_failure(ctx.rank)
-    if error is None and manifest is None:  # (no error means the manifest was read above)
-        error = f"step {step}: the RAM tier manifest could not be read"
-    if error is not None or manifest is None:
+    if error is not None:
         return None, {"error": error, "mismatch": []}, origin
+    assert manifest is not None  # (no error: it was read above)
     return (*_read(rc, storage, step, manifest, regions, dtensors, in_place), origin)
 
 

@@ -91,5 +91,4 @@ class UndoCopy:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose bytes this rank holds: a DTensor's local shard, else the tensor."""
     return t.to_local() if is_dtensor(t) else t

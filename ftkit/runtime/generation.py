@@ -41,13 +41,9 @@ def suffix() -> str:
     return "" if _generation == 0 else f".g{_generation}"
 
 
-def advance() -> int:
-    """Start the next generation (a recovery re-formed the group); forget the request."""
-    return join(_generation + 1)  # (only the training loop's thread moves the generation)
-
-
 def join(number: int) -> int:
-    """Start generation `number` (a replacement for a killed worker: the survivors'; inprocess.py)."""
+    """Start generation `number` and forget the request: the next one after a recovery, or the
+    survivors' (a replacement for a killed worker; inprocess.py). Only the training loop's thread calls it."""
     global _generation, _requested
     with _lock:
         _generation, _requested = number, None
@@ -83,11 +79,6 @@ def request(verdict: Any) -> bool:
         if first:
             _requested = verdict
         return first
-
-
-def requested() -> Any:
-    """The verdict that asked for a recovery of the current generation, or None."""
-    return _requested
 
 
 def raise_if_requested() -> None:

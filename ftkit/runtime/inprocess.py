@@ -137,13 +137,11 @@ def run_in_process(
             recoveries += 1
             _tear_down(sockets)
             torn_t = time.time()
-            number = generation.advance()
+            number = generation.join(generation.current() + 1)
             fault_point("recover", number, rank)  # a drill's second fault, while the group re-forms
             try:
                 base.set(LATEST_KEY, str(number))  # (a replacement of a killed rank looks for it)
-                _meet(base, number, world, recovery_timeout_s, terms)
-                store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
-                sockets = _init_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+                sockets = _regroup(base, number, rank, world, backend, timeout, recovery_timeout_s, terms)
             except Exception as e:
                 _give_up(rank, number, e)
             boot.reset()
@@ -181,9 +179,7 @@ def _rejoin(backend: str, timeout: timedelta, wait_s: float) -> tuple[Any, set[t
     base = _namespace(store)
     number = _next_generation(base, world, wait_s)
     generation.join(number)
-    _meet(base, number, world, wait_s, _Terminations())
-    group_store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
-    sockets = _init_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
+    sockets = _regroup(base, number, rank, world, backend, timeout, wait_s, _Terminations())
     boot.mark("regrouped")
     log.warning("ftkit: rank %d's replacement joined generation %d", rank, number)
     return base, sockets
@@ -324,22 +320,29 @@ def _cut(sockets: set[tuple[int, int]]) -> None:
             continue
 
 
-def _meet(store: Any, number: int, world: int, timeout_s: float, terms: _Terminations) -> None:
-    """Wait until every rank has arrived at generation `number` (or raise RecoveryFailed)."""
+def _regroup(
+    base: Any, number: int, rank: int, world: int, backend: str, timeout: timedelta, wait_s: float, terms: _Terminations
+) -> set[tuple[int, int]]:
+    """Wait until every rank has arrived at generation `number` (or raise RecoveryFailed), then
+    build its default group under ``ftkit-gen/<number>/pg``; the group's sockets (_init_group)."""
+    import torch.distributed as dist
+
     key = f"ftkit-gen/{number}/arrived"
-    store.add(key, 1)
-    end = time.monotonic() + timeout_s
+    base.add(key, 1)
+    end = time.monotonic() + wait_s
     delay = 0.001
     while True:
         if terms.signum is not None:  # (the handler ends the process; this is for a script's own handler)
             raise RecoveryFailed(f"signal {terms.signum} while waiting for generation {number}")
-        arrived = int(store.add(key, 0))
+        arrived = int(base.add(key, 0))
         if arrived >= world:
-            return
+            break
         if time.monotonic() > end:
-            raise RecoveryFailed(f"{arrived} of {world} ranks arrived for generation {number} within {timeout_s:g}s")
+            raise RecoveryFailed(f"{arrived} of {world} ranks arrived for generation {number} within {wait_s:g}s")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+    group_store = dist.PrefixStore(f"ftkit-gen/{number}/pg", base)
+    return _init_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _give_up(rank: int, number: int, e: BaseException) -> NoReturn:

@@ -48,7 +48,7 @@ def _heartbeat_running() -> bool:
     return any(t.name == WATCHDOG_THREAD and t.is_alive() for t in threading.enumerate())
 
 
-def _report_milestones(directory: str, interval_s: float = 0.1) -> None:
+def _report_milestones(directory: str) -> None:
     """The reporting thread: phase by phase until the first heartbeat."""
     import torch.distributed as dist
 
@@ -61,18 +61,18 @@ def _report_milestones(directory: str, interval_s: float = 0.1) -> None:
             if _heartbeat_running():
                 _write_phase(directory, "heartbeat")
                 return
-            time.sleep(interval_s)
+            time.sleep(0.1)
     except OSError:  # the directory is gone (ftkit run ended): nothing left to tell
         return
 
 
-def start_reporting(environ=os.environ) -> bool:
+def start_reporting() -> bool:
     """Start the milestone reporter if ftkit run asked for one. True if started."""
-    directory = environ.get(STARTUP_DIR_ENV)
+    directory = os.environ.get(STARTUP_DIR_ENV)
     if not directory:
         return False
     try:
-        if int(environ.get("WORLD_SIZE", "1")) <= 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             _write_phase(directory, "single")
             return True
         _write_phase(directory, "started")

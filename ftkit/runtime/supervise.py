@@ -148,13 +148,13 @@ class StartupWatch:
     Polls torchrun's children every `interval_s` and the status files launch.py writes to `status_dir`.
     """
 
-    def __init__(self, agent_pid: int, status_dir: str, bound_s: float, run_dir: str | None, interval_s: float = 0.5):
+    interval_s = 0.5
+
+    def __init__(self, agent_pid: int, status_dir: str, bound_s: float, run_dir: str):
         self.agent_pid = agent_pid
         self.status_dir = status_dir
         self.bound_s = bound_s
         self.run_dir = run_dir
-        self.interval_s = interval_s
-        self.endings: list[dict] = []  # one per group ended (for the caller and tests)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftkit-startup-watch", daemon=True)
         self._seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> when first seen (monotonic)
@@ -247,7 +247,6 @@ class StartupWatch:
                 "latency_s": waited,
                 "why": why,
             }
-            self.endings.append(event)
             self._log(event)
         for key, proc in workers:
             self._ended.add(key)
@@ -255,8 +254,6 @@ class StartupWatch:
                 proc.kill()  # psutil checks it is still that process (pid reuse)
 
     def _log(self, event: dict) -> None:
-        if not self.run_dir:
-            return
         try:
             os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
             with open(os.path.join(self.run_dir, "events", "ftkit-run.jsonl"), "a") as f:

@@ -10,8 +10,6 @@ import torch
 
 
 class DeviceOps:
-    """Every CUDA call the staging path makes, in one place."""
-
     def available(self) -> bool:
         return torch.cuda.is_available()
 

@@ -16,16 +16,11 @@ _holders = 0
 _resume = False  # whether the collector was on when the first holder paused it
 
 
-def enabled() -> bool:
-    """Whether persists hold the collector off (FTKIT_PERSIST_GC=on: they do not)."""
-    return os.environ.get("FTKIT_PERSIST_GC", "").lower() not in ("on", "1", "true", "yes")
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """The cyclic collector off for the block (from any thread; blocks may overlap)."""
     global _holders, _resume
-    if not enabled():
+    if os.environ.get("FTKIT_PERSIST_GC", "").lower() in ("on", "1", "true", "yes"):
         yield
         return
     with _lock:

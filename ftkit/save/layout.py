@@ -21,8 +21,6 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each tensor of a snapshot lives in one flat byte buffer."""
-
     entries: tuple[TensorSlot, ...]
     total_bytes: int
 

@@ -121,9 +121,15 @@ class PersistPipeline:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                self.persist_job(job)
+                try:
+                    self.persist_job(job)
+                finally:
+                    self.release(job.slot)
+            except Exception as e:  # e.g. the slot's copies failed (a device error): for wait(); the thread goes on
+                log.error("the persist job of step %d failed: %s", job.step, e)
+                with self._lock:
+                    self._errors.append(e)
             finally:
-                self.release(job.slot)
                 self._jobs.task_done()
         self._jobs.task_done()  # the stop mark's
 

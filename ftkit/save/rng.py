@@ -14,7 +14,6 @@ import torch
 
 @functools.cache
 def numpy_module():
-    """numpy, if installed."""
     try:
         import numpy
     except ImportError:  # optional

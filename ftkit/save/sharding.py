@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from ftkit.format.tiling import byte_span, overlap  # noqa: F401 (region geometry lives with the format)
+from ftkit.save.capture import RNG_KEY
 from ftkit.save.layout import Layout
 
 SPLIT_BYTES = 1 << 20  # replicated tensors at least this big are split across ranks
+RNG_TENSORS = f"{RNG_KEY}/"
 
 REPLICATED, SHARDED, RANK_LOCAL = "replicated", "sharded", "rank-local"
 
@@ -65,17 +67,16 @@ def row_block(n: int, parts: int, i: int) -> tuple[int, int]:
 
 
 def plan_pieces(
-    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int, rng_prefix: str = "_rng/"
+    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int
 ) -> list[tuple[Piece, torch.Tensor]]:
     """The pieces this rank saves, each with the source tensor (view) to copy from."""
-    return planned(named, rank, world_size, rng_prefix)[0]
+    return planned(named, rank, world_size)[0]
 
 
 def planned(
     named: Sequence[tuple[str, torch.Tensor]],
     rank: int,
     world_size: int,
-    rng_prefix: str = "_rng/",
     plans: dict[tuple, Any] | None = None,
     layouts: dict[tuple, Layout] | None = None,
 ) -> tuple[list[tuple[Piece, torch.Tensor]], Layout]:
@@ -83,13 +84,13 @@ def planned(
     only on names, shapes and dtypes: they are kept in `plans` and `layouts` (the
     Checkpointer's and its arena's; None: made anew) and only the sources are sliced."""
     if any(is_dtensor(t) for _, t in named):
-        pieces = _plan_pieces(named, rank, world_size, rng_prefix)
+        pieces = _plan_pieces(named, rank, world_size)
         return pieces, Layout.of([(p.name, src) for p, src in pieces], layouts)
-    signature = (rank, world_size, rng_prefix, tuple((n, t.shape, t.dtype) for n, t in named))
+    signature = (rank, world_size, tuple((n, t.shape, t.dtype) for n, t in named))
     cached = plans.get(signature) if plans is not None else None
     if cached is None:
         index = {n: i for i, (n, _) in enumerate(named)}
-        pieces = _plan_pieces(named, rank, world_size, rng_prefix)
+        pieces = _plan_pieces(named, rank, world_size)
         steps = [(p, index[p.name], p.offsets[0] if p.lengths != p.global_shape else None) for p, _ in pieces]
         cached = (steps, Layout.of([(p.name, src) for p, src in pieces]))
         if plans is not None:
@@ -103,7 +104,7 @@ def planned(
 
 
 def _plan_pieces(
-    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int, rng_prefix: str
+    named: Sequence[tuple[str, torch.Tensor]], rank: int, world_size: int
 ) -> list[tuple[Piece, torch.Tensor]]:
     mine: list[tuple[Piece, torch.Tensor]] = []
     load = [0] * world_size  # bytes assigned per rank, for balancing small tensors
@@ -114,7 +115,7 @@ def _plan_pieces(
             if primary:
                 mine.append((Piece(name, SHARDED, shape, offsets, lengths), t.to_local()))
             continue
-        if name.startswith(rng_prefix):
+        if name.startswith(RNG_TENSORS):  # this rank's RNG and RankLocal state
             mine.append((Piece(name, RANK_LOCAL, shape, (0,) * len(shape), shape), t))
             continue
         nbytes = t.numel() * t.element_size()

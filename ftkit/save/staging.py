@@ -49,9 +49,9 @@ DEVICE: DeviceOps = DeviceOps()
 class Slot:
     """One staging buffer and what is staged in it."""
 
-    def __init__(self, pin: bool, ops: DeviceOps | None = None, side_stream: Any = None):
+    def __init__(self, pin: bool, ops: DeviceOps, side_stream: Any = None):
         self.pin = pin
-        self.ops = ops if ops is not None else DEVICE
+        self.ops = ops
         self._side = side_stream  # a callable giving the arena's side stream, or None
         self.capacity = 0
         self.buffer = torch.empty(0, dtype=torch.uint8)
@@ -241,7 +241,7 @@ class StagingArena:
             )
         return min(self.max_slots, int(fit))
 
-    def acquire(self, layout: Layout, wait: bool, timeout: float | None = None) -> Slot | None:
+    def acquire(self, layout: Layout, wait: bool) -> Slot | None:
         """A free slot sized for `layout`, or None when all are busy and not `wait`ing."""
         n = self._slots_for(layout)
         dropped: list[Slot] = []
@@ -261,9 +261,10 @@ class StagingArena:
                     slot = max(free, key=lambda s: s.capacity >= layout.total_bytes)
                     slot.busy = True
                     break
-                if not (wait and self._cond.wait(timeout)):
+                if not wait:
                     slot = None
                     break
+                self._cond.wait()
         for s in dropped:
             s.ready()
             s._free_buffer()

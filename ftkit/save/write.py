@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ftkit.errors import AlreadyCommitted, StorageError
@@ -43,7 +43,6 @@ def write_data(
     *,
     compress: str | None,
     rank: int = 0,
-    progress: Callable[[int], None] | None = None,
 ) -> RankWrite:
     """Write every staged tensor of `slot` into one new data file of `step`. `pieces`: the
     region of a global tensor each is (default: whole, replicated). Uncompressed, the file
@@ -78,8 +77,6 @@ def write_data(
                 chunks.append(
                     Chunk(file_name, at, len(stored), raw_off, len(piece), codec_name, codec.checksum(stored))
                 )
-                if progress:
-                    progress(len(piece))
             p = (pieces or {}).get(e.name) or Piece(e.name, REPLICATED, e.shape, (0,) * len(e.shape), e.shape)
             shard = Shard(p.offsets, p.lengths, tuple(chunks), rank)
             entries.append(TensorEntry(e.name, dtype_name(e.dtype), p.global_shape, (shard,), p.kind))

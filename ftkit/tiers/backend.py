@@ -25,9 +25,9 @@ from ftkit.commit.ram import persist_node_local, report_skipped_node_local
 from ftkit.commit.shared import persist, report_skipped_shared
 from ftkit.coord.news import UNHEARD_LIMIT, CommitNews, Settled, publish
 from ftkit.format.index import is_part_file
-from ftkit.format.manifest import step_dir_name
+from ftkit.format.manifest import RETIRED_MANIFEST, step_dir_name
 from ftkit.format.reader import scan
-from ftkit.tiers.lifecycle import RETIRED_MANIFEST, delete_step, retire_step
+from ftkit.tiers.lifecycle import delete_step, retire_step
 from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
 
 log = logging.getLogger("ftkit")
@@ -98,9 +98,6 @@ class TierBackend(ABC):
 
     def committed_steps(self) -> list[int]:
         return [d.step for d in scan(self.storage) if d.committed]
-
-    def delete_step(self, step: int) -> None:
-        delete_step(self.storage, step)
 
     def apply_retention(self, protect: int) -> list[int]:
         """Delete the committed steps the tier's keep/keep_every no longer keep; return them."""
@@ -210,4 +207,4 @@ class NodeRamTier(TierBackend):
         return {**cpu, **({"replicate": run} if run else {})}
 
     def supersede(self, step: int) -> None:
-        self.delete_step(step)  # this run's cache: nothing to keep
+        delete_step(self.storage, step)  # this run's cache: nothing to keep

@@ -9,8 +9,7 @@ from typing import Any
 
 import fsspec
 
-from ftkit.errors import StorageError, UnknownProtocolError
-from ftkit.errors import one_line as _one_line
+from ftkit.errors import StorageError, UnknownProtocolError, one_line
 from ftkit.tiers.redact import redact_url
 
 # Protocols whose fsspec backend lives in another package: the install hint.
@@ -76,5 +75,5 @@ def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str,
             ) from None
         raise StorageError(scrub(f"{shown}: bad storage URL or options: {e}", secrets)) from None
     except Exception as e:
-        raise StorageError(scrub(f"{shown}: cannot open storage: {_one_line(e)}", secrets)) from None
+        raise StorageError(scrub(f"{shown}: cannot open storage: {one_line(e)}", secrets)) from None
     return fs, root, protocol, secrets

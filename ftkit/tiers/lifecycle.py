@@ -12,8 +12,6 @@ from ftkit.errors import StorageError
 from ftkit.format.manifest import MANIFEST_NAME, RETIRED_MANIFEST, step_dir_name
 from ftkit.tiers.storage import Storage
 
-__all__ = ["RETIRED_MANIFEST", "delete_step", "retire_step"]
-
 
 def delete_step(storage: Storage, step: int) -> None:
     """Remove a step: manifest first, so it stops existing before its data goes."""

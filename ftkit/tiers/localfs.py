@@ -105,12 +105,9 @@ def on_volatile_fs(path: str) -> bool:
     return kind in VOLATILE_FS
 
 
-SMALL_WRITE = 2**20  # metadata (a part, an index): a few syscalls, not a buffered file object
-
-
-def write_small(full: str, data: bytes, sync: bool = True) -> None:
-    """Storage.open_write for a small local file in one write, without a buffered file object:
-    temporary name, fsync, rename, fsync of the directory (no fsync when not `sync`)."""
+def write_whole(full: str, data: bytes, sync: bool = True) -> None:
+    """Storage.open_write for bytes already whole, without a buffered file object: temporary
+    name, fsync, rename, fsync of the directory (no fsync when not `sync`)."""
     tmp = f"{full}.tmp-{os.urandom(4).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:

@@ -19,12 +19,9 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from ftkit.errors import FtkitError, StorageError
-from ftkit.errors import one_line as _one_line
+from ftkit.errors import FtkitError, StorageError, one_line
 from ftkit.tiers.backends import open_fs, scrub
-from ftkit.tiers.localfs import SMALL_WRITE, no_links_within, on_volatile_fs, open_regular, write_small
-from ftkit.tiers.localfs import fsync_dir as _fsync_dir
-from ftkit.tiers.localfs import local_kind as _local_kind
+from ftkit.tiers.localfs import fsync_dir, local_kind, no_links_within, on_volatile_fs, open_regular, write_whole
 from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
 from ftkit.tiers.uploads import abort_upload, list_incomplete_uploads
 
@@ -58,14 +55,14 @@ class Storage:
                 raise StorageError(f"no space left on device while {action} {self.where(rel)}") from None
             if isinstance(e, PermissionError):
                 raise StorageError(f"permission denied while {action} {self.where(rel)}") from None
-            raise StorageError(scrub(f"{action} {self.where(rel)} failed: {_one_line(e)}", self._secrets)) from None
+            raise StorageError(scrub(f"{action} {self.where(rel)} failed: {one_line(e)}", self._secrets)) from None
 
     def list_dir(self, rel: str = "") -> list[tuple[str, str]]:
         """(name, kind) of the entries below `rel`, [] when it does not exist; kind: "file",
         "directory", and locally "link" (never followed) or "other" (FIFO, socket, device)."""
         if self.is_local:  # the RAM tier lists at every commit: skip fsspec's per-entry info()
             with self._errors("listing", rel):
-                return [(e.name, _local_kind(e)) for e in self._scandir(rel)]
+                return [(e.name, local_kind(e)) for e in self._scandir(rel)]
         return [
             (e["name"].rstrip("/").rsplit("/", 1)[-1], "directory" if e.get("type") == "directory" else "file")
             for e in self._ls(rel)
@@ -76,10 +73,9 @@ class Storage:
         if self.is_local:
             with self._errors("listing", rel):
                 if names is None:  # a file removed after the listing (retention) is not listed
-                    files = (e for e in self._scandir(rel) if e.is_file(follow_symlinks=False))
-                    stats = ((e.name, _lstat(e.path)) for e in files)
-                    return {n: st.st_size for n, st in stats if st is not None and stat.S_ISREG(st.st_mode)}
-                self._no_links_within(rel)
+                    names = [e.name for e in self._scandir(rel) if e.is_file(follow_symlinks=False)]
+                else:
+                    self._no_links_within(rel)
                 stats = ((n, _lstat(os.path.join(self.path(rel), n))) for n in names)
                 return {n: st.st_size for n, st in stats if st is not None and stat.S_ISREG(st.st_mode)}
         listed = {
@@ -211,7 +207,7 @@ class Storage:
                         os.remove(tmp)
                     raise
                 if self.sync:
-                    _fsync_dir(os.path.dirname(full))
+                    fsync_dir(os.path.dirname(full))
             else:
                 f = self.fs.open(full, "wb", block_size=64 * 2**20)
                 try:
@@ -223,14 +219,10 @@ class Storage:
                 f.close()  # completes the (multipart) upload: the object appears now
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
-        if self.is_local and len(data) > SMALL_WRITE:
-            with self.open_write(rel) as f:
-                f.write(data)
-            return
         with self._errors("writing", rel):
             if self.is_local:
                 self._no_links_within(rel)
-                write_small(self.path(rel), data, self.sync)
+                write_whole(self.path(rel), data, self.sync)
             else:
                 self.fs.pipe_file(self.path(rel), data)
 
@@ -264,7 +256,7 @@ class Storage:
                 self._no_links_within(new_rel)
                 os.replace(self.path(rel), self.path(new_rel))
                 if self.sync:
-                    _fsync_dir(os.path.dirname(self.path(new_rel)))
+                    fsync_dir(os.path.dirname(self.path(new_rel)))
             else:
                 self.fs.mv(self.path(rel), self.path(new_rel))
 

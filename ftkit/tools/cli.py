@@ -15,7 +15,7 @@ from ftkit.errors import FtkitError, UsageError
 from ftkit.tools import protocol
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from ftkit.tools.commands import cmd_inspect, cmd_ls, cmd_report, cmd_restore, cmd_verify
-from ftkit.tools.gc import cmd_gc
+from ftkit.tools.gc import DEFAULT_GRACE_S, cmd_gc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--grace",
         type=float,
-        default=3600.0,
+        default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help="leave partial steps and incomplete uploads younger than this alone (default 3600)",
     )
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    if getattr(args, "keep", 1) is not None and getattr(args, "keep", 1) < 1:
+    if getattr(args, "keep", None) is not None and args.keep < 1:
         parser.error("--keep must be at least 1")
     try:
         return args.func(args)

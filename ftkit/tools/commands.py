@@ -132,13 +132,21 @@ def cmd_verify(args) -> int:
 
 
 def cmd_restore(args) -> int:
+    """`ftkit restore` and `ftkit export`, of an ftkit step or (dcp_commands.restore) a DCP checkpoint."""
     from ftkit.tools.export import export
 
+    resharding = getattr(args, "world_size", None) is not None  # (`ftkit export` has no --world-size)
+    if resharding and args.world_size < 1:
+        raise UsageError("--world-size must be at least 1")
+    if resharding and args.format != "torch":
+        raise UsageError("--world-size writes an ftkit checkpoint directory; --format does not apply")
+    if not resharding and args.format != "dcp" and os.path.exists(args.out) and not args.force:
+        raise UsageError(f"{args.out} already exists; remove it or pass --force")
     storage, step = open_tier(args)
     if found := dcp_checkpoints(storage):
         return dcp_commands.restore(args, storage, found)
     m = newest_manifest(storage, step)
-    if getattr(args, "world_size", None) is not None:
+    if resharding:
         return _reshard(args, storage, m)
     if args.format == "dcp":  # written by DCP's own writer
         from ftkit.dcp.foreign import export_step
@@ -147,10 +155,8 @@ def cmd_restore(args) -> int:
             export_step(storage, m, args.out, progress=update, overwrite=args.force)
         text = f"wrote step {m.step} of {storage.display_url} as a DCP checkpoint to {args.out} ("
     else:
-        if os.path.exists(args.out) and not args.force:
-            raise UsageError(f"{args.out} already exists; remove it or pass --force")
         with progress_bar(m.total_raw_bytes, f"restore step {m.step}") as update:
-            export(storage, m, args.out, args.format, overwrite=args.force, progress=update)
+            export(storage, m, args.out, args.format, progress=update)
         text = f"restored step {m.step} from {storage.display_url} to {args.out} ({args.format}, "
     payload = {"step": m.step, "out": args.out, "format": args.format, "bytes": m.total_raw_bytes}
     emit(args, payload, f"{text}{human(m.total_raw_bytes)})")
@@ -160,10 +166,6 @@ def cmd_restore(args) -> int:
 def _reshard(args, storage: Storage, m: Manifest) -> int:
     from ftkit.tools.reshard import reshard
 
-    if args.world_size < 1:
-        raise UsageError("--world-size must be at least 1")
-    if args.format != "torch":
-        raise UsageError("--world-size writes an ftkit checkpoint directory; --format does not apply")
     dst = Storage(args.out, storage_options=json.loads(args.storage_options) if args.storage_options else None)
     try:
         with progress_bar(m.total_raw_bytes, f"reshard step {m.step}") as update:

@@ -4,7 +4,6 @@ no ftkit step. DCP stores no checksums: `verify` says what it checked, and never
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from typing import Any
@@ -115,7 +114,8 @@ def verify(args, storage: Storage, found: list[str]) -> int:
 
 
 def restore(args, storage: Storage, found: list[str]) -> int:
-    """A DCP checkpoint to one torch or safetensors file, or (--world-size M) to an ftkit checkpoint."""
+    """A DCP checkpoint to one torch or safetensors file, or (--world-size M) to an ftkit checkpoint;
+    the options are checked already (commands.cmd_restore)."""
     from ftkit.tools.export import write_file
 
     rel = _pick(storage, found, args.step)
@@ -123,10 +123,8 @@ def restore(args, storage: Storage, found: list[str]) -> int:
         raise UsageError("the source is a DCP checkpoint already")
     sd = foreign.read_all(storage, rel)
     step = foreign._number(rel) if rel else 0
-    if args.world_size is not None:
+    if getattr(args, "world_size", None) is not None:
         return _to_ftkit(args, storage, rel, sd, max(step, 0))
-    if os.path.exists(args.out) and not args.force:
-        raise UsageError(f"{args.out} already exists; remove it or pass --force")
     if args.format != "torch":  # safetensors: the tensors by name
         sd = {k: v for k, v in foreign._flatten(sd).items() if isinstance(v, torch.Tensor)}
     write_file(args.out, args.format, sd, {"ftkit_source": "dcp"})

@@ -21,8 +21,6 @@ from ftkit.format.manifest import Manifest
 from ftkit.save import capture as cap
 from ftkit.tiers.storage import Storage
 
-FORMATS = ("torch", "safetensors")
-
 
 def to_nested(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The state as the training code held it, plus "_ftkit" (step, world size)."""
@@ -47,14 +45,10 @@ def export(
     out_path: str,
     fmt: str,
     *,
-    overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Read and verify `manifest`'s step, then write it to `out_path` atomically."""
-    if fmt not in FORMATS:
-        raise FtkitError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
-    if os.path.exists(out_path) and not overwrite:
-        raise FtkitError(f"{out_path} already exists; remove it or pass --force")
+    """Read and verify `manifest`'s step, then write it to `out_path` atomically (`fmt` and an
+    existing `out_path` are checked by the caller, commands.cmd_restore)."""
     parent = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(parent):
         raise FtkitError(f"{parent}: output directory does not exist")

@@ -47,7 +47,6 @@ def reshard(
     dst: Storage,
     world_size: int,
     *,
-    compress: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Write `manifest`'s step to `dst` laid out for `world_size` ranks; return the new manifest."""
@@ -63,7 +62,7 @@ def reshard(
             try:
                 slot.fill(named)
                 writes.append(
-                    write_data(dst, manifest.step, slot, {p.name: p for p, _ in pieces}, compress=compress, rank=rank)
+                    write_data(dst, manifest.step, slot, {p.name: p for p, _ in pieces}, compress=None, rank=rank)
                 )
             finally:
                 arena.release(slot)

@@ -133,6 +133,21 @@ def test_a_dcp_checkpoint_restores_to_one_file_or_to_ftkit_for_another_world_siz
     _assert_equal(_whole(via), want)
 
 
+def test_a_dcp_checkpoint_is_refused_a_bad_world_size_or_format_as_an_ftkit_step_is(titan, tmp_path):
+    root, _ = titan
+    out = tmp_path / "ftkit"
+    for args, said in (
+        (("--world-size", "0"), "--world-size must be at least 1"),
+        (("--world-size", "2", "--format", "safetensors"), "--format does not apply"),
+    ):
+        r = run_cli("restore", str(root), "--out", str(out), *args)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not out.exists()
+    # `ftkit export` (no --world-size) of a DCP checkpoint: one torch file, as `ftkit restore` writes.
+    r = run_cli("export", str(root), "--out", str(tmp_path / "full.pt"))
+    assert r.returncode == 0 and (tmp_path / "full.pt").exists(), r.stderr
+
+
 def test_a_checkpointer_step_exported_to_dcp_is_read_by_dcp_load_and_dcp_to_torch_save(tmp_path):
     model, opt = _trained(3)
     state = {"model": model, "optim": opt, "epoch": 4}

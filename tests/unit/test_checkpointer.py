@@ -330,3 +330,29 @@ def test_rank_local_entries_come_back_to_their_rank_and_refuse_what_cannot_be_re
     assert set(manifest.skeleton["entries"]) == {"w"} and set(manifest.rank_state["0"]["local"]) == {"pos", "counters"}
     with pytest.raises(TypeError, match="RankLocal wraps"):
         ftkit.RankLocal(3)
+
+
+def test_a_slot_that_cannot_be_released_fails_wait_and_the_persist_thread_goes_on():
+    """A device error when a job's slot is released (its copies' events raise) is kept for
+    wait(), like a failed persist; the thread lives on, so wait() does not hang."""
+    from types import SimpleNamespace
+
+    from ftkit.coord.dist import DistContext
+    from ftkit.save.pipeline import PersistJob, PersistPipeline, Stats
+
+    released = []
+
+    def release(slot):
+        released.append(slot)
+        if slot == "a":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    opened = SimpleNamespace(backends=[], keys={})
+    pipeline = PersistPipeline(opened, DistContext(), Stats(), lambda *a, **k: None, release)
+    for step, slot in ((1, "a"), (2, "b")):
+        pipeline.submit(PersistJob(slot, step, {}, [], {}, {}, 0))  # type: ignore[arg-type]
+    pipeline.drain(5)
+    assert pipeline._jobs.unfinished_tasks == 0 and released == ["a", "b"]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pipeline.wait()
+    assert pipeline.close(5)

@@ -21,6 +21,7 @@ from conftest import make_state, run_cli, snapshot_values
 import ftkit
 from ftkit.errors import FormatError
 from ftkit.format.data import read_tensors
+from ftkit.format.index import parse_index
 from ftkit.format.manifest import MANIFEST_NAME, manifest_json, step_dir_name
 from ftkit.format.part import decode_part, encode_part_docs
 from ftkit.format.reader import load_manifest
@@ -212,3 +213,12 @@ def test_the_single_document_of_version_2_is_still_read(two_nodes, tmp_path):
     assert doc["format_version"] == 2 and "tensors" in doc
     assert _load(root).format_version == 2
     _assert_restores(root, values)
+
+
+def test_a_parts_rank_runs_may_not_overlap():
+    # [0, 6) holds [2, 3) without sharing its ends; the set of ranks alone covers the world
+    ref = {"file": "part-00000-aaaaaaaa.json", "bytes": 1, "checksum": "xxh3_64:" + "0" * 16}
+    doc = {"step": 1, "world_size": 7, "parts": [{**ref, "ranks": [[2, 3], [0, 6]]}]}
+    doc["parts"].append({**ref, "file": "part-00006-bbbbbbbb.json", "ranks": [[6, 7]]})
+    with pytest.raises(FormatError, match="overlap"):
+        parse_index(doc, "the index")

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import torch
 
 import ftkit
+from ftkit.coord.events import EventLog, read_events
 from ftkit.coord.preemption import PreemptionHandler, parse_preemption_notice, preemption_notice
 from ftkit.coord.requeue import requeue, slurm_job_id
 from ftkit.format.reader import committed_steps
@@ -144,3 +146,21 @@ def test_no_step_within_the_deadline_still_requeues_before_exiting(tmp_path, sco
     assert r.returncode == 128 + signal.SIGUSR1, r.stderr[-2000:]
     assert scontrol() == ["requeue 4242"]
     assert "no step ended within the" in r.stderr and "job 4242 requeued" in r.stderr
+
+
+def test_a_signal_landing_inside_an_event_write_does_not_deadlock(tmp_path):
+    """The handler runs on the thread it interrupts, which may be inside EventLog.emit with its
+    lock held (an event every step): the preemption's own event must not wait on it forever."""
+    events = EventLog(str(tmp_path), 0)
+    h = PreemptionHandler([signal.SIGTERM], 60, events.emit)
+
+    def interrupted_mid_emit() -> None:
+        with events._lock:  # where the signal landed
+            h.request(signal.SIGTERM)
+
+    t = threading.Thread(target=interrupted_mid_emit, daemon=True)  # (a deadlock stays in the thread)
+    t.start()
+    t.join(timeout=10)
+    h.done()
+    assert not t.is_alive(), "the preemption request deadlocked on the event log's lock"
+    assert [e["event"] for e in read_events(str(tmp_path))] == ["preempt"]

@@ -206,7 +206,7 @@ def test_direct_write_outside_the_optimizer_needs_the_fence(fake, tmp_path):
             before = net.w.detach().clone()
             ck.snapshot(1)
             if fenced:
-                getattr(ck, "fence", ck._fence_hook)()  # what optimizer.step() runs first
+                ck.fence()  # what optimizer.step() runs first
             net.w.data.mul_(2.0)  # e.g. an EMA or weight projection before the next step
             dev.background_gate.set()
             ck.wait()

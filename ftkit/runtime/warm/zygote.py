@@ -45,8 +45,6 @@ MAX_PENDING = 64  # requests read at once; more connections wait in the listener
 
 
 class Zygote:
-    """A running zygote, as its starter holds it."""
-
     def __init__(self, proc: subprocess.Popen, directory: str):
         self.proc = proc
         self.directory = directory
