@@ -273,9 +273,11 @@ class Watchdog:
 
     def _set_node_beat(self, done: bool = False) -> None:
         """The node's heartbeat, to its key in the store (a leader; one request)."""
+        self.ctx.store.set(f"wd/node/{self.node_index}", self._node_beat(done).pack())
+
+    def _node_beat(self, done: bool = False) -> NodeBeat:  # (also bench_scale's floor: the same bytes)
         beats = [b for b in self._local_beats.values() if b is not None] + [self._mine or self._beat()]
-        node_beat = NodeBeat(self._seq, self.ctx.rank, tuple(b.timing for b in beats), done)
-        self.ctx.store.set(f"wd/node/{self.node_index}", node_beat.pack())
+        return NodeBeat(self._seq, self.ctx.rank, tuple(b.timing for b in beats), done)
 
     def _exchange(self) -> tuple[dict[int, NodeBeat | None], Verdict | None, tuple[int, int] | None, int]:
         """The leader's round trip with the store: publish the node's heartbeat; read the

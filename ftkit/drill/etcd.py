@@ -46,6 +46,8 @@ class Etcd:
     ``with Etcd(fab) as etcd:`` (or :meth:`start` ... :meth:`stop`), then ``--rdzv-endpoint`` :attr:`endpoint`.
     """
 
+    port = CLIENT_PORT  # its client port, on its host's address
+
     def __init__(self, fabric: Fabric, host: Host | None = None, *, log: IO[Any] | None = None) -> None:
         self.fabric = fabric
         self.host = host
@@ -57,7 +59,7 @@ class Etcd:
         """``address:port`` of its client URL, as ``--rdzv-endpoint`` wants it."""
         if self.host is None:
             raise HostsError("etcd is not started")
-        return f"{self.host.address}:{CLIENT_PORT}"
+        return f"{self.host.address}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> Etcd:
         """Start etcd and wait until it is healthy with the v2 API on."""
@@ -65,7 +67,7 @@ class Etcd:
             raise HostsError("etcd is not on PATH (scripts/setup.sh installs Debian's etcd-server)")
         host = self.host = self.host or self.fabric.add_host("etcd")
         argv = ["etcd", "--name", "ftkh-etcd", "--data-dir", "/tmp/ftkh-etcd", "--enable-v2"]
-        argv += ["--listen-client-urls", f"http://0.0.0.0:{CLIENT_PORT}"]
+        argv += ["--listen-client-urls", f"http://0.0.0.0:{self.port}"]
         argv += ["--advertise-client-urls", f"http://{self.endpoint}"]
         peer = "http://127.0.0.1:2380"  # one member: peers on its own loopback
         argv += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer]
@@ -76,7 +78,7 @@ class Etcd:
         while True:
             if self.proc.poll() is not None:
                 raise HostsError(f"etcd exited with {self.proc.returncode} before it was healthy")
-            r = host.call([sys.executable, "-S", "-c", _PROBE, f"http://127.0.0.1:{CLIENT_PORT}"], timeout=10)
+            r = host.call([sys.executable, "-S", "-c", _PROBE, f"http://127.0.0.1:{self.port}"], timeout=10)
             if r.returncode == 0:
                 return self
             last = r.stdout.strip() or r.stderr.strip()
