@@ -18,6 +18,16 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 def open_tier(args) -> tuple[Storage, int | None]:
     """The tier at args.url; a URL ending in a step directory selects that step."""
+    url = args.url.rstrip("/")
+    step = getattr(args, "step", None)
+    head, slash, tail = url.rpartition("/")
+    if slash and (named := parse_step_dir(tail)) is not None:
+        url, step = head, (step if step is not None else named)
+    return open_url(args, url), step
+
+
+def open_url(args, url: str) -> Storage:
+    """Storage at `url` (the source, or a restore's --out tier) with --storage-options."""
     options: dict[str, Any] = {}
     if args.storage_options:
         try:
@@ -26,16 +36,10 @@ def open_tier(args) -> tuple[Storage, int | None]:
             raise UsageError(f"--storage-options is not valid JSON: {e.msg}") from None
         if not isinstance(options, dict):
             raise UsageError("--storage-options must be a JSON object")
-    url = args.url.rstrip("/")
-    step = getattr(args, "step", None)
-    head, slash, tail = url.rpartition("/")
-    if slash and (named := parse_step_dir(tail)) is not None:
-        url, step = head, (step if step is not None else named)
     try:
-        storage = Storage(url, options)
+        return Storage(url, options)
     except UnknownProtocolError as e:
         raise UsageError(str(e)) from None
-    return storage, step
 
 
 @contextmanager

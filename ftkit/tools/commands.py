@@ -3,7 +3,6 @@ A URL that holds DCP checkpoints and no ftkit step goes to tools/dcp_commands.py
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
 from typing import Any
@@ -14,7 +13,7 @@ from ftkit.format.manifest import Manifest
 from ftkit.format.reader import load_manifest, newest_manifest, scan
 from ftkit.tiers.storage import Storage
 from ftkit.tools import dcp_commands
-from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, progress_bar, summary, when
+from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, open_url, progress_bar, summary, when
 from ftkit.tools.dcp_commands import dcp_checkpoints
 
 
@@ -166,7 +165,7 @@ def cmd_restore(args) -> int:
 def _reshard(args, storage: Storage, m: Manifest) -> int:
     from ftkit.tools.reshard import reshard
 
-    dst = Storage(args.out, storage_options=json.loads(args.storage_options) if args.storage_options else None)
+    dst = open_url(args, args.out)
     try:
         with progress_bar(m.total_raw_bytes, f"reshard step {m.step}") as update:
             new = reshard(storage, m, dst, args.world_size, progress=update)

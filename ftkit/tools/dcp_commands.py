@@ -14,7 +14,7 @@ from ftkit.dcp import foreign
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from ftkit.format.reader import scan
 from ftkit.tiers.storage import Storage
-from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human
+from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_url
 
 NO_CHECKSUMS = "DCP stores no checksums: every item read back whole, at its size; a changed byte cannot be seen"
 
@@ -148,7 +148,7 @@ def _to_ftkit(args, storage: Storage, rel: str, sd: dict[str, Any], step: int) -
     try:
         dcp.save(sd, storage_writer=FtkitStorageWriter([{"url": work, "keep": None}]), checkpoint_id=step, no_dist=True)
         src = Storage(work)
-        dst = Storage(args.out)
+        dst = open_url(args, args.out)
         new = reshard(src, load_manifest(src, step), dst, args.world_size)
     finally:
         shutil.rmtree(work, ignore_errors=True)

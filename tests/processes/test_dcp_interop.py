@@ -133,6 +133,18 @@ def test_a_dcp_checkpoint_restores_to_one_file_or_to_ftkit_for_another_world_siz
     _assert_equal(_whole(via), want)
 
 
+def test_a_dcp_checkpoint_restores_to_an_ftkit_step_on_s3_with_its_storage_options(titan, s3_server, s3_url):
+    root, states = titan
+    opts = s3_server.storage_options()
+    r = run_cli("restore", str(root), "--world-size", "2", "--out", s3_url, "--storage-options", json.dumps(opts))
+    assert r.returncode == 0, r.stderr
+    out = Storage(s3_url, opts)
+    assert committed_steps(out) == [200] and load_manifest(out, 200).world_size == 2
+    r = run_cli("restore", s3_url, "--out", str(root.parent / "via-s3.pt"), "--storage-options", json.dumps(opts))
+    assert r.returncode == 0, r.stderr
+    _assert_equal(_whole(torch.load(root.parent / "via-s3.pt")), _whole(states[200]))
+
+
 def test_a_dcp_checkpoint_is_refused_a_bad_world_size_or_format_as_an_ftkit_step_is(titan, tmp_path):
     root, _ = titan
     out = tmp_path / "ftkit"
