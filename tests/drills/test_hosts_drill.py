@@ -126,6 +126,15 @@ def test_a_commit_by_a_replaced_generation_is_a_fencing_violation():
     assert "step 10" in problem and "attempt 0" in problem and "attempt 1" in problem
 
 
+@pytest.mark.parametrize("extra", [["--preload", "json"], ["--script", "train.py"]])
+def test_a_host_drill_refuses_a_script_or_preload_it_would_not_use(extra):
+    r = subprocess.run(
+        [sys.executable, "-m", "ftkit", "drill", "--hosts", "2", *extra], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and "--hosts drills the built-in trainer" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")
 def test_without_namespaces_the_host_drill_exits_2_saying_why(tmp_path):
     """As a user without root (nobody), `ftkit drill --hosts` cannot make hosts: exit 2, one line."""
