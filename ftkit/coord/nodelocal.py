@@ -78,10 +78,17 @@ class NodeBoard:
         tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, json.dumps(doc, separators=(",", ":")).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, os.path.join(self.path, name))
+            try:
+                data = memoryview(json.dumps(doc, separators=(",", ":")).encode())
+                while data:
+                    data = data[os.write(fd, data) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, os.path.join(self.path, name))
+        except BaseException:  # (a full /dev/shm): no temporary file left behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
     def read(self, name: str) -> Any:
         """The JSON document `name`, or None (missing, a link, not a regular file, too big, not JSON)."""

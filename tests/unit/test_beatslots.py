@@ -163,3 +163,14 @@ def test_the_board_goes_once_every_rank_of_the_node_wrote_its_stopped_beat(tmp_p
     slots.write(RANKS[-1], Beat(2, done=True, stopped=True))
     board.remove_when_all_stopped(RANKS)
     assert not os.path.exists(board.path)
+
+
+def test_a_board_write_that_cannot_land_leaves_no_temporary_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
+    board = NodeBoard("scope", "node0", leader=True)
+    board.write("verdict.json", {"v": 1})
+    assert board.read("verdict.json") == {"v": 1}
+    os.mkdir(os.path.join(board.path, "preempt.json"))  # the rename onto it fails
+    with pytest.raises(OSError):
+        board.write("preempt.json", {"p": 1})
+    assert sorted(os.listdir(board.path)) == ["preempt.json", "verdict.json"]
