@@ -192,3 +192,19 @@ def test_etcd_on_its_own_host():
         assert etcd.endpoint == f"{etcd.host.address}:2379"
         assert not os.path.exists("/tmp/ftkh-etcd")  # its data dir is on its host's own /tmp
         assert os.path.isdir(etcd.host.path("/tmp/ftkh-etcd"))
+
+
+@pytest.mark.skipif(etcd_unavailable() is not None, reason=etcd_unavailable() or "")
+def test_an_etcd_whose_health_probe_hangs_is_stopped_by_start(monkeypatch):
+    with Fabric(1) as fab:
+        host = fab.add_host("etcd")
+
+        def hung_probe(*args, **kwargs):
+            raise subprocess.TimeoutExpired("probe", 10)
+
+        monkeypatch.setattr(host, "call", hung_probe)
+        etcd = Etcd(fab, host)
+        with pytest.raises(subprocess.TimeoutExpired):
+            etcd.start()
+        assert etcd.proc is None
+        assert not [p for p in psutil.process_iter(["name"]) if p.info["name"] == "etcd"]
