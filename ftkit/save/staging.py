@@ -265,9 +265,7 @@ class StagingArena:
                     slot = None
                     break
                 self._cond.wait()
-        for s in dropped:
-            s.ready()
-            s._free_buffer()
+        _free(dropped)  # (a slot's device error was raised when it was released)
         if slot is None:
             return None
         try:
@@ -333,8 +331,19 @@ class StagingArena:
             self._closed = True
             slots, self._slots = self._slots, []
             self._cond.notify_all()
-        for s in slots:
-            try:
-                s.ready()
-            finally:
-                s._free_buffer()
+        failed = _free(slots)
+        if failed is not None:
+            raise failed
+
+
+def _free(slots: list[Slot]) -> Exception | None:
+    """Free every slot's buffer once its copies are done; the first error of a slot's copies."""
+    failed = None
+    for s in slots:
+        try:
+            s.ready()
+        except Exception as e:  # (a device error): the other slots' buffers are still freed
+            failed = failed or e
+        finally:
+            s._free_buffer()
+    return failed

@@ -244,6 +244,38 @@ def test_copies_go_where_the_design_says(fake):
         arena.close()
 
 
+def test_closing_the_arena_frees_every_slot_when_one_slots_copies_failed(fake):
+    class BrokenEvent:
+        def synchronize(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    dev = fake("lazy", hold_background=False)
+    w = torch.randn(4096)
+    arena = _arena(dev)
+    a = arena.acquire(Layout.of([("w", w)]), wait=True)
+    a.fill([("w", w)])
+    b = arena.acquire(Layout.of([("w", w)]), wait=True)
+    b.fill([("w", w)])
+    assert a.capacity and b.capacity
+    a._events = [BrokenEvent()]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        arena.close()
+    assert a.capacity == 0 and b.capacity == 0  # both buffers given back
+    # A slot whose copies failed when it was released, dropped later for a bigger snapshot:
+    # the acquire goes on (the error was raised at the release).
+    tight = StagingArena(slots=2, budget_bytes=20000, ops=dev)
+    small = Layout.of([("s", torch.randn(8))])
+    a, b = tight.acquire(small, wait=True), tight.acquire(small, wait=True)
+    b._events = [BrokenEvent()]
+    tight.release(a)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        tight.release(b)
+    got = tight.acquire(Layout.of([("w", w)]), wait=True)  # one 16 KiB slot fits the budget
+    assert got is a and got.busy and b.capacity == 0 and tight._slots == [a]
+    tight.release(got)
+    tight.close()
+
+
 def test_every_fill_records_the_fence_event_so_a_newer_slot_covers_an_older_one(fake):
     dev = fake("current_first", hold_background=False)
     w, s = torch.randn(4096), torch.randn(8)
