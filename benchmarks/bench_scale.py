@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -407,7 +408,9 @@ def simulate_commits(idx: int, procs: int, world: int, per: int, port: int, ram_
     sender_memo = CommitMemo(scale=world)  # (the other ranks' own: each keeps its layout)
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
     out: dict[str, Any] = {"sets": [], "leader_cpu": [], "requests": [], "commit": []}
+    gc.disable()  # collections between steps only: a job's persist thread pauses the collector (save/gcpause.py)
     for step in range(1, COMMIT_STEPS + 1):
+        gc.collect()
         at, key = (0, step), f"commit/0/0/{step}"
         step_dir = step_dir_name(step)
         messages = {}
@@ -572,7 +575,9 @@ def simulate_ram_commits(idx: int, procs: int, world: int, per: int, port: int, 
         news[n] = CommitNews()
     skeleton = {"entries": {"w": {"kind": "tensor", "value": {"$tensor": "w"}}}}
     out: dict[str, Any] = {"requests": [], "commit": [], "leader_cpu": [], "retention": [], "held": [], "sets": []}
+    gc.disable()  # collections between steps only: a job's persist thread pauses the collector (save/gcpause.py)
     for step in range(1, COMMIT_STEPS + 1):
+        gc.collect()
         at, key = (0, step), f"commit/0/0/{step}"
         _barrier(raw, f"{prefix}b{step}", procs)
         before = store.requests + root_store.requests
