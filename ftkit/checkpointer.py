@@ -15,6 +15,7 @@ background thread, whose failures are logged, not raised (`wait()` and `close()`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -131,50 +132,59 @@ class Checkpointer:
         self._closed = False
         self._stopping_on_purpose = False  # a preemption's final save: exiting is the plan
         self._exit_after_failure_s = exit_after_failure_s
-        # Every optimizer step in the process waits (on the GPU) for the newest snapshot's copy,
-        # and module buffers (updated in place by forward) are copied in stream order (staging.py).
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        # What is started below is undone if a later part fails (a run dir that cannot be
+        # made, a watchdog that cannot start): no hook, thread or signal handler outlives it.
+        with contextlib.ExitStack() as undo:
+            # Every optimizer step in the process waits (on the GPU) for the newest snapshot's copy,
+            # and module buffers (updated in place by forward) are copied in stream order (staging.py).
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self._hooks = [register_optimizer_step_pre_hook(lambda *_: self.fence())]
-        self._in_order = cap.module_buffer_names(state)
-        self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
-        self._pipeline = self.pipeline_class(opened, self._bg_ctx, self.stats, self.events.emit, self._arena.release)
-        self.events.emit(
-            "start",
-            world_size=self._ctx.world_size,
-            node=self._ctx.node,
-            pid=os.getpid(),
-            launcher=int(os.environ.get(LAUNCHER_PID_ENV) or os.getpid()),  # the process torchrun started
-            boot=boot.marks(),
-            tiers=[redact_url(t.url) for t in self.tiers],
-            **({"ram_run": self.ram_identity.name} if self.ram_identity else {}),
-        )
-        signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
-        self._preemption = (
-            PreemptionHandler(signals, preemption_deadline_s, self.events.emit, requeue_signals, self._ctx.rank)
-            if signals or requeue_signals
-            else None
-        )
-        # Where not wanted from the start, the first snapshot() takes the signals (restore-only: never).
-        if self._preemption is not None and (
-            preemption_signals is not None
-            or requeue_signals
-            or self._ctx.distributed
-            or "TORCHELASTIC_RUN_ID" in os.environ
-        ):
-            self._preemption.install()
-        self._watchdog: Watchdog | None = None
-        if watchdog and self._ctx.distributed:
-            self._watchdog = Watchdog(
-                self._ctx.own_connection(),
-                self.events,
-                watchdog if isinstance(watchdog, WatchdogConfig) else None,
-                flush=self._pipeline.drain,
-                preemption=self._preemption,
-                news=opened.ram_news,
+            self._hooks = [register_optimizer_step_pre_hook(lambda *_: self.fence())]
+            undo.callback(self._hooks[0].remove)
+            self._in_order = cap.module_buffer_names(state)
+            self.events = EventLog(run_dir or os.environ.get("FTKIT_RUN_DIR"), self._ctx.rank)
+            undo.callback(self.events.close)
+            emit, release = self.events.emit, self._arena.release
+            self._pipeline = self.pipeline_class(opened, self._bg_ctx, self.stats, emit, release)
+            undo.callback(self._pipeline.close, 0.0)
+            self.events.emit(
+                "start",
+                world_size=self._ctx.world_size,
+                node=self._ctx.node,
+                pid=os.getpid(),
+                launcher=int(os.environ.get(LAUNCHER_PID_ENV) or os.getpid()),  # the process torchrun started
+                boot=boot.marks(),
+                tiers=[redact_url(t.url) for t in self.tiers],
+                **({"ram_run": self.ram_identity.name} if self.ram_identity else {}),
             )
-            time_first_gradient(state, self._watchdog)
-            self._watchdog.start()
+            signals = (signal.SIGTERM,) if preemption_signals is None else tuple(preemption_signals)
+            self._preemption = (
+                PreemptionHandler(signals, preemption_deadline_s, self.events.emit, requeue_signals, self._ctx.rank)
+                if signals or requeue_signals
+                else None
+            )
+            # Where not wanted from the start, the first snapshot() takes the signals (restore-only: never).
+            if self._preemption is not None and (
+                preemption_signals is not None
+                or requeue_signals
+                or self._ctx.distributed
+                or "TORCHELASTIC_RUN_ID" in os.environ
+            ):
+                self._preemption.install()
+                undo.callback(self._preemption.uninstall)
+            self._watchdog: Watchdog | None = None
+            if watchdog and self._ctx.distributed:
+                self._watchdog = Watchdog(
+                    self._ctx.own_connection(),
+                    self.events,
+                    watchdog if isinstance(watchdog, WatchdogConfig) else None,
+                    flush=self._pipeline.drain,
+                    preemption=self._preemption,
+                    news=opened.ram_news,
+                )
+                time_first_gradient(state, self._watchdog)
+                self._watchdog.start()
+            undo.pop_all()  # all started: close() owns them now
 
     # ------------------------------------------------------------- snapshots
     def due_tiers(self, step: int) -> list[int]:

@@ -356,3 +356,27 @@ def test_a_slot_that_cannot_be_released_fails_wait_and_the_persist_thread_goes_o
     with pytest.raises(RuntimeError, match="illegal memory access"):
         pipeline.wait()
     assert pipeline.close(5)
+
+
+def test_a_checkpointer_that_fails_to_start_leaves_no_hook_or_thread_behind(tmp_path):
+    """A bad argument found late in __init__ (here a signal number out of range, after the
+    persist thread and the event log exist): nothing it started outlives the error."""
+    import signal
+    import threading
+
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = len(torch_optimizer._global_optimizer_pre_hooks)
+    with pytest.raises(ValueError, match="signal number out of range"):
+        ftkit.Checkpointer(
+            {"w": torch.zeros(3)},
+            [str(tmp_path / "tier")],
+            rng=False,
+            run_dir=str(tmp_path / "run"),
+            preemption_signals=[signal.NSIG + 5],
+        )
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == hooks
+    persist = [t for t in threading.enumerate() if t.name == "ftkit-persist"]
+    for t in persist:
+        t.join(5)
+    assert not any(t.is_alive() for t in persist)
