@@ -159,7 +159,8 @@ class StepExecutor:
         self.texts = {r: raw or lost for r, raw in self.collect("w", step.peers).items()}
 
     def node_reports(self) -> list[RankReport]:
-        """A collector's: its node's reports in rank order, their layouts found (its own not parsed back)."""
+        """A collector's: its node's reports in rank order, their layouts found (its own not parsed
+        back, and added to `texts`, which its node's exchange carries)."""
         ctx, memo = self.ctx, self.group.memo
         assert self.own is not None
         memo.decoded.put((ctx.rank, self.text), self.own)

@@ -126,7 +126,7 @@ class PersistPipeline:
                 finally:
                     self.release(job.slot)
             except Exception as e:  # e.g. the slot's copies failed (a device error): for wait(); the thread goes on
-                log.error("the persist job of step %d failed: %s", job.step, e)
+                log.error("the persist job of step %d failed: %s", job.step, redact_url(str(e)))
                 with self._lock:
                     self._errors.append(e)
             finally:
