@@ -23,8 +23,6 @@ import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
-import torch
-
 from ftkit.config import Tier, resolve_tiers
 from ftkit.coord import boot
 from ftkit.coord.dist import DistContext
@@ -127,7 +125,6 @@ class Checkpointer:
         self._backends = opened.backends
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._plans: dict[tuple, Any] = {}  # the latest sharding plan (save/sharding.py planned)
-        self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._unfenced: Slot | None = None
         self._closed = False
         self._stopping_on_purpose = False  # a preemption's final save: exiting is the plan
@@ -244,7 +241,7 @@ class Checkpointer:
             return False
         try:
             fault_point("snapshot", step, ctx.rank)
-            slot.fill(named, self._side_stream, in_order=self._in_order)
+            slot.fill(named, in_order=self._in_order)  # large copies on the arena's side stream
         except BaseException:
             self._arena.release(slot)
             raise

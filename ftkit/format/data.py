@@ -8,7 +8,9 @@ before anything is allocated on the manifest's word.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import torch
@@ -213,26 +215,13 @@ def read_regions(
             raw = _raw_bytes(target)
             for c in needed:
                 by_file.setdefault(c.file, []).append((c, name, raw))
-    # 4. Read every chunk once, in file order, verifying it where it lands.
+    # 4. Read every chunk once, verifying it where it lands.
     skip = codec.skipping_checksums(step_where)
     step_dir = step_dir_name(manifest.step)
-    for fname, file_jobs in by_file.items():
-        rel = f"{step_dir}/{fname}"
-        where = storage.where(rel)
-        ordered = sorted(file_jobs, key=lambda j: j[0].offset)
-        if storage.is_local:  # raw chunks read straight into their tensors
-            with storage.open_read(rel) as f:
-                for c, name, raw in ordered:
-                    _read_chunk(f, c, raw, f"{where} (tensor {name!r})", skip)
-                    if progress:
-                        progress(c.raw_length)
-            continue
-        for i, data in chunk_bytes(storage, rel, [c for c, _, _ in ordered]):
-            c, name, raw = ordered[i]
-            shown = f"{where} (tensor {name!r})"
-            _place_chunk(c, data, _chunk_dest(c, raw, shown), shown, skip)
-            if progress:
-                progress(c.raw_length)
+    if storage.is_local:
+        _read_local(storage, step_dir, by_file, skip, progress)
+    else:
+        _read_remote(storage, step_dir, by_file, skip, progress)
     for shard_tensor, (s_off, _), (o_off, o_len), out_t, name in copies:
         src, dst = shard_tensor, out_t
         for dim, (o, n) in enumerate(zip(o_off, o_len)):
@@ -240,6 +229,67 @@ def read_regions(
             dst = dst.narrow(dim, o - regions[name][0][dim], n)
         dst.copy_(src)
     return dest
+
+
+# Local reads: spans of neighbouring chunks, several read at once (reads and checksums release the GIL).
+LOCAL_SPAN_BYTES = 64 * 2**20
+LOCAL_THREADS = min(8, os.cpu_count() or 1)
+
+
+def _read_local(storage: Storage, step_dir: str, by_file: dict, skip: bool, progress) -> None:
+    """Local files' chunks straight into their tensors, as spans of up to LOCAL_SPAN_BYTES read by
+    LOCAL_THREADS threads (one when there is less than a span); the first failure is raised once
+    no span is being read any more."""
+    spans: list[tuple[str, list]] = []
+    for fname, file_jobs in by_file.items():
+        rel, span, size = f"{step_dir}/{fname}", [], 0
+        for job in sorted(file_jobs, key=lambda j: j[0].offset):
+            if span and size + job[0].raw_length > LOCAL_SPAN_BYTES:
+                spans.append((rel, span))
+                span, size = [], 0
+            span.append(job)
+            size += job[0].raw_length
+        if span:
+            spans.append((rel, span))
+
+    def read_span(rel: str, jobs: list) -> int:
+        where = storage.where(rel)
+        with storage.open_read(rel) as f:
+            for c, name, raw in jobs:
+                _read_chunk(f, c, raw, f"{where} (tensor {name!r})", skip)
+        return sum(c.raw_length for c, _, _ in jobs)
+
+    total = sum(c.raw_length for _, jobs in spans for c, _, _ in jobs)
+    if total <= LOCAL_SPAN_BYTES or LOCAL_THREADS == 1:
+        for rel, jobs in spans:
+            done = read_span(rel, jobs)
+            if progress:
+                progress(done)
+        return
+    with ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="ftkit-read") as pool:
+        futures = [pool.submit(read_span, rel, jobs) for rel, jobs in spans]
+        try:
+            for fut in as_completed(futures):
+                done = fut.result()
+                if progress:
+                    progress(done)
+        finally:
+            for fut in futures:  # after a failure: start no more spans (the pool waits for those reading)
+                fut.cancel()
+
+
+def _read_remote(storage: Storage, step_dir: str, by_file: dict, skip: bool, progress) -> None:
+    """Remote files' chunks, fetched as chunk_bytes groups them, each verified where it lands."""
+    for fname, file_jobs in by_file.items():
+        rel = f"{step_dir}/{fname}"
+        where = storage.where(rel)
+        ordered = sorted(file_jobs, key=lambda j: j[0].offset)
+        for i, data in chunk_bytes(storage, rel, [c for c, _, _ in ordered]):
+            c, name, raw = ordered[i]
+            shown = f"{where} (tensor {name!r})"
+            _place_chunk(c, data, _chunk_dest(c, raw, shown), shown, skip)
+            if progress:
+                progress(c.raw_length)
 
 
 def _new_bytes(entries, regions, plans, given) -> int:

@@ -67,8 +67,7 @@ def busy(stream, ms: float = SLEEP_MS):
 
 def side(ck):
     """The stream the Checkpointer's large copies go on."""
-    s = getattr(ck, "_side_stream", None)
-    return s if s is not None else ck._arena.side_stream()
+    return ck._arena.side_stream()
 
 
 def current():
@@ -171,6 +170,9 @@ def test_direct_writes_outside_the_optimizer(tmp_path, dtype):
     fence runs first; small tensors are guarded by stream order."""
     model, opt = make(dtype)
     train(model, opt)
+    # The write's kernel, launched once first: CUDA loads kernels lazily, and a first launch waits
+    # for the work in flight (the busy side stream), which would hide the race this probe shows.
+    large(model).detach().clone().mul_(2)
     state = {"model": model, "optim": opt}
     with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
         # Unfenced: p.data.mul_() right after snapshot() reaches the queued copy.
