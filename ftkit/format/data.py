@@ -240,9 +240,10 @@ def _read_local(storage: Storage, step_dir: str, by_file: dict, skip: bool, prog
     """Local files' chunks straight into their tensors, as spans of up to LOCAL_SPAN_BYTES read by
     LOCAL_THREADS threads (one when there is less than a span); the first failure is raised once
     no span is being read any more."""
-    spans: list[tuple[str, list]] = []
+    spans: list[tuple[str, list[tuple[Chunk, str, memoryview]]]] = []
     for fname, file_jobs in by_file.items():
-        rel, span, size = f"{step_dir}/{fname}", [], 0
+        rel, size = f"{step_dir}/{fname}", 0
+        span: list[tuple[Chunk, str, memoryview]] = []
         for job in sorted(file_jobs, key=lambda j: j[0].offset):
             if span and size + job[0].raw_length > LOCAL_SPAN_BYTES:
                 spans.append((rel, span))
