@@ -149,12 +149,17 @@ for gib in sizes:
           f"max {ms(g('ours_steps', 'stall_max_s'))}; copy done {ms(g('ours_steps', 'copy_done_after_return_s'))} "
           f"after return")
     slow = g("ours_steps", "slowdown")
+    fslow = g("ours_steps", "floor_slowdown")
     print(f"   step {ms(g('ours_steps', 'step_s'))} -> {ms(g('ours_steps', 'step_with_snapshot_s'))} with a snapshot "
-          f"per step: {'-' if slow is None else f'{slow * 100:+.2f}%'}")
+          f"per step: {'-' if slow is None else f'{slow * 100:+.2f}%'} "
+          f"(floor, the same copies with no ftkit code: {'-' if fslow is None else f'{fslow * 100:+.2f}%'})")
     print(f"   DCP async_save return: default {ms(g('dcp_async_default_0', 'return_s'))} / "
           f"{ms(g('dcp_async_default_1', 'return_s'))}; pinned stager {ms(g('dcp_async_pinned_stager_0', 'return_s'))}"
           f" (staged +{ms(g('dcp_async_pinned_stager_0', 'staged_after_return_s'))}) / "
           f"{ms(g('dcp_async_pinned_stager_1', 'return_s'))}; torch.save {ms(g('torch_save_fsync', 's'))}")
+    print(f"   restore floor: read the RAM tier's files {ms(g('restore_floor', 'read_threads_s'))} "
+          f"({g('restore_floor', 'threads')} threads; 1: {ms(g('restore_floor', 'read_1_thread_s'))}) + H2D "
+          f"{ms(g('restore_floor', 'h2d_s'))}; pinning {ms(g('restore_floor', 'pin_s'))}")
     print(f"   restore: RAM tier {ms(g('ours_restore_ram', 's'))} (ok={g('ours_restore_ram', 'verified')}), "
           f"dir {ms(g('ours_restore_dir', 's'))} ({g('ours_restore_dir', 'cache')}, ok={g('ours_restore_dir', 'verified')})"
           f", DCP load {ms(g('dcp_load_dir', 's'))} (ok={g('dcp_load_dir', 'verified')})")
