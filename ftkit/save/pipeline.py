@@ -8,10 +8,14 @@ every job's slot is released whatever happens. Order of calls (the Checkpointer'
     pipeline.wait()                       # block until idle; re-raise the first failure since the last wait
     pipeline.drain(deadline_s)            # before an abort: let queued work finish, within a bound
     pipeline.close()                      # stop the thread once the queue is empty
+
+A thread close() left running (a failed rank's, or a pipeline never closed) is joined at
+interpreter exit, for at most EXIT_JOIN_S, before finalization begins.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -30,6 +34,11 @@ from ftkit.tiers.opened import OpenedTiers
 from ftkit.tiers.redact import redact_url
 
 log = logging.getLogger("ftkit")
+
+# At exit, how long a persist thread still running may take to finish. It must not run once
+# the interpreter finalizes: CPython ends a thread that wakes then mid-call, and one in torch's
+# C++ (freeing a tensor) takes the process down ("terminate called without an active exception").
+EXIT_JOIN_S = 10.0
 
 
 @dataclass
@@ -72,6 +81,8 @@ class PersistPipeline:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ftkit-persist", daemon=True)
         self._thread.start()
+        self._stopping = False
+        atexit.register(self._join_at_exit)  # (dropped once close() has seen the thread end)
 
     def submit(self, job: PersistJob) -> None:
         self._jobs.put(job)
@@ -113,9 +124,26 @@ class PersistPipeline:
     def close(self, timeout: float | None = None) -> bool:
         """Stop the thread after the queued jobs; wait at most `timeout` (None: until it ends).
         True if it has ended. (A failed rank passes 0: its commit needs peers that stop too.)"""
-        self._jobs.put(None)
+        self._stop()
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        atexit.unregister(self._join_at_exit)
+        return True
+
+    def _stop(self) -> None:
+        if not self._stopping:
+            self._stopping = True
+            self._jobs.put(None)
+
+    def _join_at_exit(self) -> None:
+        """At interpreter exit: let the thread finish its jobs, within EXIT_JOIN_S."""
+        self._stop()
+        if self._thread.is_alive():
+            log.info("ftkit: waiting at most %gs at exit for a background persist to end", EXIT_JOIN_S)
+            self._thread.join(EXIT_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("ftkit: a background persist still runs at exit; the process may end mid-persist")
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:

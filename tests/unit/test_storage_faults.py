@@ -110,3 +110,26 @@ def test_faulty_is_registered_only_where_a_drill_asks():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["FaultyFileSystem"], out.stdout + out.stderr
+
+
+def test_a_persist_still_running_at_exit_is_finished_before_the_interpreter_ends(faulty):
+    """A Checkpointer never closed (or a failed rank's, left running): its persist thread is
+    joined at exit, so the step commits and no thread runs while the interpreter finalizes."""
+    url, root = faulty
+    code = (
+        "import torch, ftkit\n"
+        "from ftkit.drill.faults import register, set_faults\n"
+        f"register(); set_faults({root!r}, latency_s=0.3)\n"
+        f"ck = ftkit.Checkpointer({{'w': torch.arange(1000.0)}}, [{url!r}], rng=False, watchdog=False,\n"
+        "                        preemption_signals=())\n"
+        "ck.snapshot(1)\n"
+        "print('exiting', flush=True)\n"  # no close(): its slow writes are still running
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["exiting"], out.stdout + out.stderr
+    set_faults(root)
+    assert committed_steps(ftkit.Tier(url).open()) == [1]
+    state = {"w": torch.zeros(1000)}
+    with ftkit.Checkpointer(state, [url], rng=False) as ck:
+        assert ck.restore() == 1
+    assert torch.equal(state["w"], torch.arange(1000.0))
