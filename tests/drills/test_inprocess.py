@@ -57,6 +57,9 @@ def equal(a: dict, b: dict) -> bool:
 # Steps per run: DDP's fault-free run is shared with the straggler test, which needs ~20 slow
 # steps before its verdict; FSDP2's steps cost more.
 STEPS = {"ddp": 60, "fsdp": 12}
+# Where every rank resumes after a fault at step 6 (before its snapshot): step 5, or 4 or 3 if their
+# persists were still running when the group ended. Two staging slots: at most two steps lost.
+RESUMED = ({5}, {4}, {3})
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +90,8 @@ def test_an_exception_on_one_rank_is_recovered_in_process(tmp_path, parallel, zy
     # the same processes went on: every rank's pid is the one it had
     assert {r: c["pid"] for r, c in by_gen[0].items()} == {r: c["pid"] for r, c in by_gen[1].items()}
     assert all(c["restored"] == 0 for c in by_gen[0].values())
-    # Step 6 never committed (rank 1 failed before its snapshot); step 5 did, unless its commit was
-    # still in flight when the ranks regrouped (the snapshot in flight may be lost, never more)
     restored = {c["restored"] for c in by_gen[1].values()}
-    assert restored in ({5}, {4})
+    assert restored in RESUMED
     assert "injected failure on rank 1" in by_gen[1][1]["reason"]
     # rank 0 was waiting for it in a collective (its connections were shut), or heard the verdict first
     assert any(why in by_gen[1][0]["reason"] for why in ("Connection closed by peer", "RecoveryRequested: rank 1"))
@@ -127,7 +128,7 @@ def test_a_killed_rank_is_replaced_and_the_survivors_keep_their_processes(
     assert by_gen[1][1]["pid"] != by_gen[0][1]["pid"]  # the killed rank is a new one
     assert "replaced rank 1" in by_gen[1][1]["reason"]
     restored = {c["restored"] for c in by_gen[1].values()}
-    assert restored in ({5}, {4})
+    assert restored in RESUMED
     events = read_events(str(tmp_path / "faulted" / "run"))
     assert {e.get("attempt") for e in events} == {0}
     faulted = torch.load(tmp_path / "faulted" / "final.pt", weights_only=True)
@@ -145,8 +146,7 @@ def test_a_second_fault_while_the_group_re_forms_ends_in_a_torchrun_restart(tmp_
     events = read_events(str(out / "run"))
     starts = sorted((e["attempt"], e.get("gen", 0), e["rank"]) for e in events if e["event"] == "start")
     assert starts == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]  # generation 1 never formed: torchrun restarted
-    # attempt 1 from node RAM: step 5, or 4 if step 5's commit was in flight when the processes ended
-    assert {c["restored"] for c in calls if c["gen"] == 0 and c["restored"]} in ({5}, {4})
+    assert {c["restored"] for c in calls if c["gen"] == 0 and c["restored"]} in RESUMED  # attempt 1, from node RAM
     assert (out / "final.pt").exists()
 
 
@@ -195,7 +195,7 @@ def test_in_process_recovery_on_cuda_keeps_the_context(tmp_path, zygote, backend
         # the same process, and the same CUDA tensor at the same address: the context was kept
         assert by_gen[0][rank]["pid"] == by_gen[1][rank]["pid"]
         assert by_gen[0][rank]["anchor"] == by_gen[1][rank]["anchor"] and by_gen[1][rank]["anchor"][1] == [0, 1, 2, 3]
-    assert {c["restored"] for c in by_gen[1].values()} in ({5}, {4})
+    assert {c["restored"] for c in by_gen[1].values()} in RESUMED
     clean = torch.load(tmp_path / "clean" / "final.pt", map_location="cpu", weights_only=True)
     faulted = torch.load(tmp_path / "faulted" / "final.pt", map_location="cpu", weights_only=True)
     assert equal(clean, faulted)
