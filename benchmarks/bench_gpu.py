@@ -160,17 +160,24 @@ class Bench:
 
 
 # ------------------------------------------------------------------ phases
-def phase_floor(b: Bench) -> None:
-    """Device-to-host into one reused pinned buffer, best of 3; host-to-device from it."""
+def host_buffer(b: Bench, named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+    """One host buffer for `named`'s tensors (page-locked on CUDA), how it was pinned, and a view of
+    it per tensor, in order: what the floors copy into."""
     from ftkit.save.layout import Layout
     from ftkit.save.staging import DEVICE
 
-    named = b.named
     layout = Layout.of(named)
     buf, how = DEVICE.alloc_host(layout.total_bytes, pin=b.cuda)
-    views: list[torch.Tensor] = []
+    return buf, how, [buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries]
+
+
+def phase_floor(b: Bench) -> None:
+    """Device-to-host into one reused pinned buffer, best of 3; host-to-device from it."""
+    from ftkit.save.staging import DEVICE
+
+    named = b.named
+    buf, how, views = host_buffer(b, named)
     try:
-        views = [buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries]
         d2h = []
         for _ in range(3):
             b.sync()
@@ -221,18 +228,13 @@ def staging_only_checkpointer(b: Bench, work: str):
     return ck
 
 
-class raw_copy_per_step:
+class RawCopies:
     """The floor of one snapshot per step: the same device-to-host copies on a side stream into one
     reused pinned buffer, which the next optimizer step waits for (a plain step pre-hook), no ftkit code."""
 
     def __init__(self, b: Bench):
-        from ftkit.save.layout import Layout
-        from ftkit.save.staging import DEVICE
-
         self.b, self.named = b, b.named
-        layout = Layout.of(self.named)
-        self.buf, self.how = DEVICE.alloc_host(layout.total_bytes, pin=b.cuda)
-        self.views = [self.buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries]
+        self.buf, self.how, self.views = host_buffer(b, self.named)
         self.side = torch.cuda.Stream(b.dev) if b.cuda else None
         self.pending: list[Any] = []
         self.hook = b.opt.register_step_pre_hook(self.fence)
@@ -297,8 +299,8 @@ def phase_steps(b: Bench, work: str) -> None:
         )
         step = 3
         base, snap, stalls = [], [], []
-        raw, raw_stalls = [], []  # the floor: the same copies with no ftkit code (raw_copy_per_step)
-        raw_snapshot = raw_copy_per_step(b)
+        raw, raw_stalls = [], []  # the floor: the same copies with no ftkit code (RawCopies)
+        raw_snapshot = RawCopies(b)
         for r in range(args.rounds):
             progress(f"steps: round {r + 1}/{args.rounds}")
             b.sync()

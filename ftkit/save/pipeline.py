@@ -79,9 +79,9 @@ class PersistPipeline:
         self._jobs: queue.Queue[PersistJob | None] = queue.Queue()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._stopping = False  # the stop mark is queued
         self._thread = threading.Thread(target=self._run, name="ftkit-persist", daemon=True)
         self._thread.start()
-        self._stopping = False
         atexit.register(self._join_at_exit)  # (dropped once close() has seen the thread end)
 
     def submit(self, job: PersistJob) -> None:
