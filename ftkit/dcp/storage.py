@@ -60,9 +60,8 @@ from ftkit.format.index import encode_index, index_doc, part_file_name, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, chunk_doc, step_dir_name
 from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
-from ftkit.tiers.lifecycle import delete_step
 from ftkit.tiers.ram import open_node_dir, run_identity
-from ftkit.tiers.retention import plan_retention
+from ftkit.tiers.retention import apply_job_retention
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
@@ -168,20 +167,17 @@ class FtkitStorageWriter(StorageWriter):
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """The coordinator commits the step on every tier due (one part, then the index), then
-        applies retention."""
+        applies a job's retention: the tier's `keep`, and the steps older than this one that never
+        committed (abandoned saves), as a Checkpointer's persist does."""
         assert self.step is not None
         for n, (tier, storage) in enumerate(self._due()):
             tier_results = [[_for_tier(r, n) for r in rank] for rank in results]
             tensors, skeleton, files, record = convert.manifest_parts(metadata, tier_results)
             _commit(storage, self.step, self.world, tensors, skeleton, files, record)
-            if tier.keep is not None:
-                steps = committed_steps(storage)
-                plan = plan_retention(steps, tier.keep, tier.keep_every, self.step)
-                for s in plan.delete:
-                    try:
-                        delete_step(storage, s)
-                    except StorageError as e:
-                        log.warning("ftkit: retention could not delete step %d of %s: %s", s, storage.display_url, e)
+            try:
+                apply_job_retention(storage, tier.keep, tier.keep_every, protect=self.step)
+            except StorageError as e:  # the step is committed: what retention left stays for `ftkit gc`
+                log.warning("ftkit: retention after step %d of %s failed: %s", self.step, storage.display_url, e)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

@@ -76,6 +76,24 @@ def test_steps_tiers_and_retention(tmp_path):
     assert step_of("s3://bucket/run/step-000120/") == 120 and step_of(9) == 9
 
 
+def test_a_save_removes_older_abandoned_saves_and_leaves_newer_ones(tmp_path):
+    """A save that never committed (a job killed mid-save) is removed by the next commit past
+    it, as a Checkpointer's persist does; a partial step newer than the commit may be a save
+    in flight and stays. Committed steps stay (keep None)."""
+    root = tmp_path / "ckpt"
+    writer = FtkitStorageWriter([{"url": str(root), "keep": None}])
+    m, opt = _model(0)
+    for step in (1, 2, 3):
+        dcp.save(_state(m, opt, step), storage_writer=writer, checkpoint_id=step)
+    (root / step_dir_name(2) / MANIFEST_NAME).unlink()  # step 2's save never committed
+    (root / step_dir_name(9)).mkdir()
+    (root / step_dir_name(9) / "r00000-x.data").write_bytes(b"in flight")
+    dcp.save(_state(m, opt, 4), storage_writer=writer, checkpoint_id=4)
+    assert committed_steps(Storage(str(root))) == [1, 3, 4]
+    assert not (root / step_dir_name(2)).exists()
+    assert (root / step_dir_name(9) / "r00000-x.data").read_bytes() == b"in flight"
+
+
 def test_a_corrupt_or_partial_newest_step_is_not_read(tmp_path):
     root = str(tmp_path / "ckpt")
     writer = FtkitStorageWriter([{"url": root, "keep": None}])
