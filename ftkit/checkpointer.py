@@ -300,15 +300,15 @@ class Checkpointer:
                 self._watchdog.stop()
             if self._preemption is not None:
                 self._preemption.uninstall()
+            ended = self._pipeline.close(timeout=0.0 if failed else None)
             self.events.emit(
                 "close",
                 stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed, "skipped": self.stats.skipped},
             )
-            self.events.close()
-            ended = self._pipeline.close(timeout=0.0 if failed else None)
             for h in self._hooks:
                 h.remove()
-            if ended:  # (else a persist may still read the staging buffers: the exiting process frees them)
+            if ended:  # (else a persist may still read the staging buffers, and log its events: the exiting
+                self.events.close()  # process frees the buffers and closes the log)
                 self._arena.close()
 
     def __enter__(self) -> Checkpointer:

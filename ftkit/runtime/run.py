@@ -99,7 +99,8 @@ def cmd_run(argv: list[str]) -> int:
         # torchrun shares our terminal's process group, so a Ctrl-C reaches it directly: wait for it to
         # stop its workers rather than leave them behind. A SIGTERM sent to ftkit run alone is passed on.
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-        cleanup.callback(signal.signal, signal.SIGTERM, previous)
+        # (None: a handler set outside Python, which cannot be put back; the default is the closest)
+        cleanup.callback(signal.signal, signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         while True:
             try:
                 return proc.wait()

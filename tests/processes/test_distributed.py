@@ -213,3 +213,16 @@ def test_gather_to_root_names_the_ranks_that_sent_nothing():
     store.append("n/all", b"\x01\x00\x00\x00\xff\x00\x00\x00abc")
     store.set("n/done", b"")
     assert root.gather_to_root("n", b"mine", [0, 1], raw=True) == {0: b"mine", 1: b""}
+
+
+def test_a_failed_ranks_persist_still_running_at_close_still_logs_its_events(tmp_path):
+    """close(failed=True) on several ranks does not wait for the persist in flight; the events
+    that persist logs when it ends are still written, after the close event."""
+    root = str(tmp_path / "ckpt")
+    run_dir = str(tmp_path / "run")
+    out = run_ranks(2, dist_worker.close_failed_mid_persist, f"faulty://{root}", root, run_dir, timeout=120)
+    for rank, events in enumerate(out):
+        names = [e["event"] for e in events]
+        assert names[0] == "close", (rank, names)  # the persist was still running at close
+        assert [e["step"] for e in events if e["event"] == "persist_job"] == [1], (rank, names)
+        assert [e["step"] for e in events if e["event"] == "persist"] == [1], (rank, names)

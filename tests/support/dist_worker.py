@@ -432,3 +432,25 @@ def skip_one_step(rank: int, world: int, tier: str, skipper: int) -> dict:
     else:
         committed = committed_steps(ftkit.Tier(tier).open())
     return {"skipped": skipped, "new_keys": counts[1] - counts[0], "committed": committed}
+
+
+def close_failed_mid_persist(rank: int, world: int, url: str, root: str, run_dir: str) -> list[dict]:
+    """A failed rank's close while its persist of step 1 still runs (slow writes): the
+    persist's events after it, as this rank's event log holds them once the thread ends."""
+    from ftkit.coord.events import read_events
+    from ftkit.drill.faults import register, set_faults
+
+    register()
+    if rank == 0:
+        set_faults(root, latency_s=0.5)
+    torch.distributed.barrier()
+    ck = ftkit.Checkpointer(
+        {"w": torch.full((64,), float(rank))}, [url], rng=False, watchdog=False, preemption_signals=(), run_dir=run_dir
+    )
+    ck.snapshot(1)
+    ck.close(failed=True)  # (several ranks: the persist is not waited for)
+    try:
+        ck.wait()  # its thread ends; what it logged is in the file
+    except Exception:
+        pass  # (a persist that failed: its event says so)
+    return [e for e in read_events(run_dir) if e["rank"] == rank and e["event"] in ("close", "persist", "persist_job")]
