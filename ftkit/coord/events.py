@@ -27,6 +27,8 @@ class EventLog:
             self.attempt = int(generation.torchrun_attempt() or 0)
         except ValueError:
             self.attempt = 0
+        # Its Checkpointer's generation: a persist of a failed generation may log after the next began.
+        self.gen = generation.current()
         # Reentrant: a signal handler (coord/preemption.py) can emit on the thread already inside emit.
         self._lock = threading.RLock()
         self._file = None
@@ -40,13 +42,12 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:
             return
-        gen = generation.current()  # an in-process recovery's generation, omitted while 0
         line = json.dumps(
             {
                 "t": time.time(),
                 "rank": self.rank,
                 "attempt": self.attempt,
-                **({"gen": gen} if gen else {}),
+                **({"gen": self.gen} if self.gen else {}),  # an in-process recovery's, omitted while 0
                 "event": event,
                 **_redacted(fields),
             },

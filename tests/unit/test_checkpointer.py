@@ -380,3 +380,27 @@ def test_a_checkpointer_that_fails_to_start_leaves_no_hook_or_thread_behind(tmp_
     for t in persist:
         t.join(5)
     assert not any(t.is_alive() for t in persist)
+
+
+def test_events_carry_the_generation_their_checkpointer_was_made_in(tmp_path):
+    """A failed generation's persist may log after an in-process recovery began the next; its
+    events must stay with their generation, or `ftkit report` and drills see a generation that
+    never restored (an incident with every step lost)."""
+    from ftkit.coord.events import read_events
+    from ftkit.runtime import generation
+
+    run_dir = str(tmp_path / "run")
+    old = ftkit.Checkpointer({"w": torch.zeros(3)}, [str(tmp_path / "a")], rng=False, run_dir=run_dir)
+    try:
+        generation.join(1)  # the next generation begins while `old` still logs
+        old.snapshot(1)
+        old.close()
+        with ftkit.Checkpointer({"w": torch.zeros(3)}, [str(tmp_path / "b")], rng=False, run_dir=run_dir) as new:
+            new.snapshot(2)
+    finally:
+        generation.join(0)
+    gens: dict[int, set[int]] = {}  # step -> the generations its events name
+    for e in read_events(run_dir):
+        if e["event"] in ("snapshot", "persist", "persist_job"):
+            gens.setdefault(e["step"], set()).add(e.get("gen", 0))
+    assert gens == {1: {0}, 2: {1}}
