@@ -209,13 +209,12 @@ class Checkpointer:
         assert self._preemption is not None
         sig = self._preemption.requested or signal.SIGTERM
         t0 = time.perf_counter()
-        ok = True
         try:
-            self._stage(step, list(range(len(self.tiers))))
+            self._stage(step, list(range(len(self.tiers))), wait=True)  # (even under policy "skip")
             self.wait()
-        except Exception as e:
-            ok = False
-            log.error("ftkit: the final save after %s failed: %s", signal_name(sig), redact_url(str(e)))
+        except Exception as e:  # this step's failure, or an older step's that wait() raises now
+            log.error("ftkit: the final save after %s: %s", signal_name(sig), redact_url(str(e)))
+        ok = all(self.stats.last_committed.get(redact_url(t.url)) == step for t in self.tiers)
         self._preemption.done()
         self._stopping_on_purpose = True
         self.events.emit("preempt_flush", step=step, ok=ok, seconds=time.perf_counter() - t0)
@@ -223,8 +222,9 @@ class Checkpointer:
         self._preemption.after_final_save(self._ctx)  # requeue the job, if the signal asks for it
         raise SystemExit(128 + sig)
 
-    def _stage(self, step: int, due: list[int]) -> bool:
-        """Capture, take a staging slot and copy: the part of snapshot() the training thread waits for."""
+    def _stage(self, step: int, due: list[int], wait: bool | None = None) -> bool:
+        """Capture, take a staging slot and copy: the part of snapshot() the training thread waits for.
+        `wait` for a slot when all are busy (None: as the policy says); False if skipped."""
         if self._superseded is not None:  # the first snapshot after a restore: forget the abandoned future
             superseded, self._superseded = self._superseded, None
             retire_superseded(self._restore_context(), superseded, f"restore/{self._restores - 1}/retired")
@@ -235,7 +235,7 @@ class Checkpointer:
             captured.tensors, ctx.rank, ctx.world_size, plans=self._plans, layouts=self._arena.layouts
         )
         named = [(p.name, src) for p, src in pieces]
-        slot = self._arena.acquire(layout, wait=self.policy == "wait")
+        slot = self._arena.acquire(layout, wait=self.policy == "wait" if wait is None else wait)
         if slot is None:  # policy "skip", every slot busy: the others hear it now (on this thread)
             self._pipeline.skipped(ctx, step, self._restores, due)
             return False
@@ -300,7 +300,8 @@ class Checkpointer:
                 self._watchdog.stop()
             if self._preemption is not None:
                 self._preemption.uninstall()
-            ended = self._pipeline.close(timeout=0.0 if failed else None)
+            # (one rank alone waited above; with several, a failed rank's commit needs peers that stop too)
+            ended = self._pipeline.close(timeout=0.0 if failed and self._ctx.distributed else None)
             self.events.emit(
                 "close",
                 stats={"snapshots": self.stats.snapshots, "failed": self.stats.failed, "skipped": self.stats.skipped},

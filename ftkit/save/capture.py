@@ -122,7 +122,12 @@ class _Encoder:
             if isinstance(value, np.ndarray):
                 if value.dtype == object:
                     raise CaptureError(f"cannot store {path!r}: a numpy array of Python objects needs pickle")
-                t = torch.from_numpy(value.copy())
+                if not value.dtype.isnative:  # big-endian: the same values in this machine's order
+                    value = value.astype(value.dtype.newbyteorder("="))
+                try:
+                    t = torch.from_numpy(value.copy())
+                except (TypeError, ValueError):  # strings, datetimes...: no tensor dtype holds them
+                    raise CaptureError(f"cannot store {path!r}: torch has no dtype for numpy {value.dtype}") from None
                 return {"$ndarray": self._add_tensor(path, t)}
             if isinstance(value, np.generic):
                 return self.encode(value.item(), path)

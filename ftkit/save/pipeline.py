@@ -183,14 +183,25 @@ class PersistPipeline:
             if committed is not None:  # rank 0: the commit is ours
                 mb, seconds = committed.stored_bytes / 1e6, time.perf_counter() - t0
                 log.info("step %d committed to %s (%.1f MB in %.2fs)", job.step, backend.display_url, mb, seconds)
-            if backend.owns(self.ctx):  # rank 0 (it committed), or each node's leader on the RAM tier
-                for step in backend.retain(self.ctx, job):
-                    log.debug("retention removed step %d from %s", step, backend.display_url)
         except AlreadyCommitted:
             log.info("step %d already committed to %s; left as it is", job.step, backend.display_url)
+            return
         except Exception as e:  # recorded for wait(); training goes on
             self.stats.failed += 1
             self.emit("persist", step=job.step, tier=url, ok=False, error=redact_url(str(e))[:300])
             log.error("persisting step %d to %s failed: %s", job.step, backend.display_url, redact_url(str(e)))
             with self._lock:
                 self._errors.append(e)
+            return
+        if backend.owns(self.ctx):  # rank 0 (it committed), or each node's leader on the RAM tier
+            self._retain(backend, job, url)
+
+    def _retain(self, backend: Any, job: PersistJob, url: str) -> None:
+        """Retention after a persist: a failure is logged and recorded as its own event, not as a
+        failed persist (the step is committed; the next commit's retention tries again)."""
+        try:
+            for step in backend.retain(self.ctx, job):
+                log.debug("retention removed step %d from %s", step, backend.display_url)
+        except Exception as e:
+            self.emit("retention", step=job.step, tier=url, ok=False, error=redact_url(str(e))[:300])
+            log.warning("retention after step %d on %s failed: %s", job.step, backend.display_url, redact_url(str(e)))

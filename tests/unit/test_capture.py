@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -46,6 +47,18 @@ def test_arbitrary_object_is_refused_naming_the_key():
 
     with pytest.raises(CaptureError, match=r"'cfg/1'"):
         capture({"cfg": [1, Thing()]}, rng=False)
+
+
+def test_numpy_arrays_round_trip_or_are_refused_naming_the_key():
+    """A big-endian array is stored with its values (in this machine's byte order); an array
+    torch has no dtype for (strings, datetimes) is a CaptureError naming its key."""
+    big = np.arange(6, dtype=">f4").reshape(2, 3)
+    cs = capture({"data": {"big": big}}, rng=False)
+    out = decode(cs.skeleton["entries"]["data"]["value"], dict(cs.tensors))
+    assert out["big"].dtype == np.float32 and np.array_equal(out["big"], big)
+    for bad in (np.array(["a", "b"]), np.array(["2026-12-04"], dtype="datetime64[D]")):
+        with pytest.raises(CaptureError, match=rf"'data/labels'.*numpy {re.escape(str(bad.dtype))}"):
+            capture({"data": {"labels": bad}}, rng=False)
 
 
 def test_optimizer_state_keeps_int_keys_and_tuples():

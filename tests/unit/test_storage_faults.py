@@ -133,3 +133,87 @@ def test_a_persist_still_running_at_exit_is_finished_before_the_interpreter_ends
     with ftkit.Checkpointer(state, [url], rng=False) as ck:
         assert ck.restore() == 1
     assert torch.equal(state["w"], torch.arange(1000.0))
+
+
+def test_a_preemptions_final_save_waits_for_a_slot_even_under_policy_skip(faulty, tmp_path):
+    """Slow storage keeps both staging slots busy when the notice comes: under policy "skip"
+    an ordinary snapshot would be skipped, but the final save waits, commits, and says so."""
+    import json
+    import os
+    import signal
+
+    url, root = faulty
+    set_faults(root, latency_s=0.2)
+    state = {"w": torch.zeros(1000)}
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as ended:
+        with ftkit.Checkpointer(
+            state,
+            [{"url": url, "keep": None}],
+            policy="skip",
+            rng=False,
+            watchdog=False,
+            preemption_signals=[signal.SIGTERM],
+            run_dir=str(run_dir),
+        ) as ck:
+            for step in range(1, 10):
+                state["w"].fill_(step)
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, mid-step
+                ck.snapshot(step)
+    assert ended.value.code == 128 + signal.SIGTERM
+    set_faults(root)
+    assert committed_steps(ftkit.Tier(url).open())[-1] == 3
+    back = {"w": torch.zeros(1000)}
+    with ftkit.Checkpointer(back, [url], rng=False, watchdog=False, preemption_signals=()) as ck:
+        assert ck.restore() == 3
+    assert torch.equal(back["w"], torch.full((1000,), 3.0))
+    flushes = [json.loads(line) for p in run_dir.rglob("*.jsonl") for line in p.read_text().splitlines()]
+    assert [(e["step"], e["ok"]) for e in flushes if e["event"] == "preempt_flush"] == [(3, True)]
+
+
+def test_a_loop_that_raised_on_one_rank_leaves_no_staging_memory_or_open_log_behind(tmp_path):
+    """One process, an exception inside the `with` block: close(failed=True) has waited for the
+    persists, so it also frees the staging slots and closes the event log (a retry loop that
+    raised each time held every attempt's slots)."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    for attempt in range(2):
+        with pytest.raises(RuntimeError, match="the loop failed"):
+            with ftkit.Checkpointer(
+                {"w": torch.ones(1 << 20)}, [str(tmp_path / "ckpt")], rng=False, run_dir=str(run_dir)
+            ) as ck:
+                ck.snapshot(attempt + 1)
+                raise RuntimeError("the loop failed")
+        assert ck._arena.nbytes == 0  # (private: no public figure of staging memory)
+        assert not [f for f in psutil.Process().open_files() if f.path.startswith(str(run_dir))]
+    assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [1, 2]
+
+
+def test_a_retention_failure_after_a_commit_is_not_a_failed_persist(faulty, tmp_path):
+    """The old step cannot be removed (its directory's storage fails): the new step is still
+    committed and counted so, the failure is a warning and a "retention" event, and the next
+    commit's retention removes what was left."""
+    import json
+    import os
+
+    from ftkit.format.manifest import step_dir_name
+
+    url, root = faulty
+    old_dir = os.path.join(root, step_dir_name(1))
+    run_dir = tmp_path / "run"
+    state = {"w": torch.zeros(100)}
+    with ftkit.Checkpointer(state, [{"url": url, "keep": 1}], rng=False, watchdog=False, run_dir=str(run_dir)) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        set_faults(old_dir, unavailable=True)  # step 1's directory cannot be read or removed
+        ck.snapshot(2)
+        ck.wait()  # (raised the retention failure as the persist's before)
+        assert ck.stats.failed == 0 and ck.stats.persisted == 2
+        set_faults(old_dir)
+        ck.snapshot(3)
+    assert committed_steps(ftkit.Tier(url).open()) == [3]
+    events = [json.loads(line) for p in run_dir.rglob("*.jsonl") for line in p.read_text().splitlines()]
+    assert [(e["step"], e["ok"]) for e in events if e["event"] == "persist"] == [(1, True), (2, True), (3, True)]
+    assert [(e["step"], e["ok"]) for e in events if e["event"] == "retention"] == [(2, False)]
