@@ -22,7 +22,7 @@ from ftkit.format.validate import CHECKSUM_RE, MAX_INT
 MAGIC = b"FTKM"
 VERSION = 2
 MAX_COUNT = 1 << 20  # numbers in one message, entries in one list
-_NAME = SAFE_FILE_RE.pattern.strip("^$")  # a plain file name inside a step directory
+_NAME = SAFE_FILE_RE.pattern.removeprefix("^").removesuffix(r"\Z")  # a plain file name inside a step directory
 _NAMES = re.compile(f"{_NAME}(?:\0{_NAME})*")  # several, NUL-separated
 _U32 = struct.Struct("<I")
 

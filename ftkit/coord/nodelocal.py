@@ -253,4 +253,4 @@ def step_message(at: tuple[int, int], what: str) -> str:
     return f"{at[0]}-{at[1]}-{what}.json"
 
 
-_STEP_MSG_RE = re.compile(r"^(\d+)-(\d+)-")
+_STEP_MSG_RE = re.compile(r"^([0-9]+)-([0-9]+)-")

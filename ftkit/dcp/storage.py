@@ -66,7 +66,7 @@ from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
 CHUNK_BYTES = 16 * 2**20
-_STEP_RE = re.compile(r"(\d+)/*$")
+_STEP_RE = re.compile(r"([0-9]+)/*\Z")
 
 
 def step_of(checkpoint_id: Any) -> int:

@@ -19,9 +19,11 @@ FORMAT_VERSION = 4
 SINGLE_DOC_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 RETIRED_MANIFEST = "manifest.retired.json"  # a step superseded by a restore of an older one (tiers/lifecycle.py)
-STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
+# ASCII digits and no trailing newline: a look-alike directory (an Arabic-Indic digit, a name
+# ending in "\n") read as step 3 made gc delete the real step 3 for it.
+STEP_DIR_RE = re.compile(r"^step-([0-9]{12})\Z")
 # Data files are plain names inside their step directory: no separators, no "..".
-SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\Z")
 
 CODECS = ("raw", "zstd")
 ITEMSIZE = {

@@ -39,10 +39,10 @@ MAX_WORLD = 2**24
 MAX_NDIM = 64
 MAX_NAME = 4096
 MAX_NUMBER_CHARS = 400
-RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,7})$")  # ASCII only: str.isdigit() takes "²", which int() refuses
+RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,7})\Z")  # ASCII only: str.isdigit() takes "²", which int() refuses
 MAX_CREATED_AT = 2.0**40  # seconds since 1970: tens of thousands of years
 ZSTD_MAX_RATIO = 32768  # a zstd block of <= 128 KiB needs >= 4 stored bytes
-CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}\Z")
 NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cannot back an $ndarray
 
 

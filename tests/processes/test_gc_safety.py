@@ -258,3 +258,19 @@ def test_a_running_jobs_retention_aborts_stale_uploads(s3_server, s3_url):
     gc._uploads_checked.pop(storage.url, None)
     gc.apply_job_retention(storage, keep=2, keep_every=None, protect=1, upload_grace_s=0)
     assert storage.incomplete_uploads() == [] and committed_steps(storage) == [1]
+
+
+@pytest.mark.parametrize("lookalike", ["step-00000000000\u0663", "step-000000000003\n"])
+def test_a_directory_that_only_looks_like_the_newest_step_never_gets_it_deleted(tmp_path, lookalike):
+    """An old empty directory named like step 3 with a non-ASCII digit, or with a trailing
+    newline, is no step: gc removed the real step 3 (verified, the newest) in its place."""
+    root = _steps(tmp_path / "ckpt", steps=(2, 3))
+    (root / lookalike).mkdir()
+    old = time.time() - 7200
+    for p in [*root.rglob("*"), root / lookalike]:
+        os.utime(p, (old, old))
+    r = run_cli("gc", str(root), "--keep", "2")
+    assert r.returncode == 0, r.stderr
+    assert committed_steps(Storage(str(root))) == [2, 3]
+    assert run_cli("verify", str(root), "--all").returncode == 0
+    assert (root / lookalike).is_dir()  # not ftkit's: left alone
