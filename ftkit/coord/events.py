@@ -84,12 +84,15 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
     out = []
     d = os.path.join(run_dir, "events")
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-        if not name.endswith(".jsonl"):
+        path = os.path.join(d, name)
+        if not name.endswith(".jsonl") or not os.path.isfile(path):
             continue
-        with open(os.path.join(d, name)) as f:
+        with open(path, errors="replace") as f:
             for line in f:
                 try:
-                    out.append(json.loads(line))
+                    event = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line torn by a kill
+                if isinstance(event, dict) and isinstance(event.get("t"), (int, float)) and "event" in event:
+                    out.append(event)
     return sorted(out, key=lambda e: e["t"])

@@ -201,17 +201,25 @@ def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None,
     if taken and not overwrite:
         raise FtkitError(f"{out} already exists and is not empty; remove it or pass --force")
     if taken:
-        _check_replaceable(storage, out)
+        check_replaceable(storage, out)
     sd = to_nested(manifest, read_tensors(storage, manifest, progress=progress))
     sd.pop("_ftkit", None)
-    target = _beside(out) if taken else out
-    with _dcp_errors(FtkitError, f"{out}: DCP could not write the step", remove=target if taken else None):
+    target = _beside(out)  # whole before it takes `out`'s name: a failed export leaves nothing there
+    with _dcp_errors(FtkitError, f"{out}: DCP could not write the step", remove=target):
         _save_state_dict(sd, storage_writer=FileSystemWriter(target), no_dist=True)
     if taken:
         _swap_in(target, out)
+        return
+    try:
+        if empty_dir:
+            os.rmdir(out)
+        os.rename(target, out)
+    except OSError as e:
+        shutil.rmtree(target, ignore_errors=True)
+        raise FtkitError(f"{out}: cannot move the export into place: {e.strerror or e}") from None
 
 
-def _check_replaceable(storage: Storage, out: str) -> None:
+def check_replaceable(storage: Storage, out: str) -> None:
     """What `--force` may replace: not a link or a mount point (a rename cannot move it), and
     nothing that holds the tier read from or lies inside it."""
     if os.path.islink(out) or os.path.ismount(out):

@@ -7,6 +7,7 @@ before anything is allocated on the manifest's word.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +46,16 @@ def check_file_sizes(storage: Storage, manifest: Manifest, only: Iterable[str] |
             )
 
 
+@contextlib.contextmanager
+def _data_file(storage: Storage, rel: str) -> Iterator[None]:
+    """A data file gone since the manifest was read (a gc, another job's retention) is that
+    step's corruption: restore moves on to the next candidate, the CLI says which file."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{storage.where(rel)}: data file is missing") from None
+
+
 def _readinto_exact(f, dest: memoryview, where: str) -> None:
     """Fill `dest`, looping over short reads; the file ending first is truncation."""
     got = 0
@@ -79,7 +90,7 @@ def chunk_bytes(storage: Storage, rel: str, chunks: list[Chunk]) -> Iterator[tup
     """(index, stored bytes) of each of `chunks` (sorted by offset) of file `rel`, in order;
     a file shorter than a chunk's end is truncation."""
     if storage.is_local:
-        with storage.open_read(rel) as f:
+        with _data_file(storage, rel), storage.open_read(rel) as f:
             for i, c in enumerate(chunks):
                 f.seek(c.offset)
                 stored = memoryview(bytearray(c.length))
@@ -94,7 +105,8 @@ def chunk_bytes(storage: Storage, rel: str, chunks: list[Chunk]) -> Iterator[tup
             batch.append(spans[at])
             size += spans[at][1] - spans[at][0]
             at += 1
-        got = storage.read_ranges(rel, [(start, end) for start, end, _ in batch])
+        with _data_file(storage, rel):
+            got = storage.read_ranges(rel, [(start, end) for start, end, _ in batch])
         for (start, end, members), data in zip(batch, got, strict=True):
             if len(data) != end - start:
                 raise CorruptCheckpointError(f"{storage.where(rel)}: file ends early (truncated)")
@@ -255,7 +267,7 @@ def _read_local(storage: Storage, step_dir: str, by_file: dict, skip: bool, prog
 
     def read_span(rel: str, jobs: list) -> int:
         where = storage.where(rel)
-        with storage.open_read(rel) as f:
+        with _data_file(storage, rel), storage.open_read(rel) as f:
             for c, name, raw in jobs:
                 _read_chunk(f, c, raw, f"{where} (tensor {name!r})", skip)
         return sum(c.raw_length for c, _, _ in jobs)

@@ -7,10 +7,11 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, StorageError, UsageError
 from ftkit.format.data import verify
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import load_manifest, newest_manifest, scan
+from ftkit.format.validate import MAX_WORLD
 from ftkit.tiers.storage import Storage
 from ftkit.tools import dcp_commands
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_tier, open_url, progress_bar, summary, when
@@ -135,13 +136,20 @@ def cmd_restore(args) -> int:
     from ftkit.tools.export import export
 
     resharding = getattr(args, "world_size", None) is not None  # (`ftkit export` has no --world-size)
-    if resharding and args.world_size < 1:
-        raise UsageError("--world-size must be at least 1")
+    if resharding and not 1 <= args.world_size <= MAX_WORLD:
+        raise UsageError(f"--world-size must be from 1 to {MAX_WORLD}")
     if resharding and args.format != "torch":
         raise UsageError("--world-size writes an ftkit checkpoint directory; --format does not apply")
-    if not resharding and args.format != "dcp" and os.path.exists(args.out) and not args.force:
+    to_file = not resharding and args.format != "dcp"
+    if to_file and os.path.isdir(args.out):
+        raise UsageError(f"{args.out} is a directory; --out names the file to write")
+    if to_file and os.path.lexists(args.out) and not args.force:
         raise UsageError(f"{args.out} already exists; remove it or pass --force")
     storage, step = open_tier(args)
+    if to_file and os.path.lexists(args.out):  # --force: never a file of the tier read from
+        from ftkit.dcp.foreign import check_replaceable
+
+        check_replaceable(storage, args.out)
     if found := dcp_checkpoints(storage):
         return dcp_commands.restore(args, storage, found)
     m = newest_manifest(storage, step)
@@ -192,7 +200,11 @@ def cmd_report(args) -> int:
     except ValueError:
         raise CheckpointNotFoundError(f"{args.run_dir}: the event log is empty") from None
     if args.html:
-        with open(args.html, "w") as f:
-            f.write(to_html(report, events, title=f"ftkit run {os.path.basename(os.path.abspath(args.run_dir))}"))
+        page = to_html(report, events, title=f"ftkit run {os.path.basename(os.path.abspath(args.run_dir))}")
+        try:
+            with open(args.html, "w") as f:
+                f.write(page)
+        except OSError as e:
+            raise StorageError(f"{args.html}: cannot write the timeline ({e.strerror or e})") from None
     emit(args, asdict(report), to_text(report) + (f"\ntimeline written to {args.html}" if args.html else ""))
     return EXIT_OK

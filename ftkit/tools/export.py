@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ftkit.errors import FtkitError
+from ftkit.errors import FtkitError, StorageError, one_line
 from ftkit.format.data import read_tensors
 from ftkit.format.manifest import Manifest
 from ftkit.save import capture as cap
@@ -59,20 +60,23 @@ def export(
 
 def write_file(out_path: str, fmt: str, state: dict[str, Any], metadata: dict[str, str]) -> None:
     """Write `state` to `out_path` atomically: a torch file, or a safetensors file (`state`: tensors
-    by name) with `metadata`."""
+    by name) with `metadata`. A failed write is a StorageError in one line."""
+    if fmt == "torch":
+        save: Callable[[str], Any] = lambda path: torch.save(state, path)  # noqa: E731
+    else:
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise FtkitError("--format safetensors needs the safetensors package: pip install safetensors") from None
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save = lambda path: save_file(tensors, path, metadata=metadata)  # noqa: E731
     tmp = f"{out_path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        if fmt == "torch":
-            torch.save(state, tmp)
-        else:
-            try:
-                from safetensors.torch import save_file
-            except ImportError:
-                raise FtkitError(
-                    "--format safetensors needs the safetensors package: pip install safetensors"
-                ) from None
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata=metadata)
+        save(tmp)
         os.replace(tmp, out_path)
+    except Exception as e:  # OSError, torch's RuntimeError, SafetensorError
+        full = shutil.disk_usage(os.path.dirname(os.path.abspath(out_path))).free < (1 << 20)
+        raise StorageError(f"writing {out_path} failed{' (the disk is full)' if full else ''}: {one_line(e)}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

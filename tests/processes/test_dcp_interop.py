@@ -149,7 +149,8 @@ def test_a_dcp_checkpoint_is_refused_a_bad_world_size_or_format_as_an_ftkit_step
     root, _ = titan
     out = tmp_path / "ftkit"
     for args, said in (
-        (("--world-size", "0"), "--world-size must be at least 1"),
+        (("--world-size", "0"), "--world-size must be from 1 to"),
+        (("--world-size", str(2**24 + 1)), "--world-size must be from 1 to"),
         (("--world-size", "2", "--format", "safetensors"), "--format does not apply"),
     ):
         r = run_cli("restore", str(root), "--out", str(out), *args)

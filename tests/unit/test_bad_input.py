@@ -211,3 +211,51 @@ def test_full_disk_during_persist_keeps_previous_step(tiny_disk):
     assert leftovers == []  # the partial write was cleaned up
     assert run_cli("verify", str(tiny_disk)).returncode == 0
     assert _restored_step_and_value(tiny_disk, numel=150_000) == (1, 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_restore_onto_a_full_disk_is_one_line_and_leaves_nothing(two_steps, tiny_disk, fmt):
+    """The state (16 KB) does not fit in what is left of the disk: one line naming the file and
+    the full disk, exit 1, and no partial file or directory left at --out."""
+    (tiny_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 8 * 1024))
+    out = tiny_disk / "out"
+    r = run_cli("export" if fmt == "dcp" else "restore", str(two_steps), "--out", str(out), "--format", fmt)
+    _one_line_error(r, 1, str(out))
+    assert fmt == "dcp" or "the disk is full" in r.stderr
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
+
+
+def test_restore_force_never_writes_over_a_file_of_the_tier_it_reads(two_steps, tmp_path):
+    manifest = _manifest(two_steps)
+    before = manifest.read_bytes()
+    r = run_cli("restore", str(two_steps), "--step", "1", "--out", str(manifest), "--force")
+    _one_line_error(r, 1, "inside the checkpoint tier")
+    assert manifest.read_bytes() == before and run_cli("verify", str(two_steps), "--all").returncode == 0
+    (tmp_path / "adir").mkdir()
+    _one_line_error(run_cli("restore", str(two_steps), "--out", str(tmp_path / "adir"), "--force"), 2, "is a directory")
+
+
+def test_a_data_file_gone_between_its_size_check_and_its_read_is_that_steps_corruption(two_steps, monkeypatch):
+    """A gc or another job's retention removes step 2 while a restore reads it: the restore
+    goes on to step 1 (a FileNotFoundError escaped it before)."""
+    import ftkit.format.data as data
+
+    checked = data.check_file_sizes
+
+    def check_then_lose(storage, manifest, *args, **kwargs):
+        checked(storage, manifest, *args, **kwargs)
+        if manifest.step == 2:
+            _data_file(two_steps).unlink()
+
+    monkeypatch.setattr(data, "check_file_sizes", check_then_lose)
+    assert _restored_step_and_value(two_steps) == (1, 1.0)
+
+
+def test_report_html_to_a_path_that_cannot_be_written_is_one_line(tmp_path):
+    events = tmp_path / "run" / "events"
+    events.mkdir(parents=True)
+    (events / "rank-00000.jsonl").write_text('{"t": 1.0, "rank": 0, "event": "step", "step": 1}\n[1, 2]\n{"t": "x"}\n')
+    (events / "odd.jsonl").mkdir()  # not a file: skipped, as are the lines that are not events
+    r = run_cli("report", str(tmp_path / "run"), "--html", str(tmp_path / "missing" / "x.html"))
+    _one_line_error(r, 1, "x.html: cannot write the timeline")
+    assert run_cli("report", str(tmp_path / "run")).returncode == 0
