@@ -349,5 +349,18 @@ class Checkpointer:
         restored, self.last_restore, self._superseded = _restore(self._restore_context(), step, key)
         return restored
 
+    def continue_from(self, step: int) -> None:
+        """This run goes on from `step` without restore(): it starts over (0), or its state came
+        from elsewhere (a Trainer's own checkpoint, a DCP one). The tiers' steps newer than
+        `step`, an earlier run's, are retired at the first snapshot, as after a restore of an
+        older step: they would refuse this run's snapshots of the same numbers, and a restart
+        would resume them. Every rank calls it, before its first snapshot."""
+        listed: dict[int, list[int]] = {}
+        if self._ctx.rank == 0:  # the shared tiers' steps it retires (a RAM tier's leaders drop every newer one)
+            for i, backend in enumerate(self._backends):
+                if not backend.node_local:
+                    listed[i] = [s for s in backend.committed_steps() if s > step]
+        self._superseded = Superseded(step, listed)
+
     def _restore_context(self) -> RestoreContext:
         return RestoreContext(self.state, self.rng, self._ctx, self._backends, self._arena, self.events.emit)

@@ -20,6 +20,31 @@ from ftkit.errors import FtkitError
 
 FSDP_MODEL_NAME = "pytorch_model_fsdp"  # accelerate.utils.constants.FSDP_MODEL_NAME
 TRAINER_STATE_NAME = "trainer_state.json"
+MARKER = ".ftkit-resume"  # in every resume directory ftkit writes: only such a directory is ever removed
+
+
+def check_replaceable(path: str) -> None:
+    """Refuse a `path` ftkit may not empty: anything but an empty directory or one it wrote (a
+    `resume_dir` naming the run's folder, or a tier, would be deleted with everything in it)."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path) or (os.listdir(path) and not is_own(path)):
+        raise FtkitError(
+            f"FtkitCallback: resume_dir {path} exists and is not a resume directory ftkit wrote "
+            "(it is emptied before use and removed after); name a new directory"
+        )
+
+
+def is_own(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def _make_empty(path: str) -> None:
+    """`path` as a new, empty resume directory of ftkit's (check_replaceable passed)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+    Path(path, MARKER).write_text("written by ftkit's FtkitCallback for Trainer.train(); removed once it began\n")
 
 
 def fsdp_plugin() -> Any:
@@ -57,9 +82,8 @@ def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, worl
         return path
     if world > 1:  # every rank writes and reads its own
         path = f"{path}-r{rank}"
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    os.makedirs(path)
+    check_replaceable(path)
+    _make_empty(path)
     write_trainer_state(path)
     # Not save_pretrained: under torch.distributed it writes on rank 0 only.
     from safetensors.torch import save_model
@@ -77,10 +101,9 @@ def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     barrier = dist.barrier if distributed else (lambda: None)
+    check_replaceable(path)  # (every rank: one directory all see, so all refuse alike)
     if rank == 0:
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.makedirs(path)
+        _make_empty(path)
         write_trainer_state(path)
     barrier()
     weights = get_model_state_dict(model)  # the names accelerate's load asks for (the model is not sharded yet)

@@ -41,7 +41,7 @@ from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError, StateMismatchError
 from ftkit.integrations._common import Adapter, CallbackBase, Stash, check_tiers_reachable
-from ftkit.integrations._hf_resume import check_fsdp_args, fsdp_plugin, write_resume_dir
+from ftkit.integrations._hf_resume import check_fsdp_args, fsdp_plugin, is_own, write_resume_dir
 from ftkit.integrations._hf_stream import (
     Layout,
     StreamPosition,
@@ -69,7 +69,8 @@ class FtkitCallback(CallbackBase, TrainerCallback):
     policy: ``"wait"`` or ``"skip"`` when both staging buffers are busy (see ``Checkpointer``).
     resume_dir: where ``resume_from_checkpoint()`` writes the directory for ``train()``
         (default ``<output_dir>/ftkit-resume``; one all ranks see under FSDP); removed once
-        training begins.
+        training begins. A new or empty directory, or one ftkit wrote before: any other is
+        refused, never emptied.
     ignore_existing: start from scratch even if the tiers hold snapshots (else an error).
     checkpointer_kwargs: passed to :class:`ftkit.Checkpointer` (``max_staging_bytes``).
     """
@@ -190,6 +191,8 @@ class FtkitCallback(CallbackBase, TrainerCallback):
         self._follow_stream(args, state, resume, kwargs.get("train_dataloader"))
         entries = self._entries(model, optimizer, lr_scheduler, state, args.world_size)
         self.checkpointer = Checkpointer(entries, self.tiers, policy=self.policy, rng=False, **self.checkpointer_kwargs)
+        if resume is None:  # (ignore_existing, or a Trainer checkpoint of its own): an earlier run's newer steps go
+            self.checkpointer.continue_from(state.global_step)
         if resume is not None and self._fsdp:
             self._restore_sharded(resume["step"], args)
         if not self._atexit:  # no exception hook in the Trainer: flush at exit at the latest
@@ -284,7 +287,7 @@ class FtkitCallback(CallbackBase, TrainerCallback):
 
     def _remove_resume_dir(self) -> None:
         path, self._resume_path = self._resume_path, None
-        if path and os.path.isdir(path):
+        if path and os.path.isdir(path) and is_own(path):  # (a directory ftkit did not write is never removed)
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -167,6 +167,8 @@ class FtkitCallback(CallbackBase, Callback):
             )
         elif self.restore:
             self.restored_step = self.checkpointer.restore()
+        if not self.restored_step and not trainer.ckpt_path:  # started over: an earlier run's newer steps go
+            self.checkpointer.continue_from(trainer.global_step)  # (ckpt_path: its step is not known yet here)
         if self.restored_step:
             self._last_step = trainer.global_step
             pending: dict[str, Any] = self._pending or {}

@@ -84,6 +84,8 @@ def make_trainer(
     kill: bool = False,
     n_embd: int = 32,
     tiers=None,
+    resume_dir=None,
+    ignore_existing=False,
     **extra_args,
 ):
     model = make_model(n_embd)
@@ -103,7 +105,11 @@ def make_trainer(
         **extra_args,
     )
     trace = Trace(model)
-    ftcb = FtkitCallback(tiers or [ckpt], every_n_steps=every) if (ckpt or tiers) else None
+    ftcb = None
+    if ckpt or tiers:
+        ftcb = FtkitCallback(
+            tiers or [ckpt], every_n_steps=every, resume_dir=resume_dir, ignore_existing=ignore_existing
+        )
     callbacks = ([ftcb] if ftcb else []) + [trace]
     if fail_at is not None:
         callbacks.append(FailAt(fail_at, kill=kill, flush=ftcb))
@@ -286,7 +292,7 @@ def test_the_fsdp_resume_directory_holds_the_weights_in_the_trainers_layout(tmp_
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import StateDictType
 
-    from ftkit.integrations._hf_resume import write_handoff
+    from ftkit.integrations._hf_resume import MARKER, write_handoff
 
     model = make_model()
     fresh = type(model)(model.config)  # other weights
@@ -294,11 +300,11 @@ def test_the_fsdp_resume_directory_holds_the_weights_in_the_trainers_layout(tmp_
     plugin = types.SimpleNamespace(state_dict_type=StateDictType[kind])
     path = str(tmp_path / "resume")
     os.makedirs(path)
+    (tmp_path / "resume" / MARKER).write_text("")  # an earlier resume's directory, ftkit's own
     (tmp_path / "resume" / "stale").write_text("from an earlier resume")
     write_handoff(model, path, plugin, lambda where: open(os.path.join(where, "trainer_state.json"), "w").write("{}"))
-    assert sorted(os.listdir(path)) == sorted(
-        ["trainer_state.json", "pytorch_model_fsdp_0" if kind == "SHARDED_STATE_DICT" else "pytorch_model_fsdp.bin"]
-    )
+    weights = "pytorch_model_fsdp_0" if kind == "SHARDED_STATE_DICT" else "pytorch_model_fsdp.bin"
+    assert sorted(os.listdir(path)) == sorted([MARKER, "trainer_state.json", weights])
     if kind == "SHARDED_STATE_DICT":
         loaded = {"model": fresh.state_dict()}
         dcp.load(loaded, checkpoint_id=os.path.join(path, "pytorch_model_fsdp_0"))
@@ -307,3 +313,44 @@ def test_the_fsdp_resume_directory_holds_the_weights_in_the_trainers_layout(tmp_
         fresh.load_state_dict(torch.load(os.path.join(path, "pytorch_model_fsdp.bin"), weights_only=True))
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_resume_dir_that_ftkit_did_not_write_is_refused_never_emptied(tmp_path):
+    """resume_dir naming the run's own folder (it holds the tier and the user's files): the
+    callback refuses it in one line and deletes nothing; a new directory works, and is gone
+    once training has begun."""
+    run = tmp_path / "run"
+    ckpt, out = str(run / "ckpt"), str(tmp_path / "out")
+    trainer, _, ftcb = make_trainer(out, ckpt, every=5, fail_at=6)
+    with pytest.raises(RuntimeError):
+        train(trainer, ftcb)
+    ftcb.close()
+    (run / "notes.txt").write_text("mine")
+    trainer, trace, ftcb = make_trainer(out, ckpt, every=5, resume_dir=str(run))
+    with pytest.raises(ftkit.FtkitError, match=r"resume_dir .*run exists and is not a resume directory ftkit wrote"):
+        ftcb.resume_from_checkpoint()
+    assert (run / "notes.txt").read_text() == "mine" and committed_steps(ftkit.Tier(ckpt).open()) == [5]
+    ftcb.close()
+    trainer, trace, ftcb = make_trainer(out, ckpt, every=5, resume_dir=str(tmp_path / "handoff"))
+    train(trainer, ftcb)
+    assert ftcb.restored_step == 5 and not (tmp_path / "handoff").exists()
+    assert trainer.state.global_step == EPOCHS * STEPS_PER_EPOCH
+
+
+def test_starting_over_retires_the_earlier_runs_snapshots(tmp_path):
+    """ignore_existing=True over a finished run's tier: the new run's snapshots are kept (the
+    old run's steps of the same numbers refused them), and a restart after its failure resumes
+    the new run, not the old run's newer steps."""
+    ckpt = str(tmp_path / "ckpt")
+    trainer, _, ftcb = make_trainer(str(tmp_path / "a"), ckpt, every=5)
+    train(trainer, ftcb)
+    ftcb.close()
+    assert committed_steps(ftkit.Tier(ckpt).open())[-1] == EPOCHS * STEPS_PER_EPOCH
+    trainer, _, ftcb = make_trainer(str(tmp_path / "b"), ckpt, every=5, fail_at=11, ignore_existing=True)
+    with pytest.raises(RuntimeError, match="injected failure at step 11"):
+        trainer.train()
+    ftcb.close()
+    assert committed_steps(ftkit.Tier(ckpt).open()) == [5, 10]  # run b's; run a's 25 and 30 retired
+    trainer, trace, ftcb = make_trainer(str(tmp_path / "b"), ckpt, every=5)
+    train(trainer, ftcb)
+    assert ftcb.restored_step == 10 and trace.steps[0][0] == 10

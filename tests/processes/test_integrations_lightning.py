@@ -128,11 +128,14 @@ def fit(
     validate: bool = False,
     iterable: bool = False,
     ftkit_tiers=None,
+    restore: bool = True,
 ):
     pl.seed_everything(0, verbose=False)
     model = Net(width, interval, validate, iterable)
     trace = Trace()
-    ftcb = FtkitCallback(ftkit_tiers or [ckpt], every_n_steps=every) if (ckpt or ftkit_tiers) else None
+    ftcb = None
+    if ckpt or ftkit_tiers:
+        ftcb = FtkitCallback(ftkit_tiers or [ckpt], every_n_steps=every, restore=restore)
     callbacks = ([ftcb] if ftcb else []) + [trace]
     if fail_at is not None:
         callbacks.append(FailAt(fail_at, kill=kill, flush=ftcb))
@@ -320,3 +323,17 @@ def _child(ckpt: str, kill_at: int, every: int) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+
+
+def test_starting_over_retires_the_earlier_runs_snapshots(tmp_path):
+    """restore=False over a finished run's tier: the new run's snapshots are kept (the old
+    run's steps of the same numbers refused them), and a restart after its failure resumes the
+    new run, not the old run's newer steps."""
+    ckpt = str(tmp_path / "ckpt")
+    fit(ckpt, every=5)
+    assert committed_steps(ftkit.Tier(ckpt).open())[-1] == EPOCHS * BATCHES_PER_EPOCH
+    with pytest.raises(RuntimeError, match="injected failure at step 10"):
+        fit(ckpt, every=5, fail_at=10, interval="epoch", restore=False)
+    assert committed_steps(ftkit.Tier(ckpt).open()) == [5, 10]  # the new run's; the old run's newer ones retired
+    model, trainer, trace, ftcb = fit(ckpt, every=5, interval="epoch")
+    assert ftcb.restored_step == 10 and trainer.global_step == EPOCHS * BATCHES_PER_EPOCH

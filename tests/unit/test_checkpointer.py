@@ -404,3 +404,25 @@ def test_events_carry_the_generation_their_checkpointer_was_made_in(tmp_path):
         if e["event"] in ("snapshot", "persist", "persist_job"):
             gens.setdefault(e["step"], set()).add(e.get("gen", 0))
     assert gens == {1: {0}, 2: {1}}
+
+
+def test_continue_from_retires_an_earlier_runs_newer_steps_at_the_first_snapshot(tmp_path):
+    """A loop that starts over on a tier holding an earlier run's steps 1-3: with
+    continue_from(0) its own steps 1 and 2 are kept (they were refused as already committed)
+    and a restart resumes them; the earlier run's step 3 is retired, not resumed."""
+    tier = ftkit.Tier(str(tmp_path / "ckpt"), keep=None)
+    state = {"w": torch.zeros(8)}
+    with ftkit.Checkpointer(state, [tier], rng=False) as ck:
+        for step in (1, 2, 3):
+            state["w"].fill_(100 + step)
+            ck.snapshot(step)
+    with ftkit.Checkpointer(state, [tier], rng=False) as ck:
+        ck.continue_from(0)
+        assert committed_steps(tier.open()) == [1, 2, 3]  # nothing changes before the first snapshot
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+    assert committed_steps(tier.open()) == [1, 2]
+    with ftkit.Checkpointer(state, [tier], rng=False) as ck:
+        assert ck.restore() == 2
+    assert torch.equal(state["w"], torch.full((8,), 2.0))
