@@ -44,8 +44,10 @@ class CallbackBase:
         self.restored_step = 0  # the step the last training run resumed from (0: started fresh)
         self._last_step = -1
 
-    def _maybe_snapshot(self, step: int) -> None:
-        if step <= 0 or step == self._last_step or step % self.every_n_steps or self.checkpointer is None:
+    def _maybe_snapshot(self, step: int, last: bool = False) -> None:
+        """Snapshot `step` when every_n_steps says so, or (`last`) as training ends."""
+        due = last or step % self.every_n_steps == 0
+        if step <= 0 or step == self._last_step or not due or self.checkpointer is None:
             return
         self._last_step = step
         self.checkpointer.snapshot(step)

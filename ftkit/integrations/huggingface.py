@@ -274,7 +274,7 @@ class FtkitCallback(CallbackBase, TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         try:
-            self._maybe_snapshot(state.global_step)
+            self._maybe_snapshot(state.global_step, last=True)  # the trained model, whatever every_n_steps says
         finally:
             self.close()  # flushes; a failed background persist is raised here
 

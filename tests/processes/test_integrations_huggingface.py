@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -354,3 +355,16 @@ def test_starting_over_retires_the_earlier_runs_snapshots(tmp_path):
     trainer, trace, ftcb = make_trainer(str(tmp_path / "b"), ckpt, every=5)
     train(trainer, ftcb)
     assert ftcb.restored_step == 10 and trace.steps[0][0] == 10
+
+
+def test_the_last_step_is_snapshotted_whatever_every_n_steps_says(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    trainer, _, ftcb = make_trainer(str(tmp_path / "out"), ckpt, every=4)
+    train(trainer, ftcb)
+    assert committed_steps(ftkit.Tier(ckpt).open()) == [28, EPOCHS * STEPS_PER_EPOCH]
+    trained = final_values(trainer)
+    trainer, _, ftcb = make_trainer(str(tmp_path / "out"), ckpt, every=4)
+    resume = ftcb.resume_from_checkpoint()  # the weights of the newest step, loaded
+    assert json.loads(open(os.path.join(resume, "trainer_state.json")).read())["global_step"] == 30
+    model = {k: v for k, v in trained.items() if k.startswith("model/")}
+    assert_bitwise_equal({f"model/{k}": v for k, v in trainer.model.state_dict().items()}, model)
