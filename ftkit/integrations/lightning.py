@@ -142,6 +142,7 @@ class FtkitCallback(CallbackBase, Callback):
         self._pending = dict(saved)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _warn_of_checkpoint_hooks(trainer, pl_module, self)
         self._close_quietly()
         self._last_step = -1
         self._pending = self._job = self._sampler = None
@@ -283,3 +284,27 @@ class FtkitCallback(CallbackBase, Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._end_checkpointer(type(exception), exception, exception.__traceback__)
+
+
+def _warn_of_checkpoint_hooks(trainer: pl.Trainer, pl_module: pl.LightningModule, ours: Callback) -> None:
+    """Name the module and callbacks that keep state through on_save_checkpoint /
+    on_load_checkpoint: ftkit snapshots state_dict()s, not Lightning's checkpoint dict, so
+    that state would restart from scratch after a restore, silently."""
+    hooks = ("on_save_checkpoint", "on_load_checkpoint")
+    owners = [type(pl_module).__name__] if any(_overrides(pl_module, pl.LightningModule, h) for h in hooks) else []
+    owners += [
+        type(cb).__name__
+        for cb in trainer.callbacks
+        if cb is not ours and any(_overrides(cb, Callback, h) for h in hooks)
+    ]
+    if owners:
+        log.warning(
+            "ftkit: %s keep(s) state through on_save_checkpoint/on_load_checkpoint, which ftkit's snapshots do "
+            "not call (they hold state_dict()s): that state restarts after an ftkit restore. Keep it in the "
+            "module's state_dict() (a buffer) or the callback's state_dict()",
+            ", ".join(owners),
+        )
+
+
+def _overrides(obj: Any, base: type, name: str) -> bool:
+    return getattr(type(obj), name, None) is not getattr(base, name, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -337,3 +338,18 @@ def test_starting_over_retires_the_earlier_runs_snapshots(tmp_path):
     assert committed_steps(ftkit.Tier(ckpt).open()) == [5, 10]  # the new run's; the old run's newer ones retired
     model, trainer, trace, ftcb = fit(ckpt, every=5, interval="epoch")
     assert ftcb.restored_step == 10 and trainer.global_step == EPOCHS * BATCHES_PER_EPOCH
+
+
+def test_state_kept_through_checkpoint_hooks_is_named_in_a_warning(tmp_path, monkeypatch, caplog):
+    """ftkit snapshots state_dict()s: a module keeping state through on_save_checkpoint would
+    restart it after a restore, so the callback says so, naming the module."""
+    monkeypatch.setattr(Net, "on_save_checkpoint", lambda self, checkpoint: checkpoint.update(seen=1), raising=False)
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        fit(str(tmp_path / "ckpt"), every=5)
+    said = [r.getMessage() for r in caplog.records if "on_save_checkpoint/on_load_checkpoint" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("ftkit: Net keep(s) state"), said
+    caplog.clear()
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        fit(str(tmp_path / "ckpt2"), every=5)
+    assert not [r for r in caplog.records if "on_save_checkpoint" in r.getMessage()]
