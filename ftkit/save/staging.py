@@ -257,23 +257,48 @@ class StagingArena:
                     self._slots.append(Slot(self.pin, self.ops, self.side_stream))
                 # Prefer a slot already big enough: no allocation on the hot path.
                 free = [s for s in self._slots[:n] if not s.busy]
+                trim: list[Slot] | None = []
                 if free:
                     slot = max(free, key=lambda s: s.capacity >= layout.total_bytes)
-                    slot.busy = True
-                    break
+                    trim = self._to_trim(slot, layout.total_bytes)
+                    if trim is not None:
+                        for s in (*trim, slot):
+                            s.busy = True  # (the trimmed ones until their buffers are freed below)
+                        break
                 if not wait:
                     slot = None
                     break
-                self._cond.wait()
+                self._cond.wait()  # (every slot busy, or the busy ones leave no room under the budget)
         _free(dropped)  # (a slot's device error was raised when it was released)
         if slot is None:
             return None
+        if trim:
+            _free(trim)
+            with self._cond:
+                for s in trim:
+                    s.busy = s is slot
+                self._cond.notify_all()
         try:
             slot._ensure(layout)
         except Exception:
             self.release(slot)
             raise
         return slot
+
+    def _to_trim(self, slot: Slot, need: int) -> list[Slot] | None:
+        """The free slots whose buffers must go for `slot` to hold `need` bytes within the
+        budget (`slot` too when its old buffer is bigger than that leaves room for), or None
+        when the busy slots alone leave no room: sizes change between snapshots, and a
+        slot's buffer only grows on its own. Called with the lock held."""
+        if self.budget_bytes is None:
+            return []
+        busy = sum(s.capacity for s in self._slots if s.busy)
+        if busy + need > self.budget_bytes:
+            return None
+        others = [s for s in self._slots if not s.busy and s is not slot and s.capacity]
+        if busy + max(slot.capacity, need) + sum(s.capacity for s in others) <= self.budget_bytes:
+            return []
+        return [*others, slot] if busy + slot.capacity > self.budget_bytes else others
 
     def release(self, slot: Slot) -> None:
         try:
