@@ -14,19 +14,26 @@ from ftkit.commit.manifests import commit
 from ftkit.format.data import read_tensors
 from ftkit.format.manifest import Manifest
 from ftkit.save.layout import Layout
-from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block
+from ftkit.save.sharding import RANK_LOCAL, SHARDED, Piece, plan_pieces, row_block, whole_owners
 from ftkit.save.staging import StagingArena
 from ftkit.save.write import discard, write_data
 from ftkit.tiers.storage import Storage
 
 
 def plan_for_world(
-    manifest: Manifest, tensors: dict[str, torch.Tensor], rank: int, world_size: int
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+    world_size: int,
+    owners: dict[str, int] | None = None,
 ) -> list[tuple[Piece, torch.Tensor]]:
-    """The pieces rank `rank` of `world_size` would save of this checkpoint's tensors."""
+    """The pieces rank `rank` of `world_size` would save of this checkpoint's tensors
+    (`owners`: sharding.whole_owners of its replicated tensors, worked out once per world)."""
     kinds = {t.name: t.kind for t in manifest.tensors}
     replicated = [(n, t) for n, t in tensors.items() if kinds[n] not in (SHARDED, RANK_LOCAL)]
-    out = [pc for pc in plan_pieces(replicated, rank, world_size)]
+    if owners is None:
+        owners = whole_owners(replicated, world_size)
+    out = plan_pieces(replicated, rank, world_size, owners)
     for name, t in tensors.items():
         if kinds[name] == SHARDED:
             shape = tuple(t.shape)
@@ -53,9 +60,11 @@ def reshard(
     tensors = read_tensors(src, manifest, progress=progress)
     arena = StagingArena(slots=1, pin=False)
     writes = []
+    kinds = {t.name: t.kind for t in manifest.tensors}
+    owners = whole_owners([(n, t) for n, t in tensors.items() if kinds[n] not in (SHARDED, RANK_LOCAL)], world_size)
     try:
         for rank in range(world_size):
-            pieces = plan_for_world(manifest, tensors, rank, world_size)
+            pieces = plan_for_world(manifest, tensors, rank, world_size, owners)
             named = [(p.name, t) for p, t in pieces]
             slot = arena.acquire(Layout.of(named), wait=True)
             assert slot is not None  # waiting without a timeout always gets one

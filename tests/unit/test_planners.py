@@ -13,7 +13,16 @@ from ftkit.errors import FormatError
 from ftkit.format.manifest import Chunk, Manifest, Shard, TensorEntry
 from ftkit.restore.plan import Candidate, fetch_plan, files_for, order_candidates, ram_candidates
 from ftkit.save.layout import Layout
-from ftkit.save.sharding import RANK_LOCAL, REPLICATED, byte_span, overlap, plan_pieces, planned
+from ftkit.save.sharding import (
+    RANK_LOCAL,
+    REPLICATED,
+    SPLIT_BYTES,
+    byte_span,
+    overlap,
+    plan_pieces,
+    planned,
+    whole_owners,
+)
 from ftkit.tiers.peers import replica_targets, replication_plan
 from ftkit.tiers.retention import StepInfo, plan_collection, plan_retention
 
@@ -212,6 +221,31 @@ def test_plan_pieces_saves_replicated_state_once_split_and_balanced():
     for pl in plans:
         for p, src in pl:
             assert tuple(src.shape) == p.lengths and (p.kind in (REPLICATED, RANK_LOCAL))
+
+
+def test_whole_tensors_go_to_the_least_loaded_rank_lowest_first_in_one_pass():
+    """The heap (whole_owners) picks as the plain rule does: each whole replicated tensor to
+    the rank with the fewest bytes so far, the lowest on a tie; split tensors load all alike."""
+    import random
+
+    rng = random.Random(3)
+    for world in (1, 2, 3, 8, 37):
+        named = []
+        for i in range(60):
+            rows = rng.choice([1, 7, 64, 300, 2048])
+            named.append((f"t{i}", torch.zeros(rows, rng.choice([1, 16, 512]))))
+        load, expected = [0] * world, {}
+        for name, t in named:  # the rule, O(tensors x world)
+            nbytes = t.numel() * t.element_size()
+            if world > 1 and nbytes >= SPLIT_BYTES and t.shape[0] >= world:
+                load = [x + nbytes // world for x in load]
+                continue
+            owner = min(range(world), key=lambda r: (load[r], r))
+            load[owner] += nbytes
+            expected[name] = owner
+        assert whole_owners(named, world) == expected
+        got = {p.name: r for r in range(world) for p, _ in plan_pieces(named, r, world) if p.lengths == p.global_shape}
+        assert {n: r for n, r in got.items() if n in expected} == expected
 
 
 def test_plan_pieces_on_one_rank_saves_everything_whole():
