@@ -130,6 +130,8 @@ def fit(
     iterable: bool = False,
     ftkit_tiers=None,
     restore: bool = True,
+    epochs: int = EPOCHS,
+    ckpt_path: str | None = None,
 ):
     pl.seed_everything(0, verbose=False)
     model = Net(width, interval, validate, iterable)
@@ -141,7 +143,7 @@ def fit(
     if fail_at is not None:
         callbacks.append(FailAt(fail_at, kill=kill, flush=ftcb))
     trainer = pl.Trainer(
-        max_epochs=EPOCHS,
+        max_epochs=epochs,
         accelerator="cpu",
         devices=1,
         deterministic=True,
@@ -155,7 +157,7 @@ def fit(
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on num_workers etc.
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path=ckpt_path)
     return model, trainer, trace, ftcb
 
 
@@ -353,3 +355,21 @@ def test_state_kept_through_checkpoint_hooks_is_named_in_a_warning(tmp_path, mon
     with caplog.at_level(logging.WARNING, logger="ftkit"):
         fit(str(tmp_path / "ckpt2"), every=5)
     assert not [r for r in caplog.records if "on_save_checkpoint" in r.getMessage()]
+
+
+def test_a_fit_from_lightnings_own_checkpoint_retires_the_tiers_newer_steps(tmp_path):
+    """fit(ckpt_path=...) of a step-10 Lightning checkpoint over a tier that holds another run's
+    steps 25 and 30 (a wider model): the run's own snapshots 15-30 are kept, so a restart
+    restores its step 30, not the other run's."""
+    ckpt = str(tmp_path / "ckpt")
+    fit(ckpt, every=5, width=32)
+    assert committed_steps(ftkit.Tier(ckpt).open()) == [25, 30]
+    _, trainer, _, _ = fit(None, epochs=1)
+    trainer.save_checkpoint(str(tmp_path / "ten.ckpt"))
+    model, trainer, trace, ftcb = fit(ckpt, every=5, ckpt_path=str(tmp_path / "ten.ckpt"))
+    assert trace.steps[0][2] == 10 and trainer.global_step == EPOCHS * BATCHES_PER_EPOCH
+    assert committed_steps(ftkit.Tier(ckpt).open()) == [25, 30]  # this run's now
+    trained = final_values(model, trainer)
+    model, trainer, _, ftcb = fit(ckpt, every=5)
+    assert ftcb.restored_step == 30
+    assert_bitwise_equal(final_values(model, trainer), trained)
