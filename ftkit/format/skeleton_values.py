@@ -61,8 +61,7 @@ def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy
             if not isinstance(pair, list) or len(pair) != 2:
                 raise FormatError(f"{where} has an $items entry that is not a [key, value] pair")
             check_value(pair, tensors, where, depth + 1, numpy_ok)
-            hashable = ("$tuple", "$float", "$bytes")
-            if isinstance(pair[0], dict) and not (len(pair[0]) == 1 and next(iter(pair[0])) in hashable):
+            if not _key_ok(pair[0]):
                 raise FormatError(f"{where} has an $items key that is not hashable")
     elif tag == "$float" and inner not in ("inf", "-inf", "nan"):
         raise FormatError(f"{where} has a $float that is not inf, -inf or nan")
@@ -71,6 +70,22 @@ def check_value(value: Any, tensors: set[str], where: str, depth: int = 0, numpy
             base64.b64decode(inner if isinstance(inner, str) else b"!", validate=True)
         except (binascii.Error, ValueError):
             raise FormatError(f"{where} has a $bytes that is not base64 text") from None
+
+
+def _key_ok(k: Any, lists: bool = True) -> bool:
+    """Whether a decoded `k` is a hashable dict key: a scalar, a $float or $bytes, a $tuple of
+    such, or a list of such (capture.py's _hashable turns a key's lists into tuples; a list
+    inside a $tuple stays a list)."""
+    if isinstance(k, list):
+        return lists and all(_key_ok(x, lists) for x in k)
+    if isinstance(k, dict):
+        if len(k) != 1:
+            return False
+        ((tag, inner),) = k.items()
+        if tag == "$tuple":
+            return isinstance(inner, list) and all(_key_ok(x, False) for x in inner)
+        return tag in ("$float", "$bytes")
+    return True
 
 
 def _list(v: Any, what: str) -> list[Any]:

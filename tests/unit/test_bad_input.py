@@ -259,3 +259,25 @@ def test_report_html_to_a_path_that_cannot_be_written_is_one_line(tmp_path):
     r = run_cli("report", str(tmp_path / "run"), "--html", str(tmp_path / "missing" / "x.html"))
     _one_line_error(r, 1, "x.html: cannot write the timeline")
     assert run_cli("report", str(tmp_path / "run")).returncode == 0
+
+
+@pytest.mark.parametrize("key", [[{"a": 1}], {"$tuple": [[1]]}, {"$tuple": [{"b": 2}]}, {"x": 1}])
+def test_a_crafted_dict_key_that_cannot_be_a_key_is_a_corrupt_step_and_restore_falls_back(tmp_path, key):
+    """A skeleton `$items` key that decodes to something unhashable (a dict in a list, a list in a
+    tuple): validation refuses the step (restore raised TypeError from the decode before)."""
+    root = tmp_path / "ckpt"
+    state = {"w": torch.zeros(8), "seen": {1: "one"}}
+    with ftkit.Checkpointer(state, [ftkit.Tier(str(root), keep=5)], rng=False) as ck:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+
+    def craft(doc):
+        doc["skeleton"]["entries"]["seen"]["value"] = {"$items": [[key, "one"]]}
+
+    _edit_manifest(root, craft)
+    back = {"w": torch.zeros(8), "seen": {}}
+    with ftkit.Checkpointer(back, [str(root)], rng=False) as ck:
+        assert ck.restore() == 1
+    assert back["seen"] == {1: "one"} and float(back["w"][0]) == 1.0
+    assert run_cli("verify", str(root)).returncode == 1
