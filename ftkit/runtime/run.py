@@ -103,6 +103,7 @@ def cmd_run(argv: list[str]) -> int:
         cleanup.callback(signal.signal, signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         while True:
             try:
-                return proc.wait()
+                rc = proc.wait()
+                return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, not 256 - N
             except KeyboardInterrupt:
                 continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -363,3 +364,14 @@ def test_the_launcher_sees_a_checkpointer_watchdog_as_the_first_heartbeat():
     finally:
         wd.stop()
     assert not _heartbeat_running()
+
+
+def test_ftkit_run_exits_128_plus_the_signal_that_killed_torchrun(tmp_path):
+    """A worker SIGKILLs torchrun's agent: `ftkit run` ends as a shell reports a killed command,
+    137, not Python's 256 - 9 = 247 (a scheduler reads it as a kill, not an error code)."""
+    script = tmp_path / "kill_agent.py"
+    script.write_text("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
+    cmd = [sys.executable, "-m", "ftkit", "run", "--cold", "--run-dir", str(tmp_path / "run")]
+    cmd += ["--startup-timeout", "0", "--standalone", "--nproc-per-node", "1", str(script)]
+    rc, log = _run(tmp_path, cmd, timeout=110)
+    assert rc == 128 + signal.SIGKILL, log[-3000:]
