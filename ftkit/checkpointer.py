@@ -292,9 +292,9 @@ class Checkpointer:
                 if not self._ctx.distributed:
                     self.wait()
             else:
-                self.wait()
-                if self._watchdog is not None:
+                if self._watchdog is not None:  # the loop is over first: a long final flush is no hang
                     self._watchdog.finish()
+                self.wait()
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop()

@@ -226,3 +226,11 @@ def test_a_failed_ranks_persist_still_running_at_close_still_logs_its_events(tmp
         assert names[0] == "close", (rank, names)  # the persist was still running at close
         assert [e["step"] for e in events if e["event"] == "persist_job"] == [1], (rank, names)
         assert [e["step"] for e in events if e["event"] == "persist"] == [1], (rank, names)
+
+
+def test_a_final_flush_longer_than_the_hang_bound_is_no_hang(tmp_path):
+    """The loop is over and close() waits for a slow last persist: the watchdog must not call
+    that a hang (it ended the job with exit 75, and torchrun restarted a finished run)."""
+    root = str(tmp_path / "ckpt")
+    out = run_ranks(2, dist_worker.slow_final_flush, f"faulty://{root}", root, env={"TORCHELASTIC_RUN_ID": "t"})
+    assert out == [list(range(1, 11))] * 2

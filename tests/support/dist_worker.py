@@ -454,3 +454,26 @@ def close_failed_mid_persist(rank: int, world: int, url: str, root: str, run_dir
     except Exception:
         pass  # (a persist that failed: its event says so)
     return [e for e in read_events(run_dir) if e["rank"] == rank and e["event"] in ("close", "persist", "persist_job")]
+
+
+def slow_final_flush(rank: int, world: int, url: str, root: str) -> list[int]:
+    """Ten quick steps, then the last snapshot's writes are slow (an upload): close() waits
+    for them longer than the hang bound. Returns the committed steps."""
+    from ftkit.coord.judge import WatchdogConfig
+    from ftkit.drill.faults import register, set_faults
+    from ftkit.format.reader import committed_steps
+
+    register()
+    cfg = WatchdogConfig(interval_s=0.1, hang_floor_s=1.5)
+    with ftkit.Checkpointer({"w": torch.zeros(64)}, [{"url": url, "keep": None}], rng=False, watchdog=cfg) as ck:
+        for step in range(1, 11):
+            if step == 10:
+                ck.wait()
+                dist.barrier()
+                if rank == 0:
+                    set_faults(root, latency_s=1.0)  # every write of step 10 waits 1 s
+                dist.barrier()
+            ck.snapshot(step)
+    dist.barrier()  # (rank 0 commits after the others' parts are in)
+    set_faults(root)
+    return committed_steps(ftkit.Tier(url).open())
