@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftkit.errors import FormatError, PeerTimeout, RecoveryRequested
+from ftkit.errors import FormatError, FtkitError, PeerTimeout, RecoveryRequested
 from ftkit.format.validate import parse_json, parse_message
 from ftkit.runtime import generation
 
@@ -33,6 +33,8 @@ def node_id(rank: int) -> str:
     if os.environ.get("FTKIT_NODE_ID"):
         return os.environ["FTKIT_NODE_ID"]
     if per_node := os.environ.get("FTKIT_RANKS_PER_NODE"):
+        if not (per_node.isascii() and per_node.isdigit() and int(per_node) > 0):
+            raise FtkitError(f"FTKIT_RANKS_PER_NODE={per_node[:40]!r}: not a whole number of ranks above 0")
         return f"node{rank // int(per_node)}"
     return socket.gethostname()
 

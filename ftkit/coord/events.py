@@ -35,9 +35,12 @@ class EventLog:
         self._failed = False
         if run_dir:
             path = os.path.join(run_dir, "events")
-            os.makedirs(path, exist_ok=True)
             self.path = os.path.join(path, f"rank-{rank:05d}.jsonl")
-            self._file = open(self.path, "a", buffering=1)
+            try:
+                os.makedirs(path, exist_ok=True)
+                self._file = open(self.path, "a", buffering=1)
+            except OSError as e:  # (a log that cannot be written never stops training)
+                log.error("ftkit: cannot write the event log in %s (%s); events are not recorded", path, e)
 
     def emit(self, event: str, **fields: Any) -> None:
         if self._file is None:

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftkit.coord.requeue import requeue as scheduler_requeue
+from ftkit.errors import FormatError
 
 REQUEUED_KEY = "preempt/requeued"  # set by rank 0 once it has asked the scheduler to requeue
 REQUEUE_WAIT_S = 45.0  # how long the other ranks wait for it before exiting anyway
@@ -139,7 +140,7 @@ class PreemptionHandler:
         if self.final_step is None:  # O(1) requests per rank, whatever the world size
             if int(ctx.store.add("preempt/ranks", 0)) < ctx.world_size:
                 return False  # someone has not heard yet; the watchdog will tell it
-            self.final_step = int(ctx.store.get("preempt/stop"))
+            self.final_step = _step_at(ctx.store, "preempt/stop")
         return step >= self.final_step
 
     def done(self) -> None:
@@ -189,5 +190,17 @@ class PreemptionHandler:
 def _raise_to(store, key: str, value: int) -> None:
     """Make the integer at `key` at least `value` (compare-and-set until it holds)."""
     current = store.compare_set(key, "", str(value))  # creates it if missing; returns what is there
-    while int(current) < value:  # another rank raised it meanwhile: try again from its value
+    while _int(current, key) < value:  # another rank raised it meanwhile: try again from its value
         current = store.compare_set(key, current, str(value))
+
+
+def _step_at(store, key: str) -> int:
+    return _int(store.get(key), key)
+
+
+def _int(raw: bytes, key: str) -> int:
+    """A step number from the store (untrusted): FormatError naming the key when it is none."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    if not (text.isascii() and text.isdigit() and len(text) < 20):
+        raise FormatError(f"store key {key!r} holds {text[:40]!r}, not a step number")
+    return int(text)

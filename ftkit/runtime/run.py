@@ -72,7 +72,11 @@ def cmd_run(argv: list[str]) -> int:
         return EXIT_USAGE
     for note in p.notes:
         print(f"ftkit run: {note}", file=sys.stderr)
-    os.makedirs(p.run_dir, exist_ok=True)
+    try:
+        os.makedirs(p.run_dir, exist_ok=True)
+    except OSError as e:
+        print(f"ftkit: error: --run-dir {p.run_dir}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
     env = {**os.environ, "FTKIT_RUN_DIR": os.path.abspath(p.run_dir)}
     watch_dir = None
     with contextlib.ExitStack() as cleanup:  # (undone in reverse)

@@ -281,3 +281,35 @@ def test_a_crafted_dict_key_that_cannot_be_a_key_is_a_corrupt_step_and_restore_f
         assert ck.restore() == 1
     assert back["seen"] == {1: "one"} and float(back["w"][0]) == 1.0
     assert run_cli("verify", str(root)).returncode == 1
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-4"])
+def test_a_bad_ranks_per_node_is_one_line_naming_the_variable(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("FTKIT_RANKS_PER_NODE", value)
+    with pytest.raises(ftkit.FtkitError, match=rf"FTKIT_RANKS_PER_NODE='{value}': not a whole number"):
+        ftkit.Checkpointer({"w": torch.zeros(3)}, [str(tmp_path / "ckpt")], rng=False)
+
+
+def test_a_run_directory_that_is_a_file_never_stops_training_and_is_a_usage_error_for_ftkit_run(tmp_path, caplog):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    with caplog.at_level("ERROR", logger="ftkit"):
+        with ftkit.Checkpointer({"w": torch.ones(3)}, [str(tmp_path / "ckpt")], rng=False, run_dir=str(afile)) as ck:
+            ck.snapshot(1)
+    assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [1]
+    assert any("cannot write the event log" in r.getMessage() for r in caplog.records)
+    _one_line_error(run_cli("run", "--run-dir", str(afile), "train.py"), 2, f"--run-dir {afile}")
+
+
+def test_a_malformed_preemption_step_in_the_store_is_a_format_error_naming_the_key():
+    import torch.distributed as dist
+
+    from ftkit.coord.preemption import _raise_to
+
+    store = dist.HashStore()
+    store.set("preempt/stop", "banana")
+    with pytest.raises(ftkit.FormatError, match=r"store key 'preempt/stop' holds 'banana', not a step number"):
+        _raise_to(store, "preempt/stop", 5)
+    store.set("preempt/stop", "3")
+    _raise_to(store, "preempt/stop", 5)
+    assert store.get("preempt/stop") == b"5"
