@@ -102,7 +102,9 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
     try:
         step = _int(doc.get("step"), "step", 0, MAX_STEP)
         world = _int(doc.get("world_size"), "world_size", 1, MAX_WORLD)
-        refs, names = [], set()
+        listed: list[tuple[str, int, str, list[tuple[int, int]]]] = []
+        names: set[str] = set()
+        claimed: list[tuple[int, int]] = []
         for p in _list(doc.get("parts"), "parts"):
             if not isinstance(p, dict):
                 raise FormatError("a part entry is not an object")
@@ -114,31 +116,41 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
             checksum = p.get("checksum")
             if not isinstance(checksum, str) or not CHECKSUM_RE.match(checksum):
                 raise FormatError(f"part {name!r} has no valid checksum")
-            ranks = _ranks(p.get("ranks"), world, f"part {name!r}")
-            refs.append(PartRef(name, nbytes, checksum, ranks))
-        covered = frozenset().union(*(r.ranks for r in refs))
-        if sum(len(r.ranks) for r in refs) != world or len(covered) != world:  # every rank in exactly one part
+            runs = _runs(p.get("ranks"), world, f"part {name!r}")
+            claimed += runs
+            listed.append((name, nbytes, checksum, runs))
+        # Every rank in exactly one part, checked on the runs before any set of ranks is built:
+        # a few hundred crafted bytes could otherwise claim 2**24 ranks per part, GBs each.
+        at = 0
+        for start, stop in sorted(claimed):
+            if start != at:
+                raise FormatError(f"the parts do not hold every one of the {world} ranks exactly once")
+            at = stop
+        if at != world:
             raise FormatError(f"the parts do not hold every one of the {world} ranks exactly once")
+        refs = tuple(PartRef(n, b, c, _rank_set(runs)) for n, b, c, runs in listed)
     except FormatError as e:
         raise FormatError(f"{where}: {e}") from None
     if expect_step is not None and step != expect_step:
         raise FormatError(f"{where}: manifest says step {step}, directory says {expect_step}")
-    return Index(step, world, tuple(refs), doc)
+    return Index(step, world, refs, doc)
 
 
-def _ranks(runs: Any, world: int, what: str) -> frozenset[int]:
-    out: set[int] = set()
+def _rank_set(runs: list[tuple[int, int]]) -> frozenset[int]:
+    return frozenset(r for start, stop in runs for r in range(start, stop))
+
+
+def _runs(runs: Any, world: int, what: str) -> list[tuple[int, int]]:
+    """A part's ranks as [start, stop) runs within the world, checked; not yet for overlap."""
+    out = []
     for run in _list(runs, f"the ranks of {what}"):
         if not isinstance(run, list) or len(run) != 2:
             raise FormatError(f"the ranks of {what} are not [start, stop) pairs")
         start = _int(run[0], f"a rank of {what}", 0, world - 1)
-        stop = _int(run[1], f"a rank of {what}", start + 1, world)
-        if len(out) + stop - start > world or not out.isdisjoint(range(start, stop)):
-            raise FormatError(f"the ranks of {what} overlap")
-        out.update(range(start, stop))
+        out.append((start, _int(run[1], f"a rank of {what}", start + 1, world)))
     if not out:
         raise FormatError(f"{what} holds no rank")
-    return frozenset(out)
+    return out
 
 
 def parse_part(data: bytes, version: int, where: str) -> Any:
@@ -180,7 +192,8 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
     """Add one part's files, tensor shards and RNG state; a part speaks only for its ranks."""
     if not isinstance(doc, dict) or doc.get("format") != PART_FORMAT:
         raise FormatError("not an ftkit manifest part")
-    if doc.get("step") != index.step or _ranks(doc.get("ranks"), index.world_size, "the part") != ref.ranks:
+    runs = _runs(doc.get("ranks"), index.world_size, "the part")
+    if doc.get("step") != index.step or sum(z - a for a, z in runs) != len(ref.ranks) or _rank_set(runs) != ref.ranks:
         raise FormatError("its step or ranks differ from the index's")
     part_files = doc.get("files")
     if not isinstance(part_files, dict):

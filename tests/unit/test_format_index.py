@@ -220,5 +220,14 @@ def test_a_parts_rank_runs_may_not_overlap():
     ref = {"file": "part-00000-aaaaaaaa.json", "bytes": 1, "checksum": "xxh3_64:" + "0" * 16}
     doc = {"step": 1, "world_size": 7, "parts": [{**ref, "ranks": [[2, 3], [0, 6]]}]}
     doc["parts"].append({**ref, "file": "part-00006-bbbbbbbb.json", "ranks": [[6, 7]]})
-    with pytest.raises(FormatError, match="overlap"):
+    with pytest.raises(FormatError, match="exactly once"):
         parse_index(doc, "the index")
+
+
+def test_parts_claiming_the_largest_world_twice_are_refused_before_any_rank_set_is_built():
+    """Two parts of a few bytes each claiming all 2**24 ranks: refused at once (the set of ranks
+    built first took GBs and ended in MemoryError)."""
+    ref = {"bytes": 1, "checksum": "xxh3_64:" + "0" * 16, "ranks": [[0, 2**24]]}
+    parts = [{**ref, "file": f"part-{i:05d}-aaaaaaaa.json"} for i in range(6)]
+    with pytest.raises(FormatError, match="exactly once"):
+        parse_index({"step": 1, "world_size": 2**24, "parts": parts}, "the index")
