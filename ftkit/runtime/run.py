@@ -73,7 +73,8 @@ def cmd_run(argv: list[str]) -> int:
     for note in p.notes:
         print(f"ftkit run: {note}", file=sys.stderr)
     try:
-        os.makedirs(p.run_dir, exist_ok=True)
+        if p.launched:  # (else torchrun reports the command line's error: nothing to record)
+            os.makedirs(p.run_dir, exist_ok=True)
     except OSError as e:
         print(f"ftkit: error: --run-dir {p.run_dir}: {e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE

@@ -58,6 +58,9 @@ class _Record(argparse.Action):
         namespace.ftkit_typed[option_string] = self.nargs != 0
 
 
+FTKIT_OPTIONS = ("--run-dir", "--startup-timeout", "--cold", "--preload", "--replace-dead")
+
+
 def _parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
@@ -95,7 +98,9 @@ def plan(argv: list[str]) -> Plan:
     ns = argparse.Namespace(ftkit_typed={})
     try:
         ns = _parser().parse_args(argv, namespace=ns)
-    except _Unparsable:
+    except _Unparsable as e:
+        if any(f"argument {o}" in str(e) for o in FTKIT_OPTIONS):  # one of ours: say it here
+            raise UsageError(str(e)) from None
         # torchrun will say what is wrong; without a script there is nothing to rewrite
         return Plan(list(argv), launched=False)
     script_at = len(argv) - len(ns.training_script_args) - 1

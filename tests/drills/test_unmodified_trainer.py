@@ -347,6 +347,17 @@ def test_ftkit_run_rejects_a_negative_startup_timeout():
     assert out.returncode == 2 and "startup-timeout" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("option,value", [("--startup-timeout", "abc"), ("--replace-dead", "two")])
+def test_ftkit_run_names_its_own_option_with_a_bad_value_and_creates_nothing(tmp_path, option, value):
+    """(torchrun was handed the whole command line and complained of --run-dir instead; the run
+    directory was created all the same)"""
+    out = run_cli("run", "--run-dir", str(tmp_path / "rd"), option, value, "train.py")
+    assert out.returncode == 2 and out.stderr.strip() == f"ftkit: error: argument {option}: invalid " + (
+        f"float value: '{value}'" if option == "--startup-timeout" else f"int value: '{value}'"
+    )
+    assert not (tmp_path / "rd").exists()
+
+
 def test_the_launcher_sees_a_checkpointer_watchdog_as_the_first_heartbeat():
     # ftkit.runtime.launch reports "heartbeat" once a watchdog thread runs: keep the two in step
     import torch.distributed as dist
