@@ -78,6 +78,7 @@ class PreemptionHandler:
         # request() runs in the signal handler and on the watchdog's thread (a peer's notice).
         # Reentrant: a second signal may interrupt the handler on the main thread.
         self._lock = threading.RLock()
+        self._retired = False
 
     def install(self) -> None:
         """Take over the signals (once; Python allows it on the main thread only)."""
@@ -91,8 +92,15 @@ class PreemptionHandler:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
-        self.request(signum)
         previous = self._previous.get(signum)
+        if self._retired:  # uninstalled under a handler that has since put ours back: pass it on
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:  # the default action, as if we had never been here
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+            return
+        self.request(signum)
         if callable(previous):  # not SIG_DFL / SIG_IGN / None (a handler set from C)
             previous(signum, frame)
 
@@ -179,12 +187,15 @@ class PreemptionHandler:
         return ok
 
     def uninstall(self) -> None:
+        """Put back each handler ours replaced. Where another was installed over ours, ours stays
+        in its chain (it may put ours back later): retired, it only passes signals on."""
         self.done()
+        self._retired = True
         if threading.current_thread() is threading.main_thread():
-            for sig, prev in self._previous.items():
-                if signal.getsignal(sig) == self._on_signal:  # not if someone installed theirs over ours
+            for sig, prev in list(self._previous.items()):
+                if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        self._previous = {}
+                    del self._previous[sig]
 
 
 def _raise_to(store, key: str, value: int) -> None:

@@ -164,3 +164,25 @@ def test_a_signal_landing_inside_an_event_write_does_not_deadlock(tmp_path):
     h.done()
     assert not t.is_alive(), "the preemption request deadlocked on the event log's lock"
     assert [e["event"] for e in read_events(str(tmp_path))] == ["preempt"]
+
+
+def test_checkpointers_closed_in_the_order_they_were_made_leave_sigterm_to_its_default(tmp_path):
+    """Two Checkpointers, the first closed first: the second's close put the first's (retired)
+    handler back, which swallowed SIGTERM and ended the process at its deadline instead. Now a
+    retired handler passes the signal on: the default action ends the process at once."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = (
+        "import os, signal, torch, ftkit\n"
+        f"a = ftkit.Checkpointer({{'w': torch.zeros(2)}}, [{str(tmp_path / 'a')!r}], preemption_deadline_s=5)\n"
+        f"b = ftkit.Checkpointer({{'w': torch.zeros(2)}}, [{str(tmp_path / 'b')!r}], preemption_deadline_s=5)\n"
+        "a.snapshot(1); b.snapshot(1)\n"  # (the first snapshot installs the handlers)
+        "a.close(); b.close()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('survived SIGTERM', flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == -signal.SIGTERM and "survived" not in out.stdout, (out.returncode, out.stderr[-2000:])
