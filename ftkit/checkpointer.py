@@ -19,6 +19,8 @@ import contextlib
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any
@@ -220,6 +222,14 @@ class Checkpointer:
         self.events.emit("preempt_flush", step=step, ok=ok, seconds=time.perf_counter() - t0)
         log.warning("ftkit: step %d %s; exiting", step, "saved to every tier" if ok else "NOT saved")
         self._preemption.after_final_save(self._ctx)  # requeue the job, if the signal asks for it
+        if threading.current_thread() is not threading.main_thread():
+            # SystemExit would end this thread only, and the process later with status 0: the
+            # step is saved, so end the process here, as the main thread's SystemExit would.
+            self.close()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(128 + sig)
         raise SystemExit(128 + sig)
 
     def _stage(self, step: int, due: list[int], wait: bool | None = None) -> bool:

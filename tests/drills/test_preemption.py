@@ -76,3 +76,30 @@ def test_sigterm_to_torchrun_flushes_every_rank(tmp_path, zygote):
     assert manifest.world_size == 4 and manifest.step >= 8
     flushes = [e for e in job.events() if e["event"] == "preempt_flush"]
     assert len(flushes) == 4 and all(e["ok"] and e["step"] == manifest.step for e in flushes)
+
+
+def test_a_preemption_heard_by_a_training_loop_on_a_thread_still_ends_its_process(tmp_path):
+    """Rank 0 trains on a thread (its main thread waits, as a framework's driver may); rank 1
+    gets SIGTERM. Both save the agreed step and exit 143: rank 0's SystemExit ended its thread
+    only, and the process exited 0 as if training had finished."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = os.path.join(REPO, "tests", "support", "thread_preempt.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), port, str(tmp_path)],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, outs
+    assert all("saved to every tier" in o for o in outs), outs
