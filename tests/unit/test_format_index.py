@@ -231,3 +231,52 @@ def test_parts_claiming_the_largest_world_twice_are_refused_before_any_rank_set_
     parts = [{**ref, "file": f"part-{i:05d}-aaaaaaaa.json"} for i in range(6)]
     with pytest.raises(FormatError, match="exactly once"):
         parse_index({"step": 1, "world_size": 2**24, "parts": parts}, "the index")
+
+
+def test_the_shard_overlap_sweep_agrees_with_comparing_every_pair():
+    """Random irregular covers (guillotine cuts: no grid), and the same with one shard moved
+    onto another: check_shards_tile refuses exactly the layouts in which some pair overlaps."""
+    import itertools
+    import random
+
+    from ftkit.format.manifest import Shard
+    from ftkit.format.tiling import check_shards_tile
+
+    def cuts(offsets, lengths, rng, depth):
+        d = rng.randrange(len(lengths))
+        if depth == 0 or lengths[d] < 2:
+            return [(tuple(offsets), tuple(lengths))]
+        k = rng.randrange(1, lengths[d])
+        lo, hi = list(lengths), list(lengths)
+        lo[d], hi[d] = k, lengths[d] - k
+        moved = list(offsets)
+        moved[d] += k
+        return cuts(offsets, lo, rng, depth - 1) + cuts(moved, hi, rng, depth - 1)
+
+    def overlaps(regions):
+        return any(
+            all(ao < bo + bl and bo < ao + al for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1]))
+            for a, b in itertools.combinations(regions, 2)
+        )
+
+    rng = random.Random(11)
+    refused = 0
+    for _ in range(300):
+        shape = tuple(rng.randrange(2, 9) for _ in range(rng.choice([2, 3])))
+        regions = cuts([0] * len(shape), list(shape), rng, rng.randrange(2, 7))
+        if rng.random() < 0.5 and len(regions) > 1:  # move one shard, keeping it inside the tensor
+            i = rng.randrange(len(regions))
+            off, ln = regions[i]
+            d = rng.randrange(len(shape))
+            room = [o for o in range(shape[d] - ln[d] + 1) if o != off[d]]
+            if room:
+                regions[i] = (off[:d] + (rng.choice(room),) + off[d + 1 :], ln)
+        shards = tuple(Shard(off, ln, ()) for off, ln in regions)
+        try:
+            check_shards_tile(shape, shards, "t")
+            ok = True
+        except FormatError:
+            ok = False
+            refused += 1
+        assert ok == (not overlaps(regions)), regions
+    assert 0 < refused < 300
