@@ -464,16 +464,17 @@ def slow_final_flush(rank: int, world: int, url: str, root: str) -> list[int]:
     from ftkit.format.reader import committed_steps
 
     register()
-    cfg = WatchdogConfig(interval_s=0.1, hang_floor_s=1.5)
+    cfg = WatchdogConfig(interval_s=0.1, hang_floor_s=3.0)  # (room for a loaded machine's barriers below)
     with ftkit.Checkpointer({"w": torch.zeros(64)}, [{"url": url, "keep": None}], rng=False, watchdog=cfg) as ck:
         for step in range(1, 11):
             if step == 10:
                 ck.wait()
                 dist.barrier()
                 if rank == 0:
-                    set_faults(root, latency_s=1.0)  # every write of step 10 waits 1 s
+                    set_faults(root, latency_s=2.5)  # every write of step 10 waits 2.5 s: 5 s or more in all
                 dist.barrier()
             ck.snapshot(step)
     dist.barrier()  # (rank 0 commits after the others' parts are in)
-    set_faults(root)
+    if rank == 0:
+        set_faults(root)
     return committed_steps(ftkit.Tier(url).open())
