@@ -148,7 +148,7 @@ class PreemptionHandler:
         if self.final_step is None:  # O(1) requests per rank, whatever the world size
             if int(ctx.store.add("preempt/ranks", 0)) < ctx.world_size:
                 return False  # someone has not heard yet; the watchdog will tell it
-            self.final_step = _step_at(ctx.store, "preempt/stop")
+            self.final_step = _int(ctx.store.get("preempt/stop"), "preempt/stop")
         return step >= self.final_step
 
     def done(self) -> None:
@@ -203,10 +203,6 @@ def _raise_to(store, key: str, value: int) -> None:
     current = store.compare_set(key, "", str(value))  # creates it if missing; returns what is there
     while _int(current, key) < value:  # another rank raised it meanwhile: try again from its value
         current = store.compare_set(key, current, str(value))
-
-
-def _step_at(store, key: str) -> int:
-    return _int(store.get(key), key)
 
 
 def _int(raw: bytes, key: str) -> int:

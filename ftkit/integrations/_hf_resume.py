@@ -23,7 +23,7 @@ TRAINER_STATE_NAME = "trainer_state.json"
 MARKER = ".ftkit-resume"  # in every resume directory ftkit writes: only such a directory is ever removed
 
 
-def check_replaceable(path: str) -> None:
+def check_resume_dir(path: str) -> None:
     """Refuse a `path` ftkit may not empty: anything but an empty directory or one it wrote (a
     `resume_dir` naming the run's folder, or a tier, would be deleted with everything in it)."""
     if not os.path.lexists(path):
@@ -40,7 +40,7 @@ def is_own(path: str) -> bool:
 
 
 def _make_empty(path: str) -> None:
-    """`path` as a new, empty resume directory of ftkit's (check_replaceable passed)."""
+    """`path` as a new, empty resume directory of ftkit's (check_resume_dir passed)."""
     if os.path.isdir(path):
         shutil.rmtree(path)
     os.makedirs(path)
@@ -82,7 +82,7 @@ def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, worl
         return path
     if world > 1:  # every rank writes and reads its own
         path = f"{path}-r{rank}"
-    check_replaceable(path)
+    check_resume_dir(path)
     _make_empty(path)
     write_trainer_state(path)
     # Not save_pretrained: under torch.distributed it writes on rank 0 only.
@@ -101,7 +101,7 @@ def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     barrier = dist.barrier if distributed else (lambda: None)
-    check_replaceable(path)  # (every rank: one directory all see, so all refuse alike)
+    check_resume_dir(path)  # (every rank: one directory all see, so all refuse alike)
     if rank == 0:
         _make_empty(path)
         write_trainer_state(path)

@@ -168,8 +168,6 @@ class FtkitCallback(CallbackBase, Callback):
             )
         elif self.restore:
             self.restored_step = self.checkpointer.restore()
-        if not self.restored_step and not trainer.ckpt_path:  # started over: an earlier run's newer steps go
-            self.checkpointer.continue_from(trainer.global_step)  # (ckpt_path: at train start, its step known)
         if self.restored_step:
             self._last_step = trainer.global_step
             pending: dict[str, Any] = self._pending or {}
@@ -188,8 +186,10 @@ class FtkitCallback(CallbackBase, Callback):
             self._epoch_rng = rng_state() if self.rng else None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.ckpt_path and not self.restored_step and self.checkpointer is not None:
-            self.checkpointer.continue_from(trainer.global_step)  # Lightning's checkpoint is loaded by now
+        if not self.restored_step and self.checkpointer is not None:
+            # Started over, or from Lightning's own checkpoint (loaded by now, so its step is known):
+            # the tiers' newer steps, an earlier run's, go at the first snapshot.
+            self.checkpointer.continue_from(trainer.global_step)
         if trainer.world_size > 1:
             leave_sigterm_to_ftkit(trainer)
         self._sampler = resumable_sampler(trainer)

@@ -25,15 +25,12 @@ def plan_for_world(
     tensors: dict[str, torch.Tensor],
     rank: int,
     world_size: int,
-    owners: dict[str, int] | None = None,
+    owners: dict[str, int],
 ) -> list[tuple[Piece, torch.Tensor]]:
     """The pieces rank `rank` of `world_size` would save of this checkpoint's tensors
     (`owners`: sharding.whole_owners of its replicated tensors, worked out once per world)."""
     kinds = {t.name: t.kind for t in manifest.tensors}
-    replicated = [(n, t) for n, t in tensors.items() if kinds[n] not in (SHARDED, RANK_LOCAL)]
-    if owners is None:
-        owners = whole_owners(replicated, world_size)
-    out = plan_pieces(replicated, rank, world_size, owners)
+    out = plan_pieces(_replicated(manifest, tensors), rank, world_size, owners)
     for name, t in tensors.items():
         if kinds[name] == SHARDED:
             shape = tuple(t.shape)
@@ -48,6 +45,12 @@ def plan_for_world(
     return out
 
 
+def _replicated(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors a live job's plan spreads over its ranks (not sharded, not a rank's own)."""
+    kinds = {t.name: t.kind for t in manifest.tensors}
+    return [(n, t) for n, t in tensors.items() if kinds[n] not in (SHARDED, RANK_LOCAL)]
+
+
 def reshard(
     src: Storage,
     manifest: Manifest,
@@ -60,8 +63,7 @@ def reshard(
     tensors = read_tensors(src, manifest, progress=progress)
     arena = StagingArena(slots=1, pin=False)
     writes = []
-    kinds = {t.name: t.kind for t in manifest.tensors}
-    owners = whole_owners([(n, t) for n, t in tensors.items() if kinds[n] not in (SHARDED, RANK_LOCAL)], world_size)
+    owners = whole_owners(_replicated(manifest, tensors), world_size)  # once for all ranks
     try:
         for rank in range(world_size):
             pieces = plan_for_world(manifest, tensors, rank, world_size, owners)
