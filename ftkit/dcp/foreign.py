@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError, one_line
+from ftkit.save.write import dtype_name
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
@@ -84,7 +85,7 @@ def describe(md: Any) -> tuple[list[dict[str, Any]], list[str]]:
             tensors.append(
                 {
                     "name": fqn,
-                    "dtype": str(item.properties.dtype).removeprefix("torch."),
+                    "dtype": dtype_name(item.properties.dtype),
                     "shape": list(item.size),
                     "chunks": len(item.chunks),
                     "bytes": int(torch.Size(item.size).numel()) * item.properties.dtype.itemsize,
@@ -125,23 +126,15 @@ def _dcp_errors(error: type[FtkitError], what: str, remove: str | None = None) -
 def verify(storage: Storage, rel: str = "") -> tuple[int, int]:
     """(tensors, bytes) of a DCP checkpoint that reads back whole; CorruptCheckpointError if an
     item does not. DCP keeps no checksums: this cannot tell a changed byte."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     tensors, _ = describe(metadata(storage, rel))
-    flat = _flatten(read_all(storage, rel))
+    flat, _ = flatten_state_dict(read_all(storage, rel))  # keyed by DCP's own FQNs (lists too)
     for t in tensors:
         got = flat.get(t["name"])
         if not isinstance(got, torch.Tensor) or list(got.shape) != t["shape"]:
             raise CorruptCheckpointError(f"{storage.where(rel)}: {t['name']} did not read back as {t['shape']}")
     return len(tensors), sum(t["bytes"] for t in tensors)
-
-
-def _flatten(sd: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in sd.items():
-        name = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, name))
-        out[name] = v
-    return out
 
 
 def load_into(state: MutableMapping[str, Any], url: str, storage_options: Mapping[str, Any] | None = None) -> None:

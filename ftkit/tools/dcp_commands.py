@@ -38,10 +38,6 @@ def _pick(storage: Storage, found: list[str], step: int | None) -> str:
     raise CheckpointNotFoundError(f"{storage.display_url}: no DCP checkpoint of step {step} (have: {found})")
 
 
-def _where(storage: Storage, rel: str) -> str:
-    return storage.where(rel) if rel else storage.display_url
-
-
 def ls(args, storage: Storage, found: list[str]) -> int:
     rows = []
     for rel in found:
@@ -49,7 +45,7 @@ def ls(args, storage: Storage, found: list[str]) -> int:
             tensors, values = foreign.describe(foreign.metadata(storage, rel))
             rows.append(
                 {
-                    "checkpoint": _where(storage, rel),
+                    "checkpoint": storage.where(rel),
                     "step": foreign._number(rel) if rel else None,
                     "status": "dcp",
                     "tensors": len(tensors),
@@ -58,7 +54,7 @@ def ls(args, storage: Storage, found: list[str]) -> int:
                 }
             )
         except CorruptCheckpointError as e:
-            rows.append({"checkpoint": _where(storage, rel), "status": "bad-dcp", "error": str(e)})
+            rows.append({"checkpoint": storage.where(rel), "status": "bad-dcp", "error": str(e)})
     lines = [f"{'CHECKPOINT':<60} {'STATUS':<8} {'TENSORS':>7} {'RAW':>10}"]
     for r in rows:
         if r["status"] == "dcp":
@@ -75,14 +71,14 @@ def inspect(args, storage: Storage, found: list[str]) -> int:
     md = foreign.metadata(storage, rel)
     tensors, values = foreign.describe(md)
     payload = {
-        "checkpoint": _where(storage, rel),
+        "checkpoint": storage.where(rel),
         "format": "dcp",
         "version": getattr(md, "version", None),
         "tensor_list": tensors,
         "values": values,
     }
     lines = [
-        f"DCP checkpoint at {_where(storage, rel)} (version {payload['version'] or '?'})",
+        f"DCP checkpoint at {storage.where(rel)} (version {payload['version'] or '?'})",
         f"  {len(tensors)} tensors, {human(sum(t['bytes'] for t in tensors))} raw; {len(values)} other values",
         "",
         f"  {'TENSOR':<56} {'DTYPE':<10} {'SHAPE':<22} {'CHUNKS':>6}",
@@ -99,9 +95,9 @@ def verify(args, storage: Storage, found: list[str]) -> int:
     for rel in picked:
         try:
             n, nbytes = foreign.verify(storage, rel)
-            results.append({"checkpoint": _where(storage, rel), "ok": True, "tensors": n, "bytes": nbytes})
+            results.append({"checkpoint": storage.where(rel), "ok": True, "tensors": n, "bytes": nbytes})
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-            results.append({"checkpoint": _where(storage, rel), "ok": False, "error": str(e)})
+            results.append({"checkpoint": storage.where(rel), "ok": False, "error": str(e)})
     ok = all(r["ok"] for r in results)
     lines = [f"{r['checkpoint']}: " + ("OK" if r["ok"] else f"FAILED: {r['error']}") for r in results]
     lines.append(f"({NO_CHECKSUMS})")
@@ -126,12 +122,14 @@ def restore(args, storage: Storage, found: list[str]) -> int:
     if getattr(args, "world_size", None) is not None:
         return _to_ftkit(args, storage, rel, sd, max(step, 0))
     if args.format != "torch":  # safetensors: the tensors by name
-        sd = {k: v for k, v in foreign._flatten(sd).items() if isinstance(v, torch.Tensor)}
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        sd = {k: v for k, v in flatten_state_dict(sd)[0].items() if isinstance(v, torch.Tensor)}
     write_file(args.out, args.format, sd, {"ftkit_source": "dcp"})
     emit(
         args,
-        {"checkpoint": _where(storage, rel), "out": args.out, "format": args.format},
-        f"restored the DCP checkpoint {_where(storage, rel)} to {args.out} ({args.format})",
+        {"checkpoint": storage.where(rel), "out": args.out, "format": args.format},
+        f"restored the DCP checkpoint {storage.where(rel)} to {args.out} ({args.format})",
     )
     return EXIT_OK
 
@@ -154,8 +152,8 @@ def _to_ftkit(args, storage: Storage, rel: str, sd: dict[str, Any], step: int) -
         shutil.rmtree(work, ignore_errors=True)
     emit(
         args,
-        {"checkpoint": _where(storage, rel), "out": dst.display_url, "step": step, "world_size": new.world_size},
-        f"wrote the DCP checkpoint {_where(storage, rel)} as ftkit step {step} for {new.world_size} rank(s) "
+        {"checkpoint": storage.where(rel), "out": dst.display_url, "step": step, "world_size": new.world_size},
+        f"wrote the DCP checkpoint {storage.where(rel)} as ftkit step {step} for {new.world_size} rank(s) "
         f"to {dst.display_url}",
     )
     return EXIT_OK

@@ -133,6 +133,22 @@ def test_a_dcp_checkpoint_restores_to_one_file_or_to_ftkit_for_another_world_siz
     _assert_equal(_whole(via), want)
 
 
+def test_a_dcp_checkpoint_with_tensors_in_a_list_verifies_and_restores_them_all(tmp_path):
+    """DCP names a tensor in a list by its index ("buffers.1"): verify finds it, and the
+    safetensors file holds it (a walk over dicts alone missed it and failed the check)."""
+    state = {"model": {"w": torch.ones(2), "buffers": [torch.zeros(3), torch.arange(4.0)]}, "step": 7}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    r = run_cli("verify", str(tmp_path / "ckpt"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "out.safetensors"
+    r = run_cli("restore", str(tmp_path / "ckpt"), "--format", "safetensors", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    want = {"model.w": state["model"]["w"]} | {f"model.buffers.{i}": t for i, t in enumerate(state["model"]["buffers"])}
+    _assert_equal(load_file(out), want)
+
+
 def test_a_dcp_checkpoint_restores_to_an_ftkit_step_on_s3_with_its_storage_options(titan, s3_server, s3_url):
     root, states = titan
     opts = s3_server.storage_options()
