@@ -83,18 +83,15 @@ class Adapter:
         self._put(value)
 
 
-class Stash:
+class Stash(Adapter):
     """A state entry whose restore only keeps the value, for state applied later in the trainer's
     start-up (an optimizer not built yet, RNG state set where the trainer would set it)."""
 
     def __init__(self, get: Callable[[], Any]):
-        self._get = get
+        super().__init__(get, self._keep)
         self.loaded: Any = None  # None until restored (a rank the snapshot did not have)
 
-    def state_dict(self) -> Any:
-        return self._get()
-
-    def load_state_dict(self, value: Any) -> None:
+    def _keep(self, value: Any) -> None:
         self.loaded = value
 
     def take(self) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +38,13 @@ def is_own(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
-def _make_empty(path: str) -> None:
-    """`path` as a new, empty resume directory of ftkit's (check_resume_dir passed)."""
+def _make_fresh(path: str, trainer_state: str) -> None:
+    """`path` as a new resume directory of ftkit's holding the Trainer state (check_resume_dir passed)."""
     if os.path.isdir(path):
         shutil.rmtree(path)
     os.makedirs(path)
     Path(path, MARKER).write_text("written by ftkit's FtkitCallback for Trainer.train(); removed once it began\n")
+    Path(path, TRAINER_STATE_NAME).write_text(trainer_state, encoding="utf-8")
 
 
 def fsdp_plugin() -> Any:
@@ -73,18 +73,13 @@ def check_fsdp_args(args: Any) -> None:
 def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, world: int, rank: int, plugin: Any) -> str:
     """Every rank: write the directory for ``train()`` and return where it is (`path` under FSDP,
     else this rank's own)."""
-
-    def write_trainer_state(where: str) -> None:
-        Path(where, TRAINER_STATE_NAME).write_text(trainer_state, encoding="utf-8")
-
     if plugin is not None:
-        write_handoff(model, path, plugin, write_trainer_state)
+        write_handoff(model, path, plugin, trainer_state)
         return path
     if world > 1:  # every rank writes and reads its own
         path = f"{path}-r{rank}"
     check_resume_dir(path)
-    _make_empty(path)
-    write_trainer_state(path)
+    _make_fresh(path, trainer_state)
     # Not save_pretrained: under torch.distributed it writes on rank 0 only.
     from safetensors.torch import save_model
 
@@ -92,7 +87,7 @@ def write_resume_dir(model: torch.nn.Module, path: str, trainer_state: str, worl
     return path
 
 
-def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_state: Callable[[str], None]) -> None:
+def write_handoff(model: torch.nn.Module, path: str, plugin: Any, trainer_state: str) -> None:
     """Every rank: the FSDP resume directory. Rank 0 empties `path` and writes the Trainer state;
     then the weights are written; then every rank checks it sees them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -103,8 +98,7 @@ def write_handoff(model: torch.nn.Module, path: str, plugin: Any, write_trainer_
     barrier = dist.barrier if distributed else (lambda: None)
     check_resume_dir(path)  # (every rank: one directory all see, so all refuse alike)
     if rank == 0:
-        _make_empty(path)
-        write_trainer_state(path)
+        _make_fresh(path, trainer_state)
     barrier()
     weights = get_model_state_dict(model)  # the names accelerate's load asks for (the model is not sharded yet)
     if plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT:

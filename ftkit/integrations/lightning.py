@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from ftkit.checkpointer import Checkpointer
 from ftkit.config import Tier
 from ftkit.errors import FtkitError
-from ftkit.integrations._common import Adapter, CallbackBase, check_tiers_reachable
+from ftkit.integrations._common import Adapter, CallbackBase, Stash, check_tiers_reachable
 from ftkit.integrations._lightning_loop import (
     drop_batches,
     fit_epoch_length,
@@ -86,8 +86,9 @@ class FtkitCallback(CallbackBase, Callback):
         self.rng = bool(checkpointer_kwargs.pop("rng", True))
         self.checkpointer_kwargs = checkpointer_kwargs
         self._epoch_rng: dict[str, Any] | None = None
-        self._pending: dict[str, Any] | None = None  # what on_train_start still has to do after a restore
-        self._job: dict[str, Any] | None = None  # the restored job entry (world size, sampler position)
+        # What a restore loaded, made anew by _state at each fit: the job entry (world size, sampler
+        # position) and this rank's RNG states, for on_train_start to apply.
+        self._job = self._own = Stash(dict)
         self._sampler: ResumableDistributedSampler | None = None  # the training loader's, if it has one
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -109,16 +110,14 @@ class FtkitCallback(CallbackBase, Callback):
         if dm is not None:
             state["datamodule"] = Adapter(dm.state_dict, lambda sd: dm.load_state_dict(sd) if sd else None)
         state["loops"] = Adapter(trainer.fit_loop.state_dict, lambda sd: self._load_loops(trainer, sd))
-        state[_ENTRY] = Adapter(lambda: self._job_state(trainer), self._load_job_state)
-        state[_RANK_ENTRY] = RankLocal(Adapter(self._own_state, self._load_own_state))
+        state[_ENTRY] = self._job = Stash(lambda: self._job_state(trainer))
+        self._own = Stash(self._own_state)
+        state[_RANK_ENTRY] = RankLocal(self._own)
         return state
 
     def _job_state(self, trainer: pl.Trainer) -> dict[str, Any]:
         sampler = self._sampler
         return {"world_size": trainer.world_size, "sampler": sampler.state_dict() if sampler is not None else None}
-
-    def _load_job_state(self, saved: dict[str, Any]) -> None:
-        self._job = dict(saved)
 
     def _callback_states(self, trainer: pl.Trainer) -> dict[str, Any]:
         # (trainer.callbacks: a Trainer property Lightning adds)
@@ -138,14 +137,11 @@ class FtkitCallback(CallbackBase, Callback):
     def _own_state(self) -> dict[str, Any]:
         return {"rng": rng_state(), "epoch_rng": self._epoch_rng} if self.rng else {}
 
-    def _load_own_state(self, saved: dict[str, Any]) -> None:
-        self._pending = dict(saved)
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _warn_of_checkpoint_hooks(trainer, pl_module, self)
         self._close_quietly()
         self._last_step = -1
-        self._pending = self._job = self._sampler = None
+        self._sampler = None
         self.restored_step = 0
         kwargs = dict(self.checkpointer_kwargs)
         requeue_on = slurm_requeue_signal(trainer)
@@ -170,7 +166,7 @@ class FtkitCallback(CallbackBase, Callback):
             self.restored_step = self.checkpointer.restore()
         if self.restored_step:
             self._last_step = trainer.global_step
-            pending: dict[str, Any] = self._pending or {}
+            pending: dict[str, Any] = self._own.loaded or {}
             if self.rng and pending.get("rng") is not None:
                 set_rng_state(pending["rng"])
             self._epoch_rng = pending.get("epoch_rng")
@@ -181,7 +177,6 @@ class FtkitCallback(CallbackBase, Callback):
                 trainer.global_step,
             )
         else:
-            self._pending = None
             # The first epoch's iterator is made right after this hook (FitLoop.setup_data).
             self._epoch_rng = rng_state() if self.rng else None
 
@@ -193,8 +188,8 @@ class FtkitCallback(CallbackBase, Callback):
         if trainer.world_size > 1:
             leave_sigterm_to_ftkit(trainer)
         self._sampler = resumable_sampler(trainer)
-        pending, self._pending = self._pending or {}, None  # {}: a rank the snapshot has no state for (a grown world)
-        job, self._job = self._job or {}, None
+        pending = self._own.take() or {}  # {}: a rank the snapshot has no state for (a grown world)
+        job = self._job.take() or {}
         if not self.restored_step:
             return
         if self._sampler is not None:

@@ -303,7 +303,7 @@ def test_the_fsdp_resume_directory_holds_the_weights_in_the_trainers_layout(tmp_
     os.makedirs(path)
     (tmp_path / "resume" / MARKER).write_text("")  # an earlier resume's directory, ftkit's own
     (tmp_path / "resume" / "stale").write_text("from an earlier resume")
-    write_handoff(model, path, plugin, lambda where: open(os.path.join(where, "trainer_state.json"), "w").write("{}"))
+    write_handoff(model, path, plugin, "{}")
     weights = "pytorch_model_fsdp_0" if kind == "SHARDED_STATE_DICT" else "pytorch_model_fsdp.bin"
     assert sorted(os.listdir(path)) == sorted([MARKER, "trainer_state.json", weights])
     if kind == "SHARDED_STATE_DICT":
