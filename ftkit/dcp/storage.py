@@ -60,12 +60,12 @@ from ftkit.format.index import encode_index, index_doc, part_file_name, part_ref
 from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, chunk_doc, step_dir_name
 from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
+from ftkit.save.write import CHUNK_BYTES
 from ftkit.tiers.ram import open_node_dir, run_identity
 from ftkit.tiers.retention import apply_job_retention
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
-CHUNK_BYTES = 16 * 2**20
 _STEP_RE = re.compile(r"([0-9]+)/*\Z")
 
 
@@ -104,7 +104,22 @@ def _world() -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), local == dist.get_world_size()
 
 
-class FtkitStorageWriter(StorageWriter):
+class _LeavesPlansToDCP:
+    """What ftkit's writer and reader leave to DCP: its plans as planned, and the checkpoint_id
+    as passed (never DCP's guess from a path)."""
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class FtkitStorageWriter(_LeavesPlansToDCP, StorageWriter):
     """DCP's storage writer onto ftkit tiers: `tiers` as a Checkpointer's (each with its
     `every`, `keep`, `keep_every`, `compress`); `step` when `dcp.save` has no checkpoint_id."""
 
@@ -121,12 +136,6 @@ class FtkitStorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = kwargs.get("rank", self.rank)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
 
     def _due(self) -> list[tuple[Tier, Storage]]:
         if self.step is None:
@@ -178,10 +187,6 @@ class FtkitStorageWriter(StorageWriter):
                 apply_job_retention(storage, tier.keep, tier.keep_every, protect=self.step)
             except StorageError as e:  # the step is committed: what retention left stays for `ftkit gc`
                 log.warning("ftkit: retention after step %d of %s failed: %s", self.step, storage.display_url, e)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False  # chosen by passing it, never by DCP's guess from a path
 
 
 def _value_of(planner: SavePlanner, item: Any) -> Any:
@@ -257,7 +262,7 @@ def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, r
     storage.write_bytes_atomic(f"{step_dir}/{MANIFEST_NAME}", index)
 
 
-class FtkitStorageReader(StorageReader):
+class FtkitStorageReader(_LeavesPlansToDCP, StorageReader):
     """DCP's storage reader of ftkit steps: `checkpoint_id` (or `step`) names the step; without
     one, the newest step that validates and has its files, from the fastest tier that has it."""
 
@@ -309,12 +314,6 @@ class FtkitStorageReader(StorageReader):
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Every item of this rank's plan: a value decoded from JSON, or a tensor region read,
         verified, and copied into the tensor DCP resolves for it."""
@@ -340,7 +339,3 @@ class FtkitStorageReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
