@@ -125,11 +125,12 @@ def continue_stream(
     when the Trainer's own resume lands on `saved`."""
     inner = sampler.inner if isinstance(sampler, ContinuedSampler) else sampler
     fresh = dataclasses.replace(layout, start=0, first_epoch=0)
-    if fresh.position(global_step) == saved:  # the Trainer's own skip is exact, and so is its end
+    at = fresh.position(global_step)  # where the Trainer's own arithmetic resumes
+    if at == saved:  # the Trainer's own skip is exact, and so is its end
         outer.sampler = inner
         return fresh, None
-    epoch, step = divmod(global_step, layout.steps_per_epoch)
-    skipped = min(step * layout.accum * layout.world * layout.batch, layout.per_epoch)  # what the Trainer skips
+    epoch = global_step // layout.steps_per_epoch
+    skipped = at.samples - epoch * layout.per_epoch  # what the Trainer skips of its epoch
     now = dataclasses.replace(fresh, start=saved.samples - skipped, first_epoch=epoch)  # skips what precedes `saved`
     end = planned_end(epochs, saved)
     outer.sampler = ContinuedSampler(inner, now, end)
