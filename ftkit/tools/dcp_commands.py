@@ -4,6 +4,7 @@ no ftkit step. DCP stores no checksums: `verify` says what it checked, and never
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from typing import Any
@@ -21,11 +22,9 @@ NO_CHECKSUMS = "DCP stores no checksums: every item read back whole, at its size
 
 def dcp_checkpoints(storage: Storage) -> list[str]:
     """The DCP checkpoints at `storage` when it holds no ftkit step (else [])."""
-    try:
-        if any(True for _ in scan(storage)):
+    with contextlib.suppress(Exception):  # (not a tier at all: perhaps a DCP folder)
+        if scan(storage):
             return []
-    except Exception:  # noqa: BLE001 (not a tier at all: perhaps a DCP folder)
-        pass
     return foreign.checkpoints(storage)
 
 
