@@ -228,11 +228,10 @@ class FtkitCallback(CallbackBase, Callback):
             return
         if self._sampler is None:  # Lightning sets the epoch only after this hook: the iterator needs it now
             set_sampler_epoch(fit_loop, trainer.current_epoch)
-        else:  # its iterator starts at the restored position: drop nothing
-            if consumed:
-                fit_epoch_length(trainer, done=consumed)
-            else:  # the interrupted epoch had ended: it ends at once, the next starts where the sampler is
-                fit_loop.max_batches = progress.current.ready
+        elif consumed:  # its iterator starts at the restored position: drop nothing
+            fit_epoch_length(trainer, done=consumed)
+        else:  # the interrupted epoch had ended: it ends at once, the next starts where the sampler is
+            fit_loop.max_batches = progress.current.ready
         if self.rng and epoch_rng is not None:
             set_rng_state(epoch_rng)
         iter(fetcher)  # a fresh iterator for this epoch: same sampler permutation, same worker seeds
