@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ftkit.drill import schedule
 from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS, run_host_drill
 from ftkit.drill.run import DEFAULT_FAULTS, DEFAULT_TIERS, run_drill
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ftkit drill",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inject faults into a real torchrun job and prove it recovers with nothing lost.",
-        epilog=__import__("ftkit.drill.schedule", fromlist=["x"]).__doc__,
+        epilog=schedule.__doc__,
     )
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)")
@@ -167,12 +168,9 @@ def _run(drill: Callable[[Any], dict[str, Any]], args: Any) -> int:
     """Run the drill and print its summary: 0 passed, 1 failed or broke, 2 misused."""
     try:
         result = drill(args)
-    except (UsageError, ValueError) as e:
+    except (UsageError, ValueError, RuntimeError, OSError) as e:
         print(f"ftkit: error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, OSError) as e:
-        print(f"ftkit: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, (UsageError, ValueError)) else 1
     if not args.quiet:
         print_summary(result)
     return 0 if result["passed"] else 1

@@ -47,7 +47,7 @@ class FaultyFileSystem(fsspec.AbstractFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
-        path = path[len("faulty://") :] if path.startswith("faulty://") else path
+        path = path.removeprefix("faulty://")
         return "/" + path.lstrip("/") if path else "/"
 
     def _faults(self, path: str) -> dict[str, Any]:
@@ -124,10 +124,6 @@ class _FaultyWriter(io.RawIOBase):
         self.fs._gate(self.path, True)
         self.buf += bytes(data)
         return len(data)
-
-    def discard(self) -> None:
-        self.buf = bytearray()
-        super().close()
 
     def close(self) -> None:
         if self.closed:

@@ -8,24 +8,20 @@ stretch's checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import signal
 import time
 from typing import Any
 
-from ftkit.coord.events import read_events
 from ftkit.drill.cluster import Cluster
 from ftkit.drill.etcd import etcd_unavailable
 from ftkit.drill.hosts import hosts_unavailable
-from ftkit.drill.job import Injector, Job, RunLog, _signal
-from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _begin, _check_schedule, _entry, _finish, _wait_clean
+from ftkit.drill.job import Injector, RunLog, _signal
+from ftkit.drill.run import DEFAULT_TIERS, TierPlan, _begin, _check_schedule, _entry, _finish, fault_free
 from ftkit.drill.schedule import HOST_KINDS, Fault, parse_faults
 from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream
 from ftkit.errors import UsageError
 from ftkit.runtime.warm.client import REPLACE_ENV
-from ftkit.runtime.warm.zygote import Zygote
 from ftkit.runtime.warm.zygote import start as start_zygote
 from ftkit.tools.report import analyze, epoch
 
@@ -143,31 +139,6 @@ def world_history(events: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return history
 
 
-def reference_run(
-    args, tiers: TierPlan, root: str, history: list[tuple[int, int]], zygote: Zygote | None, say
-) -> tuple[str | None, list | None, str | None]:
-    """The fault-free run with `history`'s world sizes; returns (final state, consumed stream, error)."""
-    clean = os.path.join(root, "fault-free")
-    shutil.rmtree(clean, ignore_errors=True)
-    os.makedirs(clean)
-    ckpt = os.path.join(clean, "ckpt")
-    final = os.path.join(clean, "final.pt")
-    plain = TierPlan(False, 0, "disk", tiers.spec)
-    stream: list = []
-    bounds = [frm for _, frm in history[1:]] + [args.steps]
-    say(f"drill: fault-free reference, world sizes {' -> '.join(f'{w} (from step {s})' for w, s in history)}")
-    for n, ((world, frm), until) in enumerate(zip(history, bounds)):
-        seg = os.path.join(clean, f"stretch-{n}")
-        os.makedirs(seg)
-        seg_args = argparse.Namespace(**{**vars(args), "steps": until, "every": 1})
-        job = Job(seg, _entry(seg_args, plain, ckpt, final, 0.0), world, world, restarts=0, zygote=zygote)
-        err = _wait_clean(job, 300 + until)
-        if err:
-            return None, None, err
-        stream += [s for s in consumed_stream(read_events(job.run_dir)) if frm < s[0] <= until]
-    return final, sorted(stream), None
-
-
 def run_host_drill(args) -> dict[str, Any]:
     reason = unavailable(args.rdzv)
     if reason:
@@ -222,14 +193,15 @@ def run_host_drill(args) -> dict[str, Any]:
         if id(f) in injected_hosts:
             f.outcome["host"] = injected_hosts[id(f)]
     history = world_history(events) if events else []
-    zygote = None if args.cold else start_zygote(preload=("torch.distributed.run", "ftkit.drill.reference"))
-    try:
-        clean_pt, clean_stream, err = (
-            reference_run(args, tiers, root, history, zygote, say) if history else (None, None, "no run")
-        )
-    finally:
-        if zygote is not None:
-            zygote.stop()
+    clean_pt, clean_stream, err = None, None, "no run"
+    if history:
+        say(f"drill: fault-free reference, world sizes {' -> '.join(f'{w} (from step {s})' for w, s in history)}")
+        zygote = None if args.cold else start_zygote(preload=("torch.distributed.run", "ftkit.drill.reference"))
+        try:  # each stretch on one host, persisting every step: the next one resumes from its end
+            clean_pt, clean_stream, err = fault_free(args, root, zygote, [(w, w, frm) for w, frm in history], 1)
+        finally:
+            if zygote is not None:
+                zygote.stop()
     if err:
         errors.append(err)
     result: dict[str, Any] = {

@@ -148,9 +148,7 @@ class Job(RunLog):
     def wait_restarted(self, attempt: tuple[int, int], timeout: float = 300) -> bool:
         """Until the next attempt (or in-process generation) has started; False if it never does."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end and self.proc.poll() is None:
-            if self.attempt() > attempt:
-                return True
+        while time.monotonic() < end and self.proc.poll() is None and self.attempt() <= attempt:
             time.sleep(0.1)
         return self.attempt() > attempt
 

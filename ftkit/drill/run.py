@@ -7,6 +7,7 @@ the next fault; verify (verify.py); write the reports. "passed" only if everythi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -116,45 +117,49 @@ def _begin(args, headline: str, faults: list[Fault]) -> tuple[str, str, Callable
     return root, faulted, say
 
 
-def _wait_clean(job: Job, timeout: float) -> str | None:
-    """Wait for a fault-free run, then kill what is left of it; why it failed, or None."""
-    try:
-        rc: int | str = job.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        rc = "a timeout"
-    finally:
-        job.kill()
-    return None if rc == 0 else f"the fault-free reference run failed (exit {rc}; see {job.log.name})"
+def fault_free(args, root: str, zygote: Zygote | None, stretches: list[tuple[int, int, int]], every: int):
+    """The job without faults, the step-time sleep or the RAM tier (neither changes a value, which
+    the bitwise comparison checks too): `stretches` of (world size, ranks per node, step it trains
+    from), each a torchrun resuming from the previous one's checkpoint, which it persists every
+    `every` steps. Returns (final state path, consumed stream, error)."""
+    clean = os.path.join(root, "fault-free")
+    shutil.rmtree(clean, ignore_errors=True)
+    ckpt, final = os.path.join(clean, "ckpt"), os.path.join(clean, "final.pt")
+    stream: list = []
+    bounds = [frm for *_, frm in stretches[1:]] + [args.steps]
+    for n, ((world, rpn, frm), until) in enumerate(zip(stretches, bounds)):
+        seg = os.path.join(clean, f"stretch-{n}")
+        os.makedirs(seg)
+        seg_args = argparse.Namespace(**{**vars(args), "steps": until, "every": every})
+        entry = _entry(seg_args, TierPlan(False, 0, "disk", ""), ckpt, final, 0.0)
+        job = Job(seg, entry, world, rpn, restarts=0, zygote=zygote)
+        try:
+            rc: int | str = job.proc.wait(timeout=300 + until)
+        except subprocess.TimeoutExpired:
+            rc = "a timeout"
+        finally:
+            job.kill()
+        if rc != 0:
+            return None, None, f"the fault-free reference run failed (exit {rc}; see {job.log.name})"
+        stream += [s for s in consumed_stream(read_events(job.run_dir)) if frm < s[0] <= until]
+    return final, sorted(stream), None
 
 
-def _reference_run(
-    args, tiers: TierPlan, root: str, say, zygote: Zygote | None
-) -> tuple[str | None, list | None, str | None]:
-    """The same job without faults, the step-time sleep or the RAM tier (neither changes a value,
-    which the bitwise comparison checks too). Returns (final state path, consumed stream, error)."""
+def _reference_run(args, root: str, say, zygote: Zygote | None) -> tuple[str | None, list | None, str | None]:
+    """The fault-free run (fault_free), from --reference-cache when it holds one."""
     key = f"n{args.nproc}-r{args.ranks_per_node}-s{args.steps}"
     cached = os.path.join(args.reference_cache, key, "final.pt") if args.reference_cache else None
     if cached and os.path.exists(cached) and os.path.exists(cached + ".stream.json"):
         say(f"drill: fault-free reference from the cache ({cached})")
         with open(cached + ".stream.json") as f:
             return cached, json.load(f), None
-    clean = os.path.join(root, "fault-free")
-    shutil.rmtree(clean, ignore_errors=True)
-    os.makedirs(clean)
-    final = os.path.join(clean, "final.pt")
-    plain = TierPlan(False, 0, "disk", tiers.spec)
-    entry = _entry(args, plain, os.path.join(clean, "ckpt"), final, 0.0)
-    ref = Job(clean, entry, args.nproc, args.ranks_per_node, restarts=0, zygote=zygote)
-    err = _wait_clean(ref, 300 + args.steps)
-    if err:
-        return None, None, err
-    stream = consumed_stream(read_events(ref.run_dir))
-    if cached:
+    final, stream, err = fault_free(args, root, zygote, [(args.nproc, args.ranks_per_node, 0)], args.every)
+    if cached and final:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         shutil.copyfile(final, cached)
         with open(cached + ".stream.json", "w") as f:
             json.dump(stream, f)
-    return final, stream, None
+    return final, stream, err
 
 
 def run_drill(args) -> dict[str, Any]:
@@ -190,7 +195,7 @@ def run_drill(args) -> dict[str, Any]:
             entry, durable_root = [script, *args.script_args], None
         else:
             assert tiers is not None  # the reference trainer always has a tier plan
-            clean_pt, clean_stream, err = _reference_run(args, tiers, root, say, zygote)
+            clean_pt, clean_stream, err = _reference_run(args, root, say, zygote)
             if err:
                 errors.append(err)
             url, durable_root = tiers.durable_url(faulted, s3)

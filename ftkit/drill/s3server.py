@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 DEFAULT_BUCKET = "ftkit-test"
 REGION = "us-east-1"
@@ -82,7 +82,6 @@ class S3Server:
         self.data_dir: Path | None = None if data_dir is None else Path(data_dir)
         self.ports: dict[str, int] = {}
         self._proc: subprocess.Popen | None = None
-        self._log_file: IO[bytes] | None = None
         self.startup_seconds: float | None = None  # duration of the last start
 
     @property
@@ -180,15 +179,14 @@ class S3Server:
             raise RuntimeError("S3 server process is already running")
         if not self.ports or self.data_dir is None or self._weed is None:
             raise RuntimeError("call start() first")
-        if self._proc is not None:  # it crashed: reap it and close its log
+        if self._proc is not None:  # it crashed: reap it
             self.stop_process()
         data_dir = self.data_dir
         # weed merges <dir>/mini.options of the previous run into its flags: drop it to stay hermetic.
         (data_dir / "mini.options").unlink(missing_ok=True)
         cmd = weed_command(self._weed, data_dir, self.ports, self.bucket, data_dir / _IDENTITIES)
         t0 = time.monotonic()
-        self._log_file = log_file = open(data_dir / _LOG, "ab")
-        try:
+        with open(data_dir / _LOG, "ab") as log_file:  # (weed keeps its own descriptor of it)
             log_file.write(f"\n==== {time.ctime()}: {shlex.join(cmd)}\n".encode())
             log_file.flush()
             self._proc = proc = subprocess.Popen(
@@ -202,10 +200,6 @@ class S3Server:
                 start_new_session=True,
                 preexec_fn=pdeathsig_preexec(),
             )
-        except BaseException:
-            log_file.close()
-            self._log_file = None
-            raise
         try:
             self._wait_ready(proc, STARTUP_TIMEOUT_S)
         except BaseException:
@@ -228,9 +222,6 @@ class S3Server:
                     if not isinstance(e, subprocess.TimeoutExpired):
                         raise
         finally:
-            if self._log_file is not None:
-                self._log_file.close()
-                self._log_file = None
             if proc is not None:
                 self._remove_stale_sockets()
 
