@@ -54,7 +54,6 @@ class HostInjector(Injector):
     def __init__(self, job: HostJob, durable_root: str | None = None):
         super().__init__(job, durable_root)  # type: ignore[arg-type]
         self.cluster = job.cluster
-        self.hosts: dict[int, str] = {}  # id(fault) -> the host it struck
 
     def inject(self, f: Fault) -> None:
         if f.kind not in HOST_KINDS:
@@ -80,7 +79,6 @@ class HostInjector(Injector):
         )
         job.note_fault(f, attempt, rec, name)
         f.outcome = {"host": name}
-        self.hosts[id(f)] = name
         if f.kind == "host":
             cluster.lose(name)
             if f.back_s is not None:  # a new machine of that name and address (empty RAM) comes back
@@ -160,14 +158,12 @@ def run_host_drill(args) -> dict[str, Any]:
     entry = _entry(args, tiers, url, final_pt, args.step_time)
     env = {REPLACE_ENV: "0"}  # a host's workers are not replaced one by one: its agent restarts them
     events: list[dict[str, Any]] = []
-    injected_hosts: dict[int, str] = {}  # id(fault) -> the host it struck
     try:
         with Cluster(
             faulted, entry, hosts=hosts, spares=spares, ranks_per_host=rph, rdzv=args.rdzv, env=env, warm=not args.cold
         ) as cluster:
             job = HostJob(cluster)
             injector = HostInjector(job, durable_root)
-            injected_hosts = injector.hosts
             try:
                 for f in faults:
                     attempt = job.attempt()
@@ -187,11 +183,12 @@ def run_host_drill(args) -> dict[str, Any]:
     except Exception as e:  # a host that could not be made, an etcd that did not start
         errors.append(f"the emulated hosts failed: {e}")
     report = analyze(events) if events else None
+    struck = [f.outcome.get("host") for f in faults]  # (check_faults rewrites the outcomes)
     check_faults(faults, report, events, args.max_lost, errors)
     errors += fencing_violations(events)
-    for f in faults:  # (check_faults rewrote the outcomes: say again which host each one struck)
-        if id(f) in injected_hosts:
-            f.outcome["host"] = injected_hosts[id(f)]
+    for f, host in zip(faults, struck):
+        if host:
+            f.outcome["host"] = host
     history = world_history(events) if events else []
     clean_pt, clean_stream, err = None, None, "no run"
     if history:

@@ -195,12 +195,17 @@ def _cgroup_remove(cg: str) -> None:
                 time.sleep(0.02)
 
 
-def _netns_names(run_id: str | None = None) -> list[str]:
-    head = PREFIX + (f"{run_id}-" if run_id else "")
+def _ls(d: str | None) -> list[str]:
+    """The names in directory `d`; none where it does not exist (or is None: no cgroup hierarchy)."""
     try:
-        return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(head))
+        return os.listdir(d) if d else []
     except FileNotFoundError:
         return []
+
+
+def _netns_names(run_id: str | None = None) -> list[str]:
+    head = PREFIX + (f"{run_id}-" if run_id else "")
+    return sorted(n for n in _ls(NETNS_DIR) if n.startswith(head))
 
 
 def _remove_netns(name: str) -> None:
@@ -246,23 +251,19 @@ def _remove_run(run_id: str) -> None:
 
 def _stale_ids() -> set[str]:
     ids = {n[len(PREFIX) :].split("-", 1)[0] for n in _netns_names()}
-    cg_root = _cgroup2_root()
-    if cg_root is not None:
-        ids |= {n[len(PREFIX) :] for n in os.listdir(cg_root) if n.startswith(PREFIX)}
-    with contextlib.suppress(FileNotFoundError):
-        ids |= {n.split(".", 1)[0] for n in os.listdir(STATE_DIR)}
+    ids |= {n[len(PREFIX) :] for n in _ls(_cgroup2_root()) if n.startswith(PREFIX)}
+    ids |= {n.split(".", 1)[0] for n in _ls(STATE_DIR)}
     return {i for i in ids if i}
 
 
 def cleanup_stale() -> list[str]:
     """Remove everything of every fabric whose owner is gone (its lock free); returns their run ids."""
     removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for n in os.listdir(STATE_DIR):  # a lock file its owner died before publishing
-            if n.startswith(".") and n.endswith(".tmp") and (fd := _try_lock(os.path.join(STATE_DIR, n))) is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(STATE_DIR, n))
-                os.close(fd)
+    for n in _ls(STATE_DIR):  # a lock file its owner died before publishing
+        if n.startswith(".") and n.endswith(".tmp") and (fd := _try_lock(os.path.join(STATE_DIR, n))) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(STATE_DIR, n))
+            os.close(fd)
     for run_id in sorted(_stale_ids()):
         lock = os.path.join(STATE_DIR, f"{run_id}.lock")
         if os.path.exists(lock):
@@ -688,11 +689,8 @@ def leftovers(run_id: str | None = None) -> list[str]:
     head = PREFIX + (f"{run_id}-" if run_id else "")
     out = [f"netns {n}" for n in _netns_names(run_id)]
     cg_root = _cgroup2_root()
-    if cg_root is not None:
-        want = PREFIX + run_id if run_id else PREFIX
-        out += [f"cgroup {cg_root}/{n}" for n in os.listdir(cg_root) if n.startswith(want)]
-    with contextlib.suppress(FileNotFoundError):
-        out += [f"file {STATE_DIR}/{n}" for n in os.listdir(STATE_DIR) if run_id is None or n.startswith(run_id)]
+    out += [f"cgroup {cg_root}/{n}" for n in _ls(cg_root) if n.startswith(PREFIX + (run_id or ""))]
+    out += [f"file {STATE_DIR}/{n}" for n in _ls(STATE_DIR) if n.startswith(run_id or "")]
     with open("/proc/self/mountinfo") as f:
         out += [f"mount {line.split()[4]}" for line in f if head in line]
     links = _ip("-o", "link", check=False).stdout

@@ -111,7 +111,6 @@ class Job(RunLog):
         env: dict[str, str] | None = None,
         zygote: Zygote | None = None,
     ):
-        self.root = root
         self.ranks_per_node = ranks_per_node
         self.run_dir = os.path.join(root, "run")
         self.ram_dir = os.path.join(root, "shm")
