@@ -85,10 +85,7 @@ def average_gradients(model: nn.Module, ck=None) -> None:
     if ck is not None:
         ck.mark_compute_done()
     dist.all_gather(parts, flat)
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total += p
-    total.div_(world)
+    total = sum(parts[1:], parts[0]).div_(world)  # (in rank order)
     for g, part in zip(grads, total.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 

@@ -178,7 +178,6 @@ def run_drill(args) -> dict[str, Any]:
     errors: list[str] = []
     s3 = None
     clean_pt, clean_stream = None, None
-    job: Job | None = None
     zygote = None
     try:
         if not args.cold:
@@ -237,7 +236,7 @@ def run_drill(args) -> dict[str, Any]:
             zygote.stop()
         if s3 is not None:
             s3.stop()
-    events = read_events(job.run_dir) if job else []
+    events = job.events()
     report = analyze(events) if events else None
     check_faults(faults, report, events, args.max_lost, errors)
     result: dict[str, Any] = {
