@@ -73,25 +73,20 @@ class Etcd:
         argv += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer]
         argv += ["--initial-cluster", f"ftkh-etcd={peer}", "--logger", "zap", "--log-outputs", "stderr"]
         out = self.log if self.log is not None else subprocess.DEVNULL
-        self.proc = host.run(argv, stdout=out, stderr=out)
+        self.proc = proc = host.run(argv, stdout=out, stderr=out)
+        deadline = time.monotonic() + timeout
         try:
-            self._wait_healthy(host, timeout)
+            while proc.poll() is None:
+                r = host.call([sys.executable, "-S", "-c", _PROBE, f"http://127.0.0.1:{self.port}"], timeout=10)
+                if r.returncode == 0:
+                    return self
+                if time.monotonic() > deadline:
+                    raise HostsError(f"etcd not healthy after {timeout:.0f} s: {r.stdout.strip() or r.stderr.strip()}")
+                time.sleep(0.1)
+            raise HostsError(f"etcd exited with {proc.returncode} before it was healthy")
         except BaseException:  # (a probe that hung, a signal): `with` does not call __exit__ then
             self.stop()
             raise
-        return self
-
-    def _wait_healthy(self, host: Host, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.proc is not None:
-            if self.proc.poll() is not None:
-                raise HostsError(f"etcd exited with {self.proc.returncode} before it was healthy")
-            r = host.call([sys.executable, "-S", "-c", _PROBE, f"http://127.0.0.1:{self.port}"], timeout=10)
-            if r.returncode == 0:
-                return
-            if time.monotonic() > deadline:
-                raise HostsError(f"etcd not healthy after {timeout:.0f} s: {r.stdout.strip() or r.stderr.strip()}")
-            time.sleep(0.1)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, SIGKILL after `timeout`; nothing if not running (or its host was lost)."""
