@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ftkit.dcp import foreign
-from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from ftkit.format.reader import scan
 from ftkit.tiers.storage import Storage
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_url
@@ -147,6 +147,8 @@ def _to_ftkit(args, storage: Storage, rel: str, sd: dict[str, Any], step: int) -
         src = Storage(work)
         dst = open_url(args, args.out)
         new = reshard(src, load_manifest(src, step), dst, args.world_size)
+    except AlreadyCommitted:  # as from an ftkit checkpoint (commands.py _reshard): the user's choice of --out
+        raise UsageError(f"{dst.display_url} already holds step {step}; choose another --out") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     emit(

@@ -126,6 +126,11 @@ def test_a_dcp_checkpoint_restores_to_one_file_or_to_ftkit_for_another_world_siz
     assert json.loads(r.stdout)["world_size"] == 3
     assert committed_steps(Storage(out)) == [200] and load_manifest(Storage(out), 200).world_size == 3
     assert run_cli("verify", out).returncode == 0
+    # Again to the same place: refused as from an ftkit checkpoint, the step there left as it was.
+    before = load_manifest(Storage(out), 200)
+    r = run_cli("restore", str(root), "--world-size", "2", "--out", out)
+    assert r.returncode == 2 and "already holds step 200; choose another --out" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and load_manifest(Storage(out), 200) == before
     r = run_cli("restore", out, "--out", str(tmp_path / "via-ftkit.pt"))
     assert r.returncode == 0, r.stderr
     via = torch.load(tmp_path / "via-ftkit.pt")
