@@ -260,6 +260,13 @@ def _commit(storage: Storage, step: int, world: int, tensors, skeleton, files, r
     check_file_sizes(storage, check)
     storage.write_bytes_atomic(f"{step_dir}/{name}", data)
     storage.write_bytes_atomic(f"{step_dir}/{MANIFEST_NAME}", index)
+    # An abandoned save of this same step (a job killed mid-save, then restarted) left its data here.
+    stale = [n for n, kind in storage.list_dir(step_dir) if kind == "file" and n.endswith(".data") and n not in files]
+    try:
+        for n in stale:
+            storage.remove(f"{step_dir}/{n}")
+    except StorageError as e:  # the step is committed: what is left stays for `ftkit gc`
+        log.warning("ftkit: could not remove an abandoned save's files from step %d: %s", step, e)
 
 
 class FtkitStorageReader(_LeavesPlansToDCP, StorageReader):

@@ -92,6 +92,14 @@ def test_a_save_removes_older_abandoned_saves_and_leaves_newer_ones(tmp_path):
     assert committed_steps(Storage(str(root))) == [1, 3, 4]
     assert not (root / step_dir_name(2)).exists()
     assert (root / step_dir_name(9) / "r00000-x.data").read_bytes() == b"in flight"
+    # A save of a step whose earlier save was abandoned: that save's data goes with the commit.
+    (root / step_dir_name(5)).mkdir()
+    (root / step_dir_name(5) / "rank-00000-0badf00d.data").write_bytes(b"abandoned")
+    dcp.save(_state(m, opt, 5), storage_writer=writer, checkpoint_id=5)
+    assert committed_steps(Storage(str(root))) == [1, 3, 4, 5]
+    left = {f.name for f in (root / step_dir_name(5)).iterdir()}
+    assert "rank-00000-0badf00d.data" not in left
+    assert {n for n in left if n.endswith(".data")} == set(load_manifest(Storage(str(root)), 5).files)
 
 
 def test_a_corrupt_or_partial_newest_step_is_not_read(tmp_path):
