@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
 
 from ftkit.coord.judge import Beat
+from ftkit.errors import FtkitError
+from ftkit.tiers.localfs import open_regular
 
 NAME = "beats.bin"
 SLOT_BYTES = 512  # a beat is ~40 bytes and its host id (tens of bytes, at most MAX_HOST)
@@ -72,17 +73,10 @@ class BeatSlots:
 
     def _read(self) -> bytes:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
+            with open_regular(self.path, NAME) as f:
+                return f.read(self._bytes)
+        except (OSError, FtkitError):
             return b""
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return b""
-            return os.pread(fd, self._bytes, 0)
-        except OSError:
-            return b""
-        finally:
-            os.close(fd)
 
 
 def _decode(data: bytes, slot: int | None) -> tuple[Beat | None, bool]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 
-from ftkit.runtime.warm.client import PROCESS_T_ENV  # the start of the process torchrun started
+from ftkit.runtime.warm.client import PROCESS_T_ENV, process_start  # PROCESS_T_ENV: when torchrun's process began
 
 MILESTONES = ("process", "forked", "launch", "rendezvous", "store", "failed", "torn_down", "regrouped")
 
@@ -53,12 +53,12 @@ def _process_start() -> float | None:
             pass
     # The process's age by the kernel's clock since boot, taken from now: psutil's create_time()
     # drifts from time.time() by seconds on a VM (a start before the failure it followed).
+    start_ticks = process_start(os.getpid())
     try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):  # not Linux: leave the milestone out
         return None
-    return time.time() - max(0.0, age)
+    if start_ticks is None:
+        return None
+    return time.time() - max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))

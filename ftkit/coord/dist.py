@@ -62,19 +62,6 @@ def to_root_keys(key: str) -> list[str]:
     return [f"{key}/all", f"{key}/count", f"{key}/done"]
 
 
-def process_gone(pid: Any) -> bool:
-    """A process on this host has exited (or is a zombie waiting for torchrun to reap it)."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 EXIT_SETTLE_S = 0.2
 
 
@@ -288,9 +275,7 @@ class DistContext:
                 with contextlib.suppress(Exception):  # (not yet: look at the generation, then wait again)
                     self.store.wait(keys, timedelta(seconds=max(0.001, min(1.0, end - time.monotonic()))))
                     return
-            generation.raise_if_requested()
-            if generation.current() != self.generation:
-                raise RecoveryRequested("a newer generation: recovering in process")
+            generation.raise_if_requested(self.generation)
             if time.monotonic() >= end:
                 raise TimeoutError(f"{len(keys)} key(s) not set within {timeout_s:.0f}s")
             if main:

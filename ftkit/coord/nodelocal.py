@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import time
 import weakref
 from collections.abc import Iterable
@@ -31,9 +30,10 @@ from typing import Any
 
 from ftkit.coord.beatslots import BeatSlots
 from ftkit.coord.mailbox import PATIENCE_S, Addresses, Link, Mailbox, box_name, frame
-from ftkit.errors import RecoveryRequested
+from ftkit.errors import FtkitError
 from ftkit.format.validate import parse_message
 from ftkit.runtime import generation
+from ftkit.tiers.localfs import open_regular
 from ftkit.tiers.ram import private_subdir
 
 MAX_BYTES = 64 * 1024  # a verdict or a preemption notice is a few hundred bytes
@@ -78,12 +78,8 @@ class NodeBoard:
         tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            try:
-                data = memoryview(json.dumps(doc, separators=(",", ":")).encode())
-                while data:
-                    data = data[os.write(fd, data) :]
-            finally:
-                os.close(fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(doc, separators=(",", ":")).encode())
             os.replace(tmp, os.path.join(self.path, name))
         except BaseException:  # (a full /dev/shm): no temporary file left behind
             with contextlib.suppress(OSError):
@@ -93,20 +89,10 @@ class NodeBoard:
     def read(self, name: str) -> Any:
         """The JSON document `name`, or None (missing, a link, not a regular file, too big, not JSON)."""
         try:
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+            with open_regular(os.path.join(self.path, name), name) as f:
+                data = f.read(MAX_BYTES + 1)
+        except (OSError, FtkitError):
             return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
-                return None
-            data = os.read(fd, st.st_size + 1)  # (a byte more than fstat saw: a file that grew shows)
-            while len(data) < st.st_size and (more := os.read(fd, st.st_size + 1 - len(data))):
-                data += more
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
         return parse_message(data) if len(data) <= MAX_BYTES else None
 
     def names(self) -> list[str]:
@@ -159,9 +145,7 @@ class NodeBoard:
             if len(got) == len(names) or left < 0 or (give_up is not None and give_up in self._inbox):
                 break
             if sliced:
-                generation.raise_if_requested()
-                if generation.current() != serves:
-                    raise RecoveryRequested("a newer generation: recovering in process")
+                generation.raise_if_requested(serves)
                 left = min(left, 1.0)
             if box is None:  # (no mailbox to listen at: nothing can come)
                 time.sleep(left)

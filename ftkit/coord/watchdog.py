@@ -34,7 +34,7 @@ from concurrent.futures import Future, wait
 from datetime import timedelta
 from typing import Any
 
-from ftkit.coord.dist import DistContext, host_identity, process_gone
+from ftkit.coord.dist import DistContext, host_identity
 from ftkit.coord.events import EventLog
 from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
 from ftkit.coord.news import NEWS_KEY, CommitNews
@@ -42,7 +42,7 @@ from ftkit.coord.nodelocal import NodeBoard
 from ftkit.coord.preemption import PreemptionHandler, parse_preemption_notice, preemption_notice
 from ftkit.format.validate import rank_key
 from ftkit.runtime.verdict_actions import VERDICT, VerdictActions
-from ftkit.runtime.warm.client import process_start, process_stopped  # (the warm client asks the same of its worker)
+from ftkit.runtime.warm.client import process_gone, process_start, process_stopped  # (the client asks too)
 
 log = logging.getLogger("ftkit")
 PREEMPT, DONE = "wd/preempt", "wd/done"

@@ -81,8 +81,11 @@ def request(verdict: Any) -> bool:
         return first
 
 
-def raise_if_requested() -> None:
-    """Raise RecoveryRequested if a verdict asked this generation to recover."""
+def raise_if_requested(serves: int | None = None) -> None:
+    """Raise RecoveryRequested if a verdict asked this generation to recover, or if generation
+    `serves` (what a wait is for) is over."""
     wanted = _requested
     if wanted is not None:
         raise RecoveryRequested(f"rank {wanted.target} {wanted.what}: recovering in process")
+    if serves is not None and serves != _generation:
+        raise RecoveryRequested("a newer generation: recovering in process")

@@ -74,15 +74,23 @@ def recv_message(sock: socket.socket) -> dict:
     return doc
 
 
-def _stat_field(pid: Any, index: int) -> str | None:
-    """Field `index` of /proc/PID/stat after the command name; None without such a process (or /proc)."""
+def _stat_field(pid: Any, index: int, missing: str | None = None) -> str | None:
+    """Field `index` of /proc/PID/stat after the command name; `missing` without such a process,
+    None without a pid or where it cannot be read (no /proc)."""
     if not pid:
         return None
     try:
         with open(f"/proc/{int(pid)}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[index]
+    except FileNotFoundError:
+        return missing
     except (OSError, ValueError, IndexError):
         return None
+
+
+def process_gone(pid: Any) -> bool:
+    """A process on this host has exited (or is a zombie waiting for torchrun to reap it)."""
+    return _stat_field(pid, 0, missing="X") in ("Z", "X")
 
 
 def process_stopped(pid: Any) -> bool:
