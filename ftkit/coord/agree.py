@@ -40,10 +40,11 @@ def agree(
 ) -> Outcome | None:
     """Every rank reports (`error`, `value`) under `key`. With `decider=None` every rank
     gets the Outcome; with a rank number, only that rank does (the others get None)."""
+    ballot = {"error": None if error is None else str(error), "value": value}
     if ctx.distributed and decider is not None and ctx.rank != decider:
-        report(ctx, key, error=error, value=value)
+        ctx.put(f"{key}/{ctx.rank}", ballot)  # (only report)
         return None
-    ballots = ctx.gather(key, _ballot(error, value))
+    ballots = ctx.gather(key, ballot)
     failures = []
     for r, b in enumerate(ballots):
         if not isinstance(b, dict) or set(b) != {"error", "value"}:  # the store is untrusted input
@@ -52,12 +53,3 @@ def agree(
             failures.append((r, str(b["error"])))
     values = [b.get("value") if isinstance(b, dict) else None for b in ballots]
     return Outcome(values, failures)
-
-
-def report(ctx: DistContext, key: str, *, error: str | None = None, value: Any = None) -> None:
-    """Only report under `key` (a rank that decides nothing, or one that will not take part)."""
-    ctx.put(f"{key}/{ctx.rank}", _ballot(error, value))
-
-
-def _ballot(error: str | None, value: Any) -> dict[str, Any]:
-    return {"error": None if error is None else str(error), "value": value}

@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftkit.format.validate import parse_message
-
 
 @dataclass(frozen=True)
 class WatchdogConfig:
@@ -324,6 +322,3 @@ def ring(nodes: list[str], watch: int = 2) -> tuple[list[str], Callable[[str], l
         return [(i + j) % count for j in range(1, min(watch, count - 1) + 1)]
 
     return order, watched
-
-
-decode_json = parse_message  # a store value as JSON, or None (empty, or not JSON: untrusted input is silence)

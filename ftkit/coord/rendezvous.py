@@ -28,12 +28,6 @@ log = logging.getLogger("ftkit")
 DISABLE_ENV = "FTKIT_ENV_RENDEZVOUS"  # "0": leave torch's env:// handler alone
 
 
-def attempt_prefix(environ: Any = os.environ) -> str | None:
-    """The store namespace of this torchrun attempt (PrefixStore adds the '/'), or None outside torchrun."""
-    attempt = torchrun_attempt(environ)
-    return None if attempt is None else f"ftkit-rdzv/{environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"
-
-
 def _wrap(original: Any) -> Any:
     """torch's env:// handler, with the store it yields namespaced per torchrun attempt."""
 
@@ -43,7 +37,8 @@ def _wrap(original: Any) -> Any:
         from ftkit.coord import boot
 
         boot.mark("rendezvous")
-        prefix = attempt_prefix()
+        attempt = torchrun_attempt()  # (the store namespace of this attempt; none outside torchrun)
+        prefix = None if attempt is None else f"ftkit-rdzv/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"
         for store, rank, world_size in original(url, **kwargs):
             boot.mark("store")
             yield (PrefixStore(prefix, store) if prefix else store), rank, world_size

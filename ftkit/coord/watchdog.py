@@ -36,11 +36,11 @@ from typing import Any
 
 from ftkit.coord.dist import DistContext, host_identity
 from ftkit.coord.events import EventLog
-from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, decode_json, ring
+from ftkit.coord.judge import Beat, NodeBeat, RankJudge, RingJudge, Verdict, WatchdogConfig, ring
 from ftkit.coord.news import NEWS_KEY, CommitNews
 from ftkit.coord.nodelocal import NodeBoard
 from ftkit.coord.preemption import PreemptionHandler, parse_preemption_notice, preemption_notice
-from ftkit.format.validate import rank_key
+from ftkit.format.validate import parse_message, rank_key
 from ftkit.runtime.verdict_actions import VERDICT, VerdictActions
 from ftkit.runtime.warm.client import process_gone, process_start, process_stopped  # (the client asks too)
 
@@ -298,8 +298,8 @@ class Watchdog:
             self._news.heard(values.pop())
         nodes = {n: NodeBeat.unpack(raw) for n, raw in zip(self.watched, values)} if self._ring_seen else {}
         verdict_raw, preempt_raw, done_raw = values[-3:]
-        verdict = Verdict.from_json(decode_json(verdict_raw))
-        peer = parse_preemption_notice(decode_json(preempt_raw))
+        verdict = Verdict.from_json(parse_message(verdict_raw))
+        peer = parse_preemption_notice(parse_message(preempt_raw))
         done = rank_key(done_raw.decode("ascii", "replace")) or 0  # (a count of ranks, as the store's add writes it)
         return nodes, verdict, peer, done
 

@@ -22,8 +22,9 @@ from typing import NoReturn
 
 from ftkit.coord.dist import DistContext
 from ftkit.coord.events import EventLog
-from ftkit.coord.judge import Beat, Verdict, WatchdogConfig, decode_json
+from ftkit.coord.judge import Beat, Verdict, WatchdogConfig
 from ftkit.coord.nodelocal import NodeBoard
+from ftkit.format.validate import parse_message
 from ftkit.runtime import generation
 from ftkit.runtime.warm.client import process_start, replacements_allowed
 
@@ -60,12 +61,6 @@ def kill_if_same(pid: int, start: int | None) -> str | None:
             os.close(pidfd)
 
 
-def replaceable(verdict: Verdict, me: int) -> bool:
-    """A dead or hung rank judged on its own host, in a job whose warm clients replace killed
-    workers (``ftkit run --replace-dead``): the others recover in process."""
-    return verdict.what in ("dead", "hung") and verdict.local and verdict.target != me and replacements_allowed() > 0
-
-
 class VerdictActions:
     """One rank's actions on verdicts. `beat_of(rank)`: the last heartbeat this rank saw of
     `rank`; `local(beat)`: whether it is a process on this host (whose pid may be killed);
@@ -97,7 +92,7 @@ class VerdictActions:
     def post(self, verdict: Verdict) -> Verdict:
         """Post `verdict` unless one is posted already; return the one that stands."""
         won = self.ctx.store.compare_set(VERDICT, "", json.dumps(verdict.to_json()))
-        return Verdict.from_json(decode_json(won)) or verdict
+        return Verdict.from_json(parse_message(won)) or verdict
 
     def abort(self, verdict: Verdict, post: bool = True) -> None:
         """This rank judged: post the verdict (or join an earlier one) and end. `post=False`:
@@ -153,11 +148,14 @@ class VerdictActions:
 
     def _recover_in_process(self, verdict: Verdict) -> bool:
         """Under ftkit.run_in_process, record the verdict as a recovery request and stop the
-        watchdog, for a failed rank or a straggler, or a dead or hung one that is `replaceable`
-        (killed here if local). True if so. Without a recovery in `recovery_timeout_s`, end."""
-        if not generation.active() or not (verdict.what in IN_PROCESS_VERDICTS or replaceable(verdict, self.ctx.rank)):
+        watchdog, for a failed rank or a straggler, or a dead or hung one judged on its own host in a
+        job whose warm clients replace killed workers (``ftkit run --replace-dead``; killed here if
+        local). True if so. Without a recovery in `recovery_timeout_s`, end."""
+        dying = verdict.what in ("dead", "hung")
+        replaceable = dying and verdict.local and verdict.target != self.ctx.rank and replacements_allowed() > 0
+        if not generation.active() or not (verdict.what in IN_PROCESS_VERDICTS or replaceable):
             return False
-        if verdict.what in ("dead", "hung"):
+        if dying:
             self.kill_if_local(verdict.target)
         if generation.request(verdict):
             self.events.emit(
