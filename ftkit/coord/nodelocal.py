@@ -95,12 +95,6 @@ class NodeBoard:
             return None
         return parse_message(data) if len(data) <= MAX_BYTES else None
 
-    def names(self) -> list[str]:
-        try:
-            return os.listdir(self.path)
-        except OSError:
-            return []
-
     # ------------------------------------------------- a step's messages (commits)
     def send(self, name: str, data: bytes, to: Iterable[int], patient: bool = True) -> None:
         """Hand the message `name` to the node's ranks `to`, waiting for room up to PATIENCE_S

@@ -179,12 +179,11 @@ class PreemptionHandler:
             with contextlib.suppress(Exception):
                 ctx.store.wait([REQUEUED_KEY], timedelta(seconds=REQUEUE_WAIT_S))
 
-    def requeue(self, timeout_s: float = 30.0) -> bool:
+    def requeue(self, timeout_s: float = 30.0) -> None:
         """Ask the scheduler to requeue the job (coord/requeue.py); logged and recorded either way."""
         ok, said = scheduler_requeue(timeout_s)
         (log.warning if ok else log.error)("ftkit: %s", said)
         self.emit("requeue", ok=ok, detail=said)
-        return ok
 
     def uninstall(self) -> None:
         """Put back each handler ours replaced. Where another was installed over ours, ours stays

@@ -66,20 +66,19 @@ def _report_milestones(directory: str) -> None:
         return
 
 
-def start_reporting() -> bool:
-    """Start the milestone reporter if ftkit run asked for one. True if started."""
+def start_reporting() -> None:
+    """Start the milestone reporter if ftkit run asked for one."""
     directory = os.environ.get(STARTUP_DIR_ENV)
     if not directory:
-        return False
+        return
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             _write_phase(directory, "single")
-            return True
+            return
         _write_phase(directory, "started")
     except OSError:
-        return False
+        return
     threading.Thread(target=_report_milestones, args=(directory,), name="ftkit-startup", daemon=True).start()
-    return True
 
 
 def main(argv: list[str] | None = None) -> None:
