@@ -53,7 +53,7 @@ from ftkit.coord.faultpoints import fault_point
 from ftkit.errors import FtkitError, one_line
 from ftkit.runtime import generation
 from ftkit.runtime.verdict_actions import EXIT_CODE  # (torchrun restarts the group)
-from ftkit.runtime.warm.client import REJOIN_ENV, REPLACEABLE_ENV
+from ftkit.runtime.warm.client import REJOIN_ENV, REPLACEABLE_ENV, die_like
 
 LATEST_KEY = "ftkit-gen/latest"  # the generation the ranks advanced to last (a replacement joins it)
 
@@ -241,10 +241,7 @@ class _Terminations:
             previous(signum, None)
             return
         logging.shutdown()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        time.sleep(5)  # (delivered at once; this is not reached)
-        os._exit(128 + signum)
+        die_like({"signal": signum})
 
 
 def _init_group(backend: str, **kwargs: Any) -> set[tuple[int, int]]:

@@ -115,7 +115,8 @@ def _cold(argv: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-u", "-m", "ftkit.runtime.launch", *argv])
 
 
-def _die_like(status: dict) -> NoReturn:
+def die_like(status: dict) -> NoReturn:
+    """End this process as the worker that ended with `status` ({"signal": N} or {"exit": code}) did."""
     sig = status.get("signal")
     if isinstance(sig, int) and sig > 0:
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two cannot be handled, so need no reset)
@@ -219,14 +220,14 @@ def main(argv: list[str]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(mark)
         if not replace:
-            _die_like(status)
+            die_like(status)
         replaced += 1
         print(f"ftkit: worker {worker} was killed; starting replacement {replaced} of {allowed}", file=sys.stderr)
         try:
             sock, worker = _request(path, argv, {**env, REJOIN_ENV: str(replaced), PROCESS_T_ENV: repr(time.time())})
         except (OSError, EOFError, ValueError) as e:
             print(f"ftkit: no replacement ({e}); ending as the worker did", file=sys.stderr, flush=True)
-            _die_like(status)
+            die_like(status)
 
 
 if __name__ == "__main__":
