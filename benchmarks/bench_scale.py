@@ -301,7 +301,7 @@ def heartbeat_floor(procs: int, raw: Any, prefix: str, leaders: list, per: int) 
     store = raw.clone()
     for wd in leaders:
         store.set(f"{prefix}floor/node/{wd.node_index}", node_value)
-    job_keys = [f"{prefix}floor/{name}" for name in ("verdict", "preempt", "done", "news")]
+    job_keys = [f"{prefix}floor/{name}" for name in ("waiting", "verdict", "preempt", "done", "news")]
     for key in job_keys:
         store.set(key, "")
     flags = os.O_RDWR | os.O_CREAT

@@ -245,7 +245,8 @@ class Checkpointer:
             captured.tensors, ctx.rank, ctx.world_size, plans=self._plans, layouts=self._arena.layouts
         )
         named = [(p.name, src) for p, src in pieces]
-        slot = self._arena.acquire(layout, wait=self.policy == "wait" if wait is None else wait)
+        with self._waiting():
+            slot = self._arena.acquire(layout, wait=self.policy == "wait" if wait is None else wait)
         if slot is None:  # policy "skip", every slot busy: the others hear it now (on this thread)
             self._pipeline.skipped(ctx, step, self._restores, due)
             return False
@@ -287,7 +288,12 @@ class Checkpointer:
     # ----------------------------------------------------------------- flush
     def wait(self) -> None:
         """Block until all background work is done; re-raise the first failure since the last wait."""
-        self._pipeline.wait()
+        with self._waiting():
+            self._pipeline.wait()
+
+    def _waiting(self) -> contextlib.AbstractContextManager[None]:
+        """A wait of the training thread inside ftkit: the watchdog takes it for no hang."""
+        return self._watchdog.waiting() if self._watchdog is not None else contextlib.nullcontext()
 
     def close(self, failed: bool = False) -> None:
         """Flush background work, release staging memory and hooks. Idempotent. `failed` (the loop

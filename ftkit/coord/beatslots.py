@@ -32,7 +32,7 @@ _ROOM = SLOT_BYTES - _HEADER.size
 # A beat: seq, step, busy, interval (NaN: none), pid (0: none), flags, the host id's length.
 _BEAT = struct.Struct("<qqddIBH")
 _START = struct.Struct("<Q")  # after the host id, only with _HAS_START (older beats lack it): process start
-_DONE, _FAILED, _PREEMPT, _STOPPED, _HAS_STEP, _HAS_START = 1, 2, 4, 8, 16, 32
+_DONE, _FAILED, _PREEMPT, _STOPPED, _HAS_STEP, _HAS_START, _WAITING = 1, 2, 4, 8, 16, 32, 64
 MAX_HOST = _ROOM - _BEAT.size - _START.size
 
 
@@ -106,6 +106,7 @@ def pack_beat(beat: Beat) -> bytes:
         | (_STOPPED if beat.stopped else 0)
         | (_HAS_STEP if beat.step is not None else 0)
         | (_HAS_START if beat.start is not None else 0)
+        | (_WAITING if beat.waiting else 0)
     )
     nan = math.nan
     busy, interval = beat.busy, beat.interval
@@ -139,4 +140,5 @@ def unpack_beat(payload: bytes) -> Beat | None:
         bool(flags & _PREEMPT),
         bool(flags & _STOPPED),
         start if start is not None and start < 2**62 else None,
+        bool(flags & _WAITING),
     )

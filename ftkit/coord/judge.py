@@ -8,7 +8,9 @@ runs them), so no party reads O(world) heartbeats:
 * :class:`RingJudge` – a leader's judge of the `watch` nodes after its own on the ring.
 
 Time only counts while the judge can see (`freeze(gap)`), a rank is judged only after
-its first heartbeat (or `startup_grace_s` of silence), and done ranks are never hung.
+its first heartbeat (or `startup_grace_s` of silence), and done ranks are never hung. A
+rank whose beat says it waits inside ftkit (a staging slot, a preemption's final save) makes
+no step progress on purpose: that time counts toward its hang only past `hang_ceiling_s`.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Beat:
     # When its process started (runtime/warm/client.py process_start): with `pid`, which process
     # a verdict may kill (a pid reused since is another's). None: not recorded.
     start: int | None = None
+    waiting: bool = False  # its training thread waits inside ftkit (Watchdog.waiting)
 
     @property
     def timing(self) -> Timing:
@@ -114,15 +117,22 @@ class _Clock:
     slow_checks: int = 0
     flagged: bool = False  # reported as a straggler (until it recovers)
     beat: Beat | None = None
+    seen_at: float = 0.0  # when the judge last looked
+    held: float = 0.0  # time not counted toward a hang since the step changed (its waits inside ftkit)
 
-    def see(self, beat: Beat | None, now: float) -> None:
+    def see(self, beat: Beat | None, now: float, hold_limit: float = math.inf, hold: bool = False) -> None:
+        if self.beat is not None and (hold or self.beat.waiting) and self.held < hold_limit:
+            gap = now - self.seen_at  # waiting inside ftkit since the last look: not a hang
+            self.step_changed += gap
+            self.held += gap
+        self.seen_at = now
         if beat is None or beat.seq == self.seq:
             return
         first = self.seq < 0
         self.seq, self.changed, self.beat = beat.seq, now, beat
         step = beat.step if beat.step is not None else -1
         if first or step != self.step:
-            self.step, self.step_changed = step, now
+            self.step, self.step_changed, self.held = step, now, 0.0
 
 
 @dataclass
@@ -157,10 +167,12 @@ class RankJudge(_Judge):
         gone: Callable[[Beat], bool],
         finished: bool = False,
         stopped: Callable[[Beat], bool] | None = None,
+        hold: bool = False,
     ) -> Judgement:
         """Judge the node's ranks from their `beats` (None: none readable). `sample`: the timings
         the medians are taken over; `gone(beat)` / `stopped(beat)`: whether that rank's process
-        has exited / is stopped (on its host only); `finished`: no more hung or straggler verdicts."""
+        has exited / is stopped (on its host only); `finished`: no more hung or straggler verdicts;
+        `hold`: a rank of the job waits inside ftkit, so no step clock runs (up to the ceiling)."""
         cfg, out = self.cfg, Judgement()
         sample = list(sample)
         intervals = [interval for _, interval in sample if interval]
@@ -169,7 +181,7 @@ class RankJudge(_Judge):
         busies = sorted(busy for busy, _ in sample if busy)
         for r, clock in self.clocks.items():
             beat = beats.get(r)
-            clock.see(beat, now)
+            clock.see(beat, now, cfg.hang_ceiling_s, hold)
             seen = clock.beat
             if r == self.me:  # a leader cannot see itself die or hang, but can see itself lag
                 if seen is not None and not seen.done:

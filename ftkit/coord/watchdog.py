@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from datetime import timedelta
 from typing import Any
@@ -46,6 +46,10 @@ from ftkit.runtime.warm.client import process_gone, process_start, process_stopp
 
 log = logging.getLogger("ftkit")
 PREEMPT, DONE = "wd/preempt", "wd/done"
+# Nodes where a rank has waited inside ftkit for a while: the other ranks wait for it in their
+# collectives, so while any does nobody's step clock runs (added to only after a long wait:
+# at most two requests per node per such wait, fewer than its heartbeats).
+WAITING = "wd/waiting"
 
 
 class BoundedCall:
@@ -107,6 +111,10 @@ class Watchdog:
         self._host_id = host_identity()  # whose pids we may look up and kill (None: nobody's)
         self._start = process_start(os.getpid())  # with the pid in each beat: this process, not a reuser of its pid
         self._finished = False  # finish() was called: heartbeats say "done"
+        self._waiting = 0  # the training thread's waits inside ftkit now open (waiting())
+        self._job_waiting = False  # a leader's: some node has a rank waiting inside ftkit (WAITING)
+        self._node_wait_since: float | None = None  # a leader's: since when a rank of its node waits
+        self._announce = self._announced = False  # a leader's: its node counted in WAITING
         self._all_done = False  # every rank of every node has finished
         self._stop = threading.Event()
         self._outage_since: float | None = None
@@ -159,6 +167,7 @@ class Watchdog:
             for key in (VERDICT, PREEMPT, *([NEWS_KEY] if news is not None else [])):
                 ctx.store.compare_set(key, "", "")
             ctx.store.add(DONE, 0)
+            ctx.store.add(WAITING, 0)
 
     # ------------------------------------------------------ training thread
     def start(self) -> None:
@@ -185,6 +194,16 @@ class Watchdog:
         """Under DDP: the first gradient bucket of this step is ready (end of busy time)."""
         if self._first_grad is None:
             self._first_grad = time.monotonic()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The training thread waits inside ftkit (a staging slot, the background work, a
+        preemption's final save): heartbeats say so, and the wait is no hang up to `hang_ceiling_s`."""
+        self._waiting += 1
+        try:
+            yield
+        finally:
+            self._waiting -= 1
 
     def finish(self) -> None:
         """This rank's loop is over: say so, and keep judging dead and failed ranks until every
@@ -218,6 +237,9 @@ class Watchdog:
         if self.leader and not failed:
             with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
                 self._store.call(lambda: self._set_node_beat(done=True), self._store_wait_s)
+        if self.leader and self._announced:  # (its node waits no more: the other nodes' clocks run again)
+            with contextlib.suppress(Exception):
+                self._store.call(lambda: self.ctx.store.add(WAITING, -1), self._store_wait_s)
         self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
 
     # ---------------------------------------------------------- the thread
@@ -257,6 +279,7 @@ class Watchdog:
             self._preemption is not None and self._preemption.requested is not None,
             stopped,
             self._start,
+            self._waiting > 0 or self._job_waiting,  # (a leader's node hears of the job's through it)
         )
 
     def _publish(self) -> None:
@@ -288,16 +311,20 @@ class Watchdog:
         if node_done and not self._counted_done:
             self._counted_done = True
             ctx.store.add(DONE, 1)
+        if self._announce != self._announced:
+            ctx.store.add(WAITING, 1 if self._announce else -1)
+            self._announced = self._announce
         ring_keys = [f"wd/node/{n}" for n in self.watched]
         if not self._ring_seen:  # until every watched node has published once (a get would wait)
             self._ring_seen = bool(ctx.store.check(ring_keys))
-        keys = (ring_keys if self._ring_seen else []) + [VERDICT, PREEMPT, DONE]
+        keys = (ring_keys if self._ring_seen else []) + [WAITING, VERDICT, PREEMPT, DONE]
         # The RAM tier's commit news rides along: no request of its own.
         values = ctx.store.multi_get(keys + ([NEWS_KEY] if self._news is not None else []))
         if self._news is not None:
             self._news.heard(values.pop())
         nodes = {n: NodeBeat.unpack(raw) for n, raw in zip(self.watched, values)} if self._ring_seen else {}
-        verdict_raw, preempt_raw, done_raw = values[-3:]
+        waiting_raw, verdict_raw, preempt_raw, done_raw = values[-4:]
+        self._job_waiting = (rank_key(waiting_raw.decode("ascii", "replace")) or 0) > 0
         verdict = Verdict.from_json(parse_message(verdict_raw))
         peer = parse_preemption_notice(parse_message(preempt_raw))
         done = rank_key(done_raw.decode("ascii", "replace")) or 0  # (a count of ranks, as the store's add writes it)
@@ -313,6 +340,9 @@ class Watchdog:
     def _lead(self, now: float) -> None:
         self._caught_up(now, self.rank_judge, self.ring_judge)
         self._local_beats = self.beats.read(self._others)
+        waiting = self._waiting > 0 or any(b is not None and b.waiting for b in self._local_beats.values())
+        self._node_wait_since = (self._node_wait_since or now) if waiting else None
+        self._announce = waiting and now - (self._node_wait_since or now) >= self.cfg.hang_floor_s / 3
         try:
             nodes, verdict, peer, done = self._store.call(self._exchange, self._store_wait_s)
         except Exception as e:  # the store is unreachable: freeze the clocks, judge nobody
@@ -344,7 +374,9 @@ class Watchdog:
         local = [b.timing for b in self._local_beats.values() if b is not None]
         sample = local + self.ring_judge.sample() + [mine.timing]
         beats = {**self._local_beats, self.ctx.rank: mine}
-        judged = self.rank_judge.observe(now, beats, sample, self._gone, self._finished, self._stopped)
+        judged = self.rank_judge.observe(
+            now, beats, sample, self._gone, self._finished, self._stopped, hold=self._job_waiting
+        )
         for rank, busy, median in judged.stragglers:
             self.act.straggler(rank, busy, median)
         self._abort(judged.verdicts + verdicts)

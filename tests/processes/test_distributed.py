@@ -228,6 +228,26 @@ def test_a_failed_ranks_persist_still_running_at_close_still_logs_its_events(tmp
         assert [e["step"] for e in events if e["event"] == "persist"] == [1], (rank, names)
 
 
+def test_a_wait_for_a_staging_slot_longer_than_the_hang_bound_is_no_hang(tmp_path):
+    """Slow writes fill both staging slots: snapshot() waits (policy "wait") longer than the
+    hang bound, and the other rank waits for it in a collective. The watchdog ended the job
+    (exit 75) as hung; the wait inside ftkit now shows in the heartbeat."""
+    root = str(tmp_path / "ckpt")
+    out = run_ranks(2, dist_worker.slow_slot_wait, f"faulty://{root}", root, env={"TORCHELASTIC_RUN_ID": "t"})
+    assert out == [[1, 2, 3, 4]] * 2
+
+
+def test_a_preemption_final_save_longer_than_the_hang_bound_is_no_hang(tmp_path):
+    """The final save after SIGTERM uploads for longer than the hang bound: both ranks save the
+    agreed step and exit 143 (the watchdog ended them as hung, and the final save was lost)."""
+    root = str(tmp_path / "ckpt")
+    out = run_ranks(
+        2, dist_worker.slow_preemption_save, f"faulty://{root}", root, env={"TORCHELASTIC_RUN_ID": "t"}, timeout=180
+    )
+    (code, final, committed), other = out
+    assert other == out[0] and code == 128 + 15 and final > 5 and committed[-1] == final
+
+
 def test_a_final_flush_longer_than_the_hang_bound_is_no_hang(tmp_path):
     """The loop is over and close() waits for a slow last persist: the watchdog must not call
     that a hang (it ended the job with exit 75, and torchrun restarted a finished run)."""

@@ -456,6 +456,65 @@ def close_failed_mid_persist(rank: int, world: int, url: str, root: str, run_dir
     return [e for e in read_events(run_dir) if e["rank"] == rank and e["event"] in ("close", "persist", "persist_job")]
 
 
+def slow_slot_wait(rank: int, world: int, url: str, root: str) -> list[int]:
+    """Every write is slow (2.5 s, an upload) and every step snapshots: from the third step
+    on, snapshot() waits for a staging slot longer than the hang bound, and the other rank
+    waits for it in the step's collective. Returns the committed steps."""
+    from ftkit.coord.judge import WatchdogConfig
+    from ftkit.drill.faults import register, set_faults
+    from ftkit.format.reader import committed_steps
+
+    register()
+    cfg = WatchdogConfig(interval_s=0.1, hang_floor_s=3.0)
+    with ftkit.Checkpointer({"w": torch.zeros(64)}, [{"url": url, "keep": None}], rng=False, watchdog=cfg) as ck:
+        dist.barrier()
+        if rank == 0:
+            set_faults(root, latency_s=2.5)
+        dist.barrier()
+        for step in range(1, 5):
+            ck.snapshot(step)
+            dist.barrier()  # (the step's collective)
+        if rank == 0:
+            set_faults(root)
+    dist.barrier()
+    return committed_steps(ftkit.Tier(url).open())
+
+
+def slow_preemption_save(rank: int, world: int, url: str, root: str) -> tuple[object, int, list[int]]:
+    """Rank 1 is preempted after step 5, and from then on every write is slow (2.5 s, an
+    upload): the final save takes longer than the hang bound. Returns (the exit status
+    SystemExit asked for, the last step snapshotted, the committed steps)."""
+    import signal
+    import time
+
+    from ftkit.coord.judge import WatchdogConfig
+    from ftkit.drill.faults import register, set_faults
+    from ftkit.format.reader import committed_steps
+
+    register()
+    cfg = WatchdogConfig(interval_s=0.1, hang_floor_s=3.0)
+    code, step = None, 0
+    try:
+        with ftkit.Checkpointer({"w": torch.zeros(64)}, [{"url": url, "keep": None}], rng=False, watchdog=cfg) as ck:
+            for step in range(1, 100):
+                ck.snapshot(step)
+                if step == 5:
+                    ck.wait()
+                    dist.barrier()
+                    if rank == 0:
+                        set_faults(root, latency_s=2.5)
+                    dist.barrier()
+                    if rank == 1:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                dist.barrier()  # (the step's collective)
+                time.sleep(0.05)
+    except SystemExit as e:
+        code = e.code
+    if rank == 0:
+        set_faults(root)
+    return code, step, committed_steps(ftkit.Tier(url).open())
+
+
 def slow_final_flush(rank: int, world: int, url: str, root: str) -> list[int]:
     """Ten quick steps, then the last snapshot's writes are slow (an upload): close() waits
     for them longer than the hang bound. Returns the committed steps."""

@@ -37,7 +37,7 @@ def test_each_rank_writes_its_slot_and_the_leader_reads_them_all(tmp_path):
     "beat",
     [
         Beat(0),
-        Beat(2**62, -1, 0.0, 1e9, 2**31, "", done=True, failed=True, preempt=True, stopped=True),
+        Beat(2**62, -1, 0.0, 1e9, 2**31, "", done=True, failed=True, preempt=True, stopped=True, waiting=True),
         Beat(5, None, None, 0.25, None, "h" * MAX_HOST, stopped=True),
         Beat(6, 2**40, 1.5e-7, None, 1, "hôte/ß/pid:[1]"),
     ],

@@ -35,6 +35,7 @@ class Cluster:
         self.step = [0] * WORLD
         self.silent: set[int] = set()  # ranks whose heartbeat stopped
         self.stuck: set[int] = set()  # ranks whose step stopped (heartbeats go on)
+        self.waiting: set[int] = set()  # ranks whose beats say they wait inside ftkit
         self.gone: set[int] = set()  # ranks whose process exited
         self.stopped: set[int] = set()  # ranks whose process is stopped (SIGSTOP): silent too
         self.unpublished: set[int] = set()  # nodes whose aggregate no longer reaches the store
@@ -44,7 +45,9 @@ class Cluster:
         self.stragglers: list[tuple[int, float, float]] = []
 
     def beat(self, r: int) -> Beat:
-        return Beat(self.seq[r], self.step[r], self.busy[r], STEP_S, pid=1000 + r, host_id="h")
+        return Beat(
+            self.seq[r], self.step[r], self.busy[r], STEP_S, pid=1000 + r, host_id="h", waiting=r in self.waiting
+        )
 
     def round(self, store_up: bool = True) -> None:
         self.t += CFG.interval_s
@@ -158,6 +161,32 @@ def test_a_hung_rank_is_found_within_its_bound(cluster, rank):
     cluster.run(2)
     assert {(v.target, v.what) for v in cluster.verdicts} == {(rank, "hung")}
     assert 30 < cluster.first(rank).latency_s <= 31
+
+
+@pytest.mark.parametrize("rank", [513, 512])
+def test_a_rank_waiting_inside_ftkit_is_no_hang_until_the_ceiling_and_its_step_clock_resumes_after(cluster, rank):
+    # a staging slot, a preemption's final save: no step progress on purpose, for minutes
+    cluster.stuck.add(rank)
+    cluster.waiting.add(rank)
+    cluster.run(120)
+    assert cluster.verdicts == []
+    cluster.waiting.discard(rank)  # the wait is over but the step still does not move: time counts again
+    cluster.run(29)
+    assert cluster.verdicts == []
+    cluster.run(2)
+    assert {(v.target, v.what) for v in cluster.verdicts} == {(rank, "hung")}
+
+
+def test_a_wait_inside_ftkit_that_never_ends_is_a_hang_past_the_ceiling():
+    cfg = WatchdogConfig(hang_ceiling_s=100.0)
+    judge, verdicts = RankJudge(0, [0, 1], cfg, 0.0), []
+    for i in range(1, 300):  # rank 1 steps for 5 s, then waits inside ftkit for good
+        now = i * cfg.interval_s
+        beat = Beat(i, min(i, 10), 0.05, STEP_S, pid=1001, host_id="h", waiting=i > 10)
+        judged = judge.observe(now, {0: None, 1: beat}, [beat.timing], lambda b: False)
+        verdicts += [(round(now), v.what) for v in judged.verdicts if v.target == 1]
+    # hung once the wait passed the ceiling, and the hang bound (30 s) after that
+    assert verdicts and verdicts[0][1] == "hung" and 5 + 100 + 30 <= verdicts[0][0] <= 5 + 100 + 31
 
 
 def test_a_dead_aggregator_is_found_by_its_ring_watchers_and_its_own_node(cluster):
