@@ -55,18 +55,19 @@ WAITING = "wd/waiting"
 class BoundedCall:
     """Calls made one at a time on a daemon thread of their own, each waited for at most a
     bound: the caller gets the result, the call's exception, or a TimeoutError. While a call
-    is still out (stuck for good), the next fails at once: nothing piles up behind it."""
+    is still out (stuck for good), the next fails at once: nothing piles up behind it.
+    `close()` ends the thread once its call is back (a later call starts another)."""
 
     def __init__(self, name: str):
         self.name = name
         self._lock = threading.Lock()
-        self._todo: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._out: Future[Any] | None = None  # the last call's
 
     def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
         with self._lock:
             if self._out is None:  # (not a ThreadPoolExecutor: exiting would wait for a call stuck for good)
-                threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+                threading.Thread(target=self._serve, args=(self._todo,), name=self.name, daemon=True).start()
             elif not self._out.done():
                 raise TimeoutError(f"{self.name}: the previous call has not returned")
             self._out = out = Future[Any]()
@@ -75,9 +76,16 @@ class BoundedCall:
             raise TimeoutError(f"{self.name}: no answer within {timeout_s:g}s")
         return out.result()
 
-    def _serve(self) -> None:
-        while True:
-            fn, out = self._todo.get()
+    def close(self) -> None:
+        with self._lock:
+            if self._out is not None:
+                self._todo.put(None)
+                self._todo, self._out = queue.SimpleQueue(), None
+
+    @staticmethod
+    def _serve(todo: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
+        while (job := todo.get()) is not None:
+            fn, out = job
             try:
                 out.set_result(fn())
             except BaseException as e:  # handed to the caller, raised there
@@ -241,6 +249,7 @@ class Watchdog:
             with contextlib.suppress(Exception):
                 self._store.call(lambda: self.ctx.store.add(WAITING, -1), self._store_wait_s)
         self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
+        self._store.close()  # (its thread served this Checkpointer only: a generation's would stay idle)
 
     # ---------------------------------------------------------- the thread
     def _run(self) -> None:
