@@ -13,6 +13,8 @@ import os
 import stat
 from collections.abc import Callable
 
+import psutil
+
 from ftkit.errors import CorruptCheckpointError, StorageError
 
 _NOT_REGULAR = {
@@ -85,23 +87,17 @@ VOLATILE_FS = frozenset({"tmpfs", "ramfs"})  # memory with no backing store: fsy
 
 def on_volatile_fs(path: str) -> bool:
     """Whether `path` is on a filesystem in memory (VOLATILE_FS), where an fsync makes nothing
-    more durable; False where it cannot be told (no /proc), so fsyncs stay."""
+    more durable; False where it cannot be told, so fsyncs stay."""
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            mounts = f.read().splitlines()
-    except OSError:
+        mounts = psutil.disk_partitions(all=True)
+    except (OSError, RuntimeError):
         return False
     real = os.path.realpath(path)
-    best, kind = "", ""
-    for line in mounts:  # "<id> <parent> <dev> <root> <mount point> <options> ... - <fs type> <source> ..."
-        fields, _, rest = line.partition(" - ")
-        parts = fields.split(" ")
-        if len(parts) < 5 or not rest:
-            continue
-        point = parts[4].replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, rest.split(" ")[0]
+    kind, best = "", ""
+    for m in mounts:  # the deepest mount point holding `path`; the last mounted there wins
+        inside = real == m.mountpoint or real.startswith(m.mountpoint.rstrip("/") + "/")
+        if inside and len(m.mountpoint) >= len(best):
+            best, kind = m.mountpoint, m.fstype
     return kind in VOLATILE_FS
 
 
