@@ -124,17 +124,21 @@ def verify(storage: Storage, manifest: Manifest, progress: Callable[[int], None]
     for t in manifest.tensors:
         for c in (c for s in t.shards for c in s.chunks):
             by_file.setdefault(c.file, []).append((c, t.name))
-    step_dir = step_dir_name(manifest.step)
-    for name, jobs in by_file.items():
-        jobs.sort(key=lambda j: j[0].offset)
-        rel = f"{step_dir}/{name}"
-        for i, data in chunk_bytes(storage, rel, [c for c, _ in jobs]):
-            c, tname = jobs[i]
-            where = f"{storage.where(rel)} (tensor {tname!r})"
-            codec.check(data, c.checksum, where)
-            codec.decode(c.codec, data, c.raw_length, where)
-            if progress:
-                progress(c.raw_length)
+    for (c, _), data, where in _stored_chunks(storage, step_dir_name(manifest.step), by_file):
+        codec.check(data, c.checksum, where)
+        codec.decode(c.codec, data, c.raw_length, where)
+        if progress:
+            progress(c.raw_length)
+
+
+def _stored_chunks(storage: Storage, step_dir: str, by_file: dict[str, list[Any]]) -> Iterator[tuple[Any, Any, str]]:
+    """(job, its chunk's stored bytes, where) for each job (chunk, tensor name, ...) of `by_file`,
+    a file's in offset order, read as chunk_bytes groups them."""
+    for fname, jobs in by_file.items():
+        rel = f"{step_dir}/{fname}"
+        ordered = sorted(jobs, key=lambda j: j[0].offset)
+        for i, data in chunk_bytes(storage, rel, [j[0] for j in ordered]):
+            yield ordered[i], data, f"{storage.where(rel)} (tensor {ordered[i][1]!r})"
 
 
 def read_tensors(
@@ -232,8 +236,11 @@ def read_regions(
     step_dir = step_dir_name(manifest.step)
     if storage.is_local:
         _read_local(storage, step_dir, by_file, skip, progress)
-    else:
-        _read_remote(storage, step_dir, by_file, skip, progress)
+    else:  # remote: several spans at once (chunk_bytes)
+        for (c, _, raw), data, where in _stored_chunks(storage, step_dir, by_file):
+            _place_chunk(c, data, _chunk_dest(c, raw, where), where, skip)
+            if progress:
+                progress(c.raw_length)
     for shard_tensor, (s_off, _), (o_off, o_len), out_t, name in copies:
         src, dst = shard_tensor, out_t
         for dim, (o, n) in enumerate(zip(o_off, o_len)):
@@ -289,20 +296,6 @@ def _read_local(storage: Storage, step_dir: str, by_file: dict, skip: bool, prog
         finally:
             for fut in futures:  # after a failure: start no more spans (the pool waits for those reading)
                 fut.cancel()
-
-
-def _read_remote(storage: Storage, step_dir: str, by_file: dict, skip: bool, progress) -> None:
-    """Remote files' chunks, fetched as chunk_bytes groups them, each verified where it lands."""
-    for fname, file_jobs in by_file.items():
-        rel = f"{step_dir}/{fname}"
-        where = storage.where(rel)
-        ordered = sorted(file_jobs, key=lambda j: j[0].offset)
-        for i, data in chunk_bytes(storage, rel, [c for c, _, _ in ordered]):
-            c, name, raw = ordered[i]
-            shown = f"{where} (tensor {name!r})"
-            _place_chunk(c, data, _chunk_dest(c, raw, shown), shown, skip)
-            if progress:
-                progress(c.raw_length)
 
 
 def _new_bytes(entries, regions, plans, given) -> int:
