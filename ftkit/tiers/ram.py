@@ -246,13 +246,6 @@ def open_node_dir(identity: RunIdentity, node: str) -> str:
     return _private_dir(os.path.join(job_path, _name_from(node, "node id")), "node directory")
 
 
-def node_dir(node: str, job: str | None = None) -> str:
-    """The RAM tier directory of `node` in the named run `job` (default: job_id())."""
-    name = validate_job_id(job) if job is not None else job_id()  # job_id() raises when no run is named
-    named = job if job is not None else (_named_run() or ("", name))[1]
-    return open_node_dir(RunIdentity(name, {"named": named}), node)
-
-
 def existing_job_dir(job: str | None = None) -> str | None:
     """`job`'s RAM tier directory if it exists, checked as for use (UnsafeRamDirError); else None."""
     path = job_dir(job)

@@ -198,9 +198,9 @@ def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -
 
 def ram_committed_steps(rank: int) -> list[int]:
     """The steps with an index (manifest.json) in the RAM tier of `rank`'s simulated node (2 ranks a node)."""
-    from ftkit.tiers.ram import node_dir
+    from ftkit.tiers.ram import job_dir
 
-    node = node_dir(f"node{rank // 2}")
+    node = os.path.join(job_dir(), f"node{rank // 2}")
     return sorted(
         int(d.name[5:])
         for d in os.scandir(node)
