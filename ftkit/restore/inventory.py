@@ -50,7 +50,7 @@ def shared_listings(rc: RestoreContext) -> tuple[list[tuple[int, list[int]]], li
     those that could not be listed."""
     listings, unreachable = [], []
     shared = [i for i, b in enumerate(rc.backends) if not b.node_local]
-    for i in sorted(shared, key=lambda i: rc.backends[i].speed_rank):
+    for i in sorted(shared, key=lambda i: rc.backends[i].tier.speed_rank):
         try:
             listings.append((i, rc.backends[i].committed_steps()))
         except StorageError as e:

@@ -26,7 +26,7 @@ from ftkit.commit.shared import persist, report_skipped_shared
 from ftkit.coord.news import UNHEARD_LIMIT, CommitNews, Settled, publish
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import RETIRED_MANIFEST, step_dir_name
-from ftkit.format.reader import scan
+from ftkit.format.reader import committed_steps, scan
 from ftkit.tiers.lifecycle import delete_step, retire_step
 from ftkit.tiers.retention import apply_heard_retention, apply_job_retention
 
@@ -97,7 +97,7 @@ class TierBackend(ABC):
         return {}
 
     def committed_steps(self) -> list[int]:
-        return [d.step for d in scan(self.storage) if d.committed]
+        return committed_steps(self.storage)
 
     def apply_retention(self, protect: int) -> list[int]:
         """Delete the committed steps the tier's keep/keep_every no longer keep; return them."""
@@ -114,10 +114,6 @@ class TierBackend(ABC):
             names = [n for n, kind in self.storage.list_dir(step_dir_name(d.step)) if kind == "file"]
             out[d.step] = ([n for n in names if n.endswith(".data") or is_part_file(n)], d.committed)
         return out
-
-    @property
-    def speed_rank(self) -> int:
-        return self.tier.speed_rank
 
 
 class SharedTier(TierBackend):

@@ -55,8 +55,8 @@ def scrub(text: str, secrets: list[str]) -> str:
     return redact_url(text)
 
 
-def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, str, list[str]]:
-    """(filesystem, root path, protocol, the secrets to scrub from messages) for `url`."""
+def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str, list[str]]:
+    """(filesystem, root path, the secrets to scrub from messages) for `url`."""
     shown = redact_url(url)
     options = dict(storage_options or {})
     protocol = url.split("://", 1)[0] if "://" in url else "file"
@@ -76,4 +76,4 @@ def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str,
         raise StorageError(scrub(f"{shown}: bad storage URL or options: {e}", secrets)) from None
     except Exception as e:
         raise StorageError(scrub(f"{shown}: cannot open storage: {one_line(e)}", secrets)) from None
-    return fs, root, protocol, secrets
+    return fs, root, secrets

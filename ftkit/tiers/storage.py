@@ -32,7 +32,7 @@ class Storage:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = url.rstrip("/") or url
         self.display_url = redact_url(self.url)
-        self.fs, self.root, self.protocol, self._secrets = open_fs(self.url, storage_options)
+        self.fs, self.root, self._secrets = open_fs(self.url, storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.sync = not (self.is_local and on_volatile_fs(self.root))
         self.spares: Any = None  # local files to write over instead of new ones (ram.SparePool)
@@ -276,10 +276,6 @@ class Storage:
 
     def _no_links_within(self, rel: str) -> None:
         no_links_within(self.root, rel, self.where)
-
-    def makedirs(self, rel: str) -> None:
-        with self._errors("creating", rel):
-            self.fs.makedirs(self.path(rel), exist_ok=True)
 
 
 def _lstat(path: str) -> os.stat_result | None:

@@ -282,7 +282,7 @@ def test_a_longer_spare_is_cut_to_what_was_written(tmp_path):
     from ftkit.tiers.storage import Storage
 
     storage = Storage(str(tmp_path / "node"))
-    storage.makedirs("")
+    (tmp_path / "node").mkdir()
     storage.spares = SparePool(str(tmp_path / "node"), limit=1)
     old = tmp_path / "node" / "old.data"
     old.write_bytes(b"x" * 4096)
