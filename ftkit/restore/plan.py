@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftkit.commit.messages import Inventory
+from ftkit.commit.messages import Held, Inventory
 from ftkit.errors import FormatError, one_line
 from ftkit.format.index import is_part_file
 from ftkit.format.manifest import Manifest
@@ -61,58 +61,45 @@ class Candidate:
             raise FormatError(f"a malformed restore candidate from rank 0 ({one_line(e, 80)})") from None
 
 
-def _new_entry() -> dict[str, Any]:
-    # holders: file -> ranks; need/parts: the lists one inventory sent; whole/index: the first
-    # rank with the whole manifest / with only its index; lacking: a node has no whole manifest
-    return {"holders": {}, "need": None, "parts": None, "whole": None, "index": None, "nodes": {}, "lacking": False}
-
-
 def ram_candidates(
     inventories: Sequence[Inventory | None], nodes: Sequence[str], ram_tier: int, can_fetch: bool
 ) -> dict[int, Candidate]:
     """RAM-tier steps whose every file is on some node (with `can_fetch`), or on every node.
     `inventories[r]`: rank r's view of its node (None: nothing usable came); a step no file
     list came with is tried unchecked, and its read proves it."""
-    parsed = [{h.step: h for h in inv.steps} if inv is not None else {} for inv in inventories]
-    by_step: dict[int, dict[str, Any]] = {}
-    for rank, inv in enumerate(parsed):
-        for s, held in inv.items():
-            entry = by_step.setdefault(s, _new_entry())
-            for f in held.have:
-                entry["holders"].setdefault(f, []).append(rank)
-            entry["nodes"].setdefault(nodes[rank], set()).update(held.have)
-            if held.need is not None and entry["need"] is None:
-                entry["need"] = held.need
-            if held.parts is not None and entry["parts"] is None:
-                entry["parts"] = held.parts
-            if held.whole and entry["whole"] is None:
-                entry["whole"] = rank
-            if held.index is not None and entry["index"] is None:
-                entry["index"] = rank
-            entry["lacking"] |= not held.whole
-    all_nodes = set(nodes)
+    by_step: dict[int, list[tuple[int, Held]]] = {}  # step -> (rank, what its node holds of it), by rank
+    for rank, inv in enumerate(inventories):
+        for held in ({h.step: h for h in inv.steps} if inv is not None else {}).values():
+            by_step.setdefault(held.step, []).append((rank, held))
     out = {}
-    for s, e in by_step.items():
-        manifest_rank = e["whole"] if e["whole"] is not None else e["index"]
-        if manifest_rank is None:
-            continue
-        need = set(e["need"]) if e["need"] is not None else set()
-        if not set(e["parts"] or ()) <= set(e["holders"]):  # a part of its manifest is on no node
+    for s, helds in by_step.items():
+        holders: dict[str, list[int]] = {}  # file -> the ranks whose node holds it
+        on_node: dict[str, set[str]] = {}
+        for rank, held in helds:
+            for f in held.have:
+                holders.setdefault(f, []).append(rank)
+            on_node.setdefault(nodes[rank], set()).update(held.have)
+        # The first rank with the whole manifest, else with only its index; the lists one inventory sent.
+        index_rank = next((r for r, h in helds if h.index is not None), None)
+        manifest_rank = next((r for r, h in helds if h.whole), index_rank)
+        need = next((set(h.need) for _, h in helds if h.need is not None), set())
+        parts = next((h.parts for _, h in helds if h.parts is not None), ())
+        if manifest_rank is None or not set(parts) <= set(holders):  # (or a part of its manifest is on no node)
             continue
         if can_fetch:
-            complete = need <= set(e["holders"])
+            complete = need <= set(holders)
         else:  # no transport between nodes: every node must hold everything
-            complete = all(need <= e["nodes"].get(n, set()) for n in all_nodes)
-        # A node of a rank that listed nothing for the step lacks it as well.
-        lacking = e["lacking"] or any(s not in inv for inv in parsed)
+            complete = all(need <= on_node.get(n, set()) for n in set(nodes))
+        # A node lacks the manifest when it listed the step without it, or did not list the step.
+        lacking = len(helds) < len(inventories) or not all(h.whole for _, h in helds)
         if complete:  # the manifest goes through the store only when a node lacks it
-            parts = {f: rs[0] for f, rs in e["holders"].items() if is_part_file(f)} if lacking else {}
+            part_holders = {f: rs[0] for f, rs in holders.items() if is_part_file(f)} if lacking else {}
             out[s] = Candidate(
                 s,
                 ram_tier,
-                {f: tuple(r) for f, r in e["holders"].items() if not is_part_file(f)},
+                {f: tuple(r) for f, r in holders.items() if not is_part_file(f)},
                 manifest_rank if lacking else None,
-                parts,
+                part_holders,
             )
     return out
 
