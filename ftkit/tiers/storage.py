@@ -138,23 +138,9 @@ class Storage:
                 return os.lstat(self.path(rel)).st_size
             return int(self.fs.size(self.path(rel)))
 
-    def read_bytes(self, rel: str) -> bytes:
-        if self.is_local:
-            with self.open_read(rel) as f:
-                return f.read()
-        with self._errors("reading", rel):
-            return self.fs.cat_file(self.path(rel))
-
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each ``(start, end)`` range of `rel`, in order (short past the end); on an
-        object store the GETs run concurrently (fsspec's ``cat_ranges``)."""
-        if self.is_local:
-            out = []
-            with self.open_read(rel) as f:
-                for start, end in ranges:
-                    f.seek(start)
-                    out.append(f.read(end - start))
-            return out
+        """The bytes of each ``(start, end)`` range of `rel`, in order (short past the end), the GETs
+        run concurrently (fsspec's ``cat_ranges``): for object stores (local reads use open_read)."""
         with self._errors("reading", rel):
             path = self.path(rel)
             got = self.fs.cat_ranges(

@@ -92,7 +92,7 @@ def test_corruption_is_detected_and_restore_falls_back(tier):
     storage = _storage(t)
     m = load_manifest(storage, 2)
     rel = f"{step_dir_name(2)}/{next(iter(m.files))}"
-    data = bytearray(storage.read_bytes(rel))
+    data = bytearray(storage.fs.cat_file(storage.path(rel)))
     data[len(data) // 3] ^= 0xFF
     storage.write_bytes_atomic(rel, bytes(data))
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):

@@ -292,11 +292,11 @@ def test_a_longer_spare_is_cut_to_what_was_written(tmp_path):
     assert any((tmp_path / "node" / ".spare").iterdir())
     with storage.open_write("step-000000000001/new.data", recycle=True) as f:
         f.write(b"new bytes")
-    assert storage.read_bytes("step-000000000001/new.data") == b"new bytes"
+    assert storage.fs.cat_file(storage.path("step-000000000001/new.data")) == b"new bytes"
     assert not any((tmp_path / "node" / ".spare").iterdir())  # taken
     with storage.open_write("step-000000000001/next.data", recycle=True) as f:  # none left: a new file as before
         f.write(b"more")
-    assert storage.read_bytes("step-000000000001/next.data") == b"more"
+    assert storage.fs.cat_file(storage.path("step-000000000001/next.data")) == b"more"
 
 
 def test_only_the_nodes_holding_rank_0s_data_keep_the_index_and_the_rest_follow_its_news(job, tmp_path):
