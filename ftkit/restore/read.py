@@ -116,17 +116,14 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
     assert backend.node_local  # (planned from the RAM inventories: restore/plan.py ram_candidates)
     storage, peers = backend.storage, backend.peers
     step_dir = step_dir_name(step)
-    error: str | None = None
-    if ctx.distributed:
-        error = _send_manifest(storage, step, ctx, key, cand)
+    error = _send_manifest(storage, step, ctx, key, cand) if ctx.distributed else None
     try:
         if manifest is None:
             manifest = _manifest(storage, step, ctx, key, cand)
         present = set(storage.list_sizes(step_dir))
         check_file_sizes(storage, manifest, present & set(manifest.files))  # peers check theirs before sending
         regions, dtensors, in_place, problems = _fit(rc, manifest)
-        needed = files_for(manifest, regions)
-        missing = sorted(needed - present)
+        missing = sorted(files_for(manifest, regions) - present)
     except (FtkitError, OSError, ValueError) as e:  # ValueError: a store message that is not JSON
         error, missing, regions, dtensors, in_place, problems = str(e), [], {}, {}, {}, []
     origin: dict[str, Any] = {
@@ -281,7 +278,7 @@ def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
 
 def _listed(manifest, name: Any) -> str:
     """A file name from a peer's request (a store message: untrusted): one the manifest lists."""
-    if manifest is None or not isinstance(name, str) or name not in manifest.files:
+    if not isinstance(name, str) or name not in manifest.files:
         raise CorruptCheckpointError(f"a peer asked for {str(name)[:80]!r}, which the manifest does not list")
     return name
 

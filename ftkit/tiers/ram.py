@@ -10,6 +10,7 @@ file's tmpfs pages costs less than fresh ones, which the kernel allocates and ze
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -218,10 +219,8 @@ def _bind(job_path: str, identity: RunIdentity) -> None:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f, sort_keys=True)
-            try:
+            with contextlib.suppress(FileExistsError):  # another process recorded first: checked below
                 os.link(tmp, path)
-            except FileExistsError:
-                pass  # another process recorded first: checked below like any record
         finally:
             os.unlink(tmp)
     try:

@@ -215,24 +215,21 @@ class Storage:
     def remove(self, rel: str, recursive: bool = False) -> None:
         """Delete a file (or, `recursive`, a tree); gone already is fine. Never through a link: one
         on the way to `rel` is refused, one at `rel` is removed itself (refused if `recursive`)."""
-        with self._errors("removing", rel):
-            try:
-                if not self.is_local:
-                    self.fs.rm(self.path(rel), recursive=recursive)
-                    if recursive:  # some stores (SeaweedFS) keep an empty prefix as a directory entry
-                        with contextlib.suppress(Exception):
-                            self.fs.rm_file(self.path(rel).rstrip("/") + "/")
-                    return
-                self._no_links_within(rel)
-                st = os.lstat(self.path(rel))
-                if stat.S_ISLNK(st.st_mode) and recursive:
-                    raise StorageError(f"{self.where(rel)} is a symbolic link; not following it to delete")
-                if recursive and stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(self.path(rel))  # fd-based on Linux: does not follow links inside
-                else:
-                    os.remove(self.path(rel))
-            except FileNotFoundError:
-                pass
+        with self._errors("removing", rel), contextlib.suppress(FileNotFoundError):  # gone already: fine
+            if not self.is_local:
+                self.fs.rm(self.path(rel), recursive=recursive)
+                if recursive:  # some stores (SeaweedFS) keep an empty prefix as a directory entry
+                    with contextlib.suppress(Exception):
+                        self.fs.rm_file(self.path(rel).rstrip("/") + "/")
+                return
+            self._no_links_within(rel)
+            st = os.lstat(self.path(rel))
+            if stat.S_ISLNK(st.st_mode) and recursive:
+                raise StorageError(f"{self.where(rel)} is a symbolic link; not following it to delete")
+            if recursive and stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(self.path(rel))  # fd-based on Linux: does not follow links inside
+            else:
+                os.remove(self.path(rel))
 
     def rename(self, rel: str, new_rel: str) -> None:
         """Rename a file (atomically on POSIX; a copy then a delete on object stores)."""
