@@ -24,7 +24,6 @@ from ftkit.format.manifest import (
     ITEMSIZE,
     KINDS,
     SAFE_FILE_RE,
-    SINGLE_DOC_VERSION,
     Chunk,
     Manifest,
     Shard,
@@ -47,17 +46,15 @@ NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cann
 
 
 # ----------------------------------------------------------------- manifests
-def parse_manifest(data: bytes | str, where: str, expect_step: int | None = None) -> Manifest:
-    """Parse and validate a single-document manifest (versions 1 and 2); FormatError naming
-    `where` on any problem. An index is read with its parts (reader.py)."""
-    doc, version = parse_header(data, where)
-    if version > SINGLE_DOC_VERSION:
-        raise FormatError(f"{where}: an index of manifest parts (format version {version}), not a whole manifest")
+def parse_manifest(data: bytes | str, where: str, expect_step: int) -> Manifest:
+    """Parse and validate a single-document manifest (versions 1 and 2: the reader tells an
+    index apart by its version first); FormatError naming `where` on any problem."""
+    doc, _ = parse_header(data, where)
     try:
         m = manifest_from_doc(doc)
     except FormatError as e:
         raise FormatError(f"{where}: {e}") from None
-    if expect_step is not None and m.step != expect_step:
+    if m.step != expect_step:
         raise FormatError(f"{where}: manifest says step {m.step}, directory says {expect_step}")
     return m
 

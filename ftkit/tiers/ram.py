@@ -64,20 +64,18 @@ def _named_run() -> tuple[str, str] | None:
     return next(((v, os.environ[v]) for v in ("FTKIT_RUN_ID", "FTKIT_JOB_ID") if os.environ.get(v, "").strip()), None)
 
 
-def job_id() -> str:
-    """The run named by $FTKIT_RUN_ID, else $FTKIT_JOB_ID, as a directory name; else RunIdentityError."""
+def job_dir(job: str | None = None) -> str:
+    """The path of `job`'s RAM tier (default: the run named by $FTKIT_RUN_ID, else $FTKIT_JOB_ID;
+    RunIdentityError when neither is set). Validates the name; creates and checks nothing."""
+    if job is not None:
+        return os.path.join(ram_root(), validate_job_id(job))
     named = _named_run()
     if named is None:
         raise RunIdentityError(
             f"no job id given and $FTKIT_RUN_ID / $FTKIT_JOB_ID are unset: name the "
             f"job (its directory under {ram_root()})"
         )
-    return _name_from(named[1], f"${named[0]}")
-
-
-def job_dir(job: str | None = None) -> str:
-    """The path of `job`'s RAM tier (validated name; default: job_id()). Creates and checks nothing."""
-    return os.path.join(ram_root(), validate_job_id(job) if job is not None else job_id())
+    return os.path.join(ram_root(), _name_from(named[1], f"${named[0]}"))
 
 
 @dataclass(frozen=True)
@@ -248,7 +246,7 @@ def open_node_dir(identity: RunIdentity, node: str) -> str:
 def existing_job_dir(job: str | None = None) -> str | None:
     """`job`'s RAM tier directory if it exists, checked as for use (UnsafeRamDirError); else None."""
     path = job_dir(job)
-    if not os.path.lexists(os.path.dirname(path)) or not os.path.lexists(path):
+    if not os.path.lexists(path):
         return None
     _check_private(os.path.dirname(path), "root")
     _check_private(path, "job directory")
