@@ -89,7 +89,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
         if rc.ram is not None and by_leader is not None:
             leader_of = {ctx.nodes[r]: r for r in by_leader}
             inventories = [_inventory(leader_of[n], by_leader[leader_of[n]]) for n in ctx.nodes]
-            ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.can_fetch)
+            ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.backends[rc.ram].can_fetch)
         listings, unreachable = shared_listings(rc)
         planned = order_candidates(step, ram, listings)
         # Without holders: only rank 0 plans the fetches (read.py).

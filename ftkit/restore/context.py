@@ -23,9 +23,3 @@ class RestoreContext:
     def ram(self) -> int | None:
         """The index of the node-local tier (node RAM), if there is one."""
         return next((i for i, b in enumerate(self.backends) if b.node_local), None)
-
-    @property
-    def can_fetch(self) -> bool:
-        """Whether files can move between nodes (a working peer group)."""
-        i = self.ram
-        return i is not None and self.backends[i].can_fetch
