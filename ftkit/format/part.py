@@ -154,15 +154,7 @@ def _decode(head: Any, layout: Any, values: Any) -> dict[str, Any]:
                         f"with a file index below {nfiles} ({str(v)[:80]})"
                     )
                 chunks.append(
-                    {
-                        "file": names[v[0]],
-                        "offset": v[1],
-                        "length": v[2],
-                        "raw_offset": c["raw_offset"],
-                        "raw_length": c["raw_length"],
-                        "codec": v[3],
-                        "checksum": v[4],
-                    }
+                    {**c, "file": names[v[0]], "offset": v[1], "length": v[2], "codec": v[3], "checksum": v[4]}
                 )
             shards.append({**s, "chunks": chunks})
         tensors.append({**t, "shards": shards})

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 from ftkit.commit.plan import RAM, CommitPlan
-from ftkit.errors import PeerTransferError
+from ftkit.errors import PeerTransferError, one_line
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class PeerGroup:
                 if send is not None:
                     send.wait()
         except Exception as e:
-            self.broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.broken = one_line(e, 200)
             raise
         record["end"] = time.perf_counter()
         self.last_run = record
