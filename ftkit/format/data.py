@@ -228,7 +228,7 @@ def read_regions(
                 lo, hi = byte_span(ov[0], ov[1], shard.offsets, shard.lengths, target.element_size())
                 needed = tuple(c for c in shard.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo)
                 copies.append((target, (shard.offsets, shard.lengths), ov, out_t, name))
-            raw = _raw_bytes(target)
+            raw = target.view(-1).view(torch.uint8).numpy().data if target.numel() else memoryview(bytearray())
             for c in needed:
                 by_file.setdefault(c.file, []).append((c, name, raw))
     # 4. Read every chunk once, verifying it where it lands.
@@ -325,12 +325,6 @@ def _row_block_inside(shard, offs, lens) -> bool:
         and offs[0] <= shard.offsets[0]
         and shard.offsets[0] + shard.lengths[0] <= offs[0] + lens[0]
     )
-
-
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(bytearray())
-    return t.view(-1).view(torch.uint8).numpy().data
 
 
 def _chunk_dest(c: Chunk, target: memoryview, where: str) -> memoryview:
