@@ -104,7 +104,6 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
         world = _int(doc.get("world_size"), "world_size", 1, MAX_WORLD)
         listed: list[tuple[str, int, str, list[tuple[int, int]]]] = []
         names: set[str] = set()
-        claimed: list[tuple[int, int]] = []
         for p in _list(doc.get("parts"), "parts"):
             if not isinstance(p, dict):
                 raise FormatError("a part entry is not an object")
@@ -116,13 +115,11 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
             checksum = p.get("checksum")
             if not isinstance(checksum, str) or not CHECKSUM_RE.match(checksum):
                 raise FormatError(f"part {name!r} has no valid checksum")
-            runs = _runs(p.get("ranks"), world, f"part {name!r}")
-            claimed += runs
-            listed.append((name, nbytes, checksum, runs))
+            listed.append((name, nbytes, checksum, _runs(p.get("ranks"), world, f"part {name!r}")))
         # Every rank in exactly one part, checked on the runs before any set of ranks is built:
         # a few hundred crafted bytes could otherwise claim 2**24 ranks per part, GBs each.
         at = 0
-        for start, stop in sorted(claimed):
+        for start, stop in sorted(run for *_, runs in listed for run in runs):
             if start != at:
                 raise FormatError(f"the parts do not hold every one of the {world} ranks exactly once")
             at = stop
