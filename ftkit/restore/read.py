@@ -91,8 +91,7 @@ def _fit(rc: RestoreContext, manifest: Manifest):
         t = live.get(entry.name)
         stand_ins[entry.name] = torch.empty((), dtype=torch_dtype(entry.dtype)).expand(entry.shape)
         if t is not None and entry.kind != RANK_LOCAL and is_dtensor(t) and tuple(t.shape) == tuple(entry.shape):
-            offsets, lengths, _ = dtensor_region(t)
-            regions[entry.name] = (offsets, lengths)
+            regions[entry.name] = dtensor_region(t)[:2]
             dtensors[entry.name] = t
             continue
         regions[entry.name] = ((0,) * len(entry.shape), entry.shape)
