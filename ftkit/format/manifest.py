@@ -105,7 +105,6 @@ class Manifest:
     rank_state: dict[str, Any] = field(default_factory=dict)  # str(rank) -> {"rng": ..., "local": {...}}
     created_at: float = 0.0
     writer: dict[str, Any] = field(default_factory=dict)
-    format: str = FORMAT_NAME
     format_version: int = SINGLE_DOC_VERSION
     parts: dict[str, dict[str, Any]] = field(default_factory=dict)  # versions 3-4: part file -> {"bytes", "checksum"}
 

@@ -170,7 +170,6 @@ def manifest_from_doc(doc: dict[str, Any]) -> Manifest:
         rank_state=rank_state,
         created_at=float(created),
         writer=writer,
-        format=doc["format"],
         format_version=doc["format_version"],
     )
 
