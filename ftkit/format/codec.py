@@ -89,11 +89,11 @@ def _per_thread(key: str, make: Callable[[], Any]) -> Any:
     return obj
 
 
-def encode(raw: memoryview, compress: str | None, level: int = 1) -> tuple[str, memoryview | bytes]:
-    """Return (codec, stored bytes) for one chunk of raw bytes."""
+def encode(raw: memoryview, compress: str | None) -> tuple[str, memoryview | bytes]:
+    """Return (codec, stored bytes) for one chunk of raw bytes (zstd at level 1: fast)."""
     if compress != "zstd" or len(raw) < 4096:
         return "raw", raw
-    comp = _per_thread(f"c{level}", lambda: zstandard.ZstdCompressor(level=level, threads=_ZSTD_THREADS))
+    comp = _per_thread("c", lambda: zstandard.ZstdCompressor(level=1, threads=_ZSTD_THREADS))
     probe = raw[:_PROBE_BYTES]
     if len(probe) < len(raw) and len(comp.compress(probe)) > _WORTH_IT * len(probe):
         return "raw", raw

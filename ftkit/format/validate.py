@@ -186,9 +186,14 @@ def _files(files: Any, world: int) -> dict[str, dict[str, Any]]:
     return files
 
 
+def is_file_name(name: Any) -> bool:
+    """Whether `name` is a plain name inside a step directory, as every file of a step is."""
+    return isinstance(name, str) and SAFE_FILE_RE.match(name) is not None and ".." not in name
+
+
 def check_file_name(name: Any) -> str:
     """A data file's name: a plain name inside its step directory."""
-    if not isinstance(name, str) or not SAFE_FILE_RE.match(name) or ".." in name:
+    if not is_file_name(name):
         raise FormatError(f"manifest names a file outside its step directory: {str(name)[:80]!r}")
     return name
 

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from ftkit.coord.agree import agree
-from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError, FtkitError, StorageError
+from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError
 from ftkit.format.data import check_file_sizes, read_regions, torch_dtype
 from ftkit.format.index import MAX_MANIFEST_BYTES, MAX_PART_BYTES
 from ftkit.format.manifest import MANIFEST_NAME, Manifest, step_dir_name
@@ -31,7 +31,7 @@ from ftkit.format.reader import (
     parse_manifest_header,
     read_metadata,
 )
-from ftkit.format.validate import check_file_name
+from ftkit.format.validate import is_file_name
 from ftkit.restore.context import RestoreContext
 from ftkit.restore.plan import Candidate, fetch_plan, files_for
 from ftkit.save import capture as cap
@@ -223,16 +223,8 @@ def _request(doc: Any) -> dict[str, Any]:
     if not isinstance(doc, dict):
         return {}
     missing = doc.get("missing")
-    files = [f for f in missing if _plain_name(f)] if isinstance(missing, list) else []
+    files = [f for f in missing if is_file_name(f)] if isinstance(missing, list) else []
     return {"missing": files, "mismatch": doc.get("mismatch") is True}
-
-
-def _plain_name(name: Any) -> bool:
-    try:
-        check_file_name(name)
-    except FormatError:
-        return False
-    return True
 
 
 def _finish(rc, step: int, manifest: Manifest, tensors, dtensors):
