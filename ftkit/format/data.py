@@ -136,9 +136,10 @@ def _stored_chunks(storage: Storage, step_dir: str, by_file: dict[str, list[Any]
     a file's in offset order, read as chunk_bytes groups them."""
     for fname, jobs in by_file.items():
         rel = f"{step_dir}/{fname}"
+        where = storage.where(rel)
         ordered = sorted(jobs, key=lambda j: j[0].offset)
         for i, data in chunk_bytes(storage, rel, [j[0] for j in ordered]):
-            yield ordered[i], data, f"{storage.where(rel)} (tensor {ordered[i][1]!r})"
+            yield ordered[i], data, f"{where} (tensor {ordered[i][1]!r})"
 
 
 def read_tensors(
