@@ -141,12 +141,7 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
                 undo.put_back_bytes()  # nothing was loaded: only bytes were read into live tensors
             if failed is not None:
                 problems.append(failed)
-                log.warning(
-                    "step %d from %s is unusable, trying the next source: %s",
-                    s,
-                    origin.get("source", backend.display_url),
-                    failed,
-                )
+                log.warning("step %d from %s is unusable, trying the next source: %s", s, origin["source"], failed)
                 continue
             undo.keep()
             report, superseded = _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_read, t_load)

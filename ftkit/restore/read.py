@@ -168,12 +168,10 @@ def _send_manifest(storage, step: int, ctx, key: str, cand: Candidate) -> str | 
     error = None
     if ctx.rank == cand.manifest_rank:
         try:
-            ctx.put(
-                f"{key}/manifest", read_metadata(storage, f"{step_dir}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES).decode()
-            )
-        except Exception as e:
-            ctx.put(f"{key}/manifest", "")
-            error = str(e)
+            doc = read_metadata(storage, f"{step_dir}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES).decode()
+        except Exception as e:  # the nodes that wait for it hear "" at once
+            doc, error = "", str(e)
+        ctx.put(f"{key}/manifest", doc)
     for name, rank in cand.part_holders.items():
         if rank == ctx.rank:
             try:
