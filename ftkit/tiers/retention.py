@@ -74,8 +74,7 @@ def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, gr
       filling it), and only if retired, empty or older than the newest committed step.
     """
     committed = [s.step for s in steps if s.status == "committed"]
-    verified = [s.step for s in steps if s.status == "committed" and s.verified]
-    protected = max(verified) if verified else None
+    protected = max((s.step for s in steps if s.status == "committed" and s.verified), default=None)
     delete: tuple[int, ...] = ()
     if protected is None:
         keep_set = tuple(committed)
