@@ -276,17 +276,14 @@ def _read_file(storage, step_dir: str, name: str, manifest) -> torch.Tensor:
     """A data file to send to a peer: its page-cache pages themselves when the file is local."""
     size = manifest.files[_listed(manifest, name)]["bytes"]
     if size and storage.is_local:
-        fd = os.open(storage.path(f"{step_dir}/{name}"), os.O_RDONLY)
-        try:
-            if os.fstat(fd).st_size >= size:
+        with open(storage.path(f"{step_dir}/{name}"), "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size >= size:
                 # No copy into fresh memory; the tensor keeps the mapping alive until the send
                 # is done, and gloo only reads it.
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+                mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # "not writable": nobody writes it
                     return torch.frombuffer(mapped, dtype=torch.uint8)
-        finally:
-            os.close(fd)
     buf = torch.empty(size, dtype=torch.uint8)  # a short file sends what it has; the receiver's checksum says so
     with storage.open_read(f"{step_dir}/{name}") as f:
         if size:

@@ -191,15 +191,11 @@ def _root() -> str:
 
 def _read_identity(path: str) -> Any:
     """The JSON in `path`, opened without following links and only if it is a small regular file of ours."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+        st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 65536:
             raise UnsafeRamDirError(f"{path} is not a small regular file of this user's")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(65537)
-    finally:
-        os.close(fd)
+        data = f.read(65537)
     try:
         return json.loads(data)
     except ValueError:
