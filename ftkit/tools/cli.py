@@ -18,6 +18,20 @@ from ftkit.tools.commands import cmd_inspect, cmd_ls, cmd_report, cmd_restore, c
 from ftkit.tools.gc import DEFAULT_GRACE_S, cmd_gc
 
 
+def location(text: str) -> str:
+    """A path or URL argument. Empty (an unset shell variable) would mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty (an unset variable?): name a directory or URL")
+    return text
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds of 0 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftkit", description="Inspect, verify and restore ftkit checkpoints.")
     p.add_argument("--version", action="version", version=f"ftkit {__version__}")
@@ -26,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, func, help_: str, *, step: bool = True) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
-        sp.add_argument("url", help="tier URL: a local path, file://..., s3://bucket/prefix, any fsspec URL")
+        sp.add_argument(
+            "url", type=location, help="tier URL: a local path, file://..., s3://bucket/prefix, any fsspec URL"
+        )
         sp.add_argument(
             "--storage-options",
             metavar="JSON",
@@ -47,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_restore,
         "export a checkpoint to one torch or safetensors file, or reshard it for another world size",
     )
-    r.add_argument("--out", required=True, help="output file (with --world-size: a checkpoint directory or URL)")
+    r.add_argument(
+        "--out", required=True, type=location, help="output file (with --world-size: a checkpoint directory or URL)"
+    )
     r.add_argument("--world-size", type=int, help="write an ftkit checkpoint laid out for this many ranks")
     r.add_argument(
         "--format",
@@ -57,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     e = add("export", cmd_restore, "write one step as a torch file, a safetensors file or a DCP checkpoint directory")
-    e.add_argument("--out", required=True, help="output file (--format dcp: a directory)")
+    e.add_argument("--out", required=True, type=location, help="output file (--format dcp: a directory)")
     e.add_argument("--format", choices=("torch", "safetensors", "dcp"), default="torch")
     e.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     g = add(
@@ -73,14 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     g.add_argument(
         "--grace",
-        type=float,
+        type=_seconds,
         default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help="leave partial steps and incomplete uploads younger than this alone (default 3600)",
     )
     help_ = "goodput, incidents and a timeline from a run's event log"
     rp = sub.add_parser("report", help=help_, description=help_)
-    rp.add_argument("run_dir", help="the run directory ($FTKIT_RUN_DIR of the job)")
+    rp.add_argument("run_dir", type=location, help="the run directory ($FTKIT_RUN_DIR of the job)")
     rp.add_argument("--json", action="store_true", help="machine-readable output")
     rp.add_argument("--html", metavar="FILE", help="write a page with the timeline")
     rp.set_defaults(func=cmd_report)
@@ -111,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if getattr(args, "keep", None) is not None and args.keep < 1:
         parser.error("--keep must be at least 1")
+    if getattr(args, "keep_every", None) is not None and args.keep_every < 1:
+        parser.error("--keep-every must be at least 1")
     try:
         return args.func(args)
     except FtkitError as e:

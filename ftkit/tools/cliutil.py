@@ -18,7 +18,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 def open_tier(args) -> tuple[Storage, int | None]:
     """The tier at args.url; a URL ending in a step directory selects that step."""
-    url = args.url.rstrip("/")
+    url = args.url.rstrip("/") or args.url  # ("/" is the root, not "")
     step = getattr(args, "step", None)
     head, slash, tail = url.rpartition("/")
     if slash and (named := parse_step_dir(tail)) is not None:

@@ -120,3 +120,29 @@ def test_usage_errors_exit_2(tmp_path):
     assert run_cli("gc", str(tmp_path), "--keep", "0").returncode == 2
     r = run_cli("ls", str(tmp_path), "--storage-options", "{not json")
     assert r.returncode == 2 and "--storage-options is not valid JSON" in r.stderr
+
+
+def test_an_empty_url_or_out_is_refused_never_the_current_directory(ckpt, tmp_path, monkeypatch):
+    # `ftkit gc "$CKPT/"` with CKPT unset collected the directory the shell was in.
+    root = ckpt[0]
+    monkeypatch.chdir(root)
+    for args in (("gc", "", "--keep", "1"), ("gc", "/", "--keep", "1"), ("ls", " ")):
+        r = run_cli(*args)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, (args, r.stderr)
+    assert committed_steps(ftkit.Tier(str(root)).open()) == [1, 2, 3]
+    r = run_cli("restore", str(root), "--out", "", "--world-size", "2")
+    assert r.returncode == 2 and "argument --out: empty" in r.stderr
+    assert run_cli("report", "").returncode == 2
+    assert committed_steps(ftkit.Tier(str(root)).open()) == [1, 2, 3]
+
+
+def test_gc_refuses_retention_numbers_that_mean_nothing(ckpt):
+    root = ckpt[0]
+    for args, says in (
+        (("--keep", "1", "--keep-every", "0"), "--keep-every must be at least 1"),
+        (("--grace", "nan"), "not a number of seconds"),
+        (("--grace", "-10"), "not a number of seconds"),
+    ):
+        r = run_cli("gc", str(root), *args)
+        assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
+    assert committed_steps(ftkit.Tier(str(root)).open()) == [1, 2, 3]
