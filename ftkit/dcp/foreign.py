@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError, one_line
+from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, FtkitError, StorageError, UsageError, one_line
 from ftkit.save.write import dtype_name
 from ftkit.tiers.storage import Storage
 
@@ -192,7 +192,7 @@ def export_step(storage: Storage, manifest: Any, out: str, progress: Any = None,
     empty_dir = os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out)
     taken = os.path.lexists(out) and not empty_dir
     if taken and not overwrite:
-        raise FtkitError(f"{out} already exists and is not empty; remove it or pass --force")
+        raise UsageError(f"{out} already exists and is not empty; remove it or pass --force")
     if taken:
         check_replaceable(storage, out)
     sd = to_nested(manifest, read_tensors(storage, manifest, progress=progress))
@@ -216,11 +216,11 @@ def check_replaceable(storage: Storage, out: str) -> None:
     """What `--force` may replace: not a link or a mount point (a rename cannot move it), and
     nothing that holds the tier read from or lies inside it."""
     if os.path.islink(out) or os.path.ismount(out):
-        raise FtkitError(f"{out} is a symbolic link or a mount point; --force cannot replace it, choose another --out")
+        raise UsageError(f"{out} is a symbolic link or a mount point; --force cannot replace it, choose another --out")
     if storage.is_local:
         tier, there = os.path.realpath(storage.root), os.path.realpath(out)
         if os.path.commonpath([tier, there]) in (tier, there):
-            raise FtkitError(f"{out} holds or lies inside the checkpoint tier {storage.root}; choose another --out")
+            raise UsageError(f"{out} holds or lies inside the checkpoint tier {storage.root}; choose another --out")
 
 
 def _beside(out: str) -> str:

@@ -209,10 +209,10 @@ def test_a_checkpointer_step_exported_to_dcp_is_read_by_dcp_load_and_dcp_to_torc
     # Never over a directory that holds something, nor over a file, unless --force: then the
     # step replaces it whole (a newer step's export, read back by DCP), and nothing is left beside.
     r = run_cli("export", ckpt, "--format", "dcp", "--out", out)
-    assert r.returncode != 0 and "already exists" in r.stderr and "--force" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "already exists" in r.stderr and "--force" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "a-file").write_text("precious")
     r = run_cli("export", ckpt, "--format", "dcp", "--out", str(tmp_path / "a-file"))
-    assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr
     assert (tmp_path / "a-file").read_text() == "precious"
     with torch.no_grad():
         for p in model.parameters():
@@ -233,10 +233,10 @@ def test_a_checkpointer_step_exported_to_dcp_is_read_by_dcp_load_and_dcp_to_torc
     steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     for out in (ckpt, str(tmp_path)):
         r = run_cli("export", ckpt, "--format", "dcp", "--out", out, "--force")
-        assert r.returncode != 0 and "checkpoint tier" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode == 2 and "checkpoint tier" in r.stderr and "Traceback" not in r.stderr, r.stderr
     (tmp_path / "link").symlink_to(tmp_path / "dcp")
     r = run_cli("export", ckpt, "--format", "dcp", "--out", str(tmp_path / "link"), "--force")
-    assert r.returncode != 0 and "symbolic link" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "symbolic link" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == steps
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
