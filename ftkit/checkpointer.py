@@ -33,7 +33,7 @@ from ftkit.coord.events import EventLog
 from ftkit.coord.faultpoints import fault_point
 from ftkit.coord.preemption import PreemptionHandler, signal_name
 from ftkit.coord.watchdog import Watchdog, WatchdogConfig
-from ftkit.errors import FtkitError
+from ftkit.errors import ConfigError, FtkitError
 from ftkit.restore import RestoreContext, Superseded, retire_superseded
 from ftkit.restore import restore as _restore
 from ftkit.runtime import generation
@@ -107,9 +107,9 @@ class Checkpointer:
         run_id: str | None = None,
     ):
         if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+            raise ConfigError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
-            raise ValueError("at least one tier is needed")
+            raise ConfigError("at least one tier is needed")
         self.state = state
         self.tiers = resolve_tiers(tiers)  # a "peer" entry becomes the RAM tier's replicas
         self.policy = policy

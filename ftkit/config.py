@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ftkit.errors import ConfigError
 from ftkit.tiers.redact import redact_url
 from ftkit.tiers.storage import Storage
 
@@ -38,13 +39,13 @@ class Tier:
     def __post_init__(self) -> None:
         shown = redact_url(self.url)
         if self.replicas is not None and (self.replicas < 0 or (self.replicas and self.url not in ("ram", "peer"))):
-            raise ValueError(f"tier {shown!r}: replicas must be >= 0, and only the 'ram' tier has them")
+            raise ConfigError(f"tier {shown!r}: replicas must be >= 0, and only the 'ram' tier has them")
         if self.every < 1:
-            raise ValueError(f"tier {shown!r}: every must be >= 1")
+            raise ConfigError(f"tier {shown!r}: every must be >= 1")
         if self.keep is not None and self.keep < 1:
-            raise ValueError(f"tier {shown!r}: keep must be >= 1 or None")
+            raise ConfigError(f"tier {shown!r}: keep must be >= 1 or None")
         if self.compress not in (None, "zstd"):
-            raise ValueError(f"tier {shown!r}: compress must be 'zstd' or None, not {self.compress!r}")
+            raise ConfigError(f"tier {shown!r}: compress must be 'zstd' or None, not {self.compress!r}")
 
     def __repr__(self) -> str:  # the generated one would print credentials in the URL
         return (
@@ -87,10 +88,10 @@ def resolve_tiers(specs: Sequence[Tier | str | Mapping[str, Any]]) -> list[Tier]
     peers = [t for t in tiers if t.url == "peer"]
     rams = [i for i, t in enumerate(tiers) if t.is_ram]
     if len(peers) > 1 or len(rams) > 1:
-        raise ValueError('at most one "ram" tier (and one "peer" entry for its replicas)')
+        raise ConfigError('at most one "ram" tier (and one "peer" entry for its replicas)')
     if peers:
         if not rams:
-            raise ValueError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
+            raise ConfigError('the "peer" tier replicates the "ram" tier: add "ram" to the tiers')
         ram = tiers[rams[0]]
         replicas = next((r for r in (ram.replicas, peers[0].replicas) if r is not None), 1)
         tiers[rams[0]] = replace(ram, replicas=replicas)

@@ -60,6 +60,11 @@ class PeerTransferError(FtkitError):
     """A transfer over the peer group failed, or the group is unusable after an earlier failure."""
 
 
+class ConfigError(FtkitError, ValueError):
+    """A Checkpointer's or a tier's configuration that cannot work: an option out of its range,
+    tiers that do not go together."""
+
+
 class RunIdentityError(FtkitError, ValueError):
     """The RAM tier cannot tell which run it belongs to, or its directory records another run."""
 

@@ -301,6 +301,20 @@ def test_peer_replication_is_the_ram_tiers_replicas_and_the_older_spelling_still
         resolve_tiers(["ram", "ram"])
 
 
+def test_a_configuration_that_cannot_work_is_an_ftkit_error_and_still_a_value_error(tmp_path):
+    # `except ftkit.FtkitError` must catch every error ftkit raises on purpose (README).
+    for make in (
+        lambda: Tier(str(tmp_path), every=0),
+        lambda: Tier(str(tmp_path), keep=0),
+        lambda: Tier(str(tmp_path), compress="lz4"),
+        lambda: ftkit.Checkpointer({}, []),
+        lambda: ftkit.Checkpointer({}, [str(tmp_path)], policy="nope"),
+    ):
+        with pytest.raises(ftkit.ConfigError) as got:
+            make()
+        assert isinstance(got.value, ftkit.FtkitError) and isinstance(got.value, ValueError)
+
+
 def test_rank_local_entries_come_back_to_their_rank_and_refuse_what_cannot_be_restored(tmp_path):
     """ftkit.RankLocal: a stateful object and a plain mapping, tensors inside, restored in place;
     the shared skeleton does not hold them; wrapping a value with no state protocol is refused."""
