@@ -8,32 +8,37 @@ import subprocess
 import sys
 
 import torch
-from conftest import REPO
+from conftest import REPO, run_cli
 
 import ftkit
 from ftkit.format.manifest import FORMAT_VERSION
 from ftkit.format.reader import load_manifest
 
 
-def test_format_md_recipe_reads_a_tensor_without_ftkit(tmp_path):
-    w = torch.randn(64, 32)
+def test_format_md_recipe_reads_a_tensor_without_ftkit_also_split_across_ranks(tmp_path):
+    import numpy as np
+
+    w = torch.randn(1024, 320)  # over save/sharding.py's SPLIT_BYTES: split in row blocks across ranks
     ckpt = tmp_path / "ckpt"
     with ftkit.Checkpointer({"model": {"fc.weight": w}}, [ftkit.Tier(str(ckpt), compress="zstd")], rng=False) as ck:
         ck.snapshot(120)
-    # A dict of tensors is a plain value: tensors inside it still become entries.
+    # A dict of tensors is a plain value: tensors inside it still become entries. The same step
+    # laid out for 3 ranks (as a 3-rank job writes it): one shard per rank.
+    assert run_cli("restore", str(ckpt), "--out", str(tmp_path / "ckpt3"), "--world-size", "3").returncode == 0
+    shards = load_manifest(ftkit.Tier(str(tmp_path / "ckpt3")).open(), 120).tensor("model/fc.weight").shards
+    assert len(shards) == 3
     doc = open(os.path.join(REPO, "FORMAT.md")).read()
     recipe = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
-    script = (
-        "import sys; sys.modules['ftkit'] = None\n"  # prove ftkit is not needed
-        + recipe.replace('"ckpt/step-000000000120"', repr(str(ckpt / "step-000000000120")))
-        + "\nnp.save(sys.argv[1], w)\n"
-    )
-    out = tmp_path / "w.npy"
-    r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    import numpy as np
-
-    assert np.array_equal(np.load(out), w.numpy())
+    for root in (ckpt, tmp_path / "ckpt3"):
+        script = (
+            "import sys; sys.modules['ftkit'] = None\n"  # prove ftkit is not needed
+            + recipe.replace('"ckpt/step-000000000120"', repr(str(root / "step-000000000120")))
+            + "\nnp.save(sys.argv[1], w)\n"
+        )
+        out = tmp_path / "w.npy"
+        r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert np.array_equal(np.load(out), w.numpy()), root
 
 
 def test_manifest_declares_format_and_version_first(tmp_path):
