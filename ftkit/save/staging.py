@@ -236,8 +236,8 @@ class StagingArena:
         fit = self.budget_bytes // max(layout.total_bytes, 1)
         if fit < 1:
             raise FtkitError(
-                f"staging budget of {self.budget_bytes / 2**20:.0f} MiB cannot hold one snapshot of "
-                f"{layout.total_bytes / 2**20:.0f} MiB; raise max_staging_bytes"
+                f"staging budget of {self.budget_bytes:,} bytes cannot hold one snapshot of "
+                f"{layout.total_bytes:,} bytes; raise max_staging_bytes"  # (in bytes: "0 MiB" said nothing)
             )
         return min(self.max_slots, int(fit))
 

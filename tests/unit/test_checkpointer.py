@@ -89,7 +89,7 @@ def test_memory_budget_of_one_slot_serializes_snapshots(gated_fs):
 
 def test_budget_too_small_for_one_snapshot_is_a_clear_error(tmp_path):
     ck = ftkit.Checkpointer({"t": torch.zeros(1024)}, [str(tmp_path)], max_staging_bytes=100, rng=False)
-    with pytest.raises(ftkit.FtkitError, match="staging budget .* cannot hold one snapshot"):
+    with pytest.raises(ftkit.FtkitError, match="staging budget of 100 bytes cannot hold one snapshot of 4,096 bytes"):
         ck.snapshot(1)
     ck.close()
 
