@@ -1,7 +1,7 @@
 """transformers.Trainer + ftkit: snapshot every few steps, crash, run again, carry on exactly.
 
     python examples/huggingface_resume.py /tmp/ftkit-hf --fresh          # an uninterrupted run, for comparison
-    python examples/huggingface_resume.py /tmp/ftkit-hf --crash-at 23    # SIGKILLed at step 23
+    python examples/huggingface_resume.py /tmp/ftkit-hf --fresh --crash-at 23  # starts over, SIGKILLed at step 23
     python examples/huggingface_resume.py /tmp/ftkit-hf                  # resumes, finishes
 
 A tiny GPT-2 built from a config (nothing is downloaded) learns fixed random token

@@ -1,7 +1,7 @@
 """Lightning + ftkit: snapshot every few steps, crash, run again, carry on exactly.
 
     python examples/lightning_resume.py /tmp/ftkit-pl --fresh            # an uninterrupted run, for comparison
-    python examples/lightning_resume.py /tmp/ftkit-pl --crash-at 23      # SIGKILLed at step 23
+    python examples/lightning_resume.py /tmp/ftkit-pl --fresh --crash-at 23  # starts over, SIGKILLed at step 23
     python examples/lightning_resume.py /tmp/ftkit-pl                    # resumes, finishes
 
 The last line each run prints is the final step and a digest of the weights: the resumed
