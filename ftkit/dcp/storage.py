@@ -91,7 +91,10 @@ def _open(tiers: list[Tier]) -> list[Storage]:
         )
     # (the run's identity: $FTKIT_RUN_ID, or torchrun's rendezvous id: tiers/ram.py run_identity)
     durable = [t.url for t in tiers if not t.is_ram]
-    return [Storage(open_node_dir(run_identity(durable), node_id(rank))) if t.is_ram else t.open() for t in tiers]
+    return [
+        Storage(open_node_dir(run_identity(durable), node_id(rank)), private=True) if t.is_ram else t.open()
+        for t in tiers
+    ]
 
 
 def _world() -> tuple[int, int, bool]:

@@ -101,15 +101,26 @@ def on_volatile_fs(path: str) -> bool:
     return kind in VOLATILE_FS
 
 
-def write_whole(full: str, data: bytes, sync: bool = True) -> None:
+def make_dirs(path: str, mode: int = 0o777) -> None:
+    """os.makedirs, with `mode` (less the umask) for every directory it creates: os.makedirs
+    gives it to the last one only, and a private tier's would come back readable by others."""
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.isdir(parent):
+        make_dirs(parent, mode)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, mode)
+
+
+def write_whole(full: str, data: bytes, sync: bool = True, dir_mode: int = 0o777) -> None:
     """Storage.open_write for bytes already whole, without a buffered file object: temporary
-    name, fsync, rename, fsync of the directory (no fsync when not `sync`)."""
+    name, fsync, rename, fsync of the directory (no fsync when not `sync`); a missing
+    directory is made with `dir_mode`."""
     tmp = f"{full}.tmp-{os.urandom(4).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(tmp, flags, 0o666)
     except FileNotFoundError:
-        os.makedirs(os.path.dirname(full), exist_ok=True)
+        make_dirs(os.path.dirname(full), dir_mode)
         fd = os.open(tmp, flags, 0o666)
     try:
         try:

@@ -47,7 +47,7 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
             continue
         assert ram_identity is not None
         replicas = t.copies_elsewhere
-        storage = Storage(open_node_dir(ram_identity, ctx.node))
+        storage = Storage(open_node_dir(ram_identity, ctx.node), private=True)
         # Room for one step of this node's data files and the replicas it keeps.
         storage.spares = SparePool(storage.root, ctx.nodes.count(ctx.node) * (1 + replicas))
         peers = PeerGroup(ctx.rank, peer_timeout_s) if replicas and ctx.distributed else None

@@ -21,7 +21,15 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ftkit.errors import FtkitError, StorageError, one_line
 from ftkit.tiers.backends import open_fs, scrub
-from ftkit.tiers.localfs import fsync_dir, local_kind, no_links_within, on_volatile_fs, open_regular, write_whole
+from ftkit.tiers.localfs import (
+    fsync_dir,
+    local_kind,
+    make_dirs,
+    no_links_within,
+    on_volatile_fs,
+    open_regular,
+    write_whole,
+)
 from ftkit.tiers.redact import redact_url  # noqa: F401  (re-exported: one redaction function, see redact.py)
 from ftkit.tiers.uploads import abort_upload, list_incomplete_uploads
 
@@ -29,7 +37,9 @@ from ftkit.tiers.uploads import abort_upload, list_incomplete_uploads
 class Storage:
     """Byte-level access below one root URL. Paths given to methods are relative."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, private: bool = False):
+        """`private`: the directories it makes are 0700 (the RAM tier's, should its own go)."""
+        self.dir_mode = 0o700 if private else 0o777  # (less the umask)
         self.url = url.rstrip("/") or url
         self.display_url = redact_url(self.url)
         self.fs, self.root, self._secrets = open_fs(self.url, storage_options)
@@ -169,7 +179,7 @@ class Storage:
         with self._errors("writing", rel):
             if self.is_local:
                 self._no_links_within(rel)
-                os.makedirs(os.path.dirname(full), exist_ok=True)
+                make_dirs(os.path.dirname(full), self.dir_mode)
                 tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
                 reused = recycle and self.spares is not None and self.spares.take(tmp)
                 f = None
@@ -208,7 +218,7 @@ class Storage:
         with self._errors("writing", rel):
             if self.is_local:
                 self._no_links_within(rel)
-                write_whole(self.path(rel), data, self.sync)
+                write_whole(self.path(rel), data, self.sync, self.dir_mode)
             else:
                 self.fs.pipe_file(self.path(rel), data)
 

@@ -263,6 +263,23 @@ def test_a_root_others_can_write_is_refused_and_one_they_can_read_is_made_privat
         assert d.stat().st_mode & 0o777 == 0o700 and d.stat().st_uid == os.geteuid()
 
 
+def test_ram_directories_removed_under_a_live_job_come_back_private(clean_env):
+    # (`ftkit gc ram --job` run by mistake while the job runs, a tmpfs cleaner): the next
+    # snapshot makes them again, 0700 as at the start, not with the umask (0755).
+    old = os.umask(0o022)
+    try:
+        with ftkit.Checkpointer({"w": torch.zeros(10)}, ["ram"], rng=False, run_id="mine") as ck:
+            ck.snapshot(1)
+            ck.wait()
+            shutil.rmtree(clean_env / "mine")
+            ck.snapshot(2)
+            ck.wait()
+    finally:
+        os.umask(old)
+    made = [clean_env / "mine", clean_env / "mine" / "n0", clean_env / "mine" / "n0" / "step-000000000002"]
+    assert [d.stat().st_mode & 0o777 for d in made] == [0o700] * 3
+
+
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 def test_an_identity_record_that_is_not_a_regular_file_is_refused(clean_env, tmp_path, kind):
     job = clean_env / "mine"
