@@ -111,6 +111,9 @@ def plan(argv: list[str]) -> Plan:
     preload = tuple(m for m in ns.preload.split(",") if m)
     if ns.replace_dead < 0:
         raise UsageError("--replace-dead must be 0 (off) or a number of replacements per worker")
+    if not (ns.no_python or ns.run_path or ns.module) and not os.path.isfile(ns.training_script):
+        # (torchrun would start it anyway, and restart it with a traceback every time)
+        raise UsageError(f"no such script: {ns.training_script}")
     out = Plan([], ns.run_dir, ns.startup_timeout, warm=not ns.cold, preload=preload, replace_dead=ns.replace_dead)
     names = {o.split("=", 1)[0].replace("_", "-") for o in options if o.startswith("--")}
     defaults = []

@@ -110,6 +110,21 @@ def test_an_unrelated_run_does_not_restore_or_delete_another_runs_ram_snapshots(
     assert again == {"restored": 7, "w": 111.0, "source": "ram", "ram_run": a["ram_run"]}
 
 
+def test_a_run_started_over_after_its_durable_tier_was_deleted_does_not_resume_from_ram(tmp_path):
+    """rm -rf of the checkpoint directory, then the same script: it starts over (it resumed the
+    deleted run's weights from node RAM), and the old run's RAM tier is removed, not left to
+    fill the node. A restart with the directory in place still resumes from RAM."""
+    env = _env(FTKIT_RAM_DIR=str(tmp_path / "shm"))
+    tiers = ["ram", {"url": str(tmp_path / "ckpt"), "every": 5}]
+    a = _run(111.0, 7, tiers, env)  # step 5 on disk, 6 and 7 in RAM
+    shutil.rmtree(tmp_path / "ckpt")
+    b = _run(222.0, 5, tiers, env)
+    assert (b["restored"], b["w"], b["source"]) == (0, 222.0, None)
+    assert b["ram_run"] != a["ram_run"] and not (tmp_path / "shm" / a["ram_run"]).exists()
+    again = _run(333.0, 6, tiers, env)  # (a requeue: the directory is still there)
+    assert again == {"restored": 5, "w": 222.0, "source": "ram", "ram_run": b["ram_run"]}
+
+
 def test_named_runs_restore_only_their_own_ram_snapshots(tmp_path):
     shm = tmp_path / "shm"
     a = _run(111.0, 7, ["ram"], _env(FTKIT_RAM_DIR=str(shm), FTKIT_RUN_ID="exp-a"))
@@ -164,7 +179,8 @@ def test_a_directory_recording_another_identity_is_refused(clean_env, tmp_path):
         name = ck.ram_identity.name
         ck.snapshot(1)
     record = json.loads((clean_env / name / IDENTITY_FILE).read_text())
-    assert record == {"version": 1, "run": {"durable_tiers": [str(tmp_path / "disk")]}}
+    token = (tmp_path / "disk" / ".ftkit-run-token").read_text()  # (this life of the durable tier)
+    assert record == {"version": 1, "run": {"durable_tiers": [str(tmp_path / "disk")], "tokens": [token]}}
     # A run that names itself like that directory is not that run.
     with pytest.raises(RunIdentityError, match=f"{name} belongs to another run"):
         ftkit.Checkpointer(state, ["ram"], rng=False, run_id=name)
