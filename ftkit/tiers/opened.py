@@ -15,9 +15,19 @@ from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
 from ftkit.coord.news import CommitNews
 from ftkit.coord.nodelocal import NodeBoard
+from ftkit.errors import FormatError
 from ftkit.tiers.backend import NodeRamTier, SharedTier, TierBackend
 from ftkit.tiers.peers import PeerGroup
-from ftkit.tiers.ram import RunIdentity, SparePool, open_node_dir, run_identity
+from ftkit.tiers.ram import (
+    RunIdentity,
+    SparePool,
+    durable_token,
+    known_tokens,
+    named_run,
+    open_node_dir,
+    retire_earlier_lives,
+    run_identity,
+)
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
@@ -38,8 +48,10 @@ class OpenedTiers:
 def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer_timeout_s: float) -> OpenedTiers:
     """Open every tier (a bad URL or a missing backend fails here, at start).
     `tiers`: resolved (config.resolve_tiers), so replication is the RAM tier's `replicas`."""
-    durable = [t.url for t in tiers if not t.is_ram]
-    ram_identity = run_identity(durable, run_id) if any(t.is_ram for t in tiers) else None
+    durable = [t for t in tiers if not t.is_ram]
+    ram_identity = None
+    if any(t.is_ram for t in tiers):
+        ram_identity = run_identity([t.url for t in durable], run_id, _tokens(durable, ctx, run_id))
     backends: list[TierBackend] = []
     for i, t in enumerate(tiers):
         if not t.is_ram:
@@ -48,6 +60,8 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         assert ram_identity is not None
         replicas = t.copies_elsewhere
         storage = Storage(open_node_dir(ram_identity, ctx.node), private=True)
+        if ctx.node_leader(ctx.rank):
+            retire_earlier_lives(ram_identity)
         # Room for one step of this node's data files and the replicas it keeps.
         storage.spares = SparePool(storage.root, ctx.nodes.count(ctx.node) * (1 + replicas))
         peers = PeerGroup(ctx.rank, peer_timeout_s) if replicas and ctx.distributed else None
@@ -58,6 +72,25 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         backends.append(NodeRamTier(t, storage, replicas, peers, group))
     keys = {i: b.new_ledger(ctx) for i, b in enumerate(backends)}
     return OpenedTiers(backends, ram_identity, keys)
+
+
+def _tokens(durable: Sequence[Tier], ctx: DistContext, run_id: str | None) -> list[str]:
+    """The durable tiers' tokens (ram.durable_token), where they name the RAM tier's run: read
+    or made by rank 0, the others get them through the store."""
+    if run_id is not None or named_run() is not None or not durable:
+        return []
+    if ctx.rank == 0:
+        tokens = [token for t in durable if (token := durable_token(t.open())) is not None]
+        if len(tokens) < len(durable):  # one cannot be read: as this node's RAM tier recorded them, if it did
+            tokens = known_tokens(t.url for t in durable) or []
+        found = sorted(tokens)
+        if not ctx.distributed:
+            return found
+        ctx.put("ram/tokens", found)
+    got = ctx.get("ram/tokens")
+    if not (isinstance(got, list) and all(isinstance(t, str) for t in got)):
+        raise FormatError(f"store key ram/tokens holds {str(got)[:80]!r}, not the durable tiers' tokens")
+    return got
 
 
 def _commit_board(ctx: DistContext, tier: int) -> NodeBoard | None:

@@ -23,12 +23,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
+from ftkit.errors import FtkitError, InvalidJobIdError, RunIdentityError, UnsafeRamDirError
 from ftkit.tiers.redact import redact_url
+from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
 
 IDENTITY_FILE = "identity.json"
+TOKEN_FILE = ".ftkit-run-token"  # at a durable tier's root (durable_token)
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _VALID_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
@@ -59,7 +62,7 @@ def ram_root() -> str:
     return os.environ.get("FTKIT_RAM_DIR") or f"/dev/shm/ftkit-{os.geteuid()}"
 
 
-def _named_run() -> tuple[str, str] | None:
+def named_run() -> tuple[str, str] | None:
     """(variable, value) of the first run name set in the environment, or None."""
     return next(((v, os.environ[v]) for v in ("FTKIT_RUN_ID", "FTKIT_JOB_ID") if os.environ.get(v, "").strip()), None)
 
@@ -69,7 +72,7 @@ def job_dir(job: str | None = None) -> str:
     RunIdentityError when neither is set). Validates the name; creates and checks nothing."""
     if job is not None:
         return os.path.join(ram_root(), validate_job_id(job))
-    named = _named_run()
+    named = named_run()
     if named is None:
         raise RunIdentityError(
             f"no job id given and $FTKIT_RUN_ID / $FTKIT_JOB_ID are unset: name the "
@@ -96,19 +99,20 @@ def _location(url: str) -> str:
     return redact_url(url).rstrip("/")
 
 
-def run_identity(durable_urls: Iterable[str], run_id: str | None = None) -> RunIdentity:
+def run_identity(durable_urls: Iterable[str], run_id: str | None = None, tokens: Iterable[str] = ()) -> RunIdentity:
     """The run a "ram" tier belongs to: `run_id`, $FTKIT_RUN_ID / $FTKIT_JOB_ID, else a hash of
-    `durable_urls` (the other tiers) or of torchrun's rendezvous id. The same on every rank and restart."""
+    `durable_urls` (the other tiers) and their `tokens` (durable_tokens: a deleted tier's new
+    one is another run), or of torchrun's rendezvous id. The same on every rank and restart."""
     from ftkit.coord.dist import rendezvous_id
 
     if run_id is not None:
         return RunIdentity(_name_from(str(run_id), "run_id"), {"named": str(run_id)}, "run_id")
-    named = _named_run()
+    named = named_run()
     if named is not None:
         return RunIdentity(_name_from(named[1], f"${named[0]}"), {"named": named[1]}, f"${named[0]}")
     locations = sorted({_location(u) for u in durable_urls})
     if locations:
-        record: dict[str, Any] = {"durable_tiers": locations}
+        record: dict[str, Any] = {"durable_tiers": locations, **({"tokens": sorted(tokens)} if tokens else {})}
         source = "durable tiers " + ", ".join(locations)
     elif rendezvous_id() is not None:
         record = {"rendezvous_id": rendezvous_id()}
@@ -122,6 +126,60 @@ def run_identity(durable_urls: Iterable[str], run_id: str | None = None) -> RunI
         )
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
     return RunIdentity(f"run-{digest[:16]}", record, source)
+
+
+def durable_token(storage: Storage) -> str | None:
+    """The token at the root of a durable tier (made if missing): it names this life of the
+    tier, so a run started over after the tier was deleted is not the run whose RAM snapshots
+    are still on the node. None when it can be neither read nor written (logged)."""
+    try:
+        if storage.exists(TOKEN_FILE):
+            with storage.open_read(TOKEN_FILE) as f:
+                token = f.read(64).decode("ascii", "replace")
+            if _TOKEN_RE.fullmatch(token):
+                return token
+        token = uuid.uuid4().hex  # (missing or not ours: a new life)
+        storage.write_bytes_atomic(TOKEN_FILE, token.encode())
+        return token
+    except FtkitError as e:
+        log.warning("ftkit: the RAM tier's run is named by %s's location only: %s", storage.display_url, e)
+        return None
+
+
+def known_tokens(durable_urls: Iterable[str]) -> list[str] | None:
+    """The tokens recorded by this node's one RAM tier of a run on these durable tiers: what
+    names the run while a durable tier cannot be read (an S3 outage at a restart)."""
+    locations = sorted({_location(u) for u in durable_urls})
+    found = []
+    root = ram_root()
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        path = os.path.join(root, name, IDENTITY_FILE)
+        with contextlib.suppress(OSError, AttributeError, FtkitError):
+            run = _read_identity(path).get("run") if name.startswith("run-") and os.path.isfile(path) else None
+            if isinstance(run, dict) and run.get("durable_tiers") == locations and isinstance(run.get("tokens"), list):
+                found.append(run["tokens"])
+    return found[0] if len(found) == 1 else None
+
+
+def retire_earlier_lives(identity: RunIdentity) -> None:
+    """Remove this node's RAM tiers of runs on the same durable tiers under other tokens: runs
+    whose durable tiers were deleted since (they are never restored; they would fill the node).
+    Only when the tokens were read: without them, this run cannot tell which life is the live one."""
+    tiers = identity.record.get("durable_tiers")
+    root = ram_root()
+    if tiers is None or "tokens" not in identity.record or not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        path = os.path.join(root, name, IDENTITY_FILE)
+        if name == identity.name or not name.startswith("run-") or not os.path.isfile(path):
+            continue
+        try:
+            run = _read_identity(path).get("run")
+            if isinstance(run, dict) and run.get("durable_tiers") == tiers and run != identity.record:
+                remove_job(name)
+                log.warning("ftkit: removed the RAM tier %s of an earlier run on the same durable tiers", name)
+        except (OSError, AttributeError, FtkitError) as e:  # (not ours to judge: left alone)
+            log.info("ftkit: left %s alone: %s", name, e)
 
 
 def _check_private(path: str, what: str) -> None:

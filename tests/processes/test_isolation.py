@@ -123,6 +123,12 @@ def test_a_run_started_over_after_its_durable_tier_was_deleted_does_not_resume_f
     assert b["ram_run"] != a["ram_run"] and not (tmp_path / "shm" / a["ram_run"]).exists()
     again = _run(333.0, 6, tiers, env)  # (a requeue: the directory is still there)
     assert again == {"restored": 5, "w": 222.0, "source": "ram", "ram_run": b["ram_run"]}
+    # A restart while the durable tier cannot be read (an outage): the node's RAM tier still
+    # says which run it is, and the run resumes from it.
+    os.rename(tmp_path / "ckpt", tmp_path / "away")
+    (tmp_path / "ckpt").write_text("not a directory")
+    outage = _run(444.0, 6, tiers, env)
+    assert (outage["restored"], outage["w"], outage["source"]) == (6, 222.0, "ram")  # (restored values carry on)
 
 
 def test_named_runs_restore_only_their_own_ram_snapshots(tmp_path):
