@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 from conftest import REPO, warm_target
@@ -103,3 +104,27 @@ def test_a_preemption_heard_by_a_training_loop_on_a_thread_still_ends_its_proces
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, outs
     assert all("saved to every tier" in o for o in outs), outs
+
+
+def test_sigterm_to_ftkit_run_saves_and_it_exits_143_without_a_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "ftkit", "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "0", "-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt")]
+    cmd += ["--steps", "2000", "--every", "1000", "--step-time", "0.05"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "job.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        try:
+            events = tmp_path / "run" / "events" / "rank-00001.jsonl"
+            for _ in range(600):
+                if events.exists() and '"event": "step"' in events.read_text():
+                    break
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)  # to ftkit run, as a scheduler would
+            rc = proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = (tmp_path / "job.log").read_text()
+    assert rc == 128 + signal.SIGTERM and "Traceback" not in out, out
+    steps = committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open())
+    assert len(steps) == 1 and steps[0] >= 1, out  # nothing was due (every=1000): the SIGTERM saved it

@@ -1,5 +1,5 @@
 """torchrun's launcher and elastic agent as ftkit starts it (``zygote.torchrun_command``):
-``torch.distributed.run``'s own ``main`` with three changes. It imports no ftkit: run by path
+``torch.distributed.run``'s own ``main`` with four changes. It imports no ftkit: run by path
 in a new interpreter, or forked warm (``--module ftkit.runtime.warm.agent``).
 
 * ``get_method_name`` uses ``sys._getframe``: torch's ``inspect.stack()`` scans all of
@@ -13,6 +13,8 @@ in a new interpreter, or forked warm (``--module ftkit.runtime.warm.agent``).
 * **Workers learn the round** (``$FTKIT_RDZV_ROUND``): the same on every node, new at
   every round, also when a host joins or leaves without a failure (torchrun's restart count
   is not, and differs between agents). ftkit namespaces the store by it (generation.py).
+* **A signal that stops the job is its exit status**, 128 + N (143 for SIGTERM), as the
+  workers' own, not torch's ``SignalException`` traceback and exit 1 (hooks/README.md).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def patch_rendezvous(dynamic_rendezvous, api) -> bool:
 
 
 def main() -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import api, dynamic_rendezvous
 
     if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
@@ -71,7 +74,12 @@ def main() -> None:
     patch_rendezvous(dynamic_rendezvous, api)
     from torch.distributed.run import main as torchrun
 
-    torchrun()  # its arguments: sys.argv[1:], as `python -m torch.distributed.run` has them
+    try:
+        torchrun()  # its arguments: sys.argv[1:], as `python -m torch.distributed.run` has them
+    except SignalException as e:
+        # A SIGTERM (a preemption) after the agent stopped its workers: the signal's exit
+        # status, 128 + N, as the workers' own, not torch's traceback and exit 1.
+        sys.exit(128 + int(e.sigval))
 
 
 if __name__ == "__main__":
