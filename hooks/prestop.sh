@@ -3,16 +3,22 @@
 #
 #   prestop.sh [DEADLINE_SECONDS]
 #
-# Sends SIGTERM to torchrun (which forwards it to the workers: ftkit saves the
-# current step to every tier, then they exit) and waits until no worker is left
-# or the deadline passes. Used as a Kubernetes preStop hook; works anywhere.
+# Sends SIGTERM to `ftkit run` (or to a plain torchrun), which passes it to the
+# workers: ftkit saves the current step to every tier, then they exit. Waits until
+# the job has exited or the deadline passes. Used as a Kubernetes preStop hook;
+# works anywhere.
 deadline=${1:-120}
-pids=$(pgrep -f "torch.distributed.run|torchrun" || true)
+# The launcher's own command line only: `[python [-opts]] [.../]ftkit run ...`,
+# `[.../]torchrun ...` or `python -m torch.distributed.run ...`; not its agent or
+# workers (signalled through it), nor a process that merely names torchrun in an
+# argument (a drill zygote's --preload).
+job='^([^ ]*python[^ ]*( -[^ ]+)* )?(([^ ]*/)?(ftkit run|torchrun)|torch\.distributed\.run)( |$)'
+pids=$(pgrep -f "$job" || true)
 [ -z "$pids" ] && exit 0
 kill -TERM $pids 2>/dev/null || true
 waited=0
 while [ "$waited" -lt "$deadline" ]; do
-    pgrep -f "torch.distributed.run|torchrun" >/dev/null 2>&1 || exit 0
+    pgrep -f "$job" >/dev/null 2>&1 || exit 0
     sleep 1
     waited=$((waited + 1))
 done

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import REPO, warm_target
 from torchrun_job import Job, stop_everything
@@ -128,3 +129,50 @@ def test_sigterm_to_ftkit_run_saves_and_it_exits_143_without_a_traceback(tmp_pat
     assert rc == 128 + signal.SIGTERM and "Traceback" not in out, out
     steps = committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open())
     assert len(steps) == 1 and steps[0] >= 1, out  # nothing was due (every=1000): the SIGTERM saved it
+
+
+# hooks/prestop.sh inside a private PID namespace, where the only job is the one started here
+# (the hook signals every job of its container; the host runs other tests' jobs).
+_JOB_THEN_HOOK = """
+ftkit() { "$PY" -m ftkit "$@"; }
+ftkit run --run-dir "$D/run" --nproc-per-node 2 --monitor-interval 0.1 --max-restarts 0 \\
+    -m ftkit.drill.reference --ckpt "$D/ckpt" --steps 2000 --every 1000 --step-time 0.05 \\
+    > "$D/job.log" 2>&1 &
+job=$!
+waited=0
+until grep -qs '"event": "step"' "$D/run/events/rank-00001.jsonl"; do
+    sleep 0.2
+    waited=$((waited + 1))
+    [ "$waited" -lt 600 ] || { echo "no step"; kill -KILL $job; exit 1; }
+done
+sh hooks/prestop.sh 90
+echo "hook $?"
+wait $job
+echo "job $?"
+"""
+
+
+def _private_pid_namespace() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def test_the_prestop_hook_makes_an_ftkit_run_job_save_and_exit_143(tmp_path):
+    if not _private_pid_namespace():
+        pytest.skip("needs `unshare --pid --fork --mount-proc` (root)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PY": sys.executable, "D": str(tmp_path)}
+    r = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", _JOB_THEN_HOOK],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=240,
+    )
+    log = (tmp_path / "job.log").read_text() if (tmp_path / "job.log").exists() else ""
+    assert r.stdout.split() == ["hook", "0", "job", str(128 + signal.SIGTERM)], r.stdout + r.stderr + log
+    assert "Traceback" not in log, log
+    steps = committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open())
+    assert len(steps) == 1 and steps[0] >= 1, log  # nothing was due (every=1000): the hook's SIGTERM saved it
