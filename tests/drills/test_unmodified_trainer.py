@@ -308,9 +308,12 @@ def test_launcher_runs_the_script_as_python_would(tmp_path):
     assert "ftkit.tools.launch is deprecated: it is ftkit.runtime.launch now" in old.stderr
 
 
-def test_ftkit_run_command_line_rewrite():
+def test_ftkit_run_command_line_rewrite(tmp_path, monkeypatch):
     from ftkit.runtime.supervise import plan
     from ftkit.runtime.warm.zygote import client_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")  # (a script that is not a file is refused)
 
     defaults = ["--max-restarts", "3", "--monitor-interval", "0.5", "--standalone"]
     argv = ["--nproc-per-node", "2", "--startup-timeout", "30", "train.py", "--run-dir", "x", "--max-restarts=9"]

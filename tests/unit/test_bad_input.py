@@ -298,7 +298,16 @@ def test_a_run_directory_that_is_a_file_never_stops_training_and_is_a_usage_erro
             ck.snapshot(1)
     assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [1]
     assert any("cannot write the event log" in r.getMessage() for r in caplog.records)
-    _one_line_error(run_cli("run", "--run-dir", str(afile), "train.py"), 2, f"--run-dir {afile}")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    _one_line_error(run_cli("run", "--run-dir", str(afile), str(script)), 2, f"--run-dir {afile}")
+
+
+def test_ftkit_run_of_a_script_that_does_not_exist_is_a_usage_error(tmp_path):
+    # (torchrun would start it, and restart it with a traceback each time)
+    missing = str(tmp_path / "missing.py")
+    _one_line_error(run_cli("run", "--run-dir", str(tmp_path / "run"), missing), 2, f"no such script: {missing}")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_malformed_preemption_step_in_the_store_is_a_format_error_naming_the_key():
