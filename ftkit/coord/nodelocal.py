@@ -10,7 +10,8 @@ shared memory (under the RAM root, tiers/ram.py), never the global store::
         box-r<rank>       each rank's mailbox (coord/mailbox.py)
 
 `<job>` names the running job, so two jobs on one host never share a board. A leader
-removes its node's board when it stops, and the job's earlier attempts' when it starts.
+removes its node's board when it stops (and the directories above it that this empties),
+and the job's earlier attempts' when it starts.
 Reads are untrusted: size-capped, no link followed, malformed is silence.
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 
 from ftkit.coord.beatslots import BeatSlots
 from ftkit.coord.mailbox import PATIENCE_S, Addresses, Link, Mailbox, box_name, frame
-from ftkit.errors import FtkitError
+from ftkit.errors import FtkitError, UnsafeRamDirError
 from ftkit.format.validate import parse_message
 from ftkit.runtime import generation
 from ftkit.tiers.localfs import open_regular
@@ -65,7 +66,14 @@ class NodeBoard:
         job, attempt = job_names(scope, instance)
         if leader:
             _prune_earlier_attempts(private_subdir(kind, job), attempt)
-        self.path = private_subdir(kind, job, attempt, _safe(node))
+        for tries_left in (2, 1, 0):
+            try:
+                self.path = private_subdir(kind, job, attempt, _safe(node))
+                break
+            except UnsafeRamDirError:
+                if not tries_left:
+                    raise
+                # (another node's leader on this host removed a parent as it emptied: made again)
         self._addresses = Addresses(self.path)  # of the ranks' mailboxes here (coord/mailbox.py)
         self._boxes: dict[int, Mailbox | None] = {}  # this process's mailboxes here, by rank
         self._links: dict[int, Link] = {}  # this process's connections to the ranks' mailboxes, by rank
@@ -197,6 +205,14 @@ class NodeBoard:
         with contextlib.suppress(OSError):
             if not os.path.islink(self.path):
                 shutil.rmtree(self.path)
+        # The attempt's and the job's directories too, once empty (rmdir removes nothing else:
+        # another node's board on this host, a later attempt's, stay); they would pile up.
+        attempt = os.path.dirname(self.path)
+        for parent in (attempt, os.path.dirname(attempt)):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
 
 
 def _close_links(links: dict[int, Link]) -> None:

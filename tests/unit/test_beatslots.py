@@ -165,6 +165,24 @@ def test_the_board_goes_once_every_rank_of_the_node_wrote_its_stopped_beat(tmp_p
     assert not os.path.exists(board.path)
 
 
+def test_the_last_board_of_a_job_removed_takes_the_jobs_emptied_directories_with_it(tmp_path, monkeypatch):
+    # (every multi-rank run left hb/<job>/<attempt>/ and commit/<job>/<attempt>/ behind in /dev/shm)
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    node0, node1 = NodeBoard("scope", "node0", leader=True), NodeBoard("scope", "node1", leader=True)
+    monkeypatch.setenv("MASTER_PORT", "29501")  # another job on this host
+    other = NodeBoard("scope", "node0", leader=True)
+    hb = os.path.dirname(os.path.dirname(os.path.dirname(node0.path)))
+    node0.remove()
+    assert os.path.isdir(node1.path)  # the job's other node on this host keeps its board
+    node1.remove()
+    job = os.path.dirname(os.path.dirname(node1.path))
+    assert not os.path.exists(job) and os.path.isdir(other.path)
+    assert os.listdir(hb) == [os.path.basename(os.path.dirname(os.path.dirname(other.path)))]
+    NodeBoard("scope", "node0", leader=True).remove()  # (its parents made again, then removed)
+    assert os.listdir(hb) == []
+
+
 def test_a_board_write_that_cannot_land_leaves_no_temporary_file(tmp_path, monkeypatch):
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
     board = NodeBoard("scope", "node0", leader=True)
