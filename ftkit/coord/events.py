@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -84,7 +85,13 @@ def _redacted(value: Any) -> Any:
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:
     """Every event of a run, in time order; unreadable lines are skipped."""
-    out = []
+    return read_event_log(run_dir)[0]
+
+
+def read_event_log(run_dir: str) -> tuple[list[dict[str, Any]], int]:
+    """(every event of a run in time order, the number of unreadable lines skipped): torn by a
+    kill, not an object, or a field `ftkit report` reads missing or of the wrong type."""
+    out, skipped = [], 0
     d = os.path.join(run_dir, "events")
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         path = os.path.join(d, name)
@@ -92,10 +99,44 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
             continue
         with open(path, errors="replace") as f:
             for line in f:
+                if not line.strip():
+                    continue
                 try:
                     event = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line torn by a kill
-                if isinstance(event, dict) and isinstance(event.get("t"), (int, float)) and "event" in event:
+                    event = None  # a line torn by a kill
+                if _well_formed(event):
                     out.append(event)
-    return sorted(out, key=lambda e: e["t"])
+                else:
+                    skipped += 1
+    return sorted(out, key=lambda e: e["t"]), skipped
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# The fields an event of each kind needs, by the test of their type (see _well_formed).
+_NEEDS = {
+    "step": {"step": _integer},
+    "straggler": {"target": _integer, "factor": _number},
+    "snapshot": {"stall_s": _number},
+}
+
+
+def _well_formed(event: Any) -> bool:
+    """Whether `event` has every field `ftkit report` reads, each of its type: a time, a kind, a
+    rank, whole attempt, generation and step numbers where present, and what its kind needs."""
+    if not isinstance(event, dict) or not _number(event.get("t")) or not isinstance(event.get("event"), str):
+        return False
+    if not _integer(event.get("rank")) or not all(_integer(event.get(k, 0)) for k in ("attempt", "gen")):
+        return False
+    if event.get("step") is not None and not _integer(event["step"]):
+        return False
+    if not isinstance(event.get("boot") or {}, dict):  # (start events' milestones)
+        return False
+    return all(ok(event.get(k)) for k, ok in _NEEDS.get(event["event"], {}).items())

@@ -189,16 +189,17 @@ def _reshard(args, storage: Storage, m: Manifest) -> int:
 
 
 def cmd_report(args) -> int:
-    from ftkit.coord.events import read_events
+    from ftkit.coord.events import read_event_log
     from ftkit.tools.report import analyze, to_html, to_text
 
     if not os.path.isdir(os.path.join(args.run_dir, "events")):
         raise CheckpointNotFoundError(f"{args.run_dir}: no events/ directory (is it an ftkit run directory?)")
-    try:
-        events = read_events(args.run_dir)
-        report = analyze(events)
-    except ValueError:
-        raise CheckpointNotFoundError(f"{args.run_dir}: the event log is empty") from None
+    events, skipped = read_event_log(args.run_dir)
+    if not events:
+        unreadable = f" ({skipped} unreadable line(s) skipped)" if skipped else ""
+        raise CheckpointNotFoundError(f"{args.run_dir}: the event log is empty{unreadable}")
+    report = analyze(events)
+    report.skipped_lines = skipped
     if args.html:
         page = to_html(report, events, title=f"ftkit run {os.path.basename(os.path.abspath(args.run_dir))}")
         try:

@@ -62,6 +62,7 @@ class Report:
     snapshots: int = 0
     mean_stall_s: float = 0.0
     persist_failures: int = 0
+    skipped_lines: int = 0  # unreadable lines of the event log, left out (coord/events.py read_event_log)
 
 
 def _a_survivors_own(detect: dict[str, Any], faults: list[dict[str, Any]]) -> bool:
@@ -222,6 +223,8 @@ def to_text(report: Report) -> str:
             lines.append(f"  from {'detection' if i.detect_s is not None else 'the fault'}: {phases_text(i.phases)} s")
     for s in report.stragglers:
         lines.append(f"straggler: rank {s['rank']} at {s['t']:.1f}s, {s['factor']}x the median busy time")
+    if report.skipped_lines:
+        lines.append(f"skipped {report.skipped_lines} unreadable event line(s) (torn, or a field missing or mistyped)")
     return "\n".join(lines)
 
 

@@ -261,6 +261,34 @@ def test_report_html_to_a_path_that_cannot_be_written_is_one_line(tmp_path):
     assert run_cli("report", str(tmp_path / "run")).returncode == 0
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"t": 2, "rank": 0, "event": "step"}',
+        '{"t": 2, "rank": 0, "event": "step", "step": "5"}',
+        '{"t": 2, "rank": "0", "event": "detect"}',
+        '{"t": 2, "rank": 0, "attempt": "1", "event": "start"}',
+        '{"t": 2, "rank": 0, "event": "snapshot", "stall_s": null}',
+        '{"t": 2, "rank": 0, "event": "straggler", "target": 1}',
+        '{"t": 2, "rank": 0, "event": "start", "boot": [1]}',
+        '{"t": 2, "rank": 0, "event": 7}',
+    ],
+)
+def test_report_skips_an_event_with_a_field_missing_or_mistyped_and_counts_it(tmp_path, bad):
+    events = tmp_path / "run" / "events"
+    events.mkdir(parents=True)
+    good = ['{"t": 1.0, "rank": 0, "event": "step", "step": 1}', '{"t": 3.0, "rank": 0, "event": "step", "step": 2}']
+    (events / "rank-00000.jsonl").write_text("\n".join([good[0], bad, good[1]]) + "\n")
+    r = run_cli("report", str(tmp_path / "run"), "--html", str(tmp_path / "timeline.html"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "final step 2" in r.stdout and "skipped 1 unreadable event line(s)" in r.stdout, r.stdout
+    assert json.loads(run_cli("report", str(tmp_path / "run"), "--json").stdout)["skipped_lines"] == 1
+    (events / "rank-00000.jsonl").write_text(bad + "\n")
+    _one_line_error(
+        run_cli("report", str(tmp_path / "run")), 1, "the event log is empty (1 unreadable line(s) skipped)"
+    )
+
+
 @pytest.mark.parametrize("key", [[{"a": 1}], {"$tuple": [[1]]}, {"$tuple": [{"b": 2}]}, {"x": 1}])
 def test_a_crafted_dict_key_that_cannot_be_a_key_is_a_corrupt_step_and_restore_falls_back(tmp_path, key):
     """A skeleton `$items` key that decodes to something unhashable (a dict in a list, a list in a
