@@ -108,10 +108,13 @@ def cmd_inspect(args) -> int:
 
 def cmd_verify(args) -> int:
     storage, step = open_tier(args)
+    if args.all and step is not None:
+        raise UsageError("--all verifies every step: give it or a step (--step N, or a step directory), not both")
     if found := dcp_checkpoints(storage):
         return dcp_commands.verify(args, storage, found)
     if args.all:
-        steps = [s.step for s in scan(storage) if s.committed]
+        # A manifest or step directory that is a link (`ls`: bad, link) is a step that fails, not none.
+        steps = [s.step for s in scan(storage) if s.committed or s.status in ("bad", "link")]
         if not steps:
             raise CheckpointNotFoundError(f"{storage.display_url}: no checkpoint found")
     else:

@@ -225,6 +225,30 @@ def test_restore_onto_a_full_disk_is_one_line_and_leaves_nothing(two_steps, tiny
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
 
 
+@pytest.mark.parametrize("link", ["manifest", "step directory"])
+def test_verify_all_fails_on_a_step_that_ls_shows_as_a_link(two_steps, tmp_path, link):
+    if link == "manifest":  # (ls: bad; the bytes are a good manifest's, elsewhere)
+        manifest = _manifest(two_steps)
+        manifest.rename(tmp_path / "elsewhere.json")
+        manifest.symlink_to(tmp_path / "elsewhere.json")
+    else:  # (ls: link)
+        (two_steps / step_dir_name(3)).symlink_to(two_steps / step_dir_name(1))
+    r = run_cli("verify", str(two_steps), "--all", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and doc["ok"] is False, r.stdout
+    expected = [(1, True), (2, False)] if link == "manifest" else [(1, True), (2, True), (3, False)]
+    assert [(s["step"], s["ok"]) for s in doc["steps"]] == expected
+    assert [s for s in doc["steps"] if not s["ok"]][0]["error"].endswith(
+        ("symbolic link; not following it", "links in a tier")
+    )
+
+
+def test_verify_refuses_a_step_together_with_all(two_steps):
+    r = run_cli("verify", str(two_steps), "--step", "1", "--all")
+    _one_line_error(r, 2, "--all", "not both")
+    _one_line_error(run_cli("verify", str(two_steps / step_dir_name(1)), "--all"), 2, "--all", "not both")
+
+
 def test_restore_force_never_writes_over_a_file_of_the_tier_it_reads(two_steps, tmp_path):
     manifest = _manifest(two_steps)
     before = manifest.read_bytes()
