@@ -4,6 +4,7 @@ docs/protocol.md itself (`--markdown`; tests/unit/test_commit_plan.py checks the
 from __future__ import annotations
 
 import json
+import sys
 
 from ftkit.commit.plan import RAM, SHARED, CommitPlan
 from ftkit.errors import UsageError
@@ -33,7 +34,13 @@ def cmd_commit_plan(args) -> int:
     if args.nodes * args.ranks_per_node > 4096:
         raise UsageError("a plan is printed for at most 4,096 ranks")
     nodes = [f"node{n}" for n in range(args.nodes) for _ in range(args.ranks_per_node)]
-    plan = CommitPlan.of(nodes, args.tier, args.replicas if args.tier == RAM else 0)
+    replicas = args.replicas if args.tier == RAM else 0
+    if replicas > args.nodes - 1:  # each replica is on another node, as the RAM tier keeps them
+        print(
+            f"ftkit commit-plan: {args.nodes} node(s) hold {args.nodes - 1} replica(s), not {replicas}", file=sys.stderr
+        )
+        replicas = args.nodes - 1
+    plan = CommitPlan.of(nodes, args.tier, replicas)
     if args.json:
         ranks = [
             {"rank": r, "node": nodes[r], "roles": plan.role_names(r), "steps": [str(s) for s in plan.steps(r)]}

@@ -179,3 +179,17 @@ def test_the_commit_plan_command_prints_a_world_as_json(capsys):
     assert doc["ranks"][0]["roles"] == ["leader", "committer"] and doc["ranks"][0]["steps"][-2] == "commit"
     assert main(["commit-plan", "--nodes", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_the_commit_plan_command_keeps_no_more_replicas_than_other_nodes(capsys):
+    import json
+
+    from ftkit.tools.cli import main
+
+    assert main(["commit-plan", "--nodes", "1", "--replicas", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == "commit plan: ram tier, 2 ranks on 1 nodes"  # no replica(s)
+    assert "relay" not in out and "replicate" not in out, out
+    assert err.strip() == "ftkit commit-plan: 1 node(s) hold 0 replica(s), not 3"
+    assert main(["commit-plan", "--nodes", "2", "--replicas", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["replicas"] == 1
