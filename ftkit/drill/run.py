@@ -49,7 +49,7 @@ class TierPlan:
                 ram = True
             elif item == "peer" or item.startswith("peer="):
                 _, _, k = item.partition("=")
-                if k and not k.isdigit():
+                if k and not (k.isascii() and k.isdigit()):  # (int() refuses "²")
                     raise ValueError(f"--tiers: bad replica count in {item!r} (peer=K)")
                 replicas = int(k or 1)
             elif item in ("disk", "s3") or "://" in item:

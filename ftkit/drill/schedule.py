@@ -95,6 +95,11 @@ class Fault:
         return f"{self.kind}@{self.step} ({self.where()}{phase})"
 
 
+def _is_number(s: str) -> bool:
+    """ASCII digits only: str.isdigit() is true of "²" too, which int() refuses."""
+    return s.isascii() and s.isdigit()
+
+
 def _check(f: Fault, part: str, nproc: int, ranks_per_node: int, hosts: int | None = None) -> None:
     nodes = nproc // ranks_per_node
     if hosts is None and f.kind in HOST_KINDS:
@@ -105,7 +110,7 @@ def _check(f: Fault, part: str, nproc: int, ranks_per_node: int, hosts: int | No
         raise ValueError(f"{part!r}: during={f.during} is not one of {', '.join(PHASES)}")
     if f.kind in HOST_KINDS:
         f.host = f.host or "1"
-        if not (f.host in HOST_TARGETS or (f.host.isdigit() and 1 <= int(f.host) <= (hosts or 0))):
+        if not (f.host in HOST_TARGETS or (_is_number(f.host) and 1 <= int(f.host) <= (hosts or 0))):
             raise ValueError(f"{part!r}: host={f.host} is not 1..{hosts}, rank0 or rendezvous")
         if f.during == "commit" and f.host not in ("rank0", "rendezvous"):
             raise ValueError(f"{part!r}: only rank 0 commits (host=rank0)")
@@ -137,7 +142,7 @@ def parse_faults(spec: str, nproc: int, ranks_per_node: int, hosts: int | None =
         head, *opts = part.split(":")
         kind, _, step = head.partition("@")
         kind = ALIASES.get(kind, kind)
-        if kind not in KINDS or not step.isdigit() or int(step) < 1:
+        if kind not in KINDS or not _is_number(step) or int(step) < 1:
             raise ValueError(f"bad fault {part!r}: expected KIND@STEP (STEP >= 1) with KIND one of {', '.join(KINDS)}")
         f = Fault(kind, int(step))
         for o in opts:

@@ -32,6 +32,7 @@ def test_schedule_language_rejects_bad_faults():
         ("kill@3:during=lunch", "during=lunch"),
         ("kill@3:rank=2:during=commit", "only rank 0 commits"),
         ("crash@3:during=persist", "training loop"),
+        ("kill@²", "bad fault 'kill@²'"),  # str.isdigit() says yes, int() no
     ]:
         with pytest.raises(ValueError, match=why):
             parse_faults(bad, 4, 2)
@@ -45,6 +46,10 @@ def test_schedule_language_rejects_bad_faults():
     assert r.returncode == 2 and r.stderr.startswith("ftkit: error: bad fault")
     r = run_cli("drill", "--faults", "s3-outage@5")
     assert r.returncode == 2 and "needs the drill's own S3 server" in r.stderr
+    r = run_cli("drill", "--faults", "kill@²")
+    assert r.returncode == 2 and r.stderr.startswith("ftkit: error: bad fault 'kill@²'")
+    r = run_cli("drill", "--tiers", "ram,peer=²,disk")
+    assert r.returncode == 2 and "bad replica count in 'peer=²'" in r.stderr
     r = run_cli("drill", "--script", "no/such/train.py")
     assert r.returncode == 2 and "no such script" in r.stderr
 
