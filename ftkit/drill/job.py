@@ -202,7 +202,7 @@ class Injector:
             shutil.rmtree(os.path.join(job.ram_dir, "drill", f"node{f.node}"), ignore_errors=True)
         elif f.kind == "slow":
             _signal(pid, signal.SIGCONT)
-            self._background(_throttle, pid, f.factor, f.seconds)
+            self._background(self._later, 0, f"slowing {f.label()}", lambda: _throttle(pid, f.factor, f.seconds))
         elif f.kind in STORAGE_KINDS:
             key = _STORAGE_SWITCH[f.kind]
             self._switch_storage(key, f.factor if f.kind == "latency" else True)
@@ -231,8 +231,8 @@ class Injector:
 
     def _later(self, seconds: float, what: str, fn: Callable[[], Any]) -> None:
         """`fn` after `seconds` (in a background thread); its failure is the drill's, not lost with the thread."""
-        time.sleep(seconds)
         try:
+            time.sleep(seconds)  # (inside: a bad `seconds` is a failure too)
             fn()
         except Exception as e:  # noqa: BLE001 (reported at the end of the drill)
             self.failures.append(f"{what}: {e}")
@@ -254,3 +254,6 @@ def _throttle(pid: int, factor: float, seconds: float) -> None:
             time.sleep(0.1 / factor)
     except ProcessLookupError:
         pass
+    finally:  # whatever went wrong, the rank is not left stopped
+        if born is not None and process_start(pid) == born:
+            _signal(pid, signal.SIGCONT)

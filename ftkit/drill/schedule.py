@@ -36,6 +36,7 @@ after STEP (the durable tier is written every few steps).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,13 @@ def _is_number(s: str) -> bool:
 
 def _check(f: Fault, part: str, nproc: int, ranks_per_node: int, hosts: int | None = None) -> None:
     nodes = nproc // ranks_per_node
+    # isfinite: NaN passes every comparison test, and inf seconds would never end
+    if not (math.isfinite(f.factor) and f.factor > 0 and math.isfinite(f.seconds) and f.seconds >= 0):
+        raise ValueError(f"{part!r}: factor must be a finite number > 0 and seconds a finite number >= 0")
+    if f.back_s is not None and not (math.isfinite(f.back_s) and f.back_s >= 0):
+        raise ValueError(f"{part!r}: for= must be a finite number of seconds >= 0")
+    if f.kind == "slow" and f.factor < 1:
+        raise ValueError(f"{part!r}: a slow rank runs at 1/factor speed: factor must be at least 1")
     if hosts is None and f.kind in HOST_KINDS:
         raise ValueError(f"{part!r}: a {f.kind} fault needs emulated hosts (ftkit drill --hosts N)")
     if hosts is not None and f.kind == "node":
@@ -131,8 +139,6 @@ def _check(f: Fault, part: str, nproc: int, ranks_per_node: int, hosts: int | No
             raise ValueError(f"{part!r}: rank {f.rank} does not exist ({nproc} ranks)")
         if f.during == "commit" and f.rank != 0:
             raise ValueError(f"{part!r}: only rank 0 commits (rank=0)")
-    if f.factor <= 0 or f.seconds < 0:
-        raise ValueError(f"{part!r}: factor must be > 0 and seconds >= 0")
 
 
 def parse_faults(spec: str, nproc: int, ranks_per_node: int, hosts: int | None = None) -> list[Fault]:
