@@ -144,7 +144,7 @@ def run_host_drill(args) -> dict[str, Any]:
     hosts, spares, rph = args.hosts, args.spare_hosts, args.ranks_per_host
     tiers = TierPlan.parse(args.tiers or DEFAULT_TIERS)
     faults = parse_faults(args.faults, hosts * rph, rph, hosts=hosts)
-    _check_schedule(faults, tiers, args.steps)
+    _check_schedule(faults, tiers, args.steps, args.every)
     if tiers.durable == "s3":
         raise ValueError("--hosts: the durable tier is a directory every host sees (disk) or a URL")
     headline = (

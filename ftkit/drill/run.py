@@ -74,7 +74,7 @@ class TierPlan:
         return self.durable, None
 
 
-def _check_schedule(faults: list[Fault], tiers: TierPlan | None, steps: int) -> None:
+def _check_schedule(faults: list[Fault], tiers: TierPlan | None, steps: int, every: int) -> None:
     if faults and faults[-1].step >= steps - 2:
         raise ValueError(f"the last fault must come before step {steps - 2} (--steps {steps})")
     for f in faults:
@@ -94,6 +94,13 @@ def _check_schedule(faults: list[Fault], tiers: TierPlan | None, steps: int) -> 
             raise ValueError(f"{f.label()}: an S3 outage needs the drill's own S3 server (--tiers ...,s3)")
         if f.during == "replicate" and not tiers.replicas:
             raise ValueError(f"{f.label()}: no replication without RAM-tier replicas (peer)")
+        # It strikes at the first durable persist at or after its step, which must come before the end too.
+        landing = -(-f.step // every) * every
+        if f.during in ("persist", "commit") and landing >= steps - 2:
+            raise ValueError(
+                f"{f.label()}: lands at the first durable persist at or after step {f.step}, step {landing} "
+                f"(--every {every}), which must come before step {steps - 2} (--steps {steps})"
+            )
 
 
 def _entry(args, tiers: TierPlan, url: str, final_out: str, step_time: float) -> list[str]:
@@ -171,7 +178,7 @@ def run_drill(args) -> dict[str, Any]:
         faults = random_faults(args.seed, args.steps, args.nproc, rpn, count=args.count, peer=peer)
     else:
         faults = parse_faults(args.faults, args.nproc, rpn)
-    _check_schedule(faults, tiers, args.steps)
+    _check_schedule(faults, tiers, args.steps, args.every)
     what = f"script {script}" if script or tiers is None else f"the reference trainer (tiers {tiers.spec})"
     headline = f"drill: {what}, {args.nproc} ranks on {args.nproc // rpn} simulated nodes, {args.steps} steps"
     root, faulted, say = _begin(args, headline, faults)
