@@ -7,6 +7,7 @@ Exit codes: 0 the drill passed, 1 it failed (or could not run: a server, a file)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -55,12 +56,15 @@ def print_summary(result: dict[str, Any]) -> None:
         f"mean detection {'-' if md is None else f'{md:.1f}s'}, mean recovery "
         f"{'-' if mr is None else f'{mr:.1f}s'}, {result['steps_lost']} step(s) recomputed in all"
     )
-    if result["bitwise_equal"] is not None:
-        print(
-            f"  final model and optimizer state {'EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
-            f"to the fault-free run, bit for bit; consumed sample stream "
-            f"{'IDENTICAL' if result.get('same_sample_stream') else 'DIFFERENT'}"
-        )
+    if "same_sample_stream" in result:  # the built-in trainer's drill (a script's has no fault-free run)
+        if result["bitwise_equal"] is None:  # the fault-free run failed (a problem below)
+            print("  final model and optimizer state and consumed sample stream not compared (no fault-free run)")
+        else:
+            print(
+                f"  final model and optimizer state {'EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
+                f"to the fault-free run, bit for bit; consumed sample stream "
+                f"{'IDENTICAL' if result.get('same_sample_stream') else 'DIFFERENT'}"
+            )
     for url, step in (result.get("checkpoints") or {}).items():
         print(f"  final checkpoint in {url}: " + (f"step {step} verifies" if step is not None else "DOES NOT VERIFY"))
     for e in result["errors"]:
@@ -185,11 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     args.script_args = script_args
+    if args.steps < 1 or args.every < 1:
+        p.error("--steps and --every must be at least 1")
+    if not (math.isfinite(args.step_time) and args.step_time >= 0):  # (NaN passes a '< 0' test)
+        p.error(f"--step-time must be a finite number of seconds >= 0, not {args.step_time}")
+    if args.max_lost < 0:
+        p.error("--max-lost must be at least 0")
     if args.hosts is not None:
         return _main_hosts(p, args)
     args.faults = DEFAULT_FAULTS if args.faults is None else args.faults
-    if args.nproc < 2 or args.nproc % args.ranks_per_node:
-        p.error("--nproc must be at least 2 and a multiple of --ranks-per-node")
+    if args.ranks_per_node < 1 or args.nproc < 2 or args.nproc % args.ranks_per_node:
+        p.error("--nproc must be at least 2 and a multiple of --ranks-per-node (at least 1)")
     if args.no_peer:
         if args.tiers:
             p.error("--no-peer and --tiers: name the tiers once")

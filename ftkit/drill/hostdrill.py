@@ -209,9 +209,11 @@ def run_host_drill(args) -> dict[str, Any]:
         "spare_hosts": spares,
         "rendezvous": args.rdzv,
         "world_history": history,
-        "bitwise_equal": clean_pt is not None and compare_states(final_pt, clean_pt, errors),
-        "same_sample_stream": clean_stream is not None
-        and compare_streams(consumed_stream(events), clean_stream, errors),
+        # None: not compared (the fault-free run failed)
+        "bitwise_equal": None if clean_pt is None else compare_states(final_pt, clean_pt, errors),
+        "same_sample_stream": None
+        if clean_stream is None
+        else compare_streams(consumed_stream(events), clean_stream, errors),
     }
     return _finish(args, result, faults, report, events, errors, "ftkit drill --hosts")
 

@@ -255,9 +255,10 @@ def run_drill(args) -> dict[str, Any]:
         result["checkpoints"] = verify_checkpoints(events, errors)
         result["bitwise_equal"] = None
     else:
-        result["bitwise_equal"] = clean_pt is not None and compare_states(final_pt, clean_pt, errors)
-        result["same_sample_stream"] = clean_stream is not None and compare_streams(
-            consumed_stream(events), clean_stream, errors
+        # None: not compared (the fault-free run failed)
+        result["bitwise_equal"] = None if clean_pt is None else compare_states(final_pt, clean_pt, errors)
+        result["same_sample_stream"] = (
+            None if clean_stream is None else compare_streams(consumed_stream(events), clean_stream, errors)
         )
     return _finish(args, result, faults, report, events, errors, "ftkit drill")
 

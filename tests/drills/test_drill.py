@@ -57,6 +57,31 @@ def test_schedule_language_rejects_bad_faults():
     assert r.returncode == 2 and "no such script" in r.stderr
 
 
+def test_drill_rejects_bad_numbers_before_running():
+    for bad, why in [
+        (["--ranks-per-node", "0"], "--ranks-per-node (at least 1)"),
+        (["--ranks-per-node", "-2"], "--ranks-per-node (at least 1)"),
+        (["--every", "0"], "--every must be at least 1"),
+        (["--steps", "0"], "--steps and --every must be at least 1"),
+        (["--step-time", "nan"], "--step-time must be a finite number"),
+        (["--step-time", "-1"], "--step-time must be a finite number"),
+        (["--max-lost", "-1"], "--max-lost must be at least 0"),
+    ]:
+        r = run_cli("drill", *bad)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+
+
+def test_a_drill_whose_fault_free_run_failed_compares_nothing(capsys):
+    from ftkit.drill.cli import print_summary
+
+    result = {"faults": [], "mean_detect_s": None, "mean_recovery_s": None, "final_step": 30, "goodput": 0.9}
+    result |= {"wall_s": 9.0, "steps_lost": 0, "run_dir": "/r", "passed": False, "bitwise_equal": None}
+    result |= {"same_sample_stream": None, "errors": ["the fault-free reference run failed (exit 1; see x)"]}
+    print_summary(result)
+    out = capsys.readouterr().out
+    assert "not compared (no fault-free run)" in out and "DIFFERENT" not in out
+
+
 def test_sample_stream_follows_the_restored_lineage():
     from ftkit.drill.verify import compare_streams, consumed_stream
 
