@@ -72,6 +72,20 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"\ndrill {'PASSED' if result['passed'] else 'FAILED'}  (run directory {result['run_dir']})")
 
 
+def _unwritable(path: str) -> str | None:
+    """Why a file cannot be written at `path`, or None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not path:
+        return "an empty path (an unset shell variable?)"
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.isdir(parent):
+        return f"no such directory {parent}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ftkit drill",
@@ -195,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--step-time must be a finite number of seconds >= 0, not {args.step_time}")
     if args.max_lost < 0:
         p.error("--max-lost must be at least 0")
+    for opt, path in (("--json", args.json), ("--html", args.html)):
+        # Checked now: they are written at the very end, and a bad one would throw the whole drill away.
+        if path is not None and (why := _unwritable(path)):
+            p.error(f"{opt} {path!r}: {why}")
     if args.hosts is not None:
         return _main_hosts(p, args)
     args.faults = DEFAULT_FAULTS if args.faults is None else args.faults

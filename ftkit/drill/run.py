@@ -281,10 +281,25 @@ def _finish(args, result: dict[str, Any], faults: list[Fault], report, events, e
             "faults": [asdict(f) for f in faults],
         }
     )
+    # A file that cannot be written is a problem of the drill, not the loss of its summary. The page
+    # first, so that the result written after it says what became of it.
+    if args.html and not report:
+        _failed(result, f"--html {args.html}: not written (no events: the job logged nothing)")
+    elif args.html:
+        try:
+            with open(args.html, "w") as fh:
+                fh.write(to_html(report, events, title=f"{title}: {'PASS' if result['passed'] else 'FAIL'}"))
+        except OSError as e:
+            _failed(result, f"--html {args.html}: cannot write ({e.strerror or e})")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
-    if args.html and report:
-        with open(args.html, "w") as fh:
-            fh.write(to_html(report, events, title=f"{title}: {'PASS' if result['passed'] else 'FAIL'}"))
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2, default=str)
+        except OSError as e:
+            _failed(result, f"--json {args.json}: cannot write ({e.strerror or e})")
     return result
+
+
+def _failed(result: dict[str, Any], error: str) -> None:
+    result["errors"].append(error)
+    result["passed"] = False

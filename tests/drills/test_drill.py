@@ -66,9 +66,27 @@ def test_drill_rejects_bad_numbers_before_running():
         (["--step-time", "nan"], "--step-time must be a finite number"),
         (["--step-time", "-1"], "--step-time must be a finite number"),
         (["--max-lost", "-1"], "--max-lost must be at least 0"),
+        (["--json", "no/such/dir/r.json"], "--json 'no/such/dir/r.json': no such directory"),
+        (["--html", "."], "--html '.': is a directory"),
+        (["--html", ""], "--html '': an empty path"),
     ]:
         r = run_cli("drill", *bad)
         assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+
+
+def test_reports_that_cannot_be_written_are_problems_of_the_drill_not_the_loss_of_it(tmp_path):
+    import argparse
+
+    from ftkit.drill.run import _finish
+
+    # (The CLI checks both paths first; here one turns into a directory during the run.)
+    args = argparse.Namespace(json=str(tmp_path), html=str(tmp_path / "drill.html"))
+    result = _finish(args, {}, [], None, [], [], "ftkit drill")
+    assert not result["passed"] and not (tmp_path / "drill.html").exists()
+    assert result["errors"] == [
+        f"--html {tmp_path / 'drill.html'}: not written (no events: the job logged nothing)",
+        f"--json {tmp_path}: cannot write (Is a directory)",
+    ]
 
 
 def test_a_drill_whose_fault_free_run_failed_compares_nothing(capsys):
