@@ -8,6 +8,8 @@ configuration.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from conftest import run_cli
 from drillkit import by_kind, drill
@@ -87,6 +89,41 @@ def test_reports_that_cannot_be_written_are_problems_of_the_drill_not_the_loss_o
         f"--html {tmp_path / 'drill.html'}: not written (no events: the job logged nothing)",
         f"--json {tmp_path}: cannot write (Is a directory)",
     ]
+
+
+def test_a_terminated_drill_leaves_no_zygote_behind(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    # `timeout -s TERM ...`: the zygote (its own session, torch imported) must end with the drill.
+    cmd = [sys.executable, "-m", "ftkit", "drill", "--nproc", "2", "--steps", "300", "--step-time", "0.05"]
+    cmd += ["--faults", "", "--run-dir", str(tmp_path), "--quiet"]
+    drill_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    zygotes: list[psutil.Process] = []
+    try:
+        end = time.monotonic() + 120
+        while not zygotes and time.monotonic() < end and drill_proc.poll() is None:
+            time.sleep(0.2)
+            children = psutil.Process(drill_proc.pid).children()
+            zygotes = [c for c in children if "ftkit.runtime.warm.zygote" in " ".join(c.cmdline())]
+        assert zygotes, "the drill started no zygote"
+        while not os.path.exists(tmp_path / "fault-free") and time.monotonic() < end:
+            time.sleep(0.2)  # (and on into the run)
+        drill_proc.send_signal(signal.SIGTERM)
+        rc = drill_proc.wait(60)
+        gone, alive = psutil.wait_procs(zygotes, timeout=15)
+        assert not alive, "the zygote outlived the drill"
+        assert rc == 128 + signal.SIGTERM  # (SystemExit: the drill's cleanup ran)
+    finally:
+        for p in [drill_proc, *zygotes]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
+        drill_proc.wait()
 
 
 def test_a_drill_whose_fault_free_run_failed_compares_nothing(capsys):
