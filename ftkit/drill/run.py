@@ -22,7 +22,14 @@ from typing import Any
 from ftkit.coord.events import read_events
 from ftkit.drill.job import Injector, Job
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault, parse_faults, random_faults
-from ftkit.drill.verify import check_faults, compare_states, compare_streams, consumed_stream, verify_checkpoints
+from ftkit.drill.verify import (
+    check_faults,
+    compare_states,
+    compare_streams,
+    consumed_stream,
+    load_final,
+    verify_checkpoints,
+)
 from ftkit.runtime.warm.client import REPLACE_ENV
 from ftkit.runtime.warm.zygote import Zygote
 from ftkit.runtime.warm.zygote import start as start_zygote
@@ -157,16 +164,37 @@ def _reference_run(args, root: str, say, zygote: Zygote | None) -> tuple[str | N
     key = f"n{args.nproc}-r{args.ranks_per_node}-s{args.steps}"
     cached = os.path.join(args.reference_cache, key, "final.pt") if args.reference_cache else None
     if cached and os.path.exists(cached) and os.path.exists(cached + ".stream.json"):
-        say(f"drill: fault-free reference from the cache ({cached})")
-        with open(cached + ".stream.json") as f:
-            return cached, json.load(f), None
+        try:
+            stream = _read_cached(cached)
+        except (OSError, ValueError) as e:  # a cut or garbled entry is a miss, not the drill's end
+            say(f"drill: cannot read the cached fault-free reference ({e}): running it again")
+        else:
+            say(f"drill: fault-free reference from the cache ({cached})")
+            return cached, stream, None
     final, stream, err = fault_free(args, root, zygote, [(args.nproc, args.ranks_per_node, 0)], args.every)
     if cached and final:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
-        shutil.copyfile(final, cached)
-        with open(cached + ".stream.json", "w") as f:
+        # Each file whole or not at all: a drill killed while writing them leaves no half entry.
+        tmp = f"{cached}.{os.getpid()}.tmp"
+        shutil.copyfile(final, tmp)
+        os.replace(tmp, cached)
+        with open(tmp, "w") as f:
             json.dump(stream, f)
+        os.replace(tmp, cached + ".stream.json")
     return final, stream, err
+
+
+def _read_cached(cached: str) -> list:
+    """A cached fault-free run's consumed stream, once both its files have been read whole."""
+    load_final(cached)
+    try:
+        with open(cached + ".stream.json") as f:
+            stream = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{cached}.stream.json: {e}") from None
+    if not (isinstance(stream, list) and all(isinstance(x, list) and len(x) == 3 for x in stream)):
+        raise ValueError(f"{cached}.stream.json: not a list of [step, rank, digest]")
+    return stream
 
 
 def run_drill(args) -> dict[str, Any]:

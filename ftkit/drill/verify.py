@@ -5,6 +5,7 @@ Pure functions over what the run left behind: event logs, final states, checkpoi
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from typing import Any
 
@@ -138,14 +139,28 @@ def compare_streams(faulted: list, clean: list, errors: list[str]) -> bool:
     return False
 
 
+def load_final(path: str) -> dict[str, Any]:
+    """A run's final model and optimizer state (reference.py --final-out): ValueError if it is cut
+    short or garbled (an OSError if it cannot be read at all)."""
+    import torch
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as e:  # torch's ways of saying so
+        raise ValueError(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'cut short'}") from None
+    if not (isinstance(state, dict) and isinstance(state.get("model"), dict) and isinstance(state.get("optim"), dict)):
+        raise ValueError(f"{path}: not a model and optimizer state")
+    return state
+
+
 def compare_states(faulted_pt: str, clean_pt: str, errors: list[str]) -> bool:
     """The faulted run's final model and optimizer state equal the fault-free run's, bit for bit."""
     import torch
 
     try:
-        a = torch.load(faulted_pt, weights_only=True)
-        b = torch.load(clean_pt, weights_only=True)
-    except (FileNotFoundError, RuntimeError) as e:
+        a = load_final(faulted_pt)
+        b = load_final(clean_pt)
+    except (OSError, ValueError) as e:
         errors.append(f"no final state to compare ({type(e).__name__}: {e})")
         return False
     diff = [k for k, v in b["model"].items() if k not in a["model"] or not torch.equal(a["model"][k], v)]

@@ -126,6 +126,32 @@ def test_a_terminated_drill_leaves_no_zygote_behind(tmp_path):
         drill_proc.wait()
 
 
+def test_an_unreadable_reference_cache_entry_is_a_miss(tmp_path):
+    import json
+
+    from ftkit.drill.verify import compare_states
+
+    cache = tmp_path / "cache"
+    entry = cache / "n2-r2-s10"
+    entry.mkdir(parents=True)
+    (entry / "final.pt").write_bytes(b"")  # e.g. a drill killed while caching its reference
+    (entry / "final.pt.stream.json").write_text("")
+    args = ["drill", "--nproc", "2", "--steps", "10", "--every", "2", "--step-time", "0", "--faults", ""]
+    args += ["--reference-cache", str(cache)]
+    for n in range(2):
+        r = run_cli(*args, "--run-dir", str(tmp_path / f"run{n}"), timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"cannot read the cached fault-free reference ({entry / 'final.pt'}: " in r.stdout
+        assert "EQUAL to the fault-free run" in r.stdout
+        stream = json.loads((entry / "final.pt.stream.json").read_text())
+        assert len(stream) == 2 * 10  # written again, whole: (step, rank, digest) per rank and step
+        data = (entry / "final.pt").read_bytes()
+        (entry / "final.pt").write_bytes(data[: len(data) // 2])  # now a cut one, the stream fine
+    errors: list[str] = []
+    assert compare_states(str(entry / "final.pt"), str(entry / "final.pt"), errors) is False
+    assert errors[0].startswith(f"no final state to compare (ValueError: {entry / 'final.pt'}: RuntimeError: ")
+
+
 def test_a_drill_whose_fault_free_run_failed_compares_nothing(capsys):
     from ftkit.drill.cli import print_summary
 
