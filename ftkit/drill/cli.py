@@ -75,13 +75,16 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"\ndrill {'PASSED' if result['passed'] else 'FAILED'}  (run directory {result['run_dir']})")
 
 
-def _unwritable(path: str) -> str | None:
-    """Why a file cannot be written at `path`, or None."""
+def _unwritable(path: str, run_dir: str | None) -> str | None:
+    """Why a file cannot be written at `path`, or None (its directory may be --run-dir, or above it:
+    the drill makes those first)."""
     parent = os.path.dirname(os.path.abspath(path))
     if not path:
         return "an empty path (an unset shell variable?)"
     if os.path.isdir(path):
         return "is a directory"
+    if run_dir and (os.path.abspath(run_dir) + os.sep).startswith(parent + os.sep):
+        return None
     if not os.path.isdir(parent):
         return f"no such directory {parent}"
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-lost must be at least 0")
     for opt, path in (("--json", args.json), ("--html", args.html)):
         # Checked now: they are written at the very end, and a bad one would throw the whole drill away.
-        if path is not None and (why := _unwritable(path)):
+        if path is not None and (why := _unwritable(path, args.run_dir)):
             p.error(f"{opt} {path!r}: {why}")
     if args.hosts is not None:
         return _main_hosts(p, args)

@@ -74,6 +74,9 @@ def test_drill_rejects_bad_numbers_before_running():
     ]:
         r = run_cli("drill", *bad)
         assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+    # The drill makes --run-dir and the directories above it first: a report may go there.
+    r = run_cli("drill", "--run-dir", "no/such/dir/run", "--json", "no/such/r.json", "--nproc", "3")
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("ftkit drill: error: --nproc must be")
 
 
 def test_reports_that_cannot_be_written_are_problems_of_the_drill_not_the_loss_of_it(tmp_path):
