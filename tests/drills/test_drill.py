@@ -51,6 +51,7 @@ def test_schedule_language_rejects_bad_faults():
     # A persist fault strikes at the next durable persist: step 21 with --every 7, past the run's end.
     r = run_cli("drill", "--steps", "20", "--every", "7", "--faults", "kill@15:rank=1:during=persist")
     assert r.returncode == 2 and "kill@15 (rank 1 during persist): lands at" in r.stderr and "step 21" in r.stderr
+    assert "after the last step 20" in r.stderr
     r = run_cli("drill", "--faults", "kill@²")
     assert r.returncode == 2 and r.stderr.startswith("ftkit: error: bad fault 'kill@²'")
     r = run_cli("drill", "--tiers", "ram,peer=²,disk")
