@@ -253,7 +253,7 @@ def test_restore_force_never_writes_over_a_file_of_the_tier_it_reads(two_steps, 
     manifest = _manifest(two_steps)
     before = manifest.read_bytes()
     r = run_cli("restore", str(two_steps), "--step", "1", "--out", str(manifest), "--force")
-    _one_line_error(r, 1, "inside the checkpoint tier")
+    _one_line_error(r, 2, "inside the checkpoint tier")  # (a usage error, as other --out problems)
     assert manifest.read_bytes() == before and run_cli("verify", str(two_steps), "--all").returncode == 0
     (tmp_path / "adir").mkdir()
     _one_line_error(run_cli("restore", str(two_steps), "--out", str(tmp_path / "adir"), "--force"), 2, "is a directory")
