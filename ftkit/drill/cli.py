@@ -17,7 +17,7 @@ from typing import Any
 
 from ftkit.drill import schedule
 from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS, run_host_drill
-from ftkit.drill.hosts import _exit_on_term
+from ftkit.drill.hosts import exit_on_term
 from ftkit.drill.run import DEFAULT_FAULTS, DEFAULT_TIERS, run_drill
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
 from ftkit.errors import UsageError
@@ -195,7 +195,7 @@ def _run(drill: Callable[[Any], dict[str, Any]], args: Any) -> int:
     previous = signal.getsignal(signal.SIGTERM)
     handles_term = threading.current_thread() is threading.main_thread() and previous in (signal.SIG_DFL, None)
     if handles_term:
-        signal.signal(signal.SIGTERM, _exit_on_term)
+        signal.signal(signal.SIGTERM, exit_on_term)
     try:
         result = drill(args)
     except (UsageError, ValueError, RuntimeError, OSError) as e:

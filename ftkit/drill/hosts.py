@@ -581,7 +581,7 @@ class Fabric:
         self.started = True
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _exit_on_term)
+            signal.signal(signal.SIGTERM, exit_on_term)
             self._handles_term = True
         os.makedirs(self.state_dir, exist_ok=True)
         if self.cgroup:
@@ -680,7 +680,7 @@ class Fabric:
         return problems
 
 
-def _exit_on_term(signum: int, frame: Any) -> None:
+def exit_on_term(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 

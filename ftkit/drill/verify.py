@@ -5,7 +5,6 @@ Pure functions over what the run left behind: event logs, final states, checkpoi
 
 from __future__ import annotations
 
-import pickle
 from collections import Counter
 from typing import Any
 
@@ -146,7 +145,9 @@ def load_final(path: str) -> dict[str, Any]:
 
     try:
         state = torch.load(path, weights_only=True)
-    except (EOFError, RuntimeError, pickle.UnpicklingError) as e:  # torch's ways of saying so
+    except OSError:
+        raise  # (cannot be read at all: the caller's)
+    except Exception as e:  # cut short or garbled: torch says so as EOFError, RuntimeError or an unpickling error
         raise ValueError(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'cut short'}") from None
     if not (isinstance(state, dict) and isinstance(state.get("model"), dict) and isinstance(state.get("optim"), dict)):
         raise ValueError(f"{path}: not a model and optimizer state")

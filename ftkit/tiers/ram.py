@@ -19,7 +19,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,40 +146,44 @@ def durable_token(storage: Storage) -> str | None:
         return None
 
 
-def known_tokens(durable_urls: Iterable[str]) -> list[str] | None:
-    """The tokens recorded by this node's one RAM tier of a run on these durable tiers: what
-    names the run while a durable tier cannot be read (an S3 outage at a restart)."""
-    locations = sorted({_location(u) for u in durable_urls})
-    found = []
+def _runs_on(locations: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(directory name, record) of this node's RAM tiers of unnamed runs on the durable tiers at
+    `locations`; one whose record cannot be read is left alone."""
     root = ram_root()
     for name in os.listdir(root) if os.path.isdir(root) else ():
         path = os.path.join(root, name, IDENTITY_FILE)
-        with contextlib.suppress(OSError, AttributeError, FtkitError):
-            run = _read_identity(path).get("run") if name.startswith("run-") and os.path.isfile(path) else None
-            if isinstance(run, dict) and run.get("durable_tiers") == locations and isinstance(run.get("tokens"), list):
-                found.append(run["tokens"])
-    return found[0] if len(found) == 1 else None
+        if not name.startswith("run-") or not os.path.isfile(path):
+            continue
+        try:
+            run = _read_identity(path).get("run")
+        except (OSError, AttributeError, FtkitError) as e:  # (not ours to judge)
+            log.info("ftkit: left %s alone: %s", name, e)
+            continue
+        if isinstance(run, dict) and run.get("durable_tiers") == locations:
+            yield name, run
+
+
+def known_tokens(durable_urls: Iterable[str]) -> list[str] | None:
+    """The tokens recorded by this node's one RAM tier of a run on these durable tiers: what
+    names the run while a durable tier cannot be read (an S3 outage at a restart)."""
+    found = [run["tokens"] for _, run in _runs_on(sorted({_location(u) for u in durable_urls})) if "tokens" in run]
+    return found[0] if len(found) == 1 and isinstance(found[0], list) else None
 
 
 def retire_earlier_lives(identity: RunIdentity) -> None:
     """Remove this node's RAM tiers of runs on the same durable tiers under other tokens: runs
     whose durable tiers were deleted since (they are never restored; they would fill the node).
     Only when the tokens were read: without them, this run cannot tell which life is the live one."""
-    tiers = identity.record.get("durable_tiers")
-    root = ram_root()
-    if tiers is None or "tokens" not in identity.record or not os.path.isdir(root):
+    if "tokens" not in identity.record:
         return
-    for name in os.listdir(root):
-        path = os.path.join(root, name, IDENTITY_FILE)
-        if name == identity.name or not name.startswith("run-") or not os.path.isfile(path):
-            continue
-        try:
-            run = _read_identity(path).get("run")
-            if isinstance(run, dict) and run.get("durable_tiers") == tiers and run != identity.record:
+    for name, run in _runs_on(identity.record["durable_tiers"]):
+        if name != identity.name and run != identity.record:
+            try:
                 remove_job(name)
+            except (OSError, FtkitError) as e:
+                log.info("ftkit: left %s alone: %s", name, e)
+            else:
                 log.warning("ftkit: removed the RAM tier %s of an earlier run on the same durable tiers", name)
-        except (OSError, AttributeError, FtkitError) as e:  # (not ours to judge: left alone)
-            log.info("ftkit: left %s alone: %s", name, e)
 
 
 def _check_private(path: str, what: str) -> None:
