@@ -153,8 +153,8 @@ class CommitPlan:
 
     @property
     def exchanges(self) -> bool:
-        """Whether nodes exchange reports and data files for replicas."""
-        return self.tier == RAM and self.replicas > 0 and self.distributed
+        """Whether nodes exchange reports and data files for replicas (a world of one node has none to hold them)."""
+        return self.tier == RAM and self.replicas > 0 and len(self.order) > 1
 
     @functools.cached_property
     def record_senders(self) -> tuple[int, ...]:

@@ -64,8 +64,9 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
             retire_earlier_lives(ram_identity)
         # Room for one step of this node's data files and the replicas it keeps.
         storage.spares = SparePool(storage.root, ctx.nodes.count(ctx.node) * (1 + replicas))
-        peers = PeerGroup(ctx.rank, peer_timeout_s) if replicas and ctx.distributed else None
-        if replicas and len(set(ctx.nodes)) < 2:
+        several_nodes = len(set(ctx.nodes)) > 1
+        peers = PeerGroup(ctx.rank, peer_timeout_s) if replicas and several_nodes else None
+        if replicas and not several_nodes:
             log.warning("RAM tier replicas: all ranks are on one node (%s); no replica can survive its loss", ctx.node)
         log.info("ftkit: RAM tier of run %s (from %s) at %s", ram_identity.name, ram_identity.source, storage.root)
         group = NodeGroup.of(ctx, _commit_board(ctx, i), RAM, replicas if peers is not None else 0)

@@ -193,3 +193,12 @@ def test_the_commit_plan_command_keeps_no_more_replicas_than_other_nodes(capsys)
     assert err.strip() == "ftkit commit-plan: 1 node(s) hold 0 replica(s), not 3"
     assert main(["commit-plan", "--nodes", "2", "--replicas", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["replicas"] == 1
+
+
+@pytest.mark.parametrize("nodes", [["a"], ["a", "a"], ["a", "a", "a"]], ids=lambda n: ".".join(n))
+def test_a_world_of_one_node_runs_no_replica_steps_whatever_replicas_asks(nodes):
+    plain = CommitPlan.of(nodes, RAM, 0)
+    for k in (1, 2):
+        plan = CommitPlan.of(nodes, RAM, k)
+        assert not plan.exchanges
+        assert [plan.steps(r) for r in range(plan.world)] == [plain.steps(r) for r in range(plain.world)]
