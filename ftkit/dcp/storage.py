@@ -61,7 +61,7 @@ from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, chunk_doc, ste
 from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
 from ftkit.save.write import CHUNK_BYTES
-from ftkit.tiers.ram import open_node_dir, run_identity
+from ftkit.tiers.ram import open_node_dir, retire_earlier_lives, run_identity, run_tokens
 from ftkit.tiers.retention import apply_job_retention
 from ftkit.tiers.storage import Storage
 
@@ -83,18 +83,34 @@ def step_of(checkpoint_id: Any) -> int:
 
 def _open(tiers: list[Tier]) -> list[Storage]:
     """Each tier's storage; the RAM tier's is this node's directory of the run."""
+    if not any(t.is_ram for t in tiers):
+        return [t.open() for t in tiers]
     rank, _, one_node = _world()
-    if not one_node and any(t.is_ram for t in tiers):
+    if not one_node:
         raise FtkitError(
             "the RAM tier through DCP needs a job of one node (its manifest is written by DCP's "
             "coordinator only); use ftkit.Checkpointer for RAM snapshots with replicas across nodes"
         )
-    # (the run's identity: $FTKIT_RUN_ID, or torchrun's rendezvous id: tiers/ram.py run_identity)
-    durable = [t.url for t in tiers if not t.is_ram]
-    return [
-        Storage(open_node_dir(run_identity(durable), node_id(rank)), private=True) if t.is_ram else t.open()
-        for t in tiers
-    ]
+    # The run's identity (tiers/ram.py run_identity), as a Checkpointer's: $FTKIT_RUN_ID, else the
+    # durable tiers and their tokens, which rank 0 makes where missing and the other ranks wait for
+    # (no store of ftkit's here), so that every rank names the same life of the run.
+    durable = [t for t in tiers if not t.is_ram]
+    first = _first_rank(rank)
+    identity = run_identity([t.url for t in durable], tokens=run_tokens(durable, make=first))
+    ram = Storage(open_node_dir(identity, node_id(rank)), private=True)
+    if first:  # (the node's leader: the job has one node)
+        retire_earlier_lives(identity)
+    return [ram if t.is_ram else t.open() for t in tiers]
+
+
+def _first_rank(rank: int) -> bool:
+    """Whether this process is the job's rank 0: torch.distributed's, or before it is initialized
+    the launcher's ($RANK, as torchrun sets it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return rank == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def _world() -> tuple[int, int, bool]:

@@ -21,12 +21,11 @@ from ftkit.tiers.peers import PeerGroup
 from ftkit.tiers.ram import (
     RunIdentity,
     SparePool,
-    durable_token,
-    known_tokens,
     named_run,
     open_node_dir,
     retire_earlier_lives,
     run_identity,
+    run_tokens,
 )
 from ftkit.tiers.storage import Storage
 
@@ -76,15 +75,12 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
 
 
 def _tokens(durable: Sequence[Tier], ctx: DistContext, run_id: str | None) -> list[str]:
-    """The durable tiers' tokens (ram.durable_token), where they name the RAM tier's run: read
+    """The durable tiers' tokens (ram.run_tokens), where they name the RAM tier's run: read
     or made by rank 0, the others get them through the store."""
     if run_id is not None or named_run() is not None or not durable:
-        return []
+        return []  # (as run_tokens: every rank knows it, so none waits for the store key)
     if ctx.rank == 0:
-        tokens = [token for t in durable if (token := durable_token(t.open())) is not None]
-        if len(tokens) < len(durable):  # one cannot be read: as this node's RAM tier recorded them, if it did
-            tokens = known_tokens(t.url for t in durable) or []
-        found = sorted(tokens)
+        found = run_tokens(durable)
         if not ctx.distributed:
             return found
         ctx.put("ram/tokens", found)

@@ -18,20 +18,25 @@ import logging
 import os
 import re
 import stat
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.errors import FtkitError, InvalidJobIdError, RunIdentityError, UnsafeRamDirError
 from ftkit.tiers.redact import redact_url
 from ftkit.tiers.storage import Storage
+
+if TYPE_CHECKING:
+    from ftkit.config import Tier
 
 log = logging.getLogger("ftkit")
 
 IDENTITY_FILE = "identity.json"
 TOKEN_FILE = ".ftkit-run-token"  # at a durable tier's root (durable_token)
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
+TOKEN_WAIT_S = 300.0  # how long run_tokens(make=False) waits for the process that makes them
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _VALID_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
@@ -133,17 +138,62 @@ def durable_token(storage: Storage) -> str | None:
     tier, so a run started over after the tier was deleted is not the run whose RAM snapshots
     are still on the node. None when it can be neither read nor written (logged)."""
     try:
-        if storage.exists(TOKEN_FILE):
-            with storage.open_read(TOKEN_FILE) as f:
-                token = f.read(64).decode("ascii", "replace")
-            if _TOKEN_RE.fullmatch(token):
-                return token
-        token = uuid.uuid4().hex  # (missing or not ours: a new life)
-        storage.write_bytes_atomic(TOKEN_FILE, token.encode())
+        token = _read_token(storage)
+        if token is None:  # (missing or not ours: a new life)
+            token = uuid.uuid4().hex
+            storage.write_bytes_atomic(TOKEN_FILE, token.encode())
         return token
     except FtkitError as e:
         log.warning("ftkit: the RAM tier's run is named by %s's location only: %s", storage.display_url, e)
         return None
+
+
+def _read_token(storage: Storage) -> str | None:
+    """The token at the root of a durable tier, or None when there is none (FtkitError when unreadable)."""
+    if not storage.exists(TOKEN_FILE):
+        return None
+    with storage.open_read(TOKEN_FILE) as f:
+        token = f.read(64).decode("ascii", "replace")
+    return token if _TOKEN_RE.fullmatch(token) else None
+
+
+def _awaited_token(storage: Storage, deadline: float) -> str | None:
+    """The token another process makes (durable_token), once it is there: None when the tier
+    cannot be read, or has none by `deadline` (time.monotonic; logged)."""
+    delay = 0.02
+    try:
+        while (token := _read_token(storage)) is None:
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "ftkit: no run token at %s in time (rank 0 makes it); the RAM tier's run is "
+                    "named as this node's RAM tier recorded it, if it did",
+                    storage.display_url,
+                )
+                return None
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 1.0)
+        return token
+    except FtkitError as e:
+        log.warning("ftkit: the RAM tier's run is named by %s's location only: %s", storage.display_url, e)
+        return None
+
+
+def run_tokens(
+    durable: Sequence[Tier], run_id: str | None = None, make: bool = True, wait_s: float = TOKEN_WAIT_S
+) -> list[str]:
+    """The durable tiers' tokens that name the RAM tier's run (run_identity's `tokens`), sorted:
+    none for a named run (`run_id`, $FTKIT_RUN_ID / $FTKIT_JOB_ID); each read, or made where
+    missing (`make`: the one process of the job that does, so no two make different ones), or
+    else waited for, at most `wait_s` in all. When one cannot be had (a tier that cannot be read), the
+    tokens this node's RAM tier of the run recorded (known_tokens), or none."""
+    if run_id is not None or named_run() is not None or not durable:
+        return []
+    storages = [t.open() for t in durable]
+    deadline = time.monotonic() + wait_s
+    tokens = [durable_token(s) if make else _awaited_token(s, deadline) for s in storages]
+    if None in tokens:  # one cannot be read: as this node's RAM tier recorded them, if it did
+        return sorted(known_tokens(t.url for t in durable) or [])
+    return sorted(t for t in tokens if t is not None)
 
 
 def _runs_on(locations: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -136,9 +137,59 @@ def test_a_value_only_pickle_could_hold_is_refused_naming_it(tmp_path):
     assert committed_steps(Storage(str(tmp_path / "ckpt"))) == []
 
 
-def _torchrun(tmp_path, name: str, tiers: list, steps: int, die_at: int | None) -> str:
+def test_a_run_started_over_after_its_durable_tier_was_deleted_does_not_load_its_ram_steps(tmp_path, monkeypatch):
+    """rm -rf of the durable tier, then the same tiers again: the earlier life's steps in node RAM
+    are not this run's (the durable tier's new token names a new run), so nothing is loaded from
+    them, and the earlier life's RAM tier is removed. A restart with the tier in place resumes from RAM."""
+    for k in ("FTKIT_RUN_ID", "FTKIT_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    shm = tmp_path / "shm"
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(shm))
+    tiers = ["ram", {"url": str(tmp_path / "ckpt"), "every": 5}]
+    m, opt = _model(0)
+    writer = FtkitStorageWriter(tiers)
+    for step in range(1, 8):  # step 5 on disk, 6 and 7 in RAM
+        dcp.save(_state(m, opt, step), storage_writer=writer, checkpoint_id=step)
+    assert FtkitStorageReader(tiers).latest_step() == 7  # (a restart: from RAM)
+    (earlier,) = [p.name for p in shm.iterdir()]
+    shutil.rmtree(tmp_path / "ckpt")
+    assert FtkitStorageReader(tiers).latest_step() is None
+    assert not (shm / earlier).exists()  # the earlier life's RAM tier: removed
+    m2, opt2 = _model(1)
+    writer = FtkitStorageWriter(tiers)
+    for step in (1, 2):
+        dcp.save(_state(m2, opt2, step), storage_writer=writer, checkpoint_id=step)
+    state = _state(*_model(2), 0)
+    dcp.load(state, storage_reader=FtkitStorageReader(tiers))
+    assert state["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(state["model"].values(), get_state_dict(m2, opt2)[0].values()))
+    (now,) = [p.name for p in shm.iterdir()]
+    assert now != earlier
+
+
+@pytest.mark.slow
+def test_two_ranks_started_over_after_the_durable_tier_was_deleted_start_from_scratch(tmp_path):
+    """The same through torchrun: two ranks (one node) agree on the new life's run, whose token
+    only rank 0 makes; the restart before the deletion resumes from RAM as before."""
+    shm, disk = str(tmp_path / "shm"), tmp_path / "disk"
+    tiers = ["ram", {"url": str(disk), "every": 4}]
+    first = torch.load(_torchrun(tmp_path, "first", tiers, 6, None, shm))
+    again = torch.load(_torchrun(tmp_path, "again", tiers, 6, None, shm))
+    assert (first["start"], again["start"]) == (0, 6)  # (steps 5 and 6 from RAM)
+    (earlier,) = os.listdir(shm)
+    shutil.rmtree(disk)
+    over = torch.load(_torchrun(tmp_path, "over", tiers, 3, None, shm))
+    assert over["start"] == 0  # not step 6 of the deleted run
+    assert committed_steps(Storage(str(disk))) == []  # (every 4)
+    (run,) = os.listdir(shm)  # the earlier life's RAM tier: removed
+    assert run != earlier
+    assert sorted(p.name for p in (tmp_path / "shm" / run).glob("*/step-*")) == [step_dir_name(2), step_dir_name(3)]
+
+
+def _torchrun(tmp_path, name: str, tiers: list, steps: int, die_at: int | None, shm: str | None = None) -> str:
     out = str(tmp_path / f"{name}.pt")
-    env = {**os.environ, "FTKIT_RAM_DIR": str(tmp_path / f"{name}-shm"), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("FTKIT_RUN_ID", "FTKIT_JOB_ID")}
+    env.update({"FTKIT_RAM_DIR": shm or str(tmp_path / f"{name}-shm"), "OMP_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["--max-restarts", "1" if die_at else "0", os.path.join(REPO, "tests", "support", "dcp_job.py")]
     cmd += [json.dumps(tiers), str(steps), out] + ([str(die_at)] if die_at else [])

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -25,10 +26,20 @@ import torch
 from conftest import REPO, warm_target
 
 import ftkit
+from ftkit.config import Tier
 from ftkit.errors import InvalidJobIdError, RunIdentityError, UnsafeRamDirError
 from ftkit.format.reader import committed_steps
 from ftkit.runtime.warm.zygote import torchrun_command
-from ftkit.tiers.ram import IDENTITY_FILE, existing_job_dir, job_dir, remove_job, run_identity, validate_job_id
+from ftkit.tiers.ram import (
+    IDENTITY_FILE,
+    existing_job_dir,
+    job_dir,
+    open_node_dir,
+    remove_job,
+    run_identity,
+    run_tokens,
+    validate_job_id,
+)
 
 IDENTITY_VARS = (
     "FTKIT_JOB_ID",
@@ -191,6 +202,31 @@ def test_a_directory_recording_another_identity_is_refused(clean_env, tmp_path):
     with pytest.raises(RunIdentityError, match=f"{name} belongs to another run"):
         ftkit.Checkpointer(state, ["ram"], rng=False, run_id=name)
     assert _ram_steps(clean_env / name) == ["step-000000000001"]
+
+
+def test_one_process_makes_a_missing_run_token_and_the_others_wait_for_it(clean_env, monkeypatch, tmp_path):
+    """How the ranks of a DCP job agree on the durable tiers' tokens, with no store of ftkit's
+    (dcp/storage.py _open): rank 0 makes a missing one, the others read it once it is there. One
+    that is not there within the wait falls back as an unreadable tier does: to the tokens this
+    node's RAM tier of the run recorded, else none."""
+    disk = Tier(str(tmp_path / "disk"))
+    maker = threading.Timer(0.5, run_tokens, ([disk],))  # (rank 0, a little later)
+    maker.start()
+    try:
+        waited = run_tokens([disk], make=False, wait_s=60)
+    finally:
+        maker.join()
+    token = (tmp_path / "disk" / ".ftkit-run-token").read_text()
+    assert waited == [token] == run_tokens([disk]) == run_tokens([disk], make=False, wait_s=0)  # (made once)
+    other = Tier(str(tmp_path / "other"))
+    assert run_tokens([other], make=False, wait_s=0.2) == [] and not (tmp_path / "other").exists()
+    recorded = "0123456789abcdef" * 2
+    open_node_dir(run_identity([other.url], tokens=[recorded]), "n0")
+    assert run_tokens([other], make=False, wait_s=0.2) == [recorded]
+    # A named run uses none, and makes none.
+    assert run_tokens([other], run_id="mine") == []
+    monkeypatch.setenv("FTKIT_RUN_ID", "mine")
+    assert run_tokens([other]) == [] and not (tmp_path / "other").exists()
 
 
 def test_torchrun_restarts_find_their_ram_snapshots_without_a_job_id(tmp_path, zygote):

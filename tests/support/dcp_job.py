@@ -5,7 +5,7 @@ as the only change. Run under torchrun:
     python -m torch.distributed.run --nproc-per-node 2 tests/support/dcp_job.py TIERS_JSON STEPS OUT [DIE_AT]
 
 TIERS_JSON: the tiers (as a Checkpointer takes them); OUT: rank 0 writes the final full model
-and optimizer state there (torch.save); DIE_AT: rank 1 SIGKILLs itself after that step, on
+and optimizer state there, and the step it resumed from (torch.save); DIE_AT: rank 1 SIGKILLs itself after that step, on
 the first attempt only (torchrun restarts the group, which resumes from the newest step).
 """
 
@@ -82,7 +82,7 @@ def main() -> None:
         for s, v in st.items()
     }
     if rank == 0:
-        torch.save({"model": full, "optim": optim_full}, out)
+        torch.save({"model": full, "optim": optim_full, "start": start}, out)
     dist.destroy_process_group()
 
 
