@@ -104,12 +104,19 @@ class Storage:
         except FileNotFoundError:
             return []
 
+    def _uncached(self, rel: str) -> str:
+        """The path of `rel`, fsspec's cached listings of it and of its parents dropped: other ranks
+        and jobs write the tier, so a listing this process made earlier (a restore's reads) must
+        not answer whether a file exists or how long it is (on an object store: one request)."""
+        path = self.path(rel)
+        self.fs.invalidate_cache(path)
+        return path
+
     def _ls(self, rel: str, itself: bool = False) -> list[dict[str, Any]]:
         """fsspec's fresh listing below `rel` ([] when missing), less the prefix's own marker unless `itself`."""
         with self._errors("listing", rel):
-            self.fs.invalidate_cache(self.path(rel))
             try:
-                entries = self.fs.ls(self.path(rel), detail=True)
+                entries = self.fs.ls(self._uncached(rel), detail=True)
             except FileNotFoundError:
                 return []
         base = self.path(rel).rstrip("/")
@@ -139,14 +146,14 @@ class Storage:
         with self._errors("checking", rel):
             if self.is_local:
                 return os.path.exists(self.path(rel))
-            return bool(self.fs.exists(self.path(rel)))
+            return bool(self.fs.exists(self._uncached(rel)))
 
     def size(self, rel: str) -> int:
         with self._errors("reading size of", rel):
             if self.is_local:
                 self._no_links_within(rel)
                 return os.lstat(self.path(rel)).st_size
-            return int(self.fs.size(self.path(rel)))
+            return int(self.fs.size(self._uncached(rel)))
 
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """The bytes of each ``(start, end)`` range of `rel`, in order (short past the end), the GETs

@@ -254,3 +254,27 @@ def test_a_final_flush_longer_than_the_hang_bound_is_no_hang(tmp_path):
     root = str(tmp_path / "ckpt")
     out = run_ranks(2, dist_worker.slow_final_flush, f"faulty://{root}", root, env={"TORCHELASTIC_RUN_ID": "t"})
     assert out == [list(range(1, 11))] * 2
+
+
+def test_a_step_number_written_again_after_a_fallback_on_s3_is_committed(s3_server, s3_url):
+    """Every rank reads the newest step (2) at a restore and falls back to step 1 past a
+    damaged chunk; step 2 is retired, and the run's next snapshot of step 2 must be committed.
+    A rank answering from the listing it made while reading the old step 2 took it for still
+    committed, wrote nothing, and rank 0 waited out the commit timeout: step 2 was lost."""
+    from ftkit.format.data import read_tensors
+    from ftkit.format.manifest import step_dir_name
+    from ftkit.format.reader import load_manifest
+    from ftkit.tiers.storage import Storage
+
+    opts = s3_server.storage_options()
+    assert run_ranks(2, dist_worker.fall_back_and_redo, s3_url, opts, "save") == [{"restored": 0, "error": None}] * 2
+    storage = Storage(s3_url, opts)
+    step2 = step_dir_name(2)
+    damaged = storage.path(f"{step2}/{max(n for n, _ in storage.list_dir(step2) if n.endswith('.data'))}")
+    data = bytearray(storage.fs.cat_file(damaged))
+    data[100] ^= 0xFF
+    storage.fs.pipe_file(damaged, bytes(data))
+    out = run_ranks(2, dist_worker.fall_back_and_redo, s3_url, opts, "redo", timeout=90)
+    assert out == [{"restored": 1, "error": None}] * 2
+    assert committed_steps(storage) == [1, 2]
+    assert read_tensors(storage, load_manifest(storage, 2))["w"].eq(20).all()

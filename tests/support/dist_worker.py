@@ -325,6 +325,25 @@ def ram_rewind_and_redo(rank: int, world: int) -> dict:
     return {"step": step, "value": float(state["w"][0]), "all_equal": bool((state["w"] == state["w"][0]).all())}
 
 
+def fall_back_and_redo(rank: int, world: int, url: str, opts: dict, phase: str) -> dict:
+    """phase "save": steps 1 and 2 (w filled with the step). phase "redo": restore (the caller
+    damaged step 2: every rank reads it, then falls back to step 1), then snapshot step 2
+    again with w = 20; the step restored and what wait() raised, if anything."""
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB: split in shares, every rank writes one
+    tier = ftkit.Tier(url, keep=5, storage_options=opts)
+    with ftkit.Checkpointer(state, [tier], rng=False, commit_timeout_s=10) as ck:
+        restored, error = (ck.restore() if phase == "redo" else 0), None
+        for step in (2,) if phase == "redo" else (1, 2):
+            state["w"].fill_(20 if phase == "redo" else step)
+            ck.snapshot(step)
+            try:
+                ck.wait()
+            except ftkit.FtkitError as e:
+                error = str(e)
+            dist.barrier()
+    return {"restored": restored, "error": error}
+
+
 def ram_restore(rank: int, world: int, parallel: str, disk: str, refs: str, disk_every: int = 100):
     """Restore; compare with the reference of the restored step; report the source."""
     model, opt = build(parallel, seed=1000 + rank)
