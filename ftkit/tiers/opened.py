@@ -4,6 +4,7 @@ bound to its run with its peer group, and the store-key ledger of each tier's co
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from ftkit.config import Tier
 from ftkit.coord.dist import DistContext
 from ftkit.coord.news import CommitNews
 from ftkit.coord.nodelocal import NodeBoard
-from ftkit.errors import FormatError
+from ftkit.errors import ConfigError, FormatError
 from ftkit.tiers.backend import NodeRamTier, SharedTier, TierBackend
 from ftkit.tiers.peers import PeerGroup
 from ftkit.tiers.ram import (
@@ -27,6 +28,7 @@ from ftkit.tiers.ram import (
     run_identity,
     run_tokens,
 )
+from ftkit.tiers.redact import redact_url
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger("ftkit")
@@ -48,13 +50,14 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
     """Open every tier (a bad URL or a missing backend fails here, at start).
     `tiers`: resolved (config.resolve_tiers), so replication is the RAM tier's `replicas`."""
     durable = [t for t in tiers if not t.is_ram]
+    storages = _open_durable(tiers)
     ram_identity = None
     if any(t.is_ram for t in tiers):
         ram_identity = run_identity([t.url for t in durable], run_id, _tokens(durable, ctx, run_id))
     backends: list[TierBackend] = []
     for i, t in enumerate(tiers):
         if not t.is_ram:
-            backends.append(SharedTier(t, t.open(), NodeGroup.of(ctx, _commit_board(ctx, i))))
+            backends.append(SharedTier(t, storages[i], NodeGroup.of(ctx, _commit_board(ctx, i))))
             continue
         assert ram_identity is not None
         replicas = t.copies_elsewhere
@@ -72,6 +75,28 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         backends.append(NodeRamTier(t, storage, replicas, peers, group))
     keys = {i: b.new_ledger(ctx) for i, b in enumerate(backends)}
     return OpenedTiers(backends, ram_identity, keys)
+
+
+def _open_durable(tiers: Sequence[Tier]) -> dict[int, Storage]:
+    """The storage of each durable tier, by index. Two in one place (the same directory however
+    spelled, the same URL on the same filesystem) are a ConfigError: each would commit the other's
+    steps and delete by its own `keep` the steps the other keeps."""
+    opened: dict[int, Storage] = {}
+    seen: dict[tuple[int, str], int] = {}
+    for i, t in enumerate(tiers):
+        if t.is_ram:
+            continue
+        storage = opened[i] = t.open()
+        place = (id(storage.fs), os.path.realpath(storage.root) if storage.is_local else storage.root.rstrip("/"))
+        if place in seen:
+            j = seen[place]
+            raise ConfigError(
+                f"tiers {redact_url(tiers[j].url)!r} and {redact_url(t.url)!r} are the same location "
+                f"{storage.display_url}: each tier's retention would delete the other's steps; use one "
+                "tier there (keep_every keeps milestones)"
+            )
+        seen[place] = i
+    return opened
 
 
 def _tokens(durable: Sequence[Tier], ctx: DistContext, run_id: str | None) -> list[str]:

@@ -108,6 +108,29 @@ def test_tier_interval_and_retention(tmp_path):
     assert committed_steps(ftkit.Tier(str(slow)).open()) == [6, 12]
 
 
+@pytest.mark.parametrize("spelling", ["file://{}", "{}/", "{}/../ckpt", "link"])
+def test_two_tiers_in_one_directory_are_refused_before_either_deletes_the_others_steps(tmp_path, spelling):
+    """One tier's retention (keep=2) would delete the steps the other keeps (every 5th,
+    keep=None), whatever the spelling of the path: a ConfigError naming both, nothing written."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (tmp_path / "link").symlink_to(root)
+    other = str(tmp_path / "link") if spelling == "link" else spelling.format(root)
+    state = {"t": torch.zeros(8)}
+    with pytest.raises(ftkit.ConfigError, match="same location") as got:
+        ftkit.Checkpointer(state, [str(root), ftkit.Tier(other, every=5, keep=None)], rng=False)
+    assert str(root) in str(got.value) and len(str(got.value).splitlines()) == 1
+    assert list(root.iterdir()) == []
+    # Tiers in different directories (one inside the other's root) are fine.
+    with ftkit.Checkpointer(
+        state, [str(root), ftkit.Tier(str(root / "milestones"), every=5, keep=None)], rng=False
+    ) as ck:
+        for step in range(1, 11):
+            ck.snapshot(step)
+    assert committed_steps(ftkit.Tier(str(root)).open()) == [9, 10]
+    assert committed_steps(ftkit.Tier(str(root / "milestones")).open()) == [5, 10]
+
+
 def test_zstd_compresses_where_it_pays_and_round_trips(tmp_path):
     state = {"zeros": torch.zeros(1 << 20), "noise": torch.randn(1 << 20)}
     ref = {k: v.clone() for k, v in state.items()}
