@@ -445,7 +445,8 @@ class Settled:
 class Held:
     """What a node holds of one RAM-tier step: its files; from a node with the whole manifest
     the files it names (`need`: rank 0's only, the others send `digest`), or from a node with
-    the index but not every part the index's checksum and its parts (`index`, `parts`)."""
+    the index but not every part the index's checksum and its parts (`index`, `parts`); from
+    a node whose committed manifest cannot be read, why (`problem`)."""
 
     step: int
     have: tuple[str, ...]
@@ -453,6 +454,7 @@ class Held:
     digest: str | None = None
     index: str | None = None
     parts: tuple[str, ...] | None = None
+    problem: str | None = None
 
     @property
     def whole(self) -> bool:
@@ -473,8 +475,9 @@ class Inventory:
     def encode(self) -> bytes:
         numbers, strings = [len(self.steps)], []
         for h in self.steps:
-            numbers += [h.step, len(h.have), _count(h.need), _count(h.parts), h.digest is not None, h.index is not None]
-            strings += [*h.have, *(h.need or ()), *(h.parts or ()), *filter(None, (h.digest, h.index))]
+            flags = [h.digest is not None, h.index is not None, h.problem is not None]
+            numbers += [h.step, len(h.have), _count(h.need), _count(h.parts), *flags]
+            strings += [*h.have, *(h.need or ()), *(h.parts or ()), *filter(None, (h.digest, h.index, h.problem))]
         return _pack(Kind.INVENTORY, numbers, strings)
 
     @staticmethod
@@ -483,13 +486,14 @@ class Inventory:
         steps = []
         for _ in range(f.num(MAX_COUNT)):
             step, n_have, n_need, n_parts = f.num(), f.num(MAX_COUNT), f.num(MAX_COUNT + 1), f.num(MAX_COUNT + 1)
-            has_digest, has_index = f.num(1), f.num(1)
+            has_digest, has_index, has_problem = f.num(1), f.num(1), f.num(1)
             have = tuple(f.names(n_have))
             need = tuple(f.names(n_need - 1)) if n_need else None
             parts = tuple(f.parts(n_parts - 1)) if n_parts else None
             digest = f.checksums(1)[0] if has_digest else None
             index = f.checksums(1)[0] if has_index else None
-            steps.append(Held(step, have, need, digest, index, parts))
+            problem = f.strs(1)[0] if has_problem else None
+            steps.append(Held(step, have, need, digest, index, parts, problem))
         f.end()
         return Inventory(tuple(steps))
 

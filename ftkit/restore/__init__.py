@@ -71,6 +71,19 @@ def _inventory(leader: int, raw: bytes) -> Inventory | None:
         return None
 
 
+def _unusable(inventories: list[Inventory | None], nodes: list[str], step: int | None) -> list[str]:
+    """The RAM-tier steps (`step` only, when asked for) whose committed manifest a node could not
+    read, newest first, each as a line naming the node and why."""
+    found = {
+        (held.step, node): held.problem
+        for inv, node in zip(inventories, nodes, strict=True)
+        if inv is not None
+        for held in inv.steps
+        if held.problem is not None and step in (None, held.step)
+    }
+    return [f"RAM tier step {s} on node {node}: {why}" for (s, node), why in sorted(found.items(), reverse=True)]
+
+
 def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[str, Any], Superseded | None]:
     """Restore `step` (None: the newest usable) into rc.state; every rank calls it with
     the same `key` (the store namespace of this call). Returns (step restored or 0,
@@ -85,29 +98,38 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     listings: list[tuple[int, list[int]]] = []
     planned: list[Candidate] = []
     if ctx.rank == 0:
-        ram = {}
+        ram, unusable = {}, []
         if rc.ram is not None and by_leader is not None:
             leader_of = {ctx.nodes[r]: r for r in by_leader}
             inventories = [_inventory(leader_of[n], by_leader[leader_of[n]]) for n in ctx.nodes]
             ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.backends[rc.ram].can_fetch)
+            unusable = _unusable(inventories, ctx.nodes, step)
         listings, unreachable = shared_listings(rc)
         planned = order_candidates(step, ram, listings)
         # Without holders: only rank 0 plans the fetches (read.py).
-        listing = {"candidates": [c.to_json(holders=False) for c in planned], "unreachable": unreachable}
+        listing = {
+            "candidates": [c.to_json(holders=False) for c in planned],
+            "unreachable": unreachable,
+            "unusable": unusable,
+        }
     listing = ctx.broadcast(f"{key}/candidates", listing)
     try:  # (rank 0's word, through the store: checked like any message)
         candidates = planned or [Candidate.from_json(c) for c in listing["candidates"]]
         unreachable = [str(u) for u in listing["unreachable"]]
+        unusable = [str(u) for u in listing["unusable"]]
     except (TypeError, KeyError):
         raise FormatError("a malformed list of restore candidates from rank 0") from None
     t_plan = time.perf_counter() - t_start
     if step is not None and not candidates:
         raise CheckpointNotFoundError(
             f"step {step} is not committed on any tier ({', '.join(b.display_url for b in rc.backends)})"
+            + (f"; {unusable[0]}" if unusable else "")
         )
     if not candidates:
         if unreachable:
             raise StorageError(f"no checkpoint found and a tier could not be read: {unreachable[0]}")
+        if unusable:  # as a shared tier's unreadable step: an error, not a fresh start that drops it
+            raise CorruptCheckpointError(f"no usable checkpoint, nothing was loaded or removed: {unusable[0]}")
         rc.emit("restore", step=0, source=None, total_s=time.perf_counter() - t_start)
         return 0, {}, Superseded(0)  # RAM steps without a manifest anywhere go before the first snapshot
     with UndoCopy.take(rc.state, rng=rc.rng, rank=ctx.rank, arena=rc.arena) as undo:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from ftkit.commit.messages import Held, Inventory
-from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ftkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, one_line
 from ftkit.format import codec
 from ftkit.format.manifest import Manifest
 from ftkit.format.reader import load_index, manifest_from, missing_parts
@@ -26,7 +26,7 @@ def ram_inventory(rc: RestoreContext) -> tuple[Inventory, dict[int, Manifest]]:
     held = []
     try:
         for step, (have, committed) in backend.inventory().items():
-            need = digest = index = parts = None
+            need = digest = index = parts = problem = None
             if committed:
                 try:
                     data, parsed = load_index(backend.storage, step)
@@ -38,8 +38,9 @@ def ram_inventory(rc: RestoreContext) -> tuple[Inventory, dict[int, Manifest]]:
                         need = tuple(sorted(manifests[step].files))
                         digest = codec.checksum("\n".join(need).encode())
                 except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-                    log.warning("RAM tier manifest of step %d is unusable: %s", step, e)
-            held.append(Held(step, tuple(have), need, digest, index, parts))
+                    problem = one_line(e, 300)
+                    log.warning("RAM tier manifest of step %d is unusable: %s", step, problem)
+            held.append(Held(step, tuple(have), need, digest, index, parts, problem))
     except StorageError as e:
         log.warning("cannot list the RAM tier: %s", e)
     return Inventory(tuple(held)), manifests

@@ -1,7 +1,8 @@
 """Export a checkpoint step to a single torch or safetensors file.
 
 The torch file holds the state as the training code held it (``obj["model"]`` for
-``load_state_dict``) plus ``"_ftkit"``, and loads with ``torch.load(path, weights_only=True)``.
+``load_state_dict``) plus ``"_ftkit"``. It loads with ``torch.load(path, weights_only=True)`` when the state holds
+tensors and plain Python values only; numpy arrays and other objects need ``weights_only=False``.
 The safetensors file holds the tensors by ftkit name and the JSON skeleton in its metadata.
 """
 

@@ -331,8 +331,11 @@ def test_random_store_messages_are_refused_or_skipped_never_raised():
         (
             Held(3, ("rank-00000-0a0b0c0d.data", "part-00000-01020304.json"), ("rank-00000-0a0b0c0d.data",)),
             Held(2, ("rank-00000-1a0b0c0d.data",), None, None, "xxh3_64:0123456789abcdef", ()),
+            Held(1, ("rank-00000-2a0b0c0d.data",), problem="CorruptCheckpointError: manifest.json: not JSON"),
         )
     ).encode()
+    problem = Inventory.decode(inventory, "an inventory").steps[2].problem
+    assert problem == "CorruptCheckpointError: manifest.json: not JSON"
     candidate = Candidate(3, 0, {"rank-00000-0a0b0c0d.data": (0, 1)}, 1, {"part-00000-01020304.json": 0}).to_json()
     request = {"missing": ["rank-00000-0a0b0c0d.data"], "mismatch": False}
     message = {"candidate": candidate, "request": request}

@@ -254,6 +254,36 @@ def test_a_failed_ram_candidate_is_not_dropped(tmp_path, monkeypatch):
     assert torch.equal(state["w"], torch.full((N,), 2.0))
 
 
+def test_ram_steps_whose_manifests_cannot_be_read_are_an_error_not_a_fresh_start(tmp_path, monkeypatch):
+    """A RAM-only run whose every committed step has an unreadable manifest (corrupt, or from a
+    newer ftkit): restore raises as a shared tier's would, naming the step; it does not start
+    over at 0 and drop the steps at the first snapshot."""
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+    state = {"w": torch.zeros(N)}
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram", keep=5)], rng=False, run_id="unreadable") as ck:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+            ck.wait()
+        ram = ck._backends[0].storage.root
+    manifests = sorted((tmp_path / "shm").rglob(MANIFEST_NAME))
+    assert len(manifests) == 2
+    kept = {m: m.read_bytes() for m in manifests}
+    for m in manifests:
+        m.write_bytes(b'{"format": "ftkit-checkpoint", "format_version": 99}')
+    with ftkit.Checkpointer(state, ["ram"], rng=False, run_id="unreadable") as ck:
+        with pytest.raises(ftkit.CorruptCheckpointError, match=r"RAM tier step 2 on node .*version"):
+            ck.restore()
+        with pytest.raises(ftkit.CheckpointNotFoundError, match=r"step 1 is not .*RAM tier step 1 on node"):
+            ck.restore(step=1)
+    assert sorted(d.step for d in scan(ftkit.tiers.storage.Storage(ram))) == [1, 2]
+    for m, data in kept.items():
+        m.write_bytes(data)
+    with ftkit.Checkpointer(state, ["ram"], rng=False, run_id="unreadable") as ck:
+        assert ck.restore() == 2
+    assert torch.equal(state["w"], torch.full((N,), 2.0))
+
+
 # ------------------------------------------------ 6. the lineage after an older restore
 @pytest.mark.parametrize("tiers", [["disk"], ["ram", "disk"]])
 def test_restoring_an_older_step_supersedes_newer_ones(tmp_path, monkeypatch, caplog, tiers):
