@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import signal
 import sys
@@ -193,6 +194,7 @@ class Checkpointer:
         """Stage the state for `step`; persist in the background. True if staged."""
         if self._closed:
             raise FtkitError("snapshot() after close()")
+        step = _step_arg(step, "snapshot")
         pre = self._preemption
         if pre is not None:
             pre.install()  # a training loop: a final save on preemption is wanted (no-op after once)
@@ -358,6 +360,8 @@ class Checkpointer:
         but none is usable, or a tier could not be read and nothing was found elsewhere.
         `last_restore` then says where this rank's bytes came from and each phase's time.
         """
+        if step is not None:
+            step = _step_arg(step, "restore")
         if not self._closed:
             self.wait()
         key = f"restore/{self._restores}"
@@ -371,6 +375,7 @@ class Checkpointer:
         `step`, an earlier run's, are retired at the first snapshot, as after a restore of an
         older step: they would refuse this run's snapshots of the same numbers, and a restart
         would resume them. Every rank calls it, before its first snapshot."""
+        step = _step_arg(step, "continue_from")
         listed: dict[int, list[int]] = {}
         if self._ctx.rank == 0:  # the shared tiers' steps it retires (a RAM tier's leaders drop every newer one)
             for i, backend in enumerate(self._backends):
@@ -380,3 +385,16 @@ class Checkpointer:
 
     def _restore_context(self) -> RestoreContext:
         return RestoreContext(self.state, self.rng, self._ctx, self._backends, self._arena, self.events.emit)
+
+
+def _step_arg(step: Any, call: str) -> int:
+    """A step argument as an int: any integer type (numpy's, a 0-dim integer tensor) is taken;
+    anything else, a bool or a negative number is refused here, not in the background."""
+    try:
+        n = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        shown = " ".join(repr(step).split())[:60]  # (one line, also for a tensor)
+        raise ConfigError(f"{call}(step): the step must be an int >= 0, not {shown} ({type(step).__name__})")
+    return n

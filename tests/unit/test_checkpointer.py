@@ -463,3 +463,30 @@ def test_continue_from_retires_an_earlier_runs_newer_steps_at_the_first_snapshot
     with ftkit.Checkpointer(state, [tier], rng=False) as ck:
         assert ck.restore() == 2
     assert torch.equal(state["w"], torch.full((8,), 2.0))
+
+
+def test_a_step_that_is_not_a_whole_number_is_refused_at_the_call_and_an_integer_type_is_taken(tmp_path):
+    """numpy's and torch's integers are steps like ints; a float, a string, a bool or a negative
+    step is a one-line ConfigError from snapshot() itself, not a silent 'not due' (2.5) or a
+    staged snapshot that fails in the background at every step."""
+    import numpy as np
+
+    state = {"t": torch.zeros(4)}
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        for bad in (2.5, "3", True, -1, None, torch.arange(100)):
+            with pytest.raises(ftkit.ConfigError, match=r"^snapshot\(step\): the step must be an int >= 0, not "):
+                ck.snapshot(bad)
+        assert ck.stats.snapshots == 0
+        state["t"].fill_(1.0)
+        assert ck.snapshot(np.int64(2))
+        state["t"].fill_(2.0)
+        assert ck.snapshot(torch.tensor(3))
+        ck.wait()
+        assert ck.stats.failed == 0
+        assert committed_steps(Tier(str(tmp_path)).open()) == [2, 3]
+        assert ck.restore(step=np.int64(2)) == 2
+        assert torch.equal(state["t"], torch.ones(4))
+        with pytest.raises(ftkit.ConfigError, match=r"^restore\(step\): the step must be an int >= 0, not "):
+            ck.restore(step=2.0)
+        with pytest.raises(ftkit.ConfigError, match=r"^continue_from\(step\): the step must be an int >= 0, not "):
+            ck.continue_from("2")
