@@ -56,7 +56,7 @@ class Checkpointer:
 
     state: names -> objects with state_dict()/load_state_dict(), tensors, or JSON-safe
         values (restored by assignment into `state`).
-    tiers: Tier objects, URLs, or dicts of Tier fields, in any order.
+    tiers: Tier objects, URLs, or dicts of Tier fields, in any order (or one of them alone).
     policy: when a snapshot is due but both staging slots are busy, "wait" (default: block
         until one frees) or "skip" (count it, log it, go on).
     max_staging_bytes: cap on staging memory (default: two slots of the state's size).
@@ -92,7 +92,7 @@ class Checkpointer:
     def __init__(
         self,
         state: MutableMapping[str, Any],
-        tiers: Sequence[Tier | str | dict],
+        tiers: Sequence[Tier | str | dict] | Tier | str | dict,
         *,
         policy: str = "wait",
         max_staging_bytes: int | None = None,

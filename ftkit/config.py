@@ -37,13 +37,23 @@ class Tier:
     replicas: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url:
+            raise ConfigError(f"tier url must be a non-empty string, not {self.url!r}")
         shown = redact_url(self.url)
-        if self.replicas is not None and (self.replicas < 0 or (self.replicas and self.url not in ("ram", "peer"))):
-            raise ConfigError(f"tier {shown!r}: replicas must be >= 0, and only the 'ram' tier has them")
-        if self.every < 1:
-            raise ConfigError(f"tier {shown!r}: every must be >= 1")
-        if self.keep is not None and self.keep < 1:
-            raise ConfigError(f"tier {shown!r}: keep must be >= 1 or None")
+        for name, least, optional in (
+            ("every", 1, False),
+            ("keep", 1, True),
+            ("keep_every", 1, True),
+            ("replicas", 0, True),
+        ):
+            value = getattr(self, name)
+            if (value is not None or not optional) and (
+                type(value) is bool or not isinstance(value, int) or value < least
+            ):
+                also = " or None" if optional else ""
+                raise ConfigError(f"tier {shown!r}: {name} must be an int >= {least}{also}, not {value!r}")
+        if self.replicas and self.url not in ("ram", "peer"):
+            raise ConfigError(f"tier {shown!r}: only the 'ram' tier has replicas")
         if self.compress not in (None, "zstd"):
             raise ConfigError(f"tier {shown!r}: compress must be 'zstd' or None, not {self.compress!r}")
 
@@ -81,9 +91,11 @@ class Tier:
         return 0 if "://" not in self.url or self.url.startswith("file://") else 1
 
 
-def resolve_tiers(specs: Sequence[Tier | str | Mapping[str, Any]]) -> list[Tier]:
+def resolve_tiers(specs: Sequence[Tier | str | Mapping[str, Any]] | Tier | str | Mapping[str, Any]) -> list[Tier]:
     """The tiers of a Checkpointer, with a "peer" entry folded into the "ram" tier's replicas:
     ``["ram", "peer", "disk"]`` (what ``--tiers`` takes) is ``[Tier("ram", replicas=1), Tier("disk")]``."""
+    if isinstance(specs, (str, Tier, Mapping)):  # one tier given alone (a string is no list of tiers)
+        specs = [specs]
     tiers = [Tier.coerce(t) for t in specs]
     peers = [t for t in tiers if t.url == "peer"]
     rams = [i for i, t in enumerate(tiers) if t.is_ram]

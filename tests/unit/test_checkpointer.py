@@ -490,3 +490,35 @@ def test_a_step_that_is_not_a_whole_number_is_refused_at_the_call_and_an_integer
             ck.restore(step=2.0)
         with pytest.raises(ftkit.ConfigError, match=r"^continue_from\(step\): the step must be an int >= 0, not "):
             ck.continue_from("2")
+
+
+def test_one_tier_given_alone_is_one_tier_not_one_per_character(tmp_path, monkeypatch):
+    """tiers="/data/ckpt" is that one tier (as the trainer callbacks take it), not the tiers
+    "/", "d", "a", ... written into the root and the working directory."""
+    monkeypatch.chdir(tmp_path)
+    state = {"t": torch.ones(4)}
+    for spec in ("ck", Tier("ck2"), {"url": "ck3", "keep": 1}):
+        with ftkit.Checkpointer(state, spec, rng=False) as ck:
+            assert len(ck.tiers) == 1
+            ck.snapshot(1)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ck2", "ck3"]
+    assert committed_steps(Tier(str(tmp_path / "ck3")).open()) == [1]
+
+
+def test_tier_fields_of_the_wrong_type_are_a_config_error_naming_the_field():
+    """A tier read from a config file or the environment ("10", 2.5) is refused when made, not
+    by a TypeError at the first snapshot or a retention that fails in the background forever."""
+    for fields, field in (
+        (dict(every="10"), "every"),
+        (dict(every=2.5), "every"),
+        (dict(keep=1.5), "keep"),
+        (dict(keep="3"), "keep"),
+        (dict(keep_every=0), "keep_every"),
+        (dict(keep_every="100"), "keep_every"),
+        (dict(every=True), "every"),
+    ):
+        with pytest.raises(ftkit.ConfigError, match=rf"^tier '/ckpt': {field} must be an int"):
+            Tier("/ckpt", **fields)
+    for url in ("", 5, None):
+        with pytest.raises(ftkit.ConfigError, match="tier url must be a non-empty string"):
+            Tier(url)
