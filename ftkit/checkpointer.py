@@ -55,7 +55,7 @@ class Checkpointer:
     """Asynchronous snapshots of training state to storage tiers, and restore.
 
     state: names -> objects with state_dict()/load_state_dict(), tensors, or JSON-safe
-        values (restored by assignment into `state`).
+        values (restored into `state`: a dict or list refilled in place, anything else assigned).
     tiers: Tier objects, URLs, or dicts of Tier fields, in any order (or one of them alone).
     policy: when a snapshot is due but both staging slots are busy, "wait" (default: block
         until one frees) or "skip" (count it, log it, go on).

@@ -70,8 +70,9 @@ class UndoCopy:
         self.slot.upload(self.targets)
 
     def roll_back(self) -> None:
-        """The whole live state as it was: bytes, objects, their state_dicts, RankLocal entries and
-        the RNG state. Raises FtkitError if an object refuses its own state back."""
+        """The whole live state as it was: bytes, objects, their state_dicts, the contents of plain
+        containers, RankLocal entries and the RNG state. Raises FtkitError if an object refuses
+        its own state back."""
         self.put_back_bytes()
         try:
             for key, obj in self.objects.items():
@@ -80,6 +81,8 @@ class UndoCopy:
             for key, entry in self.captured.skeleton["entries"].items():
                 if entry["kind"] == "stateful":
                     self.objects[key].load_state_dict(cap.decode(entry["value"], self.tensors))
+                elif entry["kind"] == "value":  # a container the load refilled in place: its contents back
+                    cap.refill(self.objects[key], cap.decode(entry["value"], self.tensors))
             for key, entry in (self.captured.local or {}).items():
                 self.objects[key].load_state_dict(cap.decode(entry["value"], self.tensors))
             if self.captured.rng is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import functools
 import math
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,7 +300,7 @@ def load(
         elif entry["kind"] == "tensor":
             with torch.no_grad():
                 state[key].copy_(value)
-        else:
+        elif not refill(state.get(key), value):
             state[key] = value
     for key, obj in state.items():
         if isinstance(obj, RankLocal) and local_value is not None and key in local_value:
@@ -310,6 +310,20 @@ def load(
                 raise StateMismatchError(f"{key}: load_state_dict refused this rank's state: {one_line(e, 300)}") from e
     if rng_value is not None:
         set_rng_state(decode(rng_value, tensors))
+
+
+def refill(live: Any, value: Any) -> bool:
+    """Put a decoded plain value into the live mutable mapping or list it was saved from, in
+    place: the training loop may hold that object (and a defaultdict stays one). False when
+    `live` is no such container, or `value` not of its kind: the caller assigns it instead."""
+    if isinstance(live, MutableMapping) and isinstance(value, Mapping):
+        live.clear()
+        live.update(value)
+    elif isinstance(live, MutableSequence) and isinstance(value, list):
+        live[:] = value
+    else:
+        return False
+    return True
 
 
 def apply(state: MutableMapping[str, Any], skeleton: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:

@@ -522,3 +522,62 @@ def test_tier_fields_of_the_wrong_type_are_a_config_error_naming_the_field():
     for url in ("", 5, None):
         with pytest.raises(ftkit.ConfigError, match="tier url must be a non-empty string"):
             Tier(url)
+
+
+def test_a_mutable_container_in_the_state_is_restored_in_place(tmp_path):
+    """A dict or list the loop keeps a reference to (a defaultdict of counts, a history) is
+    the object restored: its contents, not a plain copy put in its place. Otherwise the loop
+    goes on updating an object the state no longer holds, every later snapshot saves the
+    restored contents frozen, and a defaultdict comes back as a dict (KeyError)."""
+    import collections
+
+    def make():
+        counts, history = collections.defaultdict(int), []
+        return counts, history, {"counts": counts, "history": history, "epoch": 0}
+
+    counts, history, state = make()
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        counts["a"] += 2
+        history.append(1.5)
+        ck.snapshot(1)
+
+    counts, history, state = make()
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        assert ck.restore() == 1
+        assert state["counts"] is counts and state["history"] is history
+        assert dict(counts) == {"a": 2} and history == [1.5]
+        counts["b"] += 1  # still a defaultdict
+        history.append(2.5)
+        ck.snapshot(2)
+
+    counts, history, state = make()
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        assert ck.restore() == 2
+    assert dict(counts) == {"a": 2, "b": 1} and history == [1.5, 2.5]
+
+
+class _RefusesOne:
+    """Takes back any state but n == 1."""
+
+    def __init__(self):
+        self.n = 1
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        if state["n"] == 1:
+            raise ValueError("n == 1 refused")
+        self.n = state["n"]
+
+
+def test_a_failed_restore_puts_a_container_restored_in_place_back(tmp_path):
+    history = [1.0]
+    state = {"history": history, "obj": _RefusesOne()}
+    with ftkit.Checkpointer(state, [str(tmp_path)], rng=False) as ck:
+        ck.snapshot(1)
+        history.append(2.0)
+        state["obj"].n = 2
+        with pytest.raises(ftkit.FtkitError, match="load_state_dict refused"):
+            ck.restore()
+    assert state["history"] is history and history == [1.0, 2.0]
