@@ -111,6 +111,12 @@ class Checkpointer:
             raise ConfigError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not tiers:
             raise ConfigError("at least one tier is needed")
+        if max_staging_bytes is not None and (
+            isinstance(max_staging_bytes, bool)
+            or not isinstance(max_staging_bytes, (int, float))
+            or not 0 < max_staging_bytes < float("inf")  # (nan and inf too)
+        ):
+            raise ConfigError(f"max_staging_bytes must be a number of bytes > 0 or None, not {max_staging_bytes!r}")
         self.state = state
         self.tiers = resolve_tiers(tiers)  # a "peer" entry becomes the RAM tier's replicas
         self.policy = policy

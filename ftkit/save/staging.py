@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ftkit.errors import FtkitError
+from ftkit.errors import ConfigError, FtkitError
 from ftkit.save.device import DeviceOps
 from ftkit.save.layout import Layout
 
@@ -235,7 +235,7 @@ class StagingArena:
             return self.max_slots
         fit = self.budget_bytes // max(layout.total_bytes, 1)
         if fit < 1:
-            raise FtkitError(
+            raise ConfigError(
                 f"staging budget of {self.budget_bytes:,} bytes cannot hold one snapshot of "
                 f"{layout.total_bytes:,} bytes; raise max_staging_bytes"  # (in bytes: "0 MiB" said nothing)
             )

@@ -581,3 +581,16 @@ def test_a_failed_restore_puts_a_container_restored_in_place_back(tmp_path):
         with pytest.raises(ftkit.FtkitError, match="load_state_dict refused"):
             ck.restore()
     assert state["history"] is history and history == [1.0, 2.0]
+
+
+def test_a_staging_budget_that_is_not_a_positive_number_is_a_config_error_when_made(tmp_path):
+    """max_staging_bytes="1GB" was a TypeError at the first snapshot, True a budget of one byte."""
+    for bad in ("1GB", True, 0, -1, [1], float("nan"), float("inf")):
+        with pytest.raises(ftkit.ConfigError, match=r"^max_staging_bytes must be a number of bytes > 0 or None, not "):
+            ftkit.Checkpointer({"t": torch.zeros(4)}, [str(tmp_path)], rng=False, max_staging_bytes=bad)
+    with ftkit.Checkpointer({"t": torch.zeros(4)}, [str(tmp_path)], rng=False, max_staging_bytes=2e6) as ck:
+        assert ck.snapshot(1)
+    ck = ftkit.Checkpointer({"t": torch.zeros(1024)}, [str(tmp_path)], rng=False, max_staging_bytes=100)
+    with pytest.raises(ftkit.ConfigError, match="staging budget of 100 bytes cannot hold one snapshot"):
+        ck.snapshot(2)  # (the snapshot's size is known only then)
+    ck.close()
