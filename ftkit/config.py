@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,7 +16,7 @@ from ftkit.tiers.storage import Storage
 class Tier:
     """One storage tier.
 
-    url: a local path, ``file://...``, ``s3://bucket/prefix``, any fsspec URL, or "ram"
+    url: a local path (a string or a ``pathlib.Path``), ``file://...``, ``s3://bucket/prefix``, any fsspec URL, or "ram"
         (the node's shared memory, tiers/ram.py).
     every: persist every N-th step that is snapshotted.
     keep: how many of the newest committed steps to keep (None: keep all).
@@ -37,6 +38,8 @@ class Tier:
     replicas: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.url, os.PathLike):  # a pathlib.Path: the local path it names
+            object.__setattr__(self, "url", os.fspath(self.url))
         if not isinstance(self.url, str) or not self.url:
             raise ConfigError(f"tier url must be a non-empty string, not {self.url!r}")
         shown = redact_url(self.url)
@@ -69,7 +72,7 @@ class Tier:
     def coerce(spec: Tier | str | Mapping[str, Any]) -> Tier:
         if isinstance(spec, Tier):
             return spec
-        return Tier(spec) if isinstance(spec, str) else Tier(**dict(spec))
+        return Tier(spec) if isinstance(spec, (str, os.PathLike)) else Tier(**dict(spec))
 
     def open(self) -> Storage:
         return Storage(self.url, dict(self.storage_options))
@@ -94,7 +97,7 @@ class Tier:
 def resolve_tiers(specs: Sequence[Tier | str | Mapping[str, Any]] | Tier | str | Mapping[str, Any]) -> list[Tier]:
     """The tiers of a Checkpointer, with a "peer" entry folded into the "ram" tier's replicas:
     ``["ram", "peer", "disk"]`` (what ``--tiers`` takes) is ``[Tier("ram", replicas=1), Tier("disk")]``."""
-    if isinstance(specs, (str, Tier, Mapping)):  # one tier given alone (a string is no list of tiers)
+    if isinstance(specs, (str, os.PathLike, Tier, Mapping)):  # one tier given alone (a string is no list of tiers)
         specs = [specs]
     tiers = [Tier.coerce(t) for t in specs]
     peers = [t for t in tiers if t.url == "peer"]

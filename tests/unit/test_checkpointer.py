@@ -594,3 +594,14 @@ def test_a_staging_budget_that_is_not_a_positive_number_is_a_config_error_when_m
     with pytest.raises(ftkit.ConfigError, match="staging budget of 100 bytes cannot hold one snapshot"):
         ck.snapshot(2)  # (the snapshot's size is known only then)
     ck.close()
+
+
+def test_a_pathlib_path_is_a_tier_url(tmp_path):
+    """Checkpointer(state, [tmp_path]) was a TypeError ('PosixPath' object is not iterable)."""
+    state = {"t": torch.ones(4)}
+    for spec in ([tmp_path / "a"], tmp_path / "b", [Tier(tmp_path / "c", keep=1)], [{"url": tmp_path / "d"}]):
+        with ftkit.Checkpointer(state, spec, rng=False) as ck:
+            assert len(ck.tiers) == 1 and isinstance(ck.tiers[0].url, str)
+            ck.snapshot(1)
+    for name in "abcd":
+        assert committed_steps(Tier(str(tmp_path / name)).open()) == [1]
