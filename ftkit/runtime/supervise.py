@@ -165,7 +165,9 @@ class StartupWatch:
         self.run_dir = run_dir
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftkit-startup-watch", daemon=True)
-        self._seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> when first seen (monotonic)
+        # (pid, create time) -> since when (monotonic) its worker has been starting, and that worker's
+        # pid once its status file names it: a replacement (--replace-dead) starts the clock again
+        self._seen: dict[tuple[int, float], tuple[float, int | None]] = {}
         self._ended: set[tuple[int, float]] = set()
 
     def start(self) -> StartupWatch:
@@ -204,11 +206,15 @@ class StartupWatch:
                 key = (child.pid, child.create_time())
             except psutil.NoSuchProcess:
                 continue
-            waited = now - self._seen.setdefault(key, now)
             if key in self._ended:
                 continue
             workers.append((key, child))
             status = self._status(*key)
+            since, worker = self._seen.setdefault(key, (now, None))
+            if isinstance(status.get("worker"), int) and status["worker"] != worker:
+                since = since if worker is None else now  # another worker behind the same client
+                self._seen[key] = (since, status["worker"])
+            waited = now - since
             if status.get("phase") not in STARTED_UP and waited > self.bound_s:
                 late.append((child, status, waited))
         if late:

@@ -13,11 +13,13 @@ README for the figures.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import psutil
@@ -389,3 +391,74 @@ def test_ftkit_run_exits_128_plus_the_signal_that_killed_torchrun(tmp_path):
     cmd += ["--startup-timeout", "0", "--standalone", "--nproc-per-node", "1", str(script)]
     rc, log = _run(tmp_path, cmd, timeout=110)
     assert rc == 128 + signal.SIGKILL, log[-3000:]
+
+
+def test_the_startup_watch_times_a_replaced_worker_from_its_own_start(tmp_path):
+    """ftkit run --replace-dead: a worker killed late in a job is replaced behind the same thin
+    client (torchrun's child, the pid the status file is named after), and the replacement's
+    launcher writes "started" again. The watch timed that worker from the client's first sighting,
+    minutes ago, and ended the node's workers (a torchrun restart) before the replacement could
+    heartbeat. It is timed from its own start: spared now, ended only if it stays silent too long."""
+    from ftkit.runtime.launch import STARTUP_DIR_ENV
+    from ftkit.runtime.supervise import StartupWatch
+    from ftkit.runtime.warm.client import LAUNCHER_PID_ENV
+
+    bound = 1.0
+    status_dir, run_dir = tmp_path / "status", tmp_path / "run"
+    status_dir.mkdir()
+    # torchrun's agent and the thin client it started (which outlives the workers it stands in for)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print(c.pid, flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    client = int(agent.stdout.readline())
+    env = {**os.environ, STARTUP_DIR_ENV: str(status_dir), LAUNCHER_PID_ENV: str(client), "WORLD_SIZE": "2"}
+    (tmp_path / "first.py").write_text(  # reaches its first heartbeat (a watchdog thread runs), then dies
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(1,), name='ftkit-watchdog').start()\n"
+        "time.sleep(0.5)\n"
+    )
+    (tmp_path / "replacement.py").write_text("import time; time.sleep(120)\n")  # joining the survivors
+    replacement = None
+    try:
+        watch = StartupWatch(agent.pid, str(status_dir), bound, str(run_dir))
+        agent_proc = psutil.Process(agent.pid)
+        watch.check(agent_proc)  # the client is seen as it starts
+        first = subprocess.run([sys.executable, "-m", "ftkit.runtime.launch", "first.py"], env=env, cwd=tmp_path)
+        assert first.returncode == 0
+        assert json.loads((status_dir / f"{client}.json").read_text())["phase"] == "heartbeat"
+        time.sleep(bound + 0.2)  # the job trains on, longer than the bound
+        watch.check(agent_proc)
+        replacement = subprocess.Popen(
+            [sys.executable, "-m", "ftkit.runtime.launch", "replacement.py"], env=env, cwd=tmp_path
+        )
+        status = status_dir / f"{client}.json"
+        while json.loads(status.read_text())["phase"] != "started":
+            assert replacement.poll() is None
+            time.sleep(0.05)
+        watch.check(agent_proc)
+        assert not (run_dir / "events" / "ftkit-run.jsonl").exists()  # nobody ended
+        assert psutil.Process(client).status() != psutil.STATUS_ZOMBIE
+        time.sleep(bound + 0.2)  # the replacement stays silent past the bound: ended now
+        watch.check(agent_proc)
+        deadline = time.monotonic() + 10
+        while psutil.Process(client).status() != psutil.STATUS_ZOMBIE:  # (its agent does not reap it)
+            assert time.monotonic() < deadline, "the silent replacement's client was not ended"
+            time.sleep(0.05)
+        (ended,) = [json.loads(line) for line in (run_dir / "events" / "ftkit-run.jsonl").read_text().splitlines()]
+        assert ended["what"] == "startup" and ended["pid"] == client
+    finally:
+        for proc in (replacement, agent):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(client).kill()
