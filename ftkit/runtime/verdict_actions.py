@@ -150,11 +150,14 @@ class VerdictActions:
         """Under ftkit.run_in_process, record the verdict as a recovery request and stop the
         watchdog, for a failed rank or a straggler, or a dead or hung one judged on its own host in a
         job whose warm clients replace killed workers (``ftkit run --replace-dead``; killed here if
-        local). True if so. Without a recovery in `recovery_timeout_s`, end."""
+        local, and the target itself, hearing it first, ends by SIGKILL as its judge would end it).
+        True if so. Without a recovery in `recovery_timeout_s`, end."""
         dying = verdict.what in ("dead", "hung")
-        replaceable = dying and verdict.local and verdict.target != self.ctx.rank and replacements_allowed() > 0
+        replaceable = dying and verdict.local and replacements_allowed() > 0
         if not generation.active() or not (verdict.what in IN_PROCESS_VERDICTS or replaceable):
             return False
+        if dying and verdict.target == self.ctx.rank:  # heard before its judge's SIGKILL landed
+            self._end_killed(f"rank {verdict.target} {verdict.what}")
         if dying:
             self.kill_if_local(verdict.target)
         if generation.request(verdict):
@@ -178,6 +181,15 @@ class VerdictActions:
             self.cfg.recovery_timeout_s,
         )
         self._end("in-process recovery did not begin")
+
+    def _end_killed(self, reason: str) -> NoReturn:
+        """End as this rank's judge ends it, by SIGKILL: its warm client replaces a worker killed so
+        (an exit code would reach torchrun, which restarts the group)."""
+        self.events.emit("abort", reason=reason, step=self._step(), in_process=True)
+        self.events.close()
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(128 + signal.SIGKILL)  # (not reached)
 
     def _end(self, reason: str) -> NoReturn:
         self.events.emit("abort", reason=reason, step=self._step())

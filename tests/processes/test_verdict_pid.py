@@ -107,3 +107,53 @@ def test_a_slot_holds_a_beat_with_its_start(tmp_path):
     me = Beat(1, pid=os.getpid(), host_id="h", start=process_start(os.getpid()))
     slots.write(1, me)
     assert slots.read_one(1) == me and me.start is not None
+
+
+HUNG_TARGET = """
+import logging, os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from ftkit.coord.dist import DistContext
+from ftkit.coord.events import EventLog
+from ftkit.coord.judge import Verdict
+from ftkit.coord.watchdog import Watchdog, WatchdogConfig
+from ftkit.runtime import generation
+
+logging.basicConfig(level=logging.INFO)
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+ctx = DistContext(rank=1, world_size=2, store=store)  # rank 1 of 2, its leader rank 0 on this host
+generation.set_active(True)  # its training loop runs under ftkit.run_in_process
+open(os.environ["FTKIT_REPLACEABLE"], "w").close()  # (as run_in_process marks it)
+wd = Watchdog(ctx, EventLog(sys.argv[1], 1), WatchdogConfig(interval_s=0.1))
+wd.start()
+# Its training thread hangs; its leader judged it so on this host and wrote the verdict to the node's
+# board, where this rank's watchdog reads it before the judge's SIGKILL lands.
+wd.board.write("verdict.json", Verdict(1, "hung", 31.0, "no step progress for 31.0s", 0, local=True).to_json())
+time.sleep(30)
+sys.exit(3)  # nothing ended this process
+"""
+
+
+def test_a_hung_rank_that_hears_its_own_verdict_first_is_still_replaced(tmp_path):
+    """ftkit run --replace-dead: a hung rank's judge on its host posts the verdict, relays it on the
+    node's board, then SIGKILLs it, and its warm client replaces a worker killed so. The hung rank's
+    own watchdog reads the board every 50 ms; when it read the verdict first it ended its worker with
+    exit code 75, which the client passes on: torchrun restarted the group instead. It now ends by
+    SIGKILL too, as its judge would have ended it."""
+    from ftkit.runtime.warm.client import REPLACE_ENV, REPLACEABLE_ENV, _replaceable
+
+    mark = tmp_path / "replaceable"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, FTKIT_RAM_DIR=str(tmp_path / "shm"), FTKIT_NODE_ID="n0")
+    env.update({REPLACE_ENV: "1", REPLACEABLE_ENV: str(mark)})
+    r = subprocess.run(
+        [sys.executable, "-c", HUNG_TARGET, str(tmp_path / "events")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
+    assert "rank 1 is hung" in r.stderr
+    assert _replaceable({"signal": -r.returncode}, False, 0, 1, str(mark))  # what its warm client decides
