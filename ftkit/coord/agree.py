@@ -1,10 +1,10 @@
-"""Agreement across ranks through the store: every rank reports, one rank (or all)
-decides, and failures come back per rank.
+"""Agreement across ranks through the store: every rank reports, rank 0 counts the ballots,
+and every rank gets the failures, per rank.
 
 Nothing is raised mid-flight: a failure goes in the rank's ballot and the caller decides
 at a safe point, with every rank's failure in hand. Order of calls (every rank, one `key`)::
 
-    outcome = agree(ctx, key, error=..., value=...)      # None on a rank that only reports
+    outcome = agree(ctx, key, error=..., value=...)
     outcome.raise_if_failed("step 7 not committed")       # or read outcome.failures / values
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.coord.dist import DistContext
-from ftkit.errors import AgreementError
+from ftkit.errors import AgreementError, FormatError
 
 
 @dataclass(frozen=True)
@@ -35,21 +35,30 @@ class Outcome:
             raise AgreementError(f"{what}: {detail}", self.failures)
 
 
-def agree(
-    ctx: DistContext, key: str, *, error: str | None = None, value: Any = None, decider: int | None = None
-) -> Outcome | None:
-    """Every rank reports (`error`, `value`) under `key`. With `decider=None` every rank
-    gets the Outcome; with a rank number, only that rank does (the others get None)."""
+def agree(ctx: DistContext, key: str, *, error: str | None = None, value: Any = None) -> Outcome:
+    """Every rank reports (`error`, `value`) under `key` and gets the Outcome: rank 0 reads the
+    ballots and sends back only the failures and the values that are not None, so every rank
+    reads one short key whatever the world's size."""
     ballot = {"error": None if error is None else str(error), "value": value}
-    if ctx.distributed and decider is not None and ctx.rank != decider:
-        ctx.put(f"{key}/{ctx.rank}", ballot)  # (only report)
-        return None
-    ballots = ctx.gather(key, ballot)
-    failures = []
-    for r, b in enumerate(ballots):
+    decided = ctx.share(key, ballot, _count_ballots)
+    try:
+        failures = [(int(r), str(e)) for r, e in decided["failures"]]
+        values = dict.fromkeys(range(ctx.world_size))
+        values.update({int(r): v for r, v in decided["values"]})
+    except (TypeError, ValueError, KeyError):  # (rank 0's word, through the store: checked)
+        raise FormatError(f"rank 0's outcome of {key!r} is malformed") from None
+    return Outcome(list(values.values()), failures)
+
+
+def _count_ballots(ballots: dict[int, Any]) -> dict[str, list[Any]]:
+    """Rank 0's outcome of the ballots: (rank, error) of each failure, (rank, value) of each value not None."""
+    failures, values = [], []
+    for r, b in sorted(ballots.items()):
         if not isinstance(b, dict) or set(b) != {"error", "value"}:  # the store is untrusted input
             failures.append((r, f"a malformed ballot from rank {r}"))
-        elif b["error"] is not None:
+            continue
+        if b["error"] is not None:
             failures.append((r, str(b["error"])))
-    values = [b.get("value") if isinstance(b, dict) else None for b in ballots]
-    return Outcome(values, failures)
+        if b["value"] is not None:
+            values.append((r, b["value"]))
+    return {"failures": failures, "values": values}

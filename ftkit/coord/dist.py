@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -117,7 +117,7 @@ class DistContext:
         store = dist.PrefixStore(scope, _get_default_store())
         rank = dist.get_rank()
         ctx = DistContext(rank, dist.get_world_size(), store, node_id(rank), timeout_s, scope=scope)
-        ctx.nodes = ctx.gather("nodes", ctx.node)
+        ctx.nodes = _expand_runs(ctx.share("nodes", ctx.node, _node_runs), ctx.world_size)
         _settle_collectives_at_exit()
         return ctx
 
@@ -167,13 +167,36 @@ class DistContext:
         self._wait(keys, timeout_s)
         return self.store.multi_get(keys)
 
-    def gather(self, key: str, value: Any, timeout_s: float | None = None) -> list[Any]:
-        """Every rank's `value` for `key`, in rank order (all ranks call this)."""
+    def barrier(self, key: str, timeout_s: float | None = None) -> None:
+        """Return once every rank has called it with `key`."""
+        self.share(key, None, lambda _: None, timeout_s)
+
+    def share(
+        self, key: str, value: Any, decide: Callable[[dict[int, Any]], Any], timeout_s: float | None = None
+    ) -> Any:
+        """What rank 0 makes, with `decide`, of every rank's `value` ({rank: value}, malformed ones
+        None), on every rank; all ranks call it with a `key` of their own. Rank 0 collects the
+        values (gather_to_root: three keys) and sets its result, as JSON, in one key every rank
+        reads: the store serves two requests a rank, not every rank's key to every rank. A rank
+        that sends nothing in time is a PeerTimeout on every rank."""
         if not self.distributed:
-            return [value]
-        self.put(f"{key}/{self.rank}", value)
-        keys = [f"{key}/{r}" for r in range(self.world_size)]
-        return [parse_message(v) for v in self.wait_get(keys, timeout_s)]  # (malformed: None, as silence)
+            return decide({0: value})
+        result = f"{key}/result"
+        try:
+            got = self.gather_to_root(key, value, range(self.world_size), timeout_s)
+        except PeerTimeout as e:  # every rank hears it now, not when its own wait ends
+            self.put(result, {"timeout": str(e)})
+            raise
+        if self.rank == 0:  # (read back as the others read it: the same JSON values on every rank)
+            text = json.dumps({"result": decide(got)})
+            self.store.set(result, text)
+            return json.loads(text)["result"]
+        doc = self.get(result, timeout_s)
+        if not isinstance(doc, dict) or not ({"result"} == set(doc) or {"timeout"} == set(doc)):
+            raise FormatError(f"store key {result!r} holds no result of rank 0's")
+        if "timeout" in doc:
+            raise PeerTimeout(str(doc["timeout"]))
+        return doc["result"]
 
     def send_to_root(self, key: str, sender: int, value: bytes, senders: int) -> None:
         """`value` from `sender` (one of `senders` in all) for rank 0's `collect_at_root(key)`.
@@ -315,6 +338,29 @@ def init_process_group(backend: str | None = "gloo", timeout_s: float = 1800.0, 
     install()  # (done by `import ftkit` already, unless FTKIT_ENV_RENDEZVOUS=0 turned it off)
     kwargs.setdefault("timeout", timedelta(seconds=timeout_s))
     dist.init_process_group(backend, **kwargs)
+
+
+def _node_runs(nodes: dict[int, Any]) -> list[tuple[str, int]]:
+    """Every rank's node as runs of (node, ranks in a row): one run a node under torchrun."""
+    runs: list[tuple[str, int]] = []
+    for r in range(len(nodes)):
+        node = str(nodes[r])
+        if runs and runs[-1][0] == node:
+            runs[-1] = (node, runs[-1][1] + 1)
+        else:
+            runs.append((node, 1))
+    return runs
+
+
+def _expand_runs(runs: Any, world: int) -> list[str]:
+    """_node_runs' runs (from the store: checked) as the node of each rank."""
+    try:
+        nodes = [str(node) for node, count in runs for _ in range(int(count))]
+    except (TypeError, ValueError):
+        nodes = []
+    if len(nodes) != world:
+        raise FormatError(f"rank 0's list of the ranks' nodes is malformed ({str(runs)[:80]})")
+    return nodes
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

@@ -146,7 +146,6 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
                 origin = {"source": backend.display_url}
             t_read = time.perf_counter() - t0
             votes = agree(ctx, f"{key}/vote/{n}", error=vote["error"], value=vote["mismatch"])
-            assert votes is not None
             mismatched = [(r, found) for r, found in enumerate(votes.values) if found]
             if mismatched:  # the live state does not fit: no other candidate will either (the exit undoes)
                 r, found = mismatched[0]
@@ -183,7 +182,6 @@ def _load(rc: RestoreContext, manifest, tensors, rng_value, local_value, agree_k
     except Exception as e:  # a user object's own validation: keep its words
         error = f"step {manifest.step}: {one_line(e, 300)}"
     outcome = agree(rc.dist, agree_key, error=error)
-    assert outcome is not None
     return outcome.first_failure(rc.dist.rank)
 
 
@@ -266,7 +264,7 @@ def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> d
                 step,
             )
     if ctx.distributed:
-        ctx.gather(key, None)  # nobody writes before every node's newer steps are gone
+        ctx.barrier(key)  # nobody writes before every node's newer steps are gone
     if out:
         rc.emit("retire", step=step, retired=out)
     return out

@@ -151,7 +151,6 @@ def read_ram_candidate(rc: RestoreContext, cand: Candidate, key: str, manifest: 
         except Exception as e:
             moved_error = f"fetching RAM-tier files from peers failed: {e}"
     moved = agree(ctx, f"{key}/moved", error=moved_error)  # siblings' received files are in place now
-    assert moved is not None
     if plan:
         origin["fetch_s"] = time.perf_counter() - t_fetch
     error = error or moved.first_failure(ctx.rank)

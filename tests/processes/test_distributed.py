@@ -90,14 +90,69 @@ def test_any_rank_skipping_a_shared_tier_step_costs_nobody_a_wait(tmp_path, skip
     assert out[0]["new_keys"] == 0
 
 
-def test_agreement_reports_every_ranks_failure_to_the_deciders_only():
-    out = run_ranks(3, dist_worker.agreement, timeout=60)
+def test_agreement_reports_every_ranks_failure_to_every_rank():
+    out = run_ranks(3, dist_worker.agreement, env={"FTKIT_RANKS_PER_NODE": "2"}, timeout=60)
     for rank, o in enumerate(out):
         assert o["values"] == [0, 10, 20]
         assert o["failures"] == [(1, "disk full")]
         assert o["first"] == ("disk full" if rank == 1 else "disk full (on rank 1)")
-        assert o["only0"] == (rank == 0)
-    assert out[0]["raised"] == ["step 3 not committed: rank 1: bad 1; rank 2: bad 2", [(1, "bad 1"), (2, "bad 2")]]
+        assert o["raised"] == ["step 3 not committed: rank 1: bad 1; rank 2: bad 2", [(1, "bad 1"), (2, "bad 2")]]
+        assert o["nodes"] == [out[0]["nodes"][0]] * 2 + [out[2]["nodes"][2]] and o["nodes"][0] != o["nodes"][2]
+
+
+def test_an_agreement_costs_each_rank_the_same_store_requests_and_bytes_whatever_the_world():
+    """coord/agree.py at 8 and at 64 ranks (threads, each with its own client of a real
+    TCPStore): a rank other than 0 makes the same requests and reads the same bytes at both
+    sizes (only rank 0 reads every ballot); every rank gets every failure and value."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ftkit.coord.agree import agree
+    from ftkit.coord.dist import DistContext
+
+    class Counted:
+        def __init__(self, store):
+            self.store, self.requests, self.read = store, 0, 0
+
+        def __getattr__(self, name):
+            def call(*a, **k):
+                self.requests += 1
+                out = getattr(self.store, name)(*a, **k)
+                self.read += sum(map(len, out)) if name == "multi_get" else len(out) if name == "get" else 0
+                return out
+
+            return call
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+    def run(world: int) -> tuple[set[int], set[int]]:
+        stores = [Counted(dist.TCPStore("127.0.0.1", server.port, is_master=False)) for _ in range(world)]
+        nodes = [f"n{r // 8}" for r in range(world)]
+        outcomes: dict[int, object] = {}
+
+        def rank(r: int) -> None:
+            ctx = DistContext(r, world, stores[r], nodes[r], 60.0, nodes)
+            error = "disk full" if r == 5 else None
+            outcomes[r] = agree(ctx, f"vote{world}", error=error, value=[r] if r in (0, 6) else None)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(outcomes) == world
+        for o in outcomes.values():
+            assert o.failures == [(5, "disk full")]
+            assert o.values == [[r] if r in (0, 6) else None for r in range(world)]
+        return {s.requests for s in stores[1:]}, {s.read for s in stores[1:]}
+
+    small, large = run(8), run(64)
+    assert small[1] == large[1] and len(large[1]) == 1 and max(large[1]) < 100  # rank 0's outcome alone
+    # A send (an append and a count; the last sender also marks the ballots done), then rank
+    # 0's outcome (a wait and a get): four or five requests at any size.
+    assert small[0] | large[0] <= {4, 5}
 
 
 def test_a_persist_threads_own_connection_waits_itself_and_times_out_like_a_wait():

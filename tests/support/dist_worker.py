@@ -389,25 +389,24 @@ def sampler_run(rank: int, world: int, ckpt: str, steps: int, n: int = 50, batch
 
 
 def agreement(rank: int, world: int) -> dict:
-    """coord/agree.py on real ranks: everyone decides, then only rank 0 decides."""
+    """coord/agree.py on real ranks: every rank gets the values and every failure."""
     from ftkit.coord.agree import agree
     from ftkit.coord.dist import DistContext
     from ftkit.errors import AgreementError
 
     ctx = DistContext.detect(timeout_s=30).scoped("agree-test/")
     every = agree(ctx, "all", error="disk full" if rank == 1 else None, value=rank * 10)
-    only0 = agree(ctx, "r0", error=f"bad {rank}" if rank else None, decider=0)
-    raised = None
-    if only0 is not None:
-        try:
-            only0.raise_if_failed("step 3 not committed")
-        except AgreementError as e:
-            raised = [str(e), e.failures]
+    two = agree(ctx, "two", error=f"bad {rank}" if rank else None)
+    try:
+        two.raise_if_failed("step 3 not committed")
+        raised = None
+    except AgreementError as e:
+        raised = [str(e), e.failures]
     return {
         "values": every.values,
         "failures": every.failures,
         "first": every.first_failure(rank),
-        "only0": only0 is not None,
+        "nodes": ctx.nodes,
         "raised": raised,
     }
 
