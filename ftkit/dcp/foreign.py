@@ -67,12 +67,26 @@ def _reader(storage: Storage, rel: str) -> Any:
 
 def metadata(storage: Storage, rel: str = "") -> Any:
     """DCP's Metadata of the checkpoint at `rel` (pickled: trusting the directory)."""
+    return _metadata_of(_reader(storage, rel), storage.where(rel))
+
+
+def _metadata_of(reader: Any, where: str) -> Any:
     try:
-        return _reader(storage, rel).read_metadata()
+        return reader.read_metadata()
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{storage.where(rel)}: no DCP metadata ({METADATA})") from None
+        raise CheckpointNotFoundError(f"{where}: no DCP metadata ({METADATA})") from None
     except Exception as e:  # an unpickling error, a torn file: DCP's own reader says what
-        raise CorruptCheckpointError(f"{storage.where(rel)}: DCP metadata unreadable: {one_line(e)}") from None
+        raise CorruptCheckpointError(f"{where}: DCP metadata unreadable: {one_line(e)}") from None
+
+
+def _loading_reader(storage: Storage, rel: str) -> Any:
+    """DCP's reader of the checkpoint at `rel` for a load, its metadata read here first: a missing or
+    torn ``.metadata`` fails in one line, where DCP's load would log a traceback for it, look for
+    per-rank metadata that its own writer never makes, and fail with both reasons."""
+    reader = _reader(storage, rel)
+    md = _metadata_of(reader, storage.where(rel))
+    reader.read_metadata = lambda *args, **kwargs: md  # (read once: DCP's load asks again)
+    return reader
 
 
 def describe(md: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -103,8 +117,9 @@ def read_all(storage: Storage, rel: str = "") -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
+    reader = _loading_reader(storage, rel)
     with _dcp_errors(CorruptCheckpointError, f"{storage.where(rel)}: DCP checkpoint unreadable"):
-        _load_state_dict(sd, storage_reader=_reader(storage, rel), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return sd
 
 
@@ -163,8 +178,9 @@ def load_into(state: MutableMapping[str, Any], url: str, storage_options: Mappin
         else:
             sd[key] = obj
     storage = Storage(url, dict(storage_options or {}))
+    reader = _loading_reader(storage, "")
     with _dcp_errors(FtkitError, f"{storage.display_url}: the DCP checkpoint does not load into the live state"):
-        dcp.load(sd, storage_reader=_reader(storage, ""))
+        dcp.load(sd, storage_reader=reader)
     for key, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, sd[key])

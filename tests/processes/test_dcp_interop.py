@@ -323,3 +323,31 @@ def test_bytes_values_round_trip_and_malformed_ones_are_refused(tmp_path):
     edit_manifest(os.path.join(ckpt, step_dir_name(1), MANIFEST_NAME), spoil)
     r = run_cli("verify", ckpt)
     assert r.returncode == 1 and "$bytes" in r.stdout + r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_unreadable_or_missing_dcp_metadata_fails_in_one_line_with_no_traceback(titan, tmp_path, caplog):
+    """A torn .metadata (a copy cut short) is named in one line by `ftkit restore` and by
+    `load_into`, before DCP's load tries it, logs its traceback and falls back to per-rank
+    metadata that DCP's own writer never makes; a folder without one says so."""
+    import logging
+
+    root, _ = titan
+    meta = root / "step-200" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:40])
+    out = tmp_path / "out.pt"
+    r = run_cli("restore", str(root), "--out", str(out), in_process=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (said,) = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert "step-200: DCP metadata unreadable" in said, r.stderr
+    assert not out.exists()
+    model, opt = _trained(0)
+    state = {"model": model, "optim": opt, "step": 0}
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ftkit.FtkitError) as e:
+            ftkit.dcp.load_into(state, str(root / "step-200"))
+        assert "step-200: DCP metadata unreadable" in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(ftkit.FtkitError) as e:
+            ftkit.dcp.load_into(state, str(root))  # the folder of checkpoints, not one of them
+        assert str(e.value) == f"{root}: no DCP metadata (.metadata)"
+    assert not [rec for rec in caplog.records if rec.exc_info], "DCP logged a traceback"
+    assert state["step"] == 0
