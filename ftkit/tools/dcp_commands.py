@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ftkit.dcp import foreign
-from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, FtkitError, UsageError
 from ftkit.format.reader import scan
 from ftkit.tiers.storage import Storage
 from ftkit.tools.cliutil import EXIT_FAIL, EXIT_OK, emit, human, open_url
@@ -143,7 +143,10 @@ def _to_ftkit(args, storage: Storage, rel: str, sd: dict[str, Any], step: int) -
 
     work = tempfile.mkdtemp(prefix="ftkit-dcp-")
     try:
-        dcp.save(sd, storage_writer=FtkitStorageWriter([{"url": work, "keep": None}]), checkpoint_id=step, no_dist=True)
+        writer = FtkitStorageWriter([{"url": work, "keep": None}])
+        # (DCP's CheckpointException is a BaseException: a value ftkit cannot store without pickle, one line)
+        with foreign._dcp_errors(FtkitError, f"{storage.where(rel)}: cannot be written as an ftkit step"):
+            dcp.save(sd, storage_writer=writer, checkpoint_id=step, no_dist=True)
         src = Storage(work)
         dst = open_url(args, args.out)
         new = reshard(src, load_manifest(src, step), dst, args.world_size)

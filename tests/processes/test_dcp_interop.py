@@ -351,3 +351,16 @@ def test_an_unreadable_or_missing_dcp_metadata_fails_in_one_line_with_no_traceba
         assert str(e.value) == f"{root}: no DCP metadata (.metadata)"
     assert not [rec for rec in caplog.records if rec.exc_info], "DCP logged a traceback"
     assert state["step"] == 0
+
+
+def test_a_dcp_checkpoint_with_a_value_only_pickle_holds_is_refused_in_one_line(tmp_path):
+    """`ftkit restore --world-size` of a DCP checkpoint holding an object (here a torch.dtype)
+    that ftkit's format cannot hold without pickle: one line naming it, exit 1, nothing written."""
+    src = str(tmp_path / "src")
+    dcp.save({"model": {"w": torch.arange(4.0)}, "dtype": torch.float16}, checkpoint_id=src, no_dist=True)
+    out = tmp_path / "out"
+    r = run_cli("restore", src, "--world-size", "2", "--out", str(out), in_process=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (said,) = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert "cannot store 'dtype'" in said and src in said, r.stderr
+    assert not out.exists() or committed_steps(Storage(str(out))) == []
