@@ -61,6 +61,7 @@ from ftkit.format.manifest import MANIFEST_NAME, Chunk, Manifest, chunk_doc, ste
 from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
 from ftkit.save.write import CHUNK_BYTES
+from ftkit.tiers.lifecycle import retire_step
 from ftkit.tiers.ram import open_node_dir, retire_earlier_lives, run_identity, run_tokens
 from ftkit.tiers.retention import apply_job_retention
 from ftkit.tiers.storage import Storage
@@ -156,6 +157,14 @@ class FtkitStorageWriter(_LeavesPlansToDCP, StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = kwargs.get("rank", self.rank)
 
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        """The coordinator, before any rank writes: on each tier due, a committed step of this number
+        whose data files are missing or torn is retired (a load passed over it for the step before,
+        and the run resumed from there saves it again; refused, every restart would fail here)."""
+        for _, storage in self._due():
+            _retire_if_torn(storage, self.step)
+        return plans
+
     def _due(self) -> list[tuple[Tier, Storage]]:
         if self.step is None:
             raise FtkitError("dcp.save through ftkit needs a step: checkpoint_id=STEP, or FtkitStorageWriter(step=)")
@@ -206,6 +215,28 @@ class FtkitStorageWriter(_LeavesPlansToDCP, StorageWriter):
                 apply_job_retention(storage, tier.keep, tier.keep_every, protect=self.step)
             except StorageError as e:  # the step is committed: what retention left stays for `ftkit gc`
                 log.warning("ftkit: retention after step %d of %s failed: %s", self.step, storage.display_url, e)
+
+
+def _retire_if_torn(storage: Storage, step: int | None) -> None:
+    """Retire `step` if it is committed with data files missing or of other sizes than its manifest
+    says (as a Checkpointer's restore retires the steps it supersedes: tiers/lifecycle.py). A manifest
+    this ftkit cannot read, or a step whose files are whole, is left alone: write_data refuses it."""
+    if step is None or not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+        return
+    try:
+        manifest = load_manifest(storage, step)
+    except (CorruptCheckpointError, CheckpointNotFoundError):
+        return
+    try:
+        check_file_sizes(storage, manifest)
+    except CorruptCheckpointError as e:
+        log.warning(
+            "ftkit: step %d of %s is committed but unusable (%s); retired, to be saved again",
+            step,
+            storage.display_url,
+            e,
+        )
+        retire_step(storage, step)
 
 
 def _value_of(planner: SavePlanner, item: Any) -> Any:

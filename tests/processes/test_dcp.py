@@ -126,6 +126,36 @@ def test_a_corrupt_or_partial_newest_step_is_not_read(tmp_path):
         dcp.load(_state(*_model(1), 0), storage_reader=FtkitStorageReader([root]))
 
 
+def test_a_committed_step_with_torn_data_is_saved_again_by_the_run_that_resumed_before_it(tmp_path):
+    """The newest step's data file is torn (a copy cut short): the load resumes from the step
+    before it, and the run's save of that step number retires the torn one and commits (refused,
+    every restart would fail at that step again). A save over a usable step stays refused, its
+    bytes as they were."""
+    root = tmp_path / "ckpt"
+    writer = FtkitStorageWriter([{"url": str(root), "keep": None}])
+    m, opt = _model(0)
+    for step in (1, 2, 3):
+        dcp.save(_state(m, opt, step), storage_writer=writer, checkpoint_id=step)
+    data = next((root / step_dir_name(3)).glob("*.data"))
+    data.write_bytes(data.read_bytes()[:-8])
+    state = _state(*_model(1), 0)
+    dcp.load(state, storage_reader=FtkitStorageReader([str(root)]))
+    assert state["step"] == 2
+    m2, opt2 = _model(2)  # (the resumed run's step 3)
+    dcp.save(_state(m2, opt2, 3), storage_writer=writer, checkpoint_id=3)
+    assert committed_steps(Storage(str(root))) == [1, 2, 3]
+    state = _state(*_model(1), 0)
+    dcp.load(state, storage_reader=FtkitStorageReader([str(root)]))
+    assert state["step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(state["model"].values(), get_state_dict(m2, opt2)[0].values()))
+    assert run_cli("verify", str(root), "--all").returncode == 0
+    manifest = (root / step_dir_name(3) / MANIFEST_NAME).read_bytes()
+    with pytest.raises(CheckpointException, match="already committed"):
+        dcp.save(_state(m, opt, 3), storage_writer=writer, checkpoint_id=3)
+    assert (root / step_dir_name(3) / MANIFEST_NAME).read_bytes() == manifest
+    assert run_cli("verify", str(root), "--step", "3").returncode == 0
+
+
 def test_a_value_only_pickle_could_hold_is_refused_naming_it(tmp_path):
     class Opaque:
         pass
