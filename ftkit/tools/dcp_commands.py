@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ftkit.dcp import foreign
+from ftkit.dcp.storage import step_of
 from ftkit.errors import AlreadyCommitted, CheckpointNotFoundError, CorruptCheckpointError, FtkitError, UsageError
 from ftkit.format.reader import scan
 from ftkit.tiers.storage import Storage
@@ -28,11 +29,22 @@ def dcp_checkpoints(storage: Storage) -> list[str]:
     return foreign.checkpoints(storage)
 
 
+def _step(storage: Storage, rel: str) -> int | None:
+    """The step a DCP checkpoint is: the number its folder's name ends in (``checkpoint/step-N/``);
+    the URL's own, when it is one checkpoint, as a checkpoint_id names a step (None: it names none)."""
+    if rel:
+        return foreign._number(rel)
+    try:
+        return step_of(storage.url)
+    except FtkitError:
+        return None
+
+
 def _pick(storage: Storage, found: list[str], step: int | None) -> str:
     if step is None:
         return found[-1]
     for name in found:
-        if name and foreign._number(name) == step:
+        if _step(storage, name) == step:
             return name
     raise CheckpointNotFoundError(f"{storage.display_url}: no DCP checkpoint of step {step} (have: {found})")
 
@@ -45,7 +57,7 @@ def ls(args, storage: Storage, found: list[str]) -> int:
             rows.append(
                 {
                     "checkpoint": storage.where(rel),
-                    "step": foreign._number(rel) if rel else None,
+                    "step": _step(storage, rel),
                     "status": "dcp",
                     "tensors": len(tensors),
                     "values": len(values),
@@ -117,7 +129,7 @@ def restore(args, storage: Storage, found: list[str]) -> int:
     if args.format == "dcp":
         raise UsageError("the source is a DCP checkpoint already")
     sd = foreign.read_all(storage, rel)
-    step = foreign._number(rel) if rel else 0
+    step = _step(storage, rel) or 0
     if getattr(args, "world_size", None) is not None:
         return _to_ftkit(args, storage, rel, sd, max(step, 0))
     if args.format != "torch":  # safetensors: the tensors by name

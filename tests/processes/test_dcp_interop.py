@@ -364,3 +364,22 @@ def test_a_dcp_checkpoint_with_a_value_only_pickle_holds_is_refused_in_one_line(
     (said,) = [line for line in r.stderr.splitlines() if "error" in line.lower()]
     assert "cannot store 'dtype'" in said and src in said, r.stderr
     assert not out.exists() or committed_steps(Storage(str(out))) == []
+
+
+def test_one_dcp_checkpoint_named_by_its_own_folder_keeps_its_step(titan, tmp_path):
+    """`checkpoint/step-200` given itself, not the folder of checkpoints: it is step 200 as the
+    folder's listing says, and `restore --world-size` writes ftkit step 200 (not step 0, from
+    which a Checkpointer run would start its step count over)."""
+    root, states = titan
+    one = str(root / "step-200")
+    r = run_cli("ls", one, "--json")
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in json.loads(r.stdout)["checkpoints"]] == [200]
+    assert run_cli("inspect", one, "--step", "200").returncode == 0
+    out = str(tmp_path / "ftkit")
+    r = run_cli("restore", one, "--world-size", "2", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert committed_steps(Storage(out)) == [200]
+    r = run_cli("restore", out, "--out", str(tmp_path / "via-ftkit.pt"))
+    assert r.returncode == 0, r.stderr
+    _assert_equal(_whole(torch.load(tmp_path / "via-ftkit.pt")), _whole(states[200]))
