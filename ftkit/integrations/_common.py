@@ -35,7 +35,7 @@ class CallbackBase:
     def __init__(self, tiers: Sequence[Tier | str | dict] | Tier | str, every_n_steps: int, policy: str):
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an int >= 1, not {every_n_steps!r}")
-        self.tiers = resolve_tiers([tiers] if isinstance(tiers, (str, Tier)) else tiers)
+        self.tiers = resolve_tiers(tiers)  # (one tier given alone is one tier)
         if not self.tiers:
             raise ValueError("at least one tier is needed")
         self.every_n_steps = every_n_steps
