@@ -31,8 +31,9 @@ trainers as they are:
 
   * --max-restarts 3 and --monitor-interval 0.5 unless given, and --standalone
     unless a rendezvous endpoint or --nnodes is given;
-  * FTKIT_RUN_DIR is set to --run-dir (default ./ftkit-run) so Checkpointers log
-    events there; `ftkit report DIR` reads them afterwards;
+  * FTKIT_RUN_DIR is set to --run-dir (default: $FTKIT_RUN_DIR if set, else
+    ./ftkit-run) so Checkpointers log events there; `ftkit report DIR` reads
+    them afterwards;
   * every worker starts through ftkit.runtime.launch, which makes a plain
     init_process_group() (init_method env://, the default) safe across torchrun
     restarts: each attempt gets its own namespace in torchrun's store, so no

@@ -58,6 +58,11 @@ class _Record(argparse.Action):
         namespace.ftkit_typed[option_string] = self.nargs != 0
 
 
+def default_run_dir() -> str:
+    """--run-dir when none is given: $FTKIT_RUN_DIR (a batch script's, hooks/slurm/train.sbatch), else ./ftkit-run."""
+    return os.environ.get("FTKIT_RUN_DIR") or "ftkit-run"
+
+
 FTKIT_OPTIONS = ("--run-dir", "--startup-timeout", "--cold", "--preload", "--replace-dead")
 
 
@@ -65,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
-    p.add_argument("--run-dir", action=_Record, default="ftkit-run")
+    p.add_argument("--run-dir", action=_Record, default=None)  # None: default_run_dir()
     p.add_argument("--startup-timeout", action=_Record, type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     p.add_argument("--cold", action=_Record, nargs=0, default=False)
     p.add_argument("--preload", action=_Record, default="")
@@ -102,7 +107,7 @@ def plan(argv: list[str]) -> Plan:
         if any(f"argument {o}" in str(e) for o in FTKIT_OPTIONS):  # one of ours: say it here
             raise UsageError(str(e)) from None
         # torchrun will say what is wrong; without a script there is nothing to rewrite
-        return Plan(list(argv), launched=False)
+        return Plan(list(argv), default_run_dir(), launched=False)
     script_at = len(argv) - len(ns.training_script_args) - 1
     options = _strip(argv[:script_at], ns.ftkit_typed)
     script = [ns.training_script, *ns.training_script_args]
@@ -114,7 +119,8 @@ def plan(argv: list[str]) -> Plan:
     if not (ns.no_python or ns.run_path or ns.module) and not os.path.isfile(ns.training_script):
         # (torchrun would start it anyway, and restart it with a traceback every time)
         raise UsageError(f"no such script: {ns.training_script}")
-    out = Plan([], ns.run_dir, ns.startup_timeout, warm=not ns.cold, preload=preload, replace_dead=ns.replace_dead)
+    run_dir = default_run_dir() if ns.run_dir is None else ns.run_dir
+    out = Plan([], run_dir, ns.startup_timeout, warm=not ns.cold, preload=preload, replace_dead=ns.replace_dead)
     names = {o.split("=", 1)[0].replace("_", "-") for o in options if o.startswith("--")}
     defaults = []
     if "--max-restarts" not in names:

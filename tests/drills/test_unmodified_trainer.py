@@ -315,6 +315,7 @@ def test_ftkit_run_command_line_rewrite(tmp_path, monkeypatch):
     from ftkit.runtime.warm.zygote import client_path
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FTKIT_RUN_DIR", raising=False)  # (else it is the default --run-dir)
     (tmp_path / "train.py").write_text("")  # (a script that is not a file is refused)
 
     defaults = ["--max-restarts", "3", "--monitor-interval", "0.5", "--standalone"]
