@@ -30,6 +30,22 @@ def epoch(e: dict[str, Any]) -> tuple[int, int]:
     return e.get("attempt", 0), e.get("gen", 0)
 
 
+def launches(events: list[dict[str, Any]]) -> list[int]:
+    """Which launch of the job each event (in time order) belongs to: 0, then one more each time
+    a rank starts again in an (attempt, generation) it already started in. A run directory used by
+    several launches (a requeued SLURM job, `ftkit run` started again) holds each one's attempt 0."""
+    out: list[int] = []
+    launch, started = 0, set[tuple[int, int, int]]()
+    for e in events:
+        if e["event"] == "start":
+            key = (e["rank"], *epoch(e))
+            if key in started:
+                launch, started = launch + 1, set()
+            started.add(key)
+        out.append(launch)
+    return out
+
+
 @dataclass
 class Incident:
     attempt: int  # the attempt that failed
@@ -48,6 +64,7 @@ class Incident:
     phases: dict[str, float] = field(default_factory=dict)  # the breakdown above, seconds
     gen: int = 0  # the generation of `attempt` that failed
     in_process: bool = False  # recovered without a torchrun restart (same attempt, next generation)
+    launch: int = 0  # the launch of the job that failed (launches(): a run directory used again)
 
 
 @dataclass
@@ -76,16 +93,19 @@ def analyze(events: list[dict[str, Any]]) -> Report:
     if not events:
         raise ValueError("no events")
     t0, t1 = events[0]["t"], events[-1]["t"]
-    by_attempt: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    # (launch, torchrun attempt, generation) of each event: the job's lifetimes in order
+    lifetime = {id(e): (launch, *epoch(e)) for e, launch in zip(events, launches(events))}
+    by_attempt: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for e in events:
-        by_attempt.setdefault(epoch(e), []).append(e)
+        by_attempt.setdefault(lifetime[id(e)], []).append(e)
     attempts = sorted(by_attempt)
     incidents = []
     for prev, nxt in zip(attempts, attempts[1:]):
         old, new = by_attempt[prev], by_attempt[nxt]
         steps_old = [e for e in old if e["event"] == "step"]
         last_step = max((e["step"] for e in steps_old), default=0)
-        faults = [e for e in events if e["event"] == "fault" and epoch(e) == prev and e.get("restarts", True)]
+        faults = [e for e in events if e["event"] == "fault" and lifetime[id(e)] == prev and e.get("restarts", True)]
+        relaunched = nxt[0] != prev[0]  # the job was started again (no torchrun restart)
         fault_t = min((e["t"] for e in faults), default=max((e["t"] for e in steps_old), default=old[0]["t"]))
         cause = faults[0].get("kind", "fault") if faults else "worker failure"
         detects = [e for e in old if e["event"] == "detect" and e["t"] >= fault_t - 1]
@@ -102,10 +122,14 @@ def analyze(events: list[dict[str, Any]]) -> Report:
             detected_by = f"a collective with the lost rank (rank {detects[0]['target']} raised)"
         elif detects:
             detected_by = f"ftkit watchdog ({detects[0]['what']})"
-        elif nxt[0] == prev[0]:  # in process, before any verdict: a collective with the dead rank failed
+        elif relaunched:
+            detected_by = "a new launch of the job"
+        elif nxt[1] == prev[1]:  # in process, before any verdict: a collective with the dead rank failed
             detected_by = "a collective with the lost rank (its connections closed)"
         else:
             detected_by = "torchrun agent (process exit)"
+        if relaunched and not faults:
+            cause = "preemption" if detected_by.startswith("preemption") else "the job ended"
         detect_t = min((e["t"] for e in detects), default=None)
         start_t = min((e["t"] for e in new if e["event"] == "start"), default=new[0]["t"])
         restores = [e for e in new if e["event"] == "restore"]
@@ -117,9 +141,10 @@ def analyze(events: list[dict[str, Any]]) -> Report:
         phases = _phases(base, new, restore_t, max(recompute_end, restore_t))
         incidents.append(
             Incident(
-                attempt=prev[0],
-                gen=prev[1],
-                in_process=nxt[0] == prev[0],
+                attempt=prev[1],
+                gen=prev[2],
+                launch=prev[0],
+                in_process=nxt[:2] == prev[:2],
                 fault_t=fault_t,
                 cause=cause,
                 detected_by=detected_by,
@@ -211,7 +236,11 @@ def to_text(report: Report) -> str:
     ]
     for n, i in enumerate(report.incidents, 1):
         det = f"detect {i.detect_s:.1f}s, " if i.detect_s is not None else ""
-        where = f"attempt {i.attempt}" + (f" generation {i.gen}" if i.gen else "")
+        where = (
+            (f"launch {i.launch} " if i.launch else "")
+            + f"attempt {i.attempt}"
+            + (f" generation {i.gen}" if i.gen else "")
+        )
         how = "recovered in process" if i.in_process else "restarted"
         lines.append(
             f"incident {n}: {i.cause} in {where}, detected by {i.detected_by}, {how}: "
@@ -237,13 +266,14 @@ def to_html(report: Report, events: list[dict[str, Any]], title: str = "ftkit ru
     x = lambda t: left + (t - t0) * scale  # noqa: E731
     colors = ["#4c9f70", "#3b7dd8", "#9b59b6", "#e67e22", "#16a085"]
     parts = []
+    launch = {id(e): n for e, n in zip(events, launches(events))}
     for i, r in enumerate(ranks):
         y = 20 + i * row
         parts.append(f'<text x="4" y="{y + 14}" font-size="12">{"drill" if r < 0 else f"rank {r}"}</text>')
         steps = [e for e in events if e["rank"] == r and e["event"] == "step"]
         for a, b in zip(steps, steps[1:]):
-            if a.get("attempt") == b.get("attempt"):
-                c = colors[a.get("attempt", 0) % len(colors)]
+            if (launch[id(a)], a.get("attempt")) == (launch[id(b)], b.get("attempt")):
+                c = colors[(launch[id(a)] + a.get("attempt", 0)) % len(colors)]
                 parts.append(
                     f'<rect x="{x(a["t"]):.1f}" y="{y}" width="{max(0.5, (b["t"] - a["t"]) * scale):.1f}" '
                     f'height="{row - 8}" fill="{c}"><title>step {b["step"]}</title></rect>'
