@@ -555,3 +555,18 @@ def slow_final_flush(rank: int, world: int, url: str, root: str) -> list[int]:
     if rank == 0:
         set_faults(root)
     return committed_steps(ftkit.Tier(url).open())
+
+
+def recipe_weight() -> torch.Tensor:
+    """A compressible 2 MiB weight whose rows differ (FORMAT.md's recipe reads it back)."""
+    return (torch.arange(1024 * 512, dtype=torch.float32) % 7919).reshape(1024, 512)
+
+
+def save_for_format_recipe(rank: int, world: int, tier: str) -> None:
+    """Every rank saves recipe_weight() (split in row blocks over the ranks, so over every
+    node's part) to a zstd tier, as step 120."""
+    with ftkit.Checkpointer(
+        {"model": {"fc.weight": recipe_weight()}}, [ftkit.Tier(tier, compress="zstd")], rng=False
+    ) as ck:
+        ck.snapshot(120)
+        ck.wait()

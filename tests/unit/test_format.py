@@ -41,6 +41,27 @@ def test_format_md_recipe_reads_a_tensor_without_ftkit_also_split_across_ranks(t
         assert np.array_equal(np.load(out), w.numpy()), root
 
 
+def test_format_md_recipe_reads_a_zstd_tensor_that_a_4_rank_2_node_job_saved_in_both_nodes_parts(tmp_path):
+    import dist_worker
+    import numpy as np
+    from ranks import run_ranks
+
+    ckpt = tmp_path / "ckpt"
+    run_ranks(4, dist_worker.save_for_format_recipe, str(ckpt), env={"FTKIT_RANKS_PER_NODE": "2"}, timeout=90)
+    m = load_manifest(ftkit.Tier(str(ckpt)).open(), 120)
+    assert len(m.parts) == 2 and {c.codec for s in m.tensor("model/fc.weight").shards for c in s.chunks} == {"zstd"}
+    recipe = re.search(r"```python\n(.*?)```", open(os.path.join(REPO, "FORMAT.md")).read(), re.S).group(1)
+    script = (
+        "import sys; sys.modules['ftkit'] = None\n"  # prove ftkit is not needed
+        + recipe.replace('"ckpt/step-000000000120"', repr(str(ckpt / "step-000000000120")))
+        + "\nnp.save(sys.argv[1], w)\n"
+    )
+    out = tmp_path / "w.npy"
+    r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(np.load(out), dist_worker.recipe_weight().numpy())
+
+
 def test_manifest_declares_format_and_version_first(tmp_path):
     with ftkit.Checkpointer({"t": torch.ones(3)}, [str(tmp_path)], rng=False) as ck:
         ck.snapshot(1)
