@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
+import psutil
 import torch
 
 from ftkit.errors import CorruptCheckpointError, FormatError
@@ -145,9 +146,12 @@ def _stored_chunks(storage: Storage, step_dir: str, by_file: dict[str, list[Any]
 def read_tensors(
     storage: Storage, manifest: Manifest, progress: Callable[[int], None] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Read (and verify) every tensor whole into new contiguous CPU tensors."""
+    """Read (and verify) every tensor whole into new contiguous CPU tensors; refused before any
+    allocation when they need more memory than the host has available (a zstd chunk may decode
+    to 32768 times its stored bytes: a small crafted step can claim far more than the host has)."""
     regions = {t.name: ((0,) * len(t.shape), t.shape) for t in manifest.tensors}
-    return read_regions(storage, manifest, regions, progress=progress)
+    free = int(psutil.virtual_memory().available)
+    return read_regions(storage, manifest, regions, progress=progress, memory_limit=free)
 
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
@@ -198,9 +202,10 @@ def read_regions(
     if memory_limit is not None:
         new_bytes = _new_bytes(entries, regions, plans, out or {})
         if new_bytes > memory_limit:
+            held = " for tensors the live state does not hold" if out else ""
             raise CorruptCheckpointError(
-                f"{step_where}: restoring it needs {new_bytes / 2**30:.1f} GiB of new memory for tensors the "
-                f"live state does not hold, more than the {memory_limit / 2**30:.1f} GiB available"
+                f"{step_where}: restoring it needs {new_bytes / 2**30:.1f} GiB of new memory{held}, "
+                f"more than the {memory_limit / 2**30:.1f} GiB available"
             )
     # 3. Allocate.
     dest: dict[str, torch.Tensor] = {}

@@ -133,6 +133,34 @@ def test_a_huge_shape_allocates_nothing_and_falls_back(two_steps):
     assert "'w'" in r.stderr or "step-000000000002" in r.stderr, r.stderr  # says what and where
 
 
+def test_a_step_that_decodes_to_more_than_the_host_has_is_refused_before_it_is_allocated(tmp_path, monkeypatch):
+    # A zstd chunk decodes to up to 32768 times what it stores: 18 KB of a real step are
+    # 512 MiB here (a crafted step of 1 MB claims 32 GiB). Exporting or resharding it read
+    # every tensor into new memory however little the host had, to be killed by the OOM killer
+    # (or to have it kill another process) part way through.
+    import psutil
+
+    root = tmp_path / "ckpt"
+    with ftkit.Checkpointer({"w": torch.zeros(2**27)}, [ftkit.Tier(str(root), compress="zstd")], rng=False) as ck:
+        ck.snapshot(1)
+    stored = sum(f.stat().st_size for f in (root / step_dir_name(1)).glob("*.data"))
+    assert stored < 2**20
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=2**28))
+    out, resharded, dcp = tmp_path / "out.pt", tmp_path / "resharded", tmp_path / "dcp"
+    for args in (
+        ("restore", str(root), "--out", str(out)),
+        ("restore", str(root), "--out", str(resharded), "--world-size", "2"),
+        ("export", str(root), "--out", str(dcp), "--format", "dcp"),
+    ):
+        r = run_cli(*args)
+        _assert_one_line(r, 1)
+        assert "0.5 GiB" in r.stderr and "0.2 GiB available" in r.stderr and "step-000000000001" in r.stderr, r.stderr
+    assert not out.exists() and not resharded.exists() and not dcp.exists()
+    assert list(tmp_path.iterdir()) == [root]
+    assert run_cli("verify", str(root)).returncode == 0  # verify decodes into a scratch buffer
+
+
 # ------------------------------------------------ 3. malformed but valid JSON
 MALFORMED = {
     "files not a dict": lambda d: d.update(files=["x"]),
