@@ -41,6 +41,9 @@ MAX_NUMBER_CHARS = 400
 RANK_KEY_RE = re.compile(r"^(0|[1-9][0-9]{0,7})\Z")  # ASCII only: str.isdigit() takes "²", which int() refuses
 MAX_CREATED_AT = 2.0**40  # seconds since 1970: tens of thousands of years
 ZSTD_MAX_RATIO = 32768  # a zstd block of <= 128 KiB needs >= 4 stored bytes
+# Every writer cuts a shard's bytes in chunks of at most 16 MiB (save/write.py): a reader holds a
+# chunk's stored bytes at once, so a larger one (free to claim in a sparse file) is refused unread.
+MAX_CHUNK_RAW = 16 * 2**20
 CHECKSUM_RE = re.compile(r"^xxh3_64:[0-9a-f]{16}\Z")
 NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: cannot back an $ndarray
 
@@ -287,9 +290,15 @@ def _chunk(c: Any, files: dict[str, Any], what: str) -> Chunk:
             and 0 <= offset
             and 1 <= length
             and 0 <= raw_offset <= MAX_INT
-            and 1 <= raw_length <= MAX_INT
+            and 1 <= raw_length <= MAX_CHUNK_RAW
             and offset + length <= files[file]["bytes"]
-            and (codec == "raw" and length == raw_length or codec == "zstd" and raw_length <= ZSTD_MAX_RATIO * length)
+            and (
+                codec == "raw"
+                and length == raw_length
+                or codec == "zstd"
+                and raw_length <= ZSTD_MAX_RATIO * length
+                and length <= zstd_bound(raw_length)
+            )
             and type(checksum) is str
             and CHECKSUM_RE.match(checksum)
         ):
@@ -308,6 +317,8 @@ def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> NoReturn:
     length = _int(c.get("length"), f"chunk length of {what}", 1, MAX_INT)
     _int(c.get("raw_offset"), f"chunk raw_offset of {what}", 0, MAX_INT)
     raw_length = _int(c.get("raw_length"), f"chunk raw_length of {what}", 1, MAX_INT)
+    if raw_length > MAX_CHUNK_RAW:
+        raise FormatError(f"a chunk of {what} holds {raw_length} raw bytes, more than the {MAX_CHUNK_RAW} of any chunk")
     codec = c.get("codec")
     if codec not in CODECS:
         raise FormatError(f"a chunk of {what} has unknown codec {str(codec)[:40]!r}")
@@ -315,6 +326,10 @@ def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> NoReturn:
         raise FormatError(f"a raw chunk of {what} stores {length} bytes for {raw_length} raw bytes")
     if codec == "zstd" and raw_length > ZSTD_MAX_RATIO * length:
         raise FormatError(f"a zstd chunk of {what} claims {raw_length} raw bytes from {length} stored bytes")
+    if codec == "zstd" and length > zstd_bound(raw_length):
+        raise FormatError(
+            f"a zstd chunk of {what} stores {length} bytes for {raw_length} raw bytes, more than zstd ever needs"
+        )
     checksum = c.get("checksum")
     if not isinstance(checksum, str) or not CHECKSUM_RE.match(checksum):
         raise FormatError(f"a chunk of {what} has no valid checksum ({str(checksum)[:40]!r})")
@@ -324,6 +339,11 @@ def _chunk_problem(c: Any, files: dict[str, Any], what: str) -> NoReturn:
 
 
 # -------------------------------------------------------------------- basics
+def zstd_bound(n: int) -> int:
+    """The most bytes one zstd frame takes to store `n` bytes (libzstd's ZSTD_compressBound)."""
+    return n + (n >> 8) + ((128 * 1024 - n) >> 11 if n < 128 * 1024 else 0)
+
+
 def rank_key(key: Any, world: int | None = None) -> int | None:
     """A rank written as an object key ("12"), below `world` when given; None if it is not one."""
     if not isinstance(key, str) or not RANK_KEY_RE.match(key):

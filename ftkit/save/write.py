@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from ftkit.errors import AlreadyCommitted, StorageError
 from ftkit.format import codec
 from ftkit.format.manifest import MANIFEST_NAME, Chunk, Shard, TensorEntry, step_dir_name
+from ftkit.format.validate import MAX_CHUNK_RAW
 from ftkit.save.sharding import REPLICATED, Piece
 from ftkit.save.staging import Slot
 from ftkit.tiers.storage import Storage
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 16 * 2**20
+CHUNK_BYTES = MAX_CHUNK_RAW  # (readers refuse a larger chunk)
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def test_a_chunk_beyond_the_real_file_is_refused(two_steps):
 
 # ------------------------------------------------ 2. no allocation from untrusted sizes
 def test_a_huge_shape_allocates_nothing_and_falls_back(two_steps):
-    def huge(d):  # consistent everywhere but in the real file size: 4 TB of float32
+    def huge(d):  # 4 TB of float32 in one chunk (refused as a chunk no writer makes, before the file size)
         t = d["tensors"][0]
         t["shape"] = [10**12]
         t["shards"][0]["lengths"] = [10**12]
@@ -127,10 +127,53 @@ def test_a_huge_shape_allocates_nothing_and_falls_back(two_steps):
         d["files"][name]["bytes"] = 4 * 10**12
 
     _edit(two_steps, huge)
-    _assert_rejected_everywhere(two_steps, "data file is")
+    _assert_rejected_everywhere(two_steps, "of any chunk")
     out = two_steps.parent / "out.pt"
     r = run_cli("restore", str(two_steps), "--step", "2", "--out", str(out))
     assert "'w'" in r.stderr or "step-000000000002" in r.stderr, r.stderr  # says what and where
+
+
+def _sparse_chunk(root, codec: str, stored: int, raw: int):
+    """Step 2's one chunk made to store `stored` bytes (a sparse file: no disk blocks) that
+    decode to `raw`, as `codec`; the tensor's shape to match."""
+
+    def lie(d):
+        t, c = d["tensors"][0], _chunks(d)[0]
+        t["shape"] = t["shards"][0]["lengths"] = [raw // 4]
+        c.update(offset=0, length=stored, raw_length=raw, codec=codec)
+        d["files"][c["file"]]["bytes"] = stored
+        os.truncate(root / step_dir_name(2) / c["file"], stored)
+
+    _edit(root, lie)
+
+
+@pytest.mark.parametrize(
+    "codec, stored, raw, needle",
+    [
+        ("raw", 2**26, 2**26, "67108864 raw bytes, more than the 16777216"),
+        ("zstd", 2**26, 4 * N, "stores 67108864 bytes for 16384 raw bytes"),
+    ],
+)
+def test_a_chunk_larger_than_any_writer_makes_is_refused_unread(two_steps, monkeypatch, codec, stored, raw, needle):
+    # A sparse data file claims any size for free: a chunk of 64 MiB (or 64 GiB) of it made
+    # verify and gc allocate and read all of it (a raw chunk), and restore too (the stored bytes
+    # of a zstd chunk, whatever it decodes to). Every writer cuts chunks of at most 16 MiB, and
+    # zstd never needs more than ZSTD_compressBound(raw) bytes to store raw ones.
+    from ftkit.format import data
+
+    _sparse_chunk(two_steps, codec, stored, raw)
+    real = data.chunk_bytes
+
+    def read(storage, rel, chunks):
+        assert step_dir_name(2) not in rel, "a chunk of step 2 was read"
+        return real(storage, rel, chunks)
+
+    monkeypatch.setattr(data, "chunk_bytes", read)
+    r = run_cli("ls", str(two_steps), "--json")
+    assert [s["status"] for s in json.loads(r.stdout)["steps"]] == ["committed", "bad-manifest"]
+    _assert_rejected_everywhere(two_steps, needle)
+    r = run_cli("gc", str(two_steps), "--keep", "1", "--json")
+    assert r.returncode == 0 and needle in json.loads(r.stdout)["failed_verification"]["2"], r.stdout
 
 
 def test_a_step_that_decodes_to_more_than_the_host_has_is_refused_before_it_is_allocated(tmp_path, monkeypatch):
