@@ -11,6 +11,7 @@ parts (what is written) three JSON lines (part.py).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import uuid
 from dataclasses import dataclass
@@ -85,7 +86,14 @@ class PartRef:
     file: str
     nbytes: int
     checksum: str
-    ranks: frozenset[int]
+    runs: tuple[tuple[int, int], ...]  # its ranks as sorted [start, stop) runs, neighbours merged
+
+    def holds(self, rank: Any) -> bool:
+        """Whether `rank` is one of this part's (by its runs: a set of 2**24 ranks costs GBs)."""
+        if type(rank) is not int:
+            return False
+        i = bisect.bisect_right(self.runs, (rank, MAX_WORLD + 1)) - 1
+        return i >= 0 and rank < self.runs[i][1]
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,7 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
             at = stop
         if at != world:
             raise FormatError(f"the parts do not hold every one of the {world} ranks exactly once")
-        refs = tuple(PartRef(n, b, c, _rank_set(runs)) for n, b, c, runs in listed)
+        refs = tuple(PartRef(n, b, c, _merged(runs) or ()) for n, b, c, runs in listed)  # (disjoint: above)
     except FormatError as e:
         raise FormatError(f"{where}: {e}") from None
     if expect_step is not None and step != expect_step:
@@ -133,8 +141,18 @@ def parse_index(doc: Any, where: str, expect_step: int | None = None) -> Index:
     return Index(step, world, refs, doc)
 
 
-def _rank_set(runs: list[tuple[int, int]]) -> frozenset[int]:
-    return frozenset(r for start, stop in runs for r in range(start, stop))
+def _merged(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:
+    """Runs sorted, neighbours joined: two lists of runs hold the same ranks when these are
+    equal. None when two runs overlap."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(runs):
+        if out and start < out[-1][1]:
+            return None
+        if out and start == out[-1][1]:
+            out[-1] = (out[-1][0], stop)
+        else:
+            out.append((start, stop))
+    return tuple(out)
 
 
 def _runs(runs: Any, world: int, what: str) -> list[tuple[int, int]]:
@@ -190,7 +208,7 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
     if not isinstance(doc, dict) or doc.get("format") != PART_FORMAT:
         raise FormatError("not an ftkit manifest part")
     runs = _runs(doc.get("ranks"), index.world_size, "the part")
-    if doc.get("step") != index.step or sum(z - a for a, z in runs) != len(ref.ranks) or _rank_set(runs) != ref.ranks:
+    if doc.get("step") != index.step or _merged(runs) != ref.runs:
         raise FormatError("its step or ranks differ from the index's")
     part_files = doc.get("files")
     if not isinstance(part_files, dict):
@@ -218,7 +236,7 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
     if not isinstance(states, dict):
         raise FormatError("'rank_state' must be an object")
     for r, st in states.items():
-        if rank_key(r) not in ref.ranks:
+        if not ref.holds(rank_key(r)):
             raise FormatError(f"rank_state has an entry for rank {str(r)[:20]!r} of another part")
         rank_state[r] = st
 
@@ -226,7 +244,7 @@ def _merge_part(doc: Any, ref: PartRef, index: Index, files: dict, tensors: dict
 def check_part(data: bytes, step: int, ranks: list[int], world_size: int, where: str) -> None:
     """Everything a reader checks of one (version-4) part alone: what a node's collector checks
     of its ranks' untrusted reports before writing. The tiling across parts is checked on assembly."""
-    ref = PartRef("", len(data), "", frozenset(ranks))
+    ref = PartRef("", len(data), "", _merged([(r, r + 1) for r in set(ranks)]) or ())
     index = Index(step, world_size, (ref,), {})
     files: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
@@ -246,4 +264,4 @@ def check_part(data: bytes, step: int, ranks: list[int], world_size: int, where:
 
 
 def _own(rank: Any, ref: PartRef) -> bool:
-    return type(rank) is int and rank in ref.ranks
+    return ref.holds(rank)

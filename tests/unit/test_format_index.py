@@ -233,6 +233,35 @@ def test_parts_claiming_the_largest_world_twice_are_refused_before_any_rank_set_
         parse_index({"step": 1, "world_size": 2**24, "parts": parts}, "the index")
 
 
+def test_a_step_whose_one_part_holds_the_largest_world_is_read_without_a_set_of_its_ranks(tmp_path):
+    """A valid step of 400 bytes: world_size 2**24, one part holding every rank. `ftkit ls` built
+    the set of its 2**24 ranks twice (2.4 GB, 6 s), and so did every rank of a job restoring."""
+    import subprocess
+    import sys
+
+    step_dir = tmp_path / step_dir_name(1)
+    step_dir.mkdir()
+    world = 2**24
+    part = encode_part_docs(1, [0], {}, [], {})
+    part = part.replace(b'"ranks":[[0,1]]', b'"ranks":[[0,%d]]' % world)
+    (step_dir / "part-00000-aaaaaaaa.json").write_bytes(part)
+    index = {"format": "ftkit-checkpoint", "format_version": 4, "step": 1, "world_size": world}
+    index |= {"skeleton": {"entries": {}}, "created_at": 0, "writer": {}}
+    ref = {"file": "part-00000-aaaaaaaa.json", "bytes": len(part), "ranks": [[0, world]]}
+    ref["checksum"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(part)
+    (step_dir / MANIFEST_NAME).write_text(json.dumps({**index, "parts": [ref]}))
+    script = (
+        "import json, resource, sys\n"
+        "from ftkit.tools.cli import main\n"
+        "rc = main(['ls', sys.argv[1], '--json'])\n"
+        "print(json.dumps({'rc': rc, 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    got = json.loads(r.stderr.strip().splitlines()[-1])
+    assert got["rc"] == 0 and json.loads(r.stdout)["steps"][0]["world_size"] == world, r.stdout
+    assert got["rss"] < 1024 * 1024, f"{got['rss'] // 1024} MiB"  # (KiB) python and torch alone: ~400 MiB
+
+
 def test_the_shard_overlap_sweep_agrees_with_comparing_every_pair():
     """Random irregular covers (guillotine cuts: no grid), and the same with one shard moved
     onto another: check_shards_tile refuses exactly the layouts in which some pair overlaps."""
