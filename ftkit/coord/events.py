@@ -103,8 +103,8 @@ def read_event_log(run_dir: str) -> tuple[list[dict[str, Any]], int]:
                     continue
                 try:
                     event = json.loads(line)
-                except json.JSONDecodeError:
-                    event = None  # a line torn by a kill
+                except (ValueError, RecursionError):  # a line torn by a kill; too deep, a number too long
+                    event = None
                 if _well_formed(event):
                     out.append(event)
                 else:
@@ -125,6 +125,7 @@ _NEEDS = {
     "step": {"step": _integer},
     "straggler": {"target": _integer, "factor": _number},
     "snapshot": {"stall_s": _number},
+    "detect": {"what": lambda v: isinstance(v, str), "target": lambda v: v is None or _integer(v)},
 }
 
 

@@ -86,7 +86,8 @@ def _a_survivors_own(detect: dict[str, Any], faults: list[dict[str, Any]]) -> bo
     """A "failed" verdict about another rank than the drilled fault's target: a survivor's loop
     raised because of the fault, not the fault itself."""
     target = faults[0].get("target") if faults else None
-    return detect.get("what") == "failed" and isinstance(target, int) and detect.get("target") != target
+    theirs = detect.get("target")
+    return detect.get("what") == "failed" and isinstance(target, int) and isinstance(theirs, int) and theirs != target
 
 
 def analyze(events: list[dict[str, Any]]) -> Report:

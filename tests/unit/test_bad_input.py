@@ -296,6 +296,9 @@ def test_report_html_to_a_path_that_cannot_be_written_is_one_line(tmp_path):
         '{"t": 2, "rank": 0, "event": "straggler", "target": 1}',
         '{"t": 2, "rank": 0, "event": "start", "boot": [1]}',
         '{"t": 2, "rank": 0, "event": 7}',
+        '{"t": 2, "rank": 0, "event": "detect", "target": 1}',
+        "[" * 100000,  # (json: RecursionError)
+        '{"t": 2, "rank": 0, "event": "step", "step": ' + "9" * 5000 + "}",  # (int(): ValueError)
     ],
 )
 def test_report_skips_an_event_with_a_field_missing_or_mistyped_and_counts_it(tmp_path, bad):
@@ -311,6 +314,21 @@ def test_report_skips_an_event_with_a_field_missing_or_mistyped_and_counts_it(tm
     _one_line_error(
         run_cli("report", str(tmp_path / "run")), 1, "the event log is empty (1 unreadable line(s) skipped)"
     )
+
+
+def test_report_of_a_restart_skips_a_detect_event_without_its_verdict(tmp_path):
+    events = tmp_path / "run" / "events"
+    events.mkdir(parents=True)
+    lines = [
+        '{"t": 1.0, "rank": 0, "event": "step", "step": 1}',
+        '{"t": 2.0, "rank": 0, "event": "detect", "target": 0}',  # (KeyError: 'what')
+        '{"t": 3.0, "rank": 0, "attempt": 1, "event": "start"}',
+        '{"t": 4.0, "rank": 0, "attempt": 1, "event": "step", "step": 2}',
+    ]
+    (events / "rank-00000.jsonl").write_text("\n".join(lines) + "\n")
+    r = run_cli("report", str(tmp_path / "run"))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "skipped 1 unreadable event line(s)" in r.stdout and "torchrun agent" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("key", [[{"a": 1}], {"$tuple": [[1]]}, {"$tuple": [{"b": 2}]}, {"x": 1}])
