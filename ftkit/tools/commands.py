@@ -126,7 +126,7 @@ def cmd_verify(args) -> int:
             with progress_bar(m.total_raw_bytes, f"verify step {s}") as update:
                 verify(storage, m, progress=update)
             results.append({"step": s, "ok": True, "bytes": m.total_stored_bytes})
-        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        except (CorruptCheckpointError, CheckpointNotFoundError, StorageError) as e:  # (as gc's survey)
             results.append({"step": s, "ok": False, "error": str(e)})
     ok = all(r["ok"] for r in results)
     lines = [f"step {r['step']}: " + ("OK" if r["ok"] else f"FAILED: {r['error']}") for r in results]

@@ -243,6 +243,26 @@ def test_verify_all_fails_on_a_step_that_ls_shows_as_a_link(two_steps, tmp_path,
     )
 
 
+def test_verify_all_reports_a_step_whose_read_fails_and_goes_on_to_the_others(two_steps, monkeypatch):
+    """A storage error reading one step (EIO, a dropped connection) is that step's FAILED line:
+    verify --all went no further, printed no --json document, and hid the other steps' verdicts."""
+    from ftkit.errors import StorageError
+    from ftkit.tiers.storage import Storage
+
+    real = Storage.open_read
+
+    def open_read(self, rel):
+        if rel.startswith(step_dir_name(1)) and rel.endswith(".data"):
+            raise StorageError(f"reading {self.where(rel)} failed: OSError: [Errno 5] Input/output error")
+        return real(self, rel)
+
+    monkeypatch.setattr(Storage, "open_read", open_read)
+    r = run_cli("verify", str(two_steps), "--all", "--json")
+    assert r.returncode == 1 and r.stderr == "", r.stderr
+    steps = json.loads(r.stdout)["steps"]
+    assert [s["ok"] for s in steps] == [False, True] and "Input/output error" in steps[0]["error"], steps
+
+
 def test_verify_refuses_a_step_together_with_all(two_steps):
     r = run_cli("verify", str(two_steps), "--step", "1", "--all")
     _one_line_error(r, 2, "--all", "not both")
