@@ -65,7 +65,9 @@ class PeerGroup:
         self, plan: Sequence[Transfer], read, write, sizes: dict[tuple[int, str], int], keep_buffers: bool = False
     ) -> list[str]:
         """Run this rank's transfers at once; return the files received. On a transport failure
-        mark the group broken and raise.
+        mark the group broken and raise. A `read` or `write` that fails is this run's error,
+        raised once every transfer is done (a file that cannot be read goes as zeros, which its
+        receiver's check rejects): the ranks' sends and receives still match, the group stays usable.
 
         read(file): the uint8 tensor of a file this rank sends; write(file, tensor): store what
         was received (the tensor is valid during the call only); sizes[(src, file)]: lengths.
@@ -77,6 +79,7 @@ class PeerGroup:
             raise PeerTransferError(f"peer group unusable after an earlier failure: {self.broken}")
         received = []
         record = {"start": time.perf_counter(), "read_s": 0.0, "write_s": 0.0}
+        failed: Exception | None = None  # the first read or write that failed
         try:
             incoming = [t for t in plan if t.dst == self.rank]
             bufs = [self._buffer(i, sizes[(t.src, t.file)], keep_buffers) for i, t in enumerate(incoming)]
@@ -85,22 +88,31 @@ class PeerGroup:
             for t in plan:
                 if t.src == self.rank:
                     t0 = time.perf_counter()
-                    data = read(t.file)
+                    try:
+                        data = read(t.file)
+                    except Exception as e:
+                        failed = failed or e
+                        data = torch.zeros(sizes[(t.src, t.file)], dtype=torch.uint8)
                     record["read_s"] += time.perf_counter() - t0
                     sends.append(dist.isend(data, dst=t.dst, group=self.group))
             for t, buf, work in zip(incoming, bufs, recvs):
                 if work is not None:  # None only outside the group, which a plan never asks for
                     work.wait()
                 t0 = time.perf_counter()
-                write(t.file, buf)
+                try:
+                    write(t.file, buf)
+                    received.append(t.file)
+                except Exception as e:
+                    failed = failed or e
                 record["write_s"] += time.perf_counter() - t0
-                received.append(t.file)
             for send in sends:
                 if send is not None:
                     send.wait()
         except Exception as e:
             self.broken = one_line(e, 200)
             raise
+        if failed is not None:
+            raise failed
         record["end"] = time.perf_counter()
         self.last_run = record
         return received

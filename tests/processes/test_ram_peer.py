@@ -121,6 +121,15 @@ def test_a_step_whose_replication_failed_on_rank_0_is_not_committed(job):
     assert any("rank 0: replication failed: injected" in e for e in out[0]["errors"]), out[0]
 
 
+def test_a_replica_that_cannot_be_stored_fails_only_its_step(job):
+    """A replica holder that cannot store one replica (its write fails: a full /dev/shm, a
+    size limit) fails that step; the transfers themselves went through, so the peer group
+    still works and every later step commits on every node."""
+    out = run_ranks(4, dist_worker.ram_replica_store_fails, env=job["env"], timeout=150)
+    assert all(o["committed"] == [1, 3, 4] for o in out), out
+    assert [e[:50] for e in out[0]["errors"]] == ["step 2 not committed to the RAM tier: rank 3: repl"], out[0]
+
+
 @pytest.mark.parametrize("skipper", [1, 2, 3])
 def test_any_rank_skipping_a_ram_step_costs_nobody_a_wait(job, skipper):
     """A non-leader (1, 3) or the leader of node 1 (2) skips step 2. Replicas go both ways

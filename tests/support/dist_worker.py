@@ -267,6 +267,35 @@ def ram_rank0_replication_fails(rank: int, world: int) -> dict:
     return {"committed": committed, "errors": errors}
 
 
+def ram_replica_store_fails(rank: int, world: int) -> dict:
+    """Snapshot steps 1-4 to RAM + peer; rank 3 cannot store rank 1's replica of step 2 (a
+    file size limit: EFBIG on the write, as a full /dev/shm gives ENOSPC). The transfers went
+    through: only step 2 fails, and the peer group carries the steps after it."""
+    import resource
+    import signal
+
+    pad = torch.zeros((1 << 18) if rank == 1 else 16)  # rank 1's file: 1 MiB; the others' a few kB
+    state = {"w": torch.zeros(1 << 12), "own": ftkit.RankLocal({"pad": pad})}
+    errors = []
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram", replicas=1, keep=5)], rng=False, peer_timeout_s=10) as ck:
+        for step in (1, 2, 3, 4):
+            state["w"].fill_(step)
+            limited = rank == 3 and step == 2
+            if limited:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails, no signal)
+                soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, hard))
+            ck.snapshot(step)
+            try:
+                ck.wait()
+            except ftkit.FtkitError as e:
+                errors.append(str(e))
+            if limited:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            dist.barrier()
+    return {"committed": ram_committed_steps(rank), "errors": errors}
+
+
 def durable_skip_on_rank0(rank: int, world: int, disk: str) -> dict:
     """policy "skip" on a disk tier where only rank 0 skips step 3: the store's key
     count after step 1 and after step 4, and the steps committed."""
