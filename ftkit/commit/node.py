@@ -79,10 +79,11 @@ class NodeGroup:
         return self.board
 
     def send(
-        self, at: tuple[int, int], what: str, me: int, data: bytes, to: tuple[int, ...], patient: bool = True
+        self, at: tuple[int, int], what: str, me: int, data: bytes, to: tuple[int, ...], patience_s: float
     ) -> None:
-        """Post message `what` of the step at `at` to the ranks `to` (`patient` False: never wait for room)."""
-        self.node_board().send(step_message(at, f"{what}-r{me}"), data, to, patient)
+        """Post message `what` of the step at `at` to the ranks `to`, waiting for room up to
+        `patience_s` (0: never wait, the training thread's)."""
+        self.node_board().send(step_message(at, f"{what}-r{me}"), data, to, patience_s)
 
 
 @dataclass(eq=False)
@@ -184,8 +185,9 @@ class StepExecutor:
         assert self.own is not None
         if self.own.layout is not None:
             layout = self.own.layout
-            self.group.node_board().send_once(board_name(layout.digest), layout.body.encode(), step.peers)
-        self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers)
+            body, patience = layout.body.encode(), self.ctx.timeout_s  # (as long as the collector may take)
+            self.group.node_board().send_once(board_name(layout.digest), body, step.peers, patience)
+        self.group.send(self.at, "w", self.ctx.rank, self.text, step.peers, self.ctx.timeout_s)
 
     def not_committed(self) -> None:
         """Rank 0's failure: remove what the step put where rank 0 can remove it."""

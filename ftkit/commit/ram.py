@@ -116,7 +116,7 @@ class RamCommit(StepExecutor):
 
     def send_outcome(self, step: Step) -> None:
         outcome = Outcome(tuple(self.errors), tuple(self.others))
-        self.group.send(self.at, "r", self.ctx.rank, outcome.encode(), step.peers)
+        self.group.send(self.at, "r", self.ctx.rank, outcome.encode(), step.peers, self.ctx.timeout_s)
 
     # ------------------------------------------------------------------ a node's collector
     def part(self, _: Step) -> None:
@@ -134,7 +134,7 @@ class RamCommit(StepExecutor):
     def send_relay(self, step: Step) -> None:
         word, to_exchanger = self.word, self.group.exchanger in step.peers  # which needs more than the reports
         relay = Relay(word.texts, word.parts, word.own_part) if to_exchanger else Relay(word.texts)
-        self.group.node_board().send(step_message(self.at, "peers"), relay.encode(), step.peers)
+        self.group.node_board().send(step_message(self.at, "peers"), relay.encode(), step.peers, self.ctx.timeout_s)
 
     def await_outcome(self, step: Step) -> None:
         assert self.node is not None
@@ -288,12 +288,12 @@ def report_skipped_node_local(
         ctx.put(index_key(key), "")  # the index holders wait for no index
     collector = (group.collector,)
     if ctx.rank != group.collector:
-        group.send(at, "w", ctx.rank, text, collector, patient=False)
+        group.send(at, "w", ctx.rank, text, collector, 0.0)
         if ctx.rank != 0:  # rank 0's outcome is never collected
-            group.send(at, "r", ctx.rank, Outcome().encode(), collector, patient=False)
+            group.send(at, "r", ctx.rank, Outcome().encode(), collector, 0.0)
         return
     others = tuple(r for r in group.ranks if r != ctx.rank)
-    group.node_board().send(step_message(at, "skip"), reason.encode(), others, patient=False)  # no replicas this step
+    group.node_board().send(step_message(at, "skip"), reason.encode(), others, 0.0)  # no replicas this step
     if exchange:
         ctx.store.set(exchange_key(key, group.leader), Exchange({ctx.rank: text}).encode())
     if ctx.rank != 0:  # rank 0 collecting its own node awaits no record

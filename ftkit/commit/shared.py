@@ -106,6 +106,6 @@ def report_skipped_shared(ctx: DistContext, group: NodeGroup, key: str, at: tupl
     """Policy "skip" on a shared tier, from the training thread: tell the leader (which tells rank 0)."""
     if ctx.rank != group.leader:
         report = Report.failed(reason).encode()
-        group.send(at, "w", ctx.rank, report, (group.leader,), patient=False)
+        group.send(at, "w", ctx.rank, report, (group.leader,), 0.0)
     elif ctx.rank != 0:
         send_record(ctx, group, shared_records_key(key), Record.failed([f"rank {ctx.rank}: {reason}"]))

@@ -28,9 +28,9 @@ import threading
 import time
 import weakref
 
-PATIENCE_S = 5.0  # the longest a sender waits for room in a mailbox, or for it to listen
+PATIENCE_S = 5.0  # a sender's wait for room in a mailbox, or for it to listen, unless told (a commit: its timeout)
 MAX_MESSAGE = 256 * 2**20 + 256  # a frame's name and payload at most; longer ends its connection
-MAX_CONNECTIONS = 1024  # connections a mailbox keeps (a node's ranks open one each, per tier)
+MAX_CONNECTIONS = 1024  # connections a mailbox keeps (a node's ranks open one or two each, per tier)
 READ_BYTES = 1 << 18  # one recv
 MAX_DRAIN_READS = 64  # recvs per connection in one drain (a flood stops there, the rest waits)
 _HEADER = struct.Struct("!I")

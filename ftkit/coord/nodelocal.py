@@ -76,7 +76,9 @@ class NodeBoard:
                 # (another node's leader on this host removed a parent as it emptied: made again)
         self._addresses = Addresses(self.path)  # of the ranks' mailboxes here (coord/mailbox.py)
         self._boxes: dict[int, Mailbox | None] = {}  # this process's mailboxes here, by rank
-        self._links: dict[int, Link] = {}  # this process's connections to the ranks' mailboxes, by rank
+        # This process's connections to the ranks' mailboxes, by rank and whether its sends wait
+        # for room: a send that never waits (the training thread's) never queues behind one that does.
+        self._links: dict[tuple[int, bool], Link] = {}
         self._inbox: dict[str, bytes] = {}  # drained from this process's mailboxes, not taken yet, by name
         weakref.finalize(self, _close_links, self._links)
 
@@ -104,19 +106,20 @@ class NodeBoard:
         return parse_message(data) if len(data) <= MAX_BYTES else None
 
     # ------------------------------------------------- a step's messages (commits)
-    def send(self, name: str, data: bytes, to: Iterable[int], patient: bool = True) -> None:
-        """Hand the message `name` to the node's ranks `to`, waiting for room up to PATIENCE_S
-        (`patient` False: never wait). A message not handed over is lost: its receiver times out."""
+    def send(self, name: str, data: bytes, to: Iterable[int], patience_s: float = PATIENCE_S) -> None:
+        """Hand the message `name` to the node's ranks `to`, waiting for room up to `patience_s`
+        (a commit's: its timeout, as long as its receiver may take to collect; 0: never wait).
+        A message not handed over is lost: its receiver times out."""
         message = frame(name, data)
         for r in to:
-            if not self._link(r).send(message, PATIENCE_S if patient else 0.0):
+            if not self._link(r, patience_s > 0).send(message, patience_s):
                 log.info("ftkit: %s not handed to rank %d: its mailbox is gone, or took nothing", name, r)
 
-    def send_once(self, name: str, data: bytes, to: Iterable[int]) -> None:
+    def send_once(self, name: str, data: bytes, to: Iterable[int], patience_s: float = PATIENCE_S) -> None:
         """`send`, but once per connection: what never changes (a layout, named by its hash)."""
         for r in to:
-            link = self._link(r)
-            if name not in link.once and link.send(frame(name, data), PATIENCE_S):
+            link = self._link(r, patience_s > 0)
+            if name not in link.once and link.send(frame(name, data), patience_s):
                 link.once.add(name)
 
     def collect(
@@ -175,8 +178,9 @@ class NodeBoard:
             self._boxes[rank] = Mailbox.open(address, path) if address is not None else None
         return self._boxes[rank]
 
-    def _link(self, rank: int) -> Link:
-        return self._links.get(rank) or self._links.setdefault(rank, Link(self._addresses.of(rank)))
+    def _link(self, rank: int, patient: bool) -> Link:
+        key = (rank, patient)
+        return self._links.get(key) or self._links.setdefault(key, Link(self._addresses.of(rank)))
 
     def _sort(self, box: Mailbox | None) -> None:
         """Move what waits in `box` to the inbox, by name."""

@@ -90,6 +90,17 @@ def test_any_rank_skipping_a_shared_tier_step_costs_nobody_a_wait(tmp_path, skip
     assert out[0]["new_keys"] == 0
 
 
+def test_a_collector_busy_longer_than_a_senders_patience_still_gets_its_nodes_reports(tmp_path):
+    """A node's collector busy for seconds before it collects (a slow write, rank 0's commit
+    or retention of the step before) while a rank sends it more than a connection's buffer
+    holds (its first layout: thousands of tensors): the sender waits for room as long as the
+    commit would, and the step is committed."""
+    points = str(tmp_path / "points.json")
+    env = {"FTKIT_RANKS_PER_NODE": "2", "FTKIT_FAULT_POINTS": points}
+    out = run_ranks(2, dist_worker.busy_collector, str(tmp_path / "disk"), points, env=env, timeout=120)
+    assert out == [[1, 2], [1, 2]]
+
+
 def test_agreement_reports_every_ranks_failure_to_every_rank():
     out = run_ranks(3, dist_worker.agreement, env={"FTKIT_RANKS_PER_NODE": "2"}, timeout=60)
     for rank, o in enumerate(out):

@@ -481,6 +481,45 @@ def skip_one_step(rank: int, world: int, tier: str, skipper: int) -> dict:
     return {"skipped": skipped, "new_keys": counts[1] - counts[0], "committed": committed}
 
 
+def busy_collector(rank: int, world: int, url: str, points: str) -> list[int]:
+    """Two ranks of one node on a shared tier: rank 0, the node's collector, is busy for 8 s
+    after writing step 1 (frozen at the persist fault point, as by a slow write or the last
+    step's retention) while rank 1, with 5000 tensors of its own (a layout of a few hundred kB,
+    more than a connection's buffer), reports to it. Returns the committed steps."""
+    import json
+    import signal
+    import time
+
+    from ftkit.format.reader import committed_steps
+
+    if rank == 0:
+        with open(points, "w") as f:
+            json.dump({"phase": "persist", "step": 1, "rank": 0, "action": "stop"}, f)
+    dist.barrier()
+    mine = {f"t{i}": torch.full((2,), float(rank)) for i in range(5000)}
+    state = {"w": torch.zeros(64), "own": ftkit.RankLocal(mine)}
+    with ftkit.Checkpointer(state, [url], rng=False, watchdog=False) as ck:
+        ck.snapshot(1)
+        if rank == 1:
+            while True:  # rank 0 froze: the pid it wrote
+                try:
+                    with open(points + ".reached") as f:
+                        pid = json.load(f)["pid"]
+                    break
+                except (OSError, ValueError, KeyError):
+                    time.sleep(0.05)
+            time.sleep(8)  # longer than the 5 s a sender used to wait for room
+            os.kill(pid, signal.SIGCONT)
+        try:
+            ck.wait()
+        except ftkit.FtkitError:
+            pass
+        ck.snapshot(2)
+        ck.wait()
+    dist.barrier()
+    return committed_steps(ftkit.Tier(url).open())
+
+
 def close_failed_mid_persist(rank: int, world: int, url: str, root: str, run_dir: str) -> list[dict]:
     """A failed rank's close while its persist of step 1 still runs (slow writes): the
     persist's events after it, as this rank's event log holds them once the thread ends."""

@@ -134,6 +134,24 @@ def test_a_mailbox_that_is_not_read_makes_a_sender_wait_its_patience_then_loses_
     link.close()
 
 
+def test_a_send_that_never_waits_is_not_held_up_by_a_commits_send_waiting_for_room(boards):
+    """A commit's sends wait for room as long as its timeout (its collector may be busy for
+    seconds); the training thread's (a skipped step's word, patience 0) to the same rank go
+    at once, whole, and arrive: they never queue behind the commit's."""
+    leader, peer = boards
+    leader.mailbox(0)
+    big = b"x" * (4 << 20)  # more than a connection's buffer: waits until rank 0 reads
+    t = threading.Thread(target=peer.send, args=("0-1-w-r1.json", big, [0], 30.0))
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    peer.send("0-2-w-r1.json", b"skipped", [0], 0.0)
+    assert time.monotonic() - t0 < 0.5
+    got = leader.collect({1: "0-1-w-r1.json", 2: "0-2-w-r1.json"}, 10.0, 8 << 20, 0)
+    t.join(10)
+    assert got == {1: big, 2: b"skipped"}
+
+
 def test_a_sender_gone_mid_frame_leaves_no_piece_and_others_go_on(boards):
     leader, peer = boards
     box = leader.mailbox(0)
