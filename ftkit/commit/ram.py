@@ -201,6 +201,8 @@ class RamCommit(StepExecutor):
                 self.own_record = record
         if complete and not any(r.skipped for r in self.records):
             delete_keys(self.ctx, older)
+        elif not complete and self.ledger is not None:  # a late node sets its keys again: a later step deletes them
+            self.ledger.record(self.at, self.key)
 
     def commit(self, _: Step) -> None:
         if self.records is None:  # a job of one node: rank 0 collected every report itself

@@ -51,6 +51,8 @@ class SharedCommit(StepExecutor):
         self.records += records
         if complete:  # every leader sent the older steps' records first
             delete_keys(self.ctx, older)
+        elif self.ledger is not None:  # a record still to come sets its keys again: a later step deletes them
+            self.ledger.record(self.at, self.key)
 
     def commit(self, _: Step) -> None:
         raise_if_failed(self.step, self.storage.display_url, self.records)

@@ -101,6 +101,17 @@ def test_a_collector_busy_longer_than_a_senders_patience_still_gets_its_nodes_re
     assert out == [[1, 2], [1, 2]]
 
 
+def test_a_record_sent_after_rank_0_gave_up_on_its_step_leaves_no_store_keys(tmp_path):
+    """A node whose record comes after rank 0's commit timeout (rank 0 has failed the step and
+    deleted its keys) sets them again: a later commit deletes them, or every such step would
+    leave keys in torchrun's store for the rest of the job."""
+    points = str(tmp_path / "points.json")
+    env = {"FTKIT_RANKS_PER_NODE": "1", "FTKIT_FAULT_POINTS": points}
+    out = run_ranks(2, dist_worker.late_record, str(tmp_path / "disk"), points, env=env, timeout=120)
+    assert out[0]["committed"] == [1, 3, 4]
+    assert out[0]["new_keys"] == 0
+
+
 def test_agreement_reports_every_ranks_failure_to_every_rank():
     out = run_ranks(3, dist_worker.agreement, env={"FTKIT_RANKS_PER_NODE": "2"}, timeout=60)
     for rank, o in enumerate(out):

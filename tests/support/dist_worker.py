@@ -520,6 +520,46 @@ def busy_collector(rank: int, world: int, url: str, points: str) -> list[int]:
     return committed_steps(ftkit.Tier(url).open())
 
 
+def late_record(rank: int, world: int, disk: str, points: str) -> dict:
+    """Two nodes of one rank on a shared tier; rank 1 freezes after writing step 2, longer
+    than rank 0's commit timeout, and sends its record once rank 0 has given up on the step.
+    Returns the store's new keys after steps 3 and 4, and the committed steps."""
+    import json
+    import signal
+    import time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ftkit.format.reader import committed_steps
+
+    if rank == 0:
+        with open(points, "w") as f:
+            json.dump({"phase": "persist", "step": 2, "rank": 1, "action": "stop"}, f)
+    counts = []
+    tier = {"url": disk, "keep": None}
+    with ftkit.Checkpointer({"w": torch.zeros(64)}, [tier], rng=False, watchdog=False, commit_timeout_s=3) as ck:
+        ck.snapshot(1)
+        ck.wait()
+        dist.barrier()
+        counts.append(_get_default_store().num_keys())
+        dist.barrier()
+        ck.snapshot(2)
+        try:
+            ck.wait()
+        except ftkit.FtkitError:
+            pass
+        if rank == 0:  # rank 0 gave up on step 2: rank 1 goes on, and sends its record late
+            with open(points + ".reached") as f:
+                os.kill(json.load(f)["pid"], signal.SIGCONT)
+            time.sleep(1)
+        for step in (3, 4):
+            ck.snapshot(step)
+            ck.wait()
+    dist.barrier()
+    counts.append(_get_default_store().num_keys())
+    return {"new_keys": counts[1] - counts[0], "committed": committed_steps(ftkit.Tier(disk).open())}
+
+
 def close_failed_mid_persist(rank: int, world: int, url: str, root: str, run_dir: str) -> list[dict]:
     """A failed rank's close while its persist of step 1 still runs (slow writes): the
     persist's events after it, as this rank's event log holds them once the thread ends."""
