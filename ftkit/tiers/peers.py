@@ -5,7 +5,8 @@ local index on the next k nodes, so one lost node never takes a shard and all it
 Transport: a dedicated gloo group (never the training group), used from ftkit's background
 thread and from restore(). Every rank posts all its sends and receives at once, in one
 order all ranks agree on, so messages between two ranks match up and nothing deadlocks.
-The group's timeout bounds a dead peer's cost; after a failure the group stays broken.
+The group's timeout bounds a dead peer's cost; after a transport failure the group stays broken
+(a file that cannot be read or stored fails only its run).
 """
 
 from __future__ import annotations
