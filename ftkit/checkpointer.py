@@ -131,6 +131,7 @@ class Checkpointer:
         # Opening every tier now makes a bad URL or missing backend fail at start.
         opened = open_tiers(self.tiers, self._ctx, run_id, peer_timeout_s)
         self.ram_identity = opened.ram_identity
+        self._ram_hold = opened.ram_hold  # released at close: `ftkit gc ram` may then remove the tier
         self._backends = opened.backends
         self._arena = StagingArena(slots=2, budget_bytes=max_staging_bytes)
         self._plans: dict[tuple, Any] = {}  # the latest sharding plan (save/sharding.py planned)
@@ -335,6 +336,8 @@ class Checkpointer:
             if ended:  # (else a persist may still read the staging buffers, and log its events: the exiting
                 self.events.close()  # process frees the buffers and closes the log)
                 self._arena.close()
+                if self._ram_hold is not None:  # (else it may still write the RAM tier: held till exit)
+                    self._ram_hold.close()
 
     def __enter__(self) -> Checkpointer:
         return self

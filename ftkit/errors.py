@@ -77,6 +77,10 @@ class UnsafeRamDirError(FtkitError):
     """A RAM-tier directory is a symlink, not ours, or writable by others."""
 
 
+class RamTierInUseError(FtkitError):
+    """A RAM tier to remove is in use by a live process on this node (tiers/ram.py hold_run)."""
+
+
 class AgreementError(FtkitError):
     """Some ranks reported a failure where all had to succeed (coord/agree.py).
     `failures`: (rank, error) pairs, in rank order."""

@@ -20,8 +20,10 @@ from ftkit.errors import ConfigError, FormatError
 from ftkit.tiers.backend import NodeRamTier, SharedTier, TierBackend
 from ftkit.tiers.peers import PeerGroup
 from ftkit.tiers.ram import (
+    RunHold,
     RunIdentity,
     SparePool,
+    hold_run,
     named_run,
     open_node_dir,
     retire_earlier_lives,
@@ -39,6 +41,7 @@ class OpenedTiers:
     backends: list[TierBackend]  # per tier, in the Checkpointer's order
     ram_identity: RunIdentity | None  # the run the RAM tier belongs to (tiers/ram.py)
     keys: dict[int, KeyLedger]  # per tier: the store keys its commits left, for a later one to delete
+    ram_hold: RunHold | None = None  # this process's hold on the RAM tier: `ftkit gc ram` refuses it meanwhile
 
     @property
     def ram_news(self) -> CommitNews | None:
@@ -55,12 +58,14 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
     if any(t.is_ram for t in tiers):
         ram_identity = run_identity([t.url for t in durable], run_id, _tokens(durable, ctx, run_id))
     backends: list[TierBackend] = []
+    ram_hold = None
     for i, t in enumerate(tiers):
         if not t.is_ram:
             backends.append(SharedTier(t, storages[i], NodeGroup.of(ctx, _commit_board(ctx, i))))
             continue
         assert ram_identity is not None
         replicas = t.copies_elsewhere
+        ram_hold = hold_run(ram_identity)  # (first: no `ftkit gc ram` removes what is opened next)
         storage = Storage(open_node_dir(ram_identity, ctx.node), private=True)
         if ctx.node_leader(ctx.rank):
             retire_earlier_lives(ram_identity)
@@ -74,7 +79,7 @@ def open_tiers(tiers: Sequence[Tier], ctx: DistContext, run_id: str | None, peer
         group = NodeGroup.of(ctx, _commit_board(ctx, i), RAM, replicas if peers is not None else 0)
         backends.append(NodeRamTier(t, storage, replicas, peers, group))
     keys = {i: b.new_ledger(ctx) for i, b in enumerate(backends)}
-    return OpenedTiers(backends, ram_identity, keys)
+    return OpenedTiers(backends, ram_identity, keys, ram_hold)
 
 
 def _open_durable(tiers: Sequence[Tier]) -> dict[int, Storage]:

@@ -4,6 +4,8 @@ so a restarted worker on a healthy node restores at memory speed.
 The root (``$FTKIT_RAM_DIR``, else ``/dev/shm/ftkit-<uid>``) is per user, so nobody can plant a
 step in another's run; every directory is checked before use (_check_private), never followed.
 A run's directory is bound to its identity (:func:`run_identity`; docs/operations.md says why).
+Every process using a run's directory holds a shared flock on its ``.live`` file (:func:`hold_run`),
+which the kernel drops when the process ends however it ends; :func:`remove_job` refuses a run so held.
 A removed step's data files are kept in ``<node>/.spare/`` (:class:`SparePool`): writing over a
 file's tmpfs pages costs less than fresh ones, which the kernel allocates and zeroes.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -20,11 +23,12 @@ import re
 import stat
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ftkit.errors import FtkitError, InvalidJobIdError, RunIdentityError, UnsafeRamDirError
+from ftkit.errors import FtkitError, InvalidJobIdError, RamTierInUseError, RunIdentityError, UnsafeRamDirError
 from ftkit.tiers.redact import redact_url
 from ftkit.tiers.storage import Storage
 
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ftkit")
 
 IDENTITY_FILE = "identity.json"
+LIVE_FILE = ".live"  # in a run's directory: each process using it holds a shared flock (hold_run)
 TOKEN_FILE = ".ftkit-run-token"  # at a durable tier's root (durable_token)
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 TOKEN_WAIT_S = 300.0  # how long run_tokens(make=False) waits for the process that makes them
@@ -361,14 +366,100 @@ def existing_job_dir(job: str | None = None) -> str | None:
     return path
 
 
-def remove_job(job: str | None = None) -> str:
-    """Delete a finished job's RAM tier here, checked as for use (never a link); the directory removed."""
+def remove_job(job: str | None = None, force: bool = False) -> str:
+    """Delete a finished job's RAM tier here, checked as for use (never a link); the directory removed.
+    RamTierInUseError while a live process on this node holds it (hold_run), unless `force`."""
     import shutil
 
     path = existing_job_dir(job)
     if path is not None:
-        shutil.rmtree(path)
+        with _unused(path, force):
+            shutil.rmtree(path)
     return job_dir(job)
+
+
+def check_unused(job: str | None = None) -> None:
+    """RamTierInUseError if a live process on this node holds `job`'s RAM tier (hold_run); changes nothing."""
+    path = existing_job_dir(job)
+    if path is not None:
+        with _unused(path, False, create=False):
+            pass
+
+
+class RunHold:
+    """A process's shared flock on its run's LIVE_FILE: the run's RAM tier is in use while one is
+    held. The kernel drops it when the process ends, however it ends (SIGKILL, OOM killer)."""
+
+    def __init__(self, fd: int):
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        self._close()
+
+
+def hold_run(identity: RunIdentity) -> RunHold:
+    """Hold `identity`'s RAM tier directory on this node (created 0700 and checked if missing)
+    until closed or the process ends: `ftkit gc ram` refuses to remove it meanwhile. Waits while
+    a removal is under way, then makes the directory again."""
+    root = _root()
+    for _ in range(100):
+        job_path = _private_dir(os.path.join(root, validate_job_id(identity.name)), "job directory")
+        fd = _open_live(job_path, create=True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (waits while remove_job holds it exclusively)
+            held = os.fstat(fd)
+            try:
+                now = os.lstat(os.path.join(job_path, LIVE_FILE))
+            except FileNotFoundError:  # removed while this process waited: made again
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                hold, fd = RunHold(fd), -1
+                return hold
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    raise UnsafeRamDirError(f"RAM tier job directory {job_path}: its {LIVE_FILE} keeps being replaced")
+
+
+def _open_live(job_path: str, create: bool) -> int:
+    """An fd of `job_path`'s LIVE_FILE, a regular file of ours (UnsafeRamDirError otherwise); -1 when
+    it is missing and not `create`."""
+    path = os.path.join(job_path, LIVE_FILE)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        if create:
+            raise
+        return -1
+    except OSError as e:
+        reason = "it is a symlink" if e.errno == errno.ELOOP else e.strerror
+        raise UnsafeRamDirError(f"cannot open the RAM tier's {path}: {reason}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UnsafeRamDirError(f"{path} is not a regular file of this user's")
+    return fd
+
+
+@contextlib.contextmanager
+def _unused(job_path: str, force: bool, create: bool = True) -> Iterator[None]:
+    """Within: no process holds `job_path` (hold_run), nor can take it (unless `force`: unchecked)."""
+    if force:
+        yield
+        return
+    fd = _open_live(job_path, create)  # (made if missing: a process starting now waits for this one)
+    if fd < 0:  # no process ever held it
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RamTierInUseError(f"the RAM tier {job_path} is in use by a running process on this node") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 SPARE_DIR = ".spare"

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with URL 'ram': the run's name, a plain directory name under the RAM root "
         "(default: $FTKIT_RUN_ID, $FTKIT_JOB_ID; unnamed runs are run-<hash>)",
     )
+    g.add_argument(
+        "--force", action="store_true", help="with URL 'ram': remove it even while a running job on this node uses it"
+    )
     g.add_argument("--keep-every", type=int, help="also keep every step divisible by M")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     g.add_argument(

@@ -21,6 +21,7 @@ from ftkit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidJobIdError,
+    RamTierInUseError,
     RunIdentityError,
     StorageError,
     UsageError,
@@ -171,8 +172,9 @@ def cmd_gc(args) -> int:
 
 
 def _gc_ram(args) -> int:
-    """Remove a finished job's RAM tier (every simulated node's directory) on this machine."""
-    from ftkit.tiers.ram import existing_job_dir, job_dir, remove_job
+    """Remove a finished job's RAM tier (every simulated node's directory) on this machine; one a
+    live process here holds (a running job's Checkpointer, tiers/ram.py hold_run) only with --force."""
+    from ftkit.tiers.ram import check_unused, existing_job_dir, job_dir, remove_job
 
     try:  # a job id is a plain name under the RAM root: never a path (not absolute, no "..")
         path = existing_job_dir(args.job)  # checked as for use: ours, private, not a link
@@ -181,8 +183,15 @@ def _gc_ram(args) -> int:
     if path is None:
         raise CheckpointNotFoundError(f"no RAM tier for job {args.job or '(default)'} at {job_dir(args.job)}")
     size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
-    if not args.dry_run:
-        remove_job(args.job)
+    try:
+        if not args.dry_run:
+            remove_job(args.job, force=args.force)
+        elif not args.force:
+            check_unused(args.job)
+    except RamTierInUseError as e:
+        raise RamTierInUseError(
+            f"{e} (a running job's Checkpointer): kept; stop the job first, or remove it anyway with --force"
+        ) from None
     emit(
         args,
         {"removed": path, "bytes": size, "dry_run": args.dry_run},

@@ -68,6 +68,55 @@ def test_gc_ram_removes_a_named_job_only(tmp_path, monkeypatch):
     assert not (tmp_path / "shm" / "a").exists() and (tmp_path / "shm" / "b").exists()
 
 
+# A job that holds its RAM tier: snapshots step 1, then waits for a line on stdin to close
+# the Checkpointer, and for another to exit.
+LIVE_RAM_JOB = """
+import sys, torch, ftkit
+ck = ftkit.Checkpointer({"w": torch.ones(1024)}, ["ram"], rng=False, run_id="live")
+ck.snapshot(1)
+ck.wait()
+print("READY", flush=True)
+sys.stdin.readline()
+ck.close()
+print("CLOSED", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("end", ["close", "sigkill", "force"])
+def test_gc_ram_refuses_a_live_jobs_tier_until_it_ends(tmp_path, monkeypatch, end):
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LIVE_RAM_JOB], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        (step,) = (tmp_path / "shm" / "live").glob(f"*/{step_dir_name(1)}")  # <run>/<node>/step-.../
+        for extra in ((), ("--dry-run",)):
+            r = run_cli("gc", "ram", "--job", "live", *extra)
+            assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+            assert r.stderr.startswith("ftkit: error: ") and r.stderr.count("\n") == 1, r.stderr
+            assert "in use" in r.stderr and "--force" in r.stderr, r.stderr
+            assert step.is_dir() and any(step.iterdir())
+        if end == "force":
+            r = run_cli("gc", "ram", "--job", "live", "--force")
+            assert r.returncode == 0 and not step.exists(), (r.returncode, r.stdout, r.stderr)
+            return
+        if end == "close":  # the process lives on without its Checkpointer
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "CLOSED"
+        else:  # as an OOM killer would: no Checkpointer.close, no atexit
+            proc.kill()
+            proc.wait(timeout=60)
+        r = run_cli("gc", "ram", "--job", "live")
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        assert not (tmp_path / "shm" / "live").exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
 # ----------------------------------------------- 12. the newest *verified* step is kept
 def test_gc_keeps_the_newest_step_that_verifies(tmp_path):
     root = _steps(tmp_path / "ckpt")
