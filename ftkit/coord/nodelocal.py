@@ -219,7 +219,7 @@ class NodeBoard:
                 break
 
 
-def _close_links(links: dict[int, Link]) -> None:
+def _close_links(links: dict[tuple[int, bool], Link]) -> None:
     for link in links.values():
         link.close()
 
