@@ -267,12 +267,16 @@ class Storage:
     def incomplete_uploads(self, rel: str = "") -> list[dict[str, Any]]:
         """Multipart uploads started below `rel` and never completed, `own` or not (tiers/uploads.py)."""
         with self._errors("listing incomplete uploads of", rel):
-            return list_incomplete_uploads(self.fs, self.path(), rel)
+            try:
+                return list_incomplete_uploads(self.fs, self.path(), rel)
+            except FileNotFoundError as e:  # (NoSuchBucket: the object listing before it found nothing)
+                text = f"listing incomplete uploads of {self.where(rel)} failed: {e}"
+                raise StorageError(scrub(text, self._secrets)) from None
 
     def abort_upload(self, upload: dict[str, Any]) -> None:
-        """Abort one of ftkit's own incomplete uploads; a foreign one is refused (StorageError)."""
-        with self._errors("aborting the upload of", upload["key"]):
-            abort_upload(self.fs, self.path(), upload)
+        """Abort one of ftkit's own incomplete uploads (gone already: fine); a foreign one is refused (StorageError)."""
+        with self._errors("aborting the upload of", upload["key"]), contextlib.suppress(FileNotFoundError):
+            abort_upload(self.fs, self.path(), upload)  # (NoSuchUpload: aborted or completed meanwhile)
 
     def _no_links_within(self, rel: str) -> None:
         no_links_within(self.root, rel, self.where)

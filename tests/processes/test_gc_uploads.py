@@ -122,3 +122,26 @@ def test_a_running_jobs_retention_aborts_only_its_own_uploads(s3_server, s3_url)
     assert own not in pending and {sibling, backup} <= pending
     assert retention.abort_stale_uploads(storage, grace_s=0) == 0  # the foreign ones stay, every time
     assert {sibling, backup} <= _pending(storage, bucket)
+
+
+def test_ls_and_gc_of_a_missing_bucket_say_so_in_one_line(s3_server):
+    # A mistyped bucket: listing its objects finds nothing, and the incomplete-upload listing
+    # that follows gets NoSuchBucket (FileNotFoundError from s3fs) -- a traceback before.
+    opts = s3_server.storage_options()
+    url = f"s3://ftkit-missing-{uuid.uuid4().hex[:12]}/run1"
+    for args in (("ls", url), ("gc", url, "--keep", "1")):
+        r = run_cli(*args, "--storage-options", json.dumps(opts))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert lines[0].startswith(f"ftkit: error: listing incomplete uploads of {url} failed: ")
+        assert "bucket does not exist" in lines[0] and opts["secret"] not in lines[0]
+
+
+def test_aborting_an_upload_that_is_gone_already_is_no_error(s3_server, s3_url):
+    # gc lists an old upload, then another gc (or a job's hourly check) aborts it first: the
+    # store answers NoSuchUpload, which must not end gc with a traceback.
+    opts = s3_server.storage_options()
+    storage = _committed_tier(s3_url, opts)
+    key = _start_upload(storage, storage.path(OWN))
+    storage.abort_upload({"key": key, "upload_id": "an-upload-id-the-store-no-longer-knows"})
+    assert key in _pending(storage, storage.root.partition("/")[0])  # (a different upload: untouched)
