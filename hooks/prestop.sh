@@ -8,11 +8,12 @@
 # the job has exited or the deadline passes. Used as a Kubernetes preStop hook;
 # works anywhere.
 deadline=${1:-120}
-# The launcher's own command line only: `[python [-opts]] [.../]ftkit run ...`,
+# The launcher's own command line only: `[python [-opts]] [.../]ftkit run ...` (-X and
+# -W take their value as the next word),
 # `[.../]torchrun ...` or `python -m torch.distributed.run ...`; not its agent or
 # workers (signalled through it), nor a process that merely names torchrun in an
 # argument (a drill zygote's --preload).
-job='^([^ ]*python[^ ]*( -[^ ]+)* )?(([^ ]*/)?(ftkit run|torchrun)|torch\.distributed\.run)( |$)'
+job='^([^ ]*python[^ ]*( -[XW] [^ ]+| -[^ ]+)* )?(([^ ]*/)?(ftkit run|torchrun)|torch\.distributed\.run)( |$)'
 pids=$(pgrep -f "$job" || true)
 [ -z "$pids" ] && exit 0
 kill -TERM $pids 2>/dev/null || true
