@@ -297,17 +297,22 @@ def test_when_no_candidate_verifies_restore_raises(two_steps):
 
 
 # ------------------------------------------------ 5. a failed candidate destroys nothing
-def test_a_failed_ram_candidate_is_not_dropped(tmp_path, monkeypatch):
-    """RAM steps 1 and 2; step 2's data is unreadable for a moment and step 1 is corrupt:
-    restore fails, and once step 2's bytes are back, it is still there to restore."""
+def _two_ram_steps(tmp_path, monkeypatch, run_id: str) -> str:
+    """RAM-tier steps 1 and 2 of `run_id` (w filled with the step) under tmp_path/shm; the tier's root."""
     monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
     state = {"w": torch.zeros(N)}
-    with ftkit.Checkpointer(state, [ftkit.Tier("ram", keep=5)], rng=False, run_id="failed-candidate") as ck:
+    with ftkit.Checkpointer(state, [ftkit.Tier("ram", keep=5)], rng=False, run_id=run_id) as ck:
         for step in (1, 2):
             state["w"].fill_(step)
             ck.snapshot(step)
             ck.wait()
-        ram = ck._backends[0].storage.root
+        return ck._backends[0].storage.root
+
+
+def test_a_failed_ram_candidate_is_not_dropped(tmp_path, monkeypatch):
+    """RAM steps 1 and 2; step 2's data is unreadable for a moment and step 1 is corrupt:
+    restore fails, and once step 2's bytes are back, it is still there to restore."""
+    ram = _two_ram_steps(tmp_path, monkeypatch, "failed-candidate")
     files = {s: next((tmp_path / "shm").rglob(f"{step_dir_name(s)}/*.data")) for s in (1, 2)}
     good2 = files[2].read_bytes()
     files[2].write_bytes(b"\0" * len(good2))  # the transient fault
@@ -329,14 +334,8 @@ def test_ram_steps_whose_manifests_cannot_be_read_are_an_error_not_a_fresh_start
     """A RAM-only run whose every committed step has an unreadable manifest (corrupt, or from a
     newer ftkit): restore raises as a shared tier's would, naming the step; it does not start
     over at 0 and drop the steps at the first snapshot."""
-    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+    ram = _two_ram_steps(tmp_path, monkeypatch, "unreadable")
     state = {"w": torch.zeros(N)}
-    with ftkit.Checkpointer(state, [ftkit.Tier("ram", keep=5)], rng=False, run_id="unreadable") as ck:
-        for step in (1, 2):
-            state["w"].fill_(step)
-            ck.snapshot(step)
-            ck.wait()
-        ram = ck._backends[0].storage.root
     manifests = sorted((tmp_path / "shm").rglob(MANIFEST_NAME))
     assert len(manifests) == 2
     kept = {m: m.read_bytes() for m in manifests}
