@@ -24,12 +24,15 @@ import json
 import logging
 import os
 import shutil
+import sys
 import weakref
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 try:
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, TrainerState
+    from transformers.trainer_callback import CallbackHandler, ExportableState
 except ImportError:  # pragma: no cover - depends on what is installed
     raise ImportError(
         "ftkit.integrations.huggingface needs transformers (and accelerate): pip install 'ftkit[huggingface]'"
@@ -101,6 +104,8 @@ class FtkitCallback(CallbackBase, TrainerCallback):
         self._stop_at: int | None = None  # the step at which a continued stream's planned epochs end
         self._end: int | None = None  # where the planned epochs of a continued stream end, in samples
         self._fsdp = False  # the Trainer trains under FSDP2 (set by resume_from_checkpoint)
+        self._handler: CallbackHandler | None = None  # the Trainer's callbacks, and its control (on_train_begin)
+        self._control: Any = None
 
     def _entries(self, model, optimizer, scheduler, trainer_state, world_size: int = 1) -> dict[str, Any]:
         """The same keys for snapshot and restore; `None` parts become stashes. "rng" is each
@@ -120,13 +125,22 @@ class FtkitCallback(CallbackBase, TrainerCallback):
             "scheduler": scheduler if scheduler is not None else Stash(dict),
             "scaler": (Adapter(scaler.state_dict, scaler.load_state_dict) if scaler is not None else Stash(dict)),
             "trainer_state": (
-                Adapter(lambda: json.dumps(dataclasses.asdict(trainer_state), sort_keys=True), lambda v: None)
+                Adapter(lambda: self._trainer_state_json(trainer_state), lambda v: None)
                 if trainer_state is not None
                 else Stash(str)
             ),
             "rng": RankLocal(Adapter(rng_state, lambda v: None) if trainer_state is not None else Stash(dict)),
             "world": Adapter(job, lambda v: None) if trainer_state is not None else Stash(dict),
         }
+
+    def _trainer_state_json(self, trainer_state) -> str:
+        """The Trainer's state as its own save writes it: with the callbacks' states (ExportableState,
+        which ``restore_callback_states_from_checkpoint`` restores) as of now, not of its last save."""
+        doc = dataclasses.asdict(trainer_state)
+        if self._handler is not None:
+            live = [cb for cb in [*self._handler.callbacks, self._control] if isinstance(cb, ExportableState)]
+            doc["stateful_callbacks"] = TrainerState(stateful_callbacks=live).stateful_callbacks
+        return json.dumps(doc, sort_keys=True)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         check_fsdp_args(args)
@@ -189,6 +203,7 @@ class FtkitCallback(CallbackBase, TrainerCallback):
                         "pass FtkitCallback(..., ignore_existing=True) to start over"
                     )
         self._follow_stream(args, state, resume, kwargs.get("train_dataloader"))
+        self._handler, self._control = _calling_handler(self), control
         entries = self._entries(model, optimizer, lr_scheduler, state, args.world_size)
         self.checkpointer = Checkpointer(entries, self.tiers, policy=self.policy, rng=False, **self.checkpointer_kwargs)
         if resume is None:  # (ignore_existing, or a Trainer checkpoint of its own): an earlier run's newer steps go
@@ -289,6 +304,18 @@ class FtkitCallback(CallbackBase, TrainerCallback):
         path, self._resume_path = self._resume_path, None
         if path and os.path.isdir(path) and is_own(path):  # (a directory ftkit did not write is never removed)
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _calling_handler(callback: FtkitCallback) -> CallbackHandler | None:
+    """The Trainer's CallbackHandler calling `callback`, found on the call stack: a callback is not
+    handed the others, whose states the Trainer's own save writes."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, CallbackHandler) and any(cb is callback for cb in owner.callbacks):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def _close_at_exit(ref: weakref.ref[FtkitCallback]) -> None:

@@ -31,7 +31,7 @@ if any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate
     )
 
 from hfkit import Tokens, make_model  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import ftkit  # noqa: E402
@@ -87,6 +87,8 @@ def make_trainer(
     tiers=None,
     resume_dir=None,
     ignore_existing=False,
+    callbacks=(),
+    eval_dataset=None,
     **extra_args,
 ):
     model = make_model(n_embd)
@@ -111,10 +113,10 @@ def make_trainer(
         ftcb = FtkitCallback(
             tiers or [ckpt], every_n_steps=every, resume_dir=resume_dir, ignore_existing=ignore_existing
         )
-    callbacks = ([ftcb] if ftcb else []) + [trace]
+    callbacks = ([ftcb] if ftcb else []) + [trace, *callbacks]
     if fail_at is not None:
         callbacks.append(FailAt(fail_at, kill=kill, flush=ftcb))
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset, callbacks=callbacks)
     return trainer, trace, ftcb
 
 
@@ -205,6 +207,38 @@ def test_exception_at_epoch_end_then_resume_equals_uninterrupted_run(tmp_path, r
     assert trainer.state.global_step == EPOCHS * STEPS_PER_EPOCH
     assert_bitwise_equal(final_values(trainer), ref_values)
     assert trainer.lr_scheduler.state_dict() == ref_sched
+
+
+def test_a_resume_restores_the_callbacks_states_as_of_the_snapshot(tmp_path):
+    """EarlyStoppingCallback's patience counter, an ExportableState the Trainer restores with
+    restore_callback_states_from_checkpoint: resumed from step 6 (two evaluations without
+    improvement), the run stops where the uninterrupted one does, at the third (step 8)."""
+
+    def make(out, ckpt, **kw):
+        early_stop = EarlyStoppingCallback(3, early_stopping_threshold=1e9)  # no evaluation improves enough
+        return make_trainer(
+            out,
+            ckpt,
+            callbacks=[early_stop],
+            eval_dataset=Tokens(8),
+            eval_strategy="steps",
+            eval_steps=2,
+            metric_for_best_model="loss",
+            restore_callback_states_from_checkpoint=True,
+            **kw,
+        )
+
+    trainer, _, _ = make(str(tmp_path / "ref"), None)
+    train(trainer, None)
+    assert trainer.state.global_step == 8
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    trainer, _, ftcb = make(out, ckpt, fail_at=7)  # step 6 is snapshotted as step 7 begins
+    with pytest.raises(RuntimeError):
+        train(trainer, ftcb)
+    ftcb.close()
+    trainer, _, ftcb = make(out, ckpt)
+    train(trainer, ftcb)
+    assert ftcb.restored_step == 6 and trainer.state.global_step == 8
 
 
 def test_train_without_the_resume_directory_refuses_to_start_over(tmp_path):
