@@ -62,7 +62,7 @@ from ftkit.format.part import encode_part_docs
 from ftkit.format.reader import committed_steps, load_manifest, manifest_from, parse_manifest_header
 from ftkit.save.write import CHUNK_BYTES
 from ftkit.tiers.lifecycle import retire_step
-from ftkit.tiers.ram import open_node_dir, retire_earlier_lives, run_identity, run_tokens
+from ftkit.tiers.ram import RunHold, hold_run, open_node_dir, retire_earlier_lives, run_identity, run_tokens
 from ftkit.tiers.retention import apply_job_retention
 from ftkit.tiers.storage import Storage
 
@@ -82,10 +82,12 @@ def step_of(checkpoint_id: Any) -> int:
     return int(m.group(1))
 
 
-def _open(tiers: list[Tier]) -> list[Storage]:
-    """Each tier's storage; the RAM tier's is this node's directory of the run."""
+def _open(tiers: list[Tier]) -> tuple[list[Storage], RunHold | None]:
+    """Each tier's storage, the RAM tier's this node's directory of the run; and this process's
+    hold on that RAM tier (tiers/ram.py hold_run), which `ftkit gc ram` refuses to remove while
+    the writer or reader keeping it lives (the kernel drops it when the process ends)."""
     if not any(t.is_ram for t in tiers):
-        return [t.open() for t in tiers]
+        return [t.open() for t in tiers], None
     rank, _, one_node = _world()
     if not one_node:
         raise FtkitError(
@@ -98,10 +100,11 @@ def _open(tiers: list[Tier]) -> list[Storage]:
     durable = [t for t in tiers if not t.is_ram]
     first = _first_rank(rank)
     identity = run_identity([t.url for t in durable], tokens=run_tokens(durable, make=first))
+    hold = hold_run(identity)  # (first: no `ftkit gc ram` removes what is opened next)
     ram = Storage(open_node_dir(identity, node_id(rank)), private=True)
     if first:  # (the node's leader: the job has one node)
         retire_earlier_lives(identity)
-    return [ram if t.is_ram else t.open() for t in tiers]
+    return [ram if t.is_ram else t.open() for t in tiers], hold
 
 
 def _first_rank(rank: int) -> bool:
@@ -148,7 +151,8 @@ class FtkitStorageWriter(_LeavesPlansToDCP, StorageWriter):
         self.tiers = resolve_tiers(tiers)
         self.step = step
         self.rank, self.world, _ = _world()
-        self._storages = list(zip(self.tiers, _open(self.tiers), strict=True))
+        storages, self._ram_hold = _open(self.tiers)
+        self._storages = list(zip(self.tiers, storages, strict=True))
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
@@ -327,7 +331,7 @@ class FtkitStorageReader(_LeavesPlansToDCP, StorageReader):
         super().__init__()
         self.tiers = sorted(resolve_tiers(tiers), key=lambda t: t.speed_rank)
         self.step = step
-        self._storages = _open(self.tiers)
+        self._storages, self._ram_hold = _open(self.tiers)
         self.manifest: Manifest | None = None
         self.storage: Storage | None = None
 

@@ -167,6 +167,28 @@ def test_a_value_only_pickle_could_hold_is_refused_naming_it(tmp_path):
     assert committed_steps(Storage(str(tmp_path / "ckpt"))) == []
 
 
+def test_gc_ram_refuses_the_ram_tier_of_a_live_dcp_writer_or_reader(tmp_path, monkeypatch):
+    """As for a Checkpointer (test_gc_safety.py): `ftkit gc ram` keeps a RAM tier that a live
+    FtkitStorageWriter or FtkitStorageReader holds, and removes it once neither lives."""
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("FTKIT_RUN_ID", "dcp-live")
+    writer = FtkitStorageWriter(["ram"])
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, checkpoint_id=1)
+    (step,) = (tmp_path / "shm" / "dcp-live").glob(f"*/{step_dir_name(1)}")
+    for holder in ("writer", "reader"):
+        r = run_cli("gc", "ram", "--job", "dcp-live")
+        assert r.returncode == 1 and "in use" in r.stderr, (holder, r.returncode, r.stderr)
+        assert step.is_dir() and any(step.iterdir())
+        if holder == "writer":
+            reader = FtkitStorageReader(["ram"])
+            del writer
+    state = {"w": torch.zeros(4)}
+    dcp.load(state, storage_reader=reader)
+    assert torch.equal(state["w"], torch.arange(4.0))
+    del reader
+    assert run_cli("gc", "ram", "--job", "dcp-live").returncode == 0 and not step.exists()
+
+
 def test_a_run_started_over_after_its_durable_tier_was_deleted_does_not_load_its_ram_steps(tmp_path, monkeypatch):
     """rm -rf of the durable tier, then the same tiers again: the earlier life's steps in node RAM
     are not this run's (the durable tier's new token names a new run), so nothing is loaded from
@@ -180,6 +202,7 @@ def test_a_run_started_over_after_its_durable_tier_was_deleted_does_not_load_its
     writer = FtkitStorageWriter(tiers)
     for step in range(1, 8):  # step 5 on disk, 6 and 7 in RAM
         dcp.save(_state(m, opt, step), storage_writer=writer, checkpoint_id=step)
+    del writer  # (its process ends: its hold on the RAM tier with it)
     assert FtkitStorageReader(tiers).latest_step() == 7  # (a restart: from RAM)
     (earlier,) = [p.name for p in shm.iterdir()]
     shutil.rmtree(tmp_path / "ckpt")
