@@ -10,8 +10,9 @@ Order of calls, as DCP makes them (torch/distributed/checkpoint/storage.py)::
     save:  reset(checkpoint_id) -> set_up_storage_writer -> prepare_local_plan ->
            prepare_global_plan (coordinator) -> write_data (every rank: its data file on
            each tier due) -> finish (coordinator: the manifest, then retention)
-    load:  reset(checkpoint_id) -> read_metadata (every rank: the step chosen) ->
-           set_up_storage_reader -> prepare_local_plan -> prepare_global_plan -> read_data
+    load:  reset(checkpoint_id: the step chosen) -> read_metadata (every rank: the step chosen,
+           if reset did not) -> set_up_storage_reader -> prepare_local_plan ->
+           prepare_global_plan -> read_data
 
 `checkpoint_id`: the step number, or a path or URL whose last component ends in it
 (``.../step-100``, as torchtitan names its folders); without one the writer needs
@@ -334,13 +335,18 @@ class FtkitStorageReader(_LeavesPlansToDCP, StorageReader):
         self._storages, self._ram_hold = _open(self.tiers)
         self.manifest: Manifest | None = None
         self.storage: Storage | None = None
+        self._chosen: tuple[Storage, Manifest] | None = None  # by reset, for read_metadata
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        """`dcp.load` calls this first when given a checkpoint_id: the step is chosen here, so a step
+        on no tier raises CheckpointNotFoundError to its caller, not a traceback DCP logs and wraps."""
         self.step = step_of(checkpoint_id) if checkpoint_id is not None else self.step
         self.manifest = self.storage = None
+        self._chosen = self._choose() if checkpoint_id is not None else None
 
     def read_metadata(self, *args: Any) -> Any:  # (no **kwargs: DCP then asks for no per-rank metadata)
-        self.storage, self.manifest = self._choose()
+        self.storage, self.manifest = self._chosen or self._choose()
+        self._chosen = None
         return convert.metadata_of(self.manifest)
 
     def latest_step(self) -> int | None:
@@ -369,7 +375,7 @@ class FtkitStorageReader(_LeavesPlansToDCP, StorageReader):
                 problems.append(str(e))
                 log.warning("ftkit: step %d of %s is unusable: %s", s, storage.display_url, e)
         where = ", ".join(s.display_url for s in self._storages)
-        what = f"step {self.step}" if self.step is not None else "no usable step"
+        what = "no usable step" + (f" {self.step}" if self.step is not None else "")
         raise CheckpointNotFoundError(f"{what} in {where}" + (f": {problems[0]}" if problems else ""))
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

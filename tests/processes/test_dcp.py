@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ftkit.dcp import FtkitStorageReader, FtkitStorageWriter, step_of
+from ftkit.errors import CheckpointNotFoundError
 from ftkit.format.manifest import MANIFEST_NAME, step_dir_name
 from ftkit.format.reader import committed_steps, load_manifest
 from ftkit.tiers.storage import Storage
@@ -64,7 +65,7 @@ def test_a_dcp_save_is_an_ftkit_step_and_loads_back_exactly(tmp_path):
         assert torch.equal(opt.state[a]["exp_avg"], opt2.state[b]["exp_avg"])
 
 
-def test_steps_tiers_and_retention(tmp_path):
+def test_steps_tiers_and_retention(tmp_path, caplog):
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
     writer = FtkitStorageWriter([{"url": fast, "keep": 2}, {"url": slow, "every": 2, "keep": None}])
     m, opt = _model(0)
@@ -74,6 +75,11 @@ def test_steps_tiers_and_retention(tmp_path):
     state = _state(*_model(1), 0)
     dcp.load(state, storage_reader=FtkitStorageReader([slow, fast]), checkpoint_id=2)
     assert state["step"] == 2
+    # A step on no tier: ftkit's one-line error naming it and the tiers, before DCP's logged traceback.
+    with pytest.raises(CheckpointNotFoundError) as e:
+        dcp.load(state, storage_reader=FtkitStorageReader([slow, fast]), checkpoint_id=f"{tmp_path}/run/step-3")
+    assert str(e.value) == f"no usable step 3 in {slow}, {fast}"
+    assert "Traceback" not in caplog.text and state["step"] == 2
     assert step_of("s3://bucket/run/step-000120/") == 120 and step_of(9) == 9
 
 
