@@ -1,14 +1,16 @@
 """Which committed steps a tier keeps: pure plans, and their execution after a commit.
 
 Keep the newest `keep` steps, every step divisible by `keep_every`, and always the
-newest step that verified (`protect`). Retention runs only after a successful commit,
-so a failed save never costs a good checkpoint.
+newest step that verified (`protect`). A step that failed a check is kept but counts
+toward nothing, so bad steps never push out good ones. Retention runs only after a
+successful commit, so a failed save never costs a good checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ftkit.errors import StorageError
@@ -26,16 +28,23 @@ class RetentionPlan:
 
 
 def plan_retention(
-    committed: list[int], keep: int | None, keep_every: int | None = None, protect: int | None = None
+    committed: list[int],
+    keep: int | None,
+    keep_every: int | None = None,
+    protect: int | None = None,
+    failed: Iterable[int] = (),
 ) -> RetentionPlan:
     steps = sorted(set(committed))
     if keep is None:
         return RetentionPlan(tuple(steps), ())
     if keep < 1:
         raise ValueError("keep must be at least 1")
-    kept = set(steps[-keep:])
+    # (A step that failed a check may have met a transient read error: kept, but not counted.)
+    kept = set(failed)
+    usable = [s for s in steps if s not in kept]
+    kept |= set(usable[-keep:])
     if keep_every:
-        kept |= {s for s in steps if s % keep_every == 0}
+        kept |= {s for s in usable if s % keep_every == 0}
     if protect is not None and protect in steps:
         kept.add(protect)
     return RetentionPlan(tuple(s for s in steps if s in kept), tuple(s for s in steps if s not in kept))
@@ -67,28 +76,25 @@ def plan_collection(steps: list[StepInfo], keep: int, keep_every: int | None, gr
     """Which directories of a tier go. Rules, strongest first:
 
     * a symbolic link or a manifest that is no regular file is never touched;
-    * the newest step that verified is kept, and so is every newer one (when unsure,
-      keep); if none verified, no committed step is deleted;
+    * the newest step that verified is kept, and so is every newer one: they failed, and
+      a failed step counts toward no `keep` (when unsure, keep); if none verified, no
+      committed step is deleted;
     * otherwise committed steps follow plan_retention(keep, keep_every);
     * a directory without a manifest goes once unchanged for `grace_s` (a writer may be
       filling it), and only if retired, empty or older than the newest committed step.
     """
     committed = [s.step for s in steps if s.status == "committed"]
     protected = max((s.step for s in steps if s.status == "committed" and s.verified), default=None)
-    delete: tuple[int, ...] = ()
-    if protected is None:
-        keep_set = tuple(committed)
-    else:
-        plan = plan_retention(committed, keep, keep_every, protect=protected)
-        delete = tuple(s for s in plan.delete if s < protected)
-        keep_set = tuple(s for s in committed if s not in delete)
+    # (survey() verifies newest first until one passes: the newer ones failed, or none passed.)
+    failed = [s for s in committed if protected is None or s > protected]
+    plan = plan_retention(committed, keep, keep_every, protect=protected, failed=failed)
     newest = max(committed, default=-1)
     # (A partial step newer than every commit is not a candidate: maybe the next commit in flight.)
     gone = [s for s in steps if s.status in ("retired", "empty") or (s.status == "partial" and s.step < newest)]
     remove = tuple(s.step for s in gone if s.age_s is not None and s.age_s >= grace_s)
     held = tuple(s.step for s in gone if s.age_s is None or s.age_s < grace_s)
     refused = tuple(s.step for s in steps if s.status in ("link", "bad"))
-    return CollectionPlan(keep_set, delete, remove, held, refused, protected)
+    return CollectionPlan(plan.keep, plan.delete, remove, held, refused, protected)
 
 
 def abort_stale_uploads(storage: Storage, grace_s: float) -> int:

@@ -2,7 +2,7 @@
 
 :func:`collect` surveys the step directories (links and non-regular manifests are reported,
 never followed), verifies committed steps newest first until one verifies (the step a
-restore would use; newer ones that fail are kept: a read error must not cost a good step),
+restore would use; newer ones that fail are kept, uncounted: a read error must not cost a good step),
 plans with tiers/retention.py, then deletes the planned steps, the partial ones past the
 grace period, and ftkit's own abandoned multipart uploads (tiers/uploads.py). A running
 job's retention applies the same rules but trusts the step it has just committed.

@@ -119,20 +119,22 @@ def test_gc_ram_refuses_a_live_jobs_tier_until_it_ends(tmp_path, monkeypatch, en
 
 # ----------------------------------------------- 12. the newest *verified* step is kept
 def test_gc_keeps_the_newest_step_that_verifies(tmp_path):
-    root = _steps(tmp_path / "ckpt")
-    f = next((root / step_dir_name(3)).glob("*.data"))  # step 3's manifest parses; its data is bad
+    """Step 4 fails verification: kept, but not one of the --keep 2 (before, only 3 was left to restore)."""
+    root = _steps(tmp_path / "ckpt", steps=(1, 2, 3, 4))
+    f = next((root / step_dir_name(4)).glob("*.data"))  # step 4's manifest parses; its data is bad
     raw = bytearray(f.read_bytes())
     raw[5] ^= 0x10
     f.write_bytes(bytes(raw))
-    r = run_cli("gc", str(root), "--keep", "1", "--json")
+    r = run_cli("gc", str(root), "--keep", "2", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["protected"] == 2 and out["removed"] == [1] and "3" in out["failed_verification"]
-    assert committed_steps(ftkit.Tier(str(root)).open()) == [2, 3]
-    state = {"w": torch.zeros(N)}
-    with ftkit.Checkpointer(state, [str(root)], rng=False) as ck:
-        assert ck.restore() == 2
-    assert torch.equal(state["w"], torch.full((N,), 2.0))
+    assert out["protected"] == 3 and out["removed"] == [1] and "4" in out["failed_verification"]
+    assert committed_steps(ftkit.Tier(str(root)).open()) == [2, 3, 4]
+    for step in (None, 2):  # both good steps restore
+        state = {"w": torch.zeros(N)}
+        with ftkit.Checkpointer(state, [str(root)], rng=False) as ck:
+            assert ck.restore(step) == (step or 3)
+        assert torch.equal(state["w"], torch.full((N,), float(step or 3)))
 
 
 def test_gc_deletes_no_committed_step_when_none_verifies(tmp_path):

@@ -24,7 +24,7 @@ from ftkit.save.sharding import (
     whole_owners,
 )
 from ftkit.tiers.peers import replica_targets, replication_plan
-from ftkit.tiers.retention import StepInfo, plan_collection, plan_retention
+from ftkit.tiers.retention import RetentionPlan, StepInfo, plan_collection, plan_retention
 
 
 def _nodes(world: int, per_node: int) -> list[str]:
@@ -310,6 +310,16 @@ def test_plan_collection_never_deletes_past_the_newest_verified_step():
     assert p.remove_partial == (0, 5) and p.held == () and p.refused == (9,)
     none_ok = plan_collection([StepInfo(1, "committed", False), StepInfo(2, "committed", False)], 1, None, 0)
     assert none_ok.delete == () and none_ok.protected is None
+
+
+def test_a_step_that_failed_verification_is_kept_but_counts_toward_no_keep():
+    """`ftkit gc --keep 2` over good steps 1-3 and torn 4-5: the two newest good steps stay
+    (before, the torn ones filled `keep` and only step 3 was left to restore)."""
+    steps = [StepInfo(s, "committed", None) for s in (1, 2)]
+    steps += [StepInfo(3, "committed", True), StepInfo(4, "committed", False), StepInfo(5, "committed", False)]
+    p = plan_collection(steps, keep=2, keep_every=None, grace_s=0)
+    assert p.protected == 3 and p.delete == (1,) and p.keep == (2, 3, 4, 5)
+    assert plan_retention([1, 2, 3, 4], keep=1, failed=[4]) == RetentionPlan((3, 4), (1, 2))
 
 
 # ------------------------------------------------------------------ overlaps
