@@ -1,8 +1,10 @@
 """A rank's tensor layout (all of its write but the per-step values), sent once as a JSON
 *body* named by its blake2b-160 hash: on the board (layout-<name>.json) before the first
-report naming it, and in the store (layout/<name>, never deleted) by its collector before
-the exchange naming it. Bodies are untrusted: one is taken only when it hashes to its name
-and has the shape of a layout; its content is validated with its part (commit/parts.py)."""
+report naming it, and in the store (layout/<its node's leader>/<name>) by its collector
+before the exchange naming it, deleted by that collector once no replica partner can still
+read a report naming it (`Published`). Bodies are untrusted: one is taken only
+when it hashes to its name and has the shape of a layout; its content is validated with its
+part (commit/parts.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,20 @@ import functools
 import hashlib
 import json
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.commit.memo import CommitMemo
 from ftkit.commit.messages import CODECS, Report
+from ftkit.commit.plan import CommitPlan
 from ftkit.errors import FormatError
 from ftkit.format.manifest import tensor_entry_doc
 from ftkit.format.part import layout_docs
 from ftkit.format.validate import parse_json
+
+if TYPE_CHECKING:
+    from ftkit.coord.dist import DistContext
 
 MAX_BODY_BYTES = 64 * 2**20  # one rank's tensor list: megabytes at most
 _CODEC = {name: i for i, name in enumerate(CODECS)}
@@ -30,8 +36,9 @@ def board_name(digest: str) -> str:
     return f"layout-{digest}.json"
 
 
-def store_key(digest: str) -> str:
-    return f"layout/{digest}"
+def store_key(leader: int, digest: str) -> str:
+    """A body in the store, set by the collector of the node of `leader` (its first rank)."""
+    return f"layout/{leader}/{digest}"
 
 
 @dataclass(frozen=True)
@@ -66,15 +73,16 @@ class Layout:
             raise FormatError(f"layout {self.digest[:12]} has malformed entries ({type(e).__name__})") from None
 
 
-def lookup(fetch: Callable[[str], bytes | None] | None, memo: CommitMemo) -> Callable[[str], Layout | None]:
-    """A resolver of a layout's name: the memo's, else the body `fetch` gets (checked, kept), else None."""
+def lookup(fetch: Callable[[int, str], bytes | None] | None, memo: CommitMemo) -> Callable[[int, str], Layout | None]:
+    """A resolver of (a rank, the name of its layout): the memo's, else the body `fetch` gets
+    (checked, kept), else None."""
     book = memo.layouts
 
-    def resolve(digest: str) -> Layout | None:
+    def resolve(rank: int, digest: str) -> Layout | None:
         hit = book.get(digest)
         if hit is not None or fetch is None:
             return hit
-        raw = fetch(digest)
+        raw = fetch(rank, digest)
         if raw is None or len(raw) > MAX_BODY_BYTES:
             return None
         try:
@@ -115,16 +123,16 @@ def layout_of(write: Any, memo: CommitMemo, state: Any = None) -> tuple[Layout, 
 
 
 # ------------------------------------------------------------------ where bodies are
-def from_board(board: Any, me: int) -> Callable[[str], bytes | None]:
+def from_board(board: Any, me: int) -> Callable[[int, str], bytes | None]:
     """Fetch a body sent to `me` on a node's board (NodeBoard.send_once)."""
-    return lambda digest: board.take(board_name(digest), me, MAX_BODY_BYTES) if board is not None else None
+    return lambda _, digest: board.take(board_name(digest), me, MAX_BODY_BYTES) if board is not None else None
 
 
-def from_store(store: Any) -> Callable[[str], bytes | None]:
-    """Fetch a body from the store, where collectors publish them for their replica partners."""
+def from_store(store: Any, plan: CommitPlan) -> Callable[[int, str], bytes | None]:
+    """Fetch a rank's body from the store, where its node's collector publishes it for its replica partners."""
 
-    def fetch(digest: str) -> bytes | None:
-        key = store_key(digest)
+    def fetch(rank: int, digest: str) -> bytes | None:
+        key = store_key(plan.roles_of(rank).leader, digest)
         try:
             return store.get(key) if store.check([key]) else None
         except Exception:  # the store is gone: the report reads as an error
@@ -134,16 +142,38 @@ def from_store(store: Any) -> Callable[[str], bytes | None]:
 
 
 class Published:
-    """The bodies a node's collector has set in one store (content-named: setting one again is harmless)."""
+    """The bodies a node's collector has set in one store. Each step's are set before the
+    exchange naming them (`publish`); those the step no longer names are deleted after the
+    partners' exchanges are read (`retire`), once each partner rank's report of the step
+    shows it is past the step before, the last one that could name them."""
 
     def __init__(self) -> None:
         self._store: Any = None
-        self._digests: set[str] = set()
+        self._digests: set[str] = set()  # set, not deleted
+        self._stale: set[str] = set()  # of those, the ones this step's reports do not name
 
-    def publish(self, store: Any, layouts: list[Layout]) -> None:
-        if store is not self._store:  # a new store (an in-process restart) has none of them
-            self._store, self._digests = store, set()
+    def publish(self, ctx: DistContext, leader: int, layouts: list[Layout]) -> None:
+        """Set the bodies of `layouts`, every one the node's reports name (none: its part failed)."""
+        if ctx.store is not self._store:  # a new store (an in-process restart) has none of them
+            self._store, self._digests = ctx.store, set()
         for layout in layouts:
             if layout.digest not in self._digests:
-                store.set(store_key(layout.digest), layout.body)
+                ctx.store.set(store_key(leader, layout.digest), layout.body)
                 self._digests.add(layout.digest)
+        # A failed part's reports may still name any of them: nothing is stale then.
+        self._stale = self._digests - {layout.digest for layout in layouts} if layouts else set()
+
+    def retire(self, ctx: DistContext, leader: int, partner_reports: Iterable[bytes]) -> None:
+        """Delete the stale bodies if every partner rank wrote this step: its report came after
+        it finished the step before. A skip or an error may come from a rank still behind."""
+        if self._stale and all(_is_a_write(raw) for raw in partner_reports):
+            ctx.delete(*(store_key(leader, digest) for digest in self._stale))
+            self._digests -= self._stale
+            self._stale = set()
+
+
+def _is_a_write(raw: bytes) -> bool:
+    try:
+        return Report.decode(raw, "a partner's report").error is None
+    except FormatError:
+        return False

@@ -81,7 +81,7 @@ class RamCommit(StepExecutor):
         self.write_: RankWrite | None = None
         self.node: NodeShare | None = None  # the collector's: its node's part, or errors
         self.word = PeerWord({}, True, {})  # the partners' reports (none in a job of one node)
-        self.layouts: Callable[[str], Layout | None] | None = None
+        self.layouts: Callable[[int, str], Layout | None] | None = None
         self.others: list[str] = []  # the exchanger's: the sources' parts it wrote
         self.errors: list[str] = []  # replication errors: its own, and (a collector) its node's outcomes
         self.exchange_failed = False
@@ -128,7 +128,7 @@ class RamCommit(StepExecutor):
 
     def send_exchange(self, _: Step) -> None:
         assert self.node is not None
-        self.group.published.publish(self.ctx.store, self.node.layouts)  # before the record that names them
+        self.group.published.publish(self.ctx, self.group.leader, self.node.layouts)  # before the record naming them
         self.ctx.store.set(exchange_key(self.key, self.group.leader), self.node.exchanged().encode())
 
     def send_relay(self, step: Step) -> None:
@@ -149,6 +149,8 @@ class RamCommit(StepExecutor):
     def await_exchange(self, step: Step) -> None:
         own_text = self.text if not self.collector else None  # rank 0, where another rank collects
         self.word = read_exchanges(self.group, self.ctx, self.key, step.peers, own_text)
+        if self.collector:  # bodies its partners are past: they sent these reports after the step before
+            self.group.published.retire(self.ctx, self.group.leader, self.word.texts.values())
         node = self.group.node
         if self.collector and self.node is not None and node != self.plan.nodes[0] and self.plan.holds_index(node):
             self.word.own_part = self.node.written  # the index must name it (its exchanger checks)
@@ -170,7 +172,7 @@ class RamCommit(StepExecutor):
     def replicate(self, _: Step) -> None:
         assert self.peers is not None
         sending = self.write_ if self.word.may_send and self.error is None else None
-        self.layouts = lookup(from_store(self.ctx.store), self.group.memo)
+        self.layouts = lookup(from_store(self.ctx.store, self.plan), self.group.memo)
         args = (self.storage, self.step, sending, self.word.texts, self.plan, self.ctx, self.peers, self.slot)
         c0 = time.thread_time()
         try:

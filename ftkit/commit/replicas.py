@@ -101,7 +101,7 @@ def store_parts(
     texts: dict[int, bytes],
     group: NodeGroup,
     world: int,
-    layouts: Callable[[str], Layout | None] | None,
+    layouts: Callable[[int, str], Layout | None] | None,
 ) -> list[str]:
     """Write the parts of this node's replica sources, rebuilt from their reports and checked."""
     step_dir = step_dir_name(step)
@@ -129,7 +129,7 @@ def replicate(
     slot: Slot,
     compress: str | None,
     memo: CommitMemo,
-    layouts: Callable[[str], Layout | None] | None = None,
+    layouts: Callable[[int, str], Layout | None] | None = None,
 ) -> None:
     """Send this rank's file (`write`; None: nothing) to its replica targets; store verified
     copies of what its sources send. Both ends decide from the same reports (`reports`:

@@ -67,7 +67,7 @@ def failed(rank: int, error: str) -> RankReport:
 
 
 def decode_report(
-    rank: int, data: bytes, layouts: Callable[[str], Layout | None] | None = None, memo: CommitMemo | None = None
+    rank: int, data: bytes, layouts: Callable[[int, str], Layout | None] | None = None, memo: CommitMemo | None = None
 ) -> RankReport:
     """Rank `rank`'s report as sent (`data`), its layout found by `layouts`, or an error report
     when it does not decode or its layout is missing or does not fit. Reports that decoded
@@ -81,7 +81,7 @@ def decode_report(
         report = Report.decode(data, where)
         layout = None
         if report.layout is not None and report.error is None:
-            layout = layouts(report.layout) if layouts is not None else None
+            layout = layouts(rank, report.layout) if layouts is not None else None
             if layout is None:
                 raise FormatError(f"{where} names layout {report.layout[:12]}, which was not to be found")
             if len(layout.chunk_names) != len(report.offsets):

@@ -98,10 +98,14 @@ def test_a_node_lacking_manifest_parts_reads_them_from_the_node_that_has_them(jo
 def test_snapshots_every_step_do_not_grow_the_store(job):
     """Each RAM-tier commit leaves ~10 small keys (reports, the manifest) in torchrun's
     store; the next commit deletes them, or a job snapshotting every step for days
-    would fill the agent's memory."""
+    would fill the agent's memory. The state grows by a tensor at every step here: each
+    new layout's body (megabytes at scale) replaces the old one in the store, and the
+    replicas made with the new layouts restore a lost node bitwise."""
     out = run_ranks(4, dist_worker.ram_store_growth, job["disk"], (4, 24), env=job["env"])
-    before, after = out[0]
+    before, after = out[0]["keys"]
     assert after - before < 10, f"{after - before} store keys more after 20 more snapshots"
+    assert [o["step"] for o in out] == [24] * 4
+    assert [o["source"] for o in out] == ["ram", "ram", "ram+peer", "ram+peer"]
 
 
 def test_rank0_skipping_a_snapshot_costs_the_other_nodes_no_wait(job):

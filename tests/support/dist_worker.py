@@ -174,18 +174,27 @@ def ram_save(rank: int, world: int, parallel: str, disk: str, refs: str, steps: 
     return f"SAVED rank={rank}"
 
 
-def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -> tuple[int, int]:
-    """Snapshot every step to RAM + peer; the store's key count after steps[0] and after steps[1]."""
+def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -> dict:
+    """Snapshot every step to RAM + peer, a dict of the state growing by a tensor at every step
+    after steps[0] (a new layout each time); the store's key count after steps[0] and after
+    steps[1]. Then node 1 loses its RAM, every tensor is zeroed and the last step restored."""
+    import shutil
+
     from torch.distributed.distributed_c10d import _get_default_store
 
+    from ftkit.tiers.ram import job_dir
+
     model, opt = build("ddp", seed=1)
+    grown: dict[str, torch.Tensor] = {}
     counts = []
-    with ftkit.Checkpointer({"model": model, "optim": opt}, ram_tiers(disk, 10**6)) as ck:
+    with ftkit.Checkpointer({"model": model, "optim": opt, "grown": grown}, ram_tiers(disk, 10**6)) as ck:
         for step in range(1, steps[1] + 1):
             loss = model(torch.randn(8, 16)).square().mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if step > steps[0]:
+                grown[f"t{step}"] = torch.full((step,), float(step))
             ck.snapshot(step)
             if step in steps:
                 ck.wait()
@@ -193,7 +202,18 @@ def ram_store_growth(rank: int, world: int, disk: str, steps: tuple[int, int]) -
                 counts.append(_get_default_store().num_keys())
                 dist.barrier()
         assert ck.stats.failed == 0
-    return counts[0], counts[1]
+        saved = {**full_state(model, opt), **{f"grown/{k}": v.clone() for k, v in grown.items()}}
+        if rank == 2:
+            shutil.rmtree(os.path.join(job_dir(), "node1"))  # node 1's RAM is lost
+        dist.barrier()
+        for t in [*model.parameters(), *grown.values(), *(v for s in opt.state.values() for v in s.values())]:
+            t.detach().zero_()
+        restored, source = ck.restore(), ck.last_restore["source"]
+    got = {**full_state(model, opt), **{f"grown/{k}": v for k, v in grown.items()}}
+    bad = [k for k in saved if not torch.equal(saved[k], got[k])]
+    if bad:
+        raise AssertionError(f"rank {rank}: step {restored} differs: {bad[:5]}")
+    return {"keys": (counts[0], counts[1]), "step": restored, "source": source}
 
 
 def ram_committed_steps(rank: int) -> list[int]:

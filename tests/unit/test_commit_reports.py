@@ -82,12 +82,12 @@ def test_a_layout_is_fetched_once_and_a_forged_body_is_not_taken():
     memo = CommitMemo()  # a receiver that has never seen it
     fetched = []
     forged = layout.body.replace('"float32"', '"float16"')
-    bad = decode_report(2, data, lookup(lambda d: fetched.append(d) or forged.encode(), memo))
+    bad = decode_report(2, data, lookup(lambda _, d: fetched.append(d) or forged.encode(), memo))
     assert bad.file is None and "which was not to be found" in (bad.error or "")
-    good = decode_report(2, data, lookup(lambda d: fetched.append(d) or layout.body.encode(), memo))
+    good = decode_report(2, data, lookup(lambda _, d: fetched.append(d) or layout.body.encode(), memo))
     assert good.error is None and good.layout == layout
-    assert decode_report(2, data, lookup(lambda d: None, CommitMemo()), None).error is not None
-    assert decode_report(2, data, lookup(lambda d: None, memo)).error is None  # kept: no second fetch
+    assert decode_report(2, data, lookup(lambda _, d: None, CommitMemo()), None).error is not None
+    assert decode_report(2, data, lookup(lambda _, d: None, memo)).error is None  # kept: no second fetch
     assert fetched == [layout.digest, layout.digest]
 
 
@@ -263,3 +263,39 @@ def test_a_step_not_committed_names_the_first_errors_once_each_and_counts_them()
     assert text.count("no record") == 8 and "node of rank 64:" not in text
     assert text.endswith("(22 errors in all)")  # 20 nodes, the unreadable records once, rank 0's own
     raise_if_failed(5, "the RAM tier", [Record.failed([])])  # no error: committed
+
+
+def test_a_collector_deletes_a_layout_from_the_store_once_no_partner_can_still_read_it():
+    """A node's bodies are in the store under its leader (layout/<leader>/<name>). One its
+    reports stop naming goes after a step whose partner reports are all writes, each sent
+    after its rank finished the step before (the last naming it); not while a partner skips
+    (it may be behind) or after a failed part (its reports may name any). Named again: set again."""
+    import torch.distributed as dist
+
+    from ftkit.commit.layouts import Published, from_store
+    from ftkit.commit.plan import RAM, CommitPlan
+    from ftkit.coord.dist import DistContext
+
+    nodes = ["node0", "node0", "node1", "node1"]
+    ctx = DistContext(3, WORLD, dist.HashStore(), "node1", 1.0, nodes)
+    fetch = from_store(ctx.store, CommitPlan.of(nodes, RAM, 1))
+    a, b = (layout_of(_write(3, "aaaaaaaa", names=n), CommitMemo())[0] for n in (("w", "b"), ("w", "v")))
+    wrote = [layout_of(_write(0, "cccccccc"), CommitMemo())[1].encode()]  # a partner rank's report
+    skipped = [wrote[0], Report.failed("no free staging slot", skipped=True).encode()]
+    published = Published()
+
+    def held() -> list[Layout]:
+        return [x for x in (a, b) if fetch(3, x.digest) == x.body.encode()]
+
+    for layouts, partners, want in [
+        ([a], wrote, [a]),
+        ([b], skipped, [a, b]),
+        ([b], wrote, [b]),
+        ([a], skipped, [a, b]),
+        ([], wrote, [a, b]),
+        ([a], wrote, [a]),
+    ]:
+        published.publish(ctx, 2, layouts)
+        published.retire(ctx, 2, partners)
+        assert held() == want, (layouts, want)
+    assert fetch(1, a.digest) is None  # another node's namespace
