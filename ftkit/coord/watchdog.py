@@ -124,7 +124,8 @@ class Watchdog:
         self._node_wait_since: float | None = None  # a leader's: since when a rank of its node waits
         self._announce = self._announced = False  # a leader's: its node counted in WAITING
         self._all_done = False  # every rank of every node has finished
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the heartbeat thread must end (stop(), or an in-process verdict)
+        self._stopped_once = False  # stop() ran: its cleanup is done once
         self._outage_since: float | None = None
         self._outage_rounds = 0
         # A store request to a host that vanished (no FIN, no RST) never returns, whatever the
@@ -228,28 +229,31 @@ class Watchdog:
     def stop(self, failed: bool = False) -> None:
         """Say this rank is done (its silence is not death) and stop. `failed`: its loop raised;
         the verdict is posted at once, so peers do not wait in a collective for it."""
-        if self._stop.is_set() and not failed:
+        if self._stopped_once:  # (not `_stop`: an in-process verdict sets it, and the cleanup is still due)
             return
+        self._stopped_once = True
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        with contextlib.suppress(Exception):
-            self.beats.write(self.ctx.rank, self._beat(done=True, failed=failed, stopped=True))
-        # (Store requests bounded here too: a store lost with its host must not hold an ending rank.)
-        if failed:
-            mine = standing = Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank)
+        try:
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=5)
             with contextlib.suppress(Exception):
-                standing = self._store.call(lambda: self.act.post(mine), self._store_wait_s)
-            with contextlib.suppress(Exception):
-                self.board.write("verdict.json", standing.to_json())
-        if self.leader and not failed:
-            with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
-                self._store.call(lambda: self._set_node_beat(done=True), self._store_wait_s)
-        if self.leader and self._announced:  # (its node waits no more: the other nodes' clocks run again)
-            with contextlib.suppress(Exception):
-                self._store.call(lambda: self.ctx.store.add(WAITING, -1), self._store_wait_s)
-        self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
-        self._store.close()  # (its thread served this Checkpointer only: a generation's would stay idle)
+                self.beats.write(self.ctx.rank, self._beat(done=True, failed=failed, stopped=True))
+            # (Store requests bounded here too: a store lost with its host must not hold an ending rank.)
+            if failed:
+                mine = standing = Verdict(self.ctx.rank, "failed", 0.0, "its training loop raised", self.ctx.rank)
+                with contextlib.suppress(Exception):
+                    standing = self._store.call(lambda: self.act.post(mine), self._store_wait_s)
+                with contextlib.suppress(Exception):
+                    self.board.write("verdict.json", standing.to_json())
+            if self.leader and not failed:
+                with contextlib.suppress(Exception):  # its watchers must not take a finished node for a lost one
+                    self._store.call(lambda: self._set_node_beat(done=True), self._store_wait_s)
+            if self.leader and self._announced:  # (its node waits no more: the other nodes' clocks run again)
+                with contextlib.suppress(Exception):
+                    self._store.call(lambda: self.ctx.store.add(WAITING, -1), self._store_wait_s)
+            self.board.remove_when_all_stopped(self.node_ranks)  # the last rank of the node out
+        finally:
+            self._store.close()  # (its thread served this Checkpointer only: a generation's would stay idle)
 
     # ---------------------------------------------------------- the thread
     def _run(self) -> None:
