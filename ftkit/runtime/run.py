@@ -58,7 +58,9 @@ trainers as they are:
     the watch off (for workers that run no Checkpointer watchdog).
 
 With --no-python or --run-path the workers are started as given (no launcher,
-no watch). Exits with torchrun's exit code."""
+no watch). A SIGTERM or SIGINT sent to ftkit run is passed on to torchrun as
+SIGTERM (the workers' final save); a terminal's Ctrl-C reaches torchrun itself.
+Exits with torchrun's exit code."""
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -102,14 +104,25 @@ def cmd_run(argv: list[str]) -> int:
         proc = subprocess.Popen(cmd, env=env)
         if watch_dir:
             cleanup.callback(StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start().stop)
-        # torchrun shares our terminal's process group, so a Ctrl-C reaches it directly: wait for it to
-        # stop its workers rather than leave them behind. A SIGTERM sent to ftkit run alone is passed on.
-        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-        # (None: a handler set outside Python, which cannot be put back; the default is the closest)
-        cleanup.callback(signal.signal, signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        while True:
-            try:
-                rc = proc.wait()
-                return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, not 256 - N
-            except KeyboardInterrupt:
-                continue
+
+        # A SIGTERM or SIGINT sent to ftkit run is passed on as SIGTERM: the workers' final save.
+        # A Ctrl-C reaches torchrun directly (our terminal's foreground process group): not sent twice.
+        def stop_job(signum: int, _frame: object) -> None:
+            if signum == signal.SIGTERM or not _in_terminal_foreground():
+                proc.send_signal(signal.SIGTERM)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.signal(signum, stop_job)
+            # (None: a handler set outside Python, which cannot be put back; the default is the closest)
+            cleanup.callback(signal.signal, signum, signal.SIG_DFL if previous is None else previous)
+        rc = proc.wait()
+        return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, not 256 - N
+
+
+def _in_terminal_foreground() -> bool:
+    """Whether this process is in its controlling terminal's foreground process group (a SIGINT is then a Ctrl-C)."""
+    try:
+        with open("/dev/tty", "rb", buffering=0) as tty:
+            return os.tcgetpgrp(tty.fileno()) == os.getpgrp()
+    except OSError:  # no controlling terminal
+        return False

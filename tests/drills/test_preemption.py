@@ -107,28 +107,31 @@ def test_a_preemption_heard_by_a_training_loop_on_a_thread_still_ends_its_proces
     assert all("saved to every tier" in o for o in outs), outs
 
 
-def test_sigterm_to_ftkit_run_saves_and_it_exits_143_without_a_traceback(tmp_path):
+def test_sigint_to_ftkit_run_saves_as_sigterm_does_and_it_exits_143_without_a_traceback(tmp_path):
+    """A SIGINT sent to ftkit run alone (not a terminal's Ctrl-C, which reaches torchrun too) ends the
+    job as a SIGTERM does, through the same handler (SIGTERM: the prestop test below); it was ignored."""
     cmd = [sys.executable, "-m", "ftkit", "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2"]
     cmd += ["--max-restarts", "0", "-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt")]
     cmd += ["--steps", "2000", "--every", "1000", "--step-time", "0.05"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "job.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        # (a session of its own: no terminal whose foreground it shares, as under a scheduler)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
         try:
             events = tmp_path / "run" / "events" / "rank-00001.jsonl"
             for _ in range(600):
                 if events.exists() and '"event": "step"' in events.read_text():
                     break
                 time.sleep(0.2)
-            proc.send_signal(signal.SIGTERM)  # to ftkit run, as a scheduler would
+            proc.send_signal(signal.SIGINT)  # to ftkit run alone
             rc = proc.wait(timeout=90)
         finally:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)  # (torchrun and its workers too)
     out = (tmp_path / "job.log").read_text()
     assert rc == 128 + signal.SIGTERM and "Traceback" not in out, out
     steps = committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open())
-    assert len(steps) == 1 and steps[0] >= 1, out  # nothing was due (every=1000): the SIGTERM saved it
+    assert len(steps) == 1 and steps[0] >= 1, out  # nothing was due (every=1000): the signal saved it
 
 
 # hooks/prestop.sh inside a private PID namespace, where the only job is the one started here
