@@ -338,6 +338,8 @@ class Checkpointer:
                 self._arena.close()
                 if self._ram_hold is not None:  # (else it may still write the RAM tier: held till exit)
                     self._ram_hold.close()
+            if self._preemption is not None and not self._stopping_on_purpose:
+                self._preemption.end_as_asked()  # a signal that came too late for a final save
 
     def __enter__(self) -> Checkpointer:
         return self

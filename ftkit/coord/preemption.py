@@ -5,7 +5,9 @@ takes that step to every tier, waits for the commit and exits with 128 + the sig
 ranks agree on the step: `final_step_reached`). If no step ends within the deadline, a
 timer ends the process anyway. The handler may ``os._exit``, so it is installed only where
 wanted (checkpointer.py). A Python handler installed before is chained, and put back on
-close unless another was installed over ftkit's meanwhile.
+close unless another was installed over ftkit's meanwhile. Where there was none, a signal
+no step end answered (it came after the last step, or during close()) ends the process
+once close() is done, as it would have without ftkit (`end_as_asked`).
 
 Requeue (`requeue_signals`, coord/requeue.py): rank 0 asks the scheduler to run the job
 again after the final save (the others wait for it) or at the deadline, on its own or a
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -79,6 +82,7 @@ class PreemptionHandler:
         # Reentrant: a second signal may interrupt the handler on the main thread.
         self._lock = threading.RLock()
         self._retired = False
+        self._held: int | None = None  # a signal whose default action (the process ends) waits for a final save
 
     def install(self) -> None:
         """Take over the signals (once; Python allows it on the main thread only)."""
@@ -103,6 +107,8 @@ class PreemptionHandler:
         self.request(signum)
         if callable(previous):  # not SIG_DFL / SIG_IGN / None (a handler set from C)
             previous(signum, frame)
+        elif previous != signal.SIG_IGN and signum not in self.requeue_signals:  # (that asks for time, not an end)
+            self._held = signum  # its default action waits for close(): end_as_asked
 
     def request(self, signum: int, by_rank: int | None = None) -> None:
         """Stop at an agreed step: this rank got `signum`, or (by_rank) a peer did, heard through
@@ -195,6 +201,18 @@ class PreemptionHandler:
                 if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
                     del self._previous[sig]
+
+    def end_as_asked(self) -> None:
+        """After uninstall(), where no final save answered a signal held (it came after the last
+        step, or during close()): end the process by it, as its default action would have."""
+        sig = self._held
+        if sig is None or signal.getsignal(sig) != signal.SIG_DFL:  # (not put back: a handler over ours decides)
+            return
+        log.warning("ftkit: %s came after the last step; all saved, the process ends as it asks", signal_name(sig))
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.raise_signal(sig)
 
 
 def _raise_to(store, key: str, value: int) -> None:

@@ -604,3 +604,25 @@ def test_a_training_checkpointer_saves_on_sigterm_and_chains_the_previous_handle
         f"exit {128 + signal.SIGTERM} previous handler called [15] restored True",
     ]
     assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [4]  # nothing was due: the final save
+
+
+LATE_SIGTERM = """
+import os, signal, sys, torch, ftkit
+state = {"w": torch.zeros(10)}
+with ftkit.Checkpointer(state, [{"url": sys.argv[1], "every": 3}], rng=False) as ck:
+    for step in range(1, 4):
+        state["w"].fill_(step)
+        ck.snapshot(step)
+    os.kill(os.getpid(), signal.SIGTERM)  # after the last step: no step end follows for a final save
+    print("held for close()", flush=True)
+print("went on as if never signalled", flush=True)
+"""
+
+
+def test_a_sigterm_after_the_last_step_ends_the_process_once_close_has_flushed(tmp_path):
+    """The signal was dropped with ftkit's handler: the script went on and exited 0."""
+    r = _python(LATE_SIGTERM, str(tmp_path / "ckpt"), env=_env())
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stdout, r.stderr)  # as SIGTERM's default action
+    assert r.stdout.splitlines() == ["held for close()"]
+    assert "SIGTERM came after the last step" in r.stderr
+    assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [3]  # close() flushed the last step first
