@@ -39,12 +39,13 @@ def plan_retention(
         return RetentionPlan(tuple(steps), ())
     if keep < 1:
         raise ValueError("keep must be at least 1")
-    # (A step that failed a check may have met a transient read error: kept, but not counted.)
-    kept = set(failed)
-    usable = [s for s in steps if s not in kept]
-    kept |= set(usable[-keep:])
+    # (A step that failed a check may have met a transient read error: kept, but not counted,
+    # until `keep` good steps are newer, when it would go if good.)
+    failed = set(failed)
+    usable = [s for s in steps if s not in failed]
+    kept = set(usable[-keep:]) | {s for s in failed if len(usable) < keep or s > usable[-keep]}
     if keep_every:
-        kept |= {s for s in usable if s % keep_every == 0}
+        kept |= {s for s in steps if s % keep_every == 0}
     if protect is not None and protect in steps:
         kept.add(protect)
     return RetentionPlan(tuple(s for s in steps if s in kept), tuple(s for s in steps if s not in kept))
@@ -111,11 +112,17 @@ JOB_UPLOAD_CHECK_S = 3600.0  # a running job lists incomplete uploads at most th
 
 
 def apply_job_retention(
-    storage: Storage, keep: int | None, keep_every: int | None, protect: int, upload_grace_s: float = JOB_UPLOAD_GRACE_S
+    storage: Storage,
+    keep: int | None,
+    keep_every: int | None,
+    protect: int,
+    failed: Iterable[int] = (),
+    upload_grace_s: float = JOB_UPLOAD_GRACE_S,
 ) -> list[int]:
     """A running job's retention after it committed `protect` (trusted, not read back); the
     steps removed. Steps without a manifest older than `protect` were abandoned (commits go in
-    step order) and go; newer ones may be in flight. Links and odd manifests are left alone."""
+    step order) and go; newer ones may be in flight. Links and odd manifests are left alone.
+    `failed`: the steps this run's restore found unusable here (plan_retention)."""
     dirs = scan(storage)
     refused = [d.step for d in dirs if d.status in ("link", "bad")]
     if refused and storage.url not in _warned:
@@ -126,7 +133,7 @@ def apply_job_retention(
             storage.display_url,
             refused,
         )
-    plan = plan_retention([d.step for d in dirs if d.committed], keep, keep_every, protect=protect)
+    plan = plan_retention([d.step for d in dirs if d.committed], keep, keep_every, protect=protect, failed=failed)
     abandoned = [d.step for d in dirs if d.status in ("partial", "retired") and d.step < protect]
     removed = list(plan.delete) + abandoned
     for step in removed:

@@ -320,6 +320,10 @@ def test_a_step_that_failed_verification_is_kept_but_counts_toward_no_keep():
     p = plan_collection(steps, keep=2, keep_every=None, grace_s=0)
     assert p.protected == 3 and p.delete == (1,) and p.keep == (2, 3, 4, 5)
     assert plan_retention([1, 2, 3, 4], keep=1, failed=[4]) == RetentionPlan((3, 4), (1, 2))
+    # A running job's (its restore found step 2 bad): it goes once `keep` good steps are newer.
+    assert plan_retention([1, 2, 3], keep=2, failed=[2]) == RetentionPlan((1, 2, 3), ())
+    assert plan_retention([1, 2, 3, 4], keep=2, failed=[2]) == RetentionPlan((3, 4), (1, 2))
+    assert plan_retention([1, 2], keep=2, failed=[1]) == RetentionPlan((1, 2), ())
 
 
 # ------------------------------------------------------------------ overlaps
