@@ -55,10 +55,13 @@ log = logging.getLogger("ftkit")
 @dataclass(frozen=True)
 class Superseded:
     """The newer steps a restore of `step` left behind (`retire_superseded`). `listed`: per
-    shared tier (index), the committed steps rank 0 listed while planning (empty elsewhere)."""
+    shared tier (index), the committed steps rank 0 listed while planning (empty elsewhere).
+    `unusable`: per tier, the steps the restore found unusable there (their retention counts
+    them toward no `keep`: tiers/retention.py)."""
 
     step: int
     listed: dict[int, list[int]] = field(default_factory=dict)
+    unusable: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _inventory(leader: int, raw: bytes) -> Inventory | None:
@@ -98,12 +101,13 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
     listings: list[tuple[int, list[int]]] = []
     planned: list[Candidate] = []
     if ctx.rank == 0:
-        ram, unusable = {}, []
+        ram, unusable, incomplete = {}, [], set()
         if rc.ram is not None and by_leader is not None:
             leader_of = {ctx.nodes[r]: r for r in by_leader}
             inventories = [_inventory(leader_of[n], by_leader[leader_of[n]]) for n in ctx.nodes]
             ram = ram_candidates(inventories, ctx.nodes, rc.ram, rc.backends[rc.ram].can_fetch)
             unusable = _unusable(inventories, ctx.nodes, step)
+            incomplete = {h.step for inv in inventories if inv is not None for h in inv.steps} - set(ram)
         listings, unreachable = shared_listings(rc)
         planned = order_candidates(step, ram, listings)
         # Without holders: only rank 0 plans the fetches (read.py).
@@ -111,13 +115,15 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
             "candidates": [c.to_json(holders=False) for c in planned],
             "unreachable": unreachable,
             "unusable": unusable,
+            "incomplete": sorted(incomplete),  # RAM-tier steps held but not readable as a whole
         }
     listing = ctx.broadcast(f"{key}/candidates", listing)
     try:  # (rank 0's word, through the store: checked like any message)
         candidates = planned or [Candidate.from_json(c) for c in listing["candidates"]]
         unreachable = [str(u) for u in listing["unreachable"]]
         unusable = [str(u) for u in listing["unusable"]]
-    except (TypeError, KeyError):
+        found_bad = {rc.ram: [int(s) for s in listing["incomplete"]]} if rc.ram is not None else {}
+    except (TypeError, KeyError, ValueError):
         raise FormatError("a malformed list of restore candidates from rank 0") from None
     t_plan = time.perf_counter() - t_start
     if step is not None and not candidates:
@@ -162,10 +168,13 @@ def restore(rc: RestoreContext, step: int | None, key: str) -> tuple[int, dict[s
                 undo.put_back_bytes()  # nothing was loaded: only bytes were read into live tensors
             if failed is not None:
                 problems.append(failed)
+                found_bad.setdefault(i, []).append(s)
                 log.warning("step %d from %s is unusable, trying the next source: %s", s, origin["source"], failed)
                 continue
             undo.keep()
-            report, superseded = _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_read, t_load)
+            report, superseded = _report(
+                rc, s, i, manifest, tensors, origin, listings, found_bad, t_start, t_plan, t_read, t_load
+            )
             return s, report, superseded
         raise CorruptCheckpointError(
             f"no usable checkpoint: {len(problems)} candidate(s) failed and the live state is as it was; "
@@ -185,10 +194,10 @@ def _load(rc: RestoreContext, manifest, tensors, rng_value, local_value, agree_k
     return outcome.first_failure(rc.dist.rank)
 
 
-def _report(rc, s, i, manifest, tensors, origin, listings, t_start, t_plan, t_read, t_load):
+def _report(rc, s, i, manifest, tensors, origin, listings, found_bad, t_start, t_plan, t_read, t_load):
     """Step `s` loaded: this rank's last_restore (also its event and log line), and what it superseded."""
     ctx = rc.dist
-    superseded = Superseded(s, {t: [x for x in steps if x > s] for t, steps in listings})
+    superseded = Superseded(s, {t: [x for x in steps if x > s] for t, steps in listings}, found_bad)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     report = {
         "step": s,
@@ -233,6 +242,7 @@ def retire_superseded(rc: RestoreContext, superseded: Superseded, key: str) -> d
     step = superseded.step
     out: dict[str, list[int]] = {}
     for i, backend in enumerate(rc.backends):
+        backend.unusable = frozenset(superseded.unusable.get(i, ()))  # for its retention from now on
         if not backend.owns(ctx):  # a node's leader for the RAM tier, rank 0 for a shared one
             continue
         try:

@@ -45,6 +45,7 @@ class TierBackend(ABC):
     node_local: bool  # every node holds its own copy (True) or every rank sees the same bytes
     superseded_verb: str  # what supersede() does to a step, for messages
     peers: PeerGroup | None = None  # the group a node-local tier moves files between nodes over
+    unusable: frozenset[int] = frozenset()  # steps this run's restore found unusable here (retire_superseded)
 
     @property
     def can_fetch(self) -> bool:
@@ -101,7 +102,8 @@ class TierBackend(ABC):
 
     def apply_retention(self, protect: int) -> list[int]:
         """Delete the committed steps the tier's keep/keep_every no longer keep; return them."""
-        return apply_job_retention(self.storage, self.tier.keep, self.tier.keep_every, protect=protect)
+        tier = self.tier
+        return apply_job_retention(self.storage, tier.keep, tier.keep_every, protect=protect, failed=self.unusable)
 
     def retain(self, ctx: DistContext, job: Any) -> list[int]:
         """Retention after this rank's persist of `job` succeeded (its owner calls it); the steps removed."""

@@ -204,6 +204,34 @@ def test_restore_prefers_fast_tier_and_uses_slow_one_when_fast_is_bad(tmp_path):
     assert torch.equal(state["t"], torch.full((64,), 5.0))
 
 
+@pytest.mark.parametrize("fast_url", ["ram", "fast"])
+def test_a_step_restore_found_bad_on_the_fast_tier_does_not_push_out_its_good_older_step(
+    tmp_path, monkeypatch, fast_url
+):
+    """Step 2 on the fast tier (keep=2) is bad (a garbage manifest; on the RAM tier, a data file
+    gone), so restore loads it from the slow tier. The next snapshot's retention does not count
+    the bad step: the fast tier keeps good step 1, which the slow tier no longer has."""
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
+    fast = ftkit.Tier(fast_url if fast_url == "ram" else str(tmp_path / fast_url), keep=2)
+    tiers = [fast, ftkit.Tier(f"file://{tmp_path / 'slow'}")]
+    state = {"t": torch.zeros(8)}
+    with ftkit.Checkpointer(state, tiers, rng=False, run_id="job") as ck:
+        for step in (1, 2):
+            state["t"].fill_(step)
+            ck.snapshot(step)
+    if fast_url == "ram":
+        next((tmp_path / "ram").rglob(f"{step_dir_name(2)}/*.data")).unlink()
+    else:
+        (tmp_path / fast_url / step_dir_name(2) / MANIFEST_NAME).write_text("{garbage")
+    with ftkit.Checkpointer(state, tiers, rng=False, run_id="job") as ck:
+        assert ck.restore() == 2
+        ck.snapshot(3)
+    state["t"].zero_()
+    with ftkit.Checkpointer(state, [fast], rng=False, run_id="job") as ck:
+        assert ck.restore(1) == 1
+    assert torch.equal(state["t"], torch.full((8,), 1.0))
+
+
 def test_restore_of_a_different_model_names_mismatched_keys(tmp_path):
     with ftkit.Checkpointer(make_state(width=16), [str(tmp_path)]) as ck:
         ck.snapshot(1)
