@@ -71,6 +71,11 @@ def _samplers(fit_loop: Any) -> Iterator[tuple[Any, Any]]:
             yield dl, s
 
 
+def load_loader_states(fit_loop: Any, states: list[Any]) -> None:
+    """Load the stateful training loaders' saved state_dict()s, as FitLoop.setup_data does, for the next iterator."""
+    fit_loop._combined_loader._load_state_dicts(states)
+
+
 def set_sampler_epoch(fit_loop: Any, epoch: int) -> None:
     """Set every training sampler's epoch, as the fit loop does only after the callback re-makes the iterator."""
     for _, s in _samplers(fit_loop):

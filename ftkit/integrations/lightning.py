@@ -11,7 +11,8 @@ A snapshot (``on_train_batch_end``, where ``ModelCheckpoint(every_n_train_steps=
 holds what ``_state`` lists; the loops restart as on Lightning's ``ckpt_path=`` resume, which
 wins over ftkit. Lightning starts a plain DataLoader over on a mid-epoch resume; the callback
 re-makes the epoch's iterator from its epoch-start RNG state and drops the batches already
-consumed. Several ranks, samplers and tests: docs/integrations.md.
+consumed, or, for a loader with a ``state_dict`` (torchdata's StatefulDataLoader), from that.
+Several ranks, samplers and tests: docs/integrations.md.
 
 Limits: a ``training_step`` taking ``dataloader_iter`` resumes without the fast-forward (with
 a warning); ``persistent_workers=True`` keeps worker RNG state no checkpoint holds; random
@@ -45,6 +46,7 @@ from ftkit.integrations._lightning_loop import (
     drop_batches,
     fit_epoch_length,
     leave_sigterm_to_ftkit,
+    load_loader_states,
     resumable_sampler,
     set_sampler_epoch,
     slurm_requeue_signal,
@@ -90,6 +92,7 @@ class FtkitCallback(CallbackBase, Callback):
         # position) and this rank's RNG states, for on_train_start to apply.
         self._job = self._own = Stash(dict)
         self._sampler: ResumableDistributedSampler | None = None  # the training loader's, if it has one
+        self._loader_states: list[Any] = []  # the training loaders' own, as restored (StatefulDataLoader's)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -130,6 +133,8 @@ class FtkitCallback(CallbackBase, Callback):
 
     def _load_loops(self, trainer: pl.Trainer, sd: dict[str, Any]) -> None:
         trainer.fit_loop.load_state_dict(sd)
+        # The stateful loaders' state_dict()s, saved with the loops as Lightning does: on_train_start loads them again
+        self._loader_states = sd.get("state_dict", {}).get("combined_loader") or []
         max_epochs = trainer.max_epochs
         if max_epochs not in (None, -1) and trainer.current_epoch > max_epochs:
             raise FtkitError(f"the snapshot is at epoch {trainer.current_epoch}, past Trainer(max_epochs={max_epochs})")
@@ -190,6 +195,7 @@ class FtkitCallback(CallbackBase, Callback):
         self._sampler = resumable_sampler(trainer)
         pending = self._own.take() or {}  # {}: a rank the snapshot has no state for (a grown world)
         job = self._job.take() or {}
+        loader_states, self._loader_states = self._loader_states, []
         if not self.restored_step:
             return
         if self._sampler is not None:
@@ -234,8 +240,14 @@ class FtkitCallback(CallbackBase, Callback):
             fit_loop.max_batches = progress.current.ready
         if self.rng and epoch_rng is not None:
             set_rng_state(epoch_rng)
+        # A stateful loader (StatefulDataLoader) continues from its saved state, loaded again now that the
+        # sampler's epoch is set; not with a ResumableDistributedSampler (its position rules), nor without
+        # a length (Lightning had fetched a batch ahead of the snapshot's when it took that state).
+        from_state = bool(consumed and loader_states and self._sampler is None and fetcher.length is not None)
+        if from_state:
+            load_loader_states(fit_loop, loader_states)
         iter(fetcher)  # a fresh iterator for this epoch: same sampler permutation, same worker seeds
-        drop_batches(fetcher, consumed if self._sampler is None else 0)
+        drop_batches(fetcher, consumed if self._sampler is None and not from_state else 0)
         if self._sampler is not None and consumed and fetcher.length is not None:
             # The epoch loop counts the restored batches into `fetched`: the epoch's length counts them too.
             fetcher.length = int(fit_loop.max_batches)
@@ -251,7 +263,8 @@ class FtkitCallback(CallbackBase, Callback):
                 self._sampler.num_replicas,
             )
         else:
-            log.info("ftkit: dataloader moved past the %d batch(es) this epoch had consumed", consumed)
+            how = "resumed from its state_dict" if from_state else "moved"
+            log.info("ftkit: dataloader %s past the %d batch(es) this epoch had consumed", how, consumed)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning makes a new iterator for this epoch right after this hook, under the same

@@ -28,7 +28,7 @@ if importlib.util.find_spec("lightning") is None:  # a missing extra fails the t
     pytest.fail("lightning is not installed: pip install -e '.[test]' (the 'lightning' extra)", pytrace=False)
 
 import lightning.pytorch as pl  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import ftkit  # noqa: E402
 from ftkit.format.reader import committed_steps  # noqa: E402
@@ -42,7 +42,14 @@ EPOCHS = 3
 class Net(pl.LightningModule):
     """Dropout (RNG), AdamW (state), a scheduler (state), shuffled data (sampler RNG)."""
 
-    def __init__(self, width: int = 16, interval: str = "step", validate: bool = False, iterable: bool = False):
+    def __init__(
+        self,
+        width: int = 16,
+        interval: str = "step",
+        validate: bool = False,
+        iterable: bool = False,
+        stateful: str | None = None,
+    ):
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(width, 1)
@@ -50,6 +57,7 @@ class Net(pl.LightningModule):
         self.interval = interval
         self.validate = validate
         self.iterable = iterable
+        self.stateful = stateful  # a torchdata StatefulDataLoader: "shuffle", "shuffle-workers", or its sampler
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -72,6 +80,14 @@ class Net(pl.LightningModule):
     def train_dataloader(self):
         if self.iterable:  # no len(): Lightning prefetches to find the epoch's end
             return DataLoader(Stream(self.dataset()), batch_size=4, num_workers=0)
+        if self.stateful:  # Lightning saves and loads its state_dict() with the loops'
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            ds = self.dataset()
+            samplers = {"distributed": DistributedSampler, "resumable": ftkit.ResumableDistributedSampler}
+            sampler = samplers[self.stateful](ds, num_replicas=1, rank=0) if self.stateful in samplers else None
+            workers = 2 if self.stateful == "shuffle-workers" else 0
+            return StatefulDataLoader(ds, batch_size=4, shuffle=sampler is None, sampler=sampler, num_workers=workers)
         return DataLoader(self.dataset(), batch_size=4, shuffle=True, num_workers=0)
 
     def val_dataloader(self):
@@ -128,13 +144,14 @@ def fit(
     interval: str = "step",
     validate: bool = False,
     iterable: bool = False,
+    stateful: str | None = None,
     ftkit_tiers=None,
     restore: bool = True,
     epochs: int = EPOCHS,
     ckpt_path: str | None = None,
 ):
     pl.seed_everything(0, verbose=False)
-    model = Net(width, interval, validate, iterable)
+    model = Net(width, interval, validate, iterable, stateful)
     trace = Trace()
     ftcb = None
     if ckpt or ftkit_tiers:
@@ -194,10 +211,12 @@ def reference():
     """The uninterrupted runs the others must equal, one per configuration."""
     cache: dict[tuple, tuple] = {}
 
-    def get(interval: str = "step", validate: bool = False, iterable: bool = False):
-        key = (interval, validate, iterable)
+    def get(interval: str = "step", validate: bool = False, iterable: bool = False, stateful: str | None = None):
+        key = (interval, validate, iterable, stateful)
         if key not in cache:
-            model, trainer, trace, _ = fit(None, interval=interval, validate=validate, iterable=iterable)
+            model, trainer, trace, _ = fit(
+                None, interval=interval, validate=validate, iterable=iterable, stateful=stateful
+            )
             assert trainer.global_step == EPOCHS * BATCHES_PER_EPOCH and trainer.current_epoch == EPOCHS
             cache[key] = (
                 final_values(model, trainer),
@@ -260,6 +279,28 @@ def test_iterable_dataset_without_length_resumes_exactly(tmp_path, reference, fa
     # Without a length, Lightning's own restart at an epoch end keeps counting batch_idx
     # from the previous epoch (as it does for its own checkpoints): compare the rest.
     assert [(e, g, d) for e, _, g, d in trace.steps] == [(e, g, d) for e, _, g, d in ref_steps[resumed:]]
+    assert_bitwise_equal(final_values(model, trainer), ref_values)
+
+
+@pytest.mark.parametrize(
+    "loader,fail_at,every",
+    [("shuffle", 13, 3), ("shuffle-workers", 23, 3), ("shuffle", 10, 5), ("distributed", 13, 3), ("resumable", 13, 3)],
+    ids=["mid-epoch", "2-workers-mid-epoch", "epoch-end", "distributed-sampler", "resumable-sampler"],
+)
+def test_stateful_dataloader_resumes_exactly(tmp_path, reference, loader, fail_at, every):
+    """torchdata's StatefulDataLoader, whose state_dict() Lightning keeps with the loops': its own
+    RandomSampler draws each epoch from a generator of its own, which only that state holds; a
+    DistributedSampler's epoch must be set before the iterator is made from it; the
+    ResumableDistributedSampler's position, in that state too, must not be skipped past twice."""
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        fit(ckpt, every=every, fail_at=fail_at, stateful=loader)
+    model, trainer, trace, ftcb = fit(ckpt, every=every, stateful=loader)
+    resumed = fail_at - fail_at % every
+    assert ftcb.restored_step == resumed
+    assert trainer.global_step == EPOCHS * BATCHES_PER_EPOCH and trainer.current_epoch == EPOCHS
+    ref_values, _, ref_steps = reference(stateful=loader)
+    assert trace.steps == ref_steps[resumed:]
     assert_bitwise_equal(final_values(model, trainer), ref_values)
 
 
