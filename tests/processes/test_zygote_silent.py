@@ -1,5 +1,6 @@
 """The zygote (ftkit/runtime/warm/zygote.py) reads requests as they arrive: connections that send
-nothing, or half a request, are dropped at their own deadline and hold up no warm start.
+nothing, or half a request, are dropped at their own deadline and hold up no warm start. It
+ends with its starter (ftkit run, a drill), once the workers it serves have ended.
 
 Real processes: a zygote of its own, raw connections to its socket, a real client started
 as torchrun starts one (``python -u .../client.py SCRIPT ARGS``).
@@ -8,13 +9,18 @@ as torchrun starts one (``python -u .../client.py SCRIPT ARGS``).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
 
+from conftest import warm_target
+
 from ftkit.runtime.warm import zygote
+from ftkit.runtime.warm.client import process_gone
+from ftkit.runtime.warm.zygote import client_path
 
 SCRIPT = """
 import os, sys
@@ -93,3 +99,57 @@ def test_silent_clients_are_dropped_at_their_deadline_and_hold_up_no_warm_start(
     assert z.proc.returncode == 0  # it served on to the end, and stopped when told
     text = log.read_text()
     assert text.count("dropped a client that sent no whole request") == 3 and "a bad request" in text
+
+
+STARTER = """
+import os, sys, time
+from ftkit.runtime.warm import zygote
+with open(sys.argv[1], "w") as err:
+    z = zygote.start(env={**os.environ, "FTKIT_ZYGOTE_VERBOSE": "1"}, stderr=err)
+print(os.getpid(), z.proc.pid, z.socket_path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_zygote_ends_with_its_starter_once_its_workers_have(tmp_path, zygote) -> None:
+    """Its starter (ftkit run) SIGKILLed, as a batch system kills a job's process group: the zygote,
+    in a session of its own, was left running for good with its preloaded torch. It serves the
+    worker it has to its end (torchrun may still be running it), then ends and removes its socket."""
+    (tmp_path / "starter.py").write_text(STARTER)
+    (tmp_path / "script.py").write_text(SCRIPT)
+    log, out = tmp_path / "zygote.err", tmp_path / "worker.pid"
+    # The starter is forked warm from this session's zygote (no torch import of its own to wait for).
+    starter = subprocess.Popen(
+        [sys.executable, "-u", *warm_target(zygote, [str(tmp_path / "starter.py"), str(log)])],
+        env={**os.environ, **zygote.env()},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid, zygote_pid, socket_path = starter.stdout.readline().split()
+    client = subprocess.Popen(
+        [sys.executable, "-u", client_path(), str(tmp_path / "script.py"), str(out)],
+        env={**os.environ, "FTKIT_ZYGOTE": socket_path},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker = int(_wait_for(out))
+        os.kill(int(pid), signal.SIGKILL)
+        assert starter.wait(timeout=30) == -signal.SIGKILL
+        end = time.monotonic() + 60
+        while "starter is gone" not in log.read_text() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert "starter is gone" in log.read_text()
+        assert not process_gone(zygote_pid) and not process_gone(worker)  # its worker runs on, served
+        stdout, stderr = client.communicate(input="ok\n", timeout=60)
+        assert client.returncode == 0 and stdout == "served ok\n", stderr
+        end = time.monotonic() + 60
+        while not process_gone(zygote_pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert process_gone(zygote_pid) and not os.path.exists(os.path.dirname(socket_path))
+    finally:
+        client.kill()
+        if not process_gone(zygote_pid):  # (left running for good before)
+            os.kill(int(zygote_pid), signal.SIGKILL)

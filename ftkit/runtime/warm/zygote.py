@@ -4,6 +4,8 @@ The starter (``ftkit run``, the drill) calls :func:`start`, which binds the list
 itself (clients may connect at once and wait in the backlog while the zygote imports);
 each client (client.py) sends a request; :func:`serve` forks a worker per request, which
 runs the script through ``ftkit.runtime.launch`` (:func:`main`); :meth:`Zygote.stop` ends it.
+A zygote whose starter is gone (killed: nobody is left to stop it) ends by itself once the
+workers it serves have ended (torchrun may outlive the starter, and be running them still).
 
 The zygote is single-threaded (a selector loop), never initialises CUDA and runs no tensor
 operation, so forking it is as safe as PyTorch's fork-started DataLoader workers. A worker
@@ -45,10 +47,11 @@ MAX_PENDING = 64  # requests read at once; more connections wait in the listener
 
 
 class Zygote:
-    def __init__(self, proc: subprocess.Popen, directory: str):
+    def __init__(self, proc: subprocess.Popen, directory: str, starter_end: int):
         self.proc = proc
         self.directory = directory
         self.socket_path = os.path.join(directory, "zygote.sock")
+        self._starter_end = os.fdopen(starter_end, "wb")  # the zygote reads EOF once the starter has closed it
 
     def env(self) -> dict[str, str]:
         """What the workers' environment needs so their clients find this zygote."""
@@ -65,6 +68,7 @@ class Zygote:
                 self.proc.wait()
         # Its socket, and replaceable-<pid> marks that killed clients left (client.py).
         shutil.rmtree(self.directory, ignore_errors=True)
+        self._starter_end.close()
 
 
 def client_path() -> str:
@@ -96,23 +100,31 @@ def start(
     directory = tempfile.mkdtemp(prefix="ftkit-zygote-", dir=parent)  # 0700: only this user can reach the socket
     path = os.path.join(directory, "zygote.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Only this process holds the write end (not inherited): the zygote reads EOF once it is gone,
+    # however it ends, whichever thread called this.
+    starter_r, starter_w = os.pipe()
     try:
         listener.bind(path)
         listener.listen(512)
         cmd = [sys.executable, "-m", "ftkit.runtime.warm.zygote", "--fd", str(listener.fileno())]
+        cmd += ["--starter-fd", str(starter_r)]
         if preload:
             cmd += ["--preload", ",".join(preload)]
         proc = spawn(
             cmd,
             env=env if env is not None else dict(os.environ),
-            pass_fds=[listener.fileno()],
+            pass_fds=[listener.fileno(), starter_r],
             stdin=subprocess.DEVNULL,
             stderr=stderr,
             start_new_session=True,  # a terminal's Ctrl-C reaches workers through their clients, once
         )
+    except BaseException:
+        os.close(starter_w)
+        raise
     finally:
         listener.close()  # the zygote holds it now; if it dies, waiting clients see the socket close
-    return Zygote(proc, directory)
+        os.close(starter_r)
+    return Zygote(proc, directory, starter_w)
 
 
 # ------------------------------------------------------------------ the server side
@@ -229,10 +241,11 @@ def _become_worker(request: dict, fds: list[int], close: list[Any]) -> list[str]
     return list(request["argv"])
 
 
-def serve(listener: socket.socket) -> list[str] | None:
-    """Fork a worker per request until SIGTERM. Returns only in a forked child (its launch arguments)."""
+def serve(listener: socket.socket, starter: int) -> list[str] | None:
+    """Fork a worker per request until SIGTERM, or until `starter` (a pipe's read end) reads EOF
+    and no worker is left. Returns only in a forked child (its launch arguments)."""
     me = os.getpid()
-    stopping = False
+    stopping = orphaned = False
 
     def on_term(_sig: int, _frame: object) -> None:
         nonlocal stopping
@@ -249,6 +262,7 @@ def serve(listener: socket.socket) -> list[str] | None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
+    sel.register(starter, selectors.EVENT_READ)  # (nothing is written to it: readable means EOF)
     listening = True
     pending: dict[socket.socket, _Pending] = {}  # in the order accepted: their deadlines' order too
     by_pid: dict[int, socket.socket | None] = {}  # None: its client is gone (a served one's selector data: the pid)
@@ -300,7 +314,7 @@ def serve(listener: socket.socket) -> list[str] | None:
             sel.close()
             others = [fd for p in pending.values() for fd in p.fds]  # other clients' streams are not its own
             served = [c for c in by_pid.values() if c is not None]
-            return _become_worker(request, fds, [listener, conn, *served, *pending, *others, wake_r, wake_w])
+            return _become_worker(request, fds, [listener, conn, *served, *pending, *others, wake_r, wake_w, starter])
         for fd in fds:
             os.close(fd)
         conn.setblocking(True)  # (its replies are a few bytes: they never wait)
@@ -335,6 +349,10 @@ def serve(listener: socket.socket) -> list[str] | None:
                     with contextlib.suppress(OSError):
                         while os.read(wake_r, 512):
                             pass
+                elif key.fileobj == starter:
+                    sel.unregister(starter)
+                    orphaned = True
+                    _say(f"its starter is gone: ending once its {len(by_pid)} worker(s) have", quiet=True)
                 elif isinstance(key.data, _Pending):  # a request arriving
                     conn = key.fileobj  # type: ignore[assignment]
                     try:
@@ -360,6 +378,7 @@ def serve(listener: socket.socket) -> list[str] | None:
                         _kill_group(key.data)  # reaped below; nobody left to tell
                         by_pid[key.data] = None
             reap()
+            stopping = stopping or (orphaned and not by_pid)
     finally:
         if os.getpid() == me:
             for conn in list(pending):
@@ -385,6 +404,7 @@ def _kill_group(pid: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ftkit.runtime.warm.zygote")
     p.add_argument("--fd", type=int, required=True, help="the listening Unix socket, bound by the starter")
+    p.add_argument("--starter-fd", type=int, required=True, help="a pipe that reads EOF once the starter is gone")
     p.add_argument("--preload", default="", help="more modules to import, comma-separated")
     args = p.parse_args(argv)
     listener = socket.socket(fileno=args.fd)
@@ -393,8 +413,10 @@ def main(argv: list[str] | None = None) -> None:
     # The imports are never garbage: keep them out of every collection, and so out of the
     # pages a collection would touch (copy-on-write would copy them in each worker).
     gc.freeze()
-    argv = serve(listener)
+    directory = os.path.dirname(listener.getsockname())
+    argv = serve(listener, args.starter_fd)
     if argv is None:
+        shutil.rmtree(directory, ignore_errors=True)  # (its starter's stop() would, if it is there)
         return
     from ftkit.runtime.launch import main as launch
 
