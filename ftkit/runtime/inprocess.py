@@ -119,7 +119,7 @@ def run_in_process(
     try:
         while True:
             try:
-                return fn(Generation(generation.current(), reason))
+                result = fn(Generation(generation.current(), reason))
             except Exception as e:
                 if terms.signum is not None:  # torchrun is ending the group (a peer died), or a preemption
                     log.warning("ftkit: rank %d failed after a termination signal; not recovering", rank)
@@ -133,6 +133,11 @@ def run_in_process(
                 log.warning(
                     "ftkit: rank %d, generation %d ended: %s; recovering in process", rank, generation.current(), reason
                 )
+            else:
+                if terms.signum is not None:  # it came after the last step: no final save answered it
+                    log.warning("ftkit: SIGTERM came after the last step; the process ends as it asks")
+                    terms.die()
+                return result
             # (out of the except clause: the traceback, and the frames holding the group, are gone)
             recoveries += 1
             _tear_down(sockets)
@@ -213,8 +218,9 @@ def _next_generation(store: Any, world: int, wait_s: float) -> int:
 class _Terminations:
     """SIGTERM while the wrapper runs (torchrun ending the group, or a preemption): no recovery after one.
 
-    Under a Checkpointer, whose preemption handler chains to this one, it is only recorded;
-    with no handler above it the process ends now."""
+    Under a Checkpointer, whose preemption handler chains to this one, it is only recorded, and
+    acted on once ``fn`` ends (a final save ends the process first); with no handler above it the
+    process ends now."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

@@ -626,3 +626,45 @@ def test_a_sigterm_after_the_last_step_ends_the_process_once_close_has_flushed(t
     assert r.stdout.splitlines() == ["held for close()"]
     assert "SIGTERM came after the last step" in r.stderr
     assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [3]  # close() flushed the last step first
+
+
+LATE_SIGTERM_IN_PROCESS = """
+import os, signal, sys, torch, ftkit
+
+def train(gen):
+    state = {"w": torch.zeros(10)}
+    with ftkit.Checkpointer(state, [{"url": sys.argv[1], "every": 3}], rng=False, watchdog=False) as ck:
+        for step in range(1, 4):
+            state["w"].fill_(step)
+            ck.snapshot(step)
+        os.kill(os.getpid(), signal.SIGTERM)  # after the last step: no step end follows for a final save
+        print("held for close()", flush=True)
+    return "trained"
+
+print(ftkit.run_in_process(train), "and went on as if never signalled", flush=True)
+"""
+
+
+def test_a_sigterm_after_the_last_step_ends_a_run_in_process_rank_too(tmp_path, zygote):
+    """Two ranks under ftkit.run_in_process (whose handler the Checkpointer's chains to): the
+    wrapper recorded the signal but acted on it only if train raised, so each rank exited 0."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_SIGTERM_IN_PROCESS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = _env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **zygote.env())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-u", *warm_target(zygote, [str(script), str(tmp_path / "ckpt")])],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [-signal.SIGTERM] * 2, outs  # as SIGTERM's default action
+    assert [out.splitlines() for out, _ in outs] == [["held for close()"]] * 2, outs
+    assert committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open()) == [3]
