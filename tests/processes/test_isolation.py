@@ -630,6 +630,7 @@ def test_a_sigterm_after_the_last_step_ends_the_process_once_close_has_flushed(t
 
 LATE_SIGTERM_IN_PROCESS = """
 import os, signal, sys, torch, ftkit
+sys.stdout = open(1, "w", closefd=False)  # block-buffered, as a worker's pipe is without PYTHONUNBUFFERED
 
 def train(gen):
     state = {"w": torch.zeros(10)}
@@ -638,7 +639,7 @@ def train(gen):
             state["w"].fill_(step)
             ck.snapshot(step)
         os.kill(os.getpid(), signal.SIGTERM)  # after the last step: no step end follows for a final save
-        print("held for close()", flush=True)
+        print("held for close()")
     return "trained"
 
 print(ftkit.run_in_process(train), "and went on as if never signalled", flush=True)
@@ -647,7 +648,8 @@ print(ftkit.run_in_process(train), "and went on as if never signalled", flush=Tr
 
 def test_a_sigterm_after_the_last_step_ends_a_run_in_process_rank_too(tmp_path, zygote):
     """Two ranks under ftkit.run_in_process (whose handler the Checkpointer's chains to): the
-    wrapper recorded the signal but acted on it only if train raised, so each rank exited 0."""
+    wrapper recorded the signal but acted on it only if train raised, so each rank exited 0.
+    What the rank printed is not lost with it."""
     script = tmp_path / "late.py"
     script.write_text(LATE_SIGTERM_IN_PROCESS)
     with socket.socket() as s:

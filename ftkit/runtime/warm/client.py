@@ -116,7 +116,11 @@ def _cold(argv: list[str]) -> NoReturn:
 
 
 def die_like(status: dict) -> NoReturn:
-    """End this process as the worker that ended with `status` ({"signal": N} or {"exit": code}) did."""
+    """End this process as the worker that ended with `status` ({"signal": N} or {"exit": code}) did,
+    what it printed flushed first (neither way of ending does)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (closed, or a pipe nobody reads)
+            stream.flush()
     sig = status.get("signal")
     if isinstance(sig, int) and sig > 0:
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two cannot be handled, so need no reset)
