@@ -3,7 +3,7 @@
 A tier's prefix may be shared: another job's uploads below a sibling prefix that shares
 its string prefix, a backup written below the tier, a database dump in the same bucket
 when the tier is the bucket's root. Those are reported by `ftkit ls`, never aborted.
-Against the real S3 server (tests/support/s3fixture.py).
+And what one upload is made of. Against the real S3 server (tests/support/s3fixture.py).
 """
 
 from __future__ import annotations
@@ -145,3 +145,14 @@ def test_aborting_an_upload_that_is_gone_already_is_no_error(s3_server, s3_url):
     key = _start_upload(storage, storage.path(OWN))
     storage.abort_upload({"key": key, "upload_id": "an-upload-id-the-store-no-longer-knows"})
     assert key in _pending(storage, storage.root.partition("/")[0])  # (a different upload: untouched)
+
+
+def test_one_big_write_goes_up_in_64_mib_parts(s3_server, s3_url):
+    """A rank's uncompressed image is one write(): s3fs sent it as one part of up to 5 GiB, so the
+    deadline on each S3 request (tiers/backends.py) would have cut a healthy slow upload of it."""
+    storage = Storage(s3_url, s3_server.storage_options())
+    with storage.open_write("big.data") as f:
+        f.write(bytes(64 * 2**20 + 1))
+    bucket, _, key = storage.path("big.data").partition("/")
+    etag = storage.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+    assert etag.strip('"').endswith("-2"), etag  # a multipart object's ETag: "<md5 of part md5s>-<parts>"

@@ -170,6 +170,29 @@ def test_unreachable_s3_endpoint_is_a_clear_error_without_credentials():
     assert secret not in r.stderr + r.stdout
 
 
+def test_an_s3_endpoint_that_never_answers_is_a_clear_error_at_the_deadline():
+    """A server that accepts connections and never answers (a stopped one): a listing took half an
+    hour (3 x 5 attempts x read_timeout), a write forever (botocore waits for "100 Continue")."""
+    import socket
+
+    from ftkit.tiers.storage import Storage
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the connections; nobody reads or answers
+        secret = "SuperSecret" + uuid.uuid4().hex
+        endpoint = {"endpoint_url": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+        opts = {"key": "AKIDEXAMPLE", "secret": secret, "client_kwargs": endpoint, "deadline": 1}
+        r = run_cli("ls", "s3://bucket/prefix", "--storage-options", json.dumps(opts))
+        _one_line_error(r, 1, "listing s3://bucket/prefix", "no answer within 1 s (storage_options 'deadline')")
+        assert secret not in r.stderr + r.stdout
+        with pytest.raises(ftkit.StorageError, match=r"^writing s3://bucket/prefix/step/x failed: .*within 1 s"):
+            with Storage("s3://bucket/prefix", opts).open_write("step/x") as f:
+                f.write(b"a data file under 64 MiB: one PUT")
+    with pytest.raises(ftkit.StorageError, match="bad storage URL or options: could not convert"):
+        Storage("s3://bucket/prefix", {**opts, "deadline": "soon"})
+
+
 def test_state_with_a_lambda_is_refused_at_capture(tmp_path):
     ck = ftkit.Checkpointer({"model": torch.nn.Linear(2, 2), "cfg": {"schedule": lambda s: s}}, [str(tmp_path)])
     with pytest.raises(ftkit.CaptureError, match="'cfg/schedule'"):
