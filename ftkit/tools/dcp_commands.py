@@ -4,7 +4,6 @@ no ftkit step. DCP stores no checksums: `verify` says what it checked, and never
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import tempfile
 from typing import Any
@@ -22,10 +21,10 @@ NO_CHECKSUMS = "DCP stores no checksums: every item read back whole, at its size
 
 
 def dcp_checkpoints(storage: Storage) -> list[str]:
-    """The DCP checkpoints at `storage` when it holds no ftkit step (else [])."""
-    with contextlib.suppress(Exception):  # (not a tier at all: perhaps a DCP folder)
-        if scan(storage):
-            return []
+    """The DCP checkpoints at `storage` when it holds no ftkit step (else []). A listing that
+    fails raises: trying DCP's layout, then ftkit's again, would wait out a dead store thrice."""
+    if scan(storage):
+        return []
     return foreign.checkpoints(storage)
 
 

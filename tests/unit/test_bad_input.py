@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import uuid
@@ -172,10 +173,20 @@ def test_unreachable_s3_endpoint_is_a_clear_error_without_credentials():
 
 def test_an_s3_endpoint_that_never_answers_is_a_clear_error_at_the_deadline():
     """A server that accepts connections and never answers (a stopped one): a listing took half an
-    hour (3 x 5 attempts x read_timeout), a write forever (botocore waits for "100 Continue")."""
+    hour (3 x 5 attempts x read_timeout), a write forever (botocore waits for "100 Continue"), and
+    `ftkit ls` listed three times before it said so."""
     import socket
 
     from ftkit.tiers.storage import Storage
+
+    def connections(server: socket.socket) -> int:  # made and waiting in the backlog, never answered
+        server.setblocking(False)
+        n = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                server.accept()[0].close()
+                n += 1
+        return n
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -186,6 +197,7 @@ def test_an_s3_endpoint_that_never_answers_is_a_clear_error_at_the_deadline():
         r = run_cli("ls", "s3://bucket/prefix", "--storage-options", json.dumps(opts))
         _one_line_error(r, 1, "listing s3://bucket/prefix", "no answer within 1 s (storage_options 'deadline')")
         assert secret not in r.stderr + r.stdout
+        assert connections(silent) == 1  # one request, one deadline: the first failed listing ends it
         with pytest.raises(ftkit.StorageError, match=r"^writing s3://bucket/prefix/step/x failed: .*within 1 s"):
             with Storage("s3://bucket/prefix", opts).open_write("step/x") as f:
                 f.write(b"a data file under 64 MiB: one PUT")
