@@ -11,13 +11,12 @@ import math
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from ftkit.drill import schedule
 from ftkit.drill.hostdrill import DEFAULT_HOST_FAULTS, run_host_drill
-from ftkit.drill.hosts import exit_on_term
+from ftkit.drill.hosts import exit_on_stop_signals
 from ftkit.drill.run import DEFAULT_FAULTS, DEFAULT_TIERS, run_drill
 from ftkit.drill.schedule import OBJECT_STORE_KINDS, STORAGE_KINDS, Fault
 from ftkit.errors import UsageError
@@ -190,20 +189,20 @@ def _main_hosts(p: argparse.ArgumentParser, args: Any) -> int:
 
 def _run(drill: Callable[[Any], dict[str, Any]], args: Any) -> int:
     """Run the drill and print its summary: 0 passed, 1 failed or broke, 2 misused."""
-    # A SIGTERM (`timeout`, a scheduler) raises SystemExit, so that the drill's `finally`s stop its
-    # zygote (its own session: nothing else would end it), S3 server and job.
-    previous = signal.getsignal(signal.SIGTERM)
-    handles_term = threading.current_thread() is threading.main_thread() and previous in (signal.SIG_DFL, None)
-    if handles_term:
-        signal.signal(signal.SIGTERM, exit_on_term)
+    # SIGTERM and SIGHUP raise SystemExit, so that the drill's `finally`s stop its zygote (its own
+    # session: nothing else would end it), S3 server, job and hosts.
+    changed = exit_on_stop_signals()
     try:
         result = drill(args)
     except (UsageError, ValueError, RuntimeError, OSError) as e:
         print(f"ftkit: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (UsageError, ValueError)) else 1
+    except KeyboardInterrupt:  # (Ctrl-C: the drill's `finally`s have cleaned up on the way out)
+        print("ftkit: interrupted", file=sys.stderr)
+        return 130
     finally:
-        if handles_term:
-            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+        for sig in changed:
+            signal.signal(sig, signal.SIG_DFL)
     if not args.quiet:
         print_summary(result)
     return 0 if result["passed"] else 1

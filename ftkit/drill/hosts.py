@@ -15,7 +15,7 @@ and land in the host's cgroup (v2, where writable; else found by their network n
         p = h1.run(["torchrun", ...], env=h1.env(FOO="1"))   # a Popen; its pid is torchrun's
         h2.partition(seconds=5)                 # or h2.heal(), h2.kill_all(), h2.lose()
         h3 = fab.add_host()                     # or fab.add_host(h2.name, h2.address)
-    # leaving (an exception, SIGINT, SIGTERM included) removes every process, namespace, link,
+    # leaving (an exception, SIGINT, SIGTERM, SIGHUP included) removes every process, namespace, link,
     # mount, cgroup and state file it made
 
 Names start with ``ftkh-<id>-``; a live fabric holds the flock ``/run/ftkh/<id>.lock``, so
@@ -528,8 +528,8 @@ def _outermost(paths: Sequence[str]) -> list[str]:
 class Fabric:
     """N emulated hosts on a private bridge, as a context manager (see the module's docstring).
     `hosts`: a count (``host1``..``hostN``) or the names. `shared`: paths bound at the same path
-    into every host, which their private /tmp would hide. While the fabric lives, SIGTERM (where
-    no handler is set) raises SystemExit, so that ``with`` cleans up.
+    into every host, which their private /tmp would hide. While the fabric lives, SIGTERM and SIGHUP
+    (where no handler is set) raise SystemExit, so that ``with`` cleans up.
     """
 
     def __init__(self, hosts: int | Sequence[str] = 2, *, shared: Sequence[str] = ()) -> None:
@@ -550,7 +550,7 @@ class Fabric:
         self.started = False
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
-        self._handles_term = False  # SIGTERM raises SystemExit, until close()
+        self._signals: list[signal.Signals] = []  # those that raise SystemExit, until close()
 
     def __enter__(self) -> Fabric:
         try:
@@ -579,10 +579,7 @@ class Fabric:
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         os.rename(tmp, os.path.join(STATE_DIR, f"{self.id}.lock"))
         self.started = True
-        main_thread = threading.current_thread() is threading.main_thread()
-        if main_thread and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, exit_on_term)
-            self._handles_term = True
+        self._signals = exit_on_stop_signals()
         os.makedirs(self.state_dir, exist_ok=True)
         if self.cgroup:
             try:
@@ -674,14 +671,27 @@ class Fabric:
                 os.close(self._lock_fd)
                 self._lock_fd = None
         finally:
-            if self._handles_term and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                self._handles_term = False
+            if threading.current_thread() is threading.main_thread():
+                for sig in self._signals:
+                    signal.signal(sig, signal.SIG_DFL)
+                self._signals = []
         return problems
 
 
 def exit_on_term(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+def exit_on_stop_signals() -> list[signal.Signals]:
+    """In the main thread, make SIGTERM (`timeout`, a scheduler) and SIGHUP (a closed terminal or
+    ssh session) raise SystemExit where they are at their default, so that cleanup runs; the
+    signals changed, for the caller to set back to SIG_DFL."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    changed = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) in (signal.SIG_DFL, None)]
+    for sig in changed:
+        signal.signal(sig, exit_on_term)
+    return changed
 
 
 def leftovers(run_id: str | None = None) -> list[str]:

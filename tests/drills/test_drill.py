@@ -130,6 +130,29 @@ def test_a_terminated_drill_leaves_no_zygote_behind(tmp_path):
         drill_proc.wait()
 
 
+def test_an_interrupted_drill_says_so_in_one_line_and_a_hangup_cleans_up_as_sigterm(capsys):
+    import argparse
+    import signal
+
+    from ftkit.drill.cli import _run
+    from ftkit.drill.hosts import exit_on_term
+
+    handlers = {}
+
+    def interrupted(args):  # Ctrl-C, once the drill's `finally`s have stopped what it started
+        handlers.update({s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)})
+        raise KeyboardInterrupt
+
+    try:
+        rc = _run(interrupted, argparse.Namespace(quiet=False))
+    except KeyboardInterrupt:
+        rc = "a traceback"
+    assert rc == 130 and capsys.readouterr().err == "ftkit: interrupted\n"
+    # A closed terminal (SIGHUP) raises SystemExit as SIGTERM does: the `finally`s run (hosts, zygote)
+    assert handlers == {signal.SIGTERM: exit_on_term, signal.SIGHUP: exit_on_term}
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
 def test_an_unreadable_reference_cache_entry_is_a_miss(tmp_path):
     import json
 
