@@ -17,7 +17,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ftkit.coord.events import read_events
@@ -199,15 +199,26 @@ class Cluster:
         events = self.events()
         return {e["rank"]: e["node"] for e in starts(events, latest_attempt(events) if attempt is None else attempt)}
 
-    def wait_started(self, world: int | None = None, after: tuple[int, int] = (-1, 0), timeout: float = 120) -> bool:
-        """Until an attempt newer than `after` has every rank started (`world` ranks, when given)."""
+    def wait_started(
+        self,
+        world: int | None = None,
+        after: tuple[int, int] = (-1, 0),
+        timeout: float = 120,
+        restarting: Callable[[], bool] = lambda: False,
+    ) -> bool:
+        """Until an attempt newer than `after` has every rank started (`world` ranks, when given);
+        False after `timeout`, or once every agent has ended and none is `restarting` (a host or
+        an agent brought back later)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
+            ended = not restarting() and all(p.poll() is not None for p in self.agents.values())  # (events next)
             events = self.events()
             at = latest_attempt(events)
             if at > after and (started := starts(events, at)):
                 size = started[0]["world_size"]
                 if len({e["rank"] for e in started}) == size and world in (None, size):
                     return True
+            if ended:
+                return False
             time.sleep(0.1)
         return False

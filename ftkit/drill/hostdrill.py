@@ -169,7 +169,7 @@ def run_host_drill(args) -> dict[str, Any]:
                     attempt = job.attempt()
                     injector.inject(f)
                     say(f"  injected {f.label()} at step {f.injected_step} ({f.outcome.get('host', '')})")
-                    if f.restarts and not cluster.wait_started(after=attempt, timeout=240):
+                    if f.restarts and not cluster.wait_started(after=attempt, timeout=240, restarting=injector.busy):
                         errors.append(f"{f.label()}: no restart followed")
                         break
                 limit = 300 + args.steps * (args.step_time + 0.5) + 60 * len(faults)

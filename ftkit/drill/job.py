@@ -237,6 +237,10 @@ class Injector:
         except Exception as e:  # noqa: BLE001 (reported at the end of the drill)
             self.failures.append(f"{what}: {e}")
 
+    def busy(self) -> bool:
+        """Whether a background action (a host or agent to bring back, a fault to end) is still to come."""
+        return any(t.is_alive() for t in self.threads)
+
     def join(self, timeout: float = 120) -> None:
         for t in self.threads:
             t.join(timeout)

@@ -135,6 +135,29 @@ def test_a_host_drill_refuses_a_script_or_preload_it_would_not_use(extra):
     assert "Traceback" not in r.stderr
 
 
+def test_waiting_for_a_restart_ends_once_every_agent_has_ended(tmp_path):
+    """A fault that nothing restarts after (the job went on and finished, as when the last host is
+    cut off): "no restart followed" at once, not after 240 s; unless a host is still to come back."""
+    import threading
+
+    from ftkit.drill.cluster import Cluster
+
+    cluster = Cluster(str(tmp_path), ["-m", "ftkit.drill.reference"])
+    cluster.agents = {"host1": subprocess.Popen(["true"])}
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(cluster.wait_started(timeout=3600)), daemon=True)
+    waiter.start()
+    waiter.join(60)
+    assert result == [False]
+    asked: list[int] = []
+
+    def restarting() -> bool:  # a host is brought back, until the third look
+        asked.append(1)
+        return len(asked) < 3
+
+    assert not cluster.wait_started(timeout=3600, restarting=restarting) and len(asked) == 3
+
+
 @pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")
 def test_without_namespaces_the_host_drill_exits_2_saying_why(tmp_path):
     """As a user without root (nobody), `ftkit drill --hosts` cannot make hosts: exit 2, one line."""
