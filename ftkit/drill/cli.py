@@ -179,10 +179,12 @@ def _main_hosts(p: argparse.ArgumentParser, args: Any) -> int:
     """`ftkit drill --hosts N`: the drill over emulated hosts (hostdrill.py)."""
     if args.hosts < 2 or args.ranks_per_host < 1 or args.spare_hosts < 0:
         p.error("--hosts must be at least 2, --ranks-per-host at least 1, --spare-hosts at least 0")
-    if args.script or args.preload:  # (its zygotes preload the built-in trainer's modules)
-        p.error("--hosts drills the built-in trainer: no script, no --preload")
+    if args.script or args.preload or args.seed is not None:  # (its zygotes preload the built-in trainer's modules)
+        p.error("--hosts drills the built-in trainer on a --faults schedule: no script, --preload or --seed")
     if args.no_peer:
         args.tiers = args.tiers or "ram,disk"
+    if args.faults is None and args.hosts + args.spare_hosts < 3:  # (the one host left, cut off, restarts nothing)
+        p.error(f"the default schedule ({DEFAULT_HOST_FAULTS}) needs 3 hosts, or 2 and a spare: give --faults")
     args.faults = DEFAULT_HOST_FAULTS if args.faults is None else args.faults
     return _run(run_host_drill, args)
 

@@ -158,12 +158,29 @@ def test_waiting_for_a_restart_ends_once_every_agent_has_ended(tmp_path):
     assert not cluster.wait_started(timeout=3600, restarting=restarting) and len(asked) == 3
 
 
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--hosts", "3", "--seed", "7"], "no script, --preload or --seed"),  # (it ran the default schedule)
+        # the default schedule loses rank 0's host, then cuts off the one left: nothing restarts, FAILED
+        (["--hosts", "2"], "the default schedule (host@20:host=rank0,partition@45:host=2:for=15) needs 3 hosts"),
+    ],
+)
+def test_a_host_drill_refuses_what_it_would_ignore_or_cannot_pass(argv, why, capsys, monkeypatch):
+    from ftkit.drill import cli
+
+    monkeypatch.setattr(cli, "run_host_drill", lambda args: pytest.fail("the drill ran"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
+
+
 @pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")
 def test_without_namespaces_the_host_drill_exits_2_saying_why(tmp_path):
     """As a user without root (nobody), `ftkit drill --hosts` cannot make hosts: exit 2, one line."""
     r = subprocess.run(
         ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-m", "ftkit"]
-        + ["drill", "--hosts", "2", "--run-dir", "/nonexistent-ftkit-drill"],
+        + ["drill", "--hosts", "3", "--run-dir", "/nonexistent-ftkit-drill"],
         capture_output=True,
         text=True,
         cwd="/",
