@@ -574,9 +574,10 @@ class Fabric:
         cleanup_stale()
         # the lock appears already held (renamed into place), so no cleaner ever finds it free while we live
         tmp = os.path.join(STATE_DIR, f".{self.id}.tmp")
-        self._lock_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        while (fd := _try_lock(tmp)) is None:  # (a cleaner may take it for a dead run's before we lock it)
+            os.close(os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600))
+        self._lock_fd = fd
+        os.write(fd, f"{os.getpid()}\n".encode())
         os.rename(tmp, os.path.join(STATE_DIR, f"{self.id}.lock"))
         self.started = True
         self._signals = exit_on_stop_signals()

@@ -182,6 +182,24 @@ def test_cleanup_after_the_harness_is_killed(sig):
     assert run_id not in cleanup_stale()
 
 
+def test_a_start_survives_a_cleaner_that_runs_as_its_lock_file_is_made(monkeypatch):
+    """Another fabric's start (cleanup_stale) between a lock file's creation and its lock took it for a
+    dead run's and removed it: this start then failed ("No such file or directory: ...tmp")."""
+    real_open, raced = os.open, []
+
+    def open_then_race(path, flags, *args, **kw):
+        fd = real_open(path, flags, *args, **kw)
+        if str(path).endswith(".tmp") and flags & os.O_CREAT and not raced:
+            raced.append(path)
+            cleanup_stale()  # as a concurrent start does, at the worst moment
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_race)
+    with Fabric(1) as fab:
+        assert raced and fab.hosts[0].call(["hostname"]).stdout == "host1\n"
+    assert leftovers(fab.id) == []
+
+
 @pytest.mark.skipif(etcd_unavailable() is not None, reason=etcd_unavailable() or "")
 def test_etcd_on_its_own_host():
     with Fabric(1) as fab, Etcd(fab) as etcd:
