@@ -211,7 +211,8 @@ class Cluster:
         an agent brought back later)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            ended = not restarting() and all(p.poll() is not None for p in self.agents.values())  # (events next)
+            # (before the events are read: an agent that has ended has logged all it will)
+            ended = not restarting() and all(p.poll() is not None for p in self.agents.values())
             events = self.events()
             at = latest_attempt(events)
             if at > after and (started := starts(events, at)):
