@@ -173,8 +173,8 @@ def run_host_drill(args) -> dict[str, Any]:
                         errors.append(f"{f.label()}: no restart followed")
                         break
                 limit = 300 + args.steps * (args.step_time + 0.5) + 60 * len(faults)
-                if not _wait_final(cluster, final_pt, limit):
-                    errors.append(f"the faulted run did not finish within {limit:.0f}s (see {faulted}/host*.log)")
+                if problem := _wait_final(cluster, final_pt, limit):
+                    errors.append(f"{problem} (see {faulted}/host*.log)")
                 injector.join()
                 errors += injector.failures
             except RuntimeError as e:
@@ -218,17 +218,20 @@ def run_host_drill(args) -> dict[str, Any]:
     return _finish(args, result, faults, report, events, errors, "ftkit drill --hosts")
 
 
-def _wait_final(cluster: Cluster, final_pt: str, timeout: float) -> bool:
+def _wait_final(cluster: Cluster, final_pt: str, timeout: float) -> str | None:
     """Until the run wrote its final state and every agent still in the job has ended (spares never
-    admitted still wait in the rendezvous)."""
+    admitted may still wait in the rendezvous): None, else why not."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end and not os.path.exists(final_pt):
-        if all(p.poll() is not None for p in cluster.agents.values()):
-            return False
+    while True:
+        ended = all(p.poll() is not None for p in cluster.agents.values())  # (before looking for the file)
+        if os.path.exists(final_pt):
+            break
+        if ended:
+            return "every agent ended before the faulted run wrote its final state"
+        if time.monotonic() > end:
+            return f"the faulted run did not finish within {timeout:.0f}s"
         time.sleep(0.2)
-    if not os.path.exists(final_pt):
-        return False
     last = set(cluster.rank_hosts().values())
     while time.monotonic() < end and any(cluster.agents[h].poll() is None for h in last if h in cluster.agents):
         time.sleep(0.2)
-    return True
+    return None

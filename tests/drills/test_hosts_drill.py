@@ -135,15 +135,20 @@ def test_a_host_drill_refuses_a_script_or_preload_it_would_not_use(extra):
     assert "Traceback" not in r.stderr
 
 
-def test_waiting_for_a_restart_ends_once_every_agent_has_ended(tmp_path):
+def test_a_run_whose_agents_have_all_ended_is_not_waited_for(tmp_path):
     """A fault that nothing restarts after (the job went on and finished, as when the last host is
-    cut off): "no restart followed" at once, not after 240 s; unless a host is still to come back."""
+    cut off): "no restart followed" at once, not after 240 s; unless a host is still to come back.
+    And a run whose agents all ended without a final state is said to have, not to be late."""
     import threading
 
     from ftkit.drill.cluster import Cluster
+    from ftkit.drill.hostdrill import _wait_final
 
     cluster = Cluster(str(tmp_path), ["-m", "ftkit.drill.reference"])
-    cluster.agents = {"host1": subprocess.Popen(["true"])}
+    cluster.agents = {"host1": subprocess.Popen(["false"])}
+    cluster.agents["host1"].wait()
+    problem = _wait_final(cluster, str(tmp_path / "final.pt"), timeout=3600)
+    assert problem == "every agent ended before the faulted run wrote its final state"
     result: list[bool] = []
     waiter = threading.Thread(target=lambda: result.append(cluster.wait_started(timeout=3600)), daemon=True)
     waiter.start()
