@@ -627,8 +627,8 @@ def slow_slot_wait(rank: int, world: int, url: str, root: str) -> list[int]:
 
 
 def slow_preemption_save(rank: int, world: int, url: str, root: str) -> tuple[object, int, list[int]]:
-    """Rank 1 is preempted after step 5, and from then on every write is slow (2.5 s, an
-    upload): the final save takes longer than the hang bound. Returns (the exit status
+    """Rank 1 is preempted after step 5, and from then on every write is slow (1 s, an
+    upload): the final save takes longer than the hang bound (about 20 s against 3 s here). Returns (the exit status
     SystemExit asked for, the last step snapshotted, the committed steps)."""
     import signal
     import time
@@ -648,7 +648,7 @@ def slow_preemption_save(rank: int, world: int, url: str, root: str) -> tuple[ob
                     ck.wait()
                     dist.barrier()
                     if rank == 0:
-                        set_faults(root, latency_s=2.5)
+                        set_faults(root, latency_s=1.0)
                     dist.barrier()
                     if rank == 1:
                         os.kill(os.getpid(), signal.SIGTERM)
