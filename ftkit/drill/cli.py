@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inject faults into a real torchrun job and prove it recovers with nothing lost.",
         epilog=schedule.__doc__,
     )
-    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)")
+    # (None until main(): --hosts refuses them given, not their defaults)
+    p.add_argument("--nproc", type=int, help="ranks (default 4)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks per simulated node (default 2)")
     p.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
     p.add_argument(
         "--step-time",
@@ -183,6 +184,9 @@ def _main_hosts(p: argparse.ArgumentParser, args: Any) -> int:
         p.error("--hosts drills the built-in trainer on a --faults schedule: no script, --preload or --seed")
     if args.no_peer:
         args.tiers = args.tiers or "ram,disk"
+    ignored = [f"--{o}" for o in ("nproc", "ranks-per-node", "reference-cache") if getattr(args, o.replace("-", "_"))]
+    if ignored:  # (it ran with --hosts x --ranks-per-host ranks, and its own fault-free run)
+        p.error(f"--hosts takes its ranks from --hosts and --ranks-per-host: no {', '.join(ignored)}")
     if args.faults is None and args.hosts + args.spare_hosts < 3:  # (the one host left, cut off, restarts nothing)
         p.error(f"the default schedule ({DEFAULT_HOST_FAULTS}) needs 3 hosts, or 2 and a spare: give --faults")
     args.faults = DEFAULT_HOST_FAULTS if args.faults is None else args.faults
@@ -232,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts is not None:
         return _main_hosts(p, args)
     args.faults = DEFAULT_FAULTS if args.faults is None else args.faults
+    args.nproc = 4 if args.nproc is None else args.nproc
+    args.ranks_per_node = 2 if args.ranks_per_node is None else args.ranks_per_node
     if args.ranks_per_node < 1 or args.nproc < 2 or args.nproc % args.ranks_per_node:
         p.error("--nproc must be at least 2 and a multiple of --ranks-per-node (at least 1)")
     if args.no_peer:

@@ -169,6 +169,8 @@ def test_a_run_whose_agents_have_all_ended_is_not_waited_for(tmp_path):
         (["--hosts", "3", "--seed", "7"], "no script, --preload or --seed"),  # (it ran the default schedule)
         # the default schedule loses rank 0's host, then cuts off the one left: nothing restarts, FAILED
         (["--hosts", "2"], "the default schedule (host@20:host=rank0,partition@45:host=2:for=15) needs 3 hosts"),
+        (["--hosts", "3", "--nproc", "8"], "no --nproc"),  # (it ran 3 x 2 ranks)
+        (["--hosts", "3", "--ranks-per-node", "4", "--reference-cache", "/c"], "--ranks-per-node, --reference-cache"),
     ],
 )
 def test_a_host_drill_refuses_what_it_would_ignore_or_cannot_pass(argv, why, capsys, monkeypatch):
