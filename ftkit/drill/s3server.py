@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import glob
 import json
 import os
@@ -33,12 +32,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ftkit.runtime.supervise import pdeathsig_preexec
 
 DEFAULT_BUCKET = "ftkit-test"
 REGION = "us-east-1"
@@ -361,25 +361,3 @@ def pick_ports(names) -> dict[str, int]:
         else:
             raise RuntimeError("could not find free ports for the S3 server")
     return chosen
-
-
-def pdeathsig_preexec():
-    """preexec_fn making the kernel SIGTERM weed when our process dies (no orphan), or None.
-    Linux, main thread only: PR_SET_PDEATHSIG fires when the forking *thread* exits, so a server
-    (re)started from a short-lived thread would die with it.
-    """
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-    parent = os.getpid()
-
-    def preexec() -> None:  # runs in the child between fork and exec
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # parent already died before prctl
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec

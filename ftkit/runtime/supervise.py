@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -287,3 +289,25 @@ def _int(v) -> int | None:
         return int(v)
     except (TypeError, ValueError):
         return None
+
+
+def pdeathsig_preexec():
+    """A Popen preexec_fn making the kernel SIGTERM the child when this process dies (no orphan), or None.
+    Linux, main thread only: PR_SET_PDEATHSIG fires when the forking *thread* exits, so a child
+    started from a short-lived thread would die with it.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    parent = os.getpid()
+
+    def preexec() -> None:  # runs in the child between fork and exec
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # parent already died before prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
