@@ -8,6 +8,8 @@ whose workers never sent their first heartbeat.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import os
 import shutil
 import signal
@@ -17,7 +19,7 @@ import tempfile
 
 from ftkit.errors import UsageError
 from ftkit.runtime.launch import STARTUP_DIR_ENV
-from ftkit.runtime.supervise import StartupWatch, plan
+from ftkit.runtime.supervise import StartupWatch, pdeathsig_preexec, plan
 from ftkit.runtime.warm.client import REPLACE_ENV
 from ftkit.runtime.warm.zygote import start as start_zygote
 from ftkit.runtime.warm.zygote import torchrun_command
@@ -59,7 +61,8 @@ trainers as they are:
 
 With --no-python or --run-path the workers are started as given (no launcher,
 no watch). A SIGTERM or SIGINT sent to ftkit run is passed on to torchrun as
-SIGTERM (the workers' final save); a terminal's Ctrl-C reaches torchrun itself.
+SIGTERM (the workers' final save), as is ftkit run's own death (a SIGKILL; Linux);
+a terminal's Ctrl-C reaches torchrun itself.
 Exits with torchrun's exit code."""
 
 
@@ -85,8 +88,7 @@ def cmd_run(argv: list[str]) -> int:
     watch_dir = None
     with contextlib.ExitStack() as cleanup:  # (undone in reverse)
         if p.launched and p.startup_timeout_s > 0:
-            env[STARTUP_DIR_ENV] = watch_dir = tempfile.mkdtemp(prefix="ftkit-run-")
-            cleanup.callback(shutil.rmtree, watch_dir, ignore_errors=True)
+            env[STARTUP_DIR_ENV] = watch_dir = _startup_dir(cleanup)
         if p.launched and p.warm:
             zygote = start_zygote(env=env, preload=p.preload)
             cleanup.callback(zygote.stop)
@@ -101,7 +103,9 @@ def cmd_run(argv: list[str]) -> int:
         # torchrun's own main, its agent cold (started once per job), one slow logging helper replaced
         cmd = torchrun_command(None, p.torchrun_args)
         print(f"ftkit run: torchrun {' '.join(p.torchrun_args)}  (events in {p.run_dir})", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, env=env)
+        # Should ftkit run be SIGKILLed (an OOM kill), torchrun gets SIGTERM (the workers' final save)
+        # instead of running on unsupervised. (cmd_run runs on the main thread, which lives as long.)
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=pdeathsig_preexec())
         if watch_dir:
             cleanup.callback(StartupWatch(proc.pid, watch_dir, p.startup_timeout_s, env["FTKIT_RUN_DIR"]).start().stop)
 
@@ -117,6 +121,26 @@ def cmd_run(argv: list[str]) -> int:
             cleanup.callback(signal.signal, signum, signal.SIG_DFL if previous is None else previous)
         rc = proc.wait()
         return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, not 256 - N
+
+
+def _startup_dir(cleanup: contextlib.ExitStack) -> str:
+    """A new directory for the workers' startup reports, locked (flock) while this process lives
+    and removed by `cleanup`; first removes those whose ftkit run is gone (SIGKILLed: no cleanup ran)."""
+    for held in glob.glob(os.path.join(tempfile.gettempdir(), "ftkit-run-*", "held")):
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.dirname(held), os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (OSError: its ftkit run holds it)
+                shutil.rmtree(os.path.dirname(held), ignore_errors=True)
+            finally:
+                os.close(fd)
+    directory = tempfile.mkdtemp(prefix="ftkit-run-")
+    fd = os.open(directory, os.O_RDONLY)
+    cleanup.callback(os.close, fd)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    open(os.path.join(directory, "held"), "w").close()  # only now may another ftkit run look at it
+    cleanup.callback(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def _in_terminal_foreground() -> bool:

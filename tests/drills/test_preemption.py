@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -107,31 +108,64 @@ def test_a_preemption_heard_by_a_training_loop_on_a_thread_still_ends_its_proces
     assert all("saved to every tier" in o for o in outs), outs
 
 
-def test_sigint_to_ftkit_run_saves_as_sigterm_does_and_it_exits_143_without_a_traceback(tmp_path):
+def test_sigint_or_sigkill_to_ftkit_run_alone_saves_as_sigterm_does(tmp_path):
     """A SIGINT sent to ftkit run alone (not a terminal's Ctrl-C, which reaches torchrun too) ends the
-    job as a SIGTERM does, through the same handler (SIGTERM: the prestop test below); it was ignored."""
-    cmd = [sys.executable, "-m", "ftkit", "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "0", "-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / "ckpt")]
-    cmd += ["--steps", "2000", "--every", "1000", "--step-time", "0.05"]
+    job as a SIGTERM does, through the same handler (SIGTERM: the prestop test below); it was ignored.
+    A SIGKILL (an OOM kill) of ftkit run alone gets torchrun SIGTERM from the kernel: the job saves and
+    ends instead of running on unsupervised; the next ftkit run removes its startup directory."""
+    import psutil
+
+    from ftkit.runtime.run import _startup_dir
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(tmp_path / "job.log", "w") as log:
-        # (a session of its own: no terminal whose foreground it shares, as under a scheduler)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
-        try:
-            events = tmp_path / "run" / "events" / "rank-00001.jsonl"
+    procs = {}
+    for how in ("int", "kill"):  # two jobs at once (CI time)
+        cmd = [sys.executable, "-m", "ftkit", "run", "--run-dir", str(tmp_path / how), "--nproc-per-node", "2"]
+        cmd += ["--max-restarts", "0", "-m", "ftkit.drill.reference", "--ckpt", str(tmp_path / how / "ckpt")]
+        cmd += ["--steps", "2000", "--every", "1000", "--step-time", "0.05"]
+        with open(tmp_path / f"{how}.log", "w") as log:
+            # (a session of its own: no terminal whose foreground it shares, as under a scheduler)
+            procs[how] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+            )
+    try:
+        for how in procs:
+            events = tmp_path / how / "events" / "rank-00001.jsonl"
             for _ in range(600):
                 if events.exists() and '"event": "step"' in events.read_text():
                     break
                 time.sleep(0.2)
-            proc.send_signal(signal.SIGINT)  # to ftkit run alone
-            rc = proc.wait(timeout=90)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # (torchrun and its workers too)
-    out = (tmp_path / "job.log").read_text()
+        job = psutil.Process(procs["kill"].pid).children(recursive=True)  # zygote, torchrun, workers
+        startup_dir = job[0].environ()["FTKIT_STARTUP_DIR"]  # (the zygote's or torchrun's)
+        procs["int"].send_signal(signal.SIGINT)  # to ftkit run alone
+        procs["kill"].kill()  # ftkit run alone
+        rc = procs["int"].wait(timeout=90)
+
+        def running(p: psutil.Process) -> bool:  # (orphans: reaped by init, or zombies where init does not reap)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            return False
+
+        for _ in range(450):
+            if not any(map(running, job)):
+                break
+            time.sleep(0.2)
+        left = [p.cmdline() for p in job if running(p)]
+    finally:
+        for proc in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # (torchrun and its workers too, even orphaned)
+            proc.wait()
+    out = (tmp_path / "int.log").read_text()
     assert rc == 128 + signal.SIGTERM and "Traceback" not in out, out
-    steps = committed_steps(ftkit.Tier(str(tmp_path / "ckpt")).open())
-    assert len(steps) == 1 and steps[0] >= 1, out  # nothing was due (every=1000): the signal saved it
+    assert not left, [*left, (tmp_path / "kill.log").read_text()]
+    for how in ("int", "kill"):
+        steps = committed_steps(ftkit.Tier(str(tmp_path / how / "ckpt")).open())
+        assert len(steps) == 1 and steps[0] >= 1, how  # nothing was due (every=1000): the signal saved it
+    assert os.path.isdir(startup_dir)
+    with contextlib.ExitStack() as cleanup:
+        _startup_dir(cleanup)
+    assert not os.path.exists(startup_dir)
 
 
 # hooks/prestop.sh inside a private PID namespace, where the only job is the one started here
