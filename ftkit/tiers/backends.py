@@ -72,7 +72,9 @@ def open_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str,
     deadline = None
     if protocol in ("s3", "s3a"):
         deadline = options.pop("deadline", S3_DEADLINE)
-        options = _merge(S3_DEFAULTS, options)
+        # An instance of its own: fsspec would share one between tiers of the same options, and the
+        # deadline is set on the instance (the last tier opened would set it for all of them).
+        options = _merge(S3_DEFAULTS, options) | {"skip_instance_cache": True}
     secrets = _secrets_in(options) + _secrets_in({"key": os.environ.get("AWS_SECRET_ACCESS_KEY", "")})
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)

@@ -198,8 +198,10 @@ def test_an_s3_endpoint_that_never_answers_is_a_clear_error_at_the_deadline():
         _one_line_error(r, 1, "listing s3://bucket/prefix", "no answer within 1 s (storage_options 'deadline')")
         assert secret not in r.stderr + r.stdout
         assert connections(silent) == 1  # one request, one deadline: the first failed listing ends it
+        first = Storage("s3://bucket/prefix", opts)
+        Storage("s3://bucket/other", {**opts, "deadline": 2})  # another tier of the same options: its own deadline
         with pytest.raises(ftkit.StorageError, match=r"^writing s3://bucket/prefix/step/x failed: .*within 1 s"):
-            with Storage("s3://bucket/prefix", opts).open_write("step/x") as f:
+            with first.open_write("step/x") as f:
                 f.write(b"a data file under 64 MiB: one PUT")
     with pytest.raises(ftkit.StorageError, match="bad storage URL or options: could not convert"):
         Storage("s3://bucket/prefix", {**opts, "deadline": "soon"})
