@@ -197,7 +197,9 @@ def _load(rc: RestoreContext, manifest, tensors, rng_value, local_value, agree_k
 def _report(rc, s, i, manifest, tensors, origin, listings, found_bad, t_start, t_plan, t_read, t_load):
     """Step `s` loaded: this rank's last_restore (also its event and log line), and what it superseded."""
     ctx = rc.dist
-    superseded = Superseded(s, {t: [x for x in steps if x > s] for t, steps in listings}, found_bad)
+    # (Newer steps are retired or dropped now, and their numbers written again by this run: not bad.)
+    bad = {t: [x for x in steps if x <= s] for t, steps in found_bad.items()}
+    superseded = Superseded(s, {t: [x for x in steps if x > s] for t, steps in listings}, bad)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     report = {
         "step": s,

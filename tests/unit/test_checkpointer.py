@@ -232,6 +232,24 @@ def test_a_step_restore_found_bad_on_the_fast_tier_does_not_push_out_its_good_ol
     assert torch.equal(state["t"], torch.full((8,), 1.0))
 
 
+def test_a_partial_step_after_the_restored_one_is_not_held_as_bad_once_written_again(tmp_path, monkeypatch):
+    """The crash left step 4 partial on the RAM tier (keep=2); the run restores 3 and writes 4 and
+    5 again: those are good, and retention keeps 2 steps, not a third for a "bad" step 4."""
+    monkeypatch.setenv("FTKIT_RAM_DIR", str(tmp_path / "ram"))
+    tiers = [ftkit.Tier("ram", keep=2)]
+    state = {"t": torch.zeros(8)}
+    with ftkit.Checkpointer(state, tiers, rng=False, run_id="job") as ck:
+        for step in (1, 2, 3, 4):
+            ck.snapshot(step)
+    next((tmp_path / "ram").rglob(f"{step_dir_name(4)}/{MANIFEST_NAME}")).unlink()  # (killed mid-commit)
+    with ftkit.Checkpointer(state, tiers, rng=False, run_id="job") as ck:
+        assert ck.restore() == 3
+        ck.snapshot(4)
+        ck.snapshot(5)
+    held = sorted(p.parent.name for p in (tmp_path / "ram").rglob(f"step-*/{MANIFEST_NAME}"))
+    assert held == [step_dir_name(4), step_dir_name(5)]
+
+
 def test_restore_of_a_different_model_names_mismatched_keys(tmp_path):
     with ftkit.Checkpointer(make_state(width=16), [str(tmp_path)]) as ck:
         ck.snapshot(1)
