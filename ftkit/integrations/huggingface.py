@@ -293,6 +293,12 @@ class FtkitCallback(CallbackBase, TrainerCallback):
         finally:
             self.close()  # flushes; a failed background persist is raised here
 
+    def _end_checkpointer(self, exc_type, exc, tb) -> None:
+        try:
+            super()._end_checkpointer(exc_type, exc, tb)
+        finally:  # (the handler holds the Trainer's model, optimizer and loaders: not past training)
+            self._handler = self._control = None
+
     def __enter__(self) -> FtkitCallback:
         return self
 

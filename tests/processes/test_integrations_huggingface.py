@@ -11,6 +11,7 @@ it is the child that trains and SIGKILLs itself.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -239,6 +241,10 @@ def test_a_resume_restores_the_callbacks_states_as_of_the_snapshot(tmp_path):
     trainer, _, ftcb = make(out, ckpt)
     train(trainer, ftcb)
     assert ftcb.restored_step == 6 and trainer.state.global_step == 8
+    optimizer = weakref.ref(trainer.optimizer)
+    del trainer
+    gc.collect()
+    assert optimizer() is None  # the callback, still held, keeps the Trainer's optimizer alive no more
 
 
 def test_train_without_the_resume_directory_refuses_to_start_over(tmp_path):
