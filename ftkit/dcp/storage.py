@@ -11,7 +11,7 @@ Order of calls, as DCP makes them (torch/distributed/checkpoint/storage.py)::
            prepare_global_plan (coordinator) -> write_data (every rank: its data file on
            each tier due) -> finish (coordinator: the manifest, then retention)
     load:  reset(checkpoint_id: the step chosen) -> read_metadata (every rank: the step chosen,
-           if reset did not) -> set_up_storage_reader -> prepare_local_plan ->
+           if reset did not, or reset's error raised) -> set_up_storage_reader -> prepare_local_plan ->
            prepare_global_plan -> read_data
 
 `checkpoint_id`: the step number, or a path or URL whose last component ends in it
@@ -335,18 +335,27 @@ class FtkitStorageReader(_LeavesPlansToDCP, StorageReader):
         self._storages, self._ram_hold = _open(self.tiers)
         self.manifest: Manifest | None = None
         self.storage: Storage | None = None
-        self._chosen: tuple[Storage, Manifest] | None = None  # by reset, for read_metadata
+        self._chosen: tuple[Storage, Manifest] | CheckpointNotFoundError | None = None  # by reset
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        """`dcp.load` calls this first when given a checkpoint_id: the step is chosen here, so a step
-        on no tier raises CheckpointNotFoundError to its caller, not a traceback DCP logs and wraps."""
+        """`dcp.load` calls this first when given a checkpoint_id, before its collectives: the step
+        is chosen here. A step on no tier raises CheckpointNotFoundError here in a process alone (the
+        one-line error); with several ranks, from read_metadata, whose error DCP gathers so every
+        rank fails together (raised here, the others would wait in DCP's next collective)."""
         self.step = step_of(checkpoint_id) if checkpoint_id is not None else self.step
         self.manifest = self.storage = None
-        self._chosen = self._choose() if checkpoint_id is not None else None
+        try:
+            self._chosen = self._choose() if checkpoint_id is not None else None
+        except CheckpointNotFoundError as e:
+            if _world()[1] == 1:
+                raise
+            self._chosen = e
 
     def read_metadata(self, *args: Any) -> Any:  # (no **kwargs: DCP then asks for no per-rank metadata)
-        self.storage, self.manifest = self._chosen or self._choose()
-        self._chosen = None
+        chosen, self._chosen = self._chosen, None
+        if isinstance(chosen, CheckpointNotFoundError):
+            raise chosen
+        self.storage, self.manifest = chosen or self._choose()
         return convert.metadata_of(self.manifest)
 
     def latest_step(self) -> int | None:

@@ -10,10 +10,12 @@ import shutil
 import subprocess
 import sys
 
+import dist_worker
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, run_cli
+from ranks import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -75,12 +77,21 @@ def test_steps_tiers_and_retention(tmp_path, caplog):
     state = _state(*_model(1), 0)
     dcp.load(state, storage_reader=FtkitStorageReader([slow, fast]), checkpoint_id=2)
     assert state["step"] == 2
-    # A step on no tier: ftkit's one-line error naming it and the tiers, before DCP's logged traceback.
+    # A step on no tier, in a process alone: ftkit's one-line error naming it and the tiers, no traceback.
     with pytest.raises(CheckpointNotFoundError) as e:
         dcp.load(state, storage_reader=FtkitStorageReader([slow, fast]), checkpoint_id=f"{tmp_path}/run/step-3")
     assert str(e.value) == f"no usable step 3 in {slow}, {fast}"
     assert "Traceback" not in caplog.text and state["step"] == 2
     assert step_of("s3://bucket/run/step-000120/") == 120 and step_of(9) == 9
+
+
+def test_a_step_missing_on_one_rank_fails_the_load_on_every_rank(tmp_path):
+    """Rank 1's tier lacks the step: both ranks fail in DCP's gathered read_metadata, with ftkit's
+    message, instead of rank 1 alone raising and rank 0 waiting in DCP's next collective."""
+    held, empty = str(tmp_path / "held"), str(tmp_path / "empty")
+    dcp.save({"w": torch.ones(2)}, storage_writer=FtkitStorageWriter([held]), checkpoint_id=1)
+    for got in run_ranks(2, dist_worker.dcp_load_missing_on_one_rank, [held, empty], timeout=60):
+        assert got.startswith("CheckpointException") and f"no usable step 1 in {empty}" in got, got
 
 
 def test_a_save_removes_older_abandoned_saves_and_leaves_newer_ones(tmp_path):

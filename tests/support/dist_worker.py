@@ -698,3 +698,18 @@ def save_for_format_recipe(rank: int, world: int, tier: str) -> None:
     ) as ck:
         ck.snapshot(120)
         ck.wait()
+
+
+def dcp_load_missing_on_one_rank(rank: int, world: int, tiers: list[str]) -> str:
+    """dcp.load of step 1 through a tier of this rank's own (tiers[rank]), which only some hold:
+    what this rank raised, by type and message."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ftkit.dcp import FtkitStorageReader
+
+    try:
+        dcp.load({"w": torch.zeros(2)}, storage_reader=FtkitStorageReader([tiers[rank]]), checkpoint_id=1)
+    except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
