@@ -71,6 +71,16 @@ def _samplers(fit_loop: Any) -> Iterator[tuple[Any, Any]]:
             yield dl, s
 
 
+def drop_stateless_batches(fit_loop: Any, n: int) -> None:
+    """Consume `n` batches of each training loader without a state of its own (Lightning's duck-typed
+    _Stateful), beside stateful ones that resume from theirs: Lightning restores only those."""
+    loaders = fit_loop._combined_loader
+    for dl, it in zip(loaders.flattened, loaders._iterator.iterators):
+        if not (hasattr(dl, "state_dict") and hasattr(dl, "load_state_dict")):
+            for _ in range(n):
+                next(it, None)
+
+
 def load_loader_states(fit_loop: Any, states: list[Any]) -> None:
     """Load the stateful training loaders' saved state_dict()s, as FitLoop.setup_data does, for the next iterator."""
     fit_loop._combined_loader._load_state_dicts(states)

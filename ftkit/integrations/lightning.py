@@ -44,6 +44,7 @@ from ftkit.errors import FtkitError
 from ftkit.integrations._common import Adapter, CallbackBase, Stash, check_tiers_reachable
 from ftkit.integrations._lightning_loop import (
     drop_batches,
+    drop_stateless_batches,
     fit_epoch_length,
     leave_sigterm_to_ftkit,
     load_loader_states,
@@ -248,6 +249,8 @@ class FtkitCallback(CallbackBase, Callback):
             load_loader_states(fit_loop, loader_states)
         iter(fetcher)  # a fresh iterator for this epoch: same sampler permutation, same worker seeds
         drop_batches(fetcher, consumed if self._sampler is None and not from_state else 0)
+        if from_state:  # a plain loader beside the stateful ones: its batches are dropped
+            drop_stateless_batches(fit_loop, consumed)
         if self._sampler is not None and consumed and fetcher.length is not None:
             # The epoch loop counts the restored batches into `fetched`: the epoch's length counts them too.
             fetcher.length = int(fit_loop.max_batches)

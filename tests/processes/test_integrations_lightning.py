@@ -57,11 +57,11 @@ class Net(pl.LightningModule):
         self.interval = interval
         self.validate = validate
         self.iterable = iterable
-        self.stateful = stateful  # a torchdata StatefulDataLoader: "shuffle", "shuffle-workers", or its sampler
+        # a torchdata StatefulDataLoader: "shuffle", "shuffle-workers", its sampler, or "mixed" (beside a DataLoader)
+        self.stateful = stateful
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        return (self.net(x) - y).pow(2).mean()
+        return sum((self.net(x) - y).pow(2).mean() for x, y in batches(batch))
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -87,11 +87,19 @@ class Net(pl.LightningModule):
             samplers = {"distributed": DistributedSampler, "resumable": ftkit.ResumableDistributedSampler}
             sampler = samplers[self.stateful](ds, num_replicas=1, rank=0) if self.stateful in samplers else None
             workers = 2 if self.stateful == "shuffle-workers" else 0
-            return StatefulDataLoader(ds, batch_size=4, shuffle=sampler is None, sampler=sampler, num_workers=workers)
+            loader = StatefulDataLoader(ds, batch_size=4, shuffle=sampler is None, sampler=sampler, num_workers=workers)
+            if self.stateful == "mixed":  # a CombinedLoader of a stateful loader and a plain one
+                return {"a": loader, "b": DataLoader(ds, batch_size=4, shuffle=True)}
+            return loader
         return DataLoader(self.dataset(), batch_size=4, shuffle=True, num_workers=0)
 
     def val_dataloader(self):
         return DataLoader(self.dataset(), batch_size=8) if self.validate else []
+
+
+def batches(batch) -> list:
+    """The (x, y) of each training loader in a step's batch."""
+    return list(batch.values()) if isinstance(batch, dict) else [batch]
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -116,7 +124,7 @@ class Trace(pl.Callback):
         self.at_start = (trainer.current_epoch, trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        digest = hashlib.sha1(batch[0].numpy().tobytes() + batch[1].numpy().tobytes()).hexdigest()[:12]
+        digest = hashlib.sha1(b"".join(t.numpy().tobytes() for b in batches(batch) for t in b)).hexdigest()[:12]
         self.steps.append((trainer.current_epoch, batch_idx, trainer.global_step, digest))
 
 
@@ -284,8 +292,22 @@ def test_iterable_dataset_without_length_resumes_exactly(tmp_path, reference, fa
 
 @pytest.mark.parametrize(
     "loader,fail_at,every",
-    [("shuffle", 13, 3), ("shuffle-workers", 23, 3), ("shuffle", 10, 5), ("distributed", 13, 3), ("resumable", 13, 3)],
-    ids=["mid-epoch", "2-workers-mid-epoch", "epoch-end", "distributed-sampler", "resumable-sampler"],
+    [
+        ("shuffle", 13, 3),
+        ("shuffle-workers", 23, 3),
+        ("shuffle", 10, 5),
+        ("distributed", 13, 3),
+        ("resumable", 13, 3),
+        ("mixed", 13, 3),
+    ],
+    ids=[
+        "mid-epoch",
+        "2-workers-mid-epoch",
+        "epoch-end",
+        "distributed-sampler",
+        "resumable-sampler",
+        "with-a-plain-loader",
+    ],
 )
 def test_stateful_dataloader_resumes_exactly(tmp_path, reference, loader, fail_at, every):
     """torchdata's StatefulDataLoader, whose state_dict() Lightning keeps with the loops': its own
