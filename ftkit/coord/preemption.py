@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -28,6 +27,7 @@ from typing import Any
 
 from ftkit.coord.requeue import requeue as scheduler_requeue
 from ftkit.errors import FormatError
+from ftkit.runtime.warm.client import die_like
 
 REQUEUED_KEY = "preempt/requeued"  # set by rank 0 once it has asked the scheduler to requeue
 REQUEUE_WAIT_S = 45.0  # how long the other ranks wait for it before exiting anyway
@@ -209,10 +209,7 @@ class PreemptionHandler:
         if sig is None or signal.getsignal(sig) != signal.SIG_DFL:  # (not put back: a handler over ours decides)
             return
         log.warning("ftkit: %s came after the last step; all saved, the process ends as it asks", signal_name(sig))
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        signal.raise_signal(sig)
+        die_like({"signal": sig})
 
 
 def _raise_to(store, key: str, value: int) -> None:

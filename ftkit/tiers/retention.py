@@ -1,8 +1,9 @@
 """Which committed steps a tier keeps: pure plans, and their execution after a commit.
 
 Keep the newest `keep` steps, every step divisible by `keep_every`, and always the
-newest step that verified (`protect`). A step that failed a check is kept but counts
-toward nothing, so bad steps never push out good ones. Retention runs only after a
+newest step that verified (`protect`). A step that failed a check counts toward
+nothing, so bad steps never push out good ones; it is kept until `keep` good steps are
+newer (it may have met a transient read error). Retention runs only after a
 successful commit, so a failed save never costs a good checkpoint.
 """
 
