@@ -276,18 +276,25 @@ def test_exception_at_epoch_end_then_resume_equals_uninterrupted_run(tmp_path, r
 
 @pytest.mark.parametrize("fail_at,every", [(13, 3), (10, 5)], ids=["mid-epoch", "epoch-end"])
 def test_iterable_dataset_without_length_resumes_exactly(tmp_path, reference, fail_at, every):
+    steps, ref_steps = _fail_and_resume(tmp_path, reference, fail_at, every, iterable=True)
+    # Without a length, Lightning's own restart at an epoch end keeps counting batch_idx
+    # from the previous epoch (as it does for its own checkpoints): compare the rest.
+    assert [(e, g, d) for e, _, g, d in steps] == [(e, g, d) for e, _, g, d in ref_steps]
+
+
+def _fail_and_resume(tmp_path, reference, fail_at: int, every: int, **data):
+    """Fail at `fail_at`, resume to the end, check the restored step, the end and the final
+    values against the uninterrupted run's; (the resumed run's steps, the reference's from there)."""
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(RuntimeError, match="injected failure"):
-        fit(ckpt, every=every, fail_at=fail_at, iterable=True)
-    model, trainer, trace, ftcb = fit(ckpt, every=every, iterable=True)
+        fit(ckpt, every=every, fail_at=fail_at, **data)
+    model, trainer, trace, ftcb = fit(ckpt, every=every, **data)
     resumed = fail_at - fail_at % every
     assert ftcb.restored_step == resumed
     assert trainer.global_step == EPOCHS * BATCHES_PER_EPOCH and trainer.current_epoch == EPOCHS
-    ref_values, _, ref_steps = reference(iterable=True)
-    # Without a length, Lightning's own restart at an epoch end keeps counting batch_idx
-    # from the previous epoch (as it does for its own checkpoints): compare the rest.
-    assert [(e, g, d) for e, _, g, d in trace.steps] == [(e, g, d) for e, _, g, d in ref_steps[resumed:]]
+    ref_values, _, ref_steps = reference(**data)
     assert_bitwise_equal(final_values(model, trainer), ref_values)
+    return trace.steps, ref_steps[resumed:]
 
 
 @pytest.mark.parametrize(
@@ -314,16 +321,8 @@ def test_stateful_dataloader_resumes_exactly(tmp_path, reference, loader, fail_a
     RandomSampler draws each epoch from a generator of its own, which only that state holds; a
     DistributedSampler's epoch must be set before the iterator is made from it; the
     ResumableDistributedSampler's position, in that state too, must not be skipped past twice."""
-    ckpt = str(tmp_path / "ckpt")
-    with pytest.raises(RuntimeError, match="injected failure"):
-        fit(ckpt, every=every, fail_at=fail_at, stateful=loader)
-    model, trainer, trace, ftcb = fit(ckpt, every=every, stateful=loader)
-    resumed = fail_at - fail_at % every
-    assert ftcb.restored_step == resumed
-    assert trainer.global_step == EPOCHS * BATCHES_PER_EPOCH and trainer.current_epoch == EPOCHS
-    ref_values, _, ref_steps = reference(stateful=loader)
-    assert trace.steps == ref_steps[resumed:]
-    assert_bitwise_equal(final_values(model, trainer), ref_values)
+    steps, ref_steps = _fail_and_resume(tmp_path, reference, fail_at, every, stateful=loader)
+    assert steps == ref_steps
 
 
 def test_snapshot_of_a_different_model_fails_restore_naming_keys(tmp_path):
